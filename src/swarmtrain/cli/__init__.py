@@ -1,0 +1,1 @@
+"""Command-line entry points: the only place that parses arguments. One module per subcommand."""

@@ -1,0 +1,89 @@
+"""Model shape and how its layers are cut into pipeline stages."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from swarmtrain.config.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A GPT-style decoder: learned positions, pre-norm blocks, untied LM head (stages may differ)."""
+
+    vocab_size: int = 256
+    d_model: int = 64
+    num_layers: int = 4
+    num_heads: int = 4
+    d_ff: int = 256
+    seq_len: int = 64
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+    pad_token_id: int = -100  # label value ignored by the loss
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "seq_len"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"model.{name} must be positive, got {getattr(self, name)}")
+        if self.d_model % self.num_heads:
+            raise ConfigError(
+                f"model.d_model ({self.d_model}) must be divisible by model.num_heads ({self.num_heads})"
+            )
+        if self.norm_eps <= 0 or self.init_std <= 0:
+            raise ConfigError("model.norm_eps and model.init_std must be positive")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.num_heads
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """Stage `index` of `num_stages` holds global layers [layer_start, layer_end)."""
+
+    index: int
+    num_stages: int
+    layer_start: int
+    layer_end: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.index < self.num_stages:
+            raise ConfigError(f"stage index {self.index} outside 0..{self.num_stages - 1}")
+        if not 0 <= self.layer_start <= self.layer_end:
+            raise ConfigError(f"bad layer range [{self.layer_start}, {self.layer_end})")
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.num_stages - 1
+
+    @property
+    def num_layers(self) -> int:
+        return self.layer_end - self.layer_start
+
+
+def partition_layers(
+    num_layers: int, num_stages: int, layers_per_stage: tuple[int, ...] | list[int] | None = None
+) -> list[StageSpec]:
+    """Split layers into stages: evenly (earlier stages take the remainder) or by explicit counts."""
+    if num_stages <= 0:
+        raise ConfigError(f"num_stages must be positive, got {num_stages}")
+    if layers_per_stage is None:
+        if num_stages > num_layers:
+            raise ConfigError(f"cannot cut {num_layers} layers into {num_stages} stages")
+        base, extra = divmod(num_layers, num_stages)
+        counts = [base + (1 if i < extra else 0) for i in range(num_stages)]
+    else:
+        counts = list(layers_per_stage)
+        if len(counts) != num_stages:
+            raise ConfigError(f"layers_per_stage has {len(counts)} entries, expected {num_stages}")
+        if any(c < 0 for c in counts) or sum(counts) != num_layers:
+            raise ConfigError(f"layers_per_stage {counts} must be non-negative and sum to {num_layers}")
+    specs, start = [], 0
+    for i, count in enumerate(counts):
+        specs.append(StageSpec(i, num_stages, start, start + count))
+        start += count
+    return specs

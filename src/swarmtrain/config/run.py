@@ -1,0 +1,134 @@
+"""Training, data and swarm-wide settings, and the `RunConfig` that bundles them with the model."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+
+from swarmtrain.config.errors import ConfigError
+from swarmtrain.config.model import ModelConfig, StageSpec, partition_layers
+
+COMPRESSION_CHOICES = ("none", "float16", "8bit")
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """Optimizer, schedule and batch sizes. Samples are sequences of `model.seq_len` tokens."""
+
+    micro_batch_size: int = 8
+    global_batch_size: int = 32  # samples per optimizer step, accumulated over micro-batches
+    learning_rate: float = 3e-3
+    min_learning_rate: float = 3e-4
+    warmup_samples: int = 256
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    grad_clip_norm: float = 1.0
+    max_samples: int = 8192
+    eval_every_samples: int = 2048
+    eval_samples: int = 256
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        positive = ("micro_batch_size", "global_batch_size", "learning_rate", "max_samples", "eval_samples")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"training.{name} must be positive, got {getattr(self, name)}")
+        if self.global_batch_size % self.micro_batch_size:
+            raise ConfigError(
+                f"training.global_batch_size ({self.global_batch_size}) must be a multiple of "
+                f"training.micro_batch_size ({self.micro_batch_size})"
+            )
+        if not 0 <= self.min_learning_rate <= self.learning_rate:
+            raise ConfigError("training.min_learning_rate must be in [0, training.learning_rate]")
+        for name in ("warmup_samples", "weight_decay", "grad_clip_norm", "eval_every_samples"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"training.{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ConfigError(f"training.{name} must be in [0, 1)")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where text comes from. `stdlib` = this Python's standard library sources (always present)."""
+
+    source: str = "stdlib"  # "stdlib", a file or folder path, or "hf:NAME[:CONFIG]"
+    validation_fraction: float = 0.05
+    max_corpus_bytes: int = 16_000_000
+
+    def __post_init__(self) -> None:
+        if not 0 < self.validation_fraction < 0.5:
+            raise ConfigError("data.validation_fraction must be in (0, 0.5)")
+        if self.max_corpus_bytes <= 0:
+            raise ConfigError("data.max_corpus_bytes must be positive")
+
+
+@dataclass(frozen=True)
+class SwarmConfig:
+    """Settings every peer of one run must agree on (part of the config digest) plus local knobs."""
+
+    run_id: str = "swarmtrain"
+    num_stages: int = 2
+    layers_per_stage: tuple[int, ...] | None = None
+    compression: str = "8bit"
+    announce_period_s: float = 2.0
+    request_timeout_s: float = 30.0
+    averaging_timeout_s: float = 30.0
+    max_retries: int = 5
+
+    def __post_init__(self) -> None:
+        if self.num_stages <= 0:
+            raise ConfigError(f"swarm.num_stages must be positive, got {self.num_stages}")
+        if self.compression not in COMPRESSION_CHOICES:
+            raise ConfigError(
+                f"swarm.compression must be one of {', '.join(COMPRESSION_CHOICES)}, got {self.compression!r}"
+            )
+        for name in ("announce_period_s", "request_timeout_s", "averaging_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"swarm.{name} must be positive")
+        if self.max_retries < 0:
+            raise ConfigError("swarm.max_retries must be >= 0")
+        if not self.run_id.replace("-", "").replace("_", "").isalnum():
+            raise ConfigError(f"swarm.run_id must be letters, digits, '-' or '_', got {self.run_id!r}")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything one run needs; built from a preset plus TOML overrides."""
+
+    preset: str = "tiny"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    swarm: SwarmConfig = field(default_factory=SwarmConfig)
+
+    def __post_init__(self) -> None:
+        self.stages()  # validates that the layer cut is possible
+
+    def stages(self) -> list[StageSpec]:
+        return partition_layers(self.model.num_layers, self.swarm.num_stages, self.swarm.layers_per_stage)
+
+    def replace(self, **sections) -> RunConfig:
+        return dataclasses.replace(self, **sections)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def digest(self) -> str:
+        """Stable hash of what peers must agree on: model shape, stage cut, optimizer and batch.
+
+        Compression is not part of it: every message names its own codec.
+        """
+        training = dataclasses.asdict(self.training)
+        for local_only in ("max_samples", "eval_every_samples", "eval_samples", "seed"):
+            training.pop(local_only)
+        swarm = {
+            "run_id": self.swarm.run_id,
+            "stages": [(s.layer_start, s.layer_end) for s in self.stages()],
+        }
+        payload = {"model": dataclasses.asdict(self.model), "training": training, "swarm": swarm}
+        text = json.dumps(payload, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -1,0 +1,146 @@
+"""Stochastic wiring: interleaved weighted round-robin (IWRR) over measured peer throughput.
+
+One `StageRouter` per (trainer, stage). Each peer has a *virtual finish time*: the sum of the expected
+durations of the work dispatched to it. `choose` picks the peer with the smallest virtual finish time and
+charges the expected duration at dispatch, so concurrent micro-batches spread out over peers in
+proportion to their throughput. Throughput is an exponential moving average of samples/s observed
+end-to-end by this trainer, so a peer that is far away on the network counts as slow.
+
+Time is passed in by the caller (wall clock in the runtime, virtual clock in the simulator).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass
+
+PeerId = Hashable
+
+FORWARD_WEIGHT = 1.0
+BACKWARD_WEIGHT = 2.0  # backward costs ~2x forward (DESIGN.md section 5)
+
+
+@dataclass
+class PeerState:
+    throughput_samples_per_s: float
+    virtual_finish_s: float
+    banned_until_s: float = float("-inf")
+
+
+class StageRouter:
+    """IWRR over the peers of one stage. Deterministic: ties break by insertion order."""
+
+    def __init__(self, ema_alpha: float = 0.2, default_throughput_samples_per_s: float = 1.0) -> None:
+        if not 0 < ema_alpha <= 1:
+            raise ValueError("ema_alpha must be in (0, 1]")
+        if default_throughput_samples_per_s <= 0:
+            raise ValueError("default throughput must be positive")
+        self.ema_alpha = ema_alpha
+        self.default_throughput_samples_per_s = default_throughput_samples_per_s
+        self._peers: dict[PeerId, PeerState] = {}
+        self._heap: list[tuple[float, int, PeerId]] = []
+        self._order = itertools.count()
+
+    # membership ---------------------------------------------------------------------------------
+    def add_peer(self, peer: PeerId, throughput_samples_per_s: float | None = None) -> None:
+        """Add a peer (no-op if present). It enters at the current minimum virtual finish time, so it
+        neither floods with work (entering at 0) nor waits behind everyone (entering at the max)."""
+        if peer in self._peers:
+            if throughput_samples_per_s is not None and throughput_samples_per_s > 0:
+                self._peers[peer].throughput_samples_per_s = throughput_samples_per_s
+            return
+        start_s = self._min_finish_s()
+        tput = throughput_samples_per_s if throughput_samples_per_s and throughput_samples_per_s > 0 else None
+        self._peers[peer] = PeerState(tput or self._typical_throughput(), start_s)
+        self._push(peer)
+
+    def remove_peer(self, peer: PeerId) -> None:
+        self._peers.pop(peer, None)  # stale heap entries are skipped lazily
+
+    def set_peers(self, peers: Iterable[PeerId] | dict[PeerId, float]) -> None:
+        """Make membership equal `peers` (optionally a mapping to announced throughput)."""
+        announced = dict(peers) if isinstance(peers, dict) else dict.fromkeys(peers)
+        for peer in list(self._peers):
+            if peer not in announced:
+                self.remove_peer(peer)
+        for peer, tput in announced.items():
+            self.add_peer(peer, tput)
+
+    @property
+    def peers(self) -> list[PeerId]:
+        return list(self._peers)
+
+    def throughput(self, peer: PeerId) -> float:
+        return self._peers[peer].throughput_samples_per_s
+
+    def virtual_finish_s(self, peer: PeerId) -> float:
+        return self._peers[peer].virtual_finish_s
+
+    # bans ---------------------------------------------------------------------------------------
+    def ban(self, peer: PeerId, until_s: float) -> None:
+        if peer in self._peers:
+            self._peers[peer].banned_until_s = max(self._peers[peer].banned_until_s, until_s)
+
+    def unban(self, peer: PeerId) -> None:
+        if peer in self._peers:
+            self._peers[peer].banned_until_s = float("-inf")
+
+    def is_banned(self, peer: PeerId, now_s: float) -> bool:
+        return peer in self._peers and self._peers[peer].banned_until_s > now_s
+
+    def available(self, now_s: float) -> list[PeerId]:
+        return [p for p, s in self._peers.items() if s.banned_until_s <= now_s]
+
+    # dispatch -----------------------------------------------------------------------------------
+    def choose(
+        self, now_s: float, num_samples: float = 1.0, weight: float = FORWARD_WEIGHT,
+        exclude: Iterable[PeerId] = (),
+    ) -> PeerId | None:
+        """Pick the peer with the least virtual finish time; charge it the expected duration.
+
+        Returns None when every peer is banned or excluded (the caller waits and logs)."""
+        excluded = set(exclude)
+        skipped: list[tuple[float, int, PeerId]] = []
+        chosen = None
+        while self._heap:
+            key, order, peer = heapq.heappop(self._heap)
+            state = self._peers.get(peer)
+            if state is None or key != state.virtual_finish_s:
+                continue  # stale entry: peer removed or re-keyed
+            if peer in excluded or state.banned_until_s > now_s:
+                skipped.append((key, order, peer))
+                continue
+            chosen = peer
+            break
+        for entry in skipped:
+            heapq.heappush(self._heap, entry)
+        if chosen is None:
+            return None
+        state = self._peers[chosen]
+        state.virtual_finish_s += weight * num_samples / state.throughput_samples_per_s
+        self._push(chosen)
+        return chosen
+
+    def report(self, peer: PeerId, num_samples: float, duration_s: float, weight: float = FORWARD_WEIGHT) -> None:
+        """Fold an observed end-to-end duration into the peer's throughput EMA."""
+        state = self._peers.get(peer)
+        if state is None or duration_s <= 0 or num_samples <= 0:
+            return
+        observed = weight * num_samples / duration_s
+        a = self.ema_alpha
+        state.throughput_samples_per_s = (1 - a) * state.throughput_samples_per_s + a * observed
+
+    # internals ----------------------------------------------------------------------------------
+    def _push(self, peer: PeerId) -> None:
+        heapq.heappush(self._heap, (self._peers[peer].virtual_finish_s, next(self._order), peer))
+
+    def _min_finish_s(self) -> float:
+        return min((s.virtual_finish_s for s in self._peers.values()), default=0.0)
+
+    def _typical_throughput(self) -> float:
+        if not self._peers:
+            return self.default_throughput_samples_per_s
+        values = sorted(s.throughput_samples_per_s for s in self._peers.values())
+        return values[len(values) // 2]
