@@ -1,0 +1,38 @@
+"""The optimizer and learning-rate schedule shared by the local baseline and every stage server, so the
+two train the same way: AdamW (no decay on biases, norms and embeddings' positions), linear warmup then
+cosine decay, both measured in samples so that batch size changes do not shift the schedule."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from swarmtrain.config import TrainingConfig
+
+
+def build_optimizer(module: nn.Module, cfg: TrainingConfig) -> torch.optim.AdamW:
+    decay, no_decay = [], []
+    for _name, param in module.named_parameters():
+        if param.requires_grad:
+            (decay if param.dim() >= 2 else no_decay).append(param)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(
+        [g for g in groups if g["params"]], lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2)
+    )
+
+
+def lr_at(samples_seen: int, cfg: TrainingConfig) -> float:
+    """Learning rate after `samples_seen` training samples."""
+    if cfg.warmup_samples and samples_seen < cfg.warmup_samples:
+        return cfg.learning_rate * (samples_seen + cfg.global_batch_size) / (cfg.warmup_samples + cfg.global_batch_size)
+    decay_samples = max(1, cfg.max_samples - cfg.warmup_samples)
+    progress = min(1.0, (samples_seen - cfg.warmup_samples) / decay_samples)
+    cosine = 0.5 * (1 + math.cos(math.pi * progress))
+    return cfg.min_learning_rate + (cfg.learning_rate - cfg.min_learning_rate) * cosine
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
