@@ -12,11 +12,15 @@ from swarmtrain.config.errors import UserError
 
 def add_run_config_args(parser: argparse.ArgumentParser, default_preset: str = "tiny") -> None:
     parser.add_argument(
-        "--preset", default=None, metavar="NAME",
+        "--preset",
+        default=None,
+        metavar="NAME",
         help=f"named model/training preset: {', '.join(preset_names())} (default: {default_preset})",
     )
     parser.add_argument(
-        "--config", default=None, metavar="FILE",
+        "--config",
+        default=None,
+        metavar="FILE",
         help="TOML run file: `preset = ...` plus [model], [training], [data], [swarm] overrides",
     )
     parser.set_defaults(default_preset=default_preset)

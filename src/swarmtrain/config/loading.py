@@ -1,10 +1,10 @@
 """TOML run files: pick a preset, override fields section by section, with errors that name the field.
 
-    preset = "tiny"
-    [model]
-    d_model = 128
-    [training]
-    max_samples = 4096
+preset = "tiny"
+[model]
+d_model = 128
+[training]
+max_samples = 4096
 """
 
 from __future__ import annotations
@@ -44,7 +44,9 @@ def run_config_from_dict(raw: dict[str, Any]) -> RunConfig:
     """Apply a nested dict of overrides (as read from TOML) to the named preset."""
     unknown = set(raw) - {"preset", *SECTIONS}
     if unknown:
-        raise ConfigError(f"unknown top-level key(s) {sorted(unknown)} (valid: preset, {', '.join(SECTIONS)})")
+        raise ConfigError(
+            f"unknown top-level key(s) {sorted(unknown)} (valid: preset, {', '.join(SECTIONS)})"
+        )
     base = get_preset(str(raw.get("preset", "tiny")))
     sections = {}
     for name in SECTIONS:

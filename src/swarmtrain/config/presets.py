@@ -17,8 +17,13 @@ def tiny() -> RunConfig:
         preset="tiny",
         model=ModelConfig(vocab_size=256, d_model=64, num_layers=4, num_heads=4, d_ff=256, seq_len=64),
         training=TrainingConfig(
-            micro_batch_size=8, global_batch_size=32, learning_rate=3e-3, warmup_samples=256,
-            max_samples=8192, eval_every_samples=2048, eval_samples=256,
+            micro_batch_size=8,
+            global_batch_size=32,
+            learning_rate=3e-3,
+            warmup_samples=256,
+            max_samples=8192,
+            eval_every_samples=2048,
+            eval_samples=256,
         ),
         swarm=SwarmConfig(num_stages=2),
     )
@@ -30,8 +35,14 @@ def small() -> RunConfig:
         preset="small",
         model=ModelConfig(vocab_size=256, d_model=256, num_layers=4, num_heads=4, d_ff=1024, seq_len=128),
         training=TrainingConfig(
-            micro_batch_size=8, global_batch_size=32, learning_rate=1e-3, min_learning_rate=1e-4,
-            warmup_samples=512, max_samples=32768, eval_every_samples=8192, eval_samples=256,
+            micro_batch_size=8,
+            global_batch_size=32,
+            learning_rate=1e-3,
+            min_learning_rate=1e-4,
+            warmup_samples=512,
+            max_samples=32768,
+            eval_every_samples=8192,
+            eval_samples=256,
         ),
         swarm=SwarmConfig(num_stages=2),
     )
@@ -41,10 +52,17 @@ def gpt2_small() -> RunConfig:
     """GPT-2 small shape (124M with a GPT-2 vocabulary); byte-level data still works (ids < 256)."""
     return RunConfig(
         preset="gpt2-small",
-        model=ModelConfig(vocab_size=GPT2_VOCAB, d_model=768, num_layers=12, num_heads=12, d_ff=3072, seq_len=1024),
+        model=ModelConfig(
+            vocab_size=GPT2_VOCAB, d_model=768, num_layers=12, num_heads=12, d_ff=3072, seq_len=1024
+        ),
         training=TrainingConfig(
-            micro_batch_size=4, global_batch_size=256, learning_rate=6e-4, min_learning_rate=6e-5,
-            warmup_samples=2048, max_samples=1_000_000, eval_every_samples=65536,
+            micro_batch_size=4,
+            global_batch_size=256,
+            learning_rate=6e-4,
+            min_learning_rate=6e-5,
+            warmup_samples=2048,
+            max_samples=1_000_000,
+            eval_every_samples=65536,
         ),
         swarm=SwarmConfig(num_stages=4),
     )
@@ -54,10 +72,17 @@ def gpt3_xl() -> RunConfig:
     """GPT-3 XL (1.3B): the workload of the placement paper (24 layers, d=2048, 16 heads, seq 2048)."""
     return RunConfig(
         preset="gpt3-xl",
-        model=ModelConfig(vocab_size=GPT2_VOCAB, d_model=2048, num_layers=24, num_heads=16, d_ff=8192, seq_len=2048),
+        model=ModelConfig(
+            vocab_size=GPT2_VOCAB, d_model=2048, num_layers=24, num_heads=16, d_ff=8192, seq_len=2048
+        ),
         training=TrainingConfig(
-            micro_batch_size=1, global_batch_size=1024, learning_rate=2e-4, min_learning_rate=2e-5,
-            warmup_samples=100_000, max_samples=10_000_000, eval_every_samples=100_000,
+            micro_batch_size=1,
+            global_batch_size=1024,
+            learning_rate=2e-4,
+            min_learning_rate=2e-5,
+            warmup_samples=100_000,
+            max_samples=10_000_000,
+            eval_every_samples=100_000,
         ),
         swarm=SwarmConfig(num_stages=8),
     )

@@ -35,7 +35,9 @@ def _stdlib_files() -> list[Path]:
     """The standard library's .py files, excluding third-party packages, ordered by a hash of the
     relative path so that a byte cap samples the whole library rather than its alphabetical start."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = [p for p in root.rglob("*.py") if "site-packages" not in p.parts and "dist-packages" not in p.parts]
+    files = [
+        p for p in root.rglob("*.py") if "site-packages" not in p.parts and "dist-packages" not in p.parts
+    ]
     return sorted(files, key=lambda p: hashlib.sha1(str(p.relative_to(root)).encode()).hexdigest())
 
 

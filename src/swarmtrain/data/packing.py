@@ -57,22 +57,31 @@ def build_datasets(cfg: RunConfig) -> tuple[PackedDataset, PackedDataset]:
 
 
 def iterate_batches(
-    dataset: PackedDataset, batch_size: int, seed: int = 0, shard_index: int = 0, shard_count: int = 1,
-    start_epoch: int = 0,
+    dataset: PackedDataset,
+    batch_size: int,
+    seed: int = 0,
+    shard_index: int = 0,
+    shard_count: int = 1,
+    skip_samples: int = 0,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Endless shuffled batches of this shard: each epoch permutes all samples with a seed that depends on
-    (seed, epoch); shard k of n takes every n-th sample of the permutation, so shards never overlap."""
+    (seed, epoch); shard k of n takes every n-th sample of the permutation, so shards never overlap.
+    `skip_samples` resumes the exact stream after that many samples of this shard (checkpoint resume)."""
     if not 0 <= shard_index < shard_count:
         raise DataError(f"shard index {shard_index} outside 0..{shard_count - 1}")
     if len(dataset) < shard_count:
         raise DataError(f"{len(dataset)} samples cannot be split into {shard_count} shards")
-    epoch = start_epoch
+    shard_len = len(range(shard_index, len(dataset), shard_count))
+    batches_per_epoch = max(1, shard_len // batch_size)
+    skip_batches = skip_samples // batch_size
+    epoch, skip_batches = divmod(skip_batches, batches_per_epoch)
     while True:
         order = np.random.default_rng([seed, epoch]).permutation(len(dataset))[shard_index::shard_count]
-        for start in range(0, len(order) - batch_size + 1, batch_size):
-            yield dataset.batch(order[start : start + batch_size])
         if len(order) < batch_size:
-            yield dataset.batch(np.resize(order, batch_size))
+            order = np.resize(order, batch_size)  # a shard smaller than a batch repeats samples
+        for batch_index in range(skip_batches, batches_per_epoch):
+            yield dataset.batch(order[batch_index * batch_size : (batch_index + 1) * batch_size])
+        skip_batches = 0
         epoch += 1
 
 

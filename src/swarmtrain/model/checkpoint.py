@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 from swarmtrain.config.errors import UserError
 from swarmtrain.model.gpt import GPTStage
 
+
 class CheckpointError(UserError):
     """A checkpoint is missing, unreadable or does not contain what a stage needs."""
 
@@ -53,10 +54,14 @@ def load_stage_from_checkpoint(stage: GPTStage, paths: str | Path | list[str | P
     wanted = stage.state_dict()
     missing = [k for k in wanted if k not in available]
     if missing:
-        raise CheckpointError(f"checkpoint lacks {len(missing)} tensor(s) this stage needs, e.g. {missing[0]}")
+        raise CheckpointError(
+            f"checkpoint lacks {len(missing)} tensor(s) this stage needs, e.g. {missing[0]}"
+        )
     for key, tensor in wanted.items():
         if available[key].shape != tensor.shape:
-            raise CheckpointError(f"{key}: checkpoint shape {tuple(available[key].shape)} != model {tuple(tensor.shape)}")
+            raise CheckpointError(
+                f"{key}: checkpoint shape {tuple(available[key].shape)} != model {tuple(tensor.shape)}"
+            )
     stage.load_state_dict({k: available[k] for k in wanted})
     return stage
 

@@ -67,7 +67,9 @@ class GPTStage(nn.Module):
         if labels is None:
             return logits
         return F.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), ignore_index=self.cfg.pad_token_id
+            logits.reshape(-1, logits.shape[-1]).float(),
+            labels.reshape(-1),
+            ignore_index=self.cfg.pad_token_id,
         )
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
@@ -111,4 +113,7 @@ def build_model(cfg: ModelConfig, seed: int | None = 0) -> GPTStage:
 def build_stages(
     cfg: ModelConfig, num_stages: int, layers_per_stage: list[int] | None = None, seed: int | None = 0
 ) -> list[GPTStage]:
-    return [build_stage(cfg, spec, seed) for spec in partition_layers(cfg.num_layers, num_stages, layers_per_stage)]
+    return [
+        build_stage(cfg, spec, seed)
+        for spec in partition_layers(cfg.num_layers, num_stages, layers_per_stage)
+    ]

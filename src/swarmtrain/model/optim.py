@@ -26,7 +26,11 @@ def build_optimizer(module: nn.Module, cfg: TrainingConfig) -> torch.optim.AdamW
 def lr_at(samples_seen: int, cfg: TrainingConfig) -> float:
     """Learning rate after `samples_seen` training samples."""
     if cfg.warmup_samples and samples_seen < cfg.warmup_samples:
-        return cfg.learning_rate * (samples_seen + cfg.global_batch_size) / (cfg.warmup_samples + cfg.global_batch_size)
+        return (
+            cfg.learning_rate
+            * (samples_seen + cfg.global_batch_size)
+            / (cfg.warmup_samples + cfg.global_batch_size)
+        )
     decay_samples = max(1, cfg.max_samples - cfg.warmup_samples)
     progress = min(1.0, (samples_seen - cfg.warmup_samples) / decay_samples)
     cosine = 0.5 * (1 + math.cos(math.pi * progress))

@@ -95,7 +95,10 @@ class StageRouter:
 
     # dispatch -----------------------------------------------------------------------------------
     def choose(
-        self, now_s: float, num_samples: float = 1.0, weight: float = FORWARD_WEIGHT,
+        self,
+        now_s: float,
+        num_samples: float = 1.0,
+        weight: float = FORWARD_WEIGHT,
         exclude: Iterable[PeerId] = (),
     ) -> PeerId | None:
         """Pick the peer with the least virtual finish time; charge it the expected duration.
@@ -123,7 +126,9 @@ class StageRouter:
         self._push(chosen)
         return chosen
 
-    def report(self, peer: PeerId, num_samples: float, duration_s: float, weight: float = FORWARD_WEIGHT) -> None:
+    def report(
+        self, peer: PeerId, num_samples: float, duration_s: float, weight: float = FORWARD_WEIGHT
+    ) -> None:
         """Fold an observed end-to-end duration into the peer's throughput EMA."""
         state = self._peers.get(peer)
         if state is None or duration_s <= 0 or num_samples <= 0:

@@ -1,0 +1,73 @@
+"""`swarmtrain train-local`: the single-process reference run."""
+
+from __future__ import annotations
+
+import argparse
+
+from swarmtrain.cli.common import add_run_config_args, positive_int, run_config_from_args, write_summary_json
+
+HELP = "train on one process (the baseline every distributed mode is compared against)"
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "train-local",
+        help=HELP,
+        description=HELP + ". AdamW, warmup + cosine, gradient clipping, "
+        "accumulation to the global batch, periodic validation, checkpoint and resume.",
+    )
+    add_run_config_args(parser)
+    parser.add_argument(
+        "--max-samples", type=positive_int, metavar="N", help="train on N samples (overrides config)"
+    )
+    parser.add_argument(
+        "--data", metavar="PATH", help="text file or folder to train on (default: Python's stdlib sources)"
+    )
+    parser.add_argument(
+        "--checkpoint-dir", metavar="DIR", help="save here periodically; resume from here if present"
+    )
+    parser.add_argument(
+        "--threads", type=positive_int, metavar="N", help="torch CPU threads (default: torch's choice)"
+    )
+    parser.add_argument(
+        "--summary-json",
+        metavar="PATH",
+        help='write {"initial_val_loss", "final_val_loss", "samples", "samples_per_s"} here',
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    cfg = run_config_from_args(args)
+    if args.max_samples:
+        training = dataclasses.replace(cfg.training, max_samples=args.max_samples)
+        cfg = cfg.replace(training=training)
+    if args.data:
+        cfg = cfg.replace(data=dataclasses.replace(cfg.data, source=args.data))
+    if cfg.training.max_samples < cfg.training.global_batch_size:
+        from swarmtrain.config import ConfigError
+
+        raise ConfigError(
+            f"max samples ({cfg.training.max_samples}) is less than one global batch ({cfg.training.global_batch_size})"
+        )
+
+    import torch
+
+    from swarmtrain.runtime.local import LocalTrainer
+    from swarmtrain.utils.logging import setup_logging
+
+    setup_logging()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    trainer = LocalTrainer(cfg, checkpoint_dir=args.checkpoint_dir, progress=not args.no_progress)
+    result = trainer.train()
+    summary = result.summary()
+    print(
+        f"preset {cfg.preset}: val loss {result.initial_val_loss:.4f} -> {result.final_val_loss:.4f} "
+        f"after {result.samples} samples ({result.samples_per_s:.1f} samples/s)"
+    )
+    write_summary_json(args.summary_json, summary)
+    return 0

@@ -1,0 +1,1 @@
+"""Live processes: the local baseline trainer, stage servers, swarm trainers, balancer, metrics sinks."""

@@ -1,0 +1,158 @@
+"""The single-process reference run that every distributed mode is compared against.
+
+Same model code, optimizer and schedule as the stage servers; accumulation of micro-batches up to
+the global batch; gradient clipping; periodic validation; checkpoint and resume.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from swarmtrain.config import RunConfig
+from swarmtrain.config.errors import UserError
+from swarmtrain.data import PackedDataset, build_datasets, iterate_batches
+from swarmtrain.model import build_model, load_model_checkpoint, save_model_checkpoint
+from swarmtrain.model.optim import build_optimizer, lr_at, set_lr
+from swarmtrain.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+
+@dataclass
+class LocalResult:
+    initial_val_loss: float
+    final_val_loss: float
+    samples: int
+    samples_per_s: float
+    val_history: list[tuple[int, float]] = field(default_factory=list)
+
+    def summary(self) -> dict:
+        return {
+            "initial_val_loss": self.initial_val_loss,
+            "final_val_loss": self.final_val_loss,
+            "samples": self.samples,
+            "samples_per_s": self.samples_per_s,
+        }
+
+
+@torch.no_grad()
+def validation_loss(model: torch.nn.Module, val: PackedDataset, batch_size: int, max_samples: int) -> float:
+    """Mean next-token loss over the first `max_samples` validation samples (weighted by batch size)."""
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for inputs, labels in val.ordered_batches(batch_size, max_samples):
+        total += model(inputs, labels).item() * inputs.shape[0]
+        count += inputs.shape[0]
+    model.train(was_training)
+    return total / count
+
+
+class LocalTrainer:
+    def __init__(
+        self, cfg: RunConfig, checkpoint_dir: str | Path | None = None, progress: bool = True
+    ) -> None:
+        self.cfg = cfg
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
+        self.progress = progress
+        self.model = build_model(cfg.model, seed=cfg.training.seed)
+        self.optimizer = build_optimizer(self.model, cfg.training)
+        self.samples_seen = 0
+        self.train_set, self.val_set = build_datasets(cfg)
+
+    # checkpoints --------------------------------------------------------------------------------
+    def save(self) -> None:
+        if not self.checkpoint_dir:
+            return
+        self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        save_model_checkpoint(self.model, self.checkpoint_dir / "model.safetensors")
+        torch.save(self.optimizer.state_dict(), self.checkpoint_dir / "optimizer.pt")
+        meta = {"samples_seen": self.samples_seen, "digest": self.cfg.digest(), "preset": self.cfg.preset}
+        (self.checkpoint_dir / "meta.json").write_text(json.dumps(meta))
+
+    def try_resume(self) -> bool:
+        meta_path = self.checkpoint_dir / "meta.json" if self.checkpoint_dir else None
+        if not meta_path or not meta_path.is_file():
+            return False
+        meta = json.loads(meta_path.read_text())
+        if meta.get("digest") != self.cfg.digest():
+            raise UserError(
+                f"checkpoint in {self.checkpoint_dir} was made with a different config (digest {meta.get('digest')}, "
+                f"this run {self.cfg.digest()}); use another --checkpoint-dir"
+            )
+        load_model_checkpoint(self.model, self.checkpoint_dir / "model.safetensors")
+        self.optimizer.load_state_dict(torch.load(self.checkpoint_dir / "optimizer.pt", weights_only=True))
+        self.samples_seen = int(meta["samples_seen"])
+        logger.info("resumed from %s at %d samples", self.checkpoint_dir, self.samples_seen)
+        return True
+
+    # training -----------------------------------------------------------------------------------
+    def val_loss(self) -> float:
+        t = self.cfg.training
+        return validation_loss(self.model, self.val_set, t.micro_batch_size, t.eval_samples)
+
+    def step(self, batches) -> float:
+        """One optimizer step over the global batch; returns the mean training loss."""
+        t = self.cfg.training
+        accumulation = t.global_batch_size // t.micro_batch_size
+        set_lr(self.optimizer, lr_at(self.samples_seen, t))
+        total = 0.0
+        for _ in range(accumulation):
+            inputs, labels = next(batches)
+            loss = self.model(inputs, labels)
+            (loss / accumulation).backward()
+            total += loss.item()
+        if t.grad_clip_norm > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.samples_seen += t.global_batch_size
+        return total / accumulation
+
+    def train(self) -> LocalResult:
+        t = self.cfg.training
+        self.try_resume()
+        history = [(self.samples_seen, self.val_loss())]
+        batches = iterate_batches(
+            self.train_set, t.micro_batch_size, seed=t.seed, skip_samples=self.samples_seen
+        )
+        bar = _progress_bar(t.max_samples, self.samples_seen, self.progress)
+        trained_samples, train_time_s, next_eval = (
+            0,
+            0.0,
+            self.samples_seen + (t.eval_every_samples or t.max_samples),
+        )
+        while self.samples_seen + t.global_batch_size <= t.max_samples:
+            start = time.perf_counter()
+            loss = self.step(batches)
+            train_time_s += time.perf_counter() - start
+            trained_samples += t.global_batch_size
+            bar.update(t.global_batch_size)
+            bar.set_postfix(loss=f"{loss:.3f}", samples_per_s=f"{trained_samples / train_time_s:.1f}")
+            if self.samples_seen >= next_eval:
+                history.append((self.samples_seen, self.val_loss()))
+                bar.write(f"samples {self.samples_seen}: val_loss {history[-1][1]:.4f}")
+                next_eval += t.eval_every_samples or t.max_samples
+                self.save()
+        bar.close()
+        if history[-1][0] != self.samples_seen:
+            history.append((self.samples_seen, self.val_loss()))
+        self.save()
+        return LocalResult(
+            initial_val_loss=history[0][1],
+            final_val_loss=history[-1][1],
+            samples=trained_samples,
+            samples_per_s=trained_samples / train_time_s if train_time_s else 0.0,
+            val_history=history,
+        )
+
+
+def _progress_bar(total: int, initial: int, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, unit="sample", disable=not enabled, dynamic_ncols=True)

@@ -1,0 +1,30 @@
+"""Shared fixtures: small configs and a guard that no test leaves child processes behind."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from swarmtrain.config import get_preset
+
+
+@pytest.fixture
+def tiny_cfg():
+    return get_preset("tiny")
+
+
+@pytest.fixture
+def small_text_dir(tmp_path):
+    """A user data folder: a few text files plus a binary and a hidden file that must be skipped."""
+    root = tmp_path / "texts"
+    (root / "sub").mkdir(parents=True)
+    (root / "a.txt").write_text("hello swarm " * 400)
+    (root / "sub" / "b.md").write_text("pipeline stages and peers " * 300)
+    (root / "blob.bin").write_bytes(b"\x00\x01\x02" * 100)
+    (root / ".hidden").write_text("secret")
+    return root
+
+
+def with_training(cfg, **changes):
+    return cfg.replace(training=dataclasses.replace(cfg.training, **changes))

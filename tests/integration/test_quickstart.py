@@ -1,0 +1,44 @@
+"""The README's quick-start commands, run as a new user would (shortened by flags)."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _readme_commands() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    block = re.search(r"<!-- quickstart -->\s*```(?:bash|sh)?\n(.*?)```", text, re.S)
+    assert block, "README must have a quickstart code block marked <!-- quickstart -->"
+    return [line.strip() for line in block.group(1).splitlines() if line.strip() and not line.startswith("#")]
+
+
+def test_readme_quickstart_commands_are_make_targets():
+    assert _readme_commands() == ["make quickstart", "make test"]
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="make not installed")
+def test_quickstart_runs_and_learns(tmp_path):
+    summary = tmp_path / "summary.json"
+    args = f"--max-samples 1024 --no-progress --summary-json {summary}"
+    env = {**os.environ, "QUICKSTART_ARGS": args}
+    proc = subprocess.run(
+        ["make", "-s", "quickstart", f"QUICKSTART_ARGS={args}"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(summary.read_text())
+    assert result["samples"] > 0
+    assert result["final_val_loss"] < result["initial_val_loss"] - 1.0

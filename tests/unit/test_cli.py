@@ -1,0 +1,63 @@
+import json
+
+import pytest
+
+from swarmtrain.cli.main import main
+
+pytestmark = pytest.mark.unit
+
+
+def test_help_lists_subcommands(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for name in ("train-local",):
+        assert name in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["train-local", "--preset", "huge"], "unknown preset 'huge'"),
+        (["train-local", "--config", "/nonexistent.toml"], "config file not found"),
+        (["train-local", "--data", "/nonexistent/texts", "--max-samples", "64"], "data path does not exist"),
+        (["train-local", "--max-samples", "8"], "less than one global batch"),
+    ],
+)
+def test_user_mistakes_exit_2_with_one_line(capsys, argv, message):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0] and "Traceback" not in err[0]
+
+
+def test_bad_flag_value_exits_2(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["train-local", "--max-samples", "-3"])
+    assert exc.value.code == 2
+    assert "expected a positive integer" in capsys.readouterr().err
+
+
+def test_train_local_learns_and_resumes(tmp_path, small_text_dir):
+    config = tmp_path / "run.toml"
+    config.write_text(
+        "[training]\neval_every_samples = 128\neval_samples = 32\n[data]\nvalidation_fraction = 0.1\n"
+    )
+    common = [
+        "train-local",
+        "--config",
+        str(config),
+        "--data",
+        str(small_text_dir),
+        "--no-progress",
+        "--checkpoint-dir",
+        str(tmp_path / "ckpt"),
+    ]
+    assert main([*common, "--max-samples", "256", "--summary-json", str(tmp_path / "a.json")]) == 0
+    first = json.loads((tmp_path / "a.json").read_text())
+    assert first["samples"] == 256 and first["final_val_loss"] < first["initial_val_loss"] - 0.5
+    # resume: continues from 256 samples, trains only the remaining 128
+    assert main([*common, "--max-samples", "384", "--summary-json", str(tmp_path / "b.json")]) == 0
+    second = json.loads((tmp_path / "b.json").read_text())
+    assert second["samples"] == 128
+    assert second["initial_val_loss"] == pytest.approx(first["final_val_loss"], abs=1e-6)

@@ -1,0 +1,83 @@
+import pytest
+
+from swarmtrain.config import ConfigError, get_preset, load_run_config, partition_layers, preset_names, sizes
+
+pytestmark = pytest.mark.unit
+
+
+def test_presets_build_and_have_distinct_digests():
+    digests = {get_preset(name).digest() for name in preset_names()}
+    assert len(digests) == len(preset_names())
+    assert get_preset("tiny").digest() == get_preset("tiny").digest()
+
+
+def test_unknown_preset_names_choices():
+    with pytest.raises(ConfigError, match="unknown preset 'huge'.*tiny"):
+        get_preset("huge")
+
+
+def test_toml_overrides_and_digest_changes(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text(
+        'preset = "tiny"\n[model]\nd_model = 128\n[training]\nmax_samples = 64\nlearning_rate = 1\n'
+    )
+    cfg = load_run_config(path)
+    assert cfg.model.d_model == 128 and cfg.training.max_samples == 64 and cfg.training.learning_rate == 1.0
+    assert cfg.digest() != get_preset("tiny").digest()
+
+
+def test_digest_ignores_local_only_fields(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text("[training]\nmax_samples = 64\nseed = 7\n[swarm]\ncompression = 'none'\n")
+    assert load_run_config(path).digest() == get_preset("tiny").digest()
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[model]\nwidth = 3\n", "unknown field model.width"),
+        ("[model]\nd_model = 'big'\n", "model.d_model: expected int, got str"),
+        ("[model]\nd_model = 66\n", "divisible by model.num_heads"),
+        ("[training]\nmicro_batch_size = 0\n", "training.micro_batch_size must be positive"),
+        ("[swarm]\ncompression = 'zip'\n", "swarm.compression must be one of"),
+        ("[swarm]\nnum_stages = 9\n", "cannot cut 4 layers into 9 stages"),
+        ("colour = 1\n", "unknown top-level key"),
+        ("[model\n", "not valid TOML"),
+    ],
+)
+def test_bad_toml_names_the_problem(tmp_path, text, message):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        load_run_config(path)
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_run_config(tmp_path / "nope.toml")
+
+
+def test_partition_even_explicit_and_errors():
+    assert [(s.layer_start, s.layer_end) for s in partition_layers(10, 4)] == [
+        (0, 3),
+        (3, 6),
+        (6, 8),
+        (8, 10),
+    ]
+    assert [(s.layer_start, s.layer_end) for s in partition_layers(10, 2, [7, 3])] == [(0, 7), (7, 10)]
+    with pytest.raises(ConfigError, match="sum to 10"):
+        partition_layers(10, 2, [5, 4])
+
+
+def test_size_math_matches_a_hand_count_and_gpt3_xl():
+    tiny = get_preset("tiny").model
+    d, ff = tiny.d_model, tiny.d_ff
+    assert sizes.params_per_layer(tiny) == 4 * d + 4 * d * d + 4 * d + 2 * d * ff + ff + d
+    stages = get_preset("tiny").stages()
+    assert sum(sizes.params_per_stage(tiny, s) for s in stages) == sizes.total_params(tiny)
+    xl = get_preset("gpt3-xl")
+    assert sizes.params_per_layer(xl.model) == pytest.approx(12 * 2048**2, rel=0.01)
+    assert sizes.activation_bytes_per_sample(xl.model) == 2048 * 2048 * 2
+    middle = xl.stages()[3]
+    assert sizes.stage_gradient_bytes(xl.model, middle) == 3 * sizes.params_per_layer(xl.model) * 4
+    assert 1.2e9 < sizes.total_params(xl.model) < 1.5e9

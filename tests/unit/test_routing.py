@@ -1,0 +1,82 @@
+from collections import Counter
+
+import pytest
+
+from swarmtrain.planner.routing import BACKWARD_WEIGHT, StageRouter
+
+pytestmark = pytest.mark.unit
+
+
+def _dispatch(router, count, now_s=0.0, **kw):
+    return Counter(router.choose(now_s, **kw) for _ in range(count))
+
+
+def test_twice_as_fast_gets_twice_the_work():
+    router = StageRouter()
+    router.add_peer("fast", 20.0)
+    router.add_peer("slow", 10.0)
+    counts = _dispatch(router, 300)
+    assert counts["fast"] == pytest.approx(200, abs=2) and counts["slow"] == pytest.approx(100, abs=2)
+
+
+def test_measured_throughput_shifts_the_split():
+    router = StageRouter(ema_alpha=1.0)
+    router.add_peer("a", 10.0)
+    router.add_peer("b", 10.0)
+    router.report("b", num_samples=30, duration_s=1.0)  # b turns out 3x faster
+    router.report("a", num_samples=10, duration_s=1.0)
+    counts = _dispatch(router, 400)
+    assert counts["b"] / counts["a"] == pytest.approx(3.0, rel=0.05)
+
+
+def test_new_peer_enters_at_the_current_minimum():
+    router = StageRouter()
+    router.add_peer("a", 10.0)
+    router.add_peer("b", 10.0)
+    _dispatch(router, 50)
+    minimum = min(router.virtual_finish_s("a"), router.virtual_finish_s("b"))
+    router.add_peer("c", 10.0)
+    assert router.virtual_finish_s("c") == minimum
+    # it does not get a flood of work: the next 30 go round-robin-ish over all three
+    counts = _dispatch(router, 30)
+    assert max(counts.values()) - min(counts.values()) <= 2
+
+
+def test_banned_and_excluded_peers_are_skipped_then_return():
+    router = StageRouter()
+    for peer in ("a", "b", "c"):
+        router.add_peer(peer, 10.0)
+    router.ban("b", until_s=5.0)
+    counts = _dispatch(router, 40, now_s=1.0, exclude=["c"])
+    assert set(counts) == {"a"}
+    assert router.is_banned("b", 1.0) and not router.is_banned("b", 6.0)
+    counts = _dispatch(router, 60, now_s=6.0)
+    assert counts["b"] > 0 and counts["c"] > 0
+
+
+def test_no_available_peer_returns_none():
+    router = StageRouter()
+    assert router.choose(0.0) is None
+    router.add_peer("a", 1.0)
+    router.ban("a", 10.0)
+    assert router.choose(0.0) is None
+
+
+def test_backward_weight_and_set_peers():
+    router = StageRouter()
+    router.set_peers({"a": 10.0, "b": 10.0})
+    router.choose(0.0, num_samples=10, weight=BACKWARD_WEIGHT)
+    assert max(router.virtual_finish_s(p) for p in router.peers) == pytest.approx(2.0)
+    router.set_peers(["b"])
+    assert router.peers == ["b"]
+    assert _dispatch(router, 3) == Counter({"b": 3})
+
+
+def test_dispatch_is_deterministic():
+    def run():
+        router = StageRouter()
+        for i, tput in enumerate([3.0, 5.0, 7.0, 5.0]):
+            router.add_peer(f"p{i}", tput)
+        return [router.choose(0.0) for _ in range(50)]
+
+    assert run() == run()
