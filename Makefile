@@ -24,6 +24,7 @@ quickstart: setup
 lint: setup
 	$(BIN)/ruff check src tests bench experiments
 	$(BIN)/lint-imports
+	$(BIN)/mypy
 
 test: lint
 	$(BIN)/pytest -m "not slow and not gpu" $(PYTEST_ARGS)

@@ -13,7 +13,8 @@ from swarmtrain.config import TrainingConfig
 
 
 def build_optimizer(module: nn.Module, cfg: TrainingConfig) -> torch.optim.AdamW:
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for _name, param in module.named_parameters():
         if param.requires_grad:
             (decay if param.dim() >= 2 else no_decay).append(param)
