@@ -28,7 +28,7 @@ def test_readme_quickstart_commands_are_make_targets():
 @pytest.mark.skipif(shutil.which("make") is None, reason="make not installed")
 def test_quickstart_runs_and_learns(tmp_path):
     summary = tmp_path / "summary.json"
-    args = f"--max-samples 1024 --no-progress --summary-json {summary}"
+    args = f"--max-samples 3072 --no-progress --summary-json {summary}"
     env = {**os.environ, "QUICKSTART_ARGS": args}
     proc = subprocess.run(
         ["make", "-s", "quickstart", f"QUICKSTART_ARGS={args}"],
@@ -42,3 +42,4 @@ def test_quickstart_runs_and_learns(tmp_path):
     result = json.loads(summary.read_text())
     assert result["samples"] > 0
     assert result["final_val_loss"] < result["initial_val_loss"] - 1.0
+    assert result["final_val_loss"] < result["unigram_val_loss"] - 0.3

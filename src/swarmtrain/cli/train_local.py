@@ -56,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
+    from swarmtrain.data import unigram_entropy_nats
     from swarmtrain.runtime.local import LocalTrainer
     from swarmtrain.utils.logging import setup_logging
 
@@ -65,9 +66,12 @@ def run(args: argparse.Namespace) -> int:
     trainer = LocalTrainer(cfg, checkpoint_dir=args.checkpoint_dir, progress=not args.no_progress)
     result = trainer.train()
     summary = result.summary()
+    # The loss of predicting bytes by their frequency alone: a model must beat it to have learned context.
+    summary["unigram_val_loss"] = unigram_entropy_nats(trainer.val_set)
     print(
         f"preset {cfg.preset}: val loss {result.initial_val_loss:.4f} -> {result.final_val_loss:.4f} "
-        f"after {result.samples} samples ({result.samples_per_s:.1f} samples/s)"
+        f"after {result.samples} samples ({result.samples_per_s:.1f} samples/s); "
+        f"byte-frequency baseline {summary['unigram_val_loss']:.4f}"
     )
     write_summary_json(args.summary_json, summary)
     return 0
