@@ -1,0 +1,127 @@
+"""Wire codecs: round-trip error bounds, odd sizes, empty and non-contiguous tensors, integers untouched."""
+
+import pytest
+import torch
+
+from swarmtrain.net import codec
+
+pytestmark = pytest.mark.unit
+
+
+def _blockwise_bound(x: torch.Tensor) -> torch.Tensor:
+    """Per-value bound: half a quantization step of the value's block (+ fp32 rounding slack)."""
+    flat = x.reshape(-1).float()
+    bound = torch.empty_like(flat)
+    for start in range(0, flat.numel(), codec.BLOCK_SIZE):
+        block = flat[start : start + codec.BLOCK_SIZE]
+        bound[start : start + codec.BLOCK_SIZE] = block.abs().max() / 254 * (1 + 1e-5) + 1e-12
+    return bound.view(x.shape)
+
+
+@pytest.mark.parametrize(
+    "numel", [1, 7, codec.BLOCK_SIZE - 1, codec.BLOCK_SIZE, 3 * codec.BLOCK_SIZE + 5, 10_000]
+)
+def test_8bit_error_is_within_half_a_step_per_block(numel):
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(numel)) * torch.linspace(0.01, 100, numel)
+    enc = codec.encode(x, "8bit")
+    y = codec.decode(enc)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    assert bool(((y - x).abs() <= _blockwise_bound(x)).all())
+    assert len(enc.payload) == numel + 4 * -(-numel // codec.BLOCK_SIZE)
+
+
+def test_8bit_keeps_outliers_local_and_relative_error_small():
+    x = torch.randn(64, 128, generator=torch.Generator().manual_seed(0))
+    x[0, 0] = 1e4  # one outlier only degrades its own block
+    y = codec.decode(codec.encode(x, "8bit"))
+    rest = slice(codec.BLOCK_SIZE, None)
+    rel = (y.view(-1)[rest] - x.view(-1)[rest]).norm() / x.view(-1)[rest].norm()
+    assert rel < 0.01
+    assert y[0, 0] == pytest.approx(1e4, rel=1e-6)
+
+
+def test_zero_blocks_and_exact_values_round_trip():
+    x = torch.zeros(1000)
+    x[500] = -3.0
+    y = codec.decode(codec.encode(x, "8bit"))
+    assert torch.equal(y, x)
+
+
+def test_float16_and_none_round_trip():
+    x = torch.randn(33, 17)
+    assert torch.equal(codec.decode(codec.encode(x, "none")), x)
+    y = codec.decode(codec.encode(x, "float16"))
+    assert torch.allclose(y, x, rtol=1e-3, atol=1e-4) and y.dtype == torch.float32
+
+
+@pytest.mark.parametrize("name", codec.CODECS)
+def test_empty_tensors(name):
+    for shape in [(0,), (4, 0, 3)]:
+        x = torch.empty(shape)
+        enc = codec.encode(x, name)
+        y = codec.decode(enc)
+        assert y.shape == x.shape and enc.payload == b""
+
+
+@pytest.mark.parametrize("name", codec.CODECS)
+def test_non_contiguous_input(name):
+    base = torch.randn(40, 30)
+    x = base.t()[::2]  # transposed and strided
+    assert not x.is_contiguous()
+    y = codec.decode(codec.encode(x, name))
+    assert y.shape == x.shape
+    assert torch.allclose(y, x, atol=float(x.abs().max()) / 200)
+
+
+@pytest.mark.parametrize("name", codec.CODECS)
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8, torch.bool])
+def test_integers_are_never_compressed(name, dtype):
+    x = (torch.arange(-50, 250) % 7).to(dtype) if dtype != torch.uint8 else torch.arange(0, 255, dtype=dtype)
+    enc = codec.encode(x, name)
+    assert enc.codec == "none"
+    y = codec.decode(enc)
+    assert y.dtype == dtype and torch.equal(y, x)
+
+
+def test_half_precision_inputs_keep_their_dtype():
+    x = torch.randn(300).to(torch.bfloat16)
+    assert codec.encode(x, "float16").codec == "none"
+    y = codec.decode(codec.encode(x, "8bit"))
+    assert y.dtype == torch.bfloat16 and torch.allclose(y.float(), x.float(), atol=0.05)
+
+
+def test_decoded_tensor_is_writable_and_owned():
+    x = torch.randn(100)
+    for name in codec.CODECS:
+        y = codec.decode(codec.encode(x, name))
+        y.add_(1.0)  # must not touch the (read-only) payload
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        codec.EncodedTensor("8bit", "float32", (10,), b"\x00" * 13),
+        codec.EncodedTensor("none", "float32", (10,), b"\x00" * 39),
+        codec.EncodedTensor("8bit", "int64", (10,), b"\x00" * 14),
+        codec.EncodedTensor("zip", "float32", (1,), b"\x00" * 4),
+        codec.EncodedTensor("none", "complex64", (1,), b"\x00" * 8),
+        codec.EncodedTensor("none", "float32", (-1, 2), b""),
+    ],
+)
+def test_malformed_payloads_raise_codec_error(bad):
+    with pytest.raises(codec.CodecError):
+        codec.decode(bad)
+
+
+def test_nonfinite_scales_are_rejected():
+    good = codec.encode(torch.randn(10), "8bit")
+    scale_nan = torch.tensor([float("nan")]).view(torch.uint8).numpy().tobytes()
+    bad = codec.EncodedTensor("8bit", "float32", (10,), scale_nan + good.payload[4:])
+    with pytest.raises(codec.CodecError):
+        codec.decode(bad)
+
+
+def test_fp32_equivalent_bytes():
+    assert codec.encode(torch.randn(10, 10), "8bit").fp32_equivalent_bytes() == 400
+    assert codec.encode(torch.zeros(10, dtype=torch.int64), "8bit").fp32_equivalent_bytes() == 80
+    assert codec.encode(torch.zeros(10, dtype=torch.float16), "none").fp32_equivalent_bytes() == 40
