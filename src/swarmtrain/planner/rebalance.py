@@ -1,0 +1,187 @@
+"""Adaptive rebalancing: which peer (if any) should move to which stage, and where a new peer should go.
+
+Pure functions on plain data, called the same way by the live balancer loop and by the simulator
+(DESIGN.md section 5). A stage's *capacity* is the sum of its peers' throughput (samples/s measured at
+that stage); a SWARM pipeline runs at the capacity of its weakest stage, the *bottleneck*.
+
+The rule for one move (`choose_move`):
+- the target is the bottleneck stage b (lowest capacity; ties: the larger expected drain time
+  `sum(queue) / capacity`, then the lower index);
+- a candidate is a peer p of another stage a that keeps at least `min_peers_per_stage` serving peers
+  after the move and can serve b (positive throughput there);
+- hysteresis: after the move the donor must stay *above* the old bottleneck by the margin,
+  `C_a - thr_p > C_b * (1 + margin)`. So a move always raises the pair's minimum strictly above the old
+  minimum; capacities sorted ascending increase lexicographically with every move, hence no sequence
+  of moves on unchanged data can cycle (in particular no ping-pong between two equal stages, which the
+  naive "move from most loaded to least loaded" rule does);
+- among candidates, pick the one with the largest resulting `min(C_a', C_b')`, then the smaller queue
+  (less work abandoned), then the lower source stage, then the peer id as a string, so every peer that
+  evaluates the rule on the same data picks the same mover.
+
+A peer's throughput at another stage comes from `throughput_by_stage` when the caller knows it (the
+simulator does), otherwise it is scaled by relative stage cost (compute per sample), defaulting to equal
+costs. `pending` peers are on their way into a stage (downloading its state): they count toward its
+capacity but not toward "never empty a stage", and they never move.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, replace
+
+_REL_TOL = 1e-9
+
+
+@dataclass(frozen=True)
+class PeerLoad:
+    """What one peer announces: its stage, measured throughput there, and its request queue length."""
+
+    peer: Hashable
+    stage: int
+    throughput_samples_per_s: float
+    queue_len: float = 0.0
+    throughput_by_stage: tuple[float, ...] | None = None  # samples/s it would reach at each stage
+    pending: bool = False
+
+
+@dataclass(frozen=True)
+class RebalanceConfig:
+    margin: float = 0.1  # hysteresis: the donor must stay above the old bottleneck by this fraction
+    min_peers_per_stage: int = 1
+
+    def __post_init__(self) -> None:
+        if self.margin < 0:
+            raise ValueError("margin must be >= 0")
+        if self.min_peers_per_stage < 1:
+            raise ValueError("min_peers_per_stage must be >= 1 (a stage must never be emptied)")
+
+
+@dataclass(frozen=True)
+class Move:
+    peer: Hashable
+    from_stage: int
+    to_stage: int
+    bottleneck_before_samples_per_s: float
+    pair_min_after_samples_per_s: float
+
+
+def stage_capacities(loads: Sequence[PeerLoad], num_stages: int) -> list[float]:
+    capacities = [0.0] * num_stages
+    for load in loads:
+        capacities[load.stage] += load.throughput_samples_per_s
+    return capacities
+
+
+def stage_queues(loads: Sequence[PeerLoad], num_stages: int) -> list[float]:
+    queues = [0.0] * num_stages
+    for load in loads:
+        queues[load.stage] += load.queue_len
+    return queues
+
+
+def rate_at(load: PeerLoad, stage: int, stage_cost: Sequence[float] | None = None) -> float:
+    """Samples/s this peer would reach serving `stage`."""
+    if load.throughput_by_stage is not None:
+        return load.throughput_by_stage[stage]
+    if stage_cost is None or stage == load.stage:
+        return load.throughput_samples_per_s
+    return load.throughput_samples_per_s * stage_cost[load.stage] / stage_cost[stage]
+
+
+def bottleneck_stage(
+    capacities: Sequence[float],
+    queues: Sequence[float] | None = None,
+    candidates: Sequence[int] | None = None,
+) -> int:
+    """Lowest capacity; ties (relative 1e-9) go to the larger drain time, then the lower index."""
+    stages = list(range(len(capacities))) if candidates is None else list(candidates)
+    if not stages:
+        raise ValueError("no candidate stage")
+    low = min(capacities[s] for s in stages)
+    tied = [s for s in stages if capacities[s] <= low + _REL_TOL * max(abs(low), 1.0)]
+    if queues is None or len(tied) == 1:
+        return tied[0]
+
+    def drain_s(s: int) -> float:
+        return queues[s] / capacities[s] if capacities[s] > 0 else float("inf") if queues[s] > 0 else 0.0
+
+    return min(tied, key=lambda s: (-drain_s(s), s))
+
+
+def choose_move(
+    loads: Sequence[PeerLoad],
+    num_stages: int,
+    config: RebalanceConfig = RebalanceConfig(),
+    stage_cost: Sequence[float] | None = None,
+) -> Move | None:
+    """At most one move toward the bottleneck stage, or None (see the module docstring for the rule)."""
+    if num_stages < 2 or not loads:
+        return None
+    capacities = stage_capacities(loads, num_stages)
+    queues = stage_queues(loads, num_stages)
+    target = bottleneck_stage(capacities, queues)
+    serving = [0] * num_stages
+    for load in loads:
+        if not load.pending:
+            serving[load.stage] += 1
+    floor = capacities[target] * (1 + config.margin)
+    best_key, best = None, None
+    for load in loads:
+        source = load.stage
+        if load.pending or source == target or serving[source] - 1 < config.min_peers_per_stage:
+            continue
+        gain = rate_at(load, target, stage_cost)
+        donor_after = capacities[source] - load.throughput_samples_per_s
+        if gain <= 0 or donor_after <= floor:
+            continue
+        pair_min = min(donor_after, capacities[target] + gain)
+        key = (-pair_min, load.queue_len, source, str(load.peer))
+        if best_key is None or key < best_key:
+            best_key, best = key, Move(load.peer, source, target, capacities[target], pair_min)
+    return best
+
+
+def plan_moves(
+    loads: Sequence[PeerLoad],
+    num_stages: int,
+    config: RebalanceConfig = RebalanceConfig(),
+    stage_cost: Sequence[float] | None = None,
+    max_moves: int = 1,
+) -> list[Move]:
+    """Apply `choose_move` up to `max_moves` times, each time on the loads as the previous moves leave them.
+
+    A moved peer becomes pending in its target stage (counted there, never moved again in this plan),
+    so a batch of moves cannot overshoot. With `max_moves=1` this is exactly `choose_move`.
+    """
+    current = list(loads)
+    moves: list[Move] = []
+    for _ in range(max_moves):
+        move = choose_move(current, num_stages, config, stage_cost)
+        if move is None:
+            break
+        moves.append(move)
+        for i, load in enumerate(current):
+            if load.peer == move.peer and not load.pending:
+                new_rate = rate_at(load, move.to_stage, stage_cost)
+                current[i] = replace(
+                    load, stage=move.to_stage, throughput_samples_per_s=new_rate, queue_len=0.0, pending=True
+                )
+                break
+    return moves
+
+
+def stage_for_new_peer(
+    capacities: Sequence[float],
+    peer_rates: Sequence[float] | None = None,
+    queues: Sequence[float] | None = None,
+) -> int | None:
+    """The stage a joining peer should serve: the bottleneck among stages it can serve (rate > 0).
+
+    Joining the lowest-capacity stage maximizes the pipeline's new minimum. Returns None when the peer
+    can serve no stage (for example, it fits none in memory).
+    """
+    stages = range(len(capacities))
+    feasible = [s for s in stages if peer_rates is None or peer_rates[s] > 0]
+    if not feasible:
+        return None
+    return bottleneck_stage(capacities, queues, feasible)

@@ -1,0 +1,61 @@
+"""The link model: every peer's uplink and downlink is a FIFO server of bytes.
+
+A transfer of n bytes from A to B requested at time t:
+- occupies A's uplink for n / uplink_A, starting when the uplink is free (after earlier transfers);
+- occupies B's downlink for n / downlink_B, likewise;
+- cannot beat the per-flow cap of the path between their locations, n / path_bandwidth;
+- arrives when all three are done, plus the one-way latency between the locations.
+So concurrent transfers share a link by queueing behind each other at the full link rate (a serialized
+link), each link's capacity is exact, and a fast sender feeding slow receivers is not held back by them
+(its uplink time is its own). The two ends are not synchronized, which is slightly optimistic when both
+are congested. Cost: O(1) per transfer, no events for link state. Trainers are endpoints with an
+unlimited link (they are cheap CPU machines one can place well).
+"""
+
+from __future__ import annotations
+
+from swarmtrain.sim.entities import Locations
+
+
+class Endpoint:
+    """Link state of one network endpoint (a peer or a trainer)."""
+
+    __slots__ = ("location", "up_bytes_per_s", "down_bytes_per_s", "up_free_s", "down_free_s")
+
+    def __init__(self, location: int, up_bytes_per_s: float, down_bytes_per_s: float) -> None:
+        self.location = location
+        self.up_bytes_per_s = up_bytes_per_s
+        self.down_bytes_per_s = down_bytes_per_s
+        self.up_free_s = 0.0
+        self.down_free_s = 0.0
+
+    def reserve_both(self, now_s: float, num_bytes: float) -> None:
+        """Occupy both directions for `num_bytes` each (an all-reduce round trip)."""
+        self.up_free_s = max(self.up_free_s, now_s) + num_bytes / self.up_bytes_per_s
+        self.down_free_s = max(self.down_free_s, now_s) + num_bytes / self.down_bytes_per_s
+
+    def link_free_s(self) -> float:
+        return max(self.up_free_s, self.down_free_s)
+
+
+class Network:
+    def __init__(self, locations: Locations) -> None:
+        self.latency_s = [list(row) for row in locations.latency_s]
+        self.path_bytes_per_s = [list(row) for row in locations.bandwidth_bytes_per_s]
+
+    def transfer(self, now_s: float, src: Endpoint, dst: Endpoint, num_bytes: float) -> float:
+        """Reserve the links for one transfer and return its arrival time."""
+        start = src.up_free_s if src.up_free_s > now_s else now_s
+        up_end = start + num_bytes / src.up_bytes_per_s
+        src.up_free_s = up_end
+        start = dst.down_free_s if dst.down_free_s > now_s else now_s
+        down_end = start + num_bytes / dst.down_bytes_per_s
+        dst.down_free_s = down_end
+        path_end = now_s + num_bytes / self.path_bytes_per_s[src.location][dst.location]
+        end = up_end if up_end > down_end else down_end
+        if path_end > end:
+            end = path_end
+        return end + self.latency_s[src.location][dst.location]
+
+    def latency(self, a: int, b: int) -> float:
+        return self.latency_s[a][b]

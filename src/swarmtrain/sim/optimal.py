@@ -1,0 +1,117 @@
+"""The fleet's optimal throughput: the best static allocation of the live peers to stages.
+
+A SWARM pipeline runs at `min_s C_s`, where `C_s` is the sum of the rates of the peers serving stage s.
+The best allocation maximizes that minimum (a max-min assignment, NP-hard in general). We use the
+greedy that is near-optimal for many peers: peers sorted by their best rate, fastest first, each joins
+the stage with the lowest capacity among those it can serve (ties: lower index). On small fleets
+(<= `POLISH_MAX_PEERS`) the result is polished by the rebalancing rule with zero margin until no move
+helps. With hundreds of peers the greedy is within one peer's rate of the fractional upper bound
+`fractional_upper_bound`, which we also report.
+
+Averaging traffic depends on the throughput itself (faster pipelines step more often), so the optimum
+is the largest T such that the allocation computed with link capacities left after averaging at T
+still reaches T (bisection; one greedy when averaging does not bind). Latency is ignored: with enough
+micro-batches in flight it is hidden, so it is not a limit on a *static* allocation's throughput.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from swarmtrain.planner.rebalance import PeerLoad, RebalanceConfig, plan_moves
+from swarmtrain.sim.costs import RateTable, StageCosts
+
+POLISH_MAX_PEERS = 200
+BISECTION_STEPS = 14
+
+
+@dataclass(frozen=True)
+class Allocation:
+    stage_of: np.ndarray  # stage per peer (rows of the rate matrix), -1 when it serves none
+    capacities: tuple[float, ...]  # samples/s per stage, at the link capacity left after averaging
+    limit_samples_per_s: float | None = None  # set when averaging traffic, not capacity, is the limit
+
+    @property
+    def throughput_samples_per_s(self) -> float:
+        floor = min(self.capacities) if self.capacities else 0.0
+        return floor if self.limit_samples_per_s is None else min(floor, self.limit_samples_per_s)
+
+
+def greedy_allocation(rates: np.ndarray) -> Allocation:
+    """Fastest peer first onto the lowest-capacity stage it can serve."""
+    num_peers, num_stages = rates.shape
+    stage_of = np.full(num_peers, -1, dtype=np.int64)
+    caps = [0.0] * num_stages
+    if num_peers == 0:
+        return Allocation(stage_of, tuple(caps))
+    order = np.argsort(-rates.max(axis=1), kind="stable")
+    rows = rates.tolist()
+    for p in order.tolist():
+        row = rows[p]
+        best, best_cap = -1, float("inf")
+        for s in range(num_stages):
+            if row[s] > 0 and caps[s] < best_cap:
+                best, best_cap = s, caps[s]
+        if best >= 0:
+            stage_of[p] = best
+            caps[best] += row[best]
+    if num_peers <= POLISH_MAX_PEERS:
+        return _polish(rates, stage_of)
+    return Allocation(stage_of, tuple(caps))
+
+
+def _polish(rates: np.ndarray, stage_of: np.ndarray) -> Allocation:
+    num_stages = rates.shape[1]
+    loads = [
+        PeerLoad(p, int(s), float(rates[p, s]), throughput_by_stage=tuple(rates[p].tolist()))
+        for p, s in enumerate(stage_of.tolist())
+        if s >= 0
+    ]
+    for move in plan_moves(loads, num_stages, RebalanceConfig(margin=0.0), max_moves=len(loads)):
+        stage_of[move.peer] = move.to_stage
+    caps = [0.0] * num_stages
+    for p, s in enumerate(stage_of.tolist()):
+        if s >= 0:
+            caps[s] += float(rates[p, s])
+    return Allocation(stage_of, tuple(caps))
+
+
+def fractional_upper_bound(rates: np.ndarray) -> float:
+    """Max-min with peers splittable across stages, when a peer's rates are proportional across stages.
+
+    Then each stage needs `T / r_ps` of peer p's time, so T <= sum_p 1 / sum_s (1 / r_ps) (harmonic
+    combination per peer). For non-proportional rates this is a heuristic bound, reported for context.
+    """
+    if rates.size == 0:
+        return 0.0
+    with np.errstate(divide="ignore"):
+        inv = np.where(rates > 0, 1.0 / np.where(rates > 0, rates, 1.0), np.inf)
+    per_peer = 1.0 / inv.sum(axis=1)
+    return float(np.nansum(np.where(np.isfinite(per_peer), per_peer, 0.0)))
+
+
+def optimal_allocation(table: RateTable, costs: StageCosts, live: np.ndarray | None = None) -> Allocation:
+    """Best static allocation of the live peers (rows `live` of the table), averaging included."""
+    idx = np.arange(table.compute_rate.shape[0]) if live is None else np.asarray(live, dtype=np.int64)
+    sub = RateTable(table.compute_rate[idx], table.uplink_bytes_per_s[idx], table.downlink_bytes_per_s[idx])
+    upper = greedy_allocation(sub.rates(costs, 0.0))
+    ceiling = upper.throughput_samples_per_s
+    if ceiling <= 0:
+        return upper
+    at_ceiling = greedy_allocation(sub.rates(costs, ceiling))
+    if at_ceiling.throughput_samples_per_s >= ceiling * (1 - 1e-3):
+        return at_ceiling
+    lo, hi, best = 0.0, ceiling, None
+    for _ in range(BISECTION_STEPS):
+        mid = 0.5 * (lo + hi)
+        alloc = greedy_allocation(sub.rates(costs, mid))
+        if alloc.throughput_samples_per_s >= mid:
+            lo, best = mid, alloc
+        else:
+            hi = mid
+    if best is None:
+        best = greedy_allocation(sub.rates(costs, lo))
+    # The allocation's own minimum may exceed `lo`, but averaging at that higher rate was not checked.
+    return Allocation(best.stage_of, best.capacities, limit_samples_per_s=lo)

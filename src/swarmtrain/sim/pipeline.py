@@ -1,0 +1,327 @@
+"""Micro-batches through stage peers: the machinery SWARM and fixed pipelines share.
+
+A chunk (one simulated micro-batch of `chunk_samples` samples) goes forward through stages 0..S-1 and
+backward S-1..0. At each stage it is sent to a peer (a transfer on the link model), waits in that peer's
+FIFO queue, and is computed (forward: 1/3 of the stage's training time; the last stage runs forward and
+backward in one go; a backward on the peer that ran the forward reuses its activations, elsewhere it
+recomputes them, +1/3). Boundary tensors travel peer to peer. The trainer keeps a copy of every boundary
+tensor (in the runtime it relays them), so a retry is re-sent from the trainer.
+
+Each peer of a stage counts the samples it processed; each time the stage as a whole has processed a
+global batch, all its serving peers run the gradient all-reduce, which occupies both directions of
+their links (overlapped with compute, as with delayed parameter updates), and a failed peer loses the
+samples it had accumulated since the stage's last step.
+
+Subclasses decide which peer serves a chunk (`choose_peer`) and what happens when it completes.
+"""
+
+from __future__ import annotations
+
+from swarmtrain.planner.routing import BACKWARD_WEIGHT, FORWARD_WEIGHT
+from swarmtrain.sim.base import PeerState, Simulation
+from swarmtrain.sim.network import Endpoint
+
+LAST_STAGE_WEIGHT = FORWARD_WEIGHT + BACKWARD_WEIGHT  # the last stage runs forward and backward together
+
+
+class Chunk:
+    __slots__ = (
+        "id",
+        "owner",
+        "samples",
+        "stage",
+        "backward",
+        "attempt",
+        "peer",
+        "src",
+        "path",
+        "path_epoch",
+        "sent_s",
+        "recompute",
+        "log",
+        "avoid",
+        "expected_s",
+    )
+
+    def __init__(self, chunk_id: int, owner, samples: int, num_stages: int) -> None:
+        self.id = chunk_id
+        self.owner = owner  # the trainer (SWARM) or pipeline (gpipe) that drives it
+        self.samples = samples
+        self.attempt = 0
+        self.log: list[tuple[int, bool]] | None = None
+        self.path = [-1] * num_stages
+        self.path_epoch = [-1] * num_stages
+        self.reset(chunk_id)
+
+    def reset(self, chunk_id: int) -> None:
+        self.id = chunk_id
+        self.stage = 0
+        self.backward = False
+        self.peer = -1
+        self.src = -1  # peer index holding the input; -1: the trainer
+        self.recompute = False
+        self.sent_s = 0.0
+        self.avoid = -1  # a peer that just timed out on this chunk: not chosen again right away
+        self.expected_s = 0.0
+        for s in range(len(self.path)):
+            self.path[s] = -1
+        if self.log is not None:
+            self.log = []
+
+
+class PipelineSimulation(Simulation):
+    uses_timeouts = True  # fixed pipelines cannot go elsewhere, so they wait instead
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        S = self.num_stages
+        self.last = S - 1
+        self.members: list[dict[int, PeerState]] = [{} for _ in range(S)]
+        self.waiting: list[list[Chunk]] = [[] for _ in range(S)]
+        self.stage_samples = [0.0] * S
+        self.next_step = [float(self.costs.global_batch_size)] * S
+        self._next_chunk_id = 0
+        scale = max(1.0, self.chunk_samples / self.costs.micro_batch_size)
+        self.timeout_s = self.config.request_timeout_s * scale if self.uses_timeouts else float("inf")
+        self.audit_violations = 0
+        self.audited_chunks = 0
+
+    # to implement ------------------------------------------------------------------------------
+    def choose_peer(self, chunk: Chunk, weight: float) -> PeerState | None:
+        raise NotImplementedError
+
+    def on_chunk_done(self, chunk: Chunk) -> None:
+        raise NotImplementedError
+
+    def on_computed_report(self, chunk: Chunk, peer: PeerState, weight: float, duration_s: float) -> None:
+        """Hook for routers to learn from an observed end-to-end duration (SWARM)."""
+
+    def trainer_endpoint(self, chunk: Chunk) -> Endpoint:
+        raise NotImplementedError
+
+    # chunks ------------------------------------------------------------------------------------
+    def new_chunk(self, owner) -> Chunk:
+        chunk = Chunk(self.next_chunk_id(), owner, self.chunk_samples, self.num_stages)
+        if self.config.audit:
+            chunk.log = []
+        return chunk
+
+    def next_chunk_id(self) -> int:
+        self._next_chunk_id += 1
+        return self._next_chunk_id
+
+    def dispatch(self, chunk: Chunk, _unused=None) -> None:
+        """Send the chunk to a peer of its current stage (or park it until the stage has one)."""
+        s = chunk.stage
+        if chunk.backward and s < self.last:
+            p = chunk.path[s]
+            peer = self.peers[p] if p >= 0 else None
+            if (
+                peer is not None
+                and peer.serving
+                and peer.stage == s
+                and peer.epoch == chunk.path_epoch[s]
+                and p != chunk.avoid
+            ):
+                chunk.recompute = False
+            else:
+                peer = self.choose_peer(chunk, BACKWARD_WEIGHT)
+                chunk.recompute = True
+        else:
+            peer = self.choose_peer(chunk, LAST_STAGE_WEIGHT if s == self.last else FORWARD_WEIGHT)
+        if peer is None:
+            self.waiting[s].append(chunk)
+            self.metrics.counts["stalls"] += 1
+            return
+        self._send(chunk, peer)
+
+    def _send(self, chunk: Chunk, peer: PeerState) -> None:
+        now = self.engine.now_s
+        src = self.peers[chunk.src] if chunk.src >= 0 else self.trainer_endpoint(chunk)
+        k = chunk.samples
+        if chunk.backward:
+            kind = "gradients"
+            num_bytes = k * self.costs.activation_bytes_per_sample * (2 if chunk.recompute else 1)
+        elif chunk.stage == 0:
+            kind, num_bytes = "tokens", k * self.costs.token_bytes_per_sample
+        else:
+            kind, num_bytes = "activations", k * self.costs.activation_bytes_per_sample
+        self.metrics.bytes_by_kind[kind] += num_bytes
+        chunk.attempt += 1
+        chunk.peer = peer.index
+        chunk.sent_s = now
+        peer.held[chunk.id] = chunk
+        arrival = self.network.transfer(now, src, peer, num_bytes)
+        if arrival - now > self.timeout_s:
+            self._time_out(chunk, peer, now + self.timeout_s, arrival - now)
+        else:
+            self.engine.schedule(arrival, self._on_arrive, chunk, chunk.attempt)
+
+    def _on_arrive(self, chunk: Chunk, attempt: int) -> None:
+        if attempt != chunk.attempt:
+            return  # the peer it was sent to left; the chunk was rerouted
+        now = self.engine.now_s
+        peer = self.peers[chunk.peer]
+        duration = self._duration(peer, chunk)
+        done = (peer.backlog_until_s if peer.busy and peer.backlog_until_s > now else now) + duration
+        # Requests have a deadline (`request_timeout_s`): one that would answer too late (deep queue,
+        # or an uplink backed up by averaging) is given up and retried elsewhere, as a trainer does.
+        answered = self._answered_s(peer, chunk, done)
+        if answered - chunk.sent_s > self.timeout_s:
+            self._time_out(chunk, peer, max(now, chunk.sent_s + self.timeout_s), answered - chunk.sent_s)
+            return
+        peer.backlog_until_s = done
+        if peer.busy:
+            peer.queue.append(chunk)
+        else:
+            self._start_compute(peer, chunk)
+
+    def _duration(self, peer: PeerState, chunk: Chunk) -> float:
+        full = peer.compute_s[chunk.stage] * chunk.samples
+        if chunk.backward:
+            return full * (1.0 if chunk.recompute else 2.0 / 3.0)
+        return full if chunk.stage == self.last else full / 3.0
+
+    def _answered_s(self, peer: PeerState, chunk: Chunk, done_s: float) -> float:
+        """When the response to a chunk computed by `done_s` has left the peer's uplink."""
+        if chunk.stage == 0 and (chunk.backward or self.last == 0):
+            out_bytes = 0.0  # only the loss goes back to the trainer
+        else:
+            out_bytes = chunk.samples * self.costs.activation_bytes_per_sample
+        return (peer.up_free_s if peer.up_free_s > done_s else done_s) + out_bytes / peer.up_bytes_per_s
+
+    def _weight(self, chunk: Chunk) -> float:
+        if chunk.backward:
+            return BACKWARD_WEIGHT
+        return LAST_STAGE_WEIGHT if chunk.stage == self.last else FORWARD_WEIGHT
+
+    def _start_compute(self, peer: PeerState, chunk: Chunk) -> None:
+        now = self.engine.now_s
+        peer.busy = True
+        peer.busy_since_s = now
+        self.engine.schedule(now + self._duration(peer, chunk), self._on_computed, chunk, chunk.attempt)
+
+    def _time_out(self, chunk: Chunk, peer: PeerState, when_s: float, expected_s: float) -> None:
+        peer.held.pop(chunk.id, None)
+        chunk.attempt += 1
+        chunk.avoid = peer.index
+        chunk.expected_s = expected_s
+        self.engine.schedule(when_s, self._on_timeout, chunk, chunk.attempt)
+
+    def _on_timeout(self, chunk: Chunk, attempt: int) -> None:
+        if attempt != chunk.attempt:
+            return
+        self.metrics.counts["timeouts"] += 1
+        self.on_computed_report(chunk, self.peers[chunk.avoid], self._weight(chunk), chunk.expected_s)
+        chunk.src = -1
+        self.dispatch(chunk)
+        chunk.avoid = -1
+
+    def _on_computed(self, chunk: Chunk, attempt: int) -> None:
+        if attempt != chunk.attempt:
+            return
+        now = self.engine.now_s
+        peer = self.peers[chunk.peer]
+        s = chunk.stage
+        since = peer.busy_since_s if peer.busy_since_s > self._last_sample_s else self._last_sample_s
+        self.metrics.stage_busy_s[s] += now - since
+        peer.busy = False
+        del peer.held[chunk.id]
+        # What a trainer measures: the request until the response is back, so the output's wait on this
+        # peer's uplink counts (otherwise a peer with a slow uplink looks fast and gets flooded).
+        self.on_computed_report(
+            chunk, peer, self._weight(chunk), self._answered_s(peer, chunk, now) - chunk.sent_s
+        )
+        if chunk.log is not None:
+            chunk.log.append((s, chunk.backward or s == self.last))
+        if peer.queue:
+            self._start_compute(peer, peer.queue.popleft())
+        chunk.src = peer.index
+        if not chunk.backward and s < self.last:
+            chunk.path[s] = peer.index
+            chunk.path_epoch[s] = peer.epoch
+            chunk.stage = s + 1
+            self.dispatch(chunk)
+            return
+        self._stage_progress(s, chunk.samples, peer)
+        if s == 0:
+            self._finish(chunk)
+            return
+        chunk.backward = True
+        chunk.stage = s - 1
+        self.dispatch(chunk)
+
+    def _finish(self, chunk: Chunk) -> None:
+        if chunk.log is not None:
+            self.audited_chunks += 1
+            expected = [(s, s == self.last) for s in range(self.num_stages)] + [
+                (s, True) for s in range(self.last - 1, -1, -1)
+            ]
+            if chunk.log != expected:
+                self.audit_violations += 1
+        self.on_chunk_done(chunk)
+
+    # averaging ---------------------------------------------------------------------------------
+    def _stage_progress(self, stage: int, samples: float, peer: PeerState) -> None:
+        peer.samples_since_step += samples
+        self.stage_samples[stage] += samples
+        while self.stage_samples[stage] >= self.next_step[stage]:
+            self.next_step[stage] += self.costs.global_batch_size
+            self._average(stage)
+
+    def _average(self, stage: int) -> None:
+        members = self.members[stage]
+        n = len(members)
+        now = self.engine.now_s
+        per_peer = 2 * self.costs.averaging_bytes[stage] * (n - 1) / n if n > 1 else 0.0
+        for peer in members.values():
+            if per_peer:
+                peer.reserve_both(now, per_peer)
+            peer.samples_since_step = 0.0
+        self.metrics.bytes_by_kind["averaging"] += per_peer * n
+
+    # membership --------------------------------------------------------------------------------
+    def start_serving(self, peer: PeerState, stage: int) -> None:
+        peer.serving = True
+        peer.stage = stage
+        self.members[stage][peer.index] = peer
+        self.metrics.serving_changed(self.engine.now_s, stage, +1)
+        if self.waiting[stage]:
+            parked, self.waiting[stage] = self.waiting[stage], []
+            for chunk in parked:
+                self.engine.schedule(self.engine.now_s, self.dispatch, chunk)
+
+    def stop_serving(self, peer: PeerState) -> None:
+        if not peer.serving:
+            return
+        self.members[peer.stage].pop(peer.index, None)
+        self.metrics.serving_changed(self.engine.now_s, peer.stage, -1)
+        peer.serving = False
+        self._membership_changed = True
+
+    def abandon(self, peer: PeerState) -> list[Chunk]:
+        """Void everything the peer holds (queued, computing, arriving); the caller re-sends them."""
+        now = self.engine.now_s
+        if peer.busy:
+            start = peer.busy_since_s if peer.busy_since_s > self._last_sample_s else self._last_sample_s
+            if peer.stage >= 0:
+                self.metrics.stage_busy_s[peer.stage] += now - start
+            peer.busy = False
+        peer.backlog_until_s = now
+        chunks = list(peer.held.values())
+        peer.held.clear()
+        peer.queue.clear()
+        for chunk in chunks:
+            chunk.attempt += 1
+            chunk.src = -1
+            self.metrics.counts["reroutes"] += 1
+        return chunks
+
+    def reroute_later(self, chunks: list[Chunk], delay_s: float) -> None:
+        when = self.engine.now_s + delay_s
+        for chunk in chunks:
+            self.engine.schedule(when, self._reroute, chunk, chunk.attempt)
+
+    def _reroute(self, chunk: Chunk, attempt: int) -> None:
+        if attempt == chunk.attempt:
+            self.dispatch(chunk)

@@ -1,0 +1,185 @@
+"""SWARM mode: stage swarms, stochastic wiring by per-trainer IWRR, joins and (optionally) rebalancing.
+
+- Trainers: each keeps its share of the micro-batches in flight and one `StageRouter` per stage (the
+  planner's pure IWRR class). Peers announce `rate * 3` (forward-equivalent samples/s, matching the
+  router's forward/backward weights); routers then learn from observed end-to-end durations.
+- At start the live peers take the best static allocation (`optimal`).
+- A joining peer picks a stage, downloads that stage's state (`sizes.stage_state_bytes`) from the stage
+  peer that can send it soonest, then serves. With rebalancing it joins the bottleneck
+  (`planner.rebalance.stage_for_new_peer`); without, it returns to its *home* stage, its place in the
+  best allocation of the whole fleet (what an operator's launch script with `--stage N` pins).
+- Rebalancing (mode `swarm`): every `rebalance_period_s` (+- jitter) the pure policy
+  `planner.rebalance.plan_moves` sees every peer's rate at each stage and queue length; each move costs
+  the real price: the mover abandons its queue (retried elsewhere), loses its un-averaged gradients,
+  downloads the target state, then serves.
+- A failed peer's micro-batches are retried on other peers after `fail_detect_s`; a graceful leave
+  hands them back at once.
+"""
+
+from __future__ import annotations
+
+import math
+
+from swarmtrain.planner.rebalance import PeerLoad, RebalanceConfig, plan_moves, stage_for_new_peer
+from swarmtrain.planner.routing import FORWARD_WEIGHT, StageRouter
+from swarmtrain.sim.base import PeerState
+from swarmtrain.sim.network import Endpoint
+from swarmtrain.sim.optimal import optimal_allocation
+from swarmtrain.sim.pipeline import LAST_STAGE_WEIGHT, Chunk, PipelineSimulation
+
+ANNOUNCE_FACTOR = LAST_STAGE_WEIGHT  # samples/s of forward+backward -> forward-equivalent samples/s
+
+
+class Trainer:
+    __slots__ = ("index", "endpoint", "routers")
+
+    def __init__(self, index: int, endpoint: Endpoint, num_stages: int) -> None:
+        self.index = index
+        self.endpoint = endpoint
+        self.routers = [StageRouter() for _ in range(num_stages)]
+
+
+class SwarmSimulation(PipelineSimulation):
+    def __init__(self, *args, num_trainers: int, in_flight: int, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.rebalance = self.config.mode == "swarm"
+        self.capacity = [0.0] * self.num_stages  # serving + downloading peers, samples/s
+        self.num_trainers = num_trainers
+        self.in_flight = in_flight
+        self.trainers: list[Trainer] = []
+        live_count = sum(1 for p in self.peers if p.live) or len(self.peers)
+        self.max_moves = self.config.max_moves_per_tick or max(1, live_count // 100)
+        self.policy = RebalanceConfig(margin=self.config.rebalance_margin)
+
+    # setup -------------------------------------------------------------------------------------
+    def setup(self) -> None:
+        live = [p for p in self.peers if p.live]
+        alloc = optimal_allocation(self.table, self.costs, [p.index for p in live])
+        self.initial_allocation = alloc
+        home = optimal_allocation(self.table, self.costs) if len(live) < len(self.peers) else None
+        for row, peer in enumerate(live):
+            peer.home_stage = int(alloc.stage_of[row])
+        if home is not None:
+            for peer in self.peers:
+                peer.home_stage = int(home.stage_of[peer.index])
+        locations = sorted({p.location for p in self.peers})
+        for t in range(self.num_trainers):
+            where = locations[t % len(locations)]
+            self.trainers.append(Trainer(t, Endpoint(where, math.inf, math.inf), self.num_stages))
+        self._refresh_rates(alloc.throughput_samples_per_s)
+        for row, peer in enumerate(live):
+            stage = int(alloc.stage_of[row]) if home is None or self.rebalance else peer.home_stage
+            if stage >= 0:
+                self.capacity[stage] += peer.rates[stage]
+                self.start_serving(peer, stage)
+        for i in range(self.in_flight):
+            self.dispatch(self.new_chunk(self.trainers[i % self.num_trainers]))
+        if self.rebalance:
+            self.engine.schedule(self._next_tick_s(), self._on_rebalance)
+
+    def trainer_endpoint(self, chunk: Chunk) -> Endpoint:
+        return chunk.owner.endpoint
+
+    # routing -----------------------------------------------------------------------------------
+    def choose_peer(self, chunk: Chunk, weight: float) -> PeerState | None:
+        exclude = (chunk.avoid,) if chunk.avoid >= 0 else ()
+        p = chunk.owner.routers[chunk.stage].choose(self.engine.now_s, chunk.samples, weight, exclude)
+        return None if p is None else self.peers[p]
+
+    def on_computed_report(self, chunk: Chunk, peer: PeerState, weight: float, duration_s: float) -> None:
+        chunk.owner.routers[chunk.stage].report(peer.index, chunk.samples, duration_s, weight)
+
+    def on_chunk_done(self, chunk: Chunk) -> None:
+        self.metrics.samples_completed += chunk.samples
+        chunk.reset(self.next_chunk_id())
+        self.dispatch(chunk)
+
+    # membership --------------------------------------------------------------------------------
+    def start_serving(self, peer: PeerState, stage: int) -> None:
+        announced = peer.rates[stage] * ANNOUNCE_FACTOR / FORWARD_WEIGHT
+        for trainer in self.trainers:
+            trainer.routers[stage].add_peer(peer.index, announced)
+        self._membership_changed = True
+        super().start_serving(peer, stage)
+
+    def stop_serving(self, peer: PeerState) -> None:
+        if not peer.serving:
+            return
+        for trainer in self.trainers:
+            trainer.routers[peer.stage].remove_peer(peer.index)
+        self.capacity[peer.stage] -= peer.rates[peer.stage]
+        super().stop_serving(peer)
+
+    def on_join(self, peer: PeerState) -> None:
+        if self.rebalance:
+            stage = stage_for_new_peer(self.capacity, peer.rates)
+        else:
+            stage = peer.home_stage if peer.home_stage >= 0 and peer.rates[peer.home_stage] > 0 else None
+        if stage is not None:
+            self._download_then_serve(peer, stage)
+
+    def on_depart(self, peer: PeerState, graceful: bool) -> None:
+        if peer.serving:
+            self.stop_serving(peer)
+        elif peer.stage >= 0:  # was downloading a stage's state
+            self.capacity[peer.stage] -= peer.rates[peer.stage]
+        peer.stage = -1
+        if not graceful:
+            self.metrics.samples_lost += peer.samples_since_step
+        peer.samples_since_step = 0.0
+        self.reroute_later(self.abandon(peer), 0.0 if graceful else self.config.fail_detect_s)
+
+    def _download_then_serve(self, peer: PeerState, stage: int) -> None:
+        peer.stage = stage
+        self.capacity[stage] += peer.rates[stage]
+        arrival = self.download_state(peer, self.members[stage].values(), self.costs.state_bytes[stage])
+        self.engine.schedule(arrival, self._on_downloaded, peer.index, peer.epoch)
+
+    def _on_downloaded(self, index: int, epoch: int) -> None:
+        peer = self.peers[index]
+        if peer.epoch != epoch or not peer.live:
+            return
+        self.start_serving(peer, peer.stage)
+
+    # rebalancing -------------------------------------------------------------------------------
+    def _next_tick_s(self) -> float:
+        jitter = self.config.rebalance_jitter * (2 * self.rng.random() - 1)
+        return self.engine.now_s + self.config.rebalance_period_s * (1 + jitter)
+
+    def _refresh_rates(self, throughput_samples_per_s: float) -> None:
+        """What peers announce: their rate at each stage with the averaging traffic of a pipeline at the
+        given throughput taken off their links (a peer that cannot keep up announces 0 there)."""
+        rates = self.table.rates(self.costs, throughput_samples_per_s).tolist()
+        self.capacity = [0.0] * self.num_stages
+        for peer in self.peers:
+            peer.rates = tuple(rates[peer.index])
+            if peer.live and peer.stage >= 0:
+                self.capacity[peer.stage] += peer.rates[peer.stage]
+
+    def _on_rebalance(self, _a=None, _b=None) -> None:
+        self._refresh_rates(self.optimum())
+        loads = []
+        for peer in self.peers:
+            if peer.live and peer.stage >= 0:
+                loads.append(
+                    PeerLoad(
+                        peer.index,
+                        peer.stage,
+                        peer.rates[peer.stage],
+                        len(peer.queue) + peer.busy,
+                        throughput_by_stage=peer.rates,
+                        pending=not peer.serving,
+                    )
+                )
+        for move in plan_moves(loads, self.num_stages, self.policy, max_moves=self.max_moves):
+            self._move(self.peers[move.peer], move.to_stage)
+        self.engine.schedule(self._next_tick_s(), self._on_rebalance)
+
+    def _move(self, peer: PeerState, target: int) -> None:
+        self.metrics.counts["moves"] += 1
+        self.stop_serving(peer)
+        self.metrics.samples_lost += peer.samples_since_step
+        peer.samples_since_step = 0.0
+        self.reroute_later(self.abandon(peer), 0.0)
+        peer.epoch += 1
+        self._download_then_serve(peer, target)
