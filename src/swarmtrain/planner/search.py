@@ -1,0 +1,286 @@
+"""Placement search: a memetic evolutionary algorithm over balanced partitions, plus the baselines.
+
+Individuals are balanced partitions of the devices into S stage groups (labels per device). Each
+generation picks two parents by tournament, aligns the second parent's group labels to the first
+(maximum overlap, Hungarian), keeps every device on which they agree, gives each disputed device the
+group of a random parent, and repairs group sizes by moving the devices that fit an over-full group
+worst into the under-full group they fit best. The child then gets a local search: swaps of two
+devices between groups, proposed where the cost comes from (the member of the worst DP group with the
+costliest gradient links, or the member of an endpoint of the costliest pipeline edge with the
+slowest links across that edge, swapped with the outside device that links best) mixed with random
+swaps; a swap is kept if it lowers the cost. The child replaces the worst individual if it is better
+and not already present.
+
+Every scored partition counts as one evaluation; the search stops at `budget_evals` evaluations or
+`budget_s` seconds, whichever comes first, and records the best cost after every evaluation.
+`objective` lets the compute-aware planner reuse the same search with another cost function.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+from scipy.optimize import linear_sum_assignment
+
+from swarmtrain.planner.cost import CostModel, Group, labels_to_groups
+from swarmtrain.planner.graph import shortest_open_path
+from swarmtrain.planner.seeds import packed_labels, random_labels, striped_labels
+from swarmtrain.utils.rng import make_rng
+
+Objective = Callable[[Sequence[Group]], tuple[float, float]]  # (cost, tie-break)
+
+
+@dataclass(frozen=True)
+class SearchConfig:
+    budget_evals: int = 20_000
+    budget_s: float = 10.0
+    population_size: int = 12
+    tournament_size: int = 2
+    local_search_patience: int = 60  # consecutive rejected swaps before a local search gives up
+    guided_fraction: float = 0.7  # share of swap proposals aimed at the costliest group or edge
+    constructive_seeds: bool = True  # first population: packed and striped starts besides random ones
+
+
+@dataclass
+class SearchResult:
+    groups: list[Group]
+    cost_s: float
+    evaluations: int
+    evaluations_to_best: int
+    wall_s: float
+    time_to_best_s: float
+    best_cost_history_s: list[float] = field(repr=False)
+
+
+class _BudgetSpent(Exception):
+    pass
+
+
+class _Tracker:
+    """Counts evaluations, keeps the best partition and the best-so-far curve, enforces budgets."""
+
+    def __init__(self, objective: Objective, config: SearchConfig) -> None:
+        self.objective = objective
+        self.config = config
+        self.start_s = time.perf_counter()
+        self.evaluations = 0
+        self.best_cost = np.inf
+        self.best_groups: list[Group] = []
+        self.evaluations_to_best = 0
+        self.time_to_best_s = 0.0
+        self.history: list[float] = []
+
+    def score(self, groups: list[Group]) -> tuple[float, float]:
+        if self.evaluations >= self.config.budget_evals or self.elapsed_s() >= self.config.budget_s:
+            raise _BudgetSpent
+        cost, tie_break = self.objective(groups)
+        self.evaluations += 1
+        if cost < self.best_cost:
+            self.best_cost, self.best_groups = cost, list(groups)
+            self.evaluations_to_best, self.time_to_best_s = self.evaluations, self.elapsed_s()
+        self.history.append(self.best_cost)
+        return cost, tie_break
+
+    def elapsed_s(self) -> float:
+        return time.perf_counter() - self.start_s
+
+
+@dataclass
+class _Individual:
+    labels: np.ndarray
+    groups: list[Group]
+    cost: float
+    tie_break: float
+
+    def better_than(self, other: _Individual) -> bool:
+        if self.cost < other.cost * (1 - 1e-12):
+            return True
+        return self.cost <= other.cost * (1 + 1e-12) and self.tie_break < other.tie_break
+
+
+class PlacementSearch:
+    """One seeded run of the memetic search on one cost model (optionally another objective)."""
+
+    def __init__(
+        self, model: CostModel, config: SearchConfig, seed: int, objective: Objective | None = None
+    ) -> None:
+        self.model = model
+        self.config = config
+        self.rng = make_rng(seed, "placement-search")
+        self.num_groups = model.scenario.num_stages
+        self.num_devices = model.scenario.num_devices
+        # Affinity used to propose moves: how badly two devices would share a group or a stage boundary.
+        self.affinity_s = model.dp_link_s + model.pp_link_s
+        self.device_class = model.device_class
+        self.tracker = _Tracker(objective or model.score, config)
+
+    def run(self) -> SearchResult:
+        try:
+            population = [self._local_search(self._seed(k)) for k in range(self.config.population_size)]
+            while True:
+                child = self._crossover(self._select(population), self._select(population))
+                child = self._local_search(child)
+                self._replace_worst(population, child)
+        except _BudgetSpent:
+            pass
+        t = self.tracker
+        return SearchResult(
+            t.best_groups,
+            float(t.best_cost),
+            t.evaluations,
+            t.evaluations_to_best,
+            t.elapsed_s(),
+            t.time_to_best_s,
+            t.history,
+        )
+
+    def _make(self, labels: np.ndarray) -> _Individual:
+        groups = labels_to_groups(labels, self.num_groups)
+        return _Individual(labels, groups, *self.tracker.score(groups))
+
+    def _seed(self, index: int) -> _Individual:
+        """The first population cycles through random, packed (by gradient links) and striped (by
+        activation links, every band size that divides S) starts."""
+        band_sizes = [c for c in range(self.num_groups, 1, -1) if self.num_groups % c == 0]
+        kind = index % (2 + len(band_sizes)) if self.config.constructive_seeds else 0
+        if kind == 0:
+            labels = random_labels(self.rng, self.num_devices, self.num_groups)
+        elif kind == 1:
+            labels = packed_labels(self.rng, self.model.dp_link_s, self.num_groups)
+        else:
+            labels = striped_labels(self.rng, self.model.pp_link_s, self.num_groups, band_sizes[kind - 2])
+        return self._make(labels)
+
+    def _select(self, population: list[_Individual]) -> _Individual:
+        picks = self.rng.choice(len(population), size=self.config.tournament_size, replace=False)
+        return min((population[i] for i in picks), key=lambda ind: (ind.cost, ind.tie_break))
+
+    def _replace_worst(self, population: list[_Individual], child: _Individual) -> None:
+        worst = max(range(len(population)), key=lambda i: (population[i].cost, population[i].tie_break))
+        if child.better_than(population[worst]) and all(
+            set(child.groups) != set(p.groups) for p in population
+        ):
+            population[worst] = child
+
+    def _crossover(self, first: _Individual, second: _Individual) -> _Individual:
+        """Inherit whole groups (a coin flip per group) from the parents after aligning their labels;
+        devices that no inherited group claims are placed by `_repair`."""
+        overlap = np.zeros((self.num_groups, self.num_groups), dtype=np.int64)
+        np.add.at(overlap, (second.labels, first.labels), 1)
+        rows, cols = linear_sum_assignment(-overlap)
+        aligned = np.empty(self.num_groups, dtype=np.int64)
+        aligned[rows] = cols
+        second_labels = aligned[second.labels]
+        from_first = self.rng.random(self.num_groups) < 0.5
+        labels = np.where(
+            from_first[first.labels], first.labels, np.where(from_first[second_labels], -1, second_labels)
+        )
+        return self._make(self._repair(labels))
+
+    def _repair(self, labels: np.ndarray) -> np.ndarray:
+        """Rebalance: unassigned devices (label -1) and the worst-fitting members of over-full groups go,
+        one at a time, to the under-full group whose members they link to best."""
+        labels = labels.copy()
+        size = self.num_devices // self.num_groups
+        counts = np.bincount(labels[labels >= 0], minlength=self.num_groups)
+        pending = [int(d) for d in self.rng.permutation(np.flatnonzero(labels < 0))]
+        while pending or counts.max() > size:
+            if pending:
+                mover = pending.pop()
+            else:
+                source = int(counts.argmax())
+                members = np.flatnonzero(labels == source)
+                mover = int(members[self.affinity_s[np.ix_(members, members)].sum(axis=1).argmax()])
+                counts[source] -= 1
+            open_groups = np.flatnonzero(counts < size)
+            costs = [self.affinity_s[mover, labels == g].mean() if counts[g] else 0.0 for g in open_groups]
+            target = int(open_groups[int(np.argmin(costs))])
+            labels[mover] = target
+            counts[target] += 1
+        return labels
+
+    def _local_search(self, individual: _Individual) -> _Individual:
+        rejected = 0
+        critical = self._critical_groups(individual)
+        while rejected < self.config.local_search_patience:
+            x, y = self._propose_swap(individual, critical)
+            if self.device_class[x] == self.device_class[y]:
+                rejected += 1  # interchangeable devices: the swap changes nothing, spend no evaluation
+                continue
+            labels = individual.labels.copy()
+            labels[x], labels[y] = labels[y], labels[x]
+            candidate = self._swapped(individual, labels, x, y)
+            if candidate.better_than(individual):
+                individual, rejected = candidate, 0
+                critical = self._critical_groups(individual)
+            else:
+                rejected += 1
+        return individual
+
+    def _swapped(self, individual: _Individual, labels: np.ndarray, x: int, y: int) -> _Individual:
+        groups = list(individual.groups)
+        for device in (x, y):
+            k = int(labels[device])
+            groups[k] = tuple(sorted(int(d) for d in np.flatnonzero(labels == k)))
+        return _Individual(labels, groups, *self.tracker.score(groups))
+
+    def _critical_groups(self, individual: _Individual) -> list[tuple[int, int | None]]:
+        """(group, neighbour or None): the worst DP group, and both ends of the costliest path edge."""
+        dp_costs = [self.model.group_dp_cost(g) for g in individual.groups]
+        weights = self.model.edge_matrix(individual.groups)
+        _, order = shortest_open_path(weights)
+        edges = [weights[order[k], order[k + 1]] for k in range(len(order) - 1)]
+        critical: list[tuple[int, int | None]] = [(int(np.argmax(dp_costs)), None)]
+        if edges:
+            k = int(np.argmax(edges))
+            critical += [(order[k], order[k + 1]), (order[k + 1], order[k])]
+        return critical
+
+    def _propose_swap(
+        self, individual: _Individual, critical: list[tuple[int, int | None]]
+    ) -> tuple[int, int]:
+        """A random swap, or one aimed at a critical group: move out its member with the costliest links
+        (gradient links inside the group, or its best activation link across the critical edge) for the
+        sampled outside device that links best (to the group's other members, or across that edge)."""
+        labels = individual.labels
+        if self.rng.random() >= self.config.guided_fraction:
+            x = int(self.rng.integers(self.num_devices))
+            return x, int(self.rng.choice(np.flatnonzero(labels != labels[x])))
+        group, neighbour = critical[int(self.rng.integers(len(critical)))]
+        members = np.flatnonzero(labels == group)
+        if neighbour is None:
+            outside = np.flatnonzero(labels != group)
+            badness = self.model.dp_link_s[np.ix_(members, members)].sum(axis=1)
+        else:
+            across = np.flatnonzero(labels == neighbour)
+            outside = np.flatnonzero((labels != group) & (labels != neighbour))
+            badness = self.model.pp_link_s[np.ix_(members, across)].min(axis=1)
+        x = int(members[_pick_top(self.rng, badness)])
+        sample = self.rng.choice(outside, size=min(8, len(outside)), replace=False)
+        rest = members[members != x]
+        fit = self.affinity_s[np.ix_(sample, rest)].mean(axis=1) if len(rest) else np.zeros(len(sample))
+        if neighbour is not None:
+            fit = self.model.pp_link_s[np.ix_(sample, across)].min(axis=1) + 1e-3 * fit
+        return x, int(sample[int(np.argmin(fit))])
+
+
+def _pick_top(rng: np.random.Generator, scores: np.ndarray) -> int:
+    """One of the two highest scores (ties broken at random), so proposals do not retry one swap forever."""
+    top = np.lexsort((rng.random(len(scores)), -scores))[:2]
+    return int(top[int(rng.integers(len(top)))])
+
+
+def random_placement_costs(model: CostModel, seed: int, count: int) -> np.ndarray:
+    """Costs of `count` uniformly random balanced placements (the 'no planner' baseline)."""
+    rng = make_rng(seed, "random-placement")
+    n, s = model.scenario.num_devices, model.scenario.num_stages
+    return np.array([model.cost(labels_to_groups(random_labels(rng, n, s), s)) for _ in range(count)])
+
+
+def search_placement(
+    model: CostModel, config: SearchConfig | None = None, seed: int = 0, objective: Objective | None = None
+) -> SearchResult:
+    return PlacementSearch(model, config or SearchConfig(), seed, objective).run()
