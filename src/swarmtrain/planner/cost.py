@@ -28,6 +28,8 @@ import numpy as np
 from scipy.optimize import linear_sum_assignment
 
 from swarmtrain.config.errors import UserError
+from swarmtrain.config.model import ModelConfig, partition_layers
+from swarmtrain.config.sizes import FP32_BYTES, activation_bytes_per_sample, params_per_layer
 from swarmtrain.planner.graph import bottleneck_matching, shortest_open_path, shortest_open_path_cost
 from swarmtrain.planner.scenarios import Scenario
 
@@ -54,6 +56,15 @@ class Workload:
             raise UserError(
                 f"activation and gradient sizes must be >= 0 GB, got {self.activation_gb}, {self.gradient_gb}"
             )
+
+
+def workload_from_model(model: ModelConfig, num_stages: int, macro_batch_samples: int) -> Workload:
+    """Sizes in GB (1e9 bytes) for evenly cut stages: the gradient is the fp32 parameters of a middle
+    stage's layers; the activation is seq_len x d_model fp16 values per sample of a macro-batch."""
+    middle = partition_layers(model.num_layers, num_stages)[num_stages // 2]
+    gradient_gb = params_per_layer(model) * middle.num_layers * FP32_BYTES / 1e9
+    activation_gb = macro_batch_samples * activation_bytes_per_sample(model) / 1e9
+    return Workload(activation_gb=activation_gb, gradient_gb=gradient_gb)
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,7 @@ from swarmtrain.config.sizes import (
 )
 from swarmtrain.planner.cost import GBIT_PER_GB, CostModel, Group
 from swarmtrain.planner.graph import shortest_open_path
+from swarmtrain.planner.search import SearchConfig, SearchResult, search_placement
 
 STATE_BYTES_PER_PARAM = 16  # fp32 weights + fp32 gradients + Adam m and v
 DEFAULT_UTILIZATION = 0.4
@@ -271,3 +272,37 @@ def _even_index(stages: int, total: int) -> np.ndarray:
 
 def even_layers(num_layers: int, num_stages: int) -> list[int]:
     return [int(i) + 1 for i in _even_index(num_stages, num_layers)]
+
+
+@dataclass(frozen=True)
+class ComputeComparison:
+    """The communication-only plan (DT-FM search) against the compute-aware one on the same fleet.
+
+    `comm_only_even`: the DT-FM placement with layers split evenly, as a compute-blind planner would
+    run it; `comm_only_balanced`: the same placement with layers chosen by `allocate_layers`;
+    `joint`: placement searched for iteration time itself (never worse than `comm_only_balanced`,
+    which it falls back to)."""
+
+    comm_only_groups: list[Group]
+    comm_only_even: LayerPlan
+    comm_only_balanced_groups: list[Group]
+    comm_only_balanced: LayerPlan
+    joint_groups: list[Group]
+    joint: LayerPlan
+    comm_search: SearchResult
+    joint_search: SearchResult
+
+
+def compare_compute_plans(
+    compute: ComputeModel, config: SearchConfig | None = None, seed: int = 0
+) -> ComputeComparison:
+    cost_model, num_layers = compute.cost_model, compute.profile.num_layers
+    comm = search_placement(cost_model, config, seed)
+    comm_order = [tuple(g) for g in cost_model.describe(comm.groups).groups]
+    even = compute.evaluate_layers(comm_order, even_layers(num_layers, len(comm_order)))
+    balanced_order, balanced = compute.plan(comm.groups)
+    joint = search_placement(cost_model, config, seed, objective=compute.objective)
+    joint_order, joint_plan = compute.plan(joint.groups)
+    if balanced.iteration_s < joint_plan.iteration_s:
+        joint_order, joint_plan = balanced_order, balanced
+    return ComputeComparison(comm_order, even, balanced_order, balanced, joint_order, joint_plan, comm, joint)

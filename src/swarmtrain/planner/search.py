@@ -142,16 +142,19 @@ class PlacementSearch:
         return _Individual(labels, groups, *self.tracker.score(groups))
 
     def _seed(self, index: int) -> _Individual:
-        """The first population cycles through random, packed (by gradient links) and striped (by
-        activation links, every band size that divides S) starts."""
+        """The first population cycles through constructive starts, then a random one: striped (by
+        activation links) for every band size that divides S, largest first, and packed (by gradient
+        links) after the first. Without constructive seeds every start is random."""
         band_sizes = [c for c in range(self.num_groups, 1, -1) if self.num_groups % c == 0]
-        kind = index % (2 + len(band_sizes)) if self.config.constructive_seeds else 0
-        if kind == 0:
+        kinds = [("striped", band_sizes[0]), ("packed", 0)] + [("striped", c) for c in band_sizes[1:]]
+        kinds.append(("random", 0))
+        kind, band = kinds[index % len(kinds)] if self.config.constructive_seeds else ("random", 0)
+        if kind == "random":
             labels = random_labels(self.rng, self.num_devices, self.num_groups)
-        elif kind == 1:
+        elif kind == "packed":
             labels = packed_labels(self.rng, self.model.dp_link_s, self.num_groups)
         else:
-            labels = striped_labels(self.rng, self.model.pp_link_s, self.num_groups, band_sizes[kind - 2])
+            labels = striped_labels(self.rng, self.model.pp_link_s, self.num_groups, band)
         return self._make(labels)
 
     def _select(self, population: list[_Individual]) -> _Individual:

@@ -1,0 +1,348 @@
+"""`swarmtrain plan`: place devices into pipeline stages with the DT-FM cost model and an evolutionary search.
+
+Sizes come from a model preset (`--model`, evenly cut stages, `--macro-batch-samples` per pipeline) or
+from `--activation-gb/--gradient-gb`. `--evaluate` scores a given layout instead of searching;
+`--compute` also chooses layers per stage from device speed and memory and compares the result with the
+communication-only plan. `--json` prints one JSON object, `--plot` draws best cost vs evaluations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import Counter
+from pathlib import Path
+
+from swarmtrain.cli.common import positive_float, positive_int
+from swarmtrain.config.errors import UserError
+
+DEFAULT_BUDGET_EVALS = 20_000
+DEFAULT_BUDGET_S = 10.0
+RANDOM_BASELINE_SAMPLES = 100
+
+DESCRIPTION = """\
+Choose which devices serve which pipeline stage so that gradient all-reduce inside each stage group
+and activations between consecutive groups cost the least (Yuan et al. 2022, "Decentralized Training
+of Foundation Models in Heterogeneous Environments"). Built-in fleets: datacenter, spot,
+multi-university, regional, world-wide (communication only) and mixed-regional, mixed-world,
+mixed-volunteers (with GPU speed and memory, for --compute). Your own fleet: --scenario-file, a JSON
+object described in `swarmtrain.planner.scenario_file`.
+"""
+
+
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
+    return value
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "plan", help="place devices into pipeline stages (DT-FM cost model, evolutionary search)",
+        description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--scenario", metavar="NAME", help="a built-in fleet (see above)")
+    source.add_argument(
+        "--scenario-file", metavar="PATH", help="a fleet as JSON (devices, sites, latency_ms, bandwidth_gbps)"
+    )
+    parser.add_argument(
+        "--shuffle-seed", type=int, default=None, metavar="N", help="relabel the devices randomly first"
+    )
+    sizes = parser.add_argument_group("sizes")
+    sizes.add_argument(
+        "--model", default="gpt3-xl", metavar="PRESET", help="model preset for sizes (default: gpt3-xl)"
+    )
+    sizes.add_argument(
+        "--macro-batch-samples",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="samples each pipeline pushes per iteration (default: the preset's global batch / pipelines)",
+    )
+    sizes.add_argument(
+        "--activation-gb",
+        type=non_negative_float,
+        default=None,
+        metavar="X",
+        help="override: GB crossing one stage boundary per macro-batch",
+    )
+    sizes.add_argument(
+        "--gradient-gb",
+        type=non_negative_float,
+        default=None,
+        metavar="Y",
+        help="override: GB of one stage's gradient",
+    )
+    search = parser.add_argument_group("search")
+    search.add_argument("--seed", type=int, default=0)
+    search.add_argument("--budget-evals", type=positive_int, default=DEFAULT_BUDGET_EVALS, metavar="N")
+    search.add_argument("--budget-s", type=positive_float, default=DEFAULT_BUDGET_S, metavar="S")
+    search.add_argument(
+        "--evaluate", metavar="LAYOUT.json", help="score this layout (a list of stage groups) instead"
+    )
+    compute = parser.add_argument_group("compute-aware planning")
+    compute.add_argument(
+        "--compute", action="store_true", help="also choose layers per stage from GPU speed and memory"
+    )
+    compute.add_argument(
+        "--micro-batches",
+        type=positive_int,
+        default=8,
+        metavar="M",
+        help="micro-batches per macro-batch (default 8)",
+    )
+    compute.add_argument(
+        "--utilization",
+        type=positive_float,
+        default=0.4,
+        metavar="U",
+        help="achieved fraction of peak TFLOPS (default 0.4)",
+    )
+    output = parser.add_argument_group("output")
+    output.add_argument("--json", action="store_true", help="print one JSON object")
+    output.add_argument("--plot", metavar="PATH", help="write best cost vs evaluations as a PNG")
+    parser.set_defaults(func=run)  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> int:
+    from swarmtrain.planner.cost import CostModel
+    from swarmtrain.planner.search import SearchConfig
+
+    scenario = _load_scenario(args)
+    workload, model = _workload(args, scenario)
+    cost_model = CostModel(scenario, workload)
+    config = SearchConfig(budget_evals=args.budget_evals, budget_s=args.budget_s)
+    layout = _read_layout(args.evaluate, scenario) if args.evaluate else None
+    if args.compute:
+        return run_compute(args, cost_model, model, config, layout)
+    return run_communication(args, cost_model, config, layout)
+
+
+def _load_scenario(args: argparse.Namespace):
+    from swarmtrain.planner.fleets import builtin_scenario
+    from swarmtrain.planner.scenario_file import load_scenario_file
+    from swarmtrain.planner.scenarios import relabel
+
+    scenario = (
+        load_scenario_file(args.scenario_file) if args.scenario_file else builtin_scenario(args.scenario)
+    )
+    if args.shuffle_seed is not None:
+        scenario, _ = relabel(scenario, args.shuffle_seed)
+    return scenario
+
+
+def _workload(args: argparse.Namespace, scenario):
+    """The Workload (explicit sizes win over the preset's) and the model config (None if not needed)."""
+    from swarmtrain.config import get_preset
+    from swarmtrain.planner.cost import Workload, workload_from_model
+
+    needs_model = args.compute or args.activation_gb is None or args.gradient_gb is None
+    if not needs_model:
+        return Workload(args.activation_gb, args.gradient_gb), None
+    preset = get_preset(args.model)
+    if args.macro_batch_samples is None:
+        args.macro_batch_samples = max(1, preset.training.global_batch_size // scenario.group_size)
+    derived = workload_from_model(preset.model, scenario.num_stages, args.macro_batch_samples)
+    workload = Workload(
+        derived.activation_gb if args.activation_gb is None else args.activation_gb,
+        derived.gradient_gb if args.gradient_gb is None else args.gradient_gb,
+    )
+    return workload, preset.model
+
+
+def _read_layout(path: str, scenario) -> list[list[int]]:
+    from swarmtrain.planner.cost import LayoutError, validate_layout
+
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise UserError(f"cannot read layout {path}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise LayoutError(f"layout {path} is not valid JSON: {exc.msg} at line {exc.lineno}") from None
+    return validate_layout(data, scenario)
+
+
+def site_summary(scenario, group) -> str:
+    """'virginia:2 oregon:2 ...' for a group (first four sites, then a count)."""
+    if not scenario.sites:
+        return ""
+    counts = Counter(scenario.sites[d] for d in group)
+    parts = [f"{site}:{n}" for site, n in counts.most_common()]
+    return " ".join(parts[:4]) + (f" +{len(parts) - 4} sites" if len(parts) > 4 else "")
+
+
+def gpu_summary(scenario, group) -> str:
+    if not scenario.gpu_names:
+        return ""
+    counts = Counter(scenario.gpu_names[d] for d in group)
+    return " ".join(f"{gpu}:{n}" for gpu, n in counts.most_common())
+
+
+def run_communication(args: argparse.Namespace, cost_model, config, layout) -> int:
+    import time
+
+    from swarmtrain.planner.search import search_placement
+
+    start_s = time.perf_counter()
+    if layout is None:
+        result = search_placement(cost_model, config, args.seed)
+        plan = cost_model.describe(result.groups)
+        evaluations, to_best, history = (
+            result.evaluations,
+            result.evaluations_to_best,
+            result.best_cost_history_s,
+        )
+    else:
+        plan = cost_model.describe(layout)
+        evaluations, to_best, history = 1, 1, [plan.cost_s]
+    summary = {
+        "cost_s": plan.cost_s, "dp_cost_s": plan.dp_cost_s, "pp_cost_s": plan.pp_cost_s,
+        "groups": plan.groups, "pipelines": plan.pipelines, "evaluations": evaluations,
+        "evaluations_to_best": to_best, "wall_s": time.perf_counter() - start_s,
+    }  # fmt: skip
+    baselines = _baselines(cost_model, args.seed) if (args.plot or not args.json) else {}
+    if args.plot:
+        _plot(args.plot, history, baselines, f"{cost_model.scenario.name}: DT-FM cost", "cost (s)")
+    if args.json:
+        print(json.dumps(summary))
+        return 0
+    _print_header(args, cost_model, "evaluated layout" if layout is not None else None, summary)
+    print(f"\n{'placement':24s} {'cost_s':>9s} {'dp_cost_s':>10s} {'pp_cost_s':>10s} {'vs this':>8s}")
+    print(f"{'this plan':24s} {plan.cost_s:9.3f} {plan.dp_cost_s:10.3f} {plan.pp_cost_s:10.3f} {1:7.2f}x")
+    for name, cost in baselines.items():
+        print(f"{name:24s} {cost:9.3f} {'':10s} {'':10s} {cost / plan.cost_s:7.2f}x")
+    print(f"\n{'stage':>5s} {'dp_cost_s':>9s} {'edge_next_s':>11s}  devices  [sites]")
+    edges = plan.path_edge_costs_s + [0.0]
+    for k, group in enumerate(plan.groups):
+        where = site_summary(cost_model.scenario, group)
+        print(
+            f"{k:5d} {plan.group_dp_costs_s[k]:9.3f} {edges[k]:11.3f}  {' '.join(map(str, group))}  [{where}]"
+        )
+    return 0
+
+
+def _baselines(cost_model, seed: int) -> dict[str, float]:
+    from swarmtrain.planner.cost import labels_to_groups
+    from swarmtrain.planner.search import random_placement_costs
+    from swarmtrain.planner.seeds import rank_div_labels, rank_mod_labels
+
+    n, s = cost_model.scenario.num_devices, cost_model.scenario.num_stages
+    return {
+        f"random (mean of {RANDOM_BASELINE_SAMPLES})": float(
+            random_placement_costs(cost_model, seed, RANDOM_BASELINE_SAMPLES).mean()
+        ),
+        f"rank mod {s}": cost_model.cost(labels_to_groups(rank_mod_labels(n, s), s)),
+        f"rank div {n // s}": cost_model.cost(labels_to_groups(rank_div_labels(n, s), s)),
+    }
+
+
+def _print_header(args: argparse.Namespace, cost_model, mode: str | None, summary: dict) -> None:
+    sc, w = cost_model.scenario, cost_model.workload
+    relabelled = f", devices relabelled (seed {args.shuffle_seed})" if args.shuffle_seed is not None else ""
+    print(
+        f"scenario {sc.name}: {sc.num_devices} devices, {sc.num_stages} stages x {sc.group_size}{relabelled}"
+    )
+    print(
+        f"sizes: activation {w.activation_gb:.6g} GB per macro-batch, gradient {w.gradient_gb:.6g} GB per stage"
+    )
+    if mode is None:
+        print(
+            f"search: seed {args.seed}, {summary['evaluations']} evaluations in {summary['wall_s']:.2f} s, "
+            f"best at evaluation {summary['evaluations_to_best']}"
+        )
+    else:
+        print(mode)
+
+
+def _plot(path: str, history, baselines: dict[str, float], title: str, ylabel: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4))
+    axes.plot(range(1, len(history) + 1), history, label="best so far")
+    for k, (name, cost) in enumerate(baselines.items()):
+        axes.axhline(cost, linestyle="--", color=f"C{k + 1}", label=name)
+    axes.set_xscale("log")
+    axes.set_xlabel("evaluations")
+    axes.set_ylabel(ylabel)
+    axes.set_title(title)
+    axes.legend()
+    figure.tight_layout()
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        figure.savefig(path, dpi=100)
+    except OSError as exc:
+        raise UserError(f"cannot write plot {path}: {exc.strerror}") from None
+    finally:
+        plt.close(figure)
+
+
+def run_compute(args: argparse.Namespace, cost_model, model, config, layout) -> int:
+    """Compute-aware plan: layers per stage from GPU speed and memory, against the communication-only plan."""
+    import time
+
+    from swarmtrain.planner.hetero import ComputeModel, compare_compute_plans, compute_profile, even_layers
+
+    start_s = time.perf_counter()
+    profile = compute_profile(model, args.macro_batch_samples, args.micro_batches, args.utilization)
+    compute = ComputeModel(cost_model, profile)
+    if layout is None:
+        comparison = compare_compute_plans(compute, config, args.seed)
+        groups, plan = comparison.joint_groups, comparison.joint
+        searches = (comparison.comm_search, comparison.joint_search)
+        evaluations = sum(r.evaluations for r in searches)
+        to_best, history = (
+            comparison.joint_search.evaluations_to_best,
+            comparison.joint_search.best_cost_history_s,
+        )
+        rows = [
+            ("communication-only, even layers", comparison.comm_only_groups, comparison.comm_only_even),
+            (
+                "communication-only, balanced layers",
+                comparison.comm_only_balanced_groups,
+                comparison.comm_only_balanced,
+            ),
+            ("compute-aware (joint search)", groups, plan),
+        ]
+    else:
+        groups, plan = compute.plan(layout)
+        even = compute.evaluate_layers(groups, even_layers(profile.num_layers, len(groups)))
+        evaluations, to_best, history = 1, 1, [plan.iteration_s]
+        rows = [("layout, even layers", groups, even), ("layout, balanced layers", groups, plan)]
+    described = cost_model.describe(groups)
+    summary = {
+        "cost_s": described.cost_s, "dp_cost_s": described.dp_cost_s, "pp_cost_s": described.pp_cost_s,
+        "groups": [list(g) for g in groups], "pipelines": cost_model.wire_pipelines(groups),
+        "evaluations": evaluations, "evaluations_to_best": to_best, "wall_s": time.perf_counter() - start_s,
+        "iteration_s": plan.iteration_s, "layers_per_stage": plan.layers_per_stage, "fits_memory": plan.fits,
+        "stage_compute_s": plan.compute_s,
+        "alternatives": {name: {"iteration_s": p.iteration_s, "layers_per_stage": p.layers_per_stage,
+                                "fits_memory": p.fits, "cost_s": cost_model.cost(g)} for name, g, p in rows},
+    }  # fmt: skip
+    if args.plot:
+        _plot(
+            args.plot, history, {}, f"{cost_model.scenario.name}: predicted iteration time", "iteration (s)"
+        )
+    if args.json:
+        print(json.dumps(summary))
+        return 0
+    _print_header(args, cost_model, "evaluated layout" if layout is not None else None, summary)
+    print(f"compute: {profile.samples_per_macro_batch} samples per macro-batch in {profile.micro_batches} "
+          f"micro-batches, {profile.utilization:.0%} of peak TFLOPS")  # fmt: skip
+    print(f"\n{'plan':38s} {'iteration_s':>11s} {'DT-FM cost_s':>12s}  layers per stage")
+    for name, g, p in rows:
+        shown = f"{p.iteration_s:11.3f}" if p.fits else f"{'no fit':>11s}"
+        print(f"{name:38s} {shown} {cost_model.cost(g):12.3f}  {p.layers_per_stage}")
+    print(f"\n{'stage':>5s} {'layers':>6s} {'compute_s':>9s} {'stage_s':>8s}  gpus  [sites]")
+    for k, group in enumerate(groups):
+        sc = cost_model.scenario
+        print(f"{k:5d} {plan.layers_per_stage[k]:6d} {plan.compute_s[k]:9.3f} {plan.stage_times_s[k]:8.3f}  "
+              f"{gpu_summary(sc, group)}  [{site_summary(sc, group)}]")  # fmt: skip
+    return 0
