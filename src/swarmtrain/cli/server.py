@@ -1,0 +1,60 @@
+"""`swarmtrain server --stage N`: host one pipeline stage of a SWARM run."""
+
+from __future__ import annotations
+
+import argparse
+
+from swarmtrain.cli.common import add_run_config_args, positive_int, run_config_from_args
+from swarmtrain.cli.net_args import add_network_args, prepare_process
+
+HELP = "serve one pipeline stage (forward/backward RPCs, intra-stage averaging)"
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "server",
+        help=HELP,
+        description=HELP + ". Announces itself in the DHT, downloads the stage state from its replicas if "
+        "they have already trained, and serves until Ctrl-C or SIGTERM.",
+    )
+    parser.add_argument("--stage", type=int, required=True, help="stage index, 0 .. num_stages-1")
+    add_run_config_args(parser)
+    add_network_args(parser)
+    parser.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads (default: 1)")
+    parser.add_argument(
+        "--cache-size",
+        type=positive_int,
+        default=64,
+        help="micro-batches whose activations are kept for the backward (default: 64)",
+    )
+    parser.add_argument(
+        "--ledger", metavar="PATH", help="append a JSON line per accumulated/applied micro-batch"
+    )
+    parser.add_argument("--metrics-period-s", type=float, default=5.0, help="metrics publish/log period")
+    parser.add_argument(
+        "--matchmaking-time-s",
+        type=float,
+        default=1.0,
+        help="how long a replica waits for its stage peers to join an averaging round",
+    )
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    prepare_process()
+    from swarmtrain.net.engine import validate_initial_peers
+    from swarmtrain.runtime.server import ServerOptions, StageServer
+
+    cfg = run_config_from_args(args)
+    options = ServerOptions(
+        stage=args.stage,
+        initial_peers=validate_initial_peers(args.initial_peers),
+        host=args.host,
+        port=args.port,
+        threads=args.threads,
+        cache_size=args.cache_size,
+        ledger_path=args.ledger,
+        metrics_period_s=args.metrics_period_s,
+        min_matchmaking_time_s=args.matchmaking_time_s,
+    )
+    return StageServer(cfg, options).run()

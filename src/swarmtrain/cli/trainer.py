@@ -1,0 +1,85 @@
+"""`swarmtrain trainer`: stream data through the swarm's stages and report the loss."""
+
+from __future__ import annotations
+
+import argparse
+
+from swarmtrain.cli.common import add_run_config_args, positive_int, run_config_from_args, write_summary_json
+from swarmtrain.cli.net_args import add_network_args, prepare_process
+
+HELP = "drive micro-batches through the swarm (stochastic wiring, retries, compression)"
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "trainer",
+        help=HELP,
+        description=HELP + ". Runs until --max-samples, "
+        "--duration-s or Ctrl-C (in-flight micro-batches finish first).",
+    )
+    add_run_config_args(parser)
+    add_network_args(parser)
+    parser.add_argument(
+        "--compression",
+        choices=("none", "float16", "8bit"),
+        help="codec for activations and gradients (default: the run config's swarm.compression)",
+    )
+    parser.add_argument("--max-samples", type=positive_int, help="stop after starting this many samples")
+    parser.add_argument(
+        "--duration-s", type=float, help="stop starting micro-batches after this many seconds"
+    )
+    parser.add_argument(
+        "--in-flight", type=positive_int, default=4, help="micro-batches in flight (default: 4)"
+    )
+    parser.add_argument(
+        "--eval-samples",
+        type=int,
+        default=0,
+        help="at the end, compute the validation loss on this many samples through the swarm",
+    )
+    parser.add_argument(
+        "--shard", default="0/1", metavar="K/N", help="data shard of this trainer (default 0/1)"
+    )
+    parser.add_argument("--trainer-id", help="prefix of this trainer's micro-batch ids (default: random)")
+    parser.add_argument(
+        "--ledger", metavar="PATH", help="append a JSON line per started/completed micro-batch"
+    )
+    parser.add_argument("--log-period-s", type=float, default=5.0, help="progress/metrics period")
+    parser.add_argument("--summary-json", metavar="PATH", help="write the run summary here")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    prepare_process()
+    from swarmtrain.config.errors import UserError
+    from swarmtrain.net.engine import validate_initial_peers
+    from swarmtrain.runtime.trainer import TrainerOptions, run_trainer
+
+    try:
+        shard_index, shard_count = (int(x) for x in args.shard.split("/"))
+    except ValueError:
+        raise UserError(f"--shard must look like K/N, got {args.shard!r}") from None
+    cfg = run_config_from_args(args)
+    options = TrainerOptions(
+        codec=args.compression,
+        max_in_flight=args.in_flight,
+        max_samples=args.max_samples,
+        duration_s=args.duration_s,
+        eval_samples=args.eval_samples,
+        ledger_path=args.ledger,
+        shard_index=shard_index,
+        shard_count=shard_count,
+        log_period_s=args.log_period_s,
+    )
+    if args.trainer_id:
+        options.trainer_id = args.trainer_id
+    if options.max_samples is None and options.duration_s is None:
+        options.max_samples = cfg.training.max_samples
+    summary = run_trainer(cfg, options, validate_initial_peers(args.initial_peers), host=args.host)
+    print(
+        f"trainer {options.trainer_id}: {summary['microbatches_completed']} micro-batches, "
+        f"loss {summary['initial_loss']} -> {summary['final_loss']}, {summary['samples_per_s']:.1f} samples/s"
+        + (f", val loss {summary['val_loss']:.4f}" if summary.get("val_loss") is not None else "")
+    )
+    write_summary_json(args.summary_json, summary)
+    return 0

@@ -1,0 +1,136 @@
+"""DHT records of a run: stage announcements, per-stage training progress and peer metrics.
+
+Keys (DESIGN.md section 4), one subkey per peer (its base58 peer id), every subkey with its own
+expiration so that dead peers disappear by themselves:
+- `{run}.stage{i}`          -> StageAnnouncement (addresses, throughput, queue, digest, state version)
+- `{run}.stage{i}.progress` -> {epoch, samples, ready, params_digest, time}: drives intra-stage steps
+- `{run}.metrics`           -> {role, stage, step, loss, samples_per_s, time, ...}
+
+Every call is bounded by a timeout (a dead DHT process would otherwise hang callers forever) and
+tolerates malformed values from other peers (skipped, never raised).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+from swarmtrain.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+
+def stage_key(run_id: str, stage: int) -> str:
+    return f"{run_id}.stage{stage}"
+
+
+def progress_key(run_id: str, stage: int) -> str:
+    return f"{run_id}.stage{stage}.progress"
+
+
+def metrics_key(run_id: str) -> str:
+    return f"{run_id}.metrics"
+
+
+@dataclass
+class StageAnnouncement:
+    """What a stage server tells trainers about itself."""
+
+    stage: int
+    addresses: list[str]
+    throughput_samples_per_s: float
+    queue_len: int
+    config_digest: str
+    state_version: int
+    state: str = "online"  # joining | online | offline
+    announced_at: float = field(default_factory=time.time)
+
+    def to_value(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_value(cls, value) -> StageAnnouncement | None:
+        try:
+            return cls(
+                stage=int(value["stage"]),
+                addresses=[str(a) for a in value["addresses"]][:16],
+                throughput_samples_per_s=float(value["throughput_samples_per_s"]),
+                queue_len=int(value["queue_len"]),
+                config_digest=str(value["config_digest"]),
+                state_version=int(value["state_version"]),
+                state=str(value.get("state", "online")),
+                announced_at=float(value.get("announced_at", 0.0)),
+            )
+        except (KeyError, TypeError, ValueError):
+            return None
+
+
+class RunRecords:
+    """Reads and writes the records of one run through a hivemind DHT, every call with a timeout."""
+
+    def __init__(self, dht, run_id: str, timeout_s: float = 5.0) -> None:
+        self.dht = dht
+        self.run_id = run_id
+        self.timeout_s = timeout_s
+
+    # generic ------------------------------------------------------------------------------------
+    def _store(self, key: str, subkey: str, value, ttl_s: float) -> bool:
+        from hivemind.utils import get_dht_time
+
+        try:
+            future = self.dht.store(key, value, get_dht_time() + ttl_s, subkey=subkey, return_future=True)
+            return bool(future.result(timeout=self.timeout_s))
+        except Exception as exc:  # timeouts and a dead DHT process: report, caller retries next period
+            logger.warning("DHT store of %s failed: %r", key, exc)
+            return False
+
+    def _get_dict(self, key: str) -> dict[str, object]:
+        try:
+            found = self.dht.get(key, latest=True, return_future=True).result(timeout=self.timeout_s)
+        except Exception as exc:
+            logger.warning("DHT get of %s failed: %r", key, exc)
+            return {}
+        if found is None or not isinstance(found.value, dict):
+            return {}
+        out = {}
+        for subkey, item in found.value.items():
+            value = getattr(item, "value", None)
+            if isinstance(subkey, str) and value is not None:
+                out[subkey] = value
+        return out
+
+    # announcements ------------------------------------------------------------------------------
+    def announce(self, peer_id: str, announcement: StageAnnouncement, ttl_s: float) -> bool:
+        return self._store(
+            stage_key(self.run_id, announcement.stage), peer_id, announcement.to_value(), ttl_s
+        )
+
+    def stage_peers(self, stage: int) -> dict[str, StageAnnouncement]:
+        peers = {}
+        for peer_id, value in self._get_dict(stage_key(self.run_id, stage)).items():
+            parsed = StageAnnouncement.from_value(value) if isinstance(value, dict) else None
+            if parsed is not None and parsed.stage == stage and parsed.state != "offline":
+                peers[peer_id] = parsed
+        return peers
+
+    # progress -----------------------------------------------------------------------------------
+    def publish_progress(self, stage: int, peer_id: str, progress: dict, ttl_s: float) -> bool:
+        return self._store(progress_key(self.run_id, stage), peer_id, dict(progress, time=time.time()), ttl_s)
+
+    def stage_progress(self, stage: int) -> dict[str, dict]:
+        out = {}
+        for peer_id, value in self._get_dict(progress_key(self.run_id, stage)).items():
+            if (
+                isinstance(value, dict)
+                and isinstance(value.get("epoch"), int)
+                and isinstance(value.get("samples"), int)
+            ):
+                out[peer_id] = value
+        return out
+
+    # metrics ------------------------------------------------------------------------------------
+    def publish_metrics(self, peer_id: str, metrics: dict, ttl_s: float) -> bool:
+        return self._store(metrics_key(self.run_id), peer_id, dict(metrics, time=time.time()), ttl_s)
+
+    def metrics(self) -> dict[str, dict]:
+        return {k: v for k, v in self._get_dict(metrics_key(self.run_id)).items() if isinstance(v, dict)}

@@ -1,0 +1,94 @@
+"""Starting hivemind safely: environment knobs set before its import, DHT creation, address parsing.
+
+hivemind changes process-wide state when imported (torch sharing strategy, log handlers) and its
+components fork; these helpers are called by entry points only, before any thread is started.
+See notes/hivemind-engine.md sections 1 and 3.3 for the traps they avoid.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+from swarmtrain.config.errors import UserError
+
+
+class NetworkError(UserError):
+    """The local node could not start or join the swarm (bad address, unreachable bootstrap peer)."""
+
+
+def prepare_environment(log_level: str = "WARNING") -> None:
+    """Set hivemind/p2pd knobs; must run before `import hivemind` anywhere in the process."""
+    # file_descriptor sharing leaves no /dev/shm/torch_* files behind after a SIGKILL
+    os.environ.setdefault("HIVEMIND_MEMORY_SHARING_STRATEGY", "file_descriptor")
+    os.environ.setdefault("HIVEMIND_LOGLEVEL", log_level)
+    os.environ.setdefault("GOLOG_LOG_LEVEL", "fatal")
+    os.environ.setdefault("USE_LEGACY_BFLOAT16", "0")  # send bf16 as 2 bytes, not as fp32
+
+
+def restore_sigint() -> None:
+    """hivemind averagers set SIGINT to ignored in the parent and never restore it."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def start_dht(
+    initial_peers: list[str] | None,
+    *,
+    client_mode: bool = False,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    startup_timeout_s: float = 20.0,
+):
+    """Start a hivemind DHT (own process + p2pd) and return it; bootstrap failures become NetworkError."""
+    prepare_environment()
+    from hivemind.dht import DHT
+
+    host_maddr = f"/ip6/{host}/tcp/{port}" if ":" in host else f"/ip4/{host}/tcp/{port}"
+    try:
+        dht = DHT(
+            initial_peers=list(initial_peers) if initial_peers else None,
+            start=True,
+            client_mode=client_mode,
+            host_maddrs=[host_maddr],
+            startup_timeout=startup_timeout_s,
+            await_ready=False,
+        )
+        dht.wait_until_ready(timeout=startup_timeout_s + 10)
+    except Exception as exc:  # hivemind raises bare Exceptions/P2PDaemonError/TimeoutError here
+        raise NetworkError(
+            f"could not start or join the DHT (initial peers: {initial_peers or 'none'}): {exc}. "
+            "Check that the address printed by `swarmtrain dht` is right and reachable."
+        ) from None
+    restore_sigint()
+    return dht
+
+
+def visible_addresses(dht) -> list[str]:
+    """Multiaddrs other peers can use as --initial-peers (each ends with /p2p/<peer id>)."""
+    return [str(addr) for addr in dht.get_visible_maddrs()]
+
+
+def validate_initial_peers(peers: list[str]) -> list[str]:
+    """Reject obviously malformed multiaddrs with a clear message before hivemind sees them."""
+    cleaned = []
+    for peer in peers:
+        for part in peer.replace(",", " ").split():
+            if not part.startswith("/") or "/p2p/" not in part:
+                raise NetworkError(
+                    f"bad --initial-peers entry {part!r}: expected a multiaddr like "
+                    "/ip4/127.0.0.1/tcp/PORT/p2p/PEER_ID (as printed by `swarmtrain dht`)"
+                )
+            cleaned.append(part)
+    return cleaned
+
+
+def shutdown_quietly(*components) -> None:
+    """Shut down DHTs/averagers, ignoring errors (used on exit paths)."""
+    for component in components:
+        if component is None:
+            continue
+        try:
+            component.shutdown()
+        except Exception as exc:  # exit path: report, never raise
+            print(f"warning: shutdown of {type(component).__name__} failed: {exc}", file=sys.stderr)

@@ -1,0 +1,309 @@
+"""Wire messages between trainers and stage servers, and the strict checks a server applies to them.
+
+A message is one byte string: magic, a length-prefixed JSON header, then the tensor payloads.
+The header names the message kind, the micro-batch id, the stage, the config digest, the protocol
+version and one descriptor per tensor (name, codec, dtype, shape, payload bytes). The trainer and
+the server share only this module (DESIGN.md section 3).
+
+Validation never trusts the sender: sizes are checked against the descriptors before anything is
+allocated, shapes and dtypes against what the stage expects, token ids against the vocabulary and
+floats for NaN/inf. Every violation raises `ProtocolError` with a message the server sends back as
+an error answer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import struct
+from dataclasses import dataclass, field
+
+import torch
+
+from swarmtrain.config.model import ModelConfig, StageSpec
+from swarmtrain.net import codec
+
+PROTOCOL_VERSION = 1
+MAGIC = b"SWT1"
+MAX_HEADER_BYTES = 64 * 1024
+MAX_ID_CHARS = 128
+KINDS = ("forward", "backward", "info", "result", "error")
+_LEN = struct.Struct("<I")
+
+
+class ProtocolError(ValueError):
+    """A malformed or unacceptable message; `code` is sent back with the error answer."""
+
+    def __init__(self, message: str, code: str = "bad_request") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class Message:
+    kind: str
+    header: dict = field(default_factory=dict)
+    tensors: dict[str, codec.EncodedTensor] = field(default_factory=dict)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        try:
+            return codec.decode(self.tensors[name])
+        except codec.CodecError as exc:
+            raise ProtocolError(f"tensor {name!r}: {exc}") from None
+
+    def fp32_equivalent_bytes(self) -> int:
+        """Size of this message if every float tensor were sent as fp32 (same header and descriptors)."""
+        empty = {name: dataclasses.replace(t, payload=b"") for name, t in self.tensors.items()}
+        return len(pack(Message(self.kind, self.header, empty))) + sum(
+            t.fp32_equivalent_bytes() for t in self.tensors.values()
+        )
+
+
+def make_message(
+    kind: str, header: dict, tensors: dict[str, torch.Tensor], codec_name: str = "none"
+) -> Message:
+    return Message(kind, dict(header), {name: codec.encode(t, codec_name) for name, t in tensors.items()})
+
+
+def request_message(
+    kind: str,
+    micro_batch_id: str,
+    stage: int,
+    digest: str,
+    codec_name: str,
+    tensors: dict[str, torch.Tensor | codec.EncodedTensor],
+    **extra,
+) -> Message:
+    """A forward/backward request. Already-encoded tensors (e.g. a previous stage's output) are
+    relayed as they are: no decode/re-encode on the trainer, no double quantization."""
+    encoded = {
+        name: t if isinstance(t, codec.EncodedTensor) else codec.encode(t, codec_name)
+        for name, t in tensors.items()
+    }
+    header = {"mb": micro_batch_id, "stage": stage, "digest": digest, "codec": codec_name, **extra}
+    return Message(kind, header, encoded)
+
+
+def error_message(text: str, code: str = "bad_request") -> Message:
+    return Message("error", {"error": text[:2000], "code": code})
+
+
+# bytes <-> Message --------------------------------------------------------------------------------
+def pack(message: Message) -> bytes:
+    descriptors = [
+        [name, t.codec, t.dtype, list(t.shape), len(t.payload)] for name, t in message.tensors.items()
+    ]
+    header = dict(message.header, kind=message.kind, v=PROTOCOL_VERSION, tensors=descriptors)
+    header_bytes = json.dumps(header, separators=(",", ":")).encode()
+    return b"".join(
+        [MAGIC, _LEN.pack(len(header_bytes)), header_bytes, *(t.payload for t in message.tensors.values())]
+    )
+
+
+def unpack(data: bytes, max_bytes: int) -> Message:
+    """Parse bytes into a Message; raises ProtocolError on anything malformed or over `max_bytes`."""
+    if len(data) > max_bytes:
+        raise ProtocolError(f"message of {len(data)} bytes exceeds the limit of {max_bytes}", "too_large")
+    if len(data) < len(MAGIC) + _LEN.size or data[: len(MAGIC)] != MAGIC:
+        raise ProtocolError("not a swarmtrain message (bad magic)")
+    (header_len,) = _LEN.unpack_from(data, len(MAGIC))
+    start = len(MAGIC) + _LEN.size
+    if header_len > MAX_HEADER_BYTES or start + header_len > len(data):
+        raise ProtocolError(f"bad header length {header_len}")
+    try:
+        header = json.loads(data[start : start + header_len])
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise ProtocolError("header is not valid JSON") from None
+    if not isinstance(header, dict):
+        raise ProtocolError("header must be a JSON object")
+    if header.pop("v", None) != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version mismatch (this peer speaks {PROTOCOL_VERSION})", "version")
+    kind = header.pop("kind", None)
+    if kind not in KINDS:
+        raise ProtocolError(f"unknown message kind {kind!r}")
+    tensors = _parse_tensors(header.pop("tensors", []), data, start + header_len)
+    return Message(kind, header, tensors)
+
+
+def _parse_tensors(descriptors, data: bytes, offset: int) -> dict[str, codec.EncodedTensor]:
+    if not isinstance(descriptors, list) or len(descriptors) > 16:
+        raise ProtocolError("tensor descriptors must be a list of at most 16 entries")
+    view = memoryview(data)
+    tensors: dict[str, codec.EncodedTensor] = {}
+    for entry in descriptors:
+        if not (isinstance(entry, list) and len(entry) == 5):
+            raise ProtocolError("bad tensor descriptor")
+        name, codec_name, dtype, shape, nbytes = entry
+        if not isinstance(name, str) or name in tensors or not isinstance(nbytes, int) or nbytes < 0:
+            raise ProtocolError(f"bad tensor descriptor {entry!r:.200}")
+        if not (
+            isinstance(shape, list) and len(shape) <= 8 and all(isinstance(d, int) and d >= 0 for d in shape)
+        ):
+            raise ProtocolError(f"tensor {name!r}: bad shape {shape!r:.200}")
+        if codec_name not in codec.CODECS or dtype not in codec.DTYPES:
+            raise ProtocolError(f"tensor {name!r}: unknown codec {codec_name!r} or dtype {dtype!r}")
+        expected = codec.payload_size(codec_name, codec.DTYPES[dtype], _numel(shape))
+        if nbytes != expected:
+            raise ProtocolError(f"tensor {name!r}: {nbytes} payload bytes, expected {expected}")
+        if offset + nbytes > len(data):
+            raise ProtocolError(f"tensor {name!r}: payload truncated")
+        tensors[name] = codec.EncodedTensor(
+            codec_name, dtype, tuple(shape), bytes(view[offset : offset + nbytes])
+        )
+        offset += nbytes
+    if offset != len(data):
+        raise ProtocolError(f"{len(data) - offset} trailing bytes after the last tensor")
+    return tensors
+
+
+def _numel(shape) -> int:
+    total = 1
+    for dim in shape:
+        total *= dim
+    return total
+
+
+# what a stage accepts -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StageIO:
+    """Shapes and dtypes one stage accepts; built from the run's model config and the stage spec."""
+
+    stage: int
+    is_first: bool
+    is_last: bool
+    d_model: int
+    seq_len: int
+    vocab_size: int
+    max_batch: int
+    ignore_label: int = -100
+
+    @classmethod
+    def from_config(cls, model: ModelConfig, spec: StageSpec, max_batch: int) -> StageIO:
+        return cls(
+            spec.index,
+            spec.is_first,
+            spec.is_last,
+            model.d_model,
+            model.seq_len,
+            model.vocab_size,
+            max_batch,
+            model.pad_token_id,
+        )
+
+    def max_message_bytes(self) -> int:
+        """Largest legal request: fp32 input + fp32 grad + int64 labels of a full batch, plus slack."""
+        values = self.max_batch * self.seq_len
+        return values * (2 * 4 * self.d_model + 8) + MAX_HEADER_BYTES + 4096
+
+
+@dataclass
+class StageRequest:
+    """A validated forward or backward request, tensors decoded."""
+
+    kind: str
+    micro_batch_id: str
+    codec: str
+    inputs: torch.Tensor
+    labels: torch.Tensor | None = None
+    grad_outputs: torch.Tensor | None = None
+    fused_backward: bool = False
+    evaluate: bool = False  # forward only: no cached graph, no gradient
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.inputs.shape[0])
+
+
+def validate_request(message: Message, io: StageIO, digest: str) -> StageRequest:
+    """Check a forward/backward request against this stage; raise ProtocolError with the reason."""
+    header = message.header
+    if message.kind not in ("forward", "backward"):
+        raise ProtocolError(f"expected a forward or backward request, got {message.kind!r}")
+    if header.get("digest") != digest:
+        raise ProtocolError(
+            f"config digest mismatch: this server runs {digest}, the request has {header.get('digest')!r} "
+            "(different model, stage cut or optimizer settings); refusing",
+            "digest_mismatch",
+        )
+    if header.get("stage") != io.stage:
+        raise ProtocolError(f"this server hosts stage {io.stage}, the request is for {header.get('stage')!r}")
+    mb_id = header.get("mb")
+    if not isinstance(mb_id, str) or not 0 < len(mb_id) <= MAX_ID_CHARS:
+        raise ProtocolError("missing or bad micro-batch id")
+    codec_name = header.get("codec", "none")
+    if codec_name not in codec.CODECS:
+        raise ProtocolError(f"unknown codec {codec_name!r}")
+    expected = {"inputs"} | ({"labels"} if io.is_last else set())
+    expected |= {"grad_outputs"} if message.kind == "backward" else set()
+    if set(message.tensors) != expected:
+        raise ProtocolError(f"expected tensors {sorted(expected)}, got {sorted(message.tensors)}")
+    fused = bool(header.get("fused_backward", False))
+    if io.is_last and message.kind == "backward":
+        raise ProtocolError("the last stage takes its backward fused into the forward (fused_backward)")
+    inputs = _checked_inputs(message, io)
+    batch, seq = inputs.shape[0], inputs.shape[1]
+    evaluate = message.kind == "forward" and (bool(header.get("eval", False)) or (io.is_last and not fused))
+    request = StageRequest(
+        message.kind,
+        mb_id,
+        codec_name,
+        inputs,
+        fused_backward=fused and io.is_last and not evaluate,
+        evaluate=evaluate,
+    )
+    if io.is_last:
+        request.labels = _checked_labels(message, io, batch, seq)
+    if message.kind == "backward":
+        request.grad_outputs = _checked_float(message, "grad_outputs", (batch, seq, io.d_model))
+    return request
+
+
+def _checked_inputs(message: Message, io: StageIO) -> torch.Tensor:
+    desc = message.tensors["inputs"]
+    if io.is_first:
+        _check_shape(desc, 2, io)
+        if desc.dtype != "int64":
+            raise ProtocolError(f"stage 0 takes int64 token ids, got {desc.dtype}")
+        tokens = message.tensor("inputs")
+        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= io.vocab_size):
+            raise ProtocolError(f"token ids must be in [0, {io.vocab_size})")
+        return tokens
+    _check_shape(desc, 3, io)
+    return _checked_float(message, "inputs", tuple(desc.shape))
+
+
+def _check_shape(desc: codec.EncodedTensor, ndim: int, io: StageIO) -> None:
+    shape = desc.shape
+    if len(shape) != ndim:
+        raise ProtocolError(f"inputs must have {ndim} dimensions, got shape {list(shape)}")
+    if not 1 <= shape[0] <= io.max_batch:
+        raise ProtocolError(f"batch size {shape[0]} outside 1..{io.max_batch}")
+    if not 1 <= shape[1] <= io.seq_len:
+        raise ProtocolError(f"sequence length {shape[1]} outside 1..{io.seq_len}")
+    if ndim == 3 and shape[2] != io.d_model:
+        raise ProtocolError(f"hidden size {shape[2]} != d_model {io.d_model}")
+
+
+def _checked_float(message: Message, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    desc = message.tensors[name]
+    if tuple(desc.shape) != tuple(shape):
+        raise ProtocolError(f"{name} must have shape {list(shape)}, got {list(desc.shape)}")
+    if not codec.DTYPES[desc.dtype].is_floating_point:
+        raise ProtocolError(f"{name} must be floating point, got {desc.dtype}")
+    tensor = message.tensor(name).float()
+    if not bool(torch.isfinite(tensor).all()):
+        raise ProtocolError(f"{name} contains NaN or inf")
+    return tensor
+
+
+def _checked_labels(message: Message, io: StageIO, batch: int, seq: int) -> torch.Tensor:
+    desc = message.tensors["labels"]
+    if desc.dtype != "int64" or tuple(desc.shape) != (batch, seq):
+        raise ProtocolError(
+            f"labels must be int64 of shape {[batch, seq]}, got {desc.dtype}{list(desc.shape)}"
+        )
+    labels = message.tensor("labels")
+    valid = (labels == io.ignore_label) | ((labels >= 0) & (labels < io.vocab_size))
+    if not bool(valid.all()):
+        raise ProtocolError(f"labels must be in [0, {io.vocab_size}) or {io.ignore_label}")
+    return labels

@@ -1,0 +1,214 @@
+"""RPC transport over hivemind's libp2p: streaming forward/backward handlers, a client that always
+times out, and byte counting at the transport.
+
+Messages (net/protocol.py) travel as a stream of `ExpertRequest`/`ExpertResponse` protobufs whose
+`metadata` field carries consecutive chunks of the packed message: streams have no 4 MiB limit and
+are faster than unary calls above ~100 KB (notes/hivemind-engine.md 2.2). The server side reads at
+most `max_message_bytes` and answers anything malformed with an error message instead of failing;
+the client wraps the whole exchange in `asyncio.wait_for`, since hivemind's stubs cannot time out
+streaming calls and a hung server would otherwise hang the trainer forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import defaultdict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import AsyncIterator  # noqa: UP035 (hivemind's ServicerBase only recognizes typing's alias)
+
+from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
+from hivemind.proto import runtime_pb2
+
+from swarmtrain.net.protocol import Message, ProtocolError, error_message, pack, unpack
+from swarmtrain.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+CHUNK_BYTES = 512 * 1024
+MAX_REPLY_BYTES = 1 << 30
+
+Handler = Callable[[Message, P2PContext], Awaitable[Message]]
+
+
+class RemoteError(RuntimeError):
+    """The server answered with an error message (bad request, digest mismatch, overloaded...)."""
+
+    def __init__(self, code: str, text: str) -> None:
+        super().__init__(f"{code}: {text}")
+        self.code = code
+        self.text = text
+
+
+class TruncatedReply(ConnectionError):
+    """The reply stream ended before a complete message arrived."""
+
+
+@dataclass
+class ByteCount:
+    messages: int = 0
+    wire_bytes: int = 0
+    fp32_bytes: int = 0
+
+
+class TransportStats:
+    """Thread-safe byte counters keyed by (stage, message kind, direction)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: dict[tuple[int, str, str], ByteCount] = defaultdict(ByteCount)
+
+    def record(self, stage: int, kind: str, direction: str, wire_bytes: int, fp32_bytes: int) -> None:
+        with self._lock:
+            count = self._counts[(stage, kind, direction)]
+            count.messages += 1
+            count.wire_bytes += wire_bytes
+            count.fp32_bytes += fp32_bytes
+
+    def snapshot(self) -> dict[tuple[int, str, str], ByteCount]:
+        with self._lock:
+            return {key: ByteCount(c.messages, c.wire_bytes, c.fp32_bytes) for key, c in self._counts.items()}
+
+    def totals(self) -> ByteCount:
+        total = ByteCount()
+        for count in self.snapshot().values():
+            total.messages += count.messages
+            total.wire_bytes += count.wire_bytes
+            total.fp32_bytes += count.fp32_bytes
+        return total
+
+
+def _chunks(data: bytes) -> list[bytes]:
+    view = memoryview(data)
+    return [bytes(view[i : i + CHUNK_BYTES]) for i in range(0, len(data), CHUNK_BYTES)] or [b""]
+
+
+async def _collect(stream: AsyncIterator, max_bytes: int) -> bytes:
+    parts, size = [], 0
+    async for item in stream:
+        size += len(item.metadata)
+        if size > max_bytes:
+            raise ProtocolError(f"message exceeds the limit of {max_bytes} bytes", "too_large")
+        parts.append(item.metadata)
+    return b"".join(parts)
+
+
+class StageServicer(ServicerBase):
+    """Registers `rpc_forward`, `rpc_backward` (streams) and `rpc_info` (unary) under a namespace."""
+
+    def __init__(self, handler: Handler, max_message_bytes: int, stats: TransportStats | None = None) -> None:
+        self.handler = handler
+        self.max_message_bytes = max_message_bytes
+        self.stats = stats or TransportStats()
+
+    async def rpc_forward(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        async for response in self._serve("forward", requests, context):
+            yield response
+
+    async def rpc_backward(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        async for response in self._serve("backward", requests, context):
+            yield response
+
+    async def rpc_info(
+        self, request: runtime_pb2.ExpertRequest, context: P2PContext
+    ) -> runtime_pb2.ExpertResponse:
+        reply = await self._answer("info", request.metadata, context)
+        return runtime_pb2.ExpertResponse(metadata=pack(reply))
+
+    async def _serve(self, kind: str, requests, context: P2PContext):
+        try:
+            data = await _collect(requests, self.max_message_bytes)
+        except ProtocolError as exc:
+            reply = error_message(str(exc), exc.code)
+        else:
+            reply = await self._answer(kind, data, context)
+        for chunk in _chunks(pack(reply)):
+            yield runtime_pb2.ExpertResponse(metadata=chunk)
+
+    async def _answer(self, kind: str, data: bytes, context: P2PContext) -> Message:
+        try:
+            message = unpack(data, self.max_message_bytes)
+            if message.kind != kind:
+                raise ProtocolError(f"a {message.kind!r} message sent to the {kind} handler")
+            stage = message.header.get("stage")
+            self.stats.record(
+                stage if isinstance(stage, int) else -1,
+                kind,
+                "in",
+                len(data),
+                message.fp32_equivalent_bytes(),
+            )
+            return await self.handler(message, context)
+        except ProtocolError as exc:
+            logger.info("refused %s from %s: %s", kind, context.remote_id, exc)
+            return error_message(str(exc), exc.code)
+        except Exception as exc:  # a bug in a handler must not kill the server; the caller gets the reason
+            logger.exception("handler for %s failed", kind)
+            return error_message(f"internal error: {exc!r}", "internal")
+
+
+class StageClient:
+    """Calls stage servers; every call is bounded by `timeout_s` and counted in `stats`."""
+
+    def __init__(self, p2p: P2P, namespace: str, stats: TransportStats | None = None) -> None:
+        self.p2p = p2p
+        self.namespace = namespace
+        self.stats = stats or TransportStats()
+
+    async def call(self, peer_id: PeerID, kind: str, message: Message, timeout_s: float) -> Message:
+        """Send `message` to the `kind` handler of `peer_id`; raise RemoteError on an error answer,
+        asyncio.TimeoutError on timeout and hivemind's P2P errors on connection failures."""
+        data = pack(message)
+        stage = message.header.get("stage", -1)
+        reply_bytes = await asyncio.wait_for(self._exchange(peer_id, kind, data), timeout=timeout_s)
+        try:
+            reply = unpack(reply_bytes, MAX_REPLY_BYTES)
+        except ProtocolError as exc:
+            # hivemind ends a reply stream silently when the connection closes early: a truncated
+            # (or empty) reply is a transport failure, not a bad message
+            raise TruncatedReply(f"{len(reply_bytes)}-byte reply from {peer_id}: {exc}") from None
+        self.stats.record(stage, kind, "out", len(data), message.fp32_equivalent_bytes())
+        self.stats.record(stage, kind, "back", len(reply_bytes), reply.fp32_equivalent_bytes())
+        if reply.kind == "error":
+            raise RemoteError(str(reply.header.get("code", "error")), str(reply.header.get("error", "")))
+        return reply
+
+    async def _exchange(self, peer_id: PeerID, kind: str, data: bytes) -> bytes:
+        stub = StageServicer.get_stub(self.p2p, peer_id, namespace=self.namespace)
+        if kind == "info":
+            response = await stub.rpc_info(runtime_pb2.ExpertRequest(metadata=data))
+            return response.metadata
+
+        async def requests():
+            for chunk in _chunks(data):
+                yield runtime_pb2.ExpertRequest(metadata=chunk)
+
+        method = stub.rpc_forward if kind == "forward" else stub.rpc_backward
+        stream = await method(requests())
+        return await _collect(stream, MAX_REPLY_BYTES)
+
+    async def connect(self, peer_id: PeerID, addresses: list[str], timeout_s: float) -> bool:
+        """Best effort: tell our p2pd where a peer listens (its DHT may not know it yet)."""
+        from hivemind.utils.multiaddr import Multiaddr
+
+        try:
+            maddrs = [Multiaddr(a) for a in addresses]
+            await asyncio.wait_for(self.p2p._client.connect(peer_id, maddrs), timeout=timeout_s)
+            return True
+        except Exception as exc:  # unreachable addresses are normal (NAT, stale record)
+            logger.debug("connect to %s failed: %r", peer_id, exc)
+            return False
+
+
+def is_connection_error(exc: BaseException) -> bool:
+    """Errors that mean the peer is gone or unreachable (ban it), as opposed to slow or refusing."""
+    from hivemind.p2p import P2PDaemonError, P2PHandlerError
+
+    if isinstance(exc, P2PHandlerError):
+        return False  # the peer answered (with an error): it is alive
+    return isinstance(exc, (P2PDaemonError, ConnectionError, EOFError, asyncio.IncompleteReadError, OSError))

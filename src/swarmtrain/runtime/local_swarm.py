@@ -1,0 +1,160 @@
+"""A complete swarm on this machine as separate processes: used by `swarmtrain demo`, the integration
+and fault tests, and the benchmark. Every process is started in its own process group and stopped
+(or killed) as a whole, so nothing is left behind, also when the caller fails.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+from swarmtrain.config.errors import UserError
+from swarmtrain.runtime.procs import ManagedProcess
+
+READY_MARKER = "ready (epoch"
+
+
+class SwarmStartError(UserError):
+    """A peer of the local swarm did not start (its log tail is in the message)."""
+
+
+def write_run_toml(path: str | Path, preset: str, overrides: dict[str, dict] | None = None) -> Path:
+    """A TOML run file: the preset plus per-section overrides (ints, floats, strings, bools, lists)."""
+    lines = [f'preset = "{preset}"']
+    for section, values in (overrides or {}).items():
+        lines.append(f"[{section}]")
+        lines += [f"{key} = {_toml_value(value)}" for key, value in values.items()]
+    path = Path(path)
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {value!r} to TOML")
+
+
+class LocalSwarm:
+    """Start/stop peers of one run. Use as a context manager: everything is stopped on exit."""
+
+    def __init__(
+        self, workdir: str | Path, config_path: str | Path, python: str | None = None, env: dict | None = None
+    ) -> None:
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.config_path = str(config_path)
+        self.python = python or sys.executable
+        self.env = dict(os.environ, **(env or {}))
+        self.env.setdefault("PYTHONUNBUFFERED", "1")
+        self.processes: dict[str, ManagedProcess] = {}
+        self.address: str | None = None
+
+    def __enter__(self) -> LocalSwarm:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop_all()
+
+    def _spawn(self, name: str, args: list[str]) -> ManagedProcess:
+        argv = [self.python, "-m", "swarmtrain.cli.main", *args]
+        proc = ManagedProcess(name, argv, self.workdir / f"{name}.log", env=self.env)
+        self.processes[name] = proc
+        return proc
+
+    def start_dht(self, timeout_s: float = 60.0) -> str:
+        address_file = self.workdir / "dht.addr"
+        address_file.unlink(missing_ok=True)
+        proc = self._spawn("dht", ["dht", "--address-file", str(address_file)])
+        deadline = time.monotonic() + timeout_s
+        while not address_file.exists():
+            if not proc.alive or time.monotonic() > deadline:
+                raise SwarmStartError(f"DHT did not start:\n{proc.log_text()[-3000:]}")
+            time.sleep(0.1)
+        self.address = address_file.read_text().split()[0]
+        return self.address
+
+    def start_server(self, name: str, stage: int, *extra: str) -> ManagedProcess:
+        args = [
+            "server",
+            "--stage",
+            str(stage),
+            "--config",
+            self.config_path,
+            "--initial-peers",
+            self.address,
+            "--ledger",
+            str(self.workdir / f"{name}.ledger.jsonl"),
+            *extra,
+        ]
+        return self._spawn(name, args)
+
+    def start_trainer(self, name: str, *extra: str) -> ManagedProcess:
+        args = [
+            "trainer",
+            "--config",
+            self.config_path,
+            "--initial-peers",
+            self.address,
+            "--trainer-id",
+            name,
+            "--ledger",
+            str(self.workdir / f"{name}.ledger.jsonl"),
+            "--summary-json",
+            str(self.workdir / f"{name}.summary.json"),
+            *extra,
+        ]
+        return self._spawn(name, args)
+
+    def wait_ready(self, names: list[str], timeout_s: float = 120.0) -> None:
+        """Wait until each named server logged that it serves."""
+        deadline = time.monotonic() + timeout_s
+        pending = list(names)
+        while pending:
+            for name in list(pending):
+                proc = self.processes[name]
+                if READY_MARKER in proc.log_text():
+                    pending.remove(name)
+                elif not proc.alive:
+                    raise SwarmStartError(f"{name} exited during start-up:\n{proc.log_text()[-3000:]}")
+            if pending and time.monotonic() > deadline:
+                raise SwarmStartError(f"{pending} not ready after {timeout_s:.0f}s")
+            time.sleep(0.2)
+
+    def wait_exit(self, name: str, timeout_s: float) -> int | None:
+        try:
+            return self.processes[name].proc.wait(timeout=timeout_s)
+        except Exception:
+            return None
+
+    def ledger_path(self, name: str) -> Path:
+        return self.workdir / f"{name}.ledger.jsonl"
+
+    def kill(self, name: str) -> None:
+        self.processes[name].kill()
+
+    def stop_all(self, grace_s: float = 10.0) -> None:
+        """Graceful stop of trainers, then servers, then the DHT; whole process groups SIGKILLed after."""
+        order = sorted(self.processes, key=lambda n: (n == "dht", not n.startswith("trainer")))
+        live = [self.processes[n] for n in order if self.processes[n].alive]
+        for proc in live:  # signal everyone first so they shut down in parallel
+            try:
+                os.kill(proc.pid, 15)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace_s
+        for proc in live:
+            try:
+                proc.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except Exception:
+                pass
+        for proc in self.processes.values():
+            proc.kill()  # idempotent: SIGKILLs the rest of each group and removes its sockets

@@ -1,0 +1,87 @@
+"""A trainer's view of the swarm: the live servers of every stage, their routers and their bans.
+
+DHT reads happen off the event loop (`fetch`, blocking); `apply` folds them into the per-stage IWRR
+routers (planner/routing.py) on the loop thread, so routers are only ever touched by one thread.
+Bans follow DESIGN.md section 5: a peer that failed with a connection error stays banned until its
+record expires (it disappears) or it re-announces after the ban.
+"""
+
+from __future__ import annotations
+
+import time
+
+from swarmtrain.net.dht_records import RunRecords, StageAnnouncement
+from swarmtrain.planner.routing import StageRouter
+from swarmtrain.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+MAX_BAN_S = 60.0
+
+
+class PeerTable:
+    def __init__(self, records: RunRecords, num_stages: int, digest: str) -> None:
+        self.records = records
+        self.num_stages = num_stages
+        self.digest = digest
+        self.routers = [StageRouter() for _ in range(num_stages)]
+        self.announcements: list[dict[str, StageAnnouncement]] = [{} for _ in range(num_stages)]
+        self._banned_at: dict[str, float] = {}  # peer -> wall time of the ban
+        self._warned_foreign: set[str] = set()
+
+    def fetch(self) -> list[dict[str, StageAnnouncement]]:
+        """Blocking DHT read of every stage's announcements (run in an executor)."""
+        return [self.records.stage_peers(stage) for stage in range(self.num_stages)]
+
+    def apply(self, fetched: list[dict[str, StageAnnouncement]]) -> list[str]:
+        """Update routers from fetched records; returns peers seen for the first time."""
+        new_peers = []
+        for stage, found in enumerate(fetched):
+            live = {}
+            for peer, ann in found.items():
+                if ann.config_digest != self.digest:
+                    if peer not in self._warned_foreign:
+                        self._warned_foreign.add(peer)
+                        logger.warning(
+                            "ignoring peer %s of stage %d: config digest %s differs from ours (%s)",
+                            peer,
+                            stage,
+                            ann.config_digest,
+                            self.digest,
+                        )
+                    continue
+                if ann.state == "online":
+                    live[peer] = ann
+            router = self.routers[stage]
+            for peer in router.peers:
+                if peer not in live:
+                    router.remove_peer(peer)
+                    self._banned_at.pop(peer, None)
+            for peer, ann in live.items():
+                if peer not in router.peers:
+                    router.add_peer(peer, ann.throughput_samples_per_s)
+                    new_peers.append(peer)
+                banned_at = self._banned_at.get(peer)
+                if banned_at is not None and (
+                    ann.announced_at > banned_at or time.time() - banned_at > MAX_BAN_S
+                ):
+                    router.unban(peer)
+                    del self._banned_at[peer]
+            self.announcements[stage] = live
+        return new_peers
+
+    def choose(self, stage: int, num_samples: int, weight: float, exclude=()) -> str | None:
+        return self.routers[stage].choose(time.monotonic(), num_samples, weight, exclude)
+
+    def report(self, stage: int, peer: str, num_samples: int, duration_s: float, weight: float) -> None:
+        self.routers[stage].report(peer, num_samples, duration_s, weight)
+
+    def ban(self, stage: int, peer: str) -> None:
+        self.routers[stage].ban(peer, float("inf"))
+        self._banned_at[peer] = time.time()
+
+    def available(self, stage: int) -> list[str]:
+        return self.routers[stage].available(time.monotonic())
+
+    def peers_per_stage(self) -> list[int]:
+        return [len(self.available(stage)) for stage in range(self.num_stages)]

@@ -1,0 +1,305 @@
+"""`swarmtrain server`: one process hosting one pipeline stage of a SWARM run.
+
+Process tree: this process (asyncio loop for RPCs, one compute thread, one sync thread) + the
+hivemind DHT process with its p2pd + the averager process. Start order matters: everything that
+forks (DHT, averager) is created before any thread starts (notes 3.3).
+
+Life cycle: start DHT -> build the stage from the run config -> start the averager -> catch up with
+the stage's replicas (download state if they have already stepped) -> register RPC handlers ->
+announce in the DHT every `announce_period_s` -> serve until SIGTERM/SIGINT -> announce offline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from swarmtrain.config import RunConfig
+from swarmtrain.config.errors import UserError
+from swarmtrain.net.dht_records import RunRecords, StageAnnouncement
+from swarmtrain.net.engine import shutdown_quietly, start_dht, visible_addresses
+from swarmtrain.net.protocol import Message, StageIO, error_message, make_message, validate_request
+from swarmtrain.runtime.compute import (
+    PRIORITY_BACKWARD,
+    PRIORITY_EVAL,
+    PRIORITY_FORWARD,
+    PRIORITY_SYNC,
+    ComputeWorker,
+    DeadlineExpired,
+)
+from swarmtrain.runtime.ledger import Ledger
+from swarmtrain.runtime.procs import (
+    forked_children_die_with_me,
+    reap_own_group,
+    remember_group_sockets,
+    start_exit_watchdog,
+)
+from swarmtrain.runtime.stage_sync import StageSynchronizer, SyncSettings
+from swarmtrain.runtime.stage_worker import StageWorker
+from swarmtrain.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+
+@dataclass
+class ServerOptions:
+    stage: int
+    initial_peers: list[str] = field(default_factory=list)
+    host: str = "127.0.0.1"
+    port: int = 0
+    threads: int = 1
+    cache_size: int = 64
+    max_batch: int | None = None  # default: 4 micro-batches
+    ledger_path: str | None = None
+    metrics_period_s: float = 5.0
+    min_matchmaking_time_s: float = 1.0
+    sync_tick_s: float = 0.25
+
+
+def namespace(cfg: RunConfig) -> str:
+    """RPC handler namespace: run and config digest, so runs never cross on a shared daemon."""
+    return f"{cfg.swarm.run_id}_{cfg.digest()}"
+
+
+class StageServer:
+    def __init__(self, cfg: RunConfig, options: ServerOptions) -> None:
+        specs = cfg.stages()
+        if not 0 <= options.stage < len(specs):
+            raise UserError(f"--stage {options.stage} outside 0..{len(specs) - 1} for this run config")
+        self.cfg, self.options, self.spec = cfg, options, specs[options.stage]
+        self.digest = cfg.digest()
+        max_batch = options.max_batch or 4 * cfg.training.micro_batch_size
+        self.io = StageIO.from_config(cfg.model, self.spec, max_batch)
+        self.ledger = Ledger(options.ledger_path)
+        self.dht = self.averager = self.sync = None
+        self.compute = ComputeWorker()
+        self.throughput_samples_per_s = 0.0
+        self._stop: asyncio.Event | None = None
+        self._tput_mark = (0, 0.0)
+
+    # setup --------------------------------------------------------------------------------------
+    def start(self) -> None:
+        from swarmtrain.net.averaging import StageAverager
+
+        torch.set_num_threads(self.options.threads)
+        self.dht = start_dht(self.options.initial_peers, host=self.options.host, port=self.options.port)
+        self.peer_id = self.dht.peer_id.to_base58()
+        self.addresses = visible_addresses(self.dht)  # fixed for our lifetime; asking a dead DHT would hang
+        self.records = RunRecords(self.dht, self.cfg.swarm.run_id)
+        self.worker = StageWorker(self.cfg, self.spec, self.options.cache_size, self.ledger)
+        self.throughput_samples_per_s = self._measure_throughput()
+        self.averager = StageAverager(
+            self.worker.params,
+            self.dht,
+            prefix=f"{namespace(self.cfg)}_s{self.spec.index}",
+            state_provider=self.worker.export_state,
+            min_matchmaking_time_s=self.options.min_matchmaking_time_s,
+            request_timeout_s=min(0.5, self.options.min_matchmaking_time_s / 2),
+            allreduce_timeout_s=self.cfg.swarm.averaging_timeout_s,
+        )
+        self.compute.start()
+        settings = SyncSettings(
+            global_batch_size=self.cfg.training.global_batch_size,
+            tick_s=self.options.sync_tick_s,
+            heartbeat_s=max(0.5, self.cfg.swarm.announce_period_s / 2),
+            progress_ttl_s=max(3.0, 2 * self.cfg.swarm.announce_period_s),
+            averaging_timeout_s=self.cfg.swarm.averaging_timeout_s,
+        )
+        self.sync = StageSynchronizer(
+            self.worker,
+            self.compute,
+            self.averager,
+            self.records,
+            self.peer_id,
+            self.digest,
+            settings,
+            self.ledger,
+        )
+        remember_group_sockets()
+        self._warn_about_foreign_peers()
+        self.sync.join()
+        logger.info(
+            "stage %d replica %s ready (epoch %d); addresses: %s",
+            self.spec.index,
+            self.peer_id,
+            self.worker.epoch,
+            " ".join(self.addresses),
+        )
+
+    def _measure_throughput(self) -> float:
+        """A first throughput estimate for routing (fwd+bwd ~ 3x a forward), refined while serving."""
+        t, m = self.cfg.training, self.cfg.model
+        shape = (
+            (t.micro_batch_size, m.seq_len)
+            if self.spec.is_first
+            else (t.micro_batch_size, m.seq_len, m.d_model)
+        )
+        sample = torch.zeros(shape, dtype=torch.long) if self.spec.is_first else torch.randn(shape)
+        with torch.no_grad():
+            self.worker.module(sample)
+            start = time.perf_counter()
+            self.worker.module(sample)
+        return t.micro_batch_size / max(3 * (time.perf_counter() - start), 1e-6)
+
+    def _warn_about_foreign_peers(self) -> None:
+        for peer, ann in self.records.stage_peers(self.spec.index).items():
+            if ann.config_digest != self.digest:
+                logger.warning(
+                    "peer %s serves stage %d with config digest %s, ours is %s: it is ignored "
+                    "(different model, stage cut or optimizer settings)",
+                    peer,
+                    self.spec.index,
+                    ann.config_digest,
+                    self.digest,
+                )
+
+    # serving ------------------------------------------------------------------------------------
+    def run(self) -> int:
+        """Start, serve until SIGTERM/SIGINT, shut down. Returns the exit code."""
+        forked_children_die_with_me()
+        try:
+            self.start()
+            asyncio.run(self._serve())
+        except KeyboardInterrupt:
+            pass
+        finally:
+            start_exit_watchdog(grace_s=20.0)
+            self.shutdown()
+            reap_own_group()
+        return 0
+
+    async def _serve(self) -> None:
+        from swarmtrain.net.transport import StageServicer
+
+        self._stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stop.set)
+        p2p = await self.dht.replicate_p2p()
+        remember_group_sockets()
+        servicer = StageServicer(self._handle, self.io.max_message_bytes())
+        self.stats = servicer.stats
+        await servicer.add_p2p_handlers(p2p, namespace=namespace(self.cfg))
+        self.sync.start()
+        tasks = [
+            asyncio.create_task(self._every(self.cfg.swarm.announce_period_s, self._announce)),
+            asyncio.create_task(self._every(self.options.metrics_period_s, self._publish_metrics)),
+        ]
+        try:
+            await self._stop.wait()
+        finally:
+            start_exit_watchdog(grace_s=15.0)  # whatever hangs below (a dead DHT), the process ends
+            for task in tasks:
+                task.cancel()
+            logger.info("stage %d replica %s stopping", self.spec.index, self.peer_id)
+            await loop.run_in_executor(None, lambda: self._announce(state="offline"))
+            await asyncio.wait_for(servicer.remove_p2p_handlers(p2p, namespace=namespace(self.cfg)), 5)
+
+    async def _every(self, period_s: float, fn) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                await loop.run_in_executor(None, fn)
+            except Exception:
+                logger.exception("periodic task %s failed", getattr(fn, "__name__", fn))
+            await asyncio.sleep(period_s)
+
+    async def _handle(self, message: Message, context) -> Message:
+        if message.kind == "info":
+            return await self.compute.run(lambda: self._info(message), PRIORITY_SYNC)
+        if not self.sync.serving.is_set():
+            return error_message("this replica is downloading the stage state; try another", "unavailable")
+        request = validate_request(message, self.io, self.digest)
+        timeout_s = self.cfg.swarm.request_timeout_s
+        requested = message.header.get("timeout_s")
+        if isinstance(requested, (int, float)) and 0 < requested < timeout_s:
+            timeout_s = float(requested)
+        if request.kind == "backward":
+            fn, priority = self.worker.backward, PRIORITY_BACKWARD
+        else:
+            fn, priority = self.worker.forward, PRIORITY_EVAL if request.evaluate else PRIORITY_FORWARD
+        try:
+            return await self.compute.run(lambda: fn(request), priority, time.monotonic() + timeout_s)
+        except DeadlineExpired as exc:
+            return error_message(str(exc), "timeout")
+
+    def _info(self, message: Message) -> Message:
+        """Counters, and on request the parameters or the pending gradient sums (tests, monitor)."""
+        w = self.worker
+        header = {
+            "stage": self.spec.index,
+            "digest": self.digest,
+            "peer": self.peer_id,
+            "epoch": w.epoch,
+            "samples_seen": w.samples_seen,
+            "pending_samples": w.unapplied_samples,
+            "serving": self.sync.serving.is_set(),
+            "counters": dict(w.counters),
+            "sync": vars(self.sync.counters),
+            "names": w.names,
+        }
+        want = message.header.get("want")
+        tensors = {}
+        if want == "params":
+            tensors = {name: p.detach() for name, p in zip(w.names, w.params, strict=True)}
+        elif want == "grads":
+            tensors = dict(zip(w.names, w.unapplied_grad_sums(), strict=True))  # sums over pending_samples
+        return make_message("result", header, tensors, "none")
+
+    # announcements and metrics ------------------------------------------------------------------
+    def _announce(self, state: str | None = None) -> None:
+        samples, busy = self.worker.counters["samples_forward"], self.compute.busy_s
+        d_samples, d_busy = samples - self._tput_mark[0], busy - self._tput_mark[1]
+        if d_samples > 0 and d_busy > 0:  # samples per busy second: forward+backward+sync per sample
+            self.throughput_samples_per_s = 0.7 * self.throughput_samples_per_s + 0.3 * d_samples / d_busy
+            self._tput_mark = (samples, busy)
+        state = state or ("online" if self.sync.serving.is_set() else "joining")
+        announcement = StageAnnouncement(
+            stage=self.spec.index,
+            addresses=self.addresses,
+            throughput_samples_per_s=self.throughput_samples_per_s,
+            queue_len=self.compute.queue_len,
+            config_digest=self.digest,
+            state_version=self.worker.epoch,
+            state=state,
+        )
+        ttl_s = 1.0 if state == "offline" else 3 * self.cfg.swarm.announce_period_s
+        self.records.announce(self.peer_id, announcement, ttl_s)
+
+    def _publish_metrics(self) -> None:
+        c, s = self.worker.counters, self.sync.counters
+        totals = self.stats.totals() if hasattr(self, "stats") else None
+        metrics = {
+            "role": "server",
+            "stage": self.spec.index,
+            "step": self.worker.epoch,
+            "samples_seen": self.worker.samples_seen,
+            "samples_per_s": round(self.throughput_samples_per_s, 2),
+            "queue_len": self.compute.queue_len,
+            "pending_samples": self.worker.unapplied_samples,
+            "forward": c["forward"] + c["fused"],
+            "backward": c["backward"] + c["fused"],
+            "recomputed": c["recomputed"],
+            "duplicates": c["duplicates"],
+            "rounds": s.rounds,
+            "partial_rounds": s.partial_rounds,
+            "failed_rounds": s.failed_rounds,
+            "solo_steps": s.solo_steps,
+            "resyncs": s.resyncs,
+            "lost_samples": s.lost_samples,
+            "group_size": s.last_group_size,
+            "bytes_in": totals.wire_bytes if totals else 0,
+        }
+        self.records.publish_metrics(self.peer_id, metrics, ttl_s=3 * self.options.metrics_period_s)
+        logger.info("metrics %s", " ".join(f"{k}={v}" for k, v in metrics.items() if k != "role"))
+
+    def shutdown(self) -> None:
+        if self.sync is not None:
+            self.sync.stop()
+        self.compute.stop()
+        shutdown_quietly(self.averager, self.dht)
+        self.ledger.close()

@@ -1,0 +1,127 @@
+"""One call to "some peer of stage s", with peer choice, timeouts, retries, bans and waiting.
+
+Failure policy (DESIGN.md section 5):
+- timeout -> the peer is slow or hung: retry on another peer (and fold the timeout into its EMA);
+- connection error -> the peer is gone: ban it until its record expires or it re-announces;
+- error answer -> `unavailable`/`timeout`/`internal`: try another peer; `digest_mismatch`: ban;
+  `bad_request`/`too_large`: our request is wrong, retrying cannot help;
+- retries are bounded (`swarm.max_retries`) with exponential backoff;
+- no live peer at all -> wait (not counted as a retry) with one clear log line every few seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+from hivemind.p2p import PeerID
+
+from swarmtrain.config import SwarmConfig
+from swarmtrain.net.protocol import Message, request_message
+from swarmtrain.net.transport import RemoteError, StageClient, TruncatedReply, is_connection_error
+from swarmtrain.runtime.peer_table import PeerTable
+from swarmtrain.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+NO_PEER_LOG_PERIOD_S = 5.0
+BACKOFF_BASE_S = 0.05
+BACKOFF_MAX_S = 2.0
+FATAL_CODES = ("bad_request", "too_large", "version")
+
+
+class MicroBatchFailed(RuntimeError):
+    """A stage call failed after all retries (or with an error retrying cannot fix)."""
+
+
+class StageCaller:
+    def __init__(
+        self,
+        client: StageClient,
+        table: PeerTable,
+        swarm: SwarmConfig,
+        digest: str,
+        codec: str,
+        stopping: asyncio.Event,
+    ) -> None:
+        self.client, self.table, self.swarm = client, table, swarm
+        self.digest, self.codec, self.stopping = digest, codec, stopping
+        self.retries = 0
+        self.timeouts = 0
+        self.connection_errors = 0
+        self._last_no_peer_log = [0.0] * table.num_stages
+        self._refresh_lock = asyncio.Lock()
+
+    async def refresh(self) -> None:
+        async with self._refresh_lock:
+            fetched = await asyncio.get_running_loop().run_in_executor(None, self.table.fetch)
+            for peer in self.table.apply(fetched):
+                stage = next(s for s, anns in enumerate(self.table.announcements) if peer in anns)
+                addresses = self.table.announcements[stage][peer].addresses
+                await self.client.connect(PeerID.from_base58(peer), addresses, timeout_s=2.0)
+
+    async def call(
+        self, stage: int, kind: str, mb: str, num_samples: int, tensors: dict, weight: float, **header
+    ) -> Message:
+        timeout_s = self.swarm.request_timeout_s
+        message = request_message(
+            kind, mb, stage, self.digest, self.codec, tensors, timeout_s=timeout_s, **header
+        )
+        attempt, excluded = 0, set()
+        while True:
+            peer = await self._pick(stage, num_samples, weight, excluded)
+            start = time.monotonic()
+            try:
+                reply = await self.client.call(
+                    PeerID.from_base58(peer), "info" if kind == "info" else kind, message, timeout_s
+                )
+                self.table.report(stage, peer, num_samples, time.monotonic() - start, weight)
+                return reply
+            except TimeoutError:
+                self.timeouts += 1
+                self.table.report(stage, peer, num_samples, timeout_s, weight)
+                reason = f"timeout after {timeout_s:.1f}s"
+            except RemoteError as exc:
+                if exc.code in FATAL_CODES:
+                    raise MicroBatchFailed(f"stage {stage} peer {peer} refused {kind}: {exc}") from None
+                if exc.code == "digest_mismatch":
+                    self.table.ban(stage, peer)
+                reason = str(exc)
+            except TruncatedReply as exc:
+                reason = str(exc)  # the peer answered before: retry, but do not ban it
+            except Exception as exc:
+                if not is_connection_error(exc):
+                    raise
+                self.connection_errors += 1
+                self.table.ban(stage, peer)
+                reason = f"connection error {exc!r:.120}"
+            excluded.add(peer)
+            attempt += 1
+            if attempt > self.swarm.max_retries:
+                raise MicroBatchFailed(
+                    f"stage {stage} {kind} of {mb}: {attempt} attempts failed, last: {reason}"
+                )
+            self.retries += 1
+            logger.info(
+                "stage %d %s of %s on %s failed (%s); retry %d", stage, kind, mb, peer[-8:], reason, attempt
+            )
+            await asyncio.sleep(min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2**attempt) * (0.5 + random.random()))
+
+    async def _pick(self, stage: int, num_samples: int, weight: float, excluded: set) -> str:
+        """A peer for this call; waits (refreshing the DHT view) while the stage has no usable peer."""
+        while True:
+            if self.stopping.is_set() and not self.table.available(stage):
+                raise MicroBatchFailed(f"stopping and stage {stage} has no live peer")
+            peer = self.table.choose(stage, num_samples, weight, excluded)
+            if peer is None and excluded and self.table.available(stage):
+                excluded.clear()  # every live peer failed once for this call: allow them again
+                peer = self.table.choose(stage, num_samples, weight, excluded)
+            if peer is not None:
+                return peer
+            now = time.monotonic()
+            if now - self._last_no_peer_log[stage] >= NO_PEER_LOG_PERIOD_S:
+                self._last_no_peer_log[stage] = now
+                logger.warning("stage %d has no live peer; waiting for a server to announce itself", stage)
+            await asyncio.sleep(min(1.0, self.swarm.announce_period_s / 2))
+            await self.refresh()

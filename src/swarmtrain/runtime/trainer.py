@@ -1,0 +1,318 @@
+"""`swarmtrain trainer`: streams data and drives micro-batches through randomized pipelines.
+
+Each micro-batch: token ids -> a stage-0 peer -> hidden states -> a stage-1 peer ... -> the last
+stage gets hidden states and labels and does forward, loss and backward at once (fused: one round
+trip less) -> gradients go back through the stages in reverse; any replica may take a backward (it
+recomputes the forward from the input it is sent when it does not hold the activations).
+The trainer relays encoded tensors as received (never decodes hidden states). Many micro-batches
+are in flight at once; for every call a peer is chosen by IWRR (`PeerTable`), failures are retried
+on another peer with bounded retries and backoff (runtime/stage_calls.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from swarmtrain.config import RunConfig
+from swarmtrain.net.codec import encode
+from swarmtrain.net.dht_records import RunRecords
+from swarmtrain.net.transport import StageClient
+from swarmtrain.planner.routing import BACKWARD_WEIGHT, FORWARD_WEIGHT
+from swarmtrain.runtime.ledger import Ledger
+from swarmtrain.runtime.peer_table import PeerTable
+from swarmtrain.runtime.procs import remember_group_sockets
+from swarmtrain.runtime.server import namespace
+from swarmtrain.runtime.stage_calls import StageCaller
+from swarmtrain.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+
+@dataclass
+class TrainerOptions:
+    codec: str | None = None  # default: the run config's swarm.compression
+    max_in_flight: int = 4
+    max_samples: int | None = None
+    duration_s: float | None = None
+    eval_samples: int = 0
+    ledger_path: str | None = None
+    trainer_id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
+    shard_index: int = 0
+    shard_count: int = 1
+    log_period_s: float = 5.0
+    refresh_period_s: float | None = None  # default: the announce period
+
+
+@dataclass
+class TrainerResult:
+    losses: list[tuple[int, float]] = field(default_factory=list)  # (samples completed, loss)
+    started: int = 0
+    completed: int = 0
+    failed: int = 0
+    samples: int = 0
+    elapsed_s: float = 0.0
+    val_loss: float | None = None
+    completed_ids: list[str] = field(default_factory=list)
+
+    def summary(self, window: int = 8) -> dict:
+        first = [loss for _, loss in self.losses[:window]]
+        last = [loss for _, loss in self.losses[-window:]]
+        return {
+            "initial_loss": sum(first) / len(first) if first else None,
+            "final_loss": sum(last) / len(last) if last else None,
+            "samples": self.samples,
+            "samples_per_s": self.samples / self.elapsed_s if self.elapsed_s else 0.0,
+            "microbatches_started": self.started,
+            "microbatches_completed": self.completed,
+            "microbatches_failed": self.failed,
+            "val_loss": self.val_loss,
+        }
+
+
+class SwarmTrainer:
+    """Runs inside an asyncio loop; owns no parameters."""
+
+    def __init__(self, cfg: RunConfig, options: TrainerOptions, dht) -> None:
+        self.cfg, self.options, self.dht = cfg, options, dht
+        self.codec = options.codec or cfg.swarm.compression
+        self.num_stages = cfg.swarm.num_stages
+        self.digest = cfg.digest()
+        self.records = RunRecords(dht, cfg.swarm.run_id)
+        self.table = PeerTable(self.records, self.num_stages, self.digest)
+        self.ledger = Ledger(options.ledger_path)
+        self.result = TrainerResult()
+        self.stopping = asyncio.Event()
+        self.client: StageClient | None = None
+        self.caller: StageCaller | None = None
+        self._start_s = time.monotonic()
+
+    async def setup(self) -> None:
+        p2p = await self.dht.replicate_p2p()
+        self.client = StageClient(p2p, namespace(self.cfg))
+        self.caller = StageCaller(
+            self.client, self.table, self.cfg.swarm, self.digest, self.codec, self.stopping
+        )
+        await self.caller.refresh()
+
+    # training -----------------------------------------------------------------------------------
+    async def train(self, batches) -> TrainerResult:
+        opts, res = self.options, self.result
+        start = self._start_s = time.monotonic()
+        background = [
+            asyncio.create_task(self._every(self._refresh_period_s(), self.caller.refresh)),
+            asyncio.create_task(self._every(opts.log_period_s, self._report)),
+        ]
+        in_flight: set[asyncio.Task] = set()
+        slots = asyncio.Semaphore(opts.max_in_flight)
+        try:
+            while not self._done(start):
+                await slots.acquire()
+                if self._done(start):
+                    slots.release()
+                    break
+                inputs, labels = next(batches)
+                mb = f"{opts.trainer_id}-{res.started}"
+                res.started += 1
+                self.ledger.write("start", mb=mb, n=int(inputs.shape[0]))
+                task = asyncio.create_task(self._micro_batch(mb, inputs, labels))
+                in_flight.add(task)
+                task.add_done_callback(lambda t: (in_flight.discard(t), slots.release()))
+            if in_flight:
+                await asyncio.gather(*in_flight, return_exceptions=True)
+        finally:
+            res.elapsed_s = time.monotonic() - start
+            for task in background:
+                task.cancel()
+        return res
+
+    def _done(self, start: float) -> bool:
+        opts = self.options
+        samples_started = self.result.started * self.cfg.training.micro_batch_size
+        return (
+            self.stopping.is_set()
+            or (opts.max_samples is not None and samples_started >= opts.max_samples)
+            or (opts.duration_s is not None and time.monotonic() - start >= opts.duration_s)
+        )
+
+    async def _micro_batch(self, mb: str, input_ids, labels) -> None:
+        n = int(input_ids.shape[0])
+        try:
+            loss = await self.forward_backward(mb, input_ids, labels)
+        except Exception as exc:  # MicroBatchFailed, or a bug: count it, never lose the task silently
+            self.result.failed += 1
+            self.ledger.write("failed", mb=mb, reason=str(exc))
+            logger.warning("micro-batch %s failed: %s", mb, exc)
+            return
+        self.result.completed += 1
+        self.result.samples += n
+        self.result.losses.append((self.result.samples, loss))
+        self.result.completed_ids.append(mb)
+        self.ledger.write("done", mb=mb, n=n, loss=loss)
+
+    async def forward_backward(self, mb: str, input_ids, labels) -> float:
+        """One micro-batch through every stage and back; returns its loss."""
+        call, last, n = self.caller.call, self.num_stages - 1, int(input_ids.shape[0])
+        x = encode(input_ids, self.codec)
+        stage_inputs = []
+        for stage in range(last):
+            reply = await call(stage, "forward", mb, n, {"inputs": x}, FORWARD_WEIGHT)
+            stage_inputs.append(x)
+            x = reply.tensors["outputs"]
+        reply = await call(
+            last,
+            "forward",
+            mb,
+            n,
+            {"inputs": x, "labels": encode(labels, "none")},
+            FORWARD_WEIGHT + BACKWARD_WEIGHT,
+            fused_backward=True,
+        )
+        loss, grad = float(reply.header["loss"]), reply.tensors.get("grad_inputs")
+        for stage in reversed(range(last)):
+            reply = await call(
+                stage,
+                "backward",
+                mb,
+                n,
+                {"inputs": stage_inputs[stage], "grad_outputs": grad},
+                BACKWARD_WEIGHT,
+            )
+            grad = reply.tensors.get("grad_inputs")
+        return loss
+
+    async def evaluate(self, dataset, max_samples: int) -> float:
+        """Mean loss over the first validation samples, computed through the swarm (forward only)."""
+        total, count = 0.0, 0
+        for i, (inputs, labels) in enumerate(
+            dataset.ordered_batches(self.cfg.training.micro_batch_size, max_samples)
+        ):
+            mb, n = f"{self.options.trainer_id}-eval{i}", int(inputs.shape[0])
+            x = encode(inputs, self.codec)
+            for stage in range(self.num_stages - 1):
+                x = (
+                    await self.caller.call(stage, "forward", mb, n, {"inputs": x}, FORWARD_WEIGHT, eval=True)
+                ).tensors["outputs"]
+            reply = await self.caller.call(
+                self.num_stages - 1,
+                "forward",
+                mb,
+                n,
+                {"inputs": x, "labels": encode(labels, "none")},
+                FORWARD_WEIGHT,
+                eval=True,
+            )
+            total += float(reply.header["loss"]) * n
+            count += n
+        return total / max(count, 1)
+
+    # background ---------------------------------------------------------------------------------
+    def _refresh_period_s(self) -> float:
+        return self.options.refresh_period_s or self.cfg.swarm.announce_period_s
+
+    async def _every(self, period_s: float, fn) -> None:
+        while True:
+            await asyncio.sleep(period_s)
+            try:
+                await fn()
+            except Exception:
+                logger.exception("periodic task failed")
+
+    async def _report(self) -> None:
+        res = self.result
+        recent = [loss for _, loss in res.losses[-16:]]
+        loss = sum(recent) / len(recent) if recent else float("nan")
+        rate = res.samples / max(time.monotonic() - self._start_s, 1e-9)
+        peers = self.table.peers_per_stage()
+        logger.info(
+            "samples %d loss %.4f samples/s %.1f peers/stage %s in-flight %d failed %d",
+            res.samples,
+            loss,
+            rate,
+            peers,
+            res.started - res.completed - res.failed,
+            res.failed,
+        )
+        metrics = {
+            "role": "trainer",
+            "step": res.samples,
+            "loss": loss,
+            "samples_per_s": rate,
+            "completed": res.completed,
+            "failed": res.failed,
+            "peers_per_stage": peers,
+        }
+        await asyncio.get_running_loop().run_in_executor(
+            None,
+            lambda: self.records.publish_metrics(
+                f"trainer-{self.options.trainer_id}", metrics, 3 * self.options.log_period_s
+            ),
+        )
+
+
+def transport_summary(stats) -> dict:
+    """Bytes on the wire vs. the same messages with fp32 floats, per stage and direction."""
+    per_stage: dict[str, dict] = {}
+    for (stage, kind, direction), count in sorted(stats.snapshot().items()):
+        entry = per_stage.setdefault(str(stage), {})
+        entry[f"{kind}_{direction}_wire_bytes"] = count.wire_bytes
+        entry[f"{kind}_{direction}_fp32_bytes"] = count.fp32_bytes
+    totals = stats.totals()
+    return {
+        "wire_bytes": totals.wire_bytes,
+        "fp32_bytes": totals.fp32_bytes,
+        "messages": totals.messages,
+        "per_stage": per_stage,
+    }
+
+
+async def train_async(cfg: RunConfig, options: TrainerOptions, dht, batches, val_set=None) -> dict:
+    import signal
+
+    trainer = SwarmTrainer(cfg, options, dht)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, trainer.stopping.set)
+    await trainer.setup()
+    remember_group_sockets()
+    result = await trainer.train(batches)
+    if options.eval_samples and val_set is not None and not trainer.stopping.is_set():
+        result.val_loss = await trainer.evaluate(val_set, options.eval_samples)
+    summary = result.summary()
+    summary.update(
+        codec=trainer.codec,
+        trainer_id=options.trainer_id,
+        transport=transport_summary(trainer.client.stats),
+        retries=trainer.caller.retries,
+        timeouts=trainer.caller.timeouts,
+        connection_errors=trainer.caller.connection_errors,
+    )
+    trainer.ledger.close()
+    return summary
+
+
+def run_trainer(
+    cfg: RunConfig, options: TrainerOptions, initial_peers: list[str], host: str = "127.0.0.1"
+) -> dict:
+    """Blocking entry point: DHT (client mode), data, train, optional evaluation; returns the summary."""
+    from swarmtrain.data import build_datasets, iterate_batches
+    from swarmtrain.net.engine import shutdown_quietly, start_dht
+    from swarmtrain.runtime.procs import forked_children_die_with_me, reap_own_group
+
+    forked_children_die_with_me()
+    train_set, val_set = build_datasets(cfg)
+    batches = iterate_batches(
+        train_set,
+        cfg.training.micro_batch_size,
+        seed=cfg.training.seed,
+        shard_index=options.shard_index,
+        shard_count=options.shard_count,
+    )
+    dht = start_dht(initial_peers, client_mode=True, host=host)
+    try:
+        return asyncio.run(train_async(cfg, options, dht, batches, val_set))
+    finally:
+        shutdown_quietly(dht)
+        reap_own_group()
