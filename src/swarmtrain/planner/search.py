@@ -206,6 +206,8 @@ class PlacementSearch:
         return labels
 
     def _local_search(self, individual: _Individual) -> _Individual:
+        if self.num_groups < 2:
+            return individual  # one group: nothing to swap
         rejected = 0
         critical = self._critical_groups(individual)
         while rejected < self.config.local_search_patience:
@@ -249,9 +251,6 @@ class PlacementSearch:
         (gradient links inside the group, or its best activation link across the critical edge) for the
         sampled outside device that links best (to the group's other members, or across that edge)."""
         labels = individual.labels
-        if self.rng.random() >= self.config.guided_fraction:
-            x = int(self.rng.integers(self.num_devices))
-            return x, int(self.rng.choice(np.flatnonzero(labels != labels[x])))
         group, neighbour = critical[int(self.rng.integers(len(critical)))]
         members = np.flatnonzero(labels == group)
         if neighbour is None:
@@ -261,6 +260,9 @@ class PlacementSearch:
             across = np.flatnonzero(labels == neighbour)
             outside = np.flatnonzero((labels != group) & (labels != neighbour))
             badness = self.model.pp_link_s[np.ix_(members, across)].min(axis=1)
+        if self.rng.random() >= self.config.guided_fraction or len(outside) == 0:
+            x = int(self.rng.integers(self.num_devices))
+            return x, int(self.rng.choice(np.flatnonzero(labels != labels[x])))
         x = int(members[_pick_top(self.rng, badness)])
         sample = self.rng.choice(outside, size=min(8, len(outside)), replace=False)
         rest = members[members != x]
