@@ -173,7 +173,7 @@ class StageServer:
         return 0
 
     async def _serve(self) -> None:
-        from swarmtrain.net.transport import StageServicer
+        from swarmtrain.net.transport import StageClient, StageServicer
 
         self._stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -181,6 +181,10 @@ class StageServer:
             loop.add_signal_handler(sig, self._stop.set)
         p2p = await self.dht.replicate_p2p()
         remember_group_sockets()
+        self._client = StageClient(p2p, namespace(self.cfg))
+        self.sync.notify_peers = lambda peers, epoch: [
+            asyncio.run_coroutine_threadsafe(self._send_round_hint(peer, epoch), loop) for peer in peers
+        ]
         servicer = StageServicer(self._handle, self.io.max_message_bytes())
         self.stats = servicer.stats
         await servicer.add_p2p_handlers(p2p, namespace=namespace(self.cfg))
@@ -208,7 +212,22 @@ class StageServer:
                 logger.exception("periodic task %s failed", getattr(fn, "__name__", fn))
             await asyncio.sleep(period_s)
 
+    async def _send_round_hint(self, peer: str, epoch: int) -> None:
+        from hivemind.p2p import PeerID
+
+        header = {"hint": "round", "epoch": epoch, "stage": self.spec.index, "digest": self.digest}
+        try:
+            await self._client.call(PeerID.from_base58(peer), "info", Message("info", header), timeout_s=2.0)
+        except Exception as exc:  # a hint is an optimization: the DHT record carries the same news
+            logger.debug("round hint to %s failed: %r", peer, exc)
+
     async def _handle(self, message: Message, context) -> Message:
+        header = message.header
+        if message.kind == "info" and header.get("hint") == "round":
+            if header.get("digest") == self.digest and header.get("stage") == self.spec.index:
+                if isinstance(header.get("epoch"), int):
+                    self.sync.on_round_hint(context.remote_id.to_base58(), header["epoch"])
+            return Message("result", {"ok": True})
         if message.kind == "info":
             return await self.compute.run(lambda: self._info(message), PRIORITY_SYNC)
         if not self.sync.serving.is_set():

@@ -64,20 +64,41 @@ class StageCaller:
     async def call(
         self, stage: int, kind: str, mb: str, num_samples: int, tensors: dict, weight: float, **header
     ) -> Message:
+        reply, _peer = await self.call_peer(stage, kind, mb, num_samples, tensors, weight, **header)
+        return reply
+
+    async def call_peer(
+        self,
+        stage: int,
+        kind: str,
+        mb: str,
+        num_samples: int,
+        tensors: dict,
+        weight: float,
+        prefer: str | None = None,
+        **header,
+    ) -> tuple[Message, str]:
+        """Like `call`, also returning the peer that answered. `prefer`: try this peer first if it is
+        usable (the replica that ran the forward still holds the activations for the backward)."""
         timeout_s = self.swarm.request_timeout_s
         message = request_message(
             kind, mb, stage, self.digest, self.codec, tensors, timeout_s=timeout_s, **header
         )
         attempt, excluded = 0, set()
         while True:
-            peer = await self._pick(stage, num_samples, weight, excluded)
+            peer = None
+            if prefer is not None and attempt == 0:
+                others = set(self.table.routers[stage].peers) - {prefer}
+                peer = self.table.choose(stage, num_samples, weight, exclude=others)
+            if peer is None:
+                peer = await self._pick(stage, num_samples, weight, excluded)
             start = time.monotonic()
             try:
                 reply = await self.client.call(
                     PeerID.from_base58(peer), "info" if kind == "info" else kind, message, timeout_s
                 )
                 self.table.report(stage, peer, num_samples, time.monotonic() - start, weight)
-                return reply
+                return reply, peer
             except TimeoutError:
                 self.timeouts += 1
                 self.table.report(stage, peer, num_samples, timeout_s, weight)

@@ -43,7 +43,7 @@ class SyncSettings:
     averaging_timeout_s: float = 30.0
     download_timeout_s: float = 60.0
     compute_timeout_s: float = 120.0
-    solo_view_max_age_s: float = 1.0  # a solo replica steps without a DHT read if its view is this fresh
+    solo_view_max_age_s: float = 1.0  # a round may start without a DHT read on a view this fresh
 
 
 @dataclass
@@ -82,7 +82,11 @@ class StageSynchronizer:
         self._ready = False
         self._publish_now = threading.Event()
         self._view: dict[str, dict] = {}
+        self._known_epochs: dict[str, int] = {}  # peers seen in our rounds: at least this epoch
+        self._hints: dict[str, int] = {}  # peer -> epoch of a round it told us (directly) it started
+        self.notify_peers = None  # callback(peers, epoch): tell stage peers a round starts (direct RPC)
         self._view_time_s = float("-inf")
+        self._last_view_s = 0.0
         self._threads: list[threading.Thread] = []
         self._wake = threading.Event()
         worker.on_accumulate = self._wake.set  # the worker froze a global batch: start the round now
@@ -125,9 +129,24 @@ class StageSynchronizer:
             self._wake.clear()
 
     # one decision -------------------------------------------------------------------------------
+    def on_round_hint(self, peer: str, epoch: int) -> None:
+        """A stage peer says it started the round of `epoch` (called from the RPC handler)."""
+        self._hints[peer] = epoch
+        self._wake.set()
+
     def tick(self) -> None:
-        if self.worker.frozen is not None and self._alone():
-            self.run_round(1)  # fast path: no DHT round trip between the cut and the step
+        epoch = self.worker.epoch
+        self._hints = {p: e for p, e in self._hints.items() if e >= epoch}
+        hinted = {p for p, e in self._hints.items() if e == epoch}
+        view_same = {
+            p for p, v in self._view.items() if max(v["epoch"], self._known_epochs.get(p, -1)) == epoch
+        }
+        if hinted:  # join a round a peer started, without waiting for the DHT to show it
+            self.run_round(1 + len(hinted | view_same), [])
+            return
+        if self.worker.frozen is not None and self._view_fresh():
+            # fast path: the cut is made and the view is recent; no DHT round trip before the round
+            self.run_round(1 + len(view_same), sorted(view_same))
             return
         others = self._others()
         epoch = self.worker.epoch
@@ -142,13 +161,15 @@ class StageSynchronizer:
         self.worker.others_samples = sum(v["samples"] for v in same.values())
         total = self.worker.unapplied_samples + self.worker.others_samples
         if total >= self.settings.global_batch_size or any(v.get("ready") for v in same.values()):
-            self.run_round(1 + len(same))
+            self.run_round(1 + len(same), list(same))
         else:
             self.publish()
 
-    def run_round(self, group_size: int) -> None:
+    def run_round(self, group_size: int, notify: list[str]) -> None:
         epoch, start = self.worker.epoch, time.monotonic()
         self.publish(ready=True, force=True)
+        if notify and self.notify_peers is not None:
+            self.notify_peers(notify, epoch)
         snapshot: Snapshot = self._on_compute(self.worker.take_round_snapshot)
         means = [
             g / snapshot.samples if snapshot.samples else torch.zeros_like(g) for g in snapshot.grad_sums
@@ -176,18 +197,27 @@ class StageSynchronizer:
                 logger.warning(
                     "partial round at epoch %d: %d of %d peers", epoch, result.group_size, group_size
                 )
+        averaged_at = time.monotonic()
         group_samples = sum(int(g.get("samples", 0)) for g in gathered.values())
         if group_samples == 0:
             self._on_compute(lambda: self.worker.restore_snapshot(snapshot))
             return
         self._on_compute(lambda: self.worker.apply_update(averaged, group_samples))
         self._grad_fp = self.worker.grad_fingerprint(averaged)
+        self._known_epochs.update({peer: epoch + 1 for peer in gathered if peer != self.peer_id})
         self.averager.state_sharing_priority = float(self.worker.epoch)
         self.counters.rounds += 1
         self.counters.last_group_size = len(gathered)
         self.counters.last_round_s = time.monotonic() - start
+        timings = {
+            "wait_s": round(start - snapshot.taken_at_s, 3),
+            "avg_s": round(averaged_at - start, 3),
+            "apply_s": round(time.monotonic() - averaged_at, 3),
+            "view_s": round(self._last_view_s, 3),
+        }
         self.ledger.write(
             "round",
+            **timings,
             epoch=epoch,
             mbs=snapshot.micro_batch_ids,
             n=snapshot.samples,
@@ -215,6 +245,7 @@ class StageSynchronizer:
             self.counters.resyncs += 1
             self.ledger.write("resync", epoch=self.worker.epoch, reason=reason)
         self._grad_fp = None
+        self._view_time_s = float("-inf")
         self.averager.state_sharing_priority = float(self.worker.epoch)
         self.serving.set()
         self.publish(force=True)
@@ -222,18 +253,27 @@ class StageSynchronizer:
     # helpers ------------------------------------------------------------------------------------
     def _others(self) -> dict[str, dict]:
         """Progress of the stage's other replicas (a DHT read); also kept as the latest view."""
-        others = {
-            peer: value
-            for peer, value in self.records.stage_progress(self.stage).items()
-            if peer != self.peer_id and value.get("digest") == self.digest
-        }
+        others, read_start = {}, time.monotonic()
+        progress = self.records.stage_progress(self.stage)
+        self._last_view_s = time.monotonic() - read_start
+        for peer, value in progress.items():
+            if peer == self.peer_id or value.get("digest") != self.digest:
+                continue
+            known = self._known_epochs.get(peer, -1)
+            if value["epoch"] < known:  # it stepped with us but its record has not caught up yet
+                value = dict(value, epoch=known, samples=0, ready=False, grad_fp=None)
+            others[peer] = value
         self._view, self._view_time_s = others, time.monotonic()
         return others
 
-    def _alone(self) -> bool:
-        """No other replica at or above our epoch in a view younger than `solo_view_max_age_s`."""
-        fresh = time.monotonic() - self._view_time_s < self.settings.solo_view_max_age_s
-        return fresh and all(v["epoch"] < self.worker.epoch for v in self._view.values())
+    def _view_fresh(self) -> bool:
+        """The last DHT view is young enough to start a round on (`solo_view_max_age_s`) and shows
+        no replica ahead of us (that case needs a resync, decided on a fresh read)."""
+        if time.monotonic() - self._view_time_s >= self.settings.solo_view_max_age_s:
+            return False
+        return all(
+            max(v["epoch"], self._known_epochs.get(p, -1)) <= self.worker.epoch for p, v in self._view.items()
+        )
 
     def _diverged_from(self, same: dict[str, dict]) -> bool:
         if self._grad_fp is None:

@@ -17,6 +17,7 @@ recomputation. Graphs more than one epoch old are recomputed.
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -46,6 +47,7 @@ class Snapshot:
     grad_sums: list[torch.Tensor]
     samples: int
     micro_batch_ids: list[str]
+    taken_at_s: float = 0.0  # time.monotonic() of the cut
 
 
 class StageWorker:
@@ -168,7 +170,9 @@ class StageWorker:
 
     # rounds -------------------------------------------------------------------------------------
     def take_snapshot(self) -> Snapshot:
-        snapshot = Snapshot(self.epoch, self.grad_sums, self.pending_samples, self.pending_ids)
+        snapshot = Snapshot(
+            self.epoch, self.grad_sums, self.pending_samples, self.pending_ids, time.monotonic()
+        )
         self.grad_sums = [torch.zeros_like(p) for p in self.params]
         self.pending_samples, self.pending_ids = 0, []
         return snapshot

@@ -154,31 +154,34 @@ class SwarmTrainer:
 
     async def forward_backward(self, mb: str, input_ids, labels) -> float:
         """One micro-batch through every stage and back; returns its loss."""
-        call, last, n = self.caller.call, self.num_stages - 1, int(input_ids.shape[0])
+        call, last, n = self.caller.call_peer, self.num_stages - 1, int(input_ids.shape[0])
         x = encode(input_ids, self.codec)
-        stage_inputs = []
+        stage_inputs, forward_peers = [], []
         for stage in range(last):
-            reply = await call(stage, "forward", mb, n, {"inputs": x}, FORWARD_WEIGHT)
+            reply, peer = await call(stage, "forward", mb, n, {"inputs": x}, FORWARD_WEIGHT)
             stage_inputs.append(x)
+            forward_peers.append(peer)
             x = reply.tensors["outputs"]
-        reply = await call(
+        labels_encoded = encode(labels, "none")
+        reply, _ = await call(
             last,
             "forward",
             mb,
             n,
-            {"inputs": x, "labels": encode(labels, "none")},
+            {"inputs": x, "labels": labels_encoded},
             FORWARD_WEIGHT + BACKWARD_WEIGHT,
             fused_backward=True,
         )
         loss, grad = float(reply.header["loss"]), reply.tensors.get("grad_inputs")
         for stage in reversed(range(last)):
-            reply = await call(
+            reply, _ = await call(
                 stage,
                 "backward",
                 mb,
                 n,
                 {"inputs": stage_inputs[stage], "grad_outputs": grad},
                 BACKWARD_WEIGHT,
+                prefer=forward_peers[stage],
             )
             grad = reply.tensors.get("grad_inputs")
         return loss
