@@ -27,6 +27,7 @@ PROTOCOL_VERSION = 1
 MAGIC = b"SWT1"
 MAX_HEADER_BYTES = 64 * 1024
 MAX_ID_CHARS = 128
+MAX_TENSORS = 1024  # info replies carry one tensor per parameter
 KINDS = ("forward", "backward", "info", "result", "error")
 _LEN = struct.Struct("<I")
 
@@ -126,8 +127,8 @@ def unpack(data: bytes, max_bytes: int) -> Message:
 
 
 def _parse_tensors(descriptors, data: bytes, offset: int) -> dict[str, codec.EncodedTensor]:
-    if not isinstance(descriptors, list) or len(descriptors) > 16:
-        raise ProtocolError("tensor descriptors must be a list of at most 16 entries")
+    if not isinstance(descriptors, list) or len(descriptors) > MAX_TENSORS:
+        raise ProtocolError(f"tensor descriptors must be a list of at most {MAX_TENSORS} entries")
     view = memoryview(data)
     tensors: dict[str, codec.EncodedTensor] = {}
     for entry in descriptors:

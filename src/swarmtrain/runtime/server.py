@@ -120,6 +120,7 @@ class StageServer:
             self.ledger,
         )
         remember_group_sockets()
+        self.ledger.write("start", peer=self.peer_id, stage=self.spec.index)
         self._warn_about_foreign_peers()
         self.sync.join()
         logger.info(

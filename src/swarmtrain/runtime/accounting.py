@@ -1,0 +1,86 @@
+"""Where did each micro-batch's gradient go? Per-stage accounting from server and trainer ledgers.
+
+For one stage, every micro-batch the trainer completed must be exactly one of:
+- applied: included in an averaging round that a surviving replica completed (its own
+  contribution, or a dead replica's contribution to a round the survivor finished with it);
+- pending: accumulated on a survivor, waiting for the next round;
+- lost with a dead peer: accumulated only on a replica that was killed, before any round
+  that a survivor completed with it;
+- lost to a resync: dropped by a replica that had to download the stage state.
+A micro-batch accumulated twice on one server (at-most-once violated) or applied in two
+completed rounds is reported in `double_applied`.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass
+class StageAccount:
+    stage: int
+    completed: int
+    applied: set[str] = field(default_factory=set)
+    pending: set[str] = field(default_factory=set)
+    lost_with_dead: set[str] = field(default_factory=set)
+    lost_to_resync: set[str] = field(default_factory=set)
+    double_applied: list[str] = field(default_factory=list)
+    unaccounted: set[str] = field(default_factory=set)
+    samples_lost_with_dead: int = 0
+
+    @property
+    def balanced(self) -> bool:
+        parts = [self.applied, self.pending, self.lost_with_dead, self.lost_to_resync]
+        disjoint = sum(map(len, parts)) == len(set().union(*parts))
+        return disjoint and not self.unaccounted and not self.double_applied
+
+    def summary(self) -> dict:
+        return {
+            "stage": self.stage,
+            "completed": self.completed,
+            "applied": len(self.applied),
+            "pending": len(self.pending),
+            "lost_with_dead": len(self.lost_with_dead),
+            "lost_to_resync": len(self.lost_to_resync),
+            "double_applied": len(self.double_applied),
+            "unaccounted": len(self.unaccounted),
+            "samples_lost_with_dead": self.samples_lost_with_dead,
+            "balanced": self.balanced,
+        }
+
+
+def account_stage(
+    stage: int, ledgers: dict[str, list[dict]], dead: set[str], completed: set[str]
+) -> StageAccount:
+    """`ledgers`: server name -> events (all servers of this stage); `dead`: names of killed servers."""
+    account = StageAccount(stage, len(completed))
+    peer_of = {
+        name: next((e["peer"] for e in events if e["e"] == "start"), name) for name, events in ledgers.items()
+    }
+    accumulated: dict[str, list[str]] = {}
+    sizes: dict[str, int] = {}
+    rounds: dict[str, list[dict]] = {}
+    for name, events in ledgers.items():
+        accumulated[name] = [e["mb"] for e in events if e["e"] == "acc"]
+        sizes.update({e["mb"]: e["n"] for e in events if e["e"] == "acc"})
+        rounds[name] = [e for e in events if e["e"] == "round"]
+        account.lost_to_resync |= {mb for e in events if e["e"] == "lost" for mb in e["mbs"]}
+        account.double_applied += [mb for mb, count in Counter(accumulated[name]).items() if count > 1]
+    survivors = [name for name in ledgers if name not in dead]
+    survivor_epochs = {(r["epoch"], peer) for name in survivors for r in rounds[name] for peer in r["group"]}
+    applied_counter: Counter = Counter()
+    for name, server_rounds in rounds.items():
+        for r in server_rounds:
+            if name in survivors or (r["epoch"], peer_of[name]) in survivor_epochs:
+                applied_counter.update(r["mbs"])
+    account.double_applied += [mb for mb, count in applied_counter.items() if count > 1]
+    account.applied = set(applied_counter)
+    survivor_acc = {mb for name in survivors for mb in accumulated[name]}
+    account.pending = survivor_acc - account.applied - account.lost_to_resync
+    dead_acc = {mb for name in dead for mb in accumulated.get(name, [])}
+    account.lost_with_dead = dead_acc - account.applied - survivor_acc - account.lost_to_resync
+    account.samples_lost_with_dead = sum(sizes.get(mb, 0) for mb in account.lost_with_dead)
+    parts = account.applied | account.pending | account.lost_with_dead | account.lost_to_resync
+    account.unaccounted = set(completed) - parts
+    return account

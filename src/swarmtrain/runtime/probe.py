@@ -1,0 +1,93 @@
+"""An in-process client of a running swarm, for tests and benchmarks: a client-mode DHT, a trainer
+(no data loop) and an asyncio loop on a background thread. Every call has a timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+
+from swarmtrain.config import RunConfig
+from swarmtrain.net.engine import shutdown_quietly, start_dht
+from swarmtrain.net.protocol import Message
+from swarmtrain.runtime.procs import descendants, hivemind_socket_paths, remove_files
+from swarmtrain.runtime.trainer import SwarmTrainer, TrainerOptions
+
+
+class SwarmProbe:
+    def __init__(
+        self, cfg: RunConfig, initial_peers: list[str], codec: str = "none", timeout_s: float = 60.0
+    ):
+        self.cfg, self.timeout_s = cfg, timeout_s
+        self.dht = start_dht(initial_peers, client_mode=True)
+        self._sockets = self._own_sockets()
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="probe-loop", daemon=True)
+        self._thread.start()
+        self.trainer = SwarmTrainer(cfg, TrainerOptions(codec=codec, trainer_id="probe"), self.dht)
+        self.run(self.trainer.setup())
+
+    def run(self, coro, timeout_s: float | None = None):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s or self.timeout_s)
+
+    def wait_for_peers(self, counts: list[int], timeout_s: float = 60.0) -> None:
+        """Until stage i has at least counts[i] live servers in our view."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.run(self.trainer.caller.refresh())
+            have = self.trainer.table.peers_per_stage()
+            if all(h >= c for h, c in zip(have, counts, strict=True)):
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"servers per stage {have}, wanted {counts}")
+            time.sleep(0.3)
+
+    def peers(self, stage: int) -> list[str]:
+        return sorted(self.trainer.table.announcements[stage])
+
+    def set_codec(self, codec: str) -> None:
+        self.trainer.codec = self.trainer.caller.codec = codec
+
+    def forward_backward(self, mb: str, input_ids, labels) -> float:
+        return self.run(self.trainer.forward_backward(mb, input_ids, labels))
+
+    def info(self, peer: str, want: str | None = None) -> Message:
+        from hivemind.p2p import PeerID
+
+        header = {"want": want} if want else {}
+        client = self.trainer.client
+        return self.run(
+            client.call(PeerID.from_base58(peer), "info", Message("info", header), self.timeout_s)
+        )
+
+    def call_raw(self, peer: str, kind: str, data: bytes) -> Message:
+        from hivemind.p2p import PeerID
+
+        return self.run(self.trainer.client.call_raw(PeerID.from_base58(peer), kind, data, self.timeout_s))
+
+    async def _close_async(self) -> None:
+        await self.trainer.client.p2p.shutdown()
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _own_sockets(self) -> set[str]:
+        """Sockets of this process and of our DHT's process tree (not of other children, e.g. servers
+        a test started)."""
+        return hivemind_socket_paths([os.getpid(), self.dht.pid, *descendants(self.dht.pid)])
+
+    def close(self) -> None:
+        self._sockets |= self._own_sockets()
+        try:
+            self.run(self._close_async(), timeout_s=10)
+        except Exception:  # best effort: the loop is stopped below anyway
+            pass
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(5)
+        if not self._thread.is_alive():
+            self.loop.close()
+        shutdown_quietly(self.dht)
+        remove_files(self._sockets)

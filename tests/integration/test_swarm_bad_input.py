@@ -1,0 +1,119 @@
+"""Malformed requests get an error answer; the server keeps serving and its parameters do not move."""
+
+import json
+import struct
+
+import pytest
+import torch
+
+from swarmtrain.net import protocol
+from swarmtrain.net.protocol import Message, pack, request_message
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+
+def _bad_requests(cfg, digest):
+    """(description, kind, raw bytes) for stage 1 (hidden states + labels, last stage)."""
+    m, b, t = cfg.model, 2, cfg.model.seq_len
+    hidden, labels = torch.randn(b, t, m.d_model), torch.randint(0, m.vocab_size, (b, t))
+
+    def req(tensors, **header):
+        fields = {"fused_backward": True, **header}
+        return pack(request_message("forward", "bad-1", 1, digest, "none", tensors, **fields))
+
+    nan = hidden.clone()
+    nan[0, 0, 0] = float("nan")
+    huge = Message("forward", {"mb": "x", "stage": 1, "digest": digest, "codec": "none"})
+    huge_bytes = pack(huge)
+    header = json.loads(huge_bytes[8:])
+    header["tensors"] = [["inputs", "none", "float32", [10**6, 10**6, 10**6], 4 * 10**18]]
+    forged = json.dumps(header).encode()
+    return [
+        ("wrong hidden size", "forward", req({"inputs": torch.randn(b, t, m.d_model + 1), "labels": labels})),
+        ("wrong dtype of labels", "forward", req({"inputs": hidden, "labels": labels.float()})),
+        ("int hidden states", "forward", req({"inputs": hidden.long(), "labels": labels})),
+        (
+            "too long sequence",
+            "forward",
+            req(
+                {
+                    "inputs": torch.randn(b, t + 1, m.d_model),
+                    "labels": torch.zeros(b, t + 1, dtype=torch.long),
+                }
+            ),
+        ),
+        ("labels out of range", "forward", req({"inputs": hidden, "labels": labels + m.vocab_size})),
+        ("missing labels", "forward", req({"inputs": hidden})),
+        ("NaN activations", "forward", req({"inputs": nan, "labels": labels})),
+        (
+            "wrong stage",
+            "forward",
+            pack(request_message("forward", "bad", 0, digest, "none", {"inputs": hidden})).replace(
+                b'"stage":0', b'"stage":7'
+            ),
+        ),
+        (
+            "wrong digest",
+            "forward",
+            req({"inputs": hidden, "labels": labels}).replace(digest.encode(), b"0" * len(digest)),
+        ),
+        ("absurd declared size", "forward", protocol.MAGIC + struct.pack("<I", len(forged)) + forged),
+        ("garbage bytes", "forward", b"\x00garbage" * 1000),
+        ("empty message", "backward", b""),
+        ("truncated payload", "forward", req({"inputs": hidden, "labels": labels})[:-100]),
+        (
+            "oversized message",
+            "forward",
+            b"\x01" * (cfg.training.micro_batch_size * 4 * t * (8 * m.d_model + 8) + 200_000),
+        ),
+        (
+            "backward to the last stage",
+            "backward",
+            pack(
+                request_message(
+                    "backward",
+                    "bad",
+                    1,
+                    digest,
+                    "none",
+                    {"inputs": hidden, "labels": labels, "grad_outputs": hidden},
+                )
+            ),
+        ),
+    ]
+
+
+def test_bad_requests_get_error_answers_and_change_nothing(make_swarm):
+    swarm, cfg = make_swarm("tiny")
+    swarm.start_dht()
+    swarm.start_server("s1", 1)
+    swarm.wait_ready(["s1"])
+    probe = make_swarm.probe(cfg, swarm)
+    probe.wait_for_peers([0, 1])
+    (peer,) = probe.peers(1)
+    before = probe.info(peer, want="params")
+
+    for description, kind, data in _bad_requests(cfg, cfg.digest()):
+        reply = probe.call_raw(peer, kind, data)
+        assert reply.kind == "error", description
+        print(f"{description:28s} -> {reply.header['code']}: {reply.header['error'][:90]}")
+
+    after = probe.info(peer, want="params")
+    assert after.header["pending_samples"] == 0 and after.header["epoch"] == 0
+    for name in before.tensors:
+        assert torch.equal(before.tensor(name), after.tensor(name)), name
+    # still serving: a valid request works
+    hidden = torch.randn(2, cfg.model.seq_len, cfg.model.d_model)
+    labels = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_len))
+    good = request_message(
+        "forward",
+        "good-1",
+        1,
+        cfg.digest(),
+        "none",
+        {"inputs": hidden, "labels": labels},
+        fused_backward=True,
+    )
+    reply = probe.call_raw(peer, "forward", pack(good))
+    assert reply.kind == "result" and reply.header["loss"] > 0
+    assert reply.tensor("grad_inputs").shape == hidden.shape

@@ -1,0 +1,40 @@
+"""Fixtures for tests that run a real local swarm: every process is stopped even when a test fails."""
+
+from __future__ import annotations
+
+import pytest
+
+from swarmtrain.config import load_run_config
+from swarmtrain.runtime.local_swarm import LocalSwarm, write_run_toml
+
+# short timeouts so that a failure shows up in seconds, not minutes
+FAST_SWARM = {"request_timeout_s": 10.0, "averaging_timeout_s": 10.0, "announce_period_s": 1.0}
+
+
+@pytest.fixture
+def make_swarm(tmp_path):
+    """make_swarm(preset, overrides) -> (LocalSwarm, RunConfig); all swarms stopped at teardown."""
+    swarms, probes = [], []
+
+    def make(preset: str = "tiny", overrides: dict | None = None):
+        sections = {"swarm": dict(FAST_SWARM)}
+        for section, values in (overrides or {}).items():
+            sections.setdefault(section, {}).update(values)
+        path = write_run_toml(tmp_path / f"run{len(swarms)}.toml", preset, sections)
+        swarm = LocalSwarm(tmp_path / f"swarm{len(swarms)}", path)
+        swarms.append(swarm)
+        return swarm, load_run_config(path)
+
+    def probe(cfg, swarm, codec="none"):
+        from swarmtrain.runtime.probe import SwarmProbe
+
+        client = SwarmProbe(cfg, [swarm.address], codec=codec)
+        probes.append(client)
+        return client
+
+    make.probe = probe
+    yield make
+    for client in probes:
+        client.close()
+    for swarm in swarms:
+        swarm.stop_all(grace_s=5.0)
