@@ -139,8 +139,8 @@ class ComputeModel:
             raise UserError(f"{profile.num_layers} layers cannot fill {scenario.num_stages} stages")
         self.cost_model = cost_model
         self.profile = profile
-        self.flops_per_s = scenario.tflops * 1e12 * profile.utilization  # type: ignore[operator]
-        self.memory_gb = scenario.memory_gb * MEMORY_HEADROOM  # type: ignore[operator]
+        self.flops_per_s: np.ndarray = np.asarray(scenario.tflops) * 1e12 * profile.utilization
+        self.memory_gb: np.ndarray = np.asarray(scenario.memory_gb) * MEMORY_HEADROOM
         latency_s = scenario.latency_ms / 1000.0
         with np.errstate(divide="ignore"):
             gbit_factor = 2.0 * GBIT_PER_GB / (scenario.group_size * scenario.bandwidth_gbps)

@@ -169,7 +169,7 @@ def _device_site_indices(devices: list[dict], site_names: list[str]) -> list[int
 
 
 def _parse_compute(devices: list[dict]) -> tuple[np.ndarray | None, np.ndarray | None]:
-    arrays = []
+    arrays: list[np.ndarray | None] = []
     for key in ("tflops", "memory_gb"):
         present = [key in d for d in devices]
         if not any(present):
