@@ -34,7 +34,7 @@ class SimConfig:
     chunk_samples: int | None = None  # samples routed together as one simulated micro-batch
     event_budget: int = 1_500_000  # target event count when `chunk_samples` is derived
     in_flight: int | None = None  # micro-batches in flight over all trainers (SWARM)
-    in_flight_per_peer: float = 2.0
+    in_flight_per_peer: float = 3.0
     num_trainers: int | None = None
     rebalance_period_s: float = 60.0
     rebalance_jitter: float = 0.1
@@ -117,10 +117,9 @@ class Simulation:
         self.engine = EventQueue()
         self.network = Network(fleet.locations)
         self.rng = make_rng(config.seed, "sim", config.mode)
-        base_rates = table.rates(costs, 0.0)
+        base_rates = table.rates(costs, 0.0).tolist()
         self.peers = [
-            PeerState(i, spec, compute_s[i], tuple(base_rates[i].tolist()))
-            for i, spec in enumerate(fleet.peers)
+            PeerState(i, spec, compute_s[i], tuple(base_rates[i])) for i, spec in enumerate(fleet.peers)
         ]
         self.metrics = Metrics(self.metrics_stages())
         self._membership_changed = True
@@ -193,7 +192,7 @@ class Simulation:
                 return
             peer.live = True
             peer.epoch += 1
-            peer.up_free_s = peer.down_free_s = self.engine.now_s  # a new machine: empty link queues
+            peer.clear(self.engine.now_s)  # a new machine: empty link queues
             self.metrics.counts["joins"] += 1
             self.on_join(peer)
         else:

@@ -3,7 +3,7 @@
 - Formation: live peers sorted by speed (mean rate, fastest first) are cut into groups of S; inside a
   group the heaviest stage gets the fastest peer that can hold it. Leftover peers are spares.
 - A step: the pipeline's trainer injects M micro-batches (`gpipe_micro_batches`, default: the global
-  batch split over the initial pipelines), all forwards then backwards through the same peers; when all
+  batch split over the initial pipelines, at most 4S), all forwards then backwards through the same peers; when all
   M are back the step's samples count and the next step starts (the flush makes the pipeline bubble).
   Gradient averaging across pipelines is charged on links per global batch as in SWARM; pipelines are
   not barrier-synchronized with each other.
@@ -23,6 +23,7 @@ from swarmtrain.sim.network import Endpoint
 from swarmtrain.sim.pipeline import Chunk, PipelineSimulation
 
 RUNNING, STALLED, STARTING = "running", "stalled", "starting"
+MAX_MICRO_BATCHES_PER_STAGE = 4  # GPipe's advice: M >= 4S amortizes the bubble; memory bounds M anyway
 
 
 class Pipeline:
@@ -47,12 +48,14 @@ class GPipeSimulation(PipelineSimulation):
         self.micro_batches = 1
 
     def setup(self) -> None:
+        self.refresh_rates(self.optimum())
         self.spares = [p for p in self.peers if p.live and max(p.rates) > 0]
         while (pipeline := self._form(download=False)) is not None:
             pipeline.state = RUNNING
         count = max(1, len(self.pipelines))
         chunks = self.costs.global_batch_size / (count * self.chunk_samples)
-        self.micro_batches = self.config.gpipe_micro_batches or max(1, round(chunks))
+        cap = MAX_MICRO_BATCHES_PER_STAGE * self.num_stages
+        self.micro_batches = self.config.gpipe_micro_batches or max(1, min(cap, round(chunks)))
         for pipeline in self.pipelines:
             self._start_step(pipeline)
 

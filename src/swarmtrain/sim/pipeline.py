@@ -86,6 +86,13 @@ class PipelineSimulation(Simulation):
         self.audit_violations = 0
         self.audited_chunks = 0
 
+    def refresh_rates(self, throughput_samples_per_s: float) -> None:
+        """What peers announce: their rate at each stage with the averaging traffic of a pipeline at the
+        given throughput taken off their links (a peer that cannot keep up announces 0 there)."""
+        rates = self.table.rates(self.costs, throughput_samples_per_s).tolist()
+        for peer in self.peers:
+            peer.rates = tuple(rates[peer.index])
+
     # to implement ------------------------------------------------------------------------------
     def choose_peer(self, chunk: Chunk, weight: float) -> PeerState | None:
         raise NotImplementedError
@@ -276,7 +283,7 @@ class PipelineSimulation(Simulation):
         per_peer = 2 * self.costs.averaging_bytes[stage] * (n - 1) / n if n > 1 else 0.0
         for peer in members.values():
             if per_peer:
-                peer.reserve_both(now, per_peer)
+                peer.add_background(now, per_peer)
             peer.samples_since_step = 0.0
         self.metrics.bytes_by_kind["averaging"] += per_peer * n
 

@@ -5,7 +5,8 @@ minute, so micro-batches are *aggregated*: one simulated chunk carries `chunk_sa
 multiple of nothing in particular, at least the configured micro-batch size). Derived from the event
 budget: a chunk costs about 4 events per stage visited, so
 `chunk_samples = max(micro_batch_size, ceil(4 * S * T0 * duration / event_budget))` with T0 the optimum
-at the start. Compute and bytes per sample are unchanged by aggregation; latency is paid once per chunk
+at the start, but never so coarse that a slow peer (10th percentile of mean rate) needs more than 1% of
+the run for one chunk (large fleets then run more events than the budget: 10,000 peers take minutes). Compute and bytes per sample are unchanged by aggregation; latency is paid once per chunk
 (it is hidden by micro-batches in flight anyway) and a failure loses a whole chunk's progress.
 
 Micro-batches in flight (SWARM): `in_flight_per_peer` per live peer plus enough to cover the network
@@ -29,8 +30,9 @@ from swarmtrain.sim.metrics import SimResult
 from swarmtrain.sim.optimal import optimal_allocation
 
 EVENTS_PER_CHUNK_PER_STAGE = 4
-MAX_TRAINERS = 16
-PEERS_PER_TRAINER = 64
+MAX_CHUNK_FRACTION_OF_RUN = 0.01  # a slow (10th percentile) peer computes a chunk in <= 1% of the run
+MAX_TRAINERS = 8
+PEERS_PER_TRAINER = 500  # each trainer has its own, staler view of peers: fewer trainers route better
 
 
 def costs_for(run: RunConfig, global_batch_size: int | None = None) -> StageCosts:
@@ -56,6 +58,20 @@ def _hop_s(fleet: Fleet, costs: StageCosts, live: list[int], chunk: int) -> floa
         [1 / min(fleet.peers[i].uplink_bytes_per_s, fleet.peers[i].downlink_bytes_per_s) for i in live]
     )
     return latency + chunk * costs.activation_bytes_per_sample * (inv_link + inv_path)
+
+
+def _chunk_samples(costs: StageCosts, config: SimConfig, table, live: list[int], start_optimum: float) -> int:
+    by_budget = (
+        EVENTS_PER_CHUNK_PER_STAGE
+        * costs.num_stages
+        * start_optimum
+        * config.duration_s
+        / config.event_budget
+    )
+    rates = table.rates(costs, 0.0)[live].mean(axis=1) if live else np.zeros(1)
+    slow_rate = float(np.percentile(rates[rates > 0], 10)) if (rates > 0).any() else 0.0
+    by_quality = MAX_CHUNK_FRACTION_OF_RUN * config.duration_s * slow_rate
+    return max(costs.micro_batch_size, math.ceil(min(by_budget, max(by_quality, 1.0))))
 
 
 def run_simulation(
@@ -109,10 +125,7 @@ def build(
         return ReplicaSimulation(
             fleet, costs, config, schedule, compute, table, local, local_batch_samples=local
         )
-    chunk = config.chunk_samples or max(
-        mbs,
-        math.ceil(EVENTS_PER_CHUNK_PER_STAGE * S * start_optimum * config.duration_s / config.event_budget),
-    )
+    chunk = config.chunk_samples or _chunk_samples(costs, config, table, live, start_optimum)
     if config.mode == "gpipe":
         return GPipeSimulation(fleet, costs, config, schedule, compute, table, chunk)
     trainers = config.num_trainers or min(MAX_TRAINERS, max(1, math.ceil(len(live) / PEERS_PER_TRAINER)))

@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import heapq
 import math
 
 from swarmtrain.planner.rebalance import PeerLoad, RebalanceConfig, plan_moves, stage_for_new_peer
@@ -30,13 +31,30 @@ from swarmtrain.sim.pipeline import LAST_STAGE_WEIGHT, Chunk, PipelineSimulation
 ANNOUNCE_FACTOR = LAST_STAGE_WEIGHT  # samples/s of forward+backward -> forward-equivalent samples/s
 
 
+class FastMinRouter(StageRouter):
+    """The planner's router with one change for thousands of peers: the minimum virtual finish time
+    (where a new peer enters) is read from the heap top, dropping stale entries, instead of scanning all
+    peers. Every peer has exactly one live heap entry keyed by its current finish time, so the value is
+    the same; adding n peers costs O(n log n) instead of O(n^2)."""
+
+    def _min_finish_s(self) -> float:
+        heap = self._heap
+        while heap:
+            key, _, peer = heap[0]
+            state = self._peers.get(peer)
+            if state is not None and key == state.virtual_finish_s:
+                return key
+            heapq.heappop(heap)
+        return 0.0
+
+
 class Trainer:
     __slots__ = ("index", "endpoint", "routers")
 
     def __init__(self, index: int, endpoint: Endpoint, num_stages: int) -> None:
         self.index = index
         self.endpoint = endpoint
-        self.routers = [StageRouter() for _ in range(num_stages)]
+        self.routers = [FastMinRouter() for _ in range(num_stages)]
 
 
 class SwarmSimulation(PipelineSimulation):
@@ -66,7 +84,7 @@ class SwarmSimulation(PipelineSimulation):
         for t in range(self.num_trainers):
             where = locations[t % len(locations)]
             self.trainers.append(Trainer(t, Endpoint(where, math.inf, math.inf), self.num_stages))
-        self._refresh_rates(alloc.throughput_samples_per_s)
+        self.refresh_rates(alloc.throughput_samples_per_s)
         for row, peer in enumerate(live):
             stage = int(alloc.stage_of[row]) if home is None or self.rebalance else peer.home_stage
             if stage >= 0:
@@ -146,18 +164,15 @@ class SwarmSimulation(PipelineSimulation):
         jitter = self.config.rebalance_jitter * (2 * self.rng.random() - 1)
         return self.engine.now_s + self.config.rebalance_period_s * (1 + jitter)
 
-    def _refresh_rates(self, throughput_samples_per_s: float) -> None:
-        """What peers announce: their rate at each stage with the averaging traffic of a pipeline at the
-        given throughput taken off their links (a peer that cannot keep up announces 0 there)."""
-        rates = self.table.rates(self.costs, throughput_samples_per_s).tolist()
+    def refresh_rates(self, throughput_samples_per_s: float) -> None:
+        super().refresh_rates(throughput_samples_per_s)
         self.capacity = [0.0] * self.num_stages
         for peer in self.peers:
-            peer.rates = tuple(rates[peer.index])
             if peer.live and peer.stage >= 0:
                 self.capacity[peer.stage] += peer.rates[peer.stage]
 
     def _on_rebalance(self, _a=None, _b=None) -> None:
-        self._refresh_rates(self.optimum())
+        self.refresh_rates(self.optimum())
         loads = []
         for peer in self.peers:
             if peer.live and peer.stage >= 0:

@@ -1,0 +1,193 @@
+"""`swarmtrain simulate`: what would this fleet do? A discrete-event simulation on a virtual clock."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from swarmtrain.cli.common import positive_float, positive_int, write_summary_json
+from swarmtrain.config.errors import UserError
+
+MODE_CHOICES = ("swarm", "swarm-no-rebalance", "gpipe", "async-replicas", "all")
+CHURN_CHOICES = ("none", "preemptible", "exponential", "diurnal", "regional-outage")
+
+DESCRIPTION = """\
+Simulate training on a fleet you may not have: thousands of heterogeneous, preemptible peers on
+several continents, on a virtual clock (deterministic for a seed). Compares SWARM with and without
+rebalancing, fixed GPipe pipelines and asynchronous full replicas on the same fleet and churn, against
+the fleet's optimal throughput at every moment.
+
+examples:
+  swarmtrain simulate --num-peers 1000 --churn preemptible --plot sim.png
+  swarmtrain simulate --scenario world-wide --mode all --duration-s 1800
+  swarmtrain simulate --fleet my_fleet.toml --trace outages.csv --summary-json out.json
+"""
+
+
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
+    return value
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "simulate",
+        help="simulate a fleet (SWARM, fixed pipelines, async replicas) on a virtual clock",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    fleet = p.add_mutually_exclusive_group()
+    fleet.add_argument("--scenario", metavar="NAME", help="one of the planner's five 64-device scenarios")
+    fleet.add_argument("--fleet", metavar="FILE", help="a TOML fleet file (see swarmtrain.sim.fleet_file)")
+    fleet.add_argument(
+        "--num-peers",
+        type=positive_int,
+        metavar="N",
+        help="a synthetic fleet: 5%% a100, 15%% v100, 30%% t4, 25%% rtx3090, 25%% rtx2080ti in 8 cities",
+    )
+    p.add_argument(
+        "--model",
+        default="gpt3-xl",
+        metavar="PRESET|FILE",
+        help="model preset or TOML run file (default gpt3-xl)",
+    )
+    p.add_argument("--stages", type=positive_int, metavar="S", help="override the number of pipeline stages")
+    p.add_argument("--global-batch-size", type=positive_int, metavar="N", help="samples per optimizer step")
+    p.add_argument(
+        "--mode", choices=MODE_CHOICES, default="swarm", help="what to run; `all` compares the four"
+    )
+    churn = p.add_mutually_exclusive_group()
+    churn.add_argument(
+        "--churn",
+        choices=CHURN_CHOICES,
+        default="none",
+        metavar="NAME",
+        help=f"churn model: {', '.join(CHURN_CHOICES)}",
+    )
+    churn.add_argument("--trace", metavar="FILE", help="CSV churn trace: time_s,peer,event (join/leave/fail)")
+    p.add_argument(
+        "--duration-s", type=positive_float, default=3600.0, help="simulated seconds (default 3600)"
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--plot", metavar="PATH", help="write a PNG of throughput, fraction of optimal, utilization"
+    )
+    p.add_argument("--summary-json", metavar="PATH", help="write the summary as JSON")
+    p.add_argument(
+        "--peer-compute-times",
+        metavar="FILE",
+        help="calibration: CSV peer,stage,seconds_per_sample of measured forward+backward time",
+    )
+    p.add_argument("--bandwidth-mbit-s", type=positive_float, metavar="X", help="set every link to X Mbit/s")
+    p.add_argument("--latency-ms", type=non_negative_float, metavar="X", help="set every latency to X ms")
+    p.add_argument("--save-trace", metavar="FILE", help="write the churn that was simulated as a trace file")
+    p.add_argument("--in-flight", type=positive_int, metavar="N", help="micro-batches in flight (SWARM)")
+    p.add_argument(
+        "--chunk-samples", type=positive_int, metavar="N", help="samples per simulated micro-batch"
+    )
+    p.add_argument("--rebalance-period-s", type=positive_float, default=60.0, metavar="T")
+    p.add_argument("--event-budget", type=positive_int, default=1_500_000, metavar="N")
+    p.set_defaults(func=run)
+
+    def one_line_error(message: str) -> None:
+        print(f"swarmtrain simulate: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+    p.error = one_line_error  # bad input: exit 2 with one line, like every UserError
+
+
+def _run_config(args):
+    from swarmtrain.config import get_preset, load_run_config
+
+    run = load_run_config(args.model) if args.model.endswith(".toml") else get_preset(args.model)
+    if args.stages:
+        run = run.replace(swarm=replace(run.swarm, num_stages=args.stages))
+    return run
+
+
+def _fleet(args, num_stages: int):
+    from swarmtrain.sim import fleet as fleets
+    from swarmtrain.sim.fleet_file import load_fleet_file
+
+    if args.scenario:
+        fleet = fleets.scenario_fleet(args.scenario)
+    elif args.fleet:
+        fleet = load_fleet_file(args.fleet)
+    elif args.num_peers:
+        fleet = fleets.synthetic_fleet(args.num_peers, args.seed)
+    else:
+        raise UserError("choose a fleet: --scenario NAME, --fleet FILE or --num-peers N")
+    if args.bandwidth_mbit_s is not None or args.latency_ms is not None:
+        bandwidth = args.bandwidth_mbit_s * 1e6 / 8 if args.bandwidth_mbit_s is not None else None
+        latency = args.latency_ms / 1e3 if args.latency_ms is not None else None
+        fleet = fleets.with_links(fleet, bandwidth, latency)
+    if args.peer_compute_times:
+        fleet = fleets.load_compute_times(args.peer_compute_times, fleet, num_stages)
+    return fleet
+
+
+def run(args: argparse.Namespace) -> int:
+    from swarmtrain.sim.base import MODES, SimConfig
+    from swarmtrain.sim.churn import churn_schedule, load_trace, write_trace
+    from swarmtrain.sim.report import human_bytes, summaries_table
+    from swarmtrain.sim.runner import run_simulation
+
+    start = time.perf_counter()  # the CLI, not the engine, measures wall time
+    run_cfg = _run_config(args)
+    fleet = _fleet(args, run_cfg.swarm.num_stages)
+    if args.trace:
+        schedule, churn_name = load_trace(args.trace, fleet), f"trace {Path(args.trace).name}"
+    else:
+        schedule, churn_name = churn_schedule(args.churn, fleet, args.duration_s, args.seed), args.churn
+    if args.save_trace:
+        write_trace(args.save_trace, schedule, fleet)
+    modes = list(MODES) if args.mode == "all" else [args.mode]
+    results = []
+    for mode in modes:
+        config = SimConfig(
+            mode=mode,
+            duration_s=args.duration_s,
+            seed=args.seed,
+            chunk_samples=args.chunk_samples,
+            in_flight=args.in_flight,
+            rebalance_period_s=args.rebalance_period_s,
+            event_budget=args.event_budget,
+        )
+        results.append(run_simulation(fleet, run_cfg, config, schedule, args.global_batch_size))
+    wall_s = time.perf_counter() - start
+    counts = schedule.counts()
+    print(f"fleet: {fleet.description}")
+    print(
+        f"model: {args.model}, {run_cfg.swarm.num_stages} stages | churn: {churn_name} ({counts['fail']} failures, "
+        f"{counts['leave']} leaves, {counts['join']} joins) | {args.duration_s:g} s simulated in {wall_s:.1f} s wall"
+    )
+    print(summaries_table([r.summary for r in results]))
+    if len(results) == 1:
+        util = " ".join(f"{u:.2f}" for u in results[0].summary["stage_utilization"])
+        print(f"mean compute utilization per stage: {util}")
+        kinds = results[0].summary["bytes_by_kind"]
+        print("bytes moved: " + ", ".join(f"{k} {human_bytes(v)}" for k, v in kinds.items()))
+    if args.plot:
+        from swarmtrain.sim.plotting import plot_results
+
+        plot_results(results, args.plot, title=f"{fleet.description}; churn {churn_name}")
+        print(f"plot: {args.plot}")
+    write_summary_json(args.summary_json, _summary(results, wall_s, fleet, churn_name))
+    return 0
+
+
+def _summary(results, wall_s: float, fleet, churn_name: str) -> dict:
+    best = max(results, key=lambda r: r.summary["samples_per_s"])
+    top = {**best.summary, "wall_s": wall_s, "fleet": fleet.description, "churn": churn_name}
+    if len(results) > 1:
+        top["best_mode"] = best.mode
+        top["modes"] = {r.mode: r.summary for r in results}
+    return top
