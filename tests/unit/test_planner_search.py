@@ -102,3 +102,14 @@ def test_constructive_seeds_find_site_structure():
     machine_only = [g for g in banded if max(g) < 32]
     assert len(machine_only) == 4
     assert all(sorted(d // 4 for d in g) == list(range(8)) for g in machine_only)
+
+
+def test_budgets_are_validated_and_the_first_placement_always_counts():
+    with pytest.raises(ValueError):
+        SearchConfig(budget_evals=0)
+    with pytest.raises(ValueError):
+        SearchConfig(population_size=1)
+    model = CostModel(random_fleet(8, 2, seed=0), WORKLOAD)
+    result = search_placement(model, SearchConfig(budget_evals=1, budget_s=1e-9), seed=0)
+    assert result.evaluations == 1
+    assert_balanced(result.groups, 8, 2)

@@ -25,8 +25,15 @@ Choose which devices serve which pipeline stage so that gradient all-reduce insi
 and activations between consecutive groups cost the least (Yuan et al. 2022, "Decentralized Training
 of Foundation Models in Heterogeneous Environments"). Built-in fleets: datacenter, spot,
 multi-university, regional, world-wide (communication only) and mixed-regional, mixed-world,
-mixed-volunteers (with GPU speed and memory, for --compute). Your own fleet: --scenario-file, a JSON
-object described in `swarmtrain.planner.scenario_file`.
+mixed-volunteers (with GPU speed and memory, for --compute).
+
+Your own fleet (--scenario-file), one JSON object; links are symmetric, latency >= 0, bandwidth > 0:
+  {"name": "labs", "num_stages": 2,                        (default 8; must divide the devices)
+   "devices": [{"site": "a", "gpu": "A100", "tflops": 312, "memory_gb": 80}, ...],   (or a count)
+   "sites": ["a", "b"],                  (optional: then the matrices are site x site, the diagonal
+                                          being the link between two devices of one site)
+   "latency_ms": [[1, 30], [30, 1]], "bandwidth_gbps": [[100, 1], [1, 100]]}
+A layout (--evaluate) is a JSON list with one list of device indices per stage group.
 """
 
 
@@ -80,8 +87,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     search = parser.add_argument_group("search")
     search.add_argument("--seed", type=int, default=0)
-    search.add_argument("--budget-evals", type=positive_int, default=DEFAULT_BUDGET_EVALS, metavar="N")
-    search.add_argument("--budget-s", type=positive_float, default=DEFAULT_BUDGET_S, metavar="S")
+    search.add_argument(
+        "--budget-evals",
+        type=positive_int,
+        default=DEFAULT_BUDGET_EVALS,
+        metavar="N",
+        help=f"stop after N scored placements (default {DEFAULT_BUDGET_EVALS}; --compute runs two searches)",
+    )
+    search.add_argument(
+        "--budget-s",
+        type=positive_float,
+        default=DEFAULT_BUDGET_S,
+        metavar="S",
+        help=f"stop after S seconds (default {DEFAULT_BUDGET_S:g}; per search)",
+    )
     search.add_argument(
         "--evaluate", metavar="LAYOUT.json", help="score this layout (a list of stage groups) instead"
     )

@@ -43,6 +43,12 @@ class SearchConfig:
     guided_fraction: float = 0.7  # share of swap proposals aimed at the costliest group or edge
     constructive_seeds: bool = True  # first population: packed and striped starts besides random ones
 
+    def __post_init__(self) -> None:
+        if self.budget_evals < 1 or not self.budget_s > 0:
+            raise ValueError("the search needs a positive evaluation and time budget")
+        if not 2 <= self.tournament_size <= self.population_size:
+            raise ValueError("need 2 <= tournament_size <= population_size")
+
 
 @dataclass
 class SearchResult:
@@ -74,7 +80,9 @@ class _Tracker:
         self.history: list[float] = []
 
     def score(self, groups: list[Group]) -> tuple[float, float]:
-        if self.evaluations >= self.config.budget_evals or self.elapsed_s() >= self.config.budget_s:
+        # The first evaluation always runs, so every search returns a placement.
+        spent = self.evaluations >= self.config.budget_evals or self.elapsed_s() >= self.config.budget_s
+        if spent and self.evaluations > 0:
             raise _BudgetSpent
         cost, tie_break = self.objective(groups)
         self.evaluations += 1
