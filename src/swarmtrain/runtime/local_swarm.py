@@ -142,9 +142,17 @@ class LocalSwarm:
         self.processes[name].kill()
 
     def stop_all(self, grace_s: float = 10.0) -> None:
-        """Graceful stop of trainers, then servers, then the DHT; whole process groups SIGKILLed after."""
-        order = sorted(self.processes, key=lambda n: (n == "dht", not n.startswith("trainer")))
-        live = [self.processes[n] for n in order if self.processes[n].alive]
+        """Graceful stop: trainers first (their in-flight micro-batches still find servers), then
+        servers and the DHT; whole process groups are SIGKILLed after `grace_s`."""
+        trainers = [n for n in self.processes if n.startswith("trainer")]
+        self._terminate([self.processes[n] for n in trainers], grace_s)
+        self._terminate([p for n, p in self.processes.items() if n not in trainers], grace_s)
+        for proc in self.processes.values():
+            proc.kill()  # idempotent: SIGKILLs the rest of each group and removes its sockets
+
+    @staticmethod
+    def _terminate(procs: list[ManagedProcess], grace_s: float) -> None:
+        live = [p for p in procs if p.alive]
         for proc in live:  # signal everyone first so they shut down in parallel
             try:
                 os.kill(proc.pid, 15)
@@ -156,5 +164,3 @@ class LocalSwarm:
                 proc.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except Exception:
                 pass
-        for proc in self.processes.values():
-            proc.kill()  # idempotent: SIGKILLs the rest of each group and removes its sockets

@@ -1,0 +1,59 @@
+"""`swarmtrain demo`: a complete local swarm (DHT, stage servers, a trainer) as separate processes."""
+
+from __future__ import annotations
+
+import argparse
+
+from swarmtrain.cli.common import positive_float, positive_int, write_summary_json
+from swarmtrain.config import preset_names
+
+HELP = "run a complete swarm on this machine: DHT, stage servers (2 replicas of stage 0), a trainer"
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "demo",
+        help=HELP,
+        description=HELP + ". Shows loss, samples/s and peers per stage live, SIGKILLs one stage-0 replica "
+        "halfway to show training routing around it, then stops every process and prints a summary.",
+    )
+    parser.add_argument(
+        "--preset", default="tiny", choices=preset_names(), help="model/training preset (default: tiny)"
+    )
+    parser.add_argument("--config", metavar="FILE", help="TOML run file instead of --preset")
+    parser.add_argument("--duration-s", type=positive_float, default=60.0, help="training time (default: 60)")
+    parser.add_argument("--no-kill", action="store_true", help="do not kill a replica mid-run")
+    parser.add_argument("--replicas", type=positive_int, default=2, help="replicas of stage 0 (default: 2)")
+    parser.add_argument(
+        "--in-flight", type=positive_int, default=4, help="micro-batches in flight (default: 4)"
+    )
+    parser.add_argument(
+        "--workdir", metavar="DIR", help="where logs and ledgers go (default: a new temp dir)"
+    )
+    parser.add_argument(
+        "--summary-json",
+        metavar="PATH",
+        help='write {"initial_loss", "final_loss", "samples", "microbatches_started", "microbatches_completed", '
+        '"microbatches_failed", "samples_lost_with_dead_peers", "peers_killed"} here',
+    )
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from swarmtrain.config.errors import UserError
+    from swarmtrain.runtime.demo import DemoOptions, run_demo
+
+    if args.replicas < 2 and not args.no_kill:
+        raise UserError("killing a replica needs --replicas >= 2 (or pass --no-kill)")
+    options = DemoOptions(
+        preset=args.preset,
+        duration_s=args.duration_s,
+        kill=not args.no_kill,
+        replicas=args.replicas,
+        in_flight=args.in_flight,
+        workdir=args.workdir,
+        config_path=args.config,
+    )
+    summary = run_demo(options)
+    write_summary_json(args.summary_json, summary)
+    return 0 if summary["microbatches_completed"] else 1

@@ -1,0 +1,190 @@
+"""`swarmtrain demo`: a complete swarm on this machine, as separate processes, with a live display.
+
+Processes: one DHT bootstrap node, two replicas of stage 0, one server for every other stage, one
+trainer. Halfway through, one stage-0 replica is SIGKILLed (its whole process tree) to show the
+trainer routing around it. At the end (or on Ctrl-C) every process is stopped and the summary
+printed; the per-stage accounting says how many samples died with the killed replica.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from swarmtrain.config import load_run_config
+from swarmtrain.runtime.accounting import account_stage
+from swarmtrain.runtime.ledger import read_ledger
+from swarmtrain.runtime.local_swarm import LocalSwarm, write_run_toml
+
+SUMMARY_KEYS = (
+    "initial_loss",
+    "final_loss",
+    "samples",
+    "microbatches_started",
+    "microbatches_completed",
+    "microbatches_failed",
+    "samples_lost_with_dead_peers",
+    "peers_killed",
+)
+DEMO_SWARM = {"announce_period_s": 1.0, "request_timeout_s": 15.0, "averaging_timeout_s": 15.0}
+
+
+@dataclass
+class DemoOptions:
+    preset: str = "tiny"
+    duration_s: float = 60.0
+    kill: bool = True
+    replicas: int = 2
+    in_flight: int = 4
+    workdir: str | None = None
+    config_path: str | None = None  # a TOML run file instead of the preset
+
+
+class Interrupted(Exception):
+    pass
+
+
+def _on_signal(signum, frame):
+    raise Interrupted()
+
+
+def run_demo(options: DemoOptions, out=sys.stdout) -> dict:
+    workdir = Path(options.workdir or tempfile.mkdtemp(prefix="swarmtrain-demo-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    config = options.config_path or write_run_toml(
+        workdir / "run.toml", options.preset, {"swarm": DEMO_SWARM}
+    )
+    cfg = load_run_config(config)
+    previous = {sig: signal.signal(sig, _on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    swarm = LocalSwarm(workdir / "peers", config)
+    killed: list[str] = []
+    interrupted = False
+    try:
+        servers = _start(swarm, cfg, options, out)
+        interrupted = not _train(swarm, cfg, servers, options, killed, out)
+    except Interrupted:
+        interrupted = True
+    finally:
+        print("\nstopping every process...", file=out, flush=True)
+        swarm.stop_all(grace_s=10.0)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    summary = _summary(swarm, cfg, servers if "servers" in locals() else {}, killed)
+    _print_summary(summary, workdir, interrupted, out)
+    return summary
+
+
+def _start(swarm: LocalSwarm, cfg, options: DemoOptions, out) -> dict[str, int]:
+    stages = cfg.swarm.num_stages
+    servers = {f"stage0-r{i}": 0 for i in range(options.replicas)}
+    servers.update({f"stage{s}-r0": s for s in range(1, stages)})
+    print(
+        f"swarmtrain demo: preset {cfg.preset}, {stages} stages, servers {sorted(servers)}, logs in "
+        f"{swarm.workdir}",
+        file=out,
+        flush=True,
+    )
+    address = swarm.start_dht()
+    print(f"  DHT bootstrap node: {address}", file=out, flush=True)
+    for name, stage in servers.items():
+        swarm.start_server(name, stage)
+    print("  waiting for the servers (model build, DHT join, averager start)...", file=out, flush=True)
+    swarm.wait_ready(list(servers), timeout_s=180)
+    return servers
+
+
+def _train(swarm: LocalSwarm, cfg, servers, options: DemoOptions, killed: list[str], out) -> bool:
+    swarm.start_trainer(
+        "trainer",
+        "--duration-s",
+        str(options.duration_s),
+        "--in-flight",
+        str(options.in_flight),
+        "--log-period-s",
+        "1",
+    )
+    trainer = swarm.processes["trainer"]
+    victim = next((n for n in reversed(list(servers)) if servers[n] == 0), None) if options.kill else None
+    start, last_line = time.monotonic(), 0.0
+    while trainer.alive:
+        time.sleep(0.25)
+        elapsed = time.monotonic() - start
+        if victim and not killed and elapsed >= options.duration_s / 2 and _completed(swarm) > 0:
+            swarm.kill(victim)
+            killed.append(victim)
+            print(
+                f"\n  >>> SIGKILLed {victim} (a stage-0 replica) at t={elapsed:.0f}s; the trainer must route "
+                "around it",
+                file=out,
+                flush=True,
+            )
+        if time.monotonic() - last_line >= 1.0:
+            last_line = time.monotonic()
+            _display(swarm, servers, elapsed, out)
+        if elapsed > options.duration_s + 120:
+            print("\n  trainer did not finish in time; stopping it", file=out)
+            return False
+    return trainer.proc.returncode == 0
+
+
+def _completed(swarm: LocalSwarm) -> int:
+    return sum(1 for e in read_ledger(swarm.ledger_path("trainer")) if e["e"] == "done")
+
+
+def _display(swarm: LocalSwarm, servers: dict[str, int], elapsed_s: float, out) -> None:
+    done = [e for e in read_ledger(swarm.ledger_path("trainer")) if e["e"] == "done"]
+    samples = sum(e["n"] for e in done)
+    recent = [e["loss"] for e in done[-16:]]
+    loss = sum(recent) / len(recent) if recent else float("nan")
+    alive: dict[int, int] = {}
+    for name, stage in servers.items():
+        alive[stage] = alive.get(stage, 0) + int(swarm.processes[name].alive)
+    peers = " ".join(f"s{stage}:{alive[stage]}" for stage in sorted(alive))
+    line = (
+        f"  t={elapsed_s:5.0f}s  samples {samples:6d}  loss {loss:6.3f}  "
+        f"samples/s {samples / max(elapsed_s, 1e-9):6.1f}  peers per stage {peers}"
+    )
+    if out.isatty():
+        print("\r" + line, end="", file=out, flush=True)
+    else:
+        print(line, file=out, flush=True)
+
+
+def _summary(swarm: LocalSwarm, cfg, servers: dict[str, int], killed: list[str]) -> dict:
+    path = swarm.workdir / "trainer.summary.json"
+    trainer = json.loads(path.read_text()) if path.exists() else {}
+    events = read_ledger(swarm.ledger_path("trainer"))
+    started = sum(1 for e in events if e["e"] == "start")
+    completed = {e["mb"] for e in events if e["e"] == "done"}
+    lost = 0
+    for stage in set(servers.values()):
+        ledgers = {n: read_ledger(swarm.ledger_path(n)) for n, s in servers.items() if s == stage}
+        dead = {n for n in killed if servers.get(n) == stage}
+        if dead:
+            lost += account_stage(stage, ledgers, dead, completed).samples_lost_with_dead
+    summary = {
+        "initial_loss": trainer.get("initial_loss"),
+        "final_loss": trainer.get("final_loss"),
+        "samples": trainer.get("samples", sum(e["n"] for e in events if e["e"] == "done")),
+        "microbatches_started": trainer.get("microbatches_started", started),
+        "microbatches_completed": trainer.get("microbatches_completed", len(completed)),
+        "microbatches_failed": trainer.get(
+            "microbatches_failed", sum(1 for e in events if e["e"] == "failed")
+        ),
+        "samples_lost_with_dead_peers": lost,
+        "peers_killed": len(killed),
+    }
+    return {key: summary[key] for key in SUMMARY_KEYS}
+
+
+def _print_summary(summary: dict, workdir: Path, interrupted: bool, out) -> None:
+    print(("interrupted; " if interrupted else "") + "summary:", file=out)
+    for key in SUMMARY_KEYS:
+        value = summary[key]
+        print(f"  {key:30s} {value:.4f}" if isinstance(value, float) else f"  {key:30s} {value}", file=out)
+    print(f"  logs and ledgers: {workdir}", file=out, flush=True)
