@@ -7,6 +7,7 @@ live peers (recomputed only when membership changed since the last sample).
 
 from __future__ import annotations
 
+import hashlib
 from collections import deque
 from dataclasses import dataclass
 
@@ -47,6 +48,7 @@ class SimConfig:
     local_batch_samples: int | None = None  # async replicas: samples per local step
     gpipe_micro_batches: int | None = None  # chunks per pipeline step
     audit: bool = False  # record every micro-batch's stage visits (tests)
+    record_events: bool = False  # keep (time, seq, handler) of every event; summary gets its digest
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -172,8 +174,13 @@ class Simulation:
         self._last_sample_s = 0.0
         for k in range(1, cfg.num_samples + 1):
             self.engine.schedule(k * interval if k < cfg.num_samples else cfg.duration_s, self._on_sample)
+        if cfg.record_events:
+            self.engine.trace = []
         self.engine.run(cfg.duration_s)
         summary = self.metrics.summary(cfg.duration_s, self.engine.events_processed)
+        if self.engine.trace is not None:
+            text = "\n".join(f"{t!r} {seq} {name}" for t, seq, name in self.engine.trace)
+            summary["event_digest"] = hashlib.sha256(text.encode()).hexdigest()
         summary.update(mode=cfg.mode, chunk_samples=self.chunk_samples, num_peers=len(self.peers))
         return SimResult(cfg.mode, self.metrics.num_stages, cfg.duration_s, summary, self.metrics.series)
 

@@ -313,11 +313,18 @@ def _check_consistency(path: Path, parsed, fleet: Fleet) -> ChurnSchedule:
 
 
 def write_trace(path: str | Path, schedule: ChurnSchedule, fleet: Fleet) -> None:
-    """Write a schedule as a trace file that `load_trace` reads back to the same schedule."""
+    """Write a schedule as a trace file that `load_trace` reads back to the same schedule.
+
+    A trace cannot say "offline from the start and never joins"; such peers are written as leaving at
+    time 0 (the only difference on reading back)."""
+    with_events = {e.peer for e in schedule.events}
+    never_join = sorted(p for p in schedule.initially_offline if p not in with_events)
     try:
         with open(path, "w", newline="") as f:
             writer = csv.writer(f)
             writer.writerow(HEADER)
+            for p in never_join:
+                writer.writerow(["0.0", fleet.peers[p].peer_id, "leave"])
             for e in schedule.events:
                 writer.writerow([repr(float(e.time_s)), fleet.peers[e.peer].peer_id, e.event])
     except OSError as exc:

@@ -102,6 +102,9 @@ def compute_s_per_sample(peer: PeerSpec, costs: StageCosts) -> tuple[float, ...]
     """Forward+backward seconds per sample at each stage; inf where the peer cannot hold the stage."""
     out = []
     for s in range(costs.num_stages):
+        if peer.stage is not None and s != peer.stage:
+            out.append(float("inf"))
+            continue
         measured = peer.compute_s_per_sample[s] if peer.compute_s_per_sample else None
         if measured is not None:
             out.append(float(measured))
@@ -140,10 +143,21 @@ class RateTable:
     uplink_bytes_per_s: np.ndarray
     downlink_bytes_per_s: np.ndarray
 
-    def rates(self, costs: StageCosts, throughput_samples_per_s: float = 0.0) -> np.ndarray:
-        """Samples/s of each peer at each stage, capped by its links after averaging at throughput T."""
+    def rates(
+        self,
+        costs: StageCosts,
+        throughput_samples_per_s: float = 0.0,
+        peers_per_stage: list[int] | None = None,
+    ) -> np.ndarray:
+        """Samples/s of each peer at each stage, capped by its links after averaging at throughput T.
+
+        A butterfly all-reduce among n peers moves 2 (n - 1) / n of the payload each way; without
+        `peers_per_stage` the factor is taken as 1 (large stages)."""
         steps_per_s = throughput_samples_per_s / costs.global_batch_size
-        avg = 2 * np.asarray(costs.averaging_bytes) * steps_per_s  # bytes/s per direction, per stage
+        share = np.ones(costs.num_stages)
+        if peers_per_stage is not None:
+            share = np.array([(n - 1) / n if n > 1 else 0.0 for n in peers_per_stage])
+        avg = 2 * np.asarray(costs.averaging_bytes) * share * steps_per_s  # bytes/s per direction, per stage
         up_left = np.maximum(self.uplink_bytes_per_s[:, None] - avg[None, :], 0.0)
         down_left = np.maximum(self.downlink_bytes_per_s[:, None] - avg[None, :], 0.0)
         up_need = np.array([costs.up_bytes_per_sample(s) for s in range(costs.num_stages)])

@@ -86,6 +86,8 @@ class PeerSpec:
     # Calibration hook: measured seconds per sample (forward + backward) for each stage; overrides
     # the FLOP-derived compute time. `None` entries keep the derived value.
     compute_s_per_sample: tuple[float | None, ...] | None = None
+    # Pinned stage (like `swarmtrain server --stage N`): the peer serves only this stage.
+    stage: int | None = None
 
     @staticmethod
     def from_device(peer_id: str, device: DeviceType, location: int) -> PeerSpec:

@@ -12,6 +12,7 @@
     uplink_mbit_s = 1000     # optional overrides of the device's numbers:
     # tflops, memory_gb, host_memory_gb, downlink_mbit_s, host_to_device_gb_s
     compute_s_per_sample = [0.012, 0.015]   # optional measured seconds per sample per stage
+    stage = 1                # optional: serve only this stage (like `swarmtrain server --stage 1`)
 
 Every mistake is a FleetError naming the entry and the field.
 """
@@ -39,6 +40,7 @@ PEER_KEYS = {
     "downlink_mbit_s",
     "host_to_device_gb_s",
     "compute_s_per_sample",
+    "stage",
 }
 OVERRIDES = {  # field -> (PeerSpec attribute, scale to SI)
     "tflops": ("tflops", 1.0),
@@ -150,6 +152,10 @@ def _peers(entry: Any, n: int, locations: Locations, offset: int) -> list[PeerSp
                 f"{where}: compute_s_per_sample must be a list of positive seconds, one per stage"
             )
         spec = replace(spec, compute_s_per_sample=tuple(float(v) for v in values))
+    if "stage" in entry:
+        if not isinstance(entry["stage"], int) or entry["stage"] < 0:
+            raise FleetError(f"{where}: stage must be a stage index >= 0, got {entry['stage']!r}")
+        spec = replace(spec, stage=entry["stage"])
     base_id = entry.get("id", f"{device_name}{offset}")
     if not isinstance(base_id, str) or not base_id or "," in base_id:
         raise FleetError(f"{where}: id must be a non-empty string without commas")

@@ -92,6 +92,32 @@ def fractional_upper_bound(rates: np.ndarray) -> float:
     return float(np.nansum(np.where(np.isfinite(per_peer), per_peer, 0.0)))
 
 
+def _allocation_at(table: RateTable, costs: StageCosts, throughput_samples_per_s: float) -> Allocation:
+    """Allocation with averaging at throughput T. The all-reduce share (n-1)/n of a stage depends on the
+    allocation itself: allocate with the sizes of a first pass, then score the result with its own sizes."""
+    first = greedy_allocation(table.rates(costs, throughput_samples_per_s))
+    stage_of = greedy_allocation(
+        table.rates(costs, throughput_samples_per_s, _sizes(first, costs.num_stages))
+    ).stage_of
+    for _ in range(3):  # a peer whose link cannot carry its stage's averaging at these sizes serves nothing
+        rates = table.rates(
+            costs, throughput_samples_per_s, _sizes(Allocation(stage_of, ()), costs.num_stages)
+        )
+        useless = [p for p, s in enumerate(stage_of.tolist()) if s >= 0 and rates[p, s] <= 0]
+        if not useless:
+            break
+        stage_of[useless] = -1
+    caps = [0.0] * costs.num_stages
+    for p, s in enumerate(stage_of.tolist()):
+        if s >= 0:
+            caps[s] += float(rates[p, s])
+    return Allocation(stage_of, tuple(caps))
+
+
+def _sizes(alloc: Allocation, num_stages: int) -> list[int]:
+    return np.bincount(alloc.stage_of[alloc.stage_of >= 0], minlength=num_stages).tolist()
+
+
 def optimal_allocation(table: RateTable, costs: StageCosts, live: np.ndarray | None = None) -> Allocation:
     """Best static allocation of the live peers (rows `live` of the table), averaging included."""
     idx = np.arange(table.compute_rate.shape[0]) if live is None else np.asarray(live, dtype=np.int64)
@@ -100,18 +126,18 @@ def optimal_allocation(table: RateTable, costs: StageCosts, live: np.ndarray | N
     ceiling = upper.throughput_samples_per_s
     if ceiling <= 0:
         return upper
-    at_ceiling = greedy_allocation(sub.rates(costs, ceiling))
+    at_ceiling = _allocation_at(sub, costs, ceiling)
     if at_ceiling.throughput_samples_per_s >= ceiling * (1 - 1e-3):
         return at_ceiling
     lo, hi, best = 0.0, ceiling, None
     for _ in range(BISECTION_STEPS):
         mid = 0.5 * (lo + hi)
-        alloc = greedy_allocation(sub.rates(costs, mid))
+        alloc = _allocation_at(sub, costs, mid)
         if alloc.throughput_samples_per_s >= mid:
             lo, best = mid, alloc
         else:
             hi = mid
     if best is None:
-        best = greedy_allocation(sub.rates(costs, lo))
+        best = _allocation_at(sub, costs, lo)
     # The allocation's own minimum may exceed `lo`, but averaging at that higher rate was not checked.
     return Allocation(best.stage_of, best.capacities, limit_samples_per_s=lo)

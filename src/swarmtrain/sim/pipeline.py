@@ -89,7 +89,8 @@ class PipelineSimulation(Simulation):
     def refresh_rates(self, throughput_samples_per_s: float) -> None:
         """What peers announce: their rate at each stage with the averaging traffic of a pipeline at the
         given throughput taken off their links (a peer that cannot keep up announces 0 there)."""
-        rates = self.table.rates(self.costs, throughput_samples_per_s).tolist()
+        sizes = [len(m) for m in self.members] if any(self.members) else None
+        rates = self.table.rates(self.costs, throughput_samples_per_s, sizes).tolist()
         for peer in self.peers:
             peer.rates = tuple(rates[peer.index])
 

@@ -1,0 +1,154 @@
+"""The pure rebalancing policy on hand-made loads."""
+
+import random
+
+import pytest
+
+from swarmtrain.planner.rebalance import (
+    PeerLoad,
+    RebalanceConfig,
+    bottleneck_stage,
+    choose_move,
+    plan_moves,
+    stage_capacities,
+    stage_for_new_peer,
+)
+
+pytestmark = pytest.mark.unit
+
+
+def loads(*stages, queue=0.0):
+    """loads([5, 5], [10, 10, 10]) -> peers s{stage}p{i} with those throughputs."""
+    return [
+        PeerLoad(f"s{s}p{i}", s, thr, queue_len=queue)
+        for s, rates in enumerate(stages)
+        for i, thr in enumerate(rates)
+    ]
+
+
+def apply(current, move):
+    return [
+        PeerLoad(
+            x.peer, move.to_stage if x.peer == move.peer else x.stage, x.throughput_samples_per_s, x.queue_len
+        )
+        for x in current
+    ]
+
+
+def test_moves_a_peer_from_an_over_provisioned_stage_to_the_bottleneck():
+    move = choose_move(loads([5, 5], [10, 10, 10], [10, 10, 10]), 3)
+    assert (move.peer, move.from_stage, move.to_stage) == ("s1p0", 1, 0)
+    assert move.bottleneck_before_samples_per_s == 10
+    assert move.pair_min_after_samples_per_s == 20
+
+
+def test_prefers_the_donor_that_leaves_the_best_pair_and_the_shorter_queue():
+    current = [
+        PeerLoad("a", 0, 4.0),
+        PeerLoad("b", 1, 10.0, queue_len=3),
+        PeerLoad("c", 1, 10.0, queue_len=1),
+        PeerLoad("d", 1, 10.0, queue_len=1),
+        PeerLoad("e", 2, 8.0),
+        PeerLoad("f", 2, 8.0),
+    ]
+    move = choose_move(current, 3)
+    # stage 1 (30) can give 10 and stay at 20 > 4*1.1; stage 2 (16) giving 8 leaves 8 < 14: not better
+    assert move.peer == "c" and move.to_stage == 0  # shorter queue than b, and "c" < "d"
+
+
+def test_never_empties_a_stage():
+    # stage 0 is empty (capacity 0); stage 1 has its last peer; only stage 2 may give
+    move = choose_move(loads([], [10], [10, 10]), 3)
+    assert move.from_stage == 2 and move.to_stage == 0
+    assert choose_move(loads([10], []), 2) is None  # the only peer of stage 0 stays
+    with pytest.raises(ValueError):
+        RebalanceConfig(min_peers_per_stage=0)
+
+
+def test_min_peers_per_stage_is_respected():
+    config = RebalanceConfig(min_peers_per_stage=3)
+    assert choose_move(loads([1], [10, 10, 10]), 2, config) is None
+    assert choose_move(loads([1], [10, 10, 10, 10]), 2, config).from_stage == 1
+
+
+def test_does_not_oscillate_between_two_equal_stages():
+    assert choose_move(loads([5, 5], [5, 5]), 2) is None
+    assert choose_move(loads([5, 5], [5, 5], [30, 30]), 3).from_stage == 2
+
+
+def test_hysteresis_blocks_a_move_that_would_flip_the_bottleneck():
+    # a naive "most loaded to least loaded" rule moves one peer from 12 to 10 and back forever
+    assert choose_move(loads([2] * 5, [2] * 6), 2) is None
+    assert choose_move(loads([2] * 5, [2] * 7), 2, RebalanceConfig(margin=0.0)) is not None
+    assert choose_move(loads([2] * 5, [2] * 7), 2, RebalanceConfig(margin=0.25)) is None
+
+
+def test_tie_breaks_are_deterministic_whatever_the_input_order():
+    base = loads([3], [10, 10], [10, 10])
+    expected = choose_move(base, 3)
+    rng = random.Random(0)
+    for _ in range(20):
+        shuffled = base[:]
+        rng.shuffle(shuffled)
+        assert choose_move(shuffled, 3) == expected
+    assert expected.peer == "s1p0"
+
+
+def test_repeated_moves_terminate_and_improve_lexicographically():
+    rng = random.Random(1)
+    for _ in range(30):
+        stages = rng.randint(2, 5)
+        current = [
+            PeerLoad(f"p{i}", rng.randrange(stages), rng.uniform(1, 10)) for i in range(rng.randint(2, 25))
+        ]
+        seen_moves = 0
+        while (move := choose_move(current, stages, RebalanceConfig(margin=0.05))) is not None:
+            before = sorted(stage_capacities(current, stages))
+            current = apply(current, move)
+            after = sorted(stage_capacities(current, stages))
+            assert after > before  # leximin strictly improves: no cycle is possible
+            seen_moves += 1
+            assert seen_moves <= 1000
+
+
+def test_plan_moves_does_not_overshoot_and_moves_each_peer_once():
+    current = loads([1.0], [1.0] * 9)
+    moves = plan_moves(current, 2, RebalanceConfig(margin=0.0), max_moves=10)
+    assert len({m.peer for m in moves}) == len(moves)
+    assert all(m.to_stage == 0 for m in moves)
+    assert len(moves) == 4  # 5 / 5 is balanced; a fifth move would make stage 1 the bottleneck
+    assert plan_moves(current, 2, max_moves=1) == [choose_move(current, 2)]
+
+
+def test_pending_peers_count_as_capacity_but_neither_move_nor_hold_a_stage():
+    current = [
+        PeerLoad("a", 0, 10.0),
+        PeerLoad("b", 1, 10.0),
+        PeerLoad("c", 1, 10.0, pending=True),
+        PeerLoad("d", 1, 10.0),
+    ]
+    move = choose_move(current, 2)
+    assert move is not None and move.peer == "b"  # c is pending; b and d can give
+    only_pending_left = [PeerLoad("a", 0, 1.0), PeerLoad("b", 1, 10.0), PeerLoad("c", 1, 10.0, pending=True)]
+    assert choose_move(only_pending_left, 2) is None  # moving b would leave stage 1 with no serving peer
+
+
+def test_stage_cost_and_per_stage_throughput_drive_the_gain():
+    # stage 0 costs twice as much per sample: a peer doing 10/s at stage 1 does 5/s there
+    current = loads([4], [10, 10, 10])
+    move = choose_move(current, 2, stage_cost=[2.0, 1.0])
+    assert move.pair_min_after_samples_per_s == pytest.approx(9.0)
+    cannot_serve = [
+        PeerLoad("a", 0, 1.0),
+        *(PeerLoad(f"b{i}", 1, 10.0, throughput_by_stage=(0.0, 10.0)) for i in range(3)),
+    ]
+    assert choose_move(cannot_serve, 2) is None
+
+
+def test_stage_for_new_peer_is_the_bottleneck_it_can_serve():
+    assert stage_for_new_peer([30.0, 10.0, 20.0]) == 1
+    assert stage_for_new_peer([30.0, 10.0, 20.0], peer_rates=[5.0, 0.0, 5.0]) == 2
+    assert stage_for_new_peer([30.0, 10.0], peer_rates=[0.0, 0.0]) is None
+    assert stage_for_new_peer([10.0, 10.0, 10.0]) == 0  # tie: lower index
+    assert stage_for_new_peer([10.0, 10.0, 10.0], queues=[0.0, 5.0, 2.0]) == 1  # tie: longer drain time
+    assert bottleneck_stage([0.0, 0.0], queues=[0.0, 3.0]) == 1
