@@ -1,0 +1,47 @@
+"""Per-stage accounting of micro-batches from ledgers (what the fault test and the demo rely on)."""
+
+import pytest
+
+from swarmtrain.runtime.accounting import account_stage
+
+pytestmark = pytest.mark.unit
+
+
+def _acc(*mbs):
+    return [{"e": "acc", "mb": mb, "n": 8} for mb in mbs]
+
+
+def test_survivor_dead_and_pending_add_up():
+    ledgers = {
+        "a": [
+            {"e": "start", "peer": "PA"},
+            *_acc("m1", "m2", "m5", "m6"),
+            {"e": "round", "epoch": 0, "mbs": ["m1", "m2"], "group": {"PA": 16, "PB": 8}},
+        ],
+        "b": [
+            {"e": "start", "peer": "PB"},
+            *_acc("m3", "m4"),
+            {"e": "round", "epoch": 0, "mbs": ["m3"], "group": {"PA": 16, "PB": 8}},
+        ],
+    }
+    account = account_stage(0, ledgers, dead={"b"}, completed={"m1", "m2", "m3", "m4", "m5", "m6"})
+    assert account.applied == {"m1", "m2", "m3"}  # m3: the dead peer's share of a round the survivor finished
+    assert account.pending == {"m5", "m6"}
+    assert account.lost_with_dead == {"m4"} and account.samples_lost_with_dead == 8
+    assert account.balanced
+
+
+def test_a_retried_micro_batch_is_not_lost_twice_and_doubles_are_reported():
+    ledgers = {
+        "a": [{"e": "start", "peer": "PA"}, *_acc("m1", "m2")],
+        "b": [{"e": "start", "peer": "PB"}, *_acc("m2")],  # died after accumulating m2; retried on a
+    }
+    account = account_stage(0, ledgers, dead={"b"}, completed={"m1", "m2"})
+    assert account.lost_with_dead == set() and account.pending == {"m1", "m2"} and account.balanced
+    doubled = {"a": [{"e": "start", "peer": "PA"}, *_acc("m1", "m1")]}
+    assert account_stage(0, doubled, dead=set(), completed={"m1"}).double_applied == ["m1"]
+
+
+def test_completed_work_missing_from_every_ledger_is_unaccounted():
+    account = account_stage(1, {"s": [{"e": "start", "peer": "P"}, *_acc("m1")]}, set(), {"m1", "m2"})
+    assert account.unaccounted == {"m2"} and not account.balanced

@@ -1,0 +1,52 @@
+"""A trainer's peer table: digest filtering, bans until re-announcement, departure of expired peers."""
+
+import time
+
+import pytest
+
+from swarmtrain.net.dht_records import StageAnnouncement
+from swarmtrain.runtime.peer_table import PeerTable
+
+pytestmark = pytest.mark.unit
+
+
+def _ann(stage, digest="d", tput=10.0, at=None, state="online"):
+    return StageAnnouncement(
+        stage,
+        ["/ip4/127.0.0.1/tcp/1/p2p/X"],
+        tput,
+        0,
+        digest,
+        0,
+        state,
+        at if at is not None else time.time(),
+    )
+
+
+def test_foreign_digests_and_joining_peers_are_not_routed_to():
+    table = PeerTable(records=None, num_stages=2, digest="d")
+    new = table.apply(
+        [{"a": _ann(0), "b": _ann(0, digest="other"), "c": _ann(0, state="joining")}, {"z": _ann(1)}]
+    )
+    assert sorted(new) == ["a", "z"] and table.peers_per_stage() == [1, 1]
+
+
+def test_ban_lasts_until_the_peer_reannounces_or_expires():
+    table = PeerTable(records=None, num_stages=1, digest="d")
+    first = _ann(0, at=time.time() - 1)
+    table.apply([{"a": first, "b": _ann(0)}])
+    table.ban(0, "a")
+    assert table.available(0) == ["b"]
+    table.apply([{"a": first, "b": _ann(0)}])  # same old record: still banned
+    assert table.available(0) == ["b"]
+    table.apply([{"a": _ann(0, at=time.time() + 1), "b": _ann(0)}])  # re-announced after the ban
+    assert sorted(table.available(0)) == ["a", "b"]
+    table.apply([{"b": _ann(0)}])  # a's record expired: gone
+    assert table.routers[0].peers == ["b"]
+
+
+def test_faster_announced_peer_gets_more_work():
+    table = PeerTable(records=None, num_stages=1, digest="d")
+    table.apply([{"fast": _ann(0, tput=20.0), "slow": _ann(0, tput=10.0)}])
+    picks = [table.choose(0, 8, 1.0) for _ in range(300)]
+    assert picks.count("fast") == pytest.approx(200, abs=5)

@@ -1,0 +1,140 @@
+"""Wire messages: packing round trip and the server-side validation of requests (no network)."""
+
+import pytest
+import torch
+
+from swarmtrain.net import codec
+from swarmtrain.net.protocol import (
+    Message,
+    ProtocolError,
+    StageIO,
+    pack,
+    request_message,
+    unpack,
+    validate_request,
+)
+
+pytestmark = pytest.mark.unit
+
+DIGEST = "abc123"
+
+
+def _io(tiny_cfg, stage):
+    return StageIO.from_config(tiny_cfg.model, tiny_cfg.stages()[stage], max_batch=16)
+
+
+def test_pack_unpack_round_trip_keeps_header_and_tensors():
+    msg = request_message(
+        "forward", "t-1", 1, DIGEST, "8bit", {"inputs": torch.randn(2, 3, 4)}, fused_backward=True
+    )
+    back = unpack(pack(msg), max_bytes=10**6)
+    assert back.kind == "forward" and back.header["mb"] == "t-1" and back.header["fused_backward"] is True
+    assert back.tensors["inputs"] == msg.tensors["inputs"]
+
+
+def test_already_encoded_tensors_are_relayed_unchanged():
+    enc = codec.encode(torch.randn(5, 7), "8bit")
+    msg = request_message("backward", "m", 0, DIGEST, "8bit", {"grad_outputs": enc})
+    assert msg.tensors["grad_outputs"] is enc
+
+
+def test_fp32_equivalent_counts_floats_as_4_bytes_and_ints_as_is():
+    x, ids = torch.randn(4, 8, 16), torch.zeros(4, 8, dtype=torch.long)
+    msg = request_message("forward", "m", 0, DIGEST, "8bit", {"inputs": x, "labels": ids})
+    wire = len(pack(msg))
+    fp32 = msg.fp32_equivalent_bytes()
+    assert fp32 - wire == pytest.approx(x.numel() * 4 - len(msg.tensors["inputs"].payload), abs=16)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [b"", b"junk" * 10, b"SWT1\xff\xff\xff\xff", b"SWT1\x02\x00\x00\x00{}", b"SWT1\x03\x00\x00\x00[1]"],
+)
+def test_unpack_rejects_malformed_bytes(data):
+    with pytest.raises(ProtocolError):
+        unpack(data, max_bytes=10**6)
+
+
+def test_unpack_enforces_the_size_limit():
+    msg = pack(request_message("forward", "m", 0, DIGEST, "none", {"inputs": torch.zeros(1000)}))
+    with pytest.raises(ProtocolError) as info:
+        unpack(msg, max_bytes=len(msg) - 1)
+    assert info.value.code == "too_large"
+
+
+def test_valid_requests_for_first_and_last_stage(tiny_cfg):
+    m = tiny_cfg.model
+    tokens = torch.randint(0, m.vocab_size, (3, m.seq_len))
+    req = validate_request(
+        request_message("forward", "a", 0, DIGEST, "none", {"inputs": tokens}), _io(tiny_cfg, 0), DIGEST
+    )
+    assert req.num_samples == 3 and not req.evaluate and torch.equal(req.inputs, tokens)
+    hidden = torch.randn(3, m.seq_len, m.d_model)
+    msg = request_message(
+        "forward", "a", 1, DIGEST, "8bit", {"inputs": hidden, "labels": tokens}, fused_backward=True
+    )
+    req = validate_request(msg, _io(tiny_cfg, 1), DIGEST)
+    assert req.fused_backward and req.labels is not None
+    msg = request_message("forward", "a", 1, DIGEST, "8bit", {"inputs": hidden, "labels": tokens}, eval=True)
+    assert validate_request(msg, _io(tiny_cfg, 1), DIGEST).evaluate
+
+
+@pytest.mark.parametrize(
+    "stage, tensors, header, code",
+    [
+        (0, {"inputs": torch.randint(0, 256, (2, 64)).float()}, {}, "bad_request"),
+        (0, {"inputs": torch.full((2, 64), 300)}, {}, "bad_request"),
+        (0, {"inputs": torch.zeros(17, 64, dtype=torch.long)}, {}, "bad_request"),
+        (0, {"inputs": torch.zeros(2, 64, dtype=torch.long)}, {"digest": "other"}, "digest_mismatch"),
+        (0, {"inputs": torch.zeros(2, 64, dtype=torch.long)}, {"stage": 1}, "bad_request"),
+        (0, {"inputs": torch.zeros(2, 64, dtype=torch.long)}, {"mb": ""}, "bad_request"),
+        (1, {"inputs": torch.randn(2, 64, 64)}, {}, "bad_request"),  # labels missing
+        (
+            1,
+            {"inputs": torch.full((2, 64, 64), float("inf")), "labels": torch.zeros(2, 64, dtype=torch.long)},
+            {},
+            "bad_request",
+        ),
+        (
+            1,
+            {"inputs": torch.randn(2, 64, 64), "labels": torch.zeros(2, 63, dtype=torch.long)},
+            {},
+            "bad_request",
+        ),
+    ],
+)
+def test_invalid_requests_are_refused_with_a_reason(tiny_cfg, stage, tensors, header, code):
+    msg = request_message("forward", "m", stage, DIGEST, "none", tensors)
+    msg.header.update(header)
+    with pytest.raises(ProtocolError) as info:
+        validate_request(msg, _io(tiny_cfg, stage), DIGEST)
+    assert info.value.code == code and str(info.value)
+
+
+def test_backward_needs_matching_gradient_shape(tiny_cfg):
+    m = tiny_cfg.model
+    tokens = torch.zeros(2, m.seq_len, dtype=torch.long)
+    good = request_message(
+        "backward",
+        "m",
+        0,
+        DIGEST,
+        "none",
+        {"inputs": tokens, "grad_outputs": torch.randn(2, m.seq_len, m.d_model)},
+    )
+    assert validate_request(good, _io(tiny_cfg, 0), DIGEST).grad_outputs.shape == (2, m.seq_len, m.d_model)
+    bad = request_message(
+        "backward",
+        "m",
+        0,
+        DIGEST,
+        "none",
+        {"inputs": tokens, "grad_outputs": torch.randn(2, m.seq_len, m.d_model + 1)},
+    )
+    with pytest.raises(ProtocolError):
+        validate_request(bad, _io(tiny_cfg, 0), DIGEST)
+
+
+def test_info_messages_are_not_stage_requests(tiny_cfg):
+    with pytest.raises(ProtocolError):
+        validate_request(Message("info", {}), _io(tiny_cfg, 0), DIGEST)
