@@ -1,0 +1,103 @@
+"""`swarmtrain demo` end to end: it trains, kills a replica, writes the summary, and leaves no
+process behind, also when interrupted with Ctrl-C (SIGINT)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+KEYS = {
+    "initial_loss",
+    "final_loss",
+    "samples",
+    "microbatches_started",
+    "microbatches_completed",
+    "microbatches_failed",
+    "samples_lost_with_dead_peers",
+    "peers_killed",
+}
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if text.encode() in (entry / "cmdline").read_bytes():
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+    return pids
+
+
+def _process_groups(pids) -> set[int]:
+    groups = set()
+    for pid in pids:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        groups.add(int(stat[stat.rfind(")") + 2 :].split()[2]))
+    return groups
+
+
+def _members_of(groups: set[int]) -> list[int]:
+    """Live processes in these process groups (p2pd daemons do not mention the workdir)."""
+    alive = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text()
+            except OSError:
+                continue
+            fields = fields[fields.rfind(")") + 2 :].split()
+            if fields[0] != "Z" and int(fields[2]) in groups:
+                alive.append(int(entry.name))
+    return alive
+
+
+def _demo(tmp_path, *args):
+    workdir = tmp_path / "demo"
+    argv = [sys.executable, "-m", "swarmtrain.cli.main", "demo", "--workdir", str(workdir), *args]
+    return workdir, subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_demo_trains_kills_a_replica_and_cleans_up(tmp_path):
+    summary_path = tmp_path / "summary.json"
+    workdir, proc = _demo(tmp_path, "--duration-s", "14", "--summary-json", str(summary_path))
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out[-3000:]
+    summary = json.loads(summary_path.read_text())
+    assert set(summary) == KEYS
+    assert summary["peers_killed"] == 1 and "SIGKILLed" in out
+    assert summary["microbatches_failed"] == 0
+    assert summary["microbatches_completed"] == summary["microbatches_started"] > 0
+    assert summary["final_loss"] < summary["initial_loss"]
+    assert summary["samples_lost_with_dead_peers"] >= 0
+    time.sleep(0.5)
+    assert _processes_mentioning(str(workdir)) == []
+
+
+def test_demo_leaves_nothing_behind_on_ctrl_c(tmp_path):
+    workdir, proc = _demo(tmp_path, "--duration-s", "120")
+    deadline = time.monotonic() + 120
+    while not (workdir / "peers" / "trainer.log").exists():  # servers are up, training started
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.2)
+    time.sleep(2)
+    peers = _processes_mentioning(str(workdir))
+    groups = _process_groups(peers) - {os.getpgrp()}
+    assert len(peers) >= 5 and len(_members_of(groups)) > len(peers)  # + p2pd daemons
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert "interrupted" in out, out[-2000:]
+    time.sleep(0.5)
+    assert _processes_mentioning(str(workdir)) == []
+    assert _members_of(groups) == []
