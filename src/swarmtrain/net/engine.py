@@ -7,8 +7,11 @@ See notes/hivemind-engine.md sections 1 and 3.3 for the traps they avoid.
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import os
 import signal
+import socket
 import sys
 
 from swarmtrain.config.errors import UserError
@@ -45,6 +48,7 @@ def start_dht(
     from hivemind.dht import DHT
 
     host_maddr = f"/ip6/{host}/tcp/{port}" if ":" in host else f"/ip4/{host}/tcp/{port}"
+    sockets_before = set(glob.glob("/tmp/hivemind-*.sock"))
     try:
         dht = DHT(
             initial_peers=list(initial_peers) if initial_peers else None,
@@ -56,12 +60,29 @@ def start_dht(
         )
         dht.wait_until_ready(timeout=startup_timeout_s + 10)
     except Exception as exc:  # hivemind raises bare Exceptions/P2PDaemonError/TimeoutError here
+        _remove_dead_sockets(set(glob.glob("/tmp/hivemind-*.sock")) - sockets_before)
         raise NetworkError(
             f"could not start or join the DHT (initial peers: {initial_peers or 'none'}): {exc}. "
             "Check that the address printed by `swarmtrain dht` is right and reachable."
         ) from None
     restore_sigint()
     return dht
+
+
+def _remove_dead_sockets(paths: set[str]) -> None:
+    """A p2pd that fails to bootstrap exits without removing its socket file; remove the new ones that
+    nobody listens on any more."""
+    for path in paths:
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(path)
+        except (ConnectionRefusedError, FileNotFoundError):
+            with contextlib.suppress(OSError):
+                os.remove(path)
+        except OSError:
+            pass
+        finally:
+            probe.close()
 
 
 def visible_addresses(dht) -> list[str]:
