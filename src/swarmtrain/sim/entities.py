@@ -88,6 +88,8 @@ class PeerSpec:
     compute_s_per_sample: tuple[float | None, ...] | None = None
     # Pinned stage (like `swarmtrain server --stage N`): the peer serves only this stage.
     stage: int | None = None
+    # Home stage of a given placement: where the peer starts (and, without rebalancing, returns).
+    home_stage: int | None = None
 
     @staticmethod
     def from_device(peer_id: str, device: DeviceType, location: int) -> PeerSpec:

@@ -13,6 +13,7 @@
     # tflops, memory_gb, host_memory_gb, downlink_mbit_s, host_to_device_gb_s
     compute_s_per_sample = [0.012, 0.015]   # optional measured seconds per sample per stage
     stage = 1                # optional: serve only this stage (like `swarmtrain server --stage 1`)
+    home_stage = 0           # optional: start here (and return here without rebalancing)
 
 Every mistake is a FleetError naming the entry and the field.
 """
@@ -41,6 +42,7 @@ PEER_KEYS = {
     "host_to_device_gb_s",
     "compute_s_per_sample",
     "stage",
+    "home_stage",
 }
 OVERRIDES = {  # field -> (PeerSpec attribute, scale to SI)
     "tflops": ("tflops", 1.0),
@@ -152,10 +154,11 @@ def _peers(entry: Any, n: int, locations: Locations, offset: int) -> list[PeerSp
                 f"{where}: compute_s_per_sample must be a list of positive seconds, one per stage"
             )
         spec = replace(spec, compute_s_per_sample=tuple(float(v) for v in values))
-    if "stage" in entry:
-        if not isinstance(entry["stage"], int) or entry["stage"] < 0:
-            raise FleetError(f"{where}: stage must be a stage index >= 0, got {entry['stage']!r}")
-        spec = replace(spec, stage=entry["stage"])
+    for key in ("stage", "home_stage"):
+        if key in entry:
+            if not isinstance(entry[key], int) or entry[key] < 0:
+                raise FleetError(f"{where}: {key} must be a stage index >= 0, got {entry[key]!r}")
+            spec = replace(spec, **{key: entry[key]})
     base_id = entry.get("id", f"{device_name}{offset}")
     if not isinstance(base_id, str) or not base_id or "," in base_id:
         raise FleetError(f"{where}: id must be a non-empty string without commas")

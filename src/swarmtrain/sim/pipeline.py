@@ -86,10 +86,12 @@ class PipelineSimulation(Simulation):
         self.audit_violations = 0
         self.audited_chunks = 0
 
-    def refresh_rates(self, throughput_samples_per_s: float) -> None:
+    def refresh_rates(self, throughput_samples_per_s: float, sizes: list[int] | None = None) -> None:
         """What peers announce: their rate at each stage with the averaging traffic of a pipeline at the
-        given throughput taken off their links (a peer that cannot keep up announces 0 there)."""
-        sizes = [len(m) for m in self.members] if any(self.members) else None
+        given throughput taken off their links (a peer that cannot keep up announces 0 there). The
+        all-reduce share uses `sizes` (peers per stage), by default the current stage swarms."""
+        if sizes is None and any(self.members):
+            sizes = [len(m) for m in self.members]
         rates = self.table.rates(self.costs, throughput_samples_per_s, sizes).tolist()
         for peer in self.peers:
             peer.rates = tuple(rates[peer.index])

@@ -84,10 +84,11 @@ def run_simulation(
     costs = costs_for(run, global_batch_size)
     schedule = schedule or ChurnSchedule(())
     for peer in fleet.peers:
-        if peer.stage is not None and peer.stage >= costs.num_stages:
-            raise FleetError(
-                f"peer {peer.peer_id} is pinned to stage {peer.stage}; the model has {costs.num_stages}"
-            )
+        for stage in (peer.stage, peer.home_stage):
+            if stage is not None and stage >= costs.num_stages:
+                raise FleetError(
+                    f"peer {peer.peer_id} is placed at stage {stage}; the model has {costs.num_stages}"
+                )
         if peer.compute_s_per_sample is not None and len(peer.compute_s_per_sample) != costs.num_stages:
             raise FleetError(
                 f"peer {peer.peer_id} has {len(peer.compute_s_per_sample)} measured compute times, "

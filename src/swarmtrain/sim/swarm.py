@@ -65,29 +65,41 @@ class SwarmSimulation(PipelineSimulation):
         self.num_trainers = num_trainers
         self.in_flight = in_flight
         self.trainers: list[Trainer] = []
-        live_count = sum(1 for p in self.peers if p.live) or len(self.peers)
-        self.max_moves = self.config.max_moves_per_tick or max(1, live_count // 100)
+        self.max_moves = 1
         self.policy = RebalanceConfig(margin=self.config.rebalance_margin)
 
     # setup -------------------------------------------------------------------------------------
-    def setup(self) -> None:
-        live = [p for p in self.peers if p.live]
+    def _initial_stages(self, live: list[PeerState]) -> tuple[list[int], float]:
+        """Stages of the live peers at start, and the throughput the announced rates assume.
+
+        Peers start where the best static allocation of the live peers puts them, unless the fleet gives
+        home stages (`PeerSpec.home_stage`, e.g. a placement that keeps each stage in one region). A
+        peer's home stage (where it returns without rebalancing) is its place in the given placement or
+        in the best allocation of the whole fleet."""
         alloc = optimal_allocation(self.table, self.costs, [p.index for p in live])
         self.initial_allocation = alloc
-        home = optimal_allocation(self.table, self.costs) if len(live) < len(self.peers) else None
-        for row, peer in enumerate(live):
-            peer.home_stage = int(alloc.stage_of[row])
-        if home is not None:
-            for peer in self.peers:
-                peer.home_stage = int(home.stage_of[peer.index])
+        if len(live) == len(self.peers):
+            whole = {p.index: int(s) for p, s in zip(live, alloc.stage_of.tolist(), strict=True)}
+        else:
+            whole = dict(enumerate(optimal_allocation(self.table, self.costs).stage_of.tolist()))
+        for peer in self.peers:
+            given = peer.spec.home_stage
+            peer.home_stage = given if given is not None else whole.get(peer.index, -1)
+        if any(p.spec.home_stage is not None for p in self.peers) or not self.rebalance:
+            return [p.home_stage for p in live], alloc.throughput_samples_per_s
+        return alloc.stage_of.tolist(), alloc.throughput_samples_per_s
+
+    def setup(self) -> None:
+        live = [p for p in self.peers if p.live]
+        self.max_moves = self.config.max_moves_per_tick or max(1, len(live) // 100)
+        stages, throughput = self._initial_stages(live)
         locations = sorted({p.location for p in self.peers})
         for t in range(self.num_trainers):
             where = locations[t % len(locations)]
             self.trainers.append(Trainer(t, Endpoint(where, math.inf, math.inf), self.num_stages))
-        self.refresh_rates(alloc.throughput_samples_per_s)
-        for row, peer in enumerate(live):
-            stage = int(alloc.stage_of[row]) if home is None or self.rebalance else peer.home_stage
-            if stage >= 0:
+        self.refresh_rates(throughput, [sum(1 for s in stages if s == k) for k in range(self.num_stages)])
+        for peer, stage in zip(live, stages, strict=True):
+            if stage >= 0 and peer.rates[stage] > 0:
                 self.capacity[stage] += peer.rates[stage]
                 self.start_serving(peer, stage)
         for i in range(self.in_flight):
@@ -164,8 +176,8 @@ class SwarmSimulation(PipelineSimulation):
         jitter = self.config.rebalance_jitter * (2 * self.rng.random() - 1)
         return self.engine.now_s + self.config.rebalance_period_s * (1 + jitter)
 
-    def refresh_rates(self, throughput_samples_per_s: float) -> None:
-        super().refresh_rates(throughput_samples_per_s)
+    def refresh_rates(self, throughput_samples_per_s: float, sizes: list[int] | None = None) -> None:
+        super().refresh_rates(throughput_samples_per_s, sizes)
         self.capacity = [0.0] * self.num_stages
         for peer in self.peers:
             if peer.live and peer.stage >= 0:
