@@ -90,6 +90,7 @@ def register(subparsers) -> None:
     p.add_argument("--latency-ms", type=non_negative_float, metavar="X", help="set every latency to X ms")
     p.add_argument("--save-trace", metavar="FILE", help="write the churn that was simulated as a trace file")
     p.add_argument("--in-flight", type=positive_int, metavar="N", help="micro-batches in flight (SWARM)")
+    p.add_argument("--trainers", type=positive_int, metavar="N", help="number of trainers (SWARM)")
     p.add_argument(
         "--chunk-samples", type=positive_int, metavar="N", help="samples per simulated micro-batch"
     )
@@ -158,6 +159,7 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
             chunk_samples=args.chunk_samples,
             in_flight=args.in_flight,
+            num_trainers=args.trainers,
             rebalance_period_s=args.rebalance_period_s,
             event_budget=args.event_budget,
         )
@@ -171,8 +173,14 @@ def run(args: argparse.Namespace) -> int:
     )
     print(summaries_table([r.summary for r in results]))
     if len(results) == 1:
-        util = " ".join(f"{u:.2f}" for u in results[0].summary["stage_utilization"])
+        summary = results[0].summary
+        util = " ".join(f"{u:.2f}" for u in summary["stage_utilization"])
         print(f"mean compute utilization per stage: {util}")
+        print(
+            f"peers: {summary['mean_live_peers']:.0f} live, {summary['mean_serving_peers']:.0f} serving on average "
+            f"(a live peer idles when it fits no stage or its link cannot carry the stage's averaging); "
+            f"{summary['chunk_samples']} samples per simulated micro-batch"
+        )
         kinds = results[0].summary["bytes_by_kind"]
         print("bytes moved: " + ", ".join(f"{k} {human_bytes(v)}" for k, v in kinds.items()))
     if args.plot:

@@ -12,6 +12,10 @@ from dataclasses import dataclass, field
 BYTE_KINDS = ("tokens", "activations", "gradients", "averaging", "state")
 
 
+def _mean(values: list) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
 @dataclass
 class SimResult:
     mode: str
@@ -106,6 +110,8 @@ class Metrics:
             "bytes_moved": sum(self.bytes_by_kind.values()),
             "bytes_by_kind": dict(self.bytes_by_kind),
             "stage_utilization": mean_util,
+            "mean_live_peers": _mean(self.series["live_peers"]),
+            "mean_serving_peers": _mean(self.series["serving_peers"]),
             "events": events,
             **self.counts,
         }
