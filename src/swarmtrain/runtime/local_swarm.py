@@ -80,6 +80,7 @@ class LocalSwarm:
                 raise SwarmStartError(f"DHT did not start:\n{proc.log_text()[-3000:]}")
             time.sleep(0.1)
         self.address = address_file.read_text().split()[0]
+        proc.remember_sockets()
         return self.address
 
     def start_server(self, name: str, stage: int, *extra: str) -> ManagedProcess:
@@ -123,6 +124,7 @@ class LocalSwarm:
                 proc = self.processes[name]
                 if READY_MARKER in proc.log_text():
                     pending.remove(name)
+                    proc.remember_sockets()
                 elif not proc.alive:
                     raise SwarmStartError(f"{name} exited during start-up:\n{proc.log_text()[-3000:]}")
             if pending and time.monotonic() > deadline:

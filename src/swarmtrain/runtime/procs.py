@@ -180,6 +180,11 @@ class ManagedProcess:
             env=env,
         )
         self.pid = self.proc.pid
+        self.sockets: set[str] = set()
+
+    def remember_sockets(self) -> None:
+        """Note this peer's hivemind sockets now; after a crash nobody else knows them."""
+        self.sockets |= hivemind_socket_paths(group_members(self.pid))
 
     @property
     def alive(self) -> bool:
@@ -193,7 +198,7 @@ class ManagedProcess:
 
     def kill(self) -> None:
         """SIGKILL the whole peer (a crash or a preempted machine), then remove its sockets."""
-        sockets = hivemind_socket_paths(group_members(self.pid))
+        sockets = self.sockets | hivemind_socket_paths(group_members(self.pid))
         kill_group_members(self.pid, signal.SIGKILL)
         try:
             self.proc.wait(timeout=10)

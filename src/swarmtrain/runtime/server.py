@@ -123,13 +123,6 @@ class StageServer:
         self.ledger.write("start", peer=self.peer_id, stage=self.spec.index)
         self._warn_about_foreign_peers()
         self.sync.join()
-        logger.info(
-            "stage %d replica %s ready (epoch %d); addresses: %s",
-            self.spec.index,
-            self.peer_id,
-            self.worker.epoch,
-            " ".join(self.addresses),
-        )
 
     def _measure_throughput(self) -> float:
         """A first throughput estimate for routing (fwd+bwd ~ 3x a forward), refined while serving."""
@@ -190,6 +183,13 @@ class StageServer:
         self.stats = servicer.stats
         await servicer.add_p2p_handlers(p2p, namespace=namespace(self.cfg))
         self.sync.start()
+        logger.info(  # launchers wait for this line: everything (incl. sockets) exists from here on
+            "stage %d replica %s ready (epoch %d); addresses: %s",
+            self.spec.index,
+            self.peer_id,
+            self.worker.epoch,
+            " ".join(self.addresses),
+        )
         tasks = [
             asyncio.create_task(self._every(self.cfg.swarm.announce_period_s, self._announce)),
             asyncio.create_task(self._every(self.options.metrics_period_s, self._publish_metrics)),
