@@ -78,3 +78,31 @@ def test_replicas_hold_the_same_parameters_after_global_steps(make_swarm):
     a, b = infos
     for name in a.tensors:
         torch.testing.assert_close(a.tensor(name), b.tensor(name), rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_trainer_waits_for_a_missing_stage_and_a_late_replica_catches_up(make_swarm):
+    swarm, cfg = make_swarm("tiny", {"training": {"max_samples": 4096}})
+    swarm.start_dht()
+    swarm.start_server("s0a", 0)
+    swarm.wait_ready(["s0a"])
+    swarm.start_trainer("trainer", "--max-samples", "256", "--in-flight", "2")
+    trainer = swarm.processes["trainer"]
+    deadline = time.monotonic() + 60
+    while "stage 1 has no live peer; waiting" not in trainer.log_text():
+        assert trainer.alive and time.monotonic() < deadline, trainer.log_text()[-2000:]
+        time.sleep(0.2)
+    swarm.start_server("s1", 1)  # the trainer resumes once stage 1 announces itself
+    assert swarm.wait_exit("trainer", 120) == 0, trainer.log_text()[-3000:]
+
+    swarm.start_server("s0b", 0)  # joins after the stage has trained: must download before serving
+    swarm.wait_ready(["s0b"])
+    probe = make_swarm.probe(cfg, swarm)
+    probe.wait_for_peers([2, 1])
+    infos = {peer: probe.info(peer, want="params") for peer in probe.peers(0)}
+    epochs = sorted(info.header["epoch"] for info in infos.values())
+    print(f"stage 0 epochs after the late join: {epochs}")
+    assert epochs[0] == epochs[1] >= 4
+    a, b = infos.values()
+    for name in a.tensors:
+        assert torch.equal(a.tensor(name), b.tensor(name)), name
+    assert any(e.get("e") == "resync" for e in map(json.loads, swarm.ledger_path("s0b").read_text().splitlines()))
