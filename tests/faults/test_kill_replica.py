@@ -48,6 +48,20 @@ def test_sigkill_one_replica_during_training(make_swarm):
     completed = {e["mb"] for e in trainer_events if e["e"] == "done"}
     assert len(completed) == MICRO_BATCHES
 
+    # the survivor keeps training alone once the dead replica's records expire: a second trainer's
+    # work gets applied in solo rounds
+    rounds_before = sum(1 for e in read_ledger(swarm.ledger_path("s0a")) if e["e"] == "round")
+    swarm.start_trainer("trainer2", "--max-samples", "512", "--in-flight", "4")
+    assert swarm.wait_exit("trainer2", 120) == 0, swarm.processes["trainer2"].log_text()[-3000:]
+    completed |= {e["mb"] for e in read_ledger(swarm.ledger_path("trainer2")) if e["e"] == "done"}
+    deadline = time.monotonic() + 30
+    while True:
+        solo = [e for e in read_ledger(swarm.ledger_path("s0a")) if e["e"] == "round"][rounds_before:]
+        if any(len(e["group"]) == 1 for e in solo) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert any(len(e["group"]) == 1 for e in solo), "the survivor never stepped alone"
+
     time.sleep(1.0)  # let the survivors finish writing their last round
     for stage in (0, 1):
         ledgers = {n: read_ledger(swarm.ledger_path(n)) for n, s in servers.items() if s == stage}
@@ -57,13 +71,17 @@ def test_sigkill_one_replica_during_training(make_swarm):
         assert not account.unaccounted, sorted(account.unaccounted)[:10]
         assert account.balanced
         assert (
-            len(account.applied)
-            + len(account.pending)
-            + len(account.lost_with_dead)
-            + len(account.lost_to_resync)
-        ) == MICRO_BATCHES
+            (
+                len(account.applied)
+                + len(account.pending)
+                + len(account.lost_with_dead)
+                + len(account.lost_to_resync)
+            )
+            == len(completed)
+            == MICRO_BATCHES + 64
+        )
         if stage == 1:
-            assert not account.lost_with_dead and len(account.applied) + len(account.pending) == MICRO_BATCHES
-    assert (
-        summary["retries"] + summary["connection_errors"] >= 0
-    )  # reported, not required: routing may avoid it
+            assert not account.lost_with_dead and len(account.applied) + len(account.pending) == len(
+                completed
+            )
+    print(f"trainer: retries {summary['retries']}, connection errors {summary['connection_errors']}")

@@ -43,7 +43,7 @@ class SyncSettings:
     averaging_timeout_s: float = 30.0
     download_timeout_s: float = 60.0
     compute_timeout_s: float = 120.0
-    solo_view_max_age_s: float = 1.0  # a round may start without a DHT read on a view this fresh
+    view_max_age_s: float = 3.0  # decisions use the background view while it is this fresh
 
 
 @dataclass
@@ -83,7 +83,9 @@ class StageSynchronizer:
         self._publish_now = threading.Event()
         self._view: dict[str, dict] = {}
         self._known_epochs: dict[str, int] = {}  # peers seen in our rounds: at least this epoch
-        self._hints: dict[str, int] = {}  # peer -> epoch of a round it told us (directly) it started
+        self._hints: dict[
+            str, tuple[int, float]
+        ] = {}  # peer -> (epoch, time) of a round it told us it started
         self.notify_peers = None  # callback(peers, epoch): tell stage peers a round starts (direct RPC)
         self._view_time_s = float("-inf")
         self._last_view_s = 0.0
@@ -104,8 +106,19 @@ class StageSynchronizer:
         self.publish(force=True)
 
     def start(self) -> None:
-        """Start the decision loop (the publisher already runs since `join`)."""
+        """Start the decision loop and the DHT reader (the publisher already runs since `join`)."""
         self._start_thread(self._loop, "stage-sync")
+        self._start_thread(self._view_loop, "stage-view")
+
+    def _view_loop(self) -> None:
+        """Keep the view of the stage's progress fresh, so decisions never wait for a DHT read."""
+        while not self.stop_event.is_set():
+            try:
+                self._others()
+                self._wake.set()
+            except Exception:
+                logger.exception("reading stage progress failed")
+            self.stop_event.wait(self.settings.tick_s)
 
     def _start_thread(self, target, name: str) -> None:
         thread = threading.Thread(target=target, name=name, daemon=True)
@@ -131,25 +144,29 @@ class StageSynchronizer:
     # one decision -------------------------------------------------------------------------------
     def on_round_hint(self, peer: str, epoch: int) -> None:
         """A stage peer says it started the round of `epoch` (called from the RPC handler)."""
-        self._hints[peer] = epoch
+        self._hints[peer] = (epoch, time.monotonic())
         self._wake.set()
 
     def tick(self) -> None:
         epoch = self.worker.epoch
-        self._hints = {p: e for p, e in self._hints.items() if e >= epoch}
-        hinted = {p for p, e in self._hints.items() if e == epoch}
+        # a hint is good for one round attempt: a peer that died after sending it must not keep
+        # pulling us into rounds it will never join
+        oldest = time.monotonic() - self.settings.find_group_timeout_s
+        self._hints = {p: (e, t) for p, (e, t) in self._hints.items() if e >= epoch and t >= oldest}
+        hinted = {p for p, (e, _t) in self._hints.items() if e == epoch}
         view_same = {
             p for p, v in self._view.items() if max(v["epoch"], self._known_epochs.get(p, -1)) == epoch
         }
         if hinted:  # join a round a peer started, without waiting for the DHT to show it
+            for peer in hinted:
+                del self._hints[peer]
             self.run_round(1 + len(hinted | view_same), [])
             return
         if self.worker.frozen is not None and self._view_fresh():
             # fast path: the cut is made and the view is recent; no DHT round trip before the round
             self.run_round(1 + len(view_same), sorted(view_same))
             return
-        others = self._others()
-        epoch = self.worker.epoch
+        others = self._adjusted(self._view) if self._view_fresh(check_ahead=False) else self._others()
         ahead = {p: v["epoch"] for p, v in others.items() if v["epoch"] > epoch}
         if ahead:
             self.resync(f"peers are ahead (epochs {sorted(set(ahead.values()))} > {epoch})")
@@ -257,21 +274,28 @@ class StageSynchronizer:
         progress = self.records.stage_progress(self.stage)
         self._last_view_s = time.monotonic() - read_start
         for peer, value in progress.items():
-            if peer == self.peer_id or value.get("digest") != self.digest:
-                continue
-            known = self._known_epochs.get(peer, -1)
-            if value["epoch"] < known:  # it stepped with us but its record has not caught up yet
-                value = dict(value, epoch=known, samples=0, ready=False, grad_fp=None)
-            others[peer] = value
+            if peer != self.peer_id and value.get("digest") == self.digest:
+                others[peer] = value
         self._view, self._view_time_s = others, time.monotonic()
-        return others
+        return self._adjusted(others)
 
-    def _view_fresh(self) -> bool:
-        """The last DHT view is young enough to start a round on (`solo_view_max_age_s`) and shows
-        no replica ahead of us (that case needs a resync, decided on a fresh read)."""
-        if time.monotonic() - self._view_time_s >= self.settings.solo_view_max_age_s:
+    def _adjusted(self, view: dict[str, dict]) -> dict[str, dict]:
+        """A peer that stepped with us is at least at the epoch after that round, even while its
+        record still shows the old epoch (and the old epoch's samples)."""
+        adjusted = {}
+        for peer, value in view.items():
+            known = self._known_epochs.get(peer, -1)
+            if value["epoch"] < known:
+                value = dict(value, epoch=known, samples=0, ready=False, grad_fp=None)
+            adjusted[peer] = value
+        return adjusted
+
+    def _view_fresh(self, check_ahead: bool = True) -> bool:
+        """The last DHT view is young enough to decide on (`view_max_age_s`) and, for the fast path,
+        shows no replica ahead of us (that case needs a resync)."""
+        if time.monotonic() - self._view_time_s >= self.settings.view_max_age_s:
             return False
-        return all(
+        return not check_ahead or all(
             max(v["epoch"], self._known_epochs.get(p, -1)) <= self.worker.epoch for p, v in self._view.items()
         )
 
