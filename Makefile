@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 quickstart: setup
-	$(BIN)/swarmtrain train-local --preset tiny $(QUICKSTART_ARGS)
+	$(BIN)/swarmtrain demo --preset tiny $(QUICKSTART_ARGS)
 
 lint: setup
 	$(BIN)/ruff check src tests bench experiments

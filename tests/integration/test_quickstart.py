@@ -1,7 +1,6 @@
 """The README's quick-start commands, run as a new user would (shortened by flags)."""
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -26,20 +25,15 @@ def test_readme_quickstart_commands_are_make_targets():
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="make not installed")
-def test_quickstart_runs_and_learns(tmp_path):
+@pytest.mark.timeout(300)
+def test_quickstart_runs_a_local_swarm_that_learns(tmp_path):
     summary = tmp_path / "summary.json"
-    args = f"--max-samples 3072 --no-progress --summary-json {summary}"
-    env = {**os.environ, "QUICKSTART_ARGS": args}
+    args = f"--duration-s 10 --no-kill --workdir {tmp_path / 'demo'} --summary-json {summary}"
     proc = subprocess.run(
-        ["make", "-s", "quickstart", f"QUICKSTART_ARGS={args}"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
+        ["make", "-s", "quickstart", f"QUICKSTART_ARGS={args}"], cwd=ROOT, capture_output=True, text=True, timeout=280
     )
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     result = json.loads(summary.read_text())
-    assert result["samples"] > 0
-    assert result["final_val_loss"] < result["initial_val_loss"] - 1.0
-    assert result["final_val_loss"] < result["unigram_val_loss"] - 0.3
+    assert result["samples"] > 0 and result["microbatches_failed"] == 0
+    assert result["microbatches_completed"] == result["microbatches_started"]
+    assert result["final_loss"] < result["initial_loss"] - 1.0

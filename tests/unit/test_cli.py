@@ -12,7 +12,7 @@ def test_help_lists_subcommands(capsys):
         main(["--help"])
     assert exc.value.code == 0
     out = capsys.readouterr().out
-    for name in ("train-local",):
+    for name in ("demo", "train-local", "dht", "server", "trainer", "plan", "simulate"):
         assert name in out
 
 

@@ -37,13 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for _name, module_name in SUBCOMMANDS:
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name != module_name:
-                raise
-            continue  # subcommand not built in this checkout
-        module.register(subparsers)
+        importlib.import_module(module_name).register(subparsers)
     return parser
 
 
