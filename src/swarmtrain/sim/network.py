@@ -20,6 +20,8 @@ averaging is therefore slowed down by exactly the missing capacity.
 
 from __future__ import annotations
 
+import math
+
 from swarmtrain.sim.entities import Locations
 
 
@@ -84,22 +86,29 @@ class Network:
         self.latency_s = [list(row) for row in locations.latency_s]
         self.path_bytes_per_s = [list(row) for row in locations.bandwidth_bytes_per_s]
 
-    def transfer(self, now_s: float, src: Endpoint, dst: Endpoint, num_bytes: float) -> float:
-        """Reserve the links for one transfer and return its arrival time."""
+    def transfer(
+        self, now_s: float, src: Endpoint, dst: Endpoint, num_bytes: float, deadline_s: float = math.inf
+    ) -> float | None:
+        """Reserve the links for one transfer and return its arrival time.
+
+        If it would arrive more than `deadline_s` from now, nothing is reserved and None is returned: the
+        request is given up, and its bytes do not clog the links (without this, retries of timed-out
+        requests pile reservations onto congested links and goodput collapses to zero)."""
         if src.up_debt > 0 or dst.down_debt > 0:
             src.settle(now_s)
             dst.settle(now_s)
-        start = src.up_free_s if src.up_free_s > now_s else now_s
-        up_end = start + num_bytes / src.up_bytes_per_s
-        src.up_free_s = up_end
-        start = dst.down_free_s if dst.down_free_s > now_s else now_s
-        down_end = start + num_bytes / dst.down_bytes_per_s
-        dst.down_free_s = down_end
+        up_end = (src.up_free_s if src.up_free_s > now_s else now_s) + num_bytes / src.up_bytes_per_s
+        down_end = (dst.down_free_s if dst.down_free_s > now_s else now_s) + num_bytes / dst.down_bytes_per_s
         path_end = now_s + num_bytes / self.path_bytes_per_s[src.location][dst.location]
         end = up_end if up_end > down_end else down_end
         if path_end > end:
             end = path_end
-        return end + self.latency_s[src.location][dst.location]
+        arrival = end + self.latency_s[src.location][dst.location]
+        if arrival - now_s > deadline_s:
+            return None
+        src.up_free_s = up_end
+        dst.down_free_s = down_end
+        return arrival
 
     def latency(self, a: int, b: int) -> float:
         return self.latency_s[a][b]

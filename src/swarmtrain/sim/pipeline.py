@@ -156,16 +156,16 @@ class PipelineSimulation(Simulation):
             kind, num_bytes = "tokens", k * self.costs.token_bytes_per_sample
         else:
             kind, num_bytes = "activations", k * self.costs.activation_bytes_per_sample
-        self.metrics.bytes_by_kind[kind] += num_bytes
         chunk.attempt += 1
         chunk.peer = peer.index
         chunk.sent_s = now
         peer.held[chunk.id] = chunk
-        arrival = self.network.transfer(now, src, peer, num_bytes)
-        if arrival - now > self.timeout_s:
-            self._time_out(chunk, peer, now + self.timeout_s, arrival - now)
-        else:
-            self.engine.schedule(arrival, self._on_arrive, chunk, chunk.attempt)
+        arrival = self.network.transfer(now, src, peer, num_bytes, self.timeout_s)
+        if arrival is None:  # the links are backed up beyond the deadline: given up, retried elsewhere
+            self._time_out(chunk, peer, now + self.timeout_s, 2 * self.timeout_s)
+            return
+        self.metrics.bytes_by_kind[kind] += num_bytes
+        self.engine.schedule(arrival, self._on_arrive, chunk, chunk.attempt)
 
     def _on_arrive(self, chunk: Chunk, attempt: int) -> None:
         if attempt != chunk.attempt:
