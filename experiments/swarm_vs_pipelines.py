@@ -4,8 +4,9 @@ Setup: GPT-3 XL (1.3B, 8 stages), a fleet of 64 peers in one region (16 V100-cla
 1 Gb/s per direction each), the same one-way latency between any two machines, no churn, global batch
 4096 samples. SWARM: stage swarms with per-trainer IWRR routing (stochastic wiring) and micro-batches
 in flight sized for the round trip. GPipe: 8 fixed pipelines of 8 peers (fastest peers grouped
-together, the heaviest stage on the fastest), M = 32 micro-batches per step and a flush, so the pipeline
-bubble and the latency of every hop are paid each step. 20 simulated minutes per point.
+together, the heaviest stage on the fastest), M = 4S = 32 simulated micro-batches (of 3 samples) per
+step and a flush, so the pipeline bubble and the latency of every hop are paid each step. 20 simulated
+minutes per point.
 
     python experiments/swarm_vs_pipelines.py
 """
