@@ -47,6 +47,12 @@ def test_short_swarm_run_matches_local_validation_loss(make_swarm):
     assert summary["microbatches_failed"] == 0
     assert summary["val_loss"] < local.initial_val_loss - 1.0  # it learned
     assert summary["val_loss"] == pytest.approx(local.final_val_loss, rel=0.05)
+    # per-call timings (the simulator's calibration inputs): compute <= server time <= round trip
+    rpc = summary["rpc"]
+    assert set(rpc) == {"stage0_forward", "stage1_forward", "stage0_backward"}
+    assert rpc["stage0_backward"]["calls"] == summary["microbatches_completed"]
+    for name, t in rpc.items():
+        assert 0 < t["mean_compute_s"] <= t["mean_server_s"] <= t["mean_call_s"], (name, t)
 
 
 def test_replicas_hold_the_same_parameters_after_global_steps(make_swarm):

@@ -88,6 +88,27 @@ def test_measured_compute_times_flag_with_pinned_stages(tmp_path, capsys):
     )
     assert code == 0, err
     assert json.loads(path.read_text())["samples_per_s"] == pytest.approx(2.0, rel=0.03)  # the slower stage
+    code, _, err = run_cli(
+        capsys,
+        "--fleet",
+        str(fleet),
+        "--model",
+        "tiny",
+        "--peer-compute-times",
+        str(times),
+        "--duration-s",
+        "400",
+        "--compute-cv",
+        "1",
+        "--latency-cv",
+        "0.5",
+        "--summary-json",
+        str(path),
+    )
+    assert code == 0, err
+    jittery = json.loads(path.read_text())["samples_per_s"]
+    # the flags reach the simulation: random durations (the mean over ~100 micro-batches is noisy)
+    assert jittery != pytest.approx(2.0, rel=0.01) and 1.0 < jittery < 3.0
 
 
 @pytest.mark.parametrize(
@@ -103,6 +124,8 @@ def test_measured_compute_times_flag_with_pinned_stages(tmp_path, capsys):
         (["--num-peers", "3", "--stages", "99", "--model", "tiny"], "cannot cut 4 layers into 99 stages"),
         (["--fleet", "/nonexistent.toml"], "cannot read fleet file"),
         (["--num-peers", "3", "--latency-ms", "-1"], "expected a number >= 0"),
+        (["--num-peers", "3", "--compute-cv", "-0.1"], "expected a number >= 0"),
+        (["--num-peers", "3", "--latency-cv", "12"], "coefficient of variation below 10"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(capsys, argv, message):

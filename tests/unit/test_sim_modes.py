@@ -138,3 +138,41 @@ def test_measured_compute_times_set_the_predicted_throughput():
     # one micro-batch at a time: forward + backward of both stages back to back
     serial = simulate(fleet, duration_s=120.0, run=tiny, chunk_samples=8, in_flight=1, num_trainers=1).summary
     assert serial["samples_per_s"] == pytest.approx(1 / (0.01 + 0.03), rel=0.02)
+
+
+def _two_cpu_stages(latency_s=0.0):
+    tiny = get_preset("tiny")
+    peers = [PeerSpec.from_device(f"cpu{s}", DEVICE_TYPES["cpu"], 0) for s in range(2)]
+    fleet = Fleet(
+        tuple(replace(p, stage=s) for s, p in enumerate(peers)), single_location(latency_s=latency_s)
+    )
+    return tiny, with_measured_compute_times(fleet, {"cpu0": [0.02, None], "cpu1": [None, 0.02]})
+
+
+def test_variability_keeps_the_mean_time_of_a_serial_pipeline():
+    tiny, fleet = _two_cpu_stages(latency_s=0.01)
+    kw = dict(duration_s=600.0, run=tiny, chunk_samples=8, in_flight=1, num_trainers=1)
+    steady = simulate(fleet, **kw).summary["samples_per_s"]
+    jittery = simulate(fleet, compute_cv=1.0, latency_cv=1.0, **kw).summary["samples_per_s"]
+    # one micro-batch at a time never queues: only the mean of each duration matters
+    assert steady == pytest.approx(8 / (8 * 0.04 + 3 * 0.01), rel=0.02)
+    assert jittery == pytest.approx(steady, rel=0.05)
+
+
+def test_variability_makes_a_balanced_pipeline_queue():
+    tiny, fleet = _two_cpu_stages()
+    kw = dict(duration_s=600.0, run=tiny, chunk_samples=8, in_flight=2, num_trainers=1)
+    steady = simulate(fleet, **kw).summary["samples_per_s"]
+    jittery = simulate(fleet, compute_cv=1.0, **kw).summary["samples_per_s"]
+    again = simulate(fleet, compute_cv=1.0, **kw).summary["samples_per_s"]
+    # two equal stages, two micro-batches in flight: deterministic, each stage is busy all the time;
+    # with jitter one often waits for the other (a closed two-station network with exponential service
+    # runs at 2/3 of capacity)
+    assert steady == pytest.approx(1 / 0.02, rel=0.03)
+    assert jittery == pytest.approx(steady * 2 / 3, rel=0.1)
+    assert again == jittery  # seeded
+
+
+def test_variability_must_be_a_sane_coefficient_of_variation():
+    with pytest.raises(ValueError, match="compute_cv"):
+        SimConfig(compute_cv=-0.5)

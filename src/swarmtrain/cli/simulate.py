@@ -94,6 +94,20 @@ def register(subparsers) -> None:
     p.add_argument(
         "--chunk-samples", type=positive_int, metavar="N", help="samples per simulated micro-batch"
     )
+    p.add_argument(
+        "--compute-cv",
+        type=_cv,
+        default=0.0,
+        metavar="CV",
+        help="variability of each compute task: coefficient of variation (gamma, mean kept; default 0)",
+    )
+    p.add_argument(
+        "--latency-cv",
+        type=_cv,
+        default=0.0,
+        metavar="CV",
+        help="variability of each transfer's latency, as --compute-cv (default 0)",
+    )
     p.add_argument("--rebalance-period-s", type=positive_float, default=60.0, metavar="T")
     p.add_argument("--event-budget", type=positive_int, default=1_500_000, metavar="N")
     p.set_defaults(func=run)
@@ -103,6 +117,13 @@ def register(subparsers) -> None:
         sys.exit(2)
 
     p.error = one_line_error  # bad input: exit 2 with one line, like every UserError
+
+
+def _cv(text: str) -> float:
+    value = non_negative_float(text)
+    if value >= 10:
+        raise argparse.ArgumentTypeError(f"a coefficient of variation below 10 is expected, got {text}")
+    return value
 
 
 def _run_config(args):
@@ -162,6 +183,8 @@ def run(args: argparse.Namespace) -> int:
             num_trainers=args.trainers,
             rebalance_period_s=args.rebalance_period_s,
             event_budget=args.event_budget,
+            compute_cv=args.compute_cv,
+            latency_cv=args.latency_cv,
         )
         results.append(run_simulation(fleet, run_cfg, config, schedule, args.global_batch_size))
     wall_s = time.perf_counter() - start

@@ -242,10 +242,17 @@ class StageServer:
             fn, priority = self.worker.backward, PRIORITY_BACKWARD
         else:
             fn, priority = self.worker.forward, PRIORITY_EVAL if request.evaluate else PRIORITY_FORWARD
+        arrived_s = time.monotonic()
         try:
-            return await self.compute.run(lambda: fn(request), priority, time.monotonic() + timeout_s)
+            reply, compute_s = await self.compute.run(
+                lambda: _timed(fn, request), priority, arrived_s + timeout_s
+            )
         except DeadlineExpired as exc:
             return error_message(str(exc), "timeout")
+        # queue wait + compute: the caller subtracts it from its round trip to see the transport's share
+        reply.header["server_s"] = round(time.monotonic() - arrived_s, 6)
+        reply.header["compute_s"] = round(compute_s, 6)
+        return reply
 
     def _info(self, message: Message) -> Message:
         """Counters, and on request the parameters or the pending gradient sums (tests, monitor)."""
@@ -313,6 +320,8 @@ class StageServer:
             "lost_samples": s.lost_samples,
             "group_size": s.last_group_size,
             "bytes_in": totals.wire_bytes if totals else 0,
+            "samples_forward": c["samples_forward"],
+            "busy_s": round(self.compute.busy_s, 3),
         }
         self.records.publish_metrics(self.peer_id, metrics, ttl_s=3 * self.options.metrics_period_s)
         logger.info("metrics %s", " ".join(f"{k}={v}" for k, v in metrics.items() if k != "role"))
@@ -323,3 +332,9 @@ class StageServer:
         self.compute.stop()
         shutdown_quietly(self.averager, self.dht)
         self.ledger.close()
+
+
+def _timed(fn, request):
+    start_s = time.perf_counter()
+    reply = fn(request)
+    return reply, time.perf_counter() - start_s

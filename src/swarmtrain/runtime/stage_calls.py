@@ -35,6 +35,31 @@ class MicroBatchFailed(RuntimeError):
     """A stage call failed after all retries (or with an error retrying cannot fix)."""
 
 
+class CallTiming:
+    """Running sums of one kind of call's timings (seconds), for means and standard deviations."""
+
+    FIELDS = ("call_s", "server_s", "compute_s", "overhead_s")
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.sums = dict.fromkeys(self.FIELDS, 0.0)
+        self.squares = dict.fromkeys(self.FIELDS, 0.0)
+
+    def add(self, call_s: float, server_s: float, compute_s: float) -> None:
+        self.calls += 1
+        for name, value in zip(self.FIELDS, (call_s, server_s, compute_s, call_s - server_s), strict=True):
+            self.sums[name] += value
+            self.squares[name] += value * value
+
+    def summary(self) -> dict:
+        out: dict = {"calls": self.calls}
+        for name in self.FIELDS:
+            mean = self.sums[name] / self.calls
+            out[f"mean_{name}"] = mean
+            out[f"std_{name}"] = max(self.squares[name] / self.calls - mean * mean, 0.0) ** 0.5
+        return out
+
+
 class StageCaller:
     def __init__(
         self,
@@ -50,6 +75,7 @@ class StageCaller:
         self.retries = 0
         self.timeouts = 0
         self.connection_errors = 0
+        self.timing: dict[tuple[int, str], CallTiming] = {}
         self._last_no_peer_log = [0.0] * table.num_stages
         self._refresh_lock = asyncio.Lock()
 
@@ -97,7 +123,9 @@ class StageCaller:
                 reply = await self.client.call(
                     PeerID.from_base58(peer), "info" if kind == "info" else kind, message, timeout_s
                 )
-                self.table.report(stage, peer, num_samples, time.monotonic() - start, weight)
+                elapsed_s = time.monotonic() - start
+                self.table.report(stage, peer, num_samples, elapsed_s, weight)
+                self._time(stage, kind, elapsed_s, reply.header)
                 return reply, peer
             except TimeoutError:
                 self.timeouts += 1
@@ -128,6 +156,18 @@ class StageCaller:
                 "stage %d %s of %s on %s failed (%s); retry %d", stage, kind, mb, peer[-8:], reason, attempt
             )
             await asyncio.sleep(min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2**attempt) * (0.5 + random.random()))
+
+    def _time(self, stage: int, kind: str, elapsed_s: float, header: dict) -> None:
+        server_s, compute_s = header.get("server_s"), header.get("compute_s")
+        if not isinstance(server_s, (int, float)) or not isinstance(compute_s, (int, float)):
+            return  # an older server: no timing in its reply
+        self.timing.setdefault((stage, kind), CallTiming()).add(elapsed_s, float(server_s), float(compute_s))
+
+    def timing_summary(self) -> dict:
+        """Per stage and call kind: round trip, server time (queue + compute), compute, and the
+        overhead = round trip - server time (serialization, relaying and the network, which the
+        simulator models as link latency), with standard deviations (the simulator's variability)."""
+        return {f"stage{stage}_{kind}": t.summary() for (stage, kind), t in sorted(self.timing.items())}
 
     async def _pick(self, stage: int, num_samples: int, weight: float, excluded: set) -> str:
         """A peer for this call; waits (refreshing the DHT view) while the stage has no usable peer."""

@@ -291,6 +291,7 @@ async def train_async(cfg: RunConfig, options: TrainerOptions, dht, batches, val
         retries=trainer.caller.retries,
         timeouts=trainer.caller.timeouts,
         connection_errors=trainer.caller.connection_errors,
+        rpc=trainer.caller.timing_summary(),
     )
     trainer.ledger.close()
     return summary

@@ -47,6 +47,10 @@ class SimConfig:
     average_every_steps: int = 50  # async replicas: local steps between averaging rounds
     local_batch_samples: int | None = None  # async replicas: samples per local step
     gpipe_micro_batches: int | None = None  # chunks per pipeline step
+    # Variability (coefficient of variation, gamma-distributed, mean kept) of each compute task and
+    # each transfer's latency in SWARM and GPipe modes; 0 = deterministic.
+    compute_cv: float = 0.0
+    latency_cv: float = 0.0
     audit: bool = False  # record every micro-batch's stage visits (tests)
     record_events: bool = False  # keep (time, seq, handler) of every event; summary gets its digest
 
@@ -55,6 +59,8 @@ class SimConfig:
             raise ValueError(f"mode must be one of {', '.join(MODES)}")
         if self.duration_s <= 0:
             raise ValueError("duration_s must be positive")
+        if not (0 <= self.compute_cv < 10 and 0 <= self.latency_cv < 10):
+            raise ValueError("compute_cv and latency_cv must be in [0, 10)")
 
 
 class PeerState(Endpoint):

@@ -20,6 +20,7 @@ from __future__ import annotations
 from swarmtrain.planner.routing import BACKWARD_WEIGHT, FORWARD_WEIGHT
 from swarmtrain.sim.base import PeerState, Simulation
 from swarmtrain.sim.network import Endpoint
+from swarmtrain.utils.rng import make_rng
 
 LAST_STAGE_WEIGHT = FORWARD_WEIGHT + BACKWARD_WEIGHT  # the last stage runs forward and backward together
 
@@ -41,6 +42,7 @@ class Chunk:
         "log",
         "avoid",
         "expected_s",
+        "compute_factor",
     )
 
     def __init__(self, chunk_id: int, owner, samples: int, num_stages: int) -> None:
@@ -63,10 +65,33 @@ class Chunk:
         self.sent_s = 0.0
         self.avoid = -1  # a peer that just timed out on this chunk: not chosen again right away
         self.expected_s = 0.0
+        self.compute_factor = 1.0
         for s in range(len(self.path)):
             self.path[s] = -1
         if self.log is not None:
             self.log = []
+
+
+class Variability:
+    """Random factors (mean 1, gamma-distributed with the given coefficient of variation) on each
+    compute task's duration and each transfer's latency. Real servers on shared machines and real
+    networks jitter, and jitter makes requests queue where a deterministic pipeline would not: the
+    calibration against the local demo (experiments/calibrate_demo.py) needs it. CV 0: no draw at all,
+    so deterministic runs are unchanged. A stream of its own keeps the other random choices stable."""
+
+    def __init__(self, compute_cv: float, latency_cv: float, seed: int) -> None:
+        self.compute_cv, self.latency_cv = compute_cv, latency_cv
+        self.rng = make_rng(seed, "sim", "variability")
+
+    def _draw(self, cv: float) -> float:
+        shape = 1.0 / (cv * cv)
+        return float(self.rng.gamma(shape, 1.0 / shape))
+
+    def compute_factor(self) -> float:
+        return self._draw(self.compute_cv) if self.compute_cv else 1.0
+
+    def latency_factor(self) -> float:
+        return self._draw(self.latency_cv) if self.latency_cv else 1.0
 
 
 class PipelineSimulation(Simulation):
@@ -85,6 +110,7 @@ class PipelineSimulation(Simulation):
         self.timeout_s = self.config.request_timeout_s * scale if self.uses_timeouts else float("inf")
         self.audit_violations = 0
         self.audited_chunks = 0
+        self.variability = Variability(self.config.compute_cv, self.config.latency_cv, self.config.seed)
 
     def refresh_rates(self, throughput_samples_per_s: float, sizes: list[int] | None = None) -> None:
         """What peers announce: their rate at each stage with the averaging traffic of a pipeline at the
@@ -160,7 +186,12 @@ class PipelineSimulation(Simulation):
         chunk.peer = peer.index
         chunk.sent_s = now
         peer.held[chunk.id] = chunk
+        chunk.compute_factor = self.variability.compute_factor()
         arrival = self.network.transfer(now, src, peer, num_bytes, self.timeout_s)
+        if arrival is not None and self.variability.latency_cv:
+            arrival += self.network.latency(src.location, peer.location) * (
+                self.variability.latency_factor() - 1
+            )
         if arrival is None:  # the links are backed up beyond the deadline: given up, retried elsewhere
             self._time_out(chunk, peer, now + self.timeout_s, 2 * self.timeout_s)
             return
@@ -187,7 +218,7 @@ class PipelineSimulation(Simulation):
             self._start_compute(peer, chunk)
 
     def _duration(self, peer: PeerState, chunk: Chunk) -> float:
-        full = peer.compute_s[chunk.stage] * chunk.samples
+        full = peer.compute_s[chunk.stage] * chunk.samples * chunk.compute_factor
         if chunk.backward:
             return full * (1.0 if chunk.recompute else 2.0 / 3.0)
         return full if chunk.stage == self.last else full / 3.0
