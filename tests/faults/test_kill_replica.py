@@ -1,7 +1,7 @@
 """SIGKILL one of two replicas of stage 0 while a trainer runs: the trainer completes every
 micro-batch it started (retrying on the survivor), no server applies a micro-batch twice, and per
 stage the completed micro-batches = applied on survivors + pending on survivors + lost with the
-dead peer (+ dropped by a resync, if one happened)."""
+dead peer (+ dropped by a resync, + retries not accumulated after a cut-off reply, if any happened)."""
 
 import json
 import time
@@ -76,6 +76,7 @@ def test_sigkill_one_replica_during_training(make_swarm):
                 + len(account.pending)
                 + len(account.lost_with_dead)
                 + len(account.lost_to_resync)
+                + len(account.not_accumulated)
             )
             == len(completed)
             == MICRO_BATCHES + 64

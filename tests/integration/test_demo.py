@@ -22,6 +22,8 @@ KEYS = {
     "microbatches_failed",
     "samples_lost_with_dead_peers",
     "peers_killed",
+    "val_loss",  # through the swarm, after training
+    "byte_frequency_val_loss",
 }
 
 
@@ -80,6 +82,7 @@ def test_demo_trains_kills_a_replica_and_cleans_up(tmp_path):
     assert summary["microbatches_failed"] == 0
     assert summary["microbatches_completed"] == summary["microbatches_started"] > 0
     assert summary["final_loss"] < summary["initial_loss"]
+    assert summary["val_loss"] < summary["initial_loss"]
     assert summary["samples_lost_with_dead_peers"] >= 0
     time.sleep(0.5)
     assert _processes_mentioning(str(workdir)) == []

@@ -111,4 +111,6 @@ def test_trainer_waits_for_a_missing_stage_and_a_late_replica_catches_up(make_sw
     a, b = infos.values()
     for name in a.tensors:
         assert torch.equal(a.tensor(name), b.tensor(name)), name
-    assert any(e.get("e") == "resync" for e in map(json.loads, swarm.ledger_path("s0b").read_text().splitlines()))
+    assert any(
+        e.get("e") == "resync" for e in map(json.loads, swarm.ledger_path("s0b").read_text().splitlines())
+    )

@@ -45,3 +45,35 @@ def test_a_retried_micro_batch_is_not_lost_twice_and_doubles_are_reported():
 def test_completed_work_missing_from_every_ledger_is_unaccounted():
     account = account_stage(1, {"s": [{"e": "start", "peer": "P"}, *_acc("m1")]}, set(), {"m1", "m2"})
     assert account.unaccounted == {"m2"} and not account.balanced
+
+
+def test_work_dropped_by_a_resync_counts_where_a_retry_applied_it():
+    ledgers = {
+        "a": [
+            {"e": "start", "peer": "PA"},
+            *_acc("m1", "m2", "m3"),
+            {"e": "round", "epoch": 0, "mbs": ["m1", "m2"], "group": {"PA": 16}},
+        ],
+        # b hung with m2 (retried on a) and m4 accumulated, woke up behind and resynced: both dropped
+        "b": [{"e": "start", "peer": "PB"}, *_acc("m2", "m4"), {"e": "lost", "mbs": ["m2", "m4"], "n": 16}],
+    }
+    account = account_stage(0, ledgers, dead=set(), completed={"m1", "m2", "m3", "m4"})
+    assert account.applied == {"m1", "m2"} and account.pending == {"m3"}
+    assert account.lost_to_resync == {"m4"}
+    assert account.balanced
+
+
+def test_a_retry_that_did_not_accumulate_is_counted_once():
+    ledgers = {
+        # b went silent: m2 expired in its queue, m3 it accumulated and then dropped in a resync
+        "a": [{"e": "start", "peer": "PA"}, *_acc("m1"), {"e": "noacc", "mb": "m2", "n": 8}],
+        "b": [
+            {"e": "start", "peer": "PB"},
+            *_acc("m3"),
+            {"e": "lost", "mbs": ["m3"], "n": 8},
+        ],
+    }
+    ledgers["a"].append({"e": "noacc", "mb": "m3", "n": 8})
+    account = account_stage(0, ledgers, dead=set(), completed={"m1", "m2", "m3"})
+    assert account.pending == {"m1"} and account.not_accumulated == {"m2"}
+    assert account.lost_to_resync == {"m3"} and account.balanced

@@ -117,6 +117,26 @@ def test_backward_on_another_replica_recomputes(tiny_cfg, batches):
         torch.testing.assert_close(ga, gb)
 
 
+def test_a_retry_after_a_silent_replica_returns_gradients_without_accumulating(tiny_cfg, batches):
+    workers = [StageWorker(tiny_cfg, spec) for spec in tiny_cfg.stages()]
+    x, y = batches[0]
+    h = workers[0].forward(StageRequest("forward", "m", "none", x)).tensor("outputs")
+    full = workers[1].forward(StageRequest("forward", "m", "none", h, labels=y, fused_backward=True))
+    other = StageWorker(tiny_cfg, tiny_cfg.stages()[1])  # the replica the retry went to
+    retry = other.forward(
+        StageRequest("forward", "m", "none", h, labels=y, fused_backward=True, accumulate=False)
+    )
+    torch.testing.assert_close(retry.tensor("grad_inputs"), full.tensor("grad_inputs"))
+    assert retry.header["loss"] == pytest.approx(full.header["loss"])
+    assert other.pending_samples == 0 and other.counters["not_accumulated"] == 1
+    assert all(not g.any() for g in other.grad_sums)
+    spare = StageWorker(tiny_cfg, tiny_cfg.stages()[0])
+    back = spare.backward(
+        StageRequest("backward", "m", "none", x, grad_outputs=full.tensor("grad_inputs"), accumulate=False)
+    )
+    assert back.kind == "result" and spare.pending_samples == 0 and "m" not in spare.accumulated_ids
+
+
 def test_failed_round_puts_the_snapshot_back(tiny_cfg, batches):
     w = StageWorker(tiny_cfg, tiny_cfg.stages()[0])
     last = StageWorker(tiny_cfg, tiny_cfg.stages()[1])

@@ -209,6 +209,9 @@ class StageRequest:
     grad_outputs: torch.Tensor | None = None
     fused_backward: bool = False
     evaluate: bool = False  # forward only: no cached graph, no gradient
+    # False on a retry whose first attempt may have been applied by a replica that went silent: the
+    # input gradient is returned but the parameter gradient is not accumulated (at most once per stage)
+    accumulate: bool = True
 
     @property
     def num_samples(self) -> int:
@@ -251,6 +254,7 @@ def validate_request(message: Message, io: StageIO, digest: str) -> StageRequest
         inputs,
         fused_backward=fused and io.is_last and not evaluate,
         evaluate=evaluate,
+        accumulate=header.get("accumulate", True) is not False,
     )
     if io.is_last:
         request.labels = _checked_labels(message, io, batch, seq)

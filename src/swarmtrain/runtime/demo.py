@@ -31,6 +31,8 @@ SUMMARY_KEYS = (
     "samples_lost_with_dead_peers",
     "peers_killed",
 )
+EXTRA_KEYS = ("val_loss", "byte_frequency_val_loss")  # None when the run was cut short
+EVAL_SAMPLES = 256  # validation samples evaluated through the swarm at the end (~1 s on tiny)
 DEMO_SWARM = {"announce_period_s": 1.0, "request_timeout_s": 15.0, "averaging_timeout_s": 15.0}
 
 
@@ -107,6 +109,8 @@ def _train(swarm: LocalSwarm, cfg, servers, options: DemoOptions, killed: list[s
         str(options.in_flight),
         "--log-period-s",
         "1",
+        "--eval-samples",
+        str(EVAL_SAMPLES),
     )
     trainer = swarm.processes["trainer"]
     victim = next((n for n in reversed(list(servers)) if servers[n] == 0), None) if options.kill else None
@@ -178,13 +182,15 @@ def _summary(swarm: LocalSwarm, cfg, servers: dict[str, int], killed: list[str])
         ),
         "samples_lost_with_dead_peers": lost,
         "peers_killed": len(killed),
+        "val_loss": trainer.get("val_loss"),
+        "byte_frequency_val_loss": trainer.get("byte_frequency_val_loss"),
     }
-    return {key: summary[key] for key in SUMMARY_KEYS}
+    return {key: summary[key] for key in (*SUMMARY_KEYS, *EXTRA_KEYS)}
 
 
 def _print_summary(summary: dict, workdir: Path, interrupted: bool, out) -> None:
     print(("interrupted; " if interrupted else "") + "summary:", file=out)
-    for key in SUMMARY_KEYS:
+    for key in (*SUMMARY_KEYS, *EXTRA_KEYS):
         value = summary[key]
         print(f"  {key:30s} {value:.4f}" if isinstance(value, float) else f"  {key:30s} {value}", file=out)
     print(f"  logs and ledgers: {workdir}", file=out, flush=True)

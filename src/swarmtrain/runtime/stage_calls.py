@@ -6,6 +6,10 @@ Failure policy (DESIGN.md section 5):
 - error answer -> `unavailable`/`timeout`/`internal`: try another peer; `digest_mismatch`: ban;
   `bad_request`/`too_large`: our request is wrong, retrying cannot help;
 - retries are bounded (`swarm.max_retries`) with exponential backoff;
+- a backward (or fused forward+backward) retried after a timeout, a cut-off reply or an internal error
+  may already be accumulated by the silent peer, which may wake up and average it: the retry asks for
+  the input gradient only (`accumulate=False`). A stage applies each micro-batch at most once; what the
+  silent peer then drops is counted as lost, never doubled;
 - no live peer at all -> wait (not counted as a retry) with one clear log line every few seconds.
 """
 
@@ -75,6 +79,7 @@ class StageCaller:
         self.retries = 0
         self.timeouts = 0
         self.connection_errors = 0
+        self.not_accumulated = 0  # retries sent with accumulate=False
         self.timing: dict[tuple[int, str], CallTiming] = {}
         self._last_no_peer_log = [0.0] * table.num_stages
         self._refresh_lock = asyncio.Lock()
@@ -110,6 +115,7 @@ class StageCaller:
         message = request_message(
             kind, mb, stage, self.digest, self.codec, tensors, timeout_s=timeout_s, **header
         )
+        accumulates = kind == "backward" or bool(header.get("fused_backward"))
         attempt, excluded = 0, set()
         while True:
             peer = None
@@ -131,20 +137,29 @@ class StageCaller:
                 self.timeouts += 1
                 self.table.report(stage, peer, num_samples, timeout_s, weight)
                 reason = f"timeout after {timeout_s:.1f}s"
+                maybe_applied = True
             except RemoteError as exc:
                 if exc.code in FATAL_CODES:
                     raise MicroBatchFailed(f"stage {stage} peer {peer} refused {kind}: {exc}") from None
                 if exc.code == "digest_mismatch":
                     self.table.ban(stage, peer)
                 reason = str(exc)
+                maybe_applied = exc.code == "internal"  # "timeout"/"unavailable": it never ran
             except TruncatedReply as exc:
                 reason = str(exc)  # the peer answered before: retry, but do not ban it
+                maybe_applied = True
             except Exception as exc:
                 if not is_connection_error(exc):
                     raise
                 self.connection_errors += 1
                 self.table.ban(stage, peer)
                 reason = f"connection error {exc!r:.120}"
+                maybe_applied = False  # the peer is gone, and its accumulator with it
+            if accumulates and maybe_applied and message.header.get("accumulate", True):
+                # the silent peer may still apply this gradient: the retry returns the input gradient
+                # without accumulating, so the stage applies it at most once (or loses it, counted)
+                message = Message(message.kind, {**message.header, "accumulate": False}, message.tensors)
+                self.not_accumulated += 1
             excluded.add(peer)
             attempt += 1
             if attempt > self.swarm.max_retries:

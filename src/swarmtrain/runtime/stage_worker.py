@@ -76,7 +76,14 @@ class StageWorker:
         self.others_samples = 0  # samples of same-epoch stage peers, as last seen by the synchronizer
         self.frozen: Snapshot | None = None  # the accumulation cut exactly at the global batch
         self.counters = dict(
-            forward=0, backward=0, fused=0, eval=0, recomputed=0, duplicates=0, samples_forward=0
+            forward=0,
+            backward=0,
+            fused=0,
+            eval=0,
+            recomputed=0,
+            duplicates=0,
+            not_accumulated=0,
+            samples_forward=0,
         )
 
     # requests -----------------------------------------------------------------------------------
@@ -106,7 +113,13 @@ class StageWorker:
             self.counters["recomputed"] += 1
         self.counters["backward"] += 1
         grad_inputs = self._backpropagate(
-            mb, request.num_samples, entry.outputs, request.grad_outputs, entry.inputs, entry.params
+            mb,
+            request.num_samples,
+            entry.outputs,
+            request.grad_outputs,
+            entry.inputs,
+            entry.params,
+            request.accumulate,
         )
         tensors = {} if grad_inputs is None else {"grad_inputs": grad_inputs}
         return make_message("result", {"mb": mb}, tensors, request.codec)
@@ -123,7 +136,7 @@ class StageWorker:
         loss = self._run(params, inputs, request.labels)
         self.counters["fused"] += 1
         self.counters["samples_forward"] += n
-        grad_inputs = self._backpropagate(mb, n, loss * n, None, inputs, params)
+        grad_inputs = self._backpropagate(mb, n, loss * n, None, inputs, params, request.accumulate)
         tensors = {} if grad_inputs is None else {"grad_inputs": grad_inputs}
         return make_message("result", {"mb": mb, "loss": float(loss.detach())}, tensors, request.codec)
 
@@ -135,13 +148,18 @@ class StageWorker:
         params = self.live
         return CacheEntry(self.epoch, inputs, self._run(params, inputs), params)
 
-    def _backpropagate(self, mb: str, n: int, outputs, grad_outputs, inputs, params) -> torch.Tensor | None:
+    def _backpropagate(
+        self, mb: str, n: int, outputs, grad_outputs, inputs, params, accumulate: bool = True
+    ) -> torch.Tensor | None:
         """Accumulate parameter gradients once per micro-batch; always return the input gradient."""
         wants_input_grad = inputs.requires_grad
         extra = [inputs] if wants_input_grad else []
-        if mb in self.accumulated_ids:  # a retry: the caller lost our answer; never apply twice
-            self.counters["duplicates"] += 1
-            self.ledger.write("dup", mb=mb)
+        if mb in self.accumulated_ids or not accumulate:
+            # a retry: we already have it (the caller lost our answer), or another replica may have it
+            # (it went silent after receiving it): never apply twice
+            key = "duplicates" if mb in self.accumulated_ids else "not_accumulated"
+            self.counters[key] += 1
+            self.ledger.write("dup" if key == "duplicates" else "noacc", mb=mb, n=n)
             return torch.autograd.grad(outputs, extra, grad_outputs)[0] if wants_input_grad else None
         grads = torch.autograd.grad(outputs, params + extra, grad_outputs, allow_unused=True)
         for acc, grad in zip(self.grad_sums, grads[: len(params)], strict=True):

@@ -284,6 +284,11 @@ async def train_async(cfg: RunConfig, options: TrainerOptions, dht, batches, val
     if options.eval_samples and val_set is not None and not trainer.stopping.is_set():
         result.val_loss = await trainer.evaluate(val_set, options.eval_samples)
     summary = result.summary()
+    if result.val_loss is not None:
+        from swarmtrain.data import unigram_entropy_nats
+
+        # the loss of predicting the corpus's byte frequencies: a model must beat it to have learned
+        summary["byte_frequency_val_loss"] = unigram_entropy_nats(val_set)
     summary.update(
         codec=trainer.codec,
         trainer_id=options.trainer_id,
@@ -291,6 +296,7 @@ async def train_async(cfg: RunConfig, options: TrainerOptions, dht, batches, val
         retries=trainer.caller.retries,
         timeouts=trainer.caller.timeouts,
         connection_errors=trainer.caller.connection_errors,
+        retries_not_accumulated=trainer.caller.not_accumulated,
         rpc=trainer.caller.timing_summary(),
     )
     trainer.ledger.close()

@@ -1,0 +1,78 @@
+"""A replica that hangs (SIGSTOP: its p2pd still accepts streams, nobody answers) must not hang the
+trainer: calls to it time out and are retried on the other replica. When it wakes up (SIGCONT) it
+finds itself behind, downloads the stage state and serves again. The stage applies every micro-batch
+at most once: a backward retried after a timeout is not accumulated by the second replica, because the
+silent one may still apply it (its averager runs in a process of its own)."""
+
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from swarmtrain.runtime.accounting import account_stage
+from swarmtrain.runtime.ledger import read_ledger
+
+pytestmark = [pytest.mark.faults, pytest.mark.timeout(300)]
+
+MICRO_BATCHES = 120
+REQUEST_TIMEOUT_S = 2.0
+
+
+def _events(swarm, name, kind):
+    return [e for e in read_ledger(swarm.ledger_path(name)) if e["e"] == kind]
+
+
+def _wait_for(condition, timeout_s, message):
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, message()
+        time.sleep(0.2)
+
+
+def test_a_hung_replica_times_out_and_the_trainer_goes_around_it(make_swarm):
+    swarm, cfg = make_swarm(
+        "tiny", {"swarm": {"request_timeout_s": REQUEST_TIMEOUT_S, "averaging_timeout_s": 5.0}}
+    )
+    swarm.start_dht()
+    servers = {"s0a": 0, "s0b": 0, "s1": 1}
+    for name, stage in servers.items():
+        swarm.start_server(name, stage)
+    swarm.wait_ready(list(servers))
+    samples = MICRO_BATCHES * cfg.training.micro_batch_size
+    trainer = swarm.start_trainer("trainer", "--max-samples", str(samples), "--in-flight", "4")
+    _wait_for(
+        lambda: len(_events(swarm, "trainer", "done")) >= MICRO_BATCHES // 3,
+        120,
+        lambda: trainer.log_text()[-3000:],
+    )
+    hung = swarm.processes["s0b"]
+    os.kill(hung.pid, signal.SIGSTOP)  # the server process only: its p2pd keeps accepting streams
+    stopped_at = time.monotonic()
+
+    assert swarm.wait_exit("trainer", 240) == 0, trainer.log_text()[-3000:]
+    summary = json.loads((swarm.workdir / "trainer.summary.json").read_text())
+    keys = ("microbatches_completed", "timeouts", "retries", "retries_not_accumulated", "connection_errors")
+    print({k: summary[k] for k in keys})
+    assert summary["microbatches_started"] == summary["microbatches_completed"] == MICRO_BATCHES
+    assert summary["microbatches_failed"] == 0
+    assert summary["timeouts"] >= 1  # the hung replica was called and the call was given up
+    assert summary["retries_not_accumulated"] >= 1  # the backwards it held were retried input-grad-only
+    assert hung.alive and time.monotonic() - stopped_at > REQUEST_TIMEOUT_S
+
+    os.kill(hung.pid, signal.SIGCONT)
+    completed = {e["mb"] for e in _events(swarm, "trainer", "done")}
+    # awake, it is behind the survivor: it must download the state before serving again
+    _wait_for(lambda: _events(swarm, "s0b", "resync"), 60, lambda: hung.log_text()[-3000:])
+    for stage in (0, 1):
+        ledgers = {n: read_ledger(swarm.ledger_path(n)) for n, s in servers.items() if s == stage}
+        account = account_stage(stage, ledgers, dead=set(), completed=completed)
+        print(f"stage {stage}: {account.summary()}")
+        doubled = set(account.double_applied)
+        trail = {
+            n: [e for e in ev if e.get("mb") in doubled or doubled & set(e.get("mbs", []))]
+            for n, ev in ledgers.items()
+        }
+        assert not account.double_applied, trail  # where the doubled micro-batches went
+        assert account.balanced, account.summary()
