@@ -11,6 +11,17 @@ from swarmtrain.runtime.local_swarm import LocalSwarm, write_run_toml
 FAST_SWARM = {"request_timeout_s": 10.0, "averaging_timeout_s": 10.0, "announce_period_s": 1.0}
 
 
+TWO_REPLICAS_OF_STAGE_0 = {"s0a": 0, "s0b": 0, "s1": 1}
+
+
+def start_servers(swarm, servers: dict[str, int]) -> None:
+    """A DHT and one server per `name: stage`, ready to serve."""
+    swarm.start_dht()
+    for name, stage in servers.items():
+        swarm.start_server(name, stage)
+    swarm.wait_ready(list(servers))
+
+
 @pytest.fixture
 def make_swarm(tmp_path):
     """make_swarm(preset, overrides) -> (LocalSwarm, RunConfig); all swarms stopped at teardown."""

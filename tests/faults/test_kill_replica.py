@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from swarm_fixtures import TWO_REPLICAS_OF_STAGE_0, start_servers
 from swarmtrain.runtime.accounting import account_stage
 from swarmtrain.runtime.ledger import read_ledger
 
@@ -22,11 +23,8 @@ def _done(ledger_path) -> int:
 
 def test_sigkill_one_replica_during_training(make_swarm):
     swarm, cfg = make_swarm("tiny", {"training": {"max_samples": 8192}})
-    swarm.start_dht()
-    servers = {"s0a": 0, "s0b": 0, "s1": 1}
-    for name, stage in servers.items():
-        swarm.start_server(name, stage)
-    swarm.wait_ready(list(servers))
+    servers = TWO_REPLICAS_OF_STAGE_0
+    start_servers(swarm, servers)
     samples = MICRO_BATCHES * cfg.training.micro_batch_size
     swarm.start_trainer("trainer", "--max-samples", str(samples), "--in-flight", "4", "--log-period-s", "2")
 

@@ -73,38 +73,12 @@ def test_measured_compute_times_flag_with_pinned_stages(tmp_path, capsys):
     times = tmp_path / "times.csv"
     times.write_text("peer,stage,seconds_per_sample\ns0,0,0.25\ns1,1,0.5\n")
     path = tmp_path / "s.json"
-    code, _, err = run_cli(
-        capsys,
-        "--fleet",
-        str(fleet),
-        "--model",
-        "tiny",
-        "--peer-compute-times",
-        str(times),
-        "--duration-s",
-        "400",
-        "--summary-json",
-        str(path),
-    )
+    argv = ["--fleet", str(fleet), "--model", "tiny", "--peer-compute-times", str(times)]
+    argv += ["--duration-s", "400", "--summary-json", str(path)]
+    code, _, err = run_cli(capsys, *argv)
     assert code == 0, err
     assert json.loads(path.read_text())["samples_per_s"] == pytest.approx(2.0, rel=0.03)  # the slower stage
-    code, _, err = run_cli(
-        capsys,
-        "--fleet",
-        str(fleet),
-        "--model",
-        "tiny",
-        "--peer-compute-times",
-        str(times),
-        "--duration-s",
-        "400",
-        "--compute-cv",
-        "1",
-        "--latency-cv",
-        "0.5",
-        "--summary-json",
-        str(path),
-    )
+    code, _, err = run_cli(capsys, *argv, "--compute-cv", "1", "--latency-cv", "0.5")
     assert code == 0, err
     jittery = json.loads(path.read_text())["samples_per_s"]
     # the flags reach the simulation: random durations (the mean over ~100 micro-batches is noisy)
