@@ -187,7 +187,10 @@ class StageClient:
     async def call_raw(self, peer_id: PeerID, kind: str, data: bytes, timeout_s: float) -> Message:
         """Send arbitrary bytes to a handler (tests of a server's input validation)."""
         reply_bytes = await asyncio.wait_for(self._exchange(peer_id, kind, data), timeout=timeout_s)
-        return unpack(reply_bytes, MAX_REPLY_BYTES)
+        try:
+            return unpack(reply_bytes, MAX_REPLY_BYTES)
+        except ProtocolError as exc:
+            raise TruncatedReply(f"{len(reply_bytes)}-byte reply from {peer_id}: {exc}") from None
 
     async def _exchange(self, peer_id: PeerID, kind: str, data: bytes) -> bytes:
         stub = StageServicer.get_stub(self.p2p, peer_id, namespace=self.namespace)
