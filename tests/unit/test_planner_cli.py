@@ -20,6 +20,7 @@ KEYS = {
     "pipelines",
     "evaluations",
     "evaluations_to_best",
+    "time_to_best_s",
     "wall_s",
 }
 
@@ -33,6 +34,7 @@ def test_json_search(capsys):
     out = run_json(capsys, "--scenario", "datacenter", *SIZES, *FAST)
     assert set(out) == KEYS
     assert out["evaluations"] == 100 and 1 <= out["evaluations_to_best"] <= 100
+    assert 0 <= out["time_to_best_s"] <= out["wall_s"]
     assert sorted(d for g in out["groups"] for d in g) == list(range(64))
     assert len(out["pipelines"]) == 8 and all(len(p) == 8 for p in out["pipelines"])
     # Pipeline p visits the groups in order.

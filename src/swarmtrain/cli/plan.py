@@ -123,7 +123,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="achieved fraction of peak TFLOPS (default 0.4)",
     )
     output = parser.add_argument_group("output")
-    output.add_argument("--json", action="store_true", help="print one JSON object")
+    output.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object: cost_s, dp_cost_s, pp_cost_s, groups (pipeline order), pipelines, "
+        "evaluations, evaluations_to_best, time_to_best_s, wall_s (+ compute fields with --compute)",
+    )
     output.add_argument("--plot", metavar="PATH", help="write best cost vs evaluations as a PNG")
     parser.set_defaults(func=run)  # fmt: skip
 
@@ -216,13 +221,15 @@ def run_communication(args: argparse.Namespace, cost_model, config, layout) -> i
             result.evaluations_to_best,
             result.best_cost_history_s,
         )
+        time_to_best_s = result.time_to_best_s
     else:
         plan = cost_model.describe(layout)
         evaluations, to_best, history = 1, 1, [plan.cost_s]
+        time_to_best_s = time.perf_counter() - start_s
     summary = {
         "cost_s": plan.cost_s, "dp_cost_s": plan.dp_cost_s, "pp_cost_s": plan.pp_cost_s,
         "groups": plan.groups, "pipelines": plan.pipelines, "evaluations": evaluations,
-        "evaluations_to_best": to_best, "wall_s": time.perf_counter() - start_s,
+        "evaluations_to_best": to_best, "time_to_best_s": time_to_best_s, "wall_s": time.perf_counter() - start_s,
     }  # fmt: skip
     baselines = _baselines(cost_model, args.seed) if (args.plot or not args.json) else {}
     if args.plot:
@@ -272,7 +279,7 @@ def _print_header(args: argparse.Namespace, cost_model, mode: str | None, summar
     if mode is None:
         print(
             f"search: seed {args.seed}, {summary['evaluations']} evaluations in {summary['wall_s']:.2f} s, "
-            f"best at evaluation {summary['evaluations_to_best']}"
+            f"best at evaluation {summary['evaluations_to_best']} ({summary['time_to_best_s']:.2f} s)"
         )
     else:
         print(mode)
@@ -321,6 +328,7 @@ def run_compute(args: argparse.Namespace, cost_model, model, config, layout) -> 
             comparison.joint_search.evaluations_to_best,
             comparison.joint_search.best_cost_history_s,
         )
+        time_to_best_s = comparison.joint_search.time_to_best_s
         rows = [
             ("communication-only, even layers", comparison.comm_only_groups, comparison.comm_only_even),
             (
@@ -334,13 +342,14 @@ def run_compute(args: argparse.Namespace, cost_model, model, config, layout) -> 
         groups, plan = compute.plan(layout)
         even = compute.evaluate_layers(groups, even_layers(profile.num_layers, len(groups)))
         evaluations, to_best, history = 1, 1, [plan.iteration_s]
+        time_to_best_s = time.perf_counter() - start_s
         rows = [("layout, even layers", groups, even), ("layout, balanced layers", groups, plan)]
     described = cost_model.describe(groups)
     summary = {
         "cost_s": described.cost_s, "dp_cost_s": described.dp_cost_s, "pp_cost_s": described.pp_cost_s,
         "groups": [list(g) for g in groups], "pipelines": cost_model.wire_pipelines(groups),
-        "evaluations": evaluations, "evaluations_to_best": to_best, "wall_s": time.perf_counter() - start_s,
-        "iteration_s": plan.iteration_s, "layers_per_stage": plan.layers_per_stage, "fits_memory": plan.fits,
+        "evaluations": evaluations, "evaluations_to_best": to_best, "time_to_best_s": time_to_best_s,
+        "wall_s": time.perf_counter() - start_s, "iteration_s": plan.iteration_s, "layers_per_stage": plan.layers_per_stage, "fits_memory": plan.fits,
         "stage_compute_s": plan.compute_s,
         "alternatives": {name: {"iteration_s": p.iteration_s, "layers_per_stage": p.layers_per_stage,
                                 "fits_memory": p.fits, "cost_s": cost_model.cost(g)} for name, g, p in rows},
