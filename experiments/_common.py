@@ -66,6 +66,17 @@ def figure_path(name: str) -> Path:
     return OUT_DIR / f"{name}.png"
 
 
+def save_outputs(name: str, fig, payload: dict) -> Path:
+    """The figure (PNG) and the numbers (JSON) of one experiment in OUT_DIR; says where."""
+    from swarmtrain.sim.plotting import save_figure
+
+    path = figure_path(name)
+    save_figure(fig, path)
+    save_json(name, payload)
+    say(f"figure: {path}")
+    return path
+
+
 def say(text: str = "") -> None:
     print(text)
     sys.stdout.flush()

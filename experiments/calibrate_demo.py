@@ -58,16 +58,20 @@ def compute_s_per_sample(server_log: Path) -> float:
     return (b1 - b0) / (s1 - s0)
 
 
+def _per_call_mean(rpc: dict, value) -> float:
+    """Mean of `value(timings of one kind of call)` over all calls."""
+    calls = sum(v["calls"] for v in rpc.values())
+    return sum(v["calls"] * value(v) for v in rpc.values()) / calls
+
+
 def hop_latency_s(rpc: dict) -> float:
     """Mean over all calls of (round trip - server time)."""
-    calls = sum(v["calls"] for v in rpc.values())
-    return sum(v["calls"] * v["mean_overhead_s"] for v in rpc.values()) / calls
+    return _per_call_mean(rpc, lambda v: v["mean_overhead_s"])
 
 
 def pooled_cv(rpc: dict, name: str) -> float:
     """Coefficient of variation of `name` within each kind of call (their means differ), pooled."""
-    calls = sum(v["calls"] for v in rpc.values())
-    return sum(v["calls"] * v[f"std_{name}"] / v[f"mean_{name}"] for v in rpc.values()) / calls
+    return _per_call_mean(rpc, lambda v: v[f"std_{name}"] / v[f"mean_{name}"])
 
 
 def measure(in_flight: int, duration_s: float, root: Path) -> dict:

@@ -20,7 +20,7 @@ import _common as c
 
 from swarmtrain.config import get_preset
 from swarmtrain.sim.base import SimConfig
-from swarmtrain.sim.plotting import _pyplot, save_figure
+from swarmtrain.sim.plotting import _pyplot
 from swarmtrain.sim.report import format_table
 from swarmtrain.sim.runner import run_simulation
 
@@ -86,10 +86,9 @@ def main() -> None:
     ax.set_ylabel("samples/s (hardware throughput)")
     ax.set_title("Where full replicas with swapping beat SWARM")
     ax.legend(fontsize=8)
-    path = c.figure_path("crossover")
-    save_figure(fig, path)
-    c.save_json(
+    c.save_outputs(
         "crossover",
+        fig,
         {
             "bandwidth_mbit_s": BANDWIDTHS_MBIT_S,
             "swarm": swarm,
@@ -97,7 +96,6 @@ def main() -> None:
             "crossovers_mbit_s": {str(h): p for h, p in points.items()},
         },
     )
-    c.say(f"figure: {path}")
 
 
 if __name__ == "__main__":

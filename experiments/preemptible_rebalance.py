@@ -26,7 +26,7 @@ from swarmtrain.sim.costs import compute_s_per_sample, rate_table
 from swarmtrain.sim.entities import Fleet
 from swarmtrain.sim.fleet import synthetic_fleet
 from swarmtrain.sim.optimal import optimal_allocation
-from swarmtrain.sim.plotting import _pyplot, save_figure
+from swarmtrain.sim.plotting import _pyplot
 from swarmtrain.sim.report import format_table, human_bytes
 from swarmtrain.sim.runner import costs_for, run_simulation
 
@@ -118,10 +118,7 @@ def main() -> None:
     ax2.set_ylabel("live peers")
     ax2.set_xlabel("simulated time (h)")
     ax2.legend(fontsize=8)
-    path = c.figure_path("preemptible_rebalance")
-    save_figure(fig, path)
-    c.save_json("preemptible_rebalance", {f"{p}/{m}": r.summary for (p, m), r in results.items()})
-    c.say(f"figure: {path}")
+    c.save_outputs("preemptible_rebalance", fig, {f"{p}/{m}": r.summary for (p, m), r in results.items()})
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import _common as c
 
 from swarmtrain.config import sizes
 from swarmtrain.sim.base import SimConfig
-from swarmtrain.sim.plotting import _pyplot, save_figure
+from swarmtrain.sim.plotting import _pyplot
 from swarmtrain.sim.report import format_table, human_bytes
 from swarmtrain.sim.runner import costs_for, run_simulation
 
@@ -86,10 +86,7 @@ def main() -> None:
     ax.set_ylim(0, 100)
     ax.set_title("Square-cube law at 500 Mb/s: utilization grows with model size")
     ax.legend()
-    path = c.figure_path("square_cube")
-    save_figure(fig, path)
-    c.save_json("square_cube", {"rows": rows})
-    c.say(f"figure: {path}")
+    c.save_outputs("square_cube", fig, {"rows": rows})
 
 
 if __name__ == "__main__":

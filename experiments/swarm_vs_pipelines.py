@@ -17,7 +17,7 @@ import _common as c
 
 from swarmtrain.config import get_preset
 from swarmtrain.sim.base import SimConfig
-from swarmtrain.sim.plotting import _pyplot, save_figure
+from swarmtrain.sim.plotting import _pyplot
 from swarmtrain.sim.report import format_table
 from swarmtrain.sim.runner import run_simulation
 
@@ -72,10 +72,7 @@ def main() -> None:
     ax.set_ylim(bottom=0)
     ax.set_title("GPT-3 XL on 64 heterogeneous peers at 1 Gb/s")
     ax.legend()
-    path = c.figure_path("swarm_vs_pipelines")
-    save_figure(fig, path)
-    c.save_json("swarm_vs_pipelines", {"rows": rows})
-    c.say(f"figure: {path}")
+    c.save_outputs("swarm_vs_pipelines", fig, {"rows": rows})
 
 
 if __name__ == "__main__":

@@ -52,6 +52,16 @@ def positive_float(text: str) -> float:
     return value
 
 
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
+    return value
+
+
 def write_summary_json(path: str | None, summary: dict) -> None:
     """Write a run summary; a directory that does not exist is created, an unwritable path is a user error."""
     if not path:

@@ -13,7 +13,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from swarmtrain.cli.common import positive_float, positive_int
+from swarmtrain.cli.common import non_negative_float, positive_float, positive_int
 from swarmtrain.config.errors import UserError
 
 DEFAULT_BUDGET_EVALS = 20_000
@@ -35,16 +35,6 @@ Your own fleet (--scenario-file), one JSON object; links are symmetric, latency 
    "latency_ms": [[1, 30], [30, 1]], "bandwidth_gbps": [[100, 1], [1, 100]]}
 A layout (--evaluate) is a JSON list with one list of device indices per stage group.
 """
-
-
-def non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
-    return value
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -8,7 +8,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from swarmtrain.cli.common import positive_float, positive_int, write_summary_json
+from swarmtrain.cli.common import non_negative_float, positive_float, positive_int, write_summary_json
 from swarmtrain.config.errors import UserError
 
 MODE_CHOICES = ("swarm", "swarm-no-rebalance", "gpipe", "async-replicas", "all")
@@ -25,16 +25,6 @@ examples:
   swarmtrain simulate --scenario world-wide --mode all --duration-s 1800
   swarmtrain simulate --fleet my_fleet.toml --trace outages.csv --summary-json out.json
 """
-
-
-def non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
-    return value
 
 
 def register(subparsers) -> None:

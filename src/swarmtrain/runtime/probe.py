@@ -69,15 +69,17 @@ class SwarmProbe:
 
         from swarmtrain.net.transport import TruncatedReply
 
-        for attempt in range(attempts):
+        def call() -> Message:
+            return self.run(
+                self.trainer.client.call_raw(PeerID.from_base58(peer), kind, data, self.timeout_s)
+            )
+
+        for _ in range(attempts - 1):
             try:
-                return self.run(
-                    self.trainer.client.call_raw(PeerID.from_base58(peer), kind, data, self.timeout_s)
-                )
+                return call()
             except (TruncatedReply, ConnectionError):
-                if attempt == attempts - 1:
-                    raise
-        raise AssertionError("unreachable")
+                pass
+        return call()
 
     async def _close_async(self) -> None:
         await self.trainer.client.p2p.shutdown()

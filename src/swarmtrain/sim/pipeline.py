@@ -186,7 +186,8 @@ class PipelineSimulation(Simulation):
         chunk.peer = peer.index
         chunk.sent_s = now
         peer.held[chunk.id] = chunk
-        chunk.compute_factor = self.variability.compute_factor()
+        if self.variability.compute_cv:
+            chunk.compute_factor = self.variability.compute_factor()
         arrival = self.network.transfer(now, src, peer, num_bytes, self.timeout_s)
         if arrival is not None and self.variability.latency_cv:
             arrival += self.network.latency(src.location, peer.location) * (
