@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 
 from swarmtrain.config import ConfigError, get_preset, load_run_config, partition_layers, preset_names, sizes
@@ -28,8 +30,28 @@ def test_toml_overrides_and_digest_changes(tmp_path):
 
 def test_digest_ignores_local_only_fields(tmp_path):
     path = tmp_path / "run.toml"
-    path.write_text("[training]\nmax_samples = 64\nseed = 7\n[swarm]\ncompression = 'none'\n")
+    path.write_text("[training]\neval_every_samples = 64\neval_samples = 7\n[swarm]\ncompression = 'none'\n")
     assert load_run_config(path).digest() == get_preset("tiny").digest()
+
+
+def _with_training(cfg, **changes):
+    return cfg.replace(training=dataclasses.replace(cfg.training, **changes))
+
+
+def test_digest_covers_the_seed(tiny_cfg):
+    # replicas of a stage initialize their weights from the seed
+    assert _with_training(tiny_cfg, seed=tiny_cfg.training.seed + 1).digest() != tiny_cfg.digest()
+
+
+def test_digest_covers_max_samples(tiny_cfg):
+    # max_samples is the cosine horizon: peers differing in it step with different learning rates
+    changed = _with_training(tiny_cfg, max_samples=tiny_cfg.training.max_samples * 2)
+    assert changed.digest() != tiny_cfg.digest()
+
+
+def test_digest_ignores_eval_samples(tiny_cfg):
+    changed = _with_training(tiny_cfg, eval_samples=tiny_cfg.training.eval_samples + 1)
+    assert changed.digest() == tiny_cfg.digest()
 
 
 @pytest.mark.parametrize(

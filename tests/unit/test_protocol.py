@@ -5,6 +5,7 @@ import torch
 
 from swarmtrain.net import codec
 from swarmtrain.net.protocol import (
+    MAX_ABS_VALUE,
     Message,
     ProtocolError,
     StageIO,
@@ -66,17 +67,27 @@ def test_valid_requests_for_first_and_last_stage(tiny_cfg):
     m = tiny_cfg.model
     tokens = torch.randint(0, m.vocab_size, (3, m.seq_len))
     req = validate_request(
-        request_message("forward", "a", 0, DIGEST, "none", {"inputs": tokens}), _io(tiny_cfg, 0), DIGEST
+        request_message("forward", "a", 0, DIGEST, "none", {"inputs": tokens}, step=7), _io(tiny_cfg, 0), DIGEST
     )
-    assert req.num_samples == 3 and not req.evaluate and torch.equal(req.inputs, tokens)
+    assert req.num_samples == 3 and not req.evaluate and torch.equal(req.inputs, tokens) and req.step == 7
     hidden = torch.randn(3, m.seq_len, m.d_model)
     msg = request_message(
-        "forward", "a", 1, DIGEST, "8bit", {"inputs": hidden, "labels": tokens}, fused_backward=True
+        "forward", "a", 1, DIGEST, "8bit", {"inputs": hidden, "labels": tokens}, fused_backward=True, step=0
     )
     req = validate_request(msg, _io(tiny_cfg, 1), DIGEST)
     assert req.fused_backward and req.labels is not None
     msg = request_message("forward", "a", 1, DIGEST, "8bit", {"inputs": hidden, "labels": tokens}, eval=True)
-    assert validate_request(msg, _io(tiny_cfg, 1), DIGEST).evaluate
+    assert validate_request(msg, _io(tiny_cfg, 1), DIGEST).evaluate  # an evaluation needs no step
+
+
+@pytest.mark.parametrize("step", [None, -1, "3", True, 2**60])
+def test_training_requests_must_name_their_global_step(tiny_cfg, step):
+    tokens = torch.zeros(2, tiny_cfg.model.seq_len, dtype=torch.long)
+    msg = request_message("forward", "a", 0, DIGEST, "none", {"inputs": tokens})
+    if step is not None:
+        msg.header["step"] = step
+    with pytest.raises(ProtocolError, match="global step"):
+        validate_request(msg, _io(tiny_cfg, 0), DIGEST)
 
 
 @pytest.mark.parametrize(
@@ -121,6 +132,7 @@ def test_backward_needs_matching_gradient_shape(tiny_cfg):
         DIGEST,
         "none",
         {"inputs": tokens, "grad_outputs": torch.randn(2, m.seq_len, m.d_model)},
+        step=0,
     )
     assert validate_request(good, _io(tiny_cfg, 0), DIGEST).grad_outputs.shape == (2, m.seq_len, m.d_model)
     bad = request_message(
@@ -130,9 +142,53 @@ def test_backward_needs_matching_gradient_shape(tiny_cfg):
         DIGEST,
         "none",
         {"inputs": tokens, "grad_outputs": torch.randn(2, m.seq_len, m.d_model + 1)},
+        step=0,
     )
     with pytest.raises(ProtocolError):
         validate_request(bad, _io(tiny_cfg, 0), DIGEST)
+
+
+def test_absurd_but_finite_hidden_states_are_refused(tiny_cfg):
+    # 1e20 hidden states made a stage's parameters NaN although every value was finite
+    m = tiny_cfg.model
+    hidden = torch.randn(2, m.seq_len, m.d_model)
+    hidden[1, 3, 5] = 1e20
+    labels = torch.zeros(2, m.seq_len, dtype=torch.long)
+    msg = request_message(
+        "forward", "m", 1, DIGEST, "none", {"inputs": hidden, "labels": labels}, fused_backward=True, step=0
+    )
+    with pytest.raises(ProtocolError) as info:
+        validate_request(msg, _io(tiny_cfg, 1), DIGEST)
+    assert info.value.code == "bad_request"
+    assert "inputs" in str(info.value) and f"{MAX_ABS_VALUE:g}" in str(info.value)
+
+
+@pytest.mark.parametrize("codec_name", ["none", "8bit"])
+def test_absurd_but_finite_gradients_are_refused(tiny_cfg, codec_name):
+    # 3e38 is finite in fp32 (and survives the 8-bit codec's fp32 block scale) but made replicas non-finite
+    m = tiny_cfg.model
+    grads = torch.randn(2, m.seq_len, m.d_model)
+    grads[0, 0, 0] = -3e38
+    assert bool(torch.isfinite(grads).all())
+    tokens = torch.zeros(2, m.seq_len, dtype=torch.long)
+    msg = request_message(
+        "backward", "m", 0, DIGEST, codec_name, {"inputs": tokens, "grad_outputs": grads}, step=0
+    )
+    with pytest.raises(ProtocolError) as info:
+        validate_request(msg, _io(tiny_cfg, 0), DIGEST)
+    assert info.value.code == "bad_request"
+    assert "grad_outputs" in str(info.value) and f"{MAX_ABS_VALUE:g}" in str(info.value)
+
+
+def test_large_but_plausible_values_are_accepted(tiny_cfg):
+    m = tiny_cfg.model
+    hidden = torch.randn(2, m.seq_len, m.d_model) * 100
+    hidden[0, 0, 0] = MAX_ABS_VALUE  # exactly on the bound: "none" keeps it exact, 8-bit might round past
+    labels = torch.zeros(2, m.seq_len, dtype=torch.long)
+    msg = request_message(
+        "forward", "m", 1, DIGEST, "none", {"inputs": hidden, "labels": labels}, fused_backward=True, step=0
+    )
+    assert validate_request(msg, _io(tiny_cfg, 1), DIGEST).inputs.shape == hidden.shape
 
 
 def test_info_messages_are_not_stage_requests(tiny_cfg):

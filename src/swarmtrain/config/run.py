@@ -30,6 +30,10 @@ class TrainingConfig:
     eval_every_samples: int = 2048
     eval_samples: int = 256
     seed: int = 0
+    # steps of parameter staleness a swarm micro-batch may see: 0 = synchronous steps (equal to local
+    # training at equal samples); 1 = a step's forwards may run while the previous step is averaged
+    # (SWARM's delayed update; +18.7% val loss on `tiny` in experiments/step_semantics.py)
+    max_staleness: int = 0
 
     def __post_init__(self) -> None:
         positive = ("micro_batch_size", "global_batch_size", "learning_rate", "max_samples", "eval_samples")
@@ -46,6 +50,8 @@ class TrainingConfig:
         for name in ("warmup_samples", "weight_decay", "grad_clip_norm", "eval_every_samples"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"training.{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_staleness not in (0, 1):
+            raise ConfigError(f"training.max_staleness must be 0 or 1, got {self.max_staleness}")
         for name in ("adam_beta1", "adam_beta2"):
             if not 0 <= getattr(self, name) < 1:
                 raise ConfigError(f"training.{name} must be in [0, 1)")
@@ -76,7 +82,7 @@ class SwarmConfig:
     compression: str = "8bit"
     announce_period_s: float = 2.0
     request_timeout_s: float = 30.0
-    averaging_timeout_s: float = 30.0
+    averaging_timeout_s: float = 30.0  # a step's gradient exchange between a stage's replicas
     max_retries: int = 5
 
     def __post_init__(self) -> None:
@@ -118,12 +124,16 @@ class RunConfig:
         return dataclasses.asdict(self)
 
     def digest(self) -> str:
-        """Stable hash of what peers must agree on: model shape, stage cut, optimizer and batch.
+        """Stable hash of what peers must agree on: model shape, stage cut, optimizer, schedule and batch.
 
-        Compression is not part of it: every message names its own codec.
+        `training.seed` is in it because replicas of a stage initialize their weights from it, and
+        `training.max_samples` because it sets the cosine decay horizon of the learning rate: peers
+        that differ in either would average diverging weights or step with different rates.
+        The evaluation cadence and size are left out (they do not change training), and so is
+        compression: every message names its own codec.
         """
         training = dataclasses.asdict(self.training)
-        for local_only in ("max_samples", "eval_every_samples", "eval_samples", "seed"):
+        for local_only in ("eval_every_samples", "eval_samples"):
             training.pop(local_only)
         swarm = {
             "run_id": self.swarm.run_id,

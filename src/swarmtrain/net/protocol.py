@@ -7,8 +7,8 @@ the server share only this module (DESIGN.md section 3).
 
 Validation never trusts the sender: sizes are checked against the descriptors before anything is
 allocated, shapes and dtypes against what the stage expects, token ids against the vocabulary and
-floats for NaN/inf. Every violation raises `ProtocolError` with a message the server sends back as
-an error answer.
+floats for NaN/inf and magnitudes beyond `MAX_ABS_VALUE`. Every violation raises `ProtocolError` with
+a message the server sends back as an error answer.
 """
 
 from __future__ import annotations
@@ -23,12 +23,23 @@ import torch
 from swarmtrain.config.model import ModelConfig, StageSpec
 from swarmtrain.net import codec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: training requests carry the global step they belong to
 MAGIC = b"SWT1"
 MAX_HEADER_BYTES = 64 * 1024
 MAX_ID_CHARS = 128
 MAX_TENSORS = 1024  # info replies carry one tensor per parameter
-KINDS = ("forward", "backward", "info", "result", "error")
+# Largest |value| a stage accepts in hidden states or gradients. A healthy residual stream or gradient
+# of this model family is many orders of magnitude below it, while a finite but absurd value (hidden
+# states of 1e20, gradients of 3e38: finite in fp32) overflows inside the stage and made its parameters
+# and replicas non-finite. It bounds decoded values: the 8-bit codec's fp32 block scales carry any
+# finite fp32 magnitude, and only the float16 codec overflows (to inf, which the NaN/inf check catches)
+# at 65504, so the wire format itself bounds nothing.
+MAX_ABS_VALUE = 1e6
+# forward/backward: a micro-batch through a stage; close: a trainer tells a stage's replicas that a
+# step's micro-batches are all done (and who accumulated them); grads: one replica's gradient sums of
+# a step, sent to its stage peers; info: counters and state for probes and monitors
+KINDS = ("forward", "backward", "close", "grads", "info", "result", "error")
+MAX_STEP = 2**53
 _LEN = struct.Struct("<I")
 
 
@@ -212,6 +223,9 @@ class StageRequest:
     # False on a retry whose first attempt may have been applied by a replica that went silent: the
     # input gradient is returned but the parameter gradient is not accumulated (at most once per stage)
     accumulate: bool = True
+    # the global step (optimizer step of every stage) this micro-batch's gradient belongs to; for an
+    # evaluation, the step whose parameters it must see (None: the current ones)
+    step: int | None = None
 
     @property
     def num_samples(self) -> int:
@@ -255,12 +269,22 @@ def validate_request(message: Message, io: StageIO, digest: str) -> StageRequest
         fused_backward=fused and io.is_last and not evaluate,
         evaluate=evaluate,
         accumulate=header.get("accumulate", True) is not False,
+        step=_checked_step(header, required=not evaluate),
     )
     if io.is_last:
         request.labels = _checked_labels(message, io, batch, seq)
     if message.kind == "backward":
         request.grad_outputs = _checked_float(message, "grad_outputs", (batch, seq, io.d_model))
     return request
+
+
+def _checked_step(header: dict, required: bool) -> int | None:
+    step = header.get("step")
+    if step is None and not required:
+        return None
+    if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < MAX_STEP:
+        raise ProtocolError(f"training requests carry the global step as an integer >= 0, got {step!r}")
+    return step
 
 
 def _checked_inputs(message: Message, io: StageIO) -> torch.Tensor:
@@ -298,6 +322,9 @@ def _checked_float(message: Message, name: str, shape: tuple[int, ...]) -> torch
     tensor = message.tensor(name).float()
     if not bool(torch.isfinite(tensor).all()):
         raise ProtocolError(f"{name} contains NaN or inf")
+    largest = float(tensor.abs().max()) if tensor.numel() else 0.0
+    if largest > MAX_ABS_VALUE:
+        raise ProtocolError(f"{name} has |value| up to {largest:.3g}, beyond the bound of {MAX_ABS_VALUE:g}")
     return tensor
 
 
@@ -312,3 +339,77 @@ def _checked_labels(message: Message, io: StageIO, batch: int, seq: int) -> torc
     if not bool(valid.all()):
         raise ProtocolError(f"labels must be in [0, {io.vocab_size}) or {io.ignore_label}")
     return labels
+
+
+# messages between a trainer and a stage's replicas about a step ------------------------------------
+MAX_REPLICAS = 4096
+
+
+def close_message(step: int, stage: int, digest: str, shard: int, shard_count: int, members, participants):
+    header = {
+        "step": step,
+        "stage": stage,
+        "digest": digest,
+        "shard": shard,
+        "shards": shard_count,
+        "members": dict(members),
+        "participants": sorted(participants),
+    }
+    return Message("close", header)
+
+
+def validate_close(message: Message, stage: int, digest: str) -> dict:
+    """A trainer's `close` of a step: keyword arguments for `StepCoordinator.on_close`."""
+    header = _checked_step_header(message, stage, digest)
+    shard, shards = header.get("shard"), header.get("shards")
+    if not (_is_int(shard) and _is_int(shards) and 0 <= shard < shards <= MAX_REPLICAS):
+        raise ProtocolError(f"bad shard {shard!r} of {shards!r}")
+    members, participants = header.get("members"), header.get("participants")
+    if not isinstance(members, dict) or len(members) > MAX_REPLICAS:
+        raise ProtocolError("members must be an object of peer id -> samples")
+    if not all(isinstance(p, str) and _is_int(n) and n >= 0 for p, n in members.items()):
+        raise ProtocolError("members must map peer ids to sample counts >= 0")
+    if not isinstance(participants, list) or len(participants) > MAX_REPLICAS:
+        raise ProtocolError("participants must be a list of peer ids")
+    if not all(isinstance(p, str) and 0 < len(p) <= MAX_ID_CHARS for p in participants):
+        raise ProtocolError("participants must be a list of peer ids")
+    return {
+        "step": header["step"],
+        "shard": shard,
+        "shard_count": shards,
+        "members": members,
+        "participants": participants,
+    }
+
+
+def validate_grads(
+    message: Message, stage: int, digest: str, names: list[str], shapes: list[tuple[int, ...]]
+) -> tuple[int, int, list[torch.Tensor]]:
+    """A stage peer's gradient sums of a step: (step, samples, sums in parameter order)."""
+    header = _checked_step_header(message, stage, digest)
+    samples = header.get("samples")
+    if not _is_int(samples) or not 0 < samples < MAX_STEP:
+        raise ProtocolError(f"grads need a positive sample count, got {samples!r}")
+    if set(message.tensors) != set(names):
+        raise ProtocolError("grads must carry exactly this stage's parameters")
+    sums = []
+    for name, shape in zip(names, shapes, strict=True):
+        tensor = _checked_float(message, name, shape)
+        sums.append(tensor)
+    return header["step"], samples, sums
+
+
+def _checked_step_header(message: Message, stage: int, digest: str) -> dict:
+    header = message.header
+    if header.get("digest") != digest:
+        raise ProtocolError(
+            f"config digest mismatch ({header.get('digest')!r} vs {digest})", "digest_mismatch"
+        )
+    if header.get("stage") != stage:
+        raise ProtocolError(f"this server hosts stage {stage}, the message is for {header.get('stage')!r}")
+    _checked_step(header, required=True)
+    return header
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -27,6 +27,8 @@ from swarmtrain.utils.logging import get_logger
 logger = get_logger(__name__)
 
 CHUNK_BYTES = 512 * 1024
+STREAM_KINDS = ("forward", "backward", "grads")
+UNARY_KINDS = ("info", "close")
 MAX_REPLY_BYTES = 1 << 30
 
 Handler = Callable[[Message, P2PContext], Awaitable[Message]]
@@ -101,7 +103,8 @@ async def _collect(stream: AsyncIterator, max_bytes: int, drain_bytes: int = 0) 
 
 
 class StageServicer(ServicerBase):
-    """Registers `rpc_forward`, `rpc_backward` (streams) and `rpc_info` (unary) under a namespace."""
+    """Registers `rpc_forward`, `rpc_backward`, `rpc_grads` (streams) and `rpc_info`, `rpc_close`
+    (unary: small messages) under a namespace; one handler per message kind."""
 
     def __init__(self, handler: Handler, max_message_bytes: int, stats: TransportStats | None = None) -> None:
         self.handler = handler
@@ -120,10 +123,22 @@ class StageServicer(ServicerBase):
         async for response in self._serve("backward", requests, context):
             yield response
 
+    async def rpc_grads(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        async for response in self._serve("grads", requests, context):
+            yield response
+
     async def rpc_info(
         self, request: runtime_pb2.ExpertRequest, context: P2PContext
     ) -> runtime_pb2.ExpertResponse:
         reply = await self._answer("info", request.metadata, context)
+        return runtime_pb2.ExpertResponse(metadata=pack(reply))
+
+    async def rpc_close(
+        self, request: runtime_pb2.ExpertRequest, context: P2PContext
+    ) -> runtime_pb2.ExpertResponse:
+        reply = await self._answer("close", request.metadata, context)
         return runtime_pb2.ExpertResponse(metadata=pack(reply))
 
     async def _serve(self, kind: str, requests, context: P2PContext):
@@ -194,16 +209,17 @@ class StageClient:
 
     async def _exchange(self, peer_id: PeerID, kind: str, data: bytes) -> bytes:
         stub = StageServicer.get_stub(self.p2p, peer_id, namespace=self.namespace)
-        if kind == "info":
-            response = await stub.rpc_info(runtime_pb2.ExpertRequest(metadata=data))
+        if kind in UNARY_KINDS:
+            response = await getattr(stub, f"rpc_{kind}")(runtime_pb2.ExpertRequest(metadata=data))
             return response.metadata
 
         async def requests():
             for chunk in _chunks(data):
                 yield runtime_pb2.ExpertRequest(metadata=chunk)
 
-        method = stub.rpc_forward if kind == "forward" else stub.rpc_backward
-        stream = await method(requests())
+        if kind not in STREAM_KINDS:
+            raise ValueError(f"no handler for message kind {kind!r}")
+        stream = await getattr(stub, f"rpc_{kind}")(requests())
         return await _collect(stream, MAX_REPLY_BYTES)
 
     async def connect(self, peer_id: PeerID, addresses: list[str], timeout_s: float) -> bool:

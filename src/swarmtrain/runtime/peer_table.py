@@ -80,6 +80,9 @@ class PeerTable:
         self.routers[stage].ban(peer, float("inf"))
         self._banned_at[peer] = time.time()
 
+    def is_banned(self, peer: str) -> bool:
+        return peer in self._banned_at
+
     def available(self, stage: int) -> list[str]:
         return self.routers[stage].available(time.monotonic())
 

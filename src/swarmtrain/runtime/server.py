@@ -22,7 +22,16 @@ from swarmtrain.config import RunConfig
 from swarmtrain.config.errors import UserError
 from swarmtrain.net.dht_records import RunRecords, StageAnnouncement
 from swarmtrain.net.engine import shutdown_quietly, start_dht, visible_addresses
-from swarmtrain.net.protocol import Message, StageIO, error_message, make_message, validate_request
+from swarmtrain.net.protocol import (
+    Message,
+    ProtocolError,
+    StageIO,
+    error_message,
+    make_message,
+    validate_close,
+    validate_grads,
+    validate_request,
+)
 from swarmtrain.runtime.compute import (
     PRIORITY_BACKWARD,
     PRIORITY_EVAL,
@@ -38,6 +47,7 @@ from swarmtrain.runtime.procs import (
     remember_group_sockets,
     start_exit_watchdog,
 )
+from swarmtrain.runtime.stage_steps import StepCoordinator, StepSettings
 from swarmtrain.runtime.stage_sync import StageSynchronizer, SyncSettings
 from swarmtrain.runtime.stage_worker import StageWorker
 from swarmtrain.utils.logging import get_logger
@@ -57,7 +67,7 @@ class ServerOptions:
     ledger_path: str | None = None
     metrics_period_s: float = 5.0
     min_matchmaking_time_s: float = 1.0
-    sync_tick_s: float = 0.25
+    sync_tick_s: float = 0.5
 
 
 def namespace(cfg: RunConfig) -> str:
@@ -76,6 +86,7 @@ class StageServer:
         self.io = StageIO.from_config(cfg.model, self.spec, max_batch)
         self.ledger = Ledger(options.ledger_path)
         self.dht = self.averager = self.sync = None
+        self.steps: StepCoordinator | None = None
         self.compute = ComputeWorker()
         self.throughput_samples_per_s = 0.0
         self._stop: asyncio.Event | None = None
@@ -103,11 +114,9 @@ class StageServer:
         )
         self.compute.start()
         settings = SyncSettings(
-            global_batch_size=self.cfg.training.global_batch_size,
             tick_s=self.options.sync_tick_s,
             heartbeat_s=max(0.5, self.cfg.swarm.announce_period_s / 2),
             progress_ttl_s=max(3.0, 2 * self.cfg.swarm.announce_period_s),
-            averaging_timeout_s=self.cfg.swarm.averaging_timeout_s,
         )
         self.sync = StageSynchronizer(
             self.worker,
@@ -176,13 +185,25 @@ class StageServer:
         p2p = await self.dht.replicate_p2p()
         remember_group_sockets()
         self._client = StageClient(p2p, namespace(self.cfg))
-        self.sync.notify_peers = lambda peers, epoch: [
-            asyncio.run_coroutine_threadsafe(self._send_round_hint(peer, epoch), loop) for peer in peers
-        ]
-        servicer = StageServicer(self._handle, self.io.max_message_bytes())
+        swarm = self.cfg.swarm
+        self.steps = StepCoordinator(
+            self.worker,
+            self.compute,
+            self.peer_id,
+            self._send_grads,
+            StepSettings(
+                close_timeout_s=swarm.request_timeout_s, exchange_timeout_s=swarm.averaging_timeout_s
+            ),
+            self.ledger,
+            on_step=self.sync.step_applied,
+        )
+        self.sync.on_epoch_moved = self.steps.version_changed_threadsafe
+        limit = max(self.io.max_message_bytes(), self._grads_message_bytes())
+        servicer = StageServicer(self._handle, limit)
         self.stats = servicer.stats
         await servicer.add_p2p_handlers(p2p, namespace=namespace(self.cfg))
         self.sync.start()
+        step_task = asyncio.create_task(self.steps.run())
         logger.info(  # launchers wait for this line: everything (incl. sockets) exists from here on
             "stage %d replica %s ready (epoch %d); addresses: %s",
             self.spec.index,
@@ -198,7 +219,7 @@ class StageServer:
             await self._stop.wait()
         finally:
             start_exit_watchdog(grace_s=15.0)  # whatever hangs below (a dead DHT), the process ends
-            for task in tasks:
+            for task in [*tasks, step_task]:
                 task.cancel()
             logger.info("stage %d replica %s stopping", self.spec.index, self.peer_id)
             await loop.run_in_executor(None, lambda: self._announce(state="offline"))
@@ -213,42 +234,78 @@ class StageServer:
                 logger.exception("periodic task %s failed", getattr(fn, "__name__", fn))
             await asyncio.sleep(period_s)
 
-    async def _send_round_hint(self, peer: str, epoch: int) -> None:
+    async def _send_grads(self, peer: str, step: int, samples: int, sums: list[torch.Tensor]) -> bool:
+        """One replica's gradient sums of a step to a stage peer; False if the peer is gone."""
         from hivemind.p2p import PeerID
 
-        header = {"hint": "round", "epoch": epoch, "stage": self.spec.index, "digest": self.digest}
-        try:
-            await self._client.call(PeerID.from_base58(peer), "info", Message("info", header), timeout_s=2.0)
-        except Exception as exc:  # a hint is an optimization: the DHT record carries the same news
-            logger.debug("round hint to %s failed: %r", peer, exc)
+        from swarmtrain.net.transport import TruncatedReply, is_connection_error
+
+        header = {"step": step, "samples": samples, "stage": self.spec.index, "digest": self.digest}
+        message = make_message("grads", header, dict(zip(self.worker.names, sums, strict=True)), "none")
+        for attempt in range(3):  # a cut-off stream is retried; a dead peer is not waited for
+            try:
+                timeout_s = self.cfg.swarm.averaging_timeout_s
+                await self._client.call(PeerID.from_base58(peer), "grads", message, timeout_s=timeout_s)
+                return True
+            except Exception as exc:
+                if is_connection_error(exc) and not isinstance(exc, TruncatedReply):
+                    logger.warning("step %d: stage peer %s unreachable: %r", step, peer[-8:], exc)
+                    return False
+                logger.info(
+                    "step %d: sending gradients to %s failed (%r), attempt %d", step, peer, exc, attempt
+                )
+        return False
+
+    def _grads_message_bytes(self) -> int:
+        return 4 * sum(p.numel() for p in self.worker.params) + 64 * 1024 * (
+            1 + len(self.worker.params) // 64
+        )
 
     async def _handle(self, message: Message, context) -> Message:
-        header = message.header
-        if message.kind == "info" and header.get("hint") == "round":
-            if header.get("digest") == self.digest and header.get("stage") == self.spec.index:
-                if isinstance(header.get("epoch"), int):
-                    self.sync.on_round_hint(context.remote_id.to_base58(), header["epoch"])
-            return Message("result", {"ok": True})
         if message.kind == "info":
             return await self.compute.run(lambda: self._info(message), PRIORITY_SYNC)
+        if message.kind == "close":
+            self.steps.on_close(**validate_close(message, self.spec.index, self.digest))
+            return Message("result", {"ok": True})
+        if message.kind == "grads":
+            shapes = [tuple(p.shape) for p in self.worker.params]
+            step, samples, sums = validate_grads(
+                message, self.spec.index, self.digest, self.worker.names, shapes
+            )
+            self.steps.on_grads(context.remote_id.to_base58(), step, samples, sums)
+            return Message("result", {"ok": True})
         if not self.sync.serving.is_set():
             return error_message("this replica is downloading the stage state; try another", "unavailable")
+        return await self._handle_micro_batch(message)
+
+    async def _handle_micro_batch(self, message: Message) -> Message:
         request = validate_request(message, self.io, self.digest)
         timeout_s = self.cfg.swarm.request_timeout_s
         requested = message.header.get("timeout_s")
         if isinstance(requested, (int, float)) and 0 < requested < timeout_s:
             timeout_s = float(requested)
+        arrived_s = time.monotonic()
+        deadline_s = arrived_s + timeout_s
+        if request.step is not None:
+            # a training micro-batch of step k runs on the parameters after step k - max_staleness
+            # (synchronous by default: after step k - 1); an evaluation names the step it must see
+            need = request.step if request.evaluate else request.step - self.cfg.training.max_staleness
+            if not request.evaluate and self.worker.epoch > request.step:
+                return error_message(
+                    f"step {request.step} is already applied here (at {self.worker.epoch})", "stale"
+                )
+            if not await self.steps.wait_for_version(need, deadline_s):
+                return error_message(f"parameters of step {need} not ready in time", "timeout")
         if request.kind == "backward":
             fn, priority = self.worker.backward, PRIORITY_BACKWARD
         else:
             fn, priority = self.worker.forward, PRIORITY_EVAL if request.evaluate else PRIORITY_FORWARD
-        arrived_s = time.monotonic()
         try:
-            reply, compute_s = await self.compute.run(
-                lambda: _timed(fn, request), priority, arrived_s + timeout_s
-            )
+            reply, compute_s = await self.compute.run(lambda: _timed(fn, request), priority, deadline_s)
         except DeadlineExpired as exc:
             return error_message(str(exc), "timeout")
+        except ProtocolError as exc:
+            return error_message(str(exc), exc.code)
         # queue wait + compute: the caller subtracts it from its round trip to see the transport's share
         reply.header["server_s"] = round(time.monotonic() - arrived_s, 6)
         reply.header["compute_s"] = round(compute_s, 6)
@@ -267,6 +324,7 @@ class StageServer:
             "serving": self.sync.serving.is_set(),
             "counters": dict(w.counters),
             "sync": vars(self.sync.counters),
+            "steps": vars(self.steps.counters) if self.steps is not None else {},
             "names": w.names,
         }
         want = message.header.get("want")
@@ -299,6 +357,7 @@ class StageServer:
 
     def _publish_metrics(self) -> None:
         c, s = self.worker.counters, self.sync.counters
+        st = self.steps.counters if self.steps is not None else None
         totals = self.stats.totals() if hasattr(self, "stats") else None
         metrics = {
             "role": "server",
@@ -312,13 +371,13 @@ class StageServer:
             "backward": c["backward"] + c["fused"],
             "recomputed": c["recomputed"],
             "duplicates": c["duplicates"],
-            "rounds": s.rounds,
-            "partial_rounds": s.partial_rounds,
-            "failed_rounds": s.failed_rounds,
-            "solo_steps": s.solo_steps,
+            "late": c["late"],
+            "partial_exchanges": st.partial_exchanges if st else 0,
+            "solo_steps": st.solo_steps if st else 0,
             "resyncs": s.resyncs,
             "lost_samples": s.lost_samples,
-            "group_size": s.last_group_size,
+            "group_size": st.last_group_size if st else 0,
+            "exchange_s": round(st.last_exchange_s, 4) if st else 0.0,
             "bytes_in": totals.wire_bytes if totals else 0,
             "samples_forward": c["samples_forward"],
             "busy_s": round(self.compute.busy_s, 3),

@@ -5,7 +5,10 @@ Failure policy (DESIGN.md section 5):
 - connection error -> the peer is gone: ban it until its record expires or it re-announces;
 - error answer -> `unavailable`/`timeout`/`internal`: try another peer; `digest_mismatch`: ban;
   `bad_request`/`too_large`: our request is wrong, retrying cannot help;
-- retries are bounded (`swarm.max_retries`) with exponential backoff;
+- retries are bounded (`swarm.max_retries`) with exponential backoff; a backward whose micro-batch a
+  later stage has already accumulated is `persistent`: it keeps trying (up to `PERSISTENT_ATTEMPTS`,
+  waiting for live peers) because giving up would leave the stages disagreeing on the step's batch;
+- `stale` (the peer already applied the step: it resynced past it) -> another peer;
 - a backward (or fused forward+backward) retried after a timeout, a cut-off reply or an internal error
   may already be accumulated by the silent peer, which may wake up and average it: the retry asks for
   the input gradient only (`accumulate=False`). A stage applies each micro-batch at most once; what the
@@ -33,6 +36,7 @@ NO_PEER_LOG_PERIOD_S = 5.0
 BACKOFF_BASE_S = 0.05
 BACKOFF_MAX_S = 2.0
 FATAL_CODES = ("bad_request", "too_large", "version")
+PERSISTENT_ATTEMPTS = 60
 
 
 class MicroBatchFailed(RuntimeError):
@@ -107,6 +111,7 @@ class StageCaller:
         tensors: dict,
         weight: float,
         prefer: str | None = None,
+        persistent: bool = False,
         **header,
     ) -> tuple[Message, str]:
         """Like `call`, also returning the peer that answered. `prefer`: try this peer first if it is
@@ -116,6 +121,7 @@ class StageCaller:
             kind, mb, stage, self.digest, self.codec, tensors, timeout_s=timeout_s, **header
         )
         accumulates = kind == "backward" or bool(header.get("fused_backward"))
+        max_attempts = PERSISTENT_ATTEMPTS if persistent else self.swarm.max_retries
         attempt, excluded = 0, set()
         while True:
             peer = None
@@ -144,7 +150,7 @@ class StageCaller:
                 if exc.code == "digest_mismatch":
                     self.table.ban(stage, peer)
                 reason = str(exc)
-                maybe_applied = exc.code == "internal"  # "timeout"/"unavailable": it never ran
+                maybe_applied = exc.code == "internal"  # "timeout"/"unavailable"/"stale": it never ran
             except TruncatedReply as exc:
                 reason = str(exc)  # the peer answered before: retry, but do not ban it
                 maybe_applied = True
@@ -162,7 +168,7 @@ class StageCaller:
                 self.not_accumulated += 1
             excluded.add(peer)
             attempt += 1
-            if attempt > self.swarm.max_retries:
+            if attempt > max_attempts:
                 raise MicroBatchFailed(
                     f"stage {stage} {kind} of {mb}: {attempt} attempts failed, last: {reason}"
                 )

@@ -1,25 +1,26 @@
 """The tensor side of a stage server: forward/backward with an activation cache, gradient
-accumulation with at-most-once application per micro-batch, the optimizer step, state export/import.
+accumulation per global step with at-most-once application per micro-batch, the optimizer step,
+state export/import.
 
 Every method except `export_state` runs on the server's single compute thread (runtime/compute.py).
 
-Gradient bookkeeping: the last stage back-propagates `loss * batch_size`, so every stage accumulates
-the *sum* of per-sample gradients (`grad_sums`); dividing by `pending_samples` gives the mean over
-the samples this replica processed, and the synchronizer averages those means weighted by samples.
+Gradient bookkeeping: every training request names the global step it belongs to, and its gradient
+goes into that step's bucket. The last stage back-propagates `loss * batch_size`, so buckets hold
+the *sum* of per-sample gradients; the stage's replicas add their sums and divide by the step's
+samples (runtime/stage_steps.py), so every step is exactly the global batch the trainers sent for it.
 
 Parameters: the optimizer owns the master parameters; forward passes run (`functional_call`) on a
 detached copy made after each step (`live`). A cached graph therefore stays valid across an optimizer
-step and its backward yields the gradient at the parameters its forward used (one step stale at
-most, like any pipelined SWARM update), instead of failing autograd's in-place check or forcing a
-recomputation. Graphs more than one epoch old are recomputed.
+step and its backward yields the gradient at the parameters its forward used (with the default
+synchronous steps a step's forwards never run before the previous step is applied, so this only
+matters with `training.max_staleness = 1`). Graphs more than one step old are recomputed.
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.func import functional_call
@@ -40,14 +41,14 @@ class CacheEntry:
 
 
 @dataclass
-class Snapshot:
-    """Accumulated gradients (sums) and the micro-batches behind them, taken out for one round."""
+class Bucket:
+    """The gradient sums of one global step on this replica, and the micro-batches behind them."""
 
-    epoch: int
+    step: int
     grad_sums: list[torch.Tensor]
-    samples: int
-    micro_batch_ids: list[str]
-    taken_at_s: float = 0.0  # time.monotonic() of the cut
+    samples: int = 0
+    micro_batch_ids: list[str] = field(default_factory=list)
+    sealed: bool = False  # its step was closed: later arrivals are late, never accumulated
 
 
 class StageWorker:
@@ -61,20 +62,14 @@ class StageWorker:
         self.names = [name for name, _ in self.module.named_parameters()]
         self.params = [param for _, param in self.module.named_parameters()]
         self.live = self._live_copy()
-        self.grad_sums = [torch.zeros_like(p) for p in self.params]
         _init_adam_state(self.optimizer)
         self.cache: OrderedDict[str, CacheEntry] = OrderedDict()
         self.cache_size = cache_size
         self.ledger = ledger or Ledger(None)
         self.state_lock = threading.Lock()  # parameters/optimizer vs. export to joining peers
-        self.epoch = 0
+        self.epoch = 0  # optimizer steps applied = the global step whose micro-batches come next
         self.samples_seen = 0
-        self.pending_samples = 0
-        self.pending_ids: list[str] = []
-        self.accumulated_ids: set[str] = set()
-        self.on_accumulate = None  # callback() to wake the synchronizer
-        self.others_samples = 0  # samples of same-epoch stage peers, as last seen by the synchronizer
-        self.frozen: Snapshot | None = None  # the accumulation cut exactly at the global batch
+        self.buckets: dict[int, Bucket] = {}
         self.counters = dict(
             forward=0,
             backward=0,
@@ -83,6 +78,9 @@ class StageWorker:
             recomputed=0,
             duplicates=0,
             not_accumulated=0,
+            late=0,
+            rejected_nonfinite=0,
+            skipped_steps=0,
             samples_forward=0,
         )
 
@@ -112,17 +110,11 @@ class StageWorker:
             entry = self._compute(request)  # another replica did the forward (or long ago): recompute
             self.counters["recomputed"] += 1
         self.counters["backward"] += 1
-        grad_inputs = self._backpropagate(
-            mb,
-            request.num_samples,
-            entry.outputs,
-            request.grad_outputs,
-            entry.inputs,
-            entry.params,
-            request.accumulate,
+        grad_inputs, accumulated = self._backpropagate(
+            request, entry.outputs, request.grad_outputs, entry.inputs, entry.params
         )
         tensors = {} if grad_inputs is None else {"grad_inputs": grad_inputs}
-        return make_message("result", {"mb": mb}, tensors, request.codec)
+        return make_message("result", {"mb": mb, "acc": accumulated}, tensors, request.codec)
 
     def _forward_last(self, request: StageRequest) -> Message:
         mb, n = request.micro_batch_id, request.num_samples
@@ -136,9 +128,10 @@ class StageWorker:
         loss = self._run(params, inputs, request.labels)
         self.counters["fused"] += 1
         self.counters["samples_forward"] += n
-        grad_inputs = self._backpropagate(mb, n, loss * n, None, inputs, params, request.accumulate)
+        grad_inputs, accumulated = self._backpropagate(request, loss * n, None, inputs, params)
         tensors = {} if grad_inputs is None else {"grad_inputs": grad_inputs}
-        return make_message("result", {"mb": mb, "loss": float(loss.detach())}, tensors, request.codec)
+        header = {"mb": mb, "loss": float(loss.detach()), "acc": accumulated}
+        return make_message("result", header, tensors, request.codec)
 
     def _run(self, params: list[torch.Tensor], *args) -> torch.Tensor:
         return functional_call(self.module, dict(zip(self.names, params, strict=True)), args)
@@ -149,36 +142,45 @@ class StageWorker:
         return CacheEntry(self.epoch, inputs, self._run(params, inputs), params)
 
     def _backpropagate(
-        self, mb: str, n: int, outputs, grad_outputs, inputs, params, accumulate: bool = True
-    ) -> torch.Tensor | None:
-        """Accumulate parameter gradients once per micro-batch; always return the input gradient."""
+        self, request: StageRequest, outputs, grad_outputs, inputs, params
+    ) -> tuple[torch.Tensor | None, int]:
+        """Accumulate parameter gradients into the request's step, at most once per micro-batch;
+        always return the input gradient (and the number of samples accumulated, 0 or n)."""
+        mb, n = request.micro_batch_id, request.num_samples
         wants_input_grad = inputs.requires_grad
         extra = [inputs] if wants_input_grad else []
-        if mb in self.accumulated_ids or not accumulate:
-            # a retry: we already have it (the caller lost our answer), or another replica may have it
-            # (it went silent after receiving it): never apply twice
-            key = "duplicates" if mb in self.accumulated_ids else "not_accumulated"
-            self.counters[key] += 1
-            self.ledger.write("dup" if key == "duplicates" else "noacc", mb=mb, n=n)
-            return torch.autograd.grad(outputs, extra, grad_outputs)[0] if wants_input_grad else None
+        skip = self._skip_reason(request)
+        if skip is not None:
+            # a retry (we have it, or a silent replica may have it), or a step already closed: the
+            # caller still needs the input gradient, the stage must not apply the micro-batch twice
+            self.counters[skip] += 1
+            self.ledger.write(_LEDGER_EVENT[skip], mb=mb, n=n, step=request.step)
+            grad = torch.autograd.grad(outputs, extra, grad_outputs)[0] if wants_input_grad else None
+            return grad, 0
         grads = torch.autograd.grad(outputs, params + extra, grad_outputs, allow_unused=True)
-        for acc, grad in zip(self.grad_sums, grads[: len(params)], strict=True):
+        param_grads = grads[: len(params)]
+        if not _all_finite(param_grads):
+            self.counters["rejected_nonfinite"] += 1
+            raise ProtocolError(f"micro-batch {mb} gives non-finite parameter gradients; not accumulated")
+        bucket = self.bucket(request.step)
+        for acc, grad in zip(bucket.grad_sums, param_grads, strict=True):
             if grad is not None:
                 acc.add_(grad)
-        self.accumulated_ids.add(mb)
-        self.pending_ids.append(mb)
-        self.pending_samples += n
-        self.ledger.write("acc", mb=mb, n=n, epoch=self.epoch)
-        if (
-            self.frozen is None
-            and self.pending_samples + self.others_samples >= self.cfg.training.global_batch_size
-        ):
-            # cut here, on the compute thread, so a round averages the global batch and not whatever
-            # arrived while the synchronizer was waking up; later samples go to the next round
-            self.frozen = self.take_snapshot()
-            if self.on_accumulate is not None:
-                self.on_accumulate()
-        return grads[-1] if wants_input_grad else None
+        bucket.micro_batch_ids.append(mb)
+        bucket.samples += n
+        self.ledger.write("acc", mb=mb, n=n, step=request.step)
+        return (grads[-1] if wants_input_grad else None), n
+
+    def _skip_reason(self, request: StageRequest) -> str | None:
+        step = request.step
+        bucket = self.buckets.get(step) if step is not None else None
+        if bucket is not None and request.micro_batch_id in bucket.micro_batch_ids:
+            return "duplicates"
+        if step is None or step < self.epoch or (bucket is not None and bucket.sealed):
+            return "late"  # also what was queued before a resync moved this replica past its step
+        if not request.accumulate:
+            return "not_accumulated"
+        return None
 
     def _cache_put(self, mb: str, entry: CacheEntry) -> None:
         self.cache[mb] = entry
@@ -186,60 +188,62 @@ class StageWorker:
         while len(self.cache) > self.cache_size:
             self.cache.popitem(last=False)
 
-    # rounds -------------------------------------------------------------------------------------
-    def take_snapshot(self) -> Snapshot:
-        snapshot = Snapshot(
-            self.epoch, self.grad_sums, self.pending_samples, self.pending_ids, time.monotonic()
-        )
-        self.grad_sums = [torch.zeros_like(p) for p in self.params]
-        self.pending_samples, self.pending_ids = 0, []
-        return snapshot
+    # steps --------------------------------------------------------------------------------------
+    def bucket(self, step: int) -> Bucket:
+        if step not in self.buckets:
+            self.buckets[step] = Bucket(step, [torch.zeros_like(p) for p in self.params])
+        return self.buckets[step]
 
-    def take_round_snapshot(self) -> Snapshot:
-        """The frozen cut if there is one (merged with nothing else), otherwise everything pending."""
-        snapshot, self.frozen = self.frozen, None
-        return snapshot if snapshot is not None else self.take_snapshot()
-
-    def restore_snapshot(self, snapshot: Snapshot) -> None:
-        """Put a snapshot back after a failed round (it joins what accumulated meanwhile)."""
-        for acc, g in zip(self.grad_sums, snapshot.grad_sums, strict=True):
-            acc.add_(g)
-        self.pending_samples += snapshot.samples
-        self.pending_ids = snapshot.micro_batch_ids + self.pending_ids
-
-    def drop_pending(self) -> tuple[int, list[str]]:
-        """Discard accumulated gradients (before a resync); returns what was lost."""
-        frozen, self.frozen = self.frozen, None
-        snapshot = self.take_snapshot()
-        if frozen is not None:
-            return frozen.samples + snapshot.samples, frozen.micro_batch_ids + snapshot.micro_batch_ids
-        return snapshot.samples, snapshot.micro_batch_ids
-
-    def unapplied_grad_sums(self) -> list[torch.Tensor]:
-        if self.frozen is None:
-            return [g.clone() for g in self.grad_sums]
-        return [g + f for g, f in zip(self.grad_sums, self.frozen.grad_sums, strict=True)]
+    def seal(self, step: int) -> Bucket:
+        """Close a step's accumulation (its gradient sums go to the stage peers as they are)."""
+        bucket = self.bucket(step)
+        bucket.sealed = True
+        return bucket
 
     @property
     def unapplied_samples(self) -> int:
-        return self.pending_samples + (self.frozen.samples if self.frozen is not None else 0)
+        return sum(b.samples for b in list(self.buckets.values()))  # also read by the publisher thread
 
-    def apply_update(self, mean_grads: list[torch.Tensor], group_samples: int) -> None:
-        """One optimizer step with the stage-averaged mean gradients (gradients accumulated since the
-        snapshot are in `grad_sums` and belong to the next epoch)."""
+    def unapplied_grad_sums(self) -> list[torch.Tensor]:
+        sums = [torch.zeros_like(p) for p in self.params]
+        for bucket in self.buckets.values():
+            for acc, g in zip(sums, bucket.grad_sums, strict=True):
+                acc.add_(g)
+        return sums
+
+    def apply_step(self, step: int, mean_grads: list[torch.Tensor] | None, samples: int) -> bool:
+        """The optimizer step of global step `step` with the stage-averaged mean gradients.
+
+        The learning rate is a function of the step alone, identical on every stage. A non-finite
+        average is never applied (every replica sees the same average, so all skip it alike); the
+        step still counts, so stages keep agreeing on step numbers; so does a step with no samples
+        here (`mean_grads` None: all its micro-batches failed). Returns whether it was applied."""
+        if step != self.epoch:
+            raise RuntimeError(f"step {step} applied at epoch {self.epoch}")
         t = self.cfg.training
+        applied = mean_grads is not None and _all_finite(mean_grads)
         with self.state_lock:
-            for p, g in zip(self.params, mean_grads, strict=True):
-                p.grad = g
-            if t.grad_clip_norm > 0:
-                torch.nn.utils.clip_grad_norm_(self.params, t.grad_clip_norm)
-            set_lr(self.optimizer, lr_at(self.samples_seen, t))
-            self.optimizer.step()
-            for p in self.params:
-                p.grad = None
-            self.samples_seen += group_samples
+            if applied and mean_grads is not None:
+                for p, g in zip(self.params, mean_grads, strict=True):
+                    p.grad = g
+                if t.grad_clip_norm > 0:
+                    torch.nn.utils.clip_grad_norm_(self.params, t.grad_clip_norm)
+                set_lr(self.optimizer, lr_at(step * t.global_batch_size, t))
+                self.optimizer.step()
+                for p in self.params:
+                    p.grad = None
+                self.samples_seen += samples
+            else:
+                self.counters["skipped_steps"] += 1
             self.epoch += 1
             self.live = self._live_copy()
+        self.buckets.pop(step, None)
+        return applied
+
+    def drop_steps_before(self, epoch: int) -> tuple[int, list[str]]:
+        """Forget buckets of steps this replica will never apply (it downloaded a newer state)."""
+        lost = [self.buckets.pop(s) for s in sorted(self.buckets) if s < epoch]
+        return sum(b.samples for b in lost), [mb for b in lost for mb in b.micro_batch_ids]
 
     def _live_copy(self) -> list[torch.Tensor]:
         return [p.detach().clone().requires_grad_(True) for p in self.params]
@@ -264,7 +268,8 @@ class StageWorker:
             }
         return meta, tensors
 
-    def import_state(self, meta: dict, tensors: list[torch.Tensor]) -> None:
+    def import_state(self, meta: dict, tensors: list[torch.Tensor]) -> tuple[int, list[str]]:
+        """Load a downloaded stage state; returns what it made obsolete (samples, micro-batch ids)."""
         n = len(self.params)
         if (
             meta.get("names") != self.names
@@ -287,12 +292,21 @@ class StageWorker:
             self.samples_seen = int(meta["samples_seen"])
             self.live = self._live_copy()
         self.cache.clear()
+        return self.drop_steps_before(self.epoch)
 
     def grad_fingerprint(self, grads: list[torch.Tensor]) -> list[float]:
         """Two numbers that differ when two replicas applied different averaged gradients."""
         total = sum(float(g.double().sum()) for g in grads)
         squares = sum(float(g.double().pow(2).sum()) for g in grads)
         return [total, squares]
+
+
+_LEDGER_EVENT = {"duplicates": "dup", "late": "late", "not_accumulated": "noacc"}
+
+
+def _all_finite(tensors) -> bool:
+    present = [t for t in tensors if t is not None]
+    return not present or bool(torch.isfinite(torch.stack([t.sum() for t in present])).all())
 
 
 def _init_adam_state(optimizer: torch.optim.Optimizer) -> None:

@@ -7,6 +7,12 @@ recomputes the forward from the input it is sent when it does not hold the activ
 The trainer relays encoded tensors as received (never decodes hidden states). Many micro-batches
 are in flight at once; for every call a peer is chosen by IWRR (`PeerTable`), failures are retried
 on another peer with bounded retries and backoff (runtime/stage_calls.py).
+
+Every micro-batch belongs to a global step (runtime/step_tracker.py): this trainer contributes
+`global_batch_size / shard_count` samples to each step, and once a step's micro-batches are done at
+a stage it tells that stage's replicas (`close`), which then exchange and apply exactly that step.
+A stage runs a step's forwards only on the parameters after the previous step (synchronous steps,
+as in one process), so at equal samples the swarm follows local training.
 """
 
 from __future__ import annotations
@@ -17,8 +23,10 @@ import uuid
 from dataclasses import dataclass, field
 
 from swarmtrain.config import RunConfig
+from swarmtrain.config.errors import UserError
 from swarmtrain.net.codec import encode
 from swarmtrain.net.dht_records import RunRecords
+from swarmtrain.net.protocol import close_message
 from swarmtrain.net.transport import StageClient
 from swarmtrain.planner.routing import BACKWARD_WEIGHT, FORWARD_WEIGHT
 from swarmtrain.runtime.ledger import Ledger
@@ -26,6 +34,7 @@ from swarmtrain.runtime.peer_table import PeerTable
 from swarmtrain.runtime.procs import remember_group_sockets
 from swarmtrain.runtime.server import namespace
 from swarmtrain.runtime.stage_calls import StageCaller
+from swarmtrain.runtime.step_tracker import StepTracker
 from swarmtrain.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -40,6 +49,8 @@ class TrainerOptions:
     eval_samples: int = 0
     ledger_path: str | None = None
     trainer_id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
+    # part of every micro-batch id: a restarted trainer with the same --trainer-id never reuses an id
+    incarnation: str = field(default_factory=lambda: uuid.uuid4().hex[:6])
     shard_index: int = 0
     shard_count: int = 1
     log_period_s: float = 5.0
@@ -56,6 +67,8 @@ class TrainerResult:
     elapsed_s: float = 0.0
     val_loss: float | None = None
     completed_ids: list[str] = field(default_factory=list)
+    start_step: int = 0
+    steps_closed: int = 0
 
     def summary(self, window: int = 8) -> dict:
         first = [loss for _, loss in self.losses[:window]]
@@ -68,6 +81,8 @@ class TrainerResult:
             "microbatches_started": self.started,
             "microbatches_completed": self.completed,
             "microbatches_failed": self.failed,
+            "start_step": self.start_step,
+            "steps": self.steps_closed,
             "val_loss": self.val_loss,
         }
 
@@ -87,7 +102,17 @@ class SwarmTrainer:
         self.stopping = asyncio.Event()
         self.client: StageClient | None = None
         self.caller: StageCaller | None = None
+        self.tracker: StepTracker | None = None
+        self._close_tasks: set[asyncio.Task] = set()
         self._start_s = time.monotonic()
+        t = cfg.training
+        step_samples, rest = divmod(t.global_batch_size, options.shard_count)
+        if rest or step_samples % t.micro_batch_size:
+            raise UserError(
+                f"training.global_batch_size ({t.global_batch_size}) must split into {options.shard_count} "
+                f"trainer shards of whole micro-batches of {t.micro_batch_size}"
+            )
+        self.micro_batches_per_step = step_samples // t.micro_batch_size
 
     async def setup(self) -> None:
         p2p = await self.dht.replicate_p2p()
@@ -100,6 +125,10 @@ class SwarmTrainer:
     # training -----------------------------------------------------------------------------------
     async def train(self, batches) -> TrainerResult:
         opts, res = self.options, self.result
+        await self._wait_for_every_stage()
+        res.start_step = self._swarm_step()
+        self.tracker = StepTracker(self.num_stages, self.micro_batches_per_step, res.start_step, self._close)
+        logger.info("starting at global step %d", res.start_step)
         start = self._start_s = time.monotonic()
         background = [
             asyncio.create_task(self._every(self._refresh_period_s(), self.caller.refresh)),
@@ -114,33 +143,98 @@ class SwarmTrainer:
                     slots.release()
                     break
                 inputs, labels = next(batches)
-                mb = f"{opts.trainer_id}-{res.started}"
+                step = self.tracker.begin()
+                mb = f"{opts.trainer_id}.{opts.incarnation}-{res.started}"
                 res.started += 1
-                self.ledger.write("start", mb=mb, n=int(inputs.shape[0]))
-                task = asyncio.create_task(self._micro_batch(mb, inputs, labels))
+                self.ledger.write("start", mb=mb, n=int(inputs.shape[0]), step=step)
+                task = asyncio.create_task(self._micro_batch(mb, step, inputs, labels))
                 in_flight.add(task)
                 task.add_done_callback(lambda t: (in_flight.discard(t), slots.release()))
+            self.tracker.truncate()  # stopped mid-step (Ctrl-C): the stages close it short
             if in_flight:
                 await asyncio.gather(*in_flight, return_exceptions=True)
+            if self._close_tasks:
+                await asyncio.gather(*self._close_tasks, return_exceptions=True)
         finally:
             res.elapsed_s = time.monotonic() - start
+            res.steps_closed = self.tracker.closed_steps
             for task in background:
                 task.cancel()
         return res
 
     def _done(self, start: float) -> bool:
+        """Stop starting micro-batches: on a signal at once; at --max-samples or --duration-s only
+        at a step boundary, so that every step is a whole global batch."""
         opts = self.options
-        samples_started = self.result.started * self.cfg.training.micro_batch_size
-        return (
-            self.stopping.is_set()
-            or (opts.max_samples is not None and samples_started >= opts.max_samples)
-            or (opts.duration_s is not None and time.monotonic() - start >= opts.duration_s)
-        )
+        if self.stopping.is_set():
+            return True
+        if self.tracker.step_in_progress:
+            return False
+        per_step = self.micro_batches_per_step
+        if opts.max_samples is not None:
+            steps = -(-opts.max_samples // (per_step * self.cfg.training.micro_batch_size))
+            if self.result.started >= steps * per_step:
+                return True
+        return opts.duration_s is not None and time.monotonic() - start >= opts.duration_s
 
-    async def _micro_batch(self, mb: str, input_ids, labels) -> None:
+    async def _wait_for_every_stage(self) -> None:
+        """Before the first step: every stage has a live peer (its step tells where to start)."""
+        last_log_s = 0.0
+        while not all(self.table.peers_per_stage()) and not self.stopping.is_set():
+            if time.monotonic() - last_log_s >= 5.0:
+                last_log_s = time.monotonic()
+                missing = [s for s, n in enumerate(self.table.peers_per_stage()) if not n]
+                logger.warning("waiting for a live server of stage(s) %s", missing)
+            await asyncio.sleep(min(1.0, self.cfg.swarm.announce_period_s / 2))
+            await self.caller.refresh()
+
+    def _swarm_step(self) -> int:
+        """The step the swarm is at: the highest parameter version any live server announces."""
+        versions = [a.state_version for anns in self.table.announcements for a in anns.values()]
+        return max(versions, default=0)
+
+    def _close(self, step: int, stage: int, members: dict[str, int]) -> None:
+        """Tell every replica of `stage` we know of that `step` is over there (and who has it)."""
+        # a banned (unreachable) member's samples are gone with it: nobody should wait for them
+        members = {p: n for p, n in members.items() if not self.table.is_banned(p)}
+        participants = set(self.table.available(stage)) | set(members)
+        message = close_message(
+            step,
+            stage,
+            self.digest,
+            self.options.shard_index,
+            self.options.shard_count,
+            members,
+            participants,
+        )
+        self.ledger.write("close", step=step, stage=stage, members=members)
+        for peer in participants:
+            task = asyncio.create_task(self._send_close(peer, stage, step, message))
+            self._close_tasks.add(task)
+            task.add_done_callback(self._close_tasks.discard)
+
+    async def _send_close(self, peer: str, stage: int, step: int, message) -> None:
+        from hivemind.p2p import PeerID
+
+        for attempt in range(3):
+            try:
+                await self.client.call(PeerID.from_base58(peer), "close", message, timeout_s=5.0)
+                return
+            except Exception as exc:  # a replica that misses it falls behind and resyncs
+                logger.info(
+                    "close of step %d to stage %d peer %s failed (%r), attempt %d",
+                    step,
+                    stage,
+                    peer[-8:],
+                    exc,
+                    attempt,
+                )
+                await asyncio.sleep(0.2 * (attempt + 1))
+
+    async def _micro_batch(self, mb: str, step: int, input_ids, labels) -> None:
         n = int(input_ids.shape[0])
         try:
-            loss = await self.forward_backward(mb, input_ids, labels)
+            loss = await self.forward_backward(mb, step, input_ids, labels)
         except Exception as exc:  # MicroBatchFailed, or a bug: count it, never lose the task silently
             self.result.failed += 1
             self.ledger.write("failed", mb=mb, reason=str(exc))
@@ -152,51 +246,65 @@ class SwarmTrainer:
         self.result.completed_ids.append(mb)
         self.ledger.write("done", mb=mb, n=n, loss=loss)
 
-    async def forward_backward(self, mb: str, input_ids, labels) -> float:
-        """One micro-batch through every stage and back; returns its loss."""
+    async def forward_backward(self, mb: str, step: int, input_ids, labels) -> float:
+        """One micro-batch of `step` through every stage and back; returns its loss. Every stage's
+        outcome (accumulated where, or not at all) goes to the step tracker exactly once."""
         call, last, n = self.caller.call_peer, self.num_stages - 1, int(input_ids.shape[0])
-        x = encode(input_ids, self.codec)
-        stage_inputs, forward_peers = [], []
-        for stage in range(last):
-            reply, peer = await call(stage, "forward", mb, n, {"inputs": x}, FORWARD_WEIGHT)
-            stage_inputs.append(x)
-            forward_peers.append(peer)
-            x = reply.tensors["outputs"]
-        labels_encoded = encode(labels, "none")
-        reply, _ = await call(
-            last,
-            "forward",
-            mb,
-            n,
-            {"inputs": x, "labels": labels_encoded},
-            FORWARD_WEIGHT + BACKWARD_WEIGHT,
-            fused_backward=True,
-        )
-        loss, grad = float(reply.header["loss"]), reply.tensors.get("grad_inputs")
-        for stage in reversed(range(last)):
-            reply, _ = await call(
-                stage,
-                "backward",
-                mb,
-                n,
-                {"inputs": stage_inputs[stage], "grad_outputs": grad},
-                BACKWARD_WEIGHT,
-                prefer=forward_peers[stage],
-            )
-            grad = reply.tensors.get("grad_inputs")
-        return loss
+        done: set[int] = set()
+        try:
+            x = encode(input_ids, self.codec)
+            stage_inputs, forward_peers = [], []
+            for stage in range(last):
+                reply, peer = await call(stage, "forward", mb, n, {"inputs": x}, FORWARD_WEIGHT, step=step)
+                stage_inputs.append(x)
+                forward_peers.append(peer)
+                x = reply.tensors["outputs"]
+            tensors = {"inputs": x, "labels": encode(labels, "none")}
+            weight = FORWARD_WEIGHT + BACKWARD_WEIGHT
+            reply, peer = await call(last, "forward", mb, n, tensors, weight, fused_backward=True, step=step)
+            self._finished(step, last, peer, reply, done)
+            loss, grad = float(reply.header["loss"]), reply.tensors.get("grad_inputs")
+            for stage in reversed(range(last)):
+                # a later stage holds this micro-batch's gradient: giving up here would make the
+                # stages disagree on the step's batch, so the call keeps trying
+                reply, peer = await call(
+                    stage,
+                    "backward",
+                    mb,
+                    n,
+                    {"inputs": stage_inputs[stage], "grad_outputs": grad},
+                    BACKWARD_WEIGHT,
+                    prefer=forward_peers[stage],
+                    persistent=True,
+                    step=step,
+                )
+                self._finished(step, stage, peer, reply, done)
+                grad = reply.tensors.get("grad_inputs")
+            return loss
+        finally:
+            for stage in range(self.num_stages):
+                if stage not in done:
+                    self.tracker.finished(step, stage)
+
+    def _finished(self, step: int, stage: int, peer: str, reply, done: set[int]) -> None:
+        accumulated = reply.header.get("acc", 0)
+        self.tracker.finished(step, stage, peer, accumulated if isinstance(accumulated, int) else 0)
+        done.add(stage)
 
     async def evaluate(self, dataset, max_samples: int) -> float:
         """Mean loss over the first validation samples, computed through the swarm (forward only)."""
         total, count = 0.0, 0
+        version = self.tracker.next_step if self.tracker is not None else None  # after our last step
         for i, (inputs, labels) in enumerate(
             dataset.ordered_batches(self.cfg.training.micro_batch_size, max_samples)
         ):
-            mb, n = f"{self.options.trainer_id}-eval{i}", int(inputs.shape[0])
+            mb, n = f"{self.options.trainer_id}.{self.options.incarnation}-eval{i}", int(inputs.shape[0])
             x = encode(inputs, self.codec)
             for stage in range(self.num_stages - 1):
                 x = (
-                    await self.caller.call(stage, "forward", mb, n, {"inputs": x}, FORWARD_WEIGHT, eval=True)
+                    await self.caller.call(
+                        stage, "forward", mb, n, {"inputs": x}, FORWARD_WEIGHT, eval=True, step=version
+                    )
                 ).tensors["outputs"]
             reply = await self.caller.call(
                 self.num_stages - 1,
@@ -206,6 +314,7 @@ class SwarmTrainer:
                 {"inputs": x, "labels": encode(labels, "none")},
                 FORWARD_WEIGHT,
                 eval=True,
+                step=version,
             )
             total += float(reply.header["loss"]) * n
             count += n
