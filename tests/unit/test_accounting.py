@@ -16,12 +16,12 @@ def test_survivor_dead_and_pending_add_up():
         "a": [
             {"e": "start", "peer": "PA"},
             *_acc("m1", "m2", "m5", "m6"),
-            {"e": "round", "epoch": 0, "mbs": ["m1", "m2"], "group": {"PA": 16, "PB": 8}},
+            {"e": "step", "step": 0, "mbs": ["m1", "m2"], "group": {"PA": 16, "PB": 8}},
         ],
         "b": [
             {"e": "start", "peer": "PB"},
             *_acc("m3", "m4"),
-            {"e": "round", "epoch": 0, "mbs": ["m3"], "group": {"PA": 16, "PB": 8}},
+            {"e": "step", "step": 0, "mbs": ["m3"], "group": {"PA": 16, "PB": 8}},
         ],
     }
     account = account_stage(0, ledgers, dead={"b"}, completed={"m1", "m2", "m3", "m4", "m5", "m6"})
@@ -52,7 +52,7 @@ def test_work_dropped_by_a_resync_counts_where_a_retry_applied_it():
         "a": [
             {"e": "start", "peer": "PA"},
             *_acc("m1", "m2", "m3"),
-            {"e": "round", "epoch": 0, "mbs": ["m1", "m2"], "group": {"PA": 16}},
+            {"e": "step", "step": 0, "mbs": ["m1", "m2"], "group": {"PA": 16}},
         ],
         # b hung with m2 (retried on a) and m4 accumulated, woke up behind and resynced: both dropped
         "b": [{"e": "start", "peer": "PB"}, *_acc("m2", "m4"), {"e": "lost", "mbs": ["m2", "m4"], "n": 16}],
@@ -77,3 +77,20 @@ def test_a_retry_that_did_not_accumulate_is_counted_once():
     account = account_stage(0, ledgers, dead=set(), completed={"m1", "m2", "m3"})
     assert account.pending == {"m1"} and account.not_accumulated == {"m2"}
     assert account.lost_to_resync == {"m3"} and account.balanced
+
+
+def test_steps_of_replicas_that_all_died_count_where_a_survivor_downloaded_them():
+    """A chaos run counted 606 micro-batches "lost with dead peers" where 37 were: the steps the dead
+    replicas applied lived on in the state a fresh replica downloaded."""
+    ledgers = {
+        "a": [
+            {"e": "start", "peer": "PA"},
+            *_acc("m1", "m2"),
+            {"e": "step", "step": 0, "mbs": ["m1", "m2"], "group": {"PA": 16}},
+            *_acc("m3"),
+        ],
+        "c": [{"e": "start", "peer": "PC"}, {"e": "resync", "epoch": 1, "reason": "joining"}, *_acc("m4")],
+    }
+    account = account_stage(0, ledgers, dead={"a"}, completed={"m1", "m2", "m3", "m4"})
+    assert account.applied == {"m1", "m2"} and account.lost_with_dead == {"m3"}
+    assert account.pending == {"m4"} and account.balanced

@@ -50,3 +50,45 @@ def test_faster_announced_peer_gets_more_work():
     table.apply([{"fast": _ann(0, tput=20.0), "slow": _ann(0, tput=10.0)}])
     picks = [table.choose(0, 8, 1.0) for _ in range(300)]
     assert picks.count("fast") == pytest.approx(200, abs=5)
+
+
+class FlakyClient:
+    """Answers `unavailable` (the only replica is downloading the stage state) `failures` times, then
+    accumulates the micro-batch if the request asks it to."""
+
+    def __init__(self, failures):
+        self.failures, self.calls = failures, 0
+
+    async def call(self, peer_id, kind, message, timeout_s):
+        from swarmtrain.net.protocol import Message
+        from swarmtrain.net.transport import RemoteError
+
+        self.calls += 1
+        if self.calls <= self.failures:
+            raise RemoteError("unavailable", "downloading the stage state")
+        return Message("result", {"acc": 8 if message.header.get("accumulate", True) else 0})
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_backward_a_later_stage_holds_is_retried_until_it_lands(monkeypatch, persistent):
+    """Giving up on stage 0's backward after stage 1 accumulated the micro-batch left the stages
+    disagreeing on the step's batch; such a backward (`persistent`) keeps trying past max_retries."""
+    import asyncio
+
+    from swarmtrain.config import SwarmConfig
+    from swarmtrain.runtime import stage_calls
+
+    monkeypatch.setattr(stage_calls, "BACKOFF_MAX_S", 0.001)
+    table = PeerTable(records=None, num_stages=1, digest="d")
+    peer = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
+    table.apply([{peer: _ann(0)}])
+    client = FlakyClient(failures=8)
+    caller = stage_calls.StageCaller(client, table, SwarmConfig(max_retries=2), "d", "none", asyncio.Event())
+    call = caller.call_peer(0, "backward", "m", 8, {}, 1.0, persistent=persistent, step=0)
+    if persistent:
+        reply, answered_by = asyncio.run(call)
+        assert reply.header["acc"] == 8 and answered_by == peer and client.calls == 9
+    else:
+        with pytest.raises(stage_calls.MicroBatchFailed):
+            asyncio.run(call)
+        assert client.calls == 3

@@ -1,9 +1,8 @@
-"""The intra-stage synchronizer's decisions, on fakes of the DHT records and of the averager."""
+"""Keeping replicas in line (runtime/stage_sync.py), on fakes of the DHT records and of the averager."""
 
 import pytest
 import torch
 
-from swarmtrain.net.averaging import RoundResult
 from swarmtrain.net.protocol import StageRequest
 from swarmtrain.runtime.compute import ComputeWorker
 from swarmtrain.runtime.stage_sync import StageSynchronizer, SyncSettings
@@ -25,18 +24,11 @@ class FakeRecords:
 
 
 class FakeAverager:
-    """Plays the other replica: returns `result` (or None = no group) and records the calls."""
+    """Serves a donor's state to `download_state` and records the calls."""
 
     def __init__(self, donor_state=None):
         self.state_sharing_priority = 0.0
-        self.result, self.calls, self.donor_state = None, [], donor_state
-
-    def configure_round(self, epoch, group_size):
-        self.calls.append(("configure", epoch, group_size))
-
-    def average(self, tensors, weight, gather, find_group_timeout_s, allreduce_timeout_s):
-        self.calls.append(("average", weight, gather))
-        return self.result(tensors, weight, gather) if self.result else None
+        self.calls, self.donor_state = [], donor_state
 
     def download_state(self, timeout_s):
         self.calls.append(("download",))
@@ -47,13 +39,13 @@ class FakeAverager:
 def make_sync(tiny_cfg):
     computes = []
 
-    def make(peer="B", averager=None):
+    def make(peer="B", averager=None, lag_grace_s=3.0):
         worker = StageWorker(tiny_cfg, tiny_cfg.stages()[1])
         compute = ComputeWorker()
         compute.start()
         computes.append(compute)
         records, averager = FakeRecords(), averager or FakeAverager()
-        settings = SyncSettings(global_batch_size=tiny_cfg.training.global_batch_size)
+        settings = SyncSettings(lag_grace_s=lag_grace_s)
         sync = StageSynchronizer(worker, compute, averager, records, peer, "d", settings)
         return sync, worker, records, averager
 
@@ -65,66 +57,53 @@ def make_sync(tiny_cfg):
     torch.set_num_threads(threads)
 
 
-def _train(worker, count, start=0):
-    for i in range(start, start + count):
+def _train(worker, count, step=0):
+    for i in range(count):
         x = torch.randn(8, 64, 64)
         y = torch.randint(0, 256, (8, 64))
-        worker.forward(StageRequest("forward", f"m{i}", "none", x, labels=y, fused_backward=True))
+        request = StageRequest("forward", f"m{step}-{i}", "none", x, labels=y, fused_backward=True, step=step)
+        worker.forward(request)
 
 
-def _peer(epoch, samples=0, ready=False, grad_fp=None):
-    return {"epoch": epoch, "samples": samples, "ready": ready, "digest": "d", "grad_fp": grad_fp}
+def _apply(worker):
+    bucket = worker.seal(worker.epoch)
+    worker.apply_step(worker.epoch, [g / bucket.samples for g in bucket.grad_sums], bucket.samples)
 
 
-def test_a_lone_replica_steps_at_the_global_batch(make_sync):
-    sync, worker, records, averager = make_sync()
-    _train(worker, 3)
-    sync.tick()
-    assert worker.epoch == 0 and not any(c[0] == "average" for c in averager.calls)
-    _train(worker, 2, start=3)  # 5 x 8 samples: the cut is at 32
-    sync.tick()
-    assert worker.epoch == 1 and worker.samples_seen == 32 and worker.pending_samples == 8
-    assert sync.counters.solo_steps == 1 and not averager.calls
+def _peer(epoch, grad_fp=None):
+    return {"epoch": epoch, "samples": 0, "digest": "d", "grad_fp": grad_fp}
 
 
-def test_replicas_average_weighted_and_step_together(make_sync):
-    sync, worker, records, averager = make_sync()
-    records.progress["A"] = _peer(0, samples=24)
-
-    def other_replica(tensors, weight, gather):
-        return RoundResult([t * 0 for t in tensors], {"A": {"epoch": 0, "samples": 24}, "B": gather})
-
-    averager.result = other_replica
-    sync.tick()  # learn that A holds 24 samples
-    _train(worker, 1)  # 8 + 24 = 32: cut and round
-    sync.tick()
-    assert ("configure", 0, 2) in averager.calls
-    ((_, weight, gather),) = [c for c in averager.calls if c[0] == "average"]
-    assert weight == 8 and gather == {"epoch": 0, "samples": 8}
-    assert worker.epoch == 1 and worker.samples_seen == 32 and sync.counters.rounds == 1
-
-
-def test_a_failed_round_keeps_the_gradients(make_sync):
-    sync, worker, records, averager = make_sync()
-    records.progress["A"] = _peer(0, samples=0, ready=True)
-    _train(worker, 2)
-    sync.tick()
-    assert worker.epoch == 0 and worker.pending_samples == 16 and sync.counters.failed_rounds == 1
-
-
-def test_a_replica_behind_its_peers_drops_its_work_and_downloads(make_sync, tiny_cfg):
+def test_a_replica_far_behind_drops_its_work_and_downloads(make_sync, tiny_cfg):
     donor = StageWorker(tiny_cfg, tiny_cfg.stages()[1])
-    _train(donor, 4)
-    snap = donor.take_round_snapshot()
-    donor.apply_update([g / snap.samples for g in snap.grad_sums], snap.samples)
+    for step in range(6):
+        _train(donor, 4, step)
+        _apply(donor)
     sync, worker, records, averager = make_sync(averager=FakeAverager(donor_state=donor.export_state()))
     _train(worker, 2)
-    records.progress["A"] = _peer(1)
+    records.progress["A"] = _peer(6)
     sync.tick()
     assert ("download",) in averager.calls
-    assert worker.epoch == 1 and worker.unapplied_samples == 0 and sync.counters.lost_samples == 16
+    assert worker.epoch == 6 and worker.unapplied_samples == 0 and sync.counters.lost_samples == 16
     assert all(torch.equal(a, b) for a, b in zip(worker.params, donor.params, strict=True))
     assert sync.serving.is_set()
+
+
+def test_one_step_behind_is_normal_for_a_moment_but_not_for_long(make_sync, tiny_cfg):
+    donor = StageWorker(tiny_cfg, tiny_cfg.stages()[1])
+    _train(donor, 4)
+    _apply(donor)
+    sync, worker, records, averager = make_sync(
+        averager=FakeAverager(donor_state=donor.export_state()), lag_grace_s=0.2
+    )
+    records.progress["A"] = _peer(1)
+    sync.tick()  # the peer finished the step's exchange a moment before us: no resync
+    assert averager.calls == [] and worker.epoch == 0
+    import time
+
+    time.sleep(0.25)
+    sync.tick()  # still behind after the grace period: we missed the step
+    assert averager.calls == [("download",)] and worker.epoch == 1
 
 
 def test_diverged_replica_with_larger_id_resyncs(make_sync):

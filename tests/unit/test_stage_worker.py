@@ -1,5 +1,5 @@
 """The tensor side of a stage server, without network: local parity of a global step, at-most-once
-accumulation, cached graphs across a step, the global-batch cut, state export/import."""
+accumulation per step, cached graphs across a step, late and non-finite work, state export/import."""
 
 import dataclasses
 
@@ -8,7 +8,7 @@ import torch
 
 from swarmtrain.model import build_model
 from swarmtrain.model.optim import build_optimizer, lr_at, set_lr
-from swarmtrain.net.protocol import StageRequest
+from swarmtrain.net.protocol import ProtocolError, StageRequest
 from swarmtrain.runtime.stage_worker import StageWorker
 
 pytestmark = pytest.mark.unit
@@ -41,18 +41,24 @@ def _local_step(cfg, batches):
     return dict(model.named_parameters())
 
 
-def _micro_batch(workers, mb, x, y):
+def _req(kind, mb, x, step=0, **kw):
+    return StageRequest(kind, mb, "none", x, step=step, **kw)
+
+
+def _micro_batch(workers, mb, x, y, step=0):
     """Trainer logic in-process: forward stage 0, fused last stage, backward stage 0."""
-    h = workers[0].forward(StageRequest("forward", mb, "none", x)).tensor("outputs")
-    reply = workers[1].forward(StageRequest("forward", mb, "none", h, labels=y, fused_backward=True))
+    h = workers[0].forward(_req("forward", mb, x, step)).tensor("outputs")
+    reply = workers[1].forward(_req("forward", mb, h, step, labels=y, fused_backward=True))
     grad = reply.tensor("grad_inputs")
-    workers[0].backward(StageRequest("backward", mb, "none", x, grad_outputs=grad))
-    return reply.header["loss"], grad
+    back = workers[0].backward(_req("backward", mb, x, step, grad_outputs=grad))
+    return reply.header["loss"], grad, back
 
 
-def _step(worker):
-    snap = worker.take_round_snapshot()
-    worker.apply_update([g / snap.samples for g in snap.grad_sums], snap.samples)
+def _step(worker, step=None):
+    """What the stage's replicas do once the step is closed (runtime/stage_steps.py), one replica."""
+    step = worker.epoch if step is None else step
+    bucket = worker.seal(step)
+    return worker.apply_step(step, [g / bucket.samples for g in bucket.grad_sums], bucket.samples)
 
 
 def test_one_global_step_equals_local_training(tiny_cfg, batches):
@@ -60,95 +66,135 @@ def test_one_global_step_equals_local_training(tiny_cfg, batches):
     workers = [StageWorker(cfg, spec) for spec in cfg.stages()]
     for i, (x, y) in enumerate(batches[:4]):
         _micro_batch(workers, f"m{i}", x, y)
-    assert workers[0].frozen is not None and workers[0].frozen.samples == 32  # cut at the global batch
+    assert workers[0].buckets[0].samples == 32 and workers[0].unapplied_samples == 32
     for w in workers:
-        _step(w)
+        assert _step(w)
     local_params = _local_step(cfg, batches[:4])
     for w in workers:
-        assert w.epoch == 1 and w.samples_seen == 32
+        assert w.epoch == 1 and w.samples_seen == 32 and not w.buckets
         for name, p in zip(w.names, w.params, strict=True):
             torch.testing.assert_close(p, local_params[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_micro_batches_of_the_next_step_never_mix_into_this_one(tiny_cfg, batches):
+    """With 8 in flight, step 1's gradients arrive before step 0 is applied: separate buckets."""
+    workers = [StageWorker(tiny_cfg, spec) for spec in tiny_cfg.stages()]
+    for i, (x, y) in enumerate(batches[:6]):
+        _micro_batch(workers, f"m{i}", x, y, step=i // 4)
+    assert [workers[0].buckets[s].samples for s in (0, 1)] == [32, 16]
+    _step(workers[0])
+    assert workers[0].epoch == 1 and workers[0].buckets[1].samples == 16 and workers[0].samples_seen == 32
 
 
 def test_a_retried_backward_is_never_applied_twice(tiny_cfg, batches):
     workers = [StageWorker(tiny_cfg, spec) for spec in tiny_cfg.stages()]
     x, y = batches[0]
-    _, grad = _micro_batch(workers, "m0", x, y)
-    sums = [g.clone() for g in workers[0].grad_sums]
-    again = workers[0].backward(StageRequest("backward", "m0", "none", x, grad_outputs=grad))
-    assert workers[0].pending_samples == 8 and workers[0].counters["duplicates"] == 1
-    assert all(torch.equal(a, b) for a, b in zip(sums, workers[0].grad_sums, strict=True))
-    assert again.kind == "result"
-    fused = workers[1].forward(
-        StageRequest("forward", "m0", "none", torch.randn(8, 64, 64), labels=y, fused_backward=True)
-    )
-    assert workers[1].pending_samples == 8 and "grad_inputs" in fused.tensors  # answered, not re-applied
+    _, grad, _ = _micro_batch(workers, "m0", x, y)
+    sums = [g.clone() for g in workers[0].buckets[0].grad_sums]
+    again = workers[0].backward(_req("backward", "m0", x, grad_outputs=grad))
+    assert workers[0].unapplied_samples == 8 and workers[0].counters["duplicates"] == 1
+    assert all(torch.equal(a, b) for a, b in zip(sums, workers[0].buckets[0].grad_sums, strict=True))
+    assert again.kind == "result" and again.header["acc"] == 0
+    fused = workers[1].forward(_req("forward", "m0", torch.randn(8, 64, 64), labels=y, fused_backward=True))
+    assert workers[1].unapplied_samples == 8 and "grad_inputs" in fused.tensors  # answered, not re-applied
+
+
+def test_a_restarted_trainer_reusing_ids_is_not_dropped_and_ids_stay_bounded(tiny_cfg, batches):
+    """On the old server a set of every accumulated id grew forever, and a trainer restarted with the
+    same --trainer-id (ids from 0 again) had every gradient dropped as a duplicate."""
+    workers = [StageWorker(tiny_cfg, spec) for spec in tiny_cfg.stages()]
+    for step in range(3):
+        for i, (x, y) in enumerate(batches[:4]):
+            _, _, back = _micro_batch(workers, f"t-{i}", x, y, step=step)  # the same ids every step
+            assert back.header["acc"] == 8
+        for w in workers:
+            _step(w)
+    assert workers[0].counters["duplicates"] == 0 and workers[0].samples_seen == 96
+    assert not workers[0].buckets  # nothing kept per micro-batch once a step is applied
+
+
+def test_work_queued_before_a_resync_is_not_accumulated_into_the_new_state(tiny_cfg, batches):
+    """A backward that waited in the compute queue while the replica downloaded a newer state ran on
+    the old parameters and was accumulated into the new epoch; now its step is over: late."""
+    donor = [StageWorker(tiny_cfg, spec) for spec in tiny_cfg.stages()]
+    for i, (x, y) in enumerate(batches[:4]):
+        _micro_batch(donor, f"m{i}", x, y)
+    _step(donor[0])
+    lagging = StageWorker(tiny_cfg, tiny_cfg.stages()[0])
+    x, y = batches[4]
+    h = lagging.forward(_req("forward", "q", x)).tensor("outputs")
+    grad = donor[1].forward(_req("forward", "q", h, labels=y, fused_backward=True)).tensor("grad_inputs")
+    lagging.import_state(*donor[0].export_state())  # the resync ran before the queued backward
+    back = lagging.backward(_req("backward", "q", x, grad_outputs=grad))
+    assert back.header["acc"] == 0 and back.kind == "result"
+    assert lagging.counters["late"] == 1 and lagging.unapplied_samples == 0
+
+
+def test_a_step_already_closed_takes_no_more_gradients(tiny_cfg, batches):
+    workers = [StageWorker(tiny_cfg, spec) for spec in tiny_cfg.stages()]
+    _micro_batch(workers, "m0", *batches[0])
+    workers[0].seal(0)
+    _, _, back = _micro_batch(workers, "m1", *batches[1])
+    assert back.header["acc"] == 0 and workers[0].buckets[0].samples == 8
+
+
+def test_non_finite_gradients_are_refused_and_a_non_finite_step_is_never_applied(tiny_cfg, batches):
+    w = StageWorker(tiny_cfg, tiny_cfg.stages()[0])
+    x, _ = batches[0]
+    w.forward(_req("forward", "m", x))
+    huge = torch.full((8, 64, 64), 3e38)  # finite in fp32, but the parameter gradients overflow
+    with pytest.raises(ProtocolError, match="non-finite"):
+        w.backward(_req("backward", "m", x, grad_outputs=huge))
+    assert w.unapplied_samples == 0 and w.counters["rejected_nonfinite"] == 1
+    before = [p.detach().clone() for p in w.params]
+    nan = [torch.full_like(p, float("nan")) for p in w.params]
+    assert not w.apply_step(0, nan, 32)  # an average that went bad is skipped, the step still counts
+    assert w.epoch == 1 and w.counters["skipped_steps"] == 1
+    assert all(torch.equal(a, b) and torch.isfinite(b).all() for a, b in zip(before, w.params, strict=True))
 
 
 def test_cached_graph_survives_an_optimizer_step(tiny_cfg, batches):
+    """With max_staleness = 1 a step's forward may run before the previous step is applied."""
     workers = [StageWorker(tiny_cfg, spec) for spec in tiny_cfg.stages()]
     x, y = batches[0]
-    h = workers[0].forward(StageRequest("forward", "late", "none", x)).tensor("outputs")
+    h = workers[0].forward(_req("forward", "late", x, step=1)).tensor("outputs")
     for i, (xb, yb) in enumerate(batches[1:5]):  # a full global batch passes, stage 0 steps
         _micro_batch(workers, f"m{i}", xb, yb)
     _step(workers[0])
     assert workers[0].epoch == 1
     grad = (
-        workers[1]
-        .forward(StageRequest("forward", "late", "none", h, labels=y, fused_backward=True))
-        .tensor("grad_inputs")
+        workers[1].forward(_req("forward", "late", h, 1, labels=y, fused_backward=True)).tensor("grad_inputs")
     )
-    workers[0].backward(StageRequest("backward", "late", "none", x, grad_outputs=grad))
-    assert workers[0].counters["recomputed"] == 0 and workers[0].pending_samples == 8
+    workers[0].backward(_req("backward", "late", x, 1, grad_outputs=grad))
+    assert workers[0].counters["recomputed"] == 0 and workers[0].buckets[1].samples == 8
 
 
 def test_backward_on_another_replica_recomputes(tiny_cfg, batches):
     a, b = (StageWorker(tiny_cfg, tiny_cfg.stages()[0]) for _ in range(2))
     last = StageWorker(tiny_cfg, tiny_cfg.stages()[1])
     x, y = batches[0]
-    h = a.forward(StageRequest("forward", "m", "none", x)).tensor("outputs")
-    grad = last.forward(StageRequest("forward", "m", "none", h, labels=y, fused_backward=True)).tensor(
-        "grad_inputs"
-    )
-    a.backward(StageRequest("backward", "m", "none", x, grad_outputs=grad))
-    b.backward(StageRequest("backward", "m2", "none", x, grad_outputs=grad))
+    h = a.forward(_req("forward", "m", x)).tensor("outputs")
+    grad = last.forward(_req("forward", "m", h, labels=y, fused_backward=True)).tensor("grad_inputs")
+    a.backward(_req("backward", "m", x, grad_outputs=grad))
+    b.backward(_req("backward", "m2", x, grad_outputs=grad))
     assert b.counters["recomputed"] == 1
-    for ga, gb in zip(a.grad_sums, b.grad_sums, strict=True):
+    for ga, gb in zip(a.buckets[0].grad_sums, b.buckets[0].grad_sums, strict=True):
         torch.testing.assert_close(ga, gb)
 
 
 def test_a_retry_after_a_silent_replica_returns_gradients_without_accumulating(tiny_cfg, batches):
     workers = [StageWorker(tiny_cfg, spec) for spec in tiny_cfg.stages()]
     x, y = batches[0]
-    h = workers[0].forward(StageRequest("forward", "m", "none", x)).tensor("outputs")
-    full = workers[1].forward(StageRequest("forward", "m", "none", h, labels=y, fused_backward=True))
+    h = workers[0].forward(_req("forward", "m", x)).tensor("outputs")
+    full = workers[1].forward(_req("forward", "m", h, labels=y, fused_backward=True))
     other = StageWorker(tiny_cfg, tiny_cfg.stages()[1])  # the replica the retry went to
-    retry = other.forward(
-        StageRequest("forward", "m", "none", h, labels=y, fused_backward=True, accumulate=False)
-    )
+    retry = other.forward(_req("forward", "m", h, labels=y, fused_backward=True, accumulate=False))
     torch.testing.assert_close(retry.tensor("grad_inputs"), full.tensor("grad_inputs"))
     assert retry.header["loss"] == pytest.approx(full.header["loss"])
-    assert other.pending_samples == 0 and other.counters["not_accumulated"] == 1
-    assert all(not g.any() for g in other.grad_sums)
+    assert other.unapplied_samples == 0 and other.counters["not_accumulated"] == 1
     spare = StageWorker(tiny_cfg, tiny_cfg.stages()[0])
-    back = spare.backward(
-        StageRequest("backward", "m", "none", x, grad_outputs=full.tensor("grad_inputs"), accumulate=False)
-    )
-    assert back.kind == "result" and spare.pending_samples == 0 and "m" not in spare.accumulated_ids
-
-
-def test_failed_round_puts_the_snapshot_back(tiny_cfg, batches):
-    w = StageWorker(tiny_cfg, tiny_cfg.stages()[0])
-    last = StageWorker(tiny_cfg, tiny_cfg.stages()[1])
-    _micro_batch([w, last], "m0", *batches[0])
-    before = [g.clone() for g in w.grad_sums]
-    snap = w.take_round_snapshot()
-    assert w.pending_samples == 0 and w.unapplied_samples == 0
-    w.restore_snapshot(snap)
-    assert w.pending_samples == 8 and w.pending_ids == ["m0"]
-    assert all(torch.equal(a, b) for a, b in zip(before, w.grad_sums, strict=True))
-    lost, ids = w.drop_pending()
-    assert lost == 8 and ids == ["m0"] and w.unapplied_samples == 0
+    back = spare.backward(_req("backward", "m", x, grad_outputs=full.tensor("grad_inputs"), accumulate=False))
+    assert back.kind == "result" and back.header["acc"] == 0 and spare.unapplied_samples == 0
 
 
 def test_state_export_import_round_trip(tiny_cfg, batches):
@@ -158,7 +204,9 @@ def test_state_export_import_round_trip(tiny_cfg, batches):
         _micro_batch([a, last], f"m{i}", x, y)
     _step(a)
     b = StageWorker(tiny_cfg, tiny_cfg.stages()[0])
-    b.import_state(*a.export_state())
+    _micro_batch([b, last], "old", *batches[5])  # b's own unapplied step-0 work becomes obsolete
+    lost_samples, lost_ids = b.import_state(*a.export_state())
+    assert (lost_samples, lost_ids) == (8, ["old"]) and not b.buckets
     assert (b.epoch, b.samples_seen) == (a.epoch, a.samples_seen) == (1, 32)
     for pa, pb in zip(a.params, b.params, strict=True):
         assert torch.equal(pa, pb)

@@ -1,17 +1,18 @@
 """Where did each micro-batch's gradient go? Per-stage accounting from server and trainer ledgers.
 
 For one stage, every micro-batch the trainer completed must be exactly one of:
-- applied: included in an averaging round that a surviving replica completed (its own
-  contribution, or a dead replica's contribution to a round the survivor finished with it);
-- pending: accumulated on a survivor, waiting for the next round;
-- lost with a dead peer: accumulated only on a replica that was killed, before any round
-  that a survivor completed with it;
+- applied: in a step that a surviving replica applied (its own contribution, or a dead replica's
+  contribution to a step the survivor applied with it), or in a step a dead replica applied before
+  a survivor downloaded a stage state past that step (the state holds it);
+- pending: accumulated on a survivor, waiting for its step;
+- lost with a dead peer: accumulated only on a replica that was killed, before any step
+  that a survivor applied with it;
 - lost to a resync: dropped by a replica that had to download the stage state, and not applied or
   pending anywhere else (a retry of the same micro-batch on another replica counts there);
 - not accumulated: retried with `accumulate=False` after a replica went silent (runtime/stage_calls.py),
-  and the silent replica never accumulated it either (it expired in its queue, say).
+  or arrived after its step was over (`late`), and no replica accumulated it.
 A micro-batch accumulated twice on one server (at-most-once violated) or applied in two
-completed rounds is reported in `double_applied`.
+steps is reported in `double_applied`.
 """
 
 from __future__ import annotations
@@ -71,16 +72,20 @@ def account_stage(
     for name, events in ledgers.items():
         accumulated[name] = [e["mb"] for e in events if e["e"] == "acc"]
         sizes.update({e["mb"]: e["n"] for e in events if e["e"] == "acc"})
-        rounds[name] = [e for e in events if e["e"] == "round"]
+        rounds[name] = [e for e in events if e["e"] == "step"]
         dropped[name] = {mb for e in events if e["e"] == "lost" for mb in e["mbs"]}
-        skipped |= {e["mb"] for e in events if e["e"] == "noacc"}
+        skipped |= {e["mb"] for e in events if e["e"] in ("noacc", "late")}
         account.double_applied += [mb for mb, count in Counter(accumulated[name]).items() if count > 1]
     survivors = [name for name in ledgers if name not in dead]
-    survivor_epochs = {(r["epoch"], peer) for name in survivors for r in rounds[name] for peer in r["group"]}
+    survivor_steps = {(r["step"], peer) for name in survivors for r in rounds[name] for peer in r["group"]}
+    # a survivor that downloaded the stage state at epoch E holds every step before E
+    downloaded = max(
+        (e["epoch"] for name in survivors for e in ledgers[name] if e["e"] == "resync"), default=0
+    )
     applied_counter: Counter = Counter()
     for name, server_rounds in rounds.items():
         for r in server_rounds:
-            if name in survivors or (r["epoch"], peer_of[name]) in survivor_epochs:
+            if name in survivors or (r["step"], peer_of[name]) in survivor_steps or r["step"] < downloaded:
                 applied_counter.update(r["mbs"])
     account.double_applied += [mb for mb, count in applied_counter.items() if count > 1]
     account.applied = set(applied_counter)

@@ -1,0 +1,191 @@
+"""A global step across a stage's replicas (runtime/stage_steps.py): two real coordinators and stage
+workers, joined by an in-process network whose faults the tests choose (no sleeps, no sockets)."""
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from swarmtrain.net.protocol import StageRequest
+from swarmtrain.runtime.compute import ComputeWorker
+from swarmtrain.runtime.stage_steps import StepCoordinator, StepSettings
+from swarmtrain.runtime.stage_worker import StageWorker
+from swarmtrain.runtime.step_tracker import StepTracker
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture(scope="module")
+def micro_batches():
+    generator = torch.Generator().manual_seed(1)
+    return [
+        (torch.randn(8, 64, 64, generator=generator), torch.randint(0, 256, (8, 64), generator=generator))
+        for _ in range(4)
+    ]
+
+
+class Net:
+    """Delivers `grads` between coordinators; `unreachable` peers fail like a dead process."""
+
+    def __init__(self):
+        self.nodes: dict[str, StepCoordinator] = {}
+        self.unreachable: set[str] = set()
+        self.sent: list[tuple[str, str, int]] = []
+
+    def sender(self, me: str):
+        async def send(peer, step, samples, sums):
+            self.sent.append((me, peer, step))
+            if peer in self.unreachable:
+                return False
+            self.nodes[peer].on_grads(me, step, samples, [s.clone() for s in sums])
+            return True
+
+        return send
+
+
+def _train(worker, batches, step=0, prefix="m"):
+    for i, (x, y) in enumerate(batches):
+        worker.forward(
+            StageRequest("forward", f"{prefix}{i}", "none", x, labels=y, fused_backward=True, step=step)
+        )
+
+
+async def _replicas(cfg, names, net, settings=None, computes=None):
+    nodes = {}
+    for name in names:
+        worker = StageWorker(cfg, cfg.stages()[1])
+        compute = ComputeWorker()
+        compute.start()
+        computes.append(compute)
+        settings = settings or StepSettings(close_timeout_s=5.0, exchange_timeout_s=5.0, poll_s=0.05)
+        nodes[name] = StepCoordinator(worker, compute, name, net.sender(name), settings)
+        net.nodes[name] = nodes[name]
+    return nodes
+
+
+@pytest.fixture
+def computes():
+    started: list[ComputeWorker] = []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield started
+    for compute in started:
+        compute.stop()
+    torch.set_num_threads(threads)
+
+
+def _close(nodes, step, members, shard=0, shards=1, to=None):
+    for name in to or nodes:
+        nodes[name].on_close(step, shard, shards, members, sorted(nodes))
+
+
+async def _until(predicate, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+def test_replicas_sum_their_samples_and_apply_exactly_one_global_batch(tiny_cfg, micro_batches, computes):
+    """3 micro-batches on A, 1 on B: both apply the mean over all 32 samples, like one replica."""
+
+    async def scenario():
+        net = Net()
+        nodes = await _replicas(tiny_cfg, ["A", "B"], net, computes=computes)
+        single = StageWorker(tiny_cfg, tiny_cfg.stages()[1])
+        _train(nodes["A"].worker, micro_batches[:3])
+        _train(nodes["B"].worker, micro_batches[3:], prefix="b")
+        _train(single, micro_batches)
+        tasks = [asyncio.create_task(n.run()) for n in nodes.values()]
+        parked = asyncio.create_task(nodes["B"].wait_for_version(1, time.monotonic() + 10))
+        await asyncio.sleep(0.05)
+        assert not parked.done()  # step 1's forwards wait for step 0's parameters
+        _close(nodes, 0, {"A": 24, "B": 8})
+        assert await parked
+        await _until(lambda: all(n.worker.epoch == 1 for n in nodes.values()))
+        for task in tasks:
+            task.cancel()
+        bucket = single.seal(0)
+        single.apply_step(0, [g / bucket.samples for g in bucket.grad_sums], bucket.samples)
+        for node in nodes.values():
+            assert node.worker.samples_seen == 32 and node.counters.last_group_size == 2
+            for p, q in zip(node.worker.params, single.params, strict=True):
+                torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
+
+    asyncio.run(scenario())
+
+
+def test_an_unreachable_member_is_not_waited_for(tiny_cfg, micro_batches, computes):
+    async def scenario():
+        net = Net()
+        settings = StepSettings(close_timeout_s=5.0, exchange_timeout_s=60.0, poll_s=0.05)
+        nodes = await _replicas(tiny_cfg, ["A", "B"], net, settings, computes)
+        _train(nodes["A"].worker, micro_batches[:2])
+        net.unreachable.add("B")  # B died after accumulating its share (which is lost with it)
+        task = asyncio.create_task(nodes["A"].run())
+        start = time.monotonic()
+        _close(nodes, 0, {"A": 16, "B": 16}, to=["A"])
+        await _until(lambda: nodes["A"].worker.epoch == 1)
+        task.cancel()
+        assert time.monotonic() - start < 5.0  # not the 60 s exchange timeout
+        assert nodes["A"].counters.partial_exchanges == 1 and nodes["A"].worker.samples_seen == 16
+
+    asyncio.run(scenario())
+
+
+def test_a_step_waits_for_every_trainer_or_the_close_timeout(tiny_cfg, micro_batches, computes):
+    async def scenario():
+        net = Net()
+        settings = StepSettings(close_timeout_s=0.3, exchange_timeout_s=5.0, poll_s=0.05)
+        nodes = await _replicas(tiny_cfg, ["A"], net, settings, computes)
+        _train(nodes["A"].worker, micro_batches[:2])
+        task = asyncio.create_task(nodes["A"].run())
+        nodes["A"].on_close(0, 0, 2, {"A": 16}, ["A"])  # trainer 0 of 2; trainer 1 never closes
+        await asyncio.sleep(0.15)
+        assert nodes["A"].worker.epoch == 0
+        await _until(lambda: nodes["A"].worker.epoch == 1)
+        task.cancel()
+        assert nodes["A"].counters.timed_out_closes == 1
+
+    asyncio.run(scenario())
+
+
+def test_gradients_no_trainer_saw_are_not_counted(tiny_cfg, micro_batches, computes):
+    """Every replica must sum the same set: a replica the closes do not list keeps its work out."""
+
+    async def scenario():
+        net = Net()
+        nodes = await _replicas(tiny_cfg, ["A", "B"], net, computes=computes)
+        _train(nodes["A"].worker, micro_batches[:2])
+        _train(nodes["B"].worker, micro_batches[2:3], prefix="b")  # its reply was lost: unlisted
+        tasks = [asyncio.create_task(n.run()) for n in nodes.values()]
+        _close(nodes, 0, {"A": 16})
+        await _until(lambda: all(n.worker.epoch == 1 for n in nodes.values()))
+        for task in tasks:
+            task.cancel()
+        assert nodes["B"].counters.unconfirmed_samples == 8
+        assert all(n.worker.samples_seen == 16 for n in nodes.values())
+        for p, q in zip(nodes["A"].worker.params, nodes["B"].worker.params, strict=True):
+            assert torch.equal(p, q)
+
+    asyncio.run(scenario())
+
+
+def test_tracker_closes_a_stage_when_all_its_micro_batches_are_done():
+    closed = []
+    tracker = StepTracker(
+        2, 2, start_step=5, close=lambda step, stage, members: closed.append((step, stage, members))
+    )
+    assert [tracker.begin() for _ in range(3)] == [5, 5, 6]
+    tracker.finished(5, 1, "L", 8)
+    tracker.finished(5, 1, "L", 8)
+    assert closed == [(5, 1, {"L": 16})]  # the last stage closes before the first one is done
+    tracker.finished(5, 0, "A", 8)
+    tracker.finished(5, 0)  # this micro-batch failed before stage 0's backward
+    assert closed[-1] == (5, 0, {"A": 8}) and tracker.closed_steps == 1
+    assert tracker.step_in_progress
+    tracker.truncate()  # the trainer stops with one micro-batch of step 6 started
+    tracker.finished(6, 1, "L", 8)
+    tracker.finished(6, 0, "B", 8)
+    assert closed[-2:] == [(6, 1, {"L": 8}), (6, 0, {"B": 8})] and tracker.next_step == 7
