@@ -48,13 +48,13 @@ def test_sigkill_one_replica_during_training(make_swarm):
 
     # the survivor keeps training alone once the dead replica's records expire: a second trainer's
     # work gets applied in solo rounds
-    rounds_before = sum(1 for e in read_ledger(swarm.ledger_path("s0a")) if e["e"] == "round")
+    rounds_before = sum(1 for e in read_ledger(swarm.ledger_path("s0a")) if e["e"] == "step")
     swarm.start_trainer("trainer2", "--max-samples", "512", "--in-flight", "4")
     assert swarm.wait_exit("trainer2", 120) == 0, swarm.processes["trainer2"].log_text()[-3000:]
     completed |= {e["mb"] for e in read_ledger(swarm.ledger_path("trainer2")) if e["e"] == "done"}
     deadline = time.monotonic() + 30
     while True:
-        solo = [e for e in read_ledger(swarm.ledger_path("s0a")) if e["e"] == "round"][rounds_before:]
+        solo = [e for e in read_ledger(swarm.ledger_path("s0a")) if e["e"] == "step"][rounds_before:]
         if any(len(e["group"]) == 1 for e in solo) or time.monotonic() > deadline:
             break
         time.sleep(0.5)

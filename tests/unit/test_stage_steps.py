@@ -103,7 +103,7 @@ def test_replicas_sum_their_samples_and_apply_exactly_one_global_batch(tiny_cfg,
         assert not parked.done()  # step 1's forwards wait for step 0's parameters
         _close(nodes, 0, {"A": 24, "B": 8})
         assert await parked
-        await _until(lambda: all(n.worker.epoch == 1 for n in nodes.values()))
+        await _until(lambda: all(n.counters.steps == 1 for n in nodes.values()))
         for task in tasks:
             task.cancel()
         bucket = single.seal(0)
@@ -126,7 +126,7 @@ def test_an_unreachable_member_is_not_waited_for(tiny_cfg, micro_batches, comput
         task = asyncio.create_task(nodes["A"].run())
         start = time.monotonic()
         _close(nodes, 0, {"A": 16, "B": 16}, to=["A"])
-        await _until(lambda: nodes["A"].worker.epoch == 1)
+        await _until(lambda: nodes["A"].counters.steps == 1)
         task.cancel()
         assert time.monotonic() - start < 5.0  # not the 60 s exchange timeout
         assert nodes["A"].counters.partial_exchanges == 1 and nodes["A"].worker.samples_seen == 16
@@ -144,7 +144,7 @@ def test_a_step_waits_for_every_trainer_or_the_close_timeout(tiny_cfg, micro_bat
         nodes["A"].on_close(0, 0, 2, {"A": 16}, ["A"])  # trainer 0 of 2; trainer 1 never closes
         await asyncio.sleep(0.15)
         assert nodes["A"].worker.epoch == 0
-        await _until(lambda: nodes["A"].worker.epoch == 1)
+        await _until(lambda: nodes["A"].counters.steps == 1)
         task.cancel()
         assert nodes["A"].counters.timed_out_closes == 1
 
@@ -161,7 +161,7 @@ def test_gradients_no_trainer_saw_are_not_counted(tiny_cfg, micro_batches, compu
         _train(nodes["B"].worker, micro_batches[2:3], prefix="b")  # its reply was lost: unlisted
         tasks = [asyncio.create_task(n.run()) for n in nodes.values()]
         _close(nodes, 0, {"A": 16})
-        await _until(lambda: all(n.worker.epoch == 1 for n in nodes.values()))
+        await _until(lambda: all(n.counters.steps == 1 for n in nodes.values()))
         for task in tasks:
             task.cancel()
         assert nodes["B"].counters.unconfirmed_samples == 8

@@ -30,13 +30,17 @@ def tiny() -> RunConfig:
 
 
 def small() -> RunConfig:
-    """Byte-level, ~3M parameters: minutes on CPU; one micro-batch fwd+bwd >= 100 ms on one core."""
+    """Byte-level, ~3M parameters: minutes on CPU; one micro-batch fwd+bwd >= 100 ms on one core.
+
+    Its global batch is 16 micro-batches, as in real runs (many micro-batches per step, so a
+    pipeline of a few stages is full within a step); `tiny` keeps 4 to test the hard case of the
+    whole global batch in flight."""
     return RunConfig(
         preset="small",
         model=ModelConfig(vocab_size=256, d_model=256, num_layers=4, num_heads=4, d_ff=1024, seq_len=128),
         training=TrainingConfig(
             micro_batch_size=8,
-            global_batch_size=32,
+            global_batch_size=128,
             learning_rate=1e-3,
             min_learning_rate=1e-4,
             warmup_samples=512,

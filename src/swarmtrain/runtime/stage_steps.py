@@ -98,6 +98,7 @@ class StepCoordinator:
         self.counters = StepCounters()
         self.pending: dict[int, PendingStep] = {}
         self._version_changed = asyncio.Event()
+        self._sending: set[asyncio.Task] = set()
         self._loop = asyncio.get_running_loop()
 
     # messages -----------------------------------------------------------------------------------
@@ -212,11 +213,18 @@ class StepCoordinator:
         await self._apply(step, contributions, bucket.micro_batch_ids, start_s)
 
     async def _send(self, state: PendingStep, samples: int, sums: list[torch.Tensor]) -> None:
-        targets = sorted(state.participants | set(state.members) - {self.peer_id})
-        if not targets:
-            return
-        results = await asyncio.gather(*(self.send_grads(p, state.step, samples, sums) for p in targets))
-        state.unreachable.update(p for p, ok in zip(targets, results, strict=True) if not ok)
+        """Send our sums to every other participant in the background: the step waits for the other
+        members' sums, never for a send (a hung participant must not stall the stage)."""
+        for peer in sorted(state.participants | set(state.members) - {self.peer_id}):
+            task = asyncio.create_task(self.send_grads(peer, state.step, samples, sums))
+            self._sending.add(task)
+            task.add_done_callback(lambda t, p=peer: self._sent(state, p, t))
+
+    def _sent(self, state: PendingStep, peer: str, task: asyncio.Task) -> None:
+        self._sending.discard(task)
+        if task.cancelled() or task.exception() is not None or task.result() is False:
+            state.unreachable.add(peer)  # a member we cannot reach will not send us its sums either
+            state.changed.set()
 
     async def _apply(self, step: int, contributions: dict, own_ids: list[str], start_s: float) -> None:
         samples = sum(n for n, _ in contributions.values())

@@ -183,8 +183,11 @@ class SwarmTrainer:
         while not all(self.table.peers_per_stage()) and not self.stopping.is_set():
             if time.monotonic() - last_log_s >= 5.0:
                 last_log_s = time.monotonic()
-                missing = [s for s, n in enumerate(self.table.peers_per_stage()) if not n]
-                logger.warning("waiting for a live server of stage(s) %s", missing)
+                for stage, peers in enumerate(self.table.peers_per_stage()):
+                    if not peers:
+                        logger.warning(
+                            "stage %d has no live peer; waiting for a server to announce itself", stage
+                        )
             await asyncio.sleep(min(1.0, self.cfg.swarm.announce_period_s / 2))
             await self.caller.refresh()
 
