@@ -50,8 +50,9 @@ class SwarmProbe:
     def set_codec(self, codec: str) -> None:
         self.trainer.codec = self.trainer.caller.codec = codec
 
-    def forward_backward(self, mb: str, input_ids, labels) -> float:
-        return self.run(self.trainer.forward_backward(mb, input_ids, labels))
+    def forward_backward(self, mb: str, input_ids, labels, step: int = 0) -> float:
+        """One micro-batch of `step`, accumulated but never closed (its sums stay inspectable)."""
+        return self.run(self.trainer.forward_backward(mb, step, input_ids, labels))
 
     def info(self, peer: str, want: str | None = None) -> Message:
         from hivemind.p2p import PeerID

@@ -286,12 +286,14 @@ class SwarmTrainer:
             return loss
         finally:
             for stage in range(self.num_stages):
-                if stage not in done:
+                if stage not in done and self.tracker is not None:
                     self.tracker.finished(step, stage)
 
     def _finished(self, step: int, stage: int, peer: str, reply, done: set[int]) -> None:
+        """Tell the step tracker (absent when a probe drives single micro-batches)."""
         accumulated = reply.header.get("acc", 0)
-        self.tracker.finished(step, stage, peer, accumulated if isinstance(accumulated, int) else 0)
+        if self.tracker is not None:
+            self.tracker.finished(step, stage, peer, accumulated if isinstance(accumulated, int) else 0)
         done.add(stage)
 
     async def evaluate(self, dataset, max_samples: int) -> float:
