@@ -76,7 +76,10 @@ def pooled_cv(rpc: dict, name: str) -> float:
 
 def measure(in_flight: int, duration_s: float, root: Path) -> dict:
     workdir = root / f"in_flight_{in_flight}"
-    options = DemoOptions(duration_s=duration_s, kill=False, in_flight=in_flight, workdir=str(workdir))
+    # throughput only: the one-process loss reference would add a training run per setting
+    options = DemoOptions(
+        duration_s=duration_s, kill=False, in_flight=in_flight, workdir=str(workdir), reference=False
+    )
     summary = run_demo(options, out=io.StringIO())
     if not summary["microbatches_completed"] or summary["microbatches_failed"]:
         raise RuntimeError(f"demo run with {in_flight} in flight failed: {summary}")

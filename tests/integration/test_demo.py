@@ -1,7 +1,9 @@
-"""`swarmtrain demo` end to end: it trains, kills a replica, writes the summary, and leaves no
-process behind, also when interrupted with Ctrl-C (SIGINT)."""
+"""`swarmtrain demo` end to end: it trains, kills a replica, writes the summary (with the one-process
+reference on the same samples), and leaves no process behind, also when interrupted with Ctrl-C
+(SIGINT)."""
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -24,6 +26,8 @@ KEYS = {
     "peers_killed",
     "val_loss",  # through the swarm, after training
     "byte_frequency_val_loss",
+    "local_val_loss",  # one process on the same samples, after the swarm stopped
+    "val_loss_gap",  # val_loss / local_val_loss - 1
 }
 
 
@@ -84,6 +88,12 @@ def test_demo_trains_kills_a_replica_and_cleans_up(tmp_path):
     assert summary["final_loss"] < summary["initial_loss"]
     assert summary["val_loss"] < summary["initial_loss"]
     assert summary["samples_lost_with_dead_peers"] >= 0
+    assert math.isfinite(summary["local_val_loss"]) and math.isfinite(summary["val_loss_gap"])
+    assert "(one process, same" in out
+    print(
+        f"demo: val loss {summary['val_loss']:.4f} (swarm) vs {summary['local_val_loss']:.4f} (one process) "
+        f"after {summary['samples']} samples, gap {summary['val_loss_gap']:+.2%}"
+    )
     time.sleep(0.5)
     assert _processes_mentioning(str(workdir)) == []
 

@@ -3,7 +3,10 @@
 Processes: one DHT bootstrap node, two replicas of stage 0, one server for every other stage, one
 trainer. Halfway through, one stage-0 replica is SIGKILLed (its whole process tree) to show the
 trainer routing around it. At the end (or on Ctrl-C) every process is stopped and the summary
-printed; the per-stage accounting says how many samples died with the killed replica.
+printed; the per-stage accounting says how many samples died with the killed replica. Unless told
+not to, the demo then trains one process on the samples the swarm trained (same initial weights,
+data order and schedule) and prints its validation loss next to the swarm's: the gap is what
+distribution cost.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ SUMMARY_KEYS = (
     "peers_killed",
 )
 EXTRA_KEYS = ("val_loss", "byte_frequency_val_loss")  # None when the run was cut short
+# one process on the same samples, and val_loss / local_val_loss - 1; None when skipped
+REFERENCE_KEYS = ("local_val_loss", "val_loss_gap")
 EVAL_SAMPLES = 256  # validation samples evaluated through the swarm at the end (~1 s on tiny)
 DEMO_SWARM = {"announce_period_s": 1.0, "request_timeout_s": 15.0, "averaging_timeout_s": 15.0}
 
@@ -45,6 +50,7 @@ class DemoOptions:
     in_flight: int = 4
     workdir: str | None = None
     config_path: str | None = None  # a TOML run file instead of the preset
+    reference: bool = True  # train one process on the same samples afterwards, for comparison
 
 
 class Interrupted(Exception):
@@ -77,7 +83,10 @@ def run_demo(options: DemoOptions, out=sys.stdout) -> dict:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     summary = _summary(swarm, cfg, servers if "servers" in locals() else {}, killed)
-    _print_summary(summary, workdir, interrupted, out)
+    # after stop_all: the reference gets the CPU to itself, and a Ctrl-C'd demo skips it
+    run_reference = options.reference and not interrupted and summary["val_loss"] is not None
+    summary.update(_reference(cfg, summary, out) if run_reference else dict.fromkeys(REFERENCE_KEYS))
+    _print_summary(summary, cfg, workdir, interrupted, out)
     return summary
 
 
@@ -188,9 +197,38 @@ def _summary(swarm: LocalSwarm, cfg, servers: dict[str, int], killed: list[str])
     return {key: summary[key] for key in (*SUMMARY_KEYS, *EXTRA_KEYS)}
 
 
-def _print_summary(summary: dict, workdir: Path, interrupted: bool, out) -> None:
+def _reference_samples(cfg, samples: int) -> int:
+    """The samples the swarm applied in whole global batches: what one process replays."""
+    return samples // cfg.training.global_batch_size * cfg.training.global_batch_size
+
+
+def _reference(cfg, summary: dict, out) -> dict:
+    """Validation loss of one process trained on the swarm's samples, and the swarm's relative gap."""
+    from swarmtrain.runtime.local import local_reference_val_loss  # torch: only once it is needed
+
+    samples = _reference_samples(cfg, summary["samples"] or 0)
+    if not samples:
+        return dict.fromkeys(REFERENCE_KEYS)
+    print(f"computing the one-process reference on the same {samples:,} samples...", file=out, flush=True)
+    try:
+        local = local_reference_val_loss(cfg, samples, eval_samples=EVAL_SAMPLES)
+    except KeyboardInterrupt:  # the swarm's results are in; a Ctrl-C only drops the comparison
+        print("  reference interrupted; skipped", file=out, flush=True)
+        return dict.fromkeys(REFERENCE_KEYS)
+    return {"local_val_loss": local, "val_loss_gap": summary["val_loss"] / local - 1}
+
+
+def _print_summary(summary: dict, cfg, workdir: Path, interrupted: bool, out) -> None:
     print(("interrupted; " if interrupted else "") + "summary:", file=out)
-    for key in (*SUMMARY_KEYS, *EXTRA_KEYS):
+    for key in (*SUMMARY_KEYS, *EXTRA_KEYS, *REFERENCE_KEYS):
         value = summary[key]
         print(f"  {key:30s} {value:.4f}" if isinstance(value, float) else f"  {key:30s} {value}", file=out)
+    if summary["local_val_loss"] is not None:
+        samples = _reference_samples(cfg, summary["samples"])
+        print(
+            f"  val loss {summary['val_loss']:.3f} (swarm) vs {summary['local_val_loss']:.3f} (one process, "
+            f"same {samples:,} samples; swarm {summary['val_loss_gap']:+.1%}) vs "
+            f"{summary['byte_frequency_val_loss']:.3f} (byte frequencies)",
+            file=out,
+        )
     print(f"  logs and ledgers: {workdir}", file=out, flush=True)

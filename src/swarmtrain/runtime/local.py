@@ -2,10 +2,13 @@
 
 Same model code, optimizer and schedule as the stage servers; accumulation of micro-batches up to
 the global batch; gradient clipping; periodic validation; checkpoint and resume.
+`local_reference_val_loss` replays a swarm run's samples on one process, for `swarmtrain demo`'s
+side-by-side comparison.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass, field
@@ -72,7 +75,11 @@ class LocalTrainer:
         self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         save_model_checkpoint(self.model, self.checkpoint_dir / "model.safetensors")
         torch.save(self.optimizer.state_dict(), self.checkpoint_dir / "optimizer.pt")
-        meta = {"samples_seen": self.samples_seen, "digest": self.cfg.digest(), "preset": self.cfg.preset}
+        meta = {
+            "samples_seen": self.samples_seen,
+            "digest": _resume_digest(self.cfg),
+            "preset": self.cfg.preset,
+        }
         (self.checkpoint_dir / "meta.json").write_text(json.dumps(meta))
 
     def try_resume(self) -> bool:
@@ -80,10 +87,10 @@ class LocalTrainer:
         if not meta_path or not meta_path.is_file():
             return False
         meta = json.loads(meta_path.read_text())
-        if meta.get("digest") != self.cfg.digest():
+        if meta.get("digest") != _resume_digest(self.cfg):
             raise UserError(
                 f"checkpoint in {self.checkpoint_dir} was made with a different config (digest {meta.get('digest')}, "
-                f"this run {self.cfg.digest()}); use another --checkpoint-dir"
+                f"this run {_resume_digest(self.cfg)}); use another --checkpoint-dir"
             )
         load_model_checkpoint(self.model, self.checkpoint_dir / "model.safetensors")
         self.optimizer.load_state_dict(torch.load(self.checkpoint_dir / "optimizer.pt", weights_only=True))
@@ -114,20 +121,27 @@ class LocalTrainer:
         self.samples_seen += t.global_batch_size
         return total / accumulation
 
-    def train(self) -> LocalResult:
+    def train(self, stop_samples: int | None = None) -> LocalResult:
+        """Train whole global batches until `stop_samples` (default: training.max_samples).
+
+        The stop is separate from the schedule: the learning rate always decays over
+        training.max_samples, so stopping early or going past it (at min_learning_rate) replays
+        exactly the steps a longer or shorter run with the same config takes.
+        """
         t = self.cfg.training
+        stop = t.max_samples if stop_samples is None else stop_samples
         self.try_resume()
         history = [(self.samples_seen, self.val_loss())]
         batches = iterate_batches(
             self.train_set, t.micro_batch_size, seed=t.seed, skip_samples=self.samples_seen
         )
-        bar = _progress_bar(t.max_samples, self.samples_seen, self.progress)
+        bar = _progress_bar(stop, self.samples_seen, self.progress)
         trained_samples, train_time_s, next_eval = (
             0,
             0.0,
-            self.samples_seen + (t.eval_every_samples or t.max_samples),
+            self.samples_seen + (t.eval_every_samples or stop),
         )
-        while self.samples_seen + t.global_batch_size <= t.max_samples:
+        while self.samples_seen + t.global_batch_size <= stop:
             start = time.perf_counter()
             loss = self.step(batches)
             train_time_s += time.perf_counter() - start
@@ -137,7 +151,7 @@ class LocalTrainer:
             if self.samples_seen >= next_eval:
                 history.append((self.samples_seen, self.val_loss()))
                 bar.write(f"samples {self.samples_seen}: val_loss {history[-1][1]:.4f}")
-                next_eval += t.eval_every_samples or t.max_samples
+                next_eval += t.eval_every_samples or stop
                 self.save()
         bar.close()
         if history[-1][0] != self.samples_seen:
@@ -150,6 +164,35 @@ class LocalTrainer:
             samples_per_s=trained_samples / train_time_s if train_time_s else 0.0,
             val_history=history,
         )
+
+
+def local_reference_val_loss(
+    cfg: RunConfig, samples: int, progress: bool = False, eval_samples: int | None = None
+) -> float:
+    """Validation loss of one process after the first `samples` training samples, as `train-local`
+    trains them: same initial weights (seed), same data order, AdamW, accumulation to the global batch,
+    clipping, and the learning-rate schedule over training.max_samples (the horizon the swarm's stage
+    servers use, whatever `samples` is). `samples` is rounded down to whole global batches, since
+    optimizer steps are; evaluated on the first `eval_samples` validation samples (default:
+    training.eval_samples), like the swarm trainer's own evaluation. Uses torch's threads as set.
+    """
+    t = cfg.training
+    stop = samples // t.global_batch_size * t.global_batch_size
+    # Only the loss after the last step is wanted: a period past the stop skips the periodic
+    # evaluations and their log lines (evaluating does not change training, so the result is the same).
+    training = dataclasses.replace(
+        t, eval_every_samples=stop + t.global_batch_size, eval_samples=eval_samples or t.eval_samples
+    )
+    cfg = cfg.replace(training=training)
+    return LocalTrainer(cfg, progress=progress).train(stop_samples=stop).final_val_loss
+
+
+def _resume_digest(cfg: RunConfig) -> str:
+    """The config digest without the schedule horizon: one process may extend its own run with a
+    larger --max-samples (swarm peers may not: their digest includes it, so they share one schedule)."""
+    import dataclasses
+
+    return cfg.replace(training=dataclasses.replace(cfg.training, max_samples=1)).digest()
 
 
 def _progress_bar(total: int, initial: int, enabled: bool):

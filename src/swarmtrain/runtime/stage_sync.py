@@ -106,10 +106,11 @@ class StageSynchronizer:
 
     # checks -------------------------------------------------------------------------------------
     def step_applied(self, grad_fp: list[float]) -> None:
-        """Called after every applied step (from the event loop)."""
+        """Called after every applied step (from the event loop). Not published at once: a DHT store
+        per step per replica cost CPU the stage needs (several steps per second on `tiny`); the
+        heartbeat carries the epoch and its fingerprint together."""
         self._grad_fp = grad_fp
         self.averager.state_sharing_priority = float(self.worker.epoch)
-        self.publish()
 
     def tick(self) -> None:
         others, epoch = self._others(), self.worker.epoch
