@@ -18,7 +18,7 @@ def _bad_requests(cfg, digest):
     hidden, labels = torch.randn(b, t, m.d_model), torch.randint(0, m.vocab_size, (b, t))
 
     def req(tensors, **header):
-        fields = {"fused_backward": True, **header}
+        fields = {"fused_backward": True, "step": 0, **header}
         return pack(request_message("forward", "bad-1", 1, digest, "none", tensors, **fields))
 
     nan = hidden.clone()
@@ -113,6 +113,7 @@ def test_bad_requests_get_error_answers_and_change_nothing(make_swarm):
         "none",
         {"inputs": hidden, "labels": labels},
         fused_backward=True,
+        step=0,
     )
     reply = probe.call_raw(peer, "forward", pack(good))
     assert reply.kind == "result" and reply.header["loss"] > 0
