@@ -28,3 +28,27 @@ def small_text_dir(tmp_path):
 
 def with_training(cfg, **changes):
     return cfg.replace(training=dataclasses.replace(cfg.training, **changes))
+
+
+@pytest.fixture
+def start_compute():
+    """start_compute() -> a running stage compute thread; torch on one thread (tiny tensors: thread
+    start-up costs more than it saves on a shared machine); every thread stopped at teardown."""
+    import torch
+
+    from swarmtrain.runtime.compute import ComputeWorker
+
+    started: list[ComputeWorker] = []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+
+    def start() -> ComputeWorker:
+        compute = ComputeWorker()
+        compute.start()
+        started.append(compute)
+        return compute
+
+    yield start
+    for compute in started:
+        compute.stop()
+    torch.set_num_threads(threads)

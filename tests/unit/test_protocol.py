@@ -67,7 +67,9 @@ def test_valid_requests_for_first_and_last_stage(tiny_cfg):
     m = tiny_cfg.model
     tokens = torch.randint(0, m.vocab_size, (3, m.seq_len))
     req = validate_request(
-        request_message("forward", "a", 0, DIGEST, "none", {"inputs": tokens}, step=7), _io(tiny_cfg, 0), DIGEST
+        request_message("forward", "a", 0, DIGEST, "none", {"inputs": tokens}, step=7),
+        _io(tiny_cfg, 0),
+        DIGEST,
     )
     assert req.num_samples == 3 and not req.evaluate and torch.equal(req.inputs, tokens) and req.step == 7
     hidden = torch.randn(3, m.seq_len, m.d_model)

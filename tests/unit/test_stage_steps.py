@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from swarmtrain.net.protocol import StageRequest
-from swarmtrain.runtime.compute import ComputeWorker
 from swarmtrain.runtime.stage_steps import StepCoordinator, StepSettings
 from swarmtrain.runtime.stage_worker import StageWorker
 from swarmtrain.runtime.step_tracker import StepTracker
@@ -51,28 +50,15 @@ def _train(worker, batches, step=0, prefix="m"):
         )
 
 
-async def _replicas(cfg, names, net, settings=None, computes=None):
+async def _replicas(cfg, names, net, start_compute, settings=None):
     nodes = {}
     for name in names:
         worker = StageWorker(cfg, cfg.stages()[1])
-        compute = ComputeWorker()
-        compute.start()
-        computes.append(compute)
+        compute = start_compute()
         settings = settings or StepSettings(close_timeout_s=5.0, exchange_timeout_s=5.0, poll_s=0.05)
         nodes[name] = StepCoordinator(worker, compute, name, net.sender(name), settings)
         net.nodes[name] = nodes[name]
     return nodes
-
-
-@pytest.fixture
-def computes():
-    started: list[ComputeWorker] = []
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield started
-    for compute in started:
-        compute.stop()
-    torch.set_num_threads(threads)
 
 
 def _close(nodes, step, members, shard=0, shards=1, to=None):
@@ -87,12 +73,14 @@ async def _until(predicate, timeout_s=10.0):
         await asyncio.sleep(0.01)
 
 
-def test_replicas_sum_their_samples_and_apply_exactly_one_global_batch(tiny_cfg, micro_batches, computes):
+def test_replicas_sum_their_samples_and_apply_exactly_one_global_batch(
+    tiny_cfg, micro_batches, start_compute
+):
     """3 micro-batches on A, 1 on B: both apply the mean over all 32 samples, like one replica."""
 
     async def scenario():
         net = Net()
-        nodes = await _replicas(tiny_cfg, ["A", "B"], net, computes=computes)
+        nodes = await _replicas(tiny_cfg, ["A", "B"], net, start_compute)
         single = StageWorker(tiny_cfg, tiny_cfg.stages()[1])
         _train(nodes["A"].worker, micro_batches[:3])
         _train(nodes["B"].worker, micro_batches[3:], prefix="b")
@@ -116,11 +104,11 @@ def test_replicas_sum_their_samples_and_apply_exactly_one_global_batch(tiny_cfg,
     asyncio.run(scenario())
 
 
-def test_an_unreachable_member_is_not_waited_for(tiny_cfg, micro_batches, computes):
+def test_an_unreachable_member_is_not_waited_for(tiny_cfg, micro_batches, start_compute):
     async def scenario():
         net = Net()
         settings = StepSettings(close_timeout_s=5.0, exchange_timeout_s=60.0, poll_s=0.05)
-        nodes = await _replicas(tiny_cfg, ["A", "B"], net, settings, computes)
+        nodes = await _replicas(tiny_cfg, ["A", "B"], net, start_compute, settings)
         _train(nodes["A"].worker, micro_batches[:2])
         net.unreachable.add("B")  # B died after accumulating its share (which is lost with it)
         task = asyncio.create_task(nodes["A"].run())
@@ -134,11 +122,11 @@ def test_an_unreachable_member_is_not_waited_for(tiny_cfg, micro_batches, comput
     asyncio.run(scenario())
 
 
-def test_a_step_waits_for_every_trainer_or_the_close_timeout(tiny_cfg, micro_batches, computes):
+def test_a_step_waits_for_every_trainer_or_the_close_timeout(tiny_cfg, micro_batches, start_compute):
     async def scenario():
         net = Net()
         settings = StepSettings(close_timeout_s=0.3, exchange_timeout_s=5.0, poll_s=0.05)
-        nodes = await _replicas(tiny_cfg, ["A"], net, settings, computes)
+        nodes = await _replicas(tiny_cfg, ["A"], net, start_compute, settings)
         _train(nodes["A"].worker, micro_batches[:2])
         task = asyncio.create_task(nodes["A"].run())
         nodes["A"].on_close(0, 0, 2, {"A": 16}, ["A"])  # trainer 0 of 2; trainer 1 never closes
@@ -151,12 +139,12 @@ def test_a_step_waits_for_every_trainer_or_the_close_timeout(tiny_cfg, micro_bat
     asyncio.run(scenario())
 
 
-def test_gradients_no_trainer_saw_are_not_counted(tiny_cfg, micro_batches, computes):
+def test_gradients_no_trainer_saw_are_not_counted(tiny_cfg, micro_batches, start_compute):
     """Every replica must sum the same set: a replica the closes do not list keeps its work out."""
 
     async def scenario():
         net = Net()
-        nodes = await _replicas(tiny_cfg, ["A", "B"], net, computes=computes)
+        nodes = await _replicas(tiny_cfg, ["A", "B"], net, start_compute)
         _train(nodes["A"].worker, micro_batches[:2])
         _train(nodes["B"].worker, micro_batches[2:3], prefix="b")  # its reply was lost: unlisted
         tasks = [asyncio.create_task(n.run()) for n in nodes.values()]

@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from swarmtrain.net.protocol import StageRequest
-from swarmtrain.runtime.compute import ComputeWorker
 from swarmtrain.runtime.stage_sync import StageSynchronizer, SyncSettings
 from swarmtrain.runtime.stage_worker import StageWorker
 
@@ -36,25 +35,15 @@ class FakeAverager:
 
 
 @pytest.fixture
-def make_sync(tiny_cfg):
-    computes = []
-
+def make_sync(tiny_cfg, start_compute):
     def make(peer="B", averager=None, lag_grace_s=3.0):
         worker = StageWorker(tiny_cfg, tiny_cfg.stages()[1])
-        compute = ComputeWorker()
-        compute.start()
-        computes.append(compute)
         records, averager = FakeRecords(), averager or FakeAverager()
         settings = SyncSettings(lag_grace_s=lag_grace_s)
-        sync = StageSynchronizer(worker, compute, averager, records, peer, "d", settings)
+        sync = StageSynchronizer(worker, start_compute(), averager, records, peer, "d", settings)
         return sync, worker, records, averager
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield make
-    for compute in computes:
-        compute.stop()
-    torch.set_num_threads(threads)
+    return make
 
 
 def _train(worker, count, step=0):

@@ -382,6 +382,11 @@ def validate_close(message: Message, stage: int, digest: str) -> dict:
     }
 
 
+def max_grads_message_bytes(num_values: int, num_tensors: int) -> int:
+    """Largest legal `grads` message: fp32 sums, the header (bounded) and per-tensor descriptors."""
+    return 4 * num_values + MAX_HEADER_BYTES + 4096 * (1 + num_tensors // 64)
+
+
 def validate_grads(
     message: Message, stage: int, digest: str, names: list[str], shapes: list[tuple[int, ...]]
 ) -> tuple[int, int, list[torch.Tensor]]:

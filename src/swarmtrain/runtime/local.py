@@ -190,8 +190,6 @@ def local_reference_val_loss(
 def _resume_digest(cfg: RunConfig) -> str:
     """The config digest without the schedule horizon: one process may extend its own run with a
     larger --max-samples (swarm peers may not: their digest includes it, so they share one schedule)."""
-    import dataclasses
-
     return cfg.replace(training=dataclasses.replace(cfg.training, max_samples=1)).digest()
 
 

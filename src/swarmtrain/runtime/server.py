@@ -28,6 +28,7 @@ from swarmtrain.net.protocol import (
     StageIO,
     error_message,
     make_message,
+    max_grads_message_bytes,
     validate_close,
     validate_grads,
     validate_request,
@@ -102,6 +103,7 @@ class StageServer:
         self.addresses = visible_addresses(self.dht)  # fixed for our lifetime; asking a dead DHT would hang
         self.records = RunRecords(self.dht, self.cfg.swarm.run_id)
         self.worker = StageWorker(self.cfg, self.spec, self.options.cache_size, self.ledger)
+        self._param_shapes = [tuple(p.shape) for p in self.worker.params]
         self.throughput_samples_per_s = self._measure_throughput()
         self.averager = StageAverager(
             self.worker.params,
@@ -198,7 +200,9 @@ class StageServer:
             on_step=self.sync.step_applied,
         )
         self.sync.on_epoch_moved = self.steps.version_changed_threadsafe
-        limit = max(self.io.max_message_bytes(), self._grads_message_bytes())
+        params = self.worker.params
+        grads_bytes = max_grads_message_bytes(sum(p.numel() for p in params), len(params))
+        limit = max(self.io.max_message_bytes(), grads_bytes)
         servicer = StageServicer(self._handle, limit)
         self.stats = servicer.stats
         await servicer.add_p2p_handlers(p2p, namespace=namespace(self.cfg))
@@ -238,7 +242,7 @@ class StageServer:
         """One replica's gradient sums of a step to a stage peer; False if the peer is gone."""
         from hivemind.p2p import PeerID
 
-        from swarmtrain.net.transport import TruncatedReply, is_connection_error
+        from swarmtrain.net.transport import RemoteError, TruncatedReply, is_connection_error
 
         header = {"step": step, "samples": samples, "stage": self.spec.index, "digest": self.digest}
         message = make_message("grads", header, dict(zip(self.worker.names, sums, strict=True)), "none")
@@ -247,6 +251,9 @@ class StageServer:
                 timeout_s = self.cfg.swarm.averaging_timeout_s
                 await self._client.call(PeerID.from_base58(peer), "grads", message, timeout_s=timeout_s)
                 return True
+            except RemoteError as exc:  # alive but refusing (digest, shape): retrying cannot help
+                logger.warning("step %d: stage peer %s refused our gradients: %s", step, peer[-8:], exc)
+                return False
             except Exception as exc:
                 if is_connection_error(exc) and not isinstance(exc, TruncatedReply):
                     logger.warning("step %d: stage peer %s unreachable: %r", step, peer[-8:], exc)
@@ -256,11 +263,6 @@ class StageServer:
                 )
         return False
 
-    def _grads_message_bytes(self) -> int:
-        return 4 * sum(p.numel() for p in self.worker.params) + 64 * 1024 * (
-            1 + len(self.worker.params) // 64
-        )
-
     async def _handle(self, message: Message, context) -> Message:
         if message.kind == "info":
             return await self.compute.run(lambda: self._info(message), PRIORITY_SYNC)
@@ -268,9 +270,8 @@ class StageServer:
             self.steps.on_close(**validate_close(message, self.spec.index, self.digest))
             return Message("result", {"ok": True})
         if message.kind == "grads":
-            shapes = [tuple(p.shape) for p in self.worker.params]
             step, samples, sums = validate_grads(
-                message, self.spec.index, self.digest, self.worker.names, shapes
+                message, self.spec.index, self.digest, self.worker.names, self._param_shapes
             )
             self.steps.on_grads(context.remote_id.to_base58(), step, samples, sums)
             return Message("result", {"ok": True})

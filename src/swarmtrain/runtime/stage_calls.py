@@ -201,9 +201,18 @@ class StageCaller:
                 peer = self.table.choose(stage, num_samples, weight, excluded)
             if peer is not None:
                 return peer
-            now = time.monotonic()
-            if now - self._last_no_peer_log[stage] >= NO_PEER_LOG_PERIOD_S:
-                self._last_no_peer_log[stage] = now
-                logger.warning("stage %d has no live peer; waiting for a server to announce itself", stage)
-            await asyncio.sleep(min(1.0, self.swarm.announce_period_s / 2))
-            await self.refresh()
+            await self.wait_a_moment(stage)
+
+    async def wait_for_peer(self, stage: int) -> None:
+        """Until `stage` has a live peer in our view (or we are stopping)."""
+        while not self.table.available(stage) and not self.stopping.is_set():
+            await self.wait_a_moment(stage)
+
+    async def wait_a_moment(self, stage: int) -> None:
+        """`stage` has no usable peer: say so now and then, wait, refresh the DHT view."""
+        now = time.monotonic()
+        if now - self._last_no_peer_log[stage] >= NO_PEER_LOG_PERIOD_S:
+            self._last_no_peer_log[stage] = now
+            logger.warning("stage %d has no live peer; waiting for a server to announce itself", stage)
+        await asyncio.sleep(min(1.0, self.swarm.announce_period_s / 2))
+        await self.refresh()

@@ -32,7 +32,6 @@ class StepTracker:
             raise ValueError("a step needs at least one micro-batch")
         self.num_stages = num_stages
         self.micro_batches_per_step = micro_batches_per_step
-        self.start_step = start_step
         self.close = close
         self.steps: dict[int, _Step] = {}
         self.next_step = start_step  # the step the next micro-batch joins
@@ -86,7 +85,3 @@ class StepTracker:
         if all(state.closed):
             del self.steps[step]
             self.closed_steps += 1
-
-    @property
-    def open_steps(self) -> int:
-        return len(self.steps)

@@ -179,17 +179,8 @@ class SwarmTrainer:
 
     async def _wait_for_every_stage(self) -> None:
         """Before the first step: every stage has a live peer (its step tells where to start)."""
-        last_log_s = 0.0
-        while not all(self.table.peers_per_stage()) and not self.stopping.is_set():
-            if time.monotonic() - last_log_s >= 5.0:
-                last_log_s = time.monotonic()
-                for stage, peers in enumerate(self.table.peers_per_stage()):
-                    if not peers:
-                        logger.warning(
-                            "stage %d has no live peer; waiting for a server to announce itself", stage
-                        )
-            await asyncio.sleep(min(1.0, self.cfg.swarm.announce_period_s / 2))
-            await self.caller.refresh()
+        for stage in range(self.num_stages):
+            await self.caller.wait_for_peer(stage)
 
     def _swarm_step(self) -> int:
         """The step the swarm is at: the highest parameter version any live server announces."""
