@@ -52,6 +52,7 @@ from pathlib import Path
 import torch
 
 from swarmtrain.config import RunConfig, get_preset, load_run_config
+from swarmtrain.runtime.cpu_quota import CpuQuota, CpuQuotaError
 from swarmtrain.runtime.local import LocalTrainer
 from swarmtrain.runtime.local_swarm import LocalSwarm, write_run_toml
 
@@ -258,10 +259,17 @@ def per_stage(servers: dict[str, dict], num_stages: int) -> list[dict]:
     return stages
 
 
-def run_row(row: Row, config_path: Path, cfg: RunConfig, workdir: Path, timeout_s: float) -> dict:
+def run_row(
+    row: Row,
+    config_path: Path,
+    cfg: RunConfig,
+    workdir: Path,
+    timeout_s: float,
+    cpus_per_server: float | None,
+) -> dict:
     t = cfg.training
     names = server_names(row.servers)
-    with LocalSwarm(workdir, config_path) as swarm:
+    with LocalSwarm(workdir, config_path, cpus_per_server=cpus_per_server) as swarm:
         try:
             swarm.start_dht()
             for name, stage in names:
@@ -390,6 +398,14 @@ def main() -> int:
         type=float,
         help="give up on a row's trainer after this long (default 180 + 0.1 s per sample)",
     )
+    parser.add_argument(
+        "--cpus-per-server",
+        type=float,
+        metavar="CPUS",
+        help="run each server in its own cgroup limited to CPUS cores (root; e.g. 0.5), so servers act as "
+        "separate equal machines and an added replica brings its own compute; default: no limit "
+        "(on a 2-core machine every server then shares the same 2 cores)",
+    )
     parser.add_argument("--summary-json", metavar="PATH", help="all rows, the local reference, machine info")
     parser.add_argument(
         "--keep-logs",
@@ -411,6 +427,11 @@ def main() -> int:
         for r in args.rows
     ]
     timeout_s = args.row_timeout_s or 180.0 + 0.1 * args.samples
+    if args.cpus_per_server is not None:
+        try:  # fail now, not in every row
+            CpuQuota("check", args.cpus_per_server).remove()
+        except CpuQuotaError as exc:
+            parser.error(str(exc))
 
     def on_sigterm(signum, frame):  # stop the swarm as on Ctrl-C
         raise KeyboardInterrupt
@@ -436,6 +457,7 @@ def main() -> int:
         "global_batch_size": g,
         "micro_batch_size": t.micro_batch_size,
         "tolerance_pct": args.tolerance_pct,
+        "cpus_per_server": args.cpus_per_server,
         "run_toml": config_path.read_text(),
         "machine": machine_info(),
         "local": None,
@@ -452,7 +474,10 @@ def main() -> int:
     try:
         print(
             f"preset {args.preset}, {args.samples} samples, val loss on {t.eval_samples} samples; "
-            f"{len(rows)} row(s), one swarm at a time",
+            f"{len(rows)} row(s), one swarm at a time"
+            + (
+                "" if args.cpus_per_server is None else f"; each server limited to {args.cpus_per_server} CPU"
+            ),
             flush=True,
         )
         print("local reference (train-local, 1 thread) ...", flush=True)
@@ -486,7 +511,7 @@ def main() -> int:
             }
             start = time.monotonic()
             try:
-                entry.update(run_row(row, config_path, cfg, workdir, timeout_s))
+                entry.update(run_row(row, config_path, cfg, workdir, timeout_s, args.cpus_per_server))
                 entry["gap_pct"] = gap_pct(entry["val_loss"], local["final_val_loss"])
                 entry["within_tolerance"] = (
                     entry["gap_pct"] is not None and entry["gap_pct"] <= args.tolerance_pct

@@ -106,3 +106,118 @@ def test_diverged_replica_with_larger_id_resyncs(make_sync):
     records2.progress["A"] = _peer(0, grad_fp=[1.0, 2.5])
     sync2.tick()
     assert ("download",) not in averager2.calls
+
+
+# start-up: live replicas, checkpoint or refusal; a stage left behind the others ------------------------
+class StagedRecords(FakeRecords):
+    """Progress per stage (the tests above need only one)."""
+
+    def __init__(self):
+        super().__init__()
+        self.by_stage = {}
+
+    def stage_progress(self, stage):
+        source = self.progress if stage == 1 else self.by_stage.get(stage, {})
+        return {peer: dict(value) for peer, value in source.items()}
+
+
+@pytest.fixture
+def make_joiner(tiny_cfg, start_compute, tmp_path):
+    from swarmtrain.runtime.stage_checkpoint import CheckpointSettings, StageCheckpointer
+
+    made = []
+
+    def make(checkpoint_from=None, averager=None, allow_fresh=False, lag_grace_s=3.0):
+        worker = StageWorker(tiny_cfg, tiny_cfg.stages()[1])
+        identity = {"run_id": "r", "digest": tiny_cfg.digest()}
+        directory = tmp_path / f"checkpoints{len(made)}"  # each replica its own
+        made.append(directory)
+        checkpointer = StageCheckpointer(CheckpointSettings(directory), 1, identity, worker.export_state)
+        if checkpoint_from is not None:
+            donor_checkpointer = StageCheckpointer(
+                CheckpointSettings(directory), 1, identity, checkpoint_from.export_state
+            )
+            donor_checkpointer.save(checkpoint_from.epoch).result(timeout=30)
+        fatal = []
+        settings = SyncSettings(num_stages=2, allow_fresh=allow_fresh, lag_grace_s=lag_grace_s)
+        records, averager = StagedRecords(), averager or FakeAverager()
+        sync = StageSynchronizer(
+            worker,
+            start_compute(),
+            averager,
+            records,
+            "B",
+            "d",
+            settings,
+            checkpoints=checkpointer,
+            on_fatal=fatal.append,
+        )
+        return sync, worker, records, fatal
+
+    return make
+
+
+def _donor(tiny_cfg, steps):
+    donor = StageWorker(tiny_cfg, tiny_cfg.stages()[1])
+    for step in range(steps):
+        _train(donor, 2, step)
+        _apply(donor)
+    return donor
+
+
+def test_join_restores_the_checkpoint_at_the_swarm_step(make_joiner, tiny_cfg):
+    donor = _donor(tiny_cfg, 5)
+    sync, worker, records, _ = make_joiner(checkpoint_from=donor)
+    records.by_stage[0] = {"X": _peer(7)}  # stage 0 lives at step 7
+    sync.join()
+    assert worker.epoch == 7 and worker.samples_seen == donor.samples_seen and not sync.untrained
+    assert all(torch.equal(a, b) for a, b in zip(worker.params, donor.params, strict=True))
+    sync.stop()
+
+
+def test_join_refuses_initial_weights_in_a_swarm_that_stepped(make_joiner):
+    from swarmtrain.runtime.stage_sync import RestoreRefused
+
+    sync, worker, records, _ = make_joiner()
+    records.by_stage[0] = {"X": _peer(7)}
+    with pytest.raises(RestoreRefused, match="no live replica and no checkpoint"):
+        sync.join()
+    sync.stop()
+    fresh, worker, records, _ = make_joiner(allow_fresh=True)
+    records.by_stage[0] = {"X": _peer(7)}
+    fresh.join()
+    assert worker.epoch == 7 and fresh.serving.is_set()
+    fresh.stop()
+
+
+def test_join_falls_back_to_the_checkpoint_when_the_replicas_died(make_joiner, tiny_cfg):
+    donor = _donor(tiny_cfg, 3)
+    sync, worker, records, _ = make_joiner(checkpoint_from=donor, averager=FakeAverager(donor_state=None))
+    records.progress["A"] = _peer(4)  # a record of a replica that is gone: its download fails
+    sync.join()
+    assert worker.epoch == 3 and not sync.untrained
+    sync.stop()
+
+
+def test_a_restored_stage_behind_the_others_adopts_their_step_an_untrained_one_refuses(make_joiner, tiny_cfg):
+    import time
+
+    sync, worker, records, fatal = make_joiner(checkpoint_from=_donor(tiny_cfg, 2), lag_grace_s=0.1)
+    sync.join()
+    records.by_stage[0] = {"X": _peer(9)}
+    sync.tick()
+    assert worker.epoch == 2  # a moment behind is normal
+    time.sleep(0.15)
+    sync.tick()
+    assert worker.epoch == 9 and fatal == [] and sync.serving.is_set()
+    sync.stop()
+
+    untrained, worker, records, fatal = make_joiner(lag_grace_s=0.1)
+    untrained.join()  # a new run: nobody has stepped
+    records.by_stage[0] = {"X": _peer(9)}  # then the other stage shows up trained
+    untrained.tick()
+    time.sleep(0.15)
+    untrained.tick()
+    assert worker.epoch == 0 and not untrained.serving.is_set()
+    assert len(fatal) == 1 and "untrained initial weights" in fatal[0]
+    untrained.stop()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from swarmtrain.cli.net_args import add_network_args, prepare_process
+from swarmtrain.cli.net_args import add_identity_arg, add_network_args, prepare_process
 
 HELP = "start a bootstrap DHT node and print its address for --initial-peers"
 
@@ -12,6 +12,7 @@ HELP = "start a bootstrap DHT node and print its address for --initial-peers"
 def register(subparsers) -> None:
     parser = subparsers.add_parser("dht", help=HELP, description=HELP + ". Runs until Ctrl-C or SIGTERM.")
     add_network_args(parser, needs_peers=False)
+    add_identity_arg(parser)
     parser.add_argument("--address-file", metavar="PATH", help="also write the addresses here, one per line")
     parser.set_defaults(func=run)
 
@@ -27,7 +28,7 @@ def run(args: argparse.Namespace) -> int:
 
     forked_children_die_with_me()
     peers = validate_initial_peers(args.initial_peers)
-    dht = start_dht(peers, host=args.host, port=args.port)
+    dht = start_dht(peers, host=args.host, port=args.port, identity_path=args.identity_path)
     remember_group_sockets()
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -22,6 +22,15 @@ def add_network_args(parser: argparse.ArgumentParser, needs_peers: bool = True) 
     parser.add_argument("--port", type=int, default=0, help="TCP port to listen on (default: any free port)")
 
 
+def add_identity_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--identity-path",
+        metavar="FILE",
+        help="this peer's private key (created if missing): its peer id, and with --port its address, "
+        "stay the same across restarts (default: a new identity every start)",
+    )
+
+
 def prepare_process(log_level: str | None = None) -> None:
     """First thing a networked subcommand does: hivemind environment, then logging."""
     from swarmtrain.net.engine import prepare_environment

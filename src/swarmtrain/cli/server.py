@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from swarmtrain.cli.common import add_run_config_args, positive_int, run_config_from_args
-from swarmtrain.cli.net_args import add_network_args, prepare_process
+from swarmtrain.cli.common import add_run_config_args, non_negative_float, positive_int, run_config_from_args
+from swarmtrain.cli.net_args import add_identity_arg, add_network_args, prepare_process
 
 HELP = "serve one pipeline stage (forward/backward RPCs, intra-stage averaging)"
 
@@ -20,6 +20,32 @@ def register(subparsers) -> None:
     parser.add_argument("--stage", type=int, required=True, help="stage index, 0 .. num_stages-1")
     add_run_config_args(parser)
     add_network_args(parser)
+    add_identity_arg(parser)
+    parser.add_argument(
+        "--checkpoint-dir",
+        metavar="DIR",
+        help="save the stage (parameters, optimizer, step) in DIR/stage<N>/ and resume from its newest "
+        "checkpoint on start; replicas may share DIR (default: the run config's swarm.checkpoint_dir; "
+        "none if empty)",
+    )
+    parser.add_argument(
+        "--checkpoint-every-steps",
+        type=int,
+        metavar="N",
+        help="save every N global steps, 0: never by steps (default: swarm.checkpoint_every_steps, 50)",
+    )
+    parser.add_argument(
+        "--checkpoint-every-s",
+        type=non_negative_float,
+        metavar="S",
+        help="also save at the first step after S seconds, 0: never by time (default: swarm.checkpoint_every_s, 0)",
+    )
+    parser.add_argument(
+        "--fresh-start",
+        action="store_true",
+        help="serve initial weights even though the swarm has already trained and this stage has no live "
+        "replica or checkpoint (its training so far is lost); without it such a server refuses to start",
+    )
     parser.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads (default: 1)")
     parser.add_argument(
         "--cache-size",
@@ -45,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     from swarmtrain.net.engine import validate_initial_peers
     from swarmtrain.runtime.server import ServerOptions, StageServer
 
-    cfg = run_config_from_args(args)
+    cfg = _with_checkpoint_overrides(run_config_from_args(args), args)
     options = ServerOptions(
         stage=args.stage,
         initial_peers=validate_initial_peers(args.initial_peers),
@@ -56,5 +82,21 @@ def run(args: argparse.Namespace) -> int:
         ledger_path=args.ledger,
         metrics_period_s=args.metrics_period_s,
         min_matchmaking_time_s=args.matchmaking_time_s,
+        checkpoint_dir=args.checkpoint_dir,
+        fresh_start=args.fresh_start,
+        identity_path=args.identity_path,
     )
     return StageServer(cfg, options).run()
+
+
+def _with_checkpoint_overrides(cfg, args: argparse.Namespace):
+    import dataclasses
+
+    overrides = {
+        "checkpoint_every_steps": args.checkpoint_every_steps,
+        "checkpoint_every_s": args.checkpoint_every_s,
+    }
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    if not overrides:
+        return cfg
+    return dataclasses.replace(cfg, swarm=dataclasses.replace(cfg.swarm, **overrides))

@@ -27,6 +27,12 @@ def register(subparsers) -> None:
         "--checkpoint-dir", metavar="DIR", help="save here periodically; resume from here if present"
     )
     parser.add_argument(
+        "--init-from",
+        metavar="FILE",
+        help="start from these weights (a whole-model .safetensors, e.g. from `swarmtrain export`); "
+        "fresh optimizer and schedule",
+    )
+    parser.add_argument(
         "--threads", type=positive_int, metavar="N", help="torch CPU threads (default: torch's choice)"
     )
     parser.add_argument(
@@ -63,7 +69,9 @@ def run(args: argparse.Namespace) -> int:
     setup_logging()
     if args.threads:
         torch.set_num_threads(args.threads)
-    trainer = LocalTrainer(cfg, checkpoint_dir=args.checkpoint_dir, progress=not args.no_progress)
+    trainer = LocalTrainer(
+        cfg, checkpoint_dir=args.checkpoint_dir, progress=not args.no_progress, init_from=args.init_from
+    )
     result = trainer.train()
     summary = result.summary()
     # The loss of predicting bytes by their frequency alone: a model must beat it to have learned context.

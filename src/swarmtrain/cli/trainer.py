@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from swarmtrain.cli.common import add_run_config_args, positive_int, run_config_from_args, write_summary_json
-from swarmtrain.cli.net_args import add_network_args, prepare_process
+from swarmtrain.cli.net_args import add_identity_arg, add_network_args, prepare_process
 
 HELP = "drive micro-batches through the swarm (stochastic wiring, retries, compression)"
 
@@ -19,6 +19,7 @@ def register(subparsers) -> None:
     )
     add_run_config_args(parser)
     add_network_args(parser)
+    add_identity_arg(parser)
     parser.add_argument(
         "--compression",
         choices=("none", "float16", "8bit"),
@@ -70,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
         shard_index=shard_index,
         shard_count=shard_count,
         log_period_s=args.log_period_s,
+        identity_path=args.identity_path,
     )
     if args.trainer_id:
         options.trainer_id = args.trainer_id

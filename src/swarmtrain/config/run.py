@@ -84,8 +84,17 @@ class SwarmConfig:
     request_timeout_s: float = 30.0
     averaging_timeout_s: float = 30.0  # a step's gradient exchange between a stage's replicas
     max_retries: int = 5
+    # stage checkpoints (local knobs, not in the digest): where, how often, how many kept
+    checkpoint_dir: str = ""  # empty: no checkpoints (the server's --checkpoint-dir overrides)
+    checkpoint_every_steps: int = 50  # 0: not by steps
+    checkpoint_every_s: float = 0.0  # 0: not by time
+    checkpoint_keep: int = 3
 
     def __post_init__(self) -> None:
+        if self.checkpoint_every_steps < 0 or self.checkpoint_every_s < 0 or self.checkpoint_keep < 1:
+            raise ConfigError(
+                "swarm.checkpoint_every_steps and checkpoint_every_s must be >= 0, checkpoint_keep >= 1"
+            )
         if self.num_stages <= 0:
             raise ConfigError(f"swarm.num_stages must be positive, got {self.num_stages}")
         if self.compression not in COMPRESSION_CHOICES:

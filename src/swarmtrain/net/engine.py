@@ -13,6 +13,7 @@ import os
 import signal
 import socket
 import sys
+from pathlib import Path
 
 from swarmtrain.config.errors import UserError
 
@@ -42,11 +43,27 @@ def start_dht(
     host: str = "127.0.0.1",
     port: int = 0,
     startup_timeout_s: float = 20.0,
+    identity_path: str | None = None,
 ):
-    """Start a hivemind DHT (own process + p2pd) and return it; bootstrap failures become NetworkError."""
+    """Start a hivemind DHT (own process + p2pd) and return it; bootstrap failures become NetworkError.
+
+    `identity_path`: the peer's private key file (created when missing), so that its peer id, and
+    with a fixed --port its whole address, survive restarts."""
     prepare_environment()
     from hivemind.dht import DHT
 
+    extra = {}
+    if identity_path:
+        path = Path(identity_path)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise NetworkError(
+                f"cannot create the folder of --identity-path {path}: {exc.strerror}"
+            ) from None
+        if path.is_dir():
+            raise NetworkError(f"--identity-path {path} is a directory; give a file name")
+        extra["identity_path"] = str(path)
     host_maddr = f"/ip6/{host}/tcp/{port}" if ":" in host else f"/ip4/{host}/tcp/{port}"
     sockets_before = set(glob.glob("/tmp/hivemind-*.sock"))
     try:
@@ -57,6 +74,7 @@ def start_dht(
             host_maddrs=[host_maddr],
             startup_timeout=startup_timeout_s,
             await_ready=False,
+            **extra,
         )
         dht.wait_until_ready(timeout=startup_timeout_s + 10)
     except Exception as exc:  # hivemind raises bare Exceptions/P2PDaemonError/TimeoutError here

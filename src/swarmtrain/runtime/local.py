@@ -58,12 +58,21 @@ def validation_loss(model: torch.nn.Module, val: PackedDataset, batch_size: int,
 
 class LocalTrainer:
     def __init__(
-        self, cfg: RunConfig, checkpoint_dir: str | Path | None = None, progress: bool = True
+        self,
+        cfg: RunConfig,
+        checkpoint_dir: str | Path | None = None,
+        progress: bool = True,
+        init_from: str | Path | None = None,
     ) -> None:
+        """`init_from`: a whole-model safetensors file (`swarmtrain export`'s output) whose weights
+        replace the initial ones; the optimizer and schedule start fresh. A checkpoint in
+        `checkpoint_dir`, when there is one, is resumed instead."""
         self.cfg = cfg
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
         self.progress = progress
         self.model = build_model(cfg.model, seed=cfg.training.seed)
+        if init_from is not None:
+            load_model_checkpoint(self.model, init_from)
         self.optimizer = build_optimizer(self.model, cfg.training)
         self.samples_seen = 0
         self.train_set, self.val_set = build_datasets(cfg)

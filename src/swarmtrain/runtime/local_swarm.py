@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from swarmtrain.config.errors import UserError
+from swarmtrain.runtime.cpu_quota import CpuQuota
 from swarmtrain.runtime.procs import ManagedProcess
 
 READY_MARKER = "ready (epoch"
@@ -47,8 +48,15 @@ class LocalSwarm:
     """Start/stop peers of one run. Use as a context manager: everything is stopped on exit."""
 
     def __init__(
-        self, workdir: str | Path, config_path: str | Path, python: str | None = None, env: dict | None = None
+        self,
+        workdir: str | Path,
+        config_path: str | Path,
+        python: str | None = None,
+        env: dict | None = None,
+        cpus_per_server: float | None = None,
     ) -> None:
+        """`cpus_per_server`: run each server's process tree in its own cgroup limited to that many
+        cores (CpuQuota), so servers behave like separate equal machines; None: no limit."""
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.config_path = str(config_path)
@@ -57,6 +65,8 @@ class LocalSwarm:
         self.env.setdefault("PYTHONUNBUFFERED", "1")
         self.processes: dict[str, ManagedProcess] = {}
         self.address: str | None = None
+        self.cpus_per_server = cpus_per_server
+        self.quotas: dict[str, CpuQuota] = {}
 
     def __enter__(self) -> LocalSwarm:
         return self
@@ -64,16 +74,16 @@ class LocalSwarm:
     def __exit__(self, *exc) -> None:
         self.stop_all()
 
-    def _spawn(self, name: str, args: list[str]) -> ManagedProcess:
+    def _spawn(self, name: str, args: list[str], cpu_quota: CpuQuota | None = None) -> ManagedProcess:
         argv = [self.python, "-m", "swarmtrain.cli.main", *args]
-        proc = ManagedProcess(name, argv, self.workdir / f"{name}.log", env=self.env)
+        proc = ManagedProcess(name, argv, self.workdir / f"{name}.log", env=self.env, cpu_quota=cpu_quota)
         self.processes[name] = proc
         return proc
 
-    def start_dht(self, timeout_s: float = 60.0) -> str:
+    def start_dht(self, *extra: str, timeout_s: float = 60.0) -> str:
         address_file = self.workdir / "dht.addr"
         address_file.unlink(missing_ok=True)
-        proc = self._spawn("dht", ["dht", "--address-file", str(address_file)])
+        proc = self._spawn("dht", ["dht", "--address-file", str(address_file), *extra])
         deadline = time.monotonic() + timeout_s
         while not address_file.exists():
             if not proc.alive or time.monotonic() > deadline:
@@ -96,7 +106,10 @@ class LocalSwarm:
             str(self.workdir / f"{name}.ledger.jsonl"),
             *extra,
         ]
-        return self._spawn(name, args)
+        quota = None
+        if self.cpus_per_server is not None:
+            quota = self.quotas[name] = CpuQuota(name, self.cpus_per_server)
+        return self._spawn(name, args, quota)
 
     def start_trainer(self, name: str, *extra: str) -> ManagedProcess:
         args = [
@@ -151,6 +164,8 @@ class LocalSwarm:
         self._terminate([p for n, p in self.processes.items() if n not in trainers], grace_s)
         for proc in self.processes.values():
             proc.kill()  # idempotent: SIGKILLs the rest of each group and removes its sockets
+        for quota in self.quotas.values():
+            quota.remove()
 
     @staticmethod
     def _terminate(procs: list[ManagedProcess], grace_s: float) -> None:

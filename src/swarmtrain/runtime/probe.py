@@ -95,6 +95,9 @@ class SwarmProbe:
         return hivemind_socket_paths([os.getpid(), self.dht.pid, *descendants(self.dht.pid)])
 
     def close(self) -> None:
+        """Idempotent: a test may close early and its fixture again at teardown."""
+        if self.loop.is_closed():
+            return
         self._sockets |= self._own_sockets()
         try:
             self.run(self._close_async(), timeout_s=10)

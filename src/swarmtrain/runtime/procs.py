@@ -162,11 +162,22 @@ def reap_own_group() -> None:
     remove_files(sockets)
 
 
+def _preexec_in(cpu_quota):
+    def preexec() -> None:
+        child_preexec()
+        cpu_quota.join()
+
+    return preexec
+
+
 class ManagedProcess:
     """A peer started by a launcher (demo, tests, benchmark): own process group, log file."""
 
-    def __init__(self, name: str, argv: list[str], log_path: str | Path, env: dict | None = None) -> None:
+    def __init__(
+        self, name: str, argv: list[str], log_path: str | Path, env: dict | None = None, cpu_quota=None
+    ) -> None:
         self.name = name
+        self.cpu_quota = cpu_quota  # a CpuQuota the peer's whole tree runs in, or None
         self.argv = argv
         self.log_path = Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -176,7 +187,7 @@ class ManagedProcess:
             stdout=self._log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            preexec_fn=child_preexec,
+            preexec_fn=child_preexec if cpu_quota is None else _preexec_in(cpu_quota),
             env=env,
         )
         self.pid = self.proc.pid

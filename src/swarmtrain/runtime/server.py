@@ -4,9 +4,11 @@ Process tree: this process (asyncio loop for RPCs, one compute thread, one sync 
 hivemind DHT process with its p2pd + the averager process. Start order matters: everything that
 forks (DHT, averager) is created before any thread starts (notes 3.3).
 
-Life cycle: start DHT -> build the stage from the run config -> start the averager -> catch up with
-the stage's replicas (download state if they have already stepped) -> register RPC handlers ->
-announce in the DHT every `announce_period_s` -> serve until SIGTERM/SIGINT -> announce offline.
+Life cycle: start DHT -> build the stage from the run config -> start the averager -> take the
+stage's state from its live replicas, else its newest checkpoint, else initial weights (refused once
+the swarm has stepped) -> register RPC handlers -> announce in the DHT every `announce_period_s` ->
+serve (checkpointing every N steps with --checkpoint-dir) until SIGTERM/SIGINT -> announce offline
+-> write a final checkpoint.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import asyncio
 import signal
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -48,6 +51,7 @@ from swarmtrain.runtime.procs import (
     remember_group_sockets,
     start_exit_watchdog,
 )
+from swarmtrain.runtime.stage_checkpoint import CheckpointSettings, StageCheckpointer
 from swarmtrain.runtime.stage_steps import StepCoordinator, StepSettings
 from swarmtrain.runtime.stage_sync import StageSynchronizer, SyncSettings
 from swarmtrain.runtime.stage_worker import StageWorker
@@ -69,6 +73,9 @@ class ServerOptions:
     metrics_period_s: float = 5.0
     min_matchmaking_time_s: float = 1.0
     sync_tick_s: float = 0.5
+    checkpoint_dir: str | None = None  # default: the run config's swarm.checkpoint_dir (empty: none)
+    fresh_start: bool = False  # initial weights even when the swarm has stepped (said loudly)
+    identity_path: str | None = None  # a stable peer id across restarts
 
 
 def namespace(cfg: RunConfig) -> str:
@@ -91,14 +98,22 @@ class StageServer:
         self.compute = ComputeWorker()
         self.throughput_samples_per_s = 0.0
         self._stop: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._tput_mark = (0, 0.0)
+        self.checkpointer: StageCheckpointer | None = None
+        self.exit_code = 0
 
     # setup --------------------------------------------------------------------------------------
     def start(self) -> None:
         from swarmtrain.net.averaging import StageAverager
 
         torch.set_num_threads(self.options.threads)
-        self.dht = start_dht(self.options.initial_peers, host=self.options.host, port=self.options.port)
+        self.dht = start_dht(
+            self.options.initial_peers,
+            host=self.options.host,
+            port=self.options.port,
+            identity_path=self.options.identity_path,
+        )
         self.peer_id = self.dht.peer_id.to_base58()
         self.addresses = visible_addresses(self.dht)  # fixed for our lifetime; asking a dead DHT would hang
         self.records = RunRecords(self.dht, self.cfg.swarm.run_id)
@@ -115,10 +130,13 @@ class StageServer:
             allreduce_timeout_s=self.cfg.swarm.averaging_timeout_s,
         )
         self.compute.start()
+        self.checkpointer = self._make_checkpointer()
         settings = SyncSettings(
             tick_s=self.options.sync_tick_s,
             heartbeat_s=max(0.5, self.cfg.swarm.announce_period_s / 2),
             progress_ttl_s=max(3.0, 2 * self.cfg.swarm.announce_period_s),
+            num_stages=self.cfg.swarm.num_stages,
+            allow_fresh=self.options.fresh_start,
         )
         self.sync = StageSynchronizer(
             self.worker,
@@ -129,11 +147,46 @@ class StageServer:
             self.digest,
             settings,
             self.ledger,
+            checkpoints=self.checkpointer,
+            on_fatal=self._fatal,
         )
         remember_group_sockets()
         self.ledger.write("start", peer=self.peer_id, stage=self.spec.index)
         self._warn_about_foreign_peers()
         self.sync.join()
+
+    def _make_checkpointer(self) -> StageCheckpointer | None:
+        directory = self.options.checkpoint_dir or self.cfg.swarm.checkpoint_dir
+        if not directory:
+            return None
+        swarm = self.cfg.swarm
+        settings = CheckpointSettings(
+            directory=Path(directory),
+            every_steps=swarm.checkpoint_every_steps,
+            every_s=swarm.checkpoint_every_s,
+            keep=swarm.checkpoint_keep,
+        )
+        identity = {
+            "run_id": swarm.run_id,
+            "digest": self.digest,
+            "preset": self.cfg.preset,
+            "layer_start": self.spec.layer_start,
+            "layer_end": self.spec.layer_end,
+            "num_stages": swarm.num_stages,
+        }
+        return StageCheckpointer(settings, self.spec.index, identity, self.worker.export_state)
+
+    def _fatal(self, message: str) -> None:
+        """Stop serving and exit non-zero (called from the sync thread)."""
+        logger.error("%s", message)
+        self.exit_code = 2
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+
+    def _step_applied(self, grad_fp: list[float]) -> None:
+        self.sync.step_applied(grad_fp)
+        if self.checkpointer is not None:
+            self.checkpointer.after_step(self.worker.epoch)
 
     def _measure_throughput(self) -> float:
         """A first throughput estimate for routing (fwd+bwd ~ 3x a forward), refined while serving."""
@@ -175,13 +228,13 @@ class StageServer:
             start_exit_watchdog(grace_s=20.0)
             self.shutdown()
             reap_own_group()
-        return 0
+        return self.exit_code
 
     async def _serve(self) -> None:
         from swarmtrain.net.transport import StageClient, StageServicer
 
         self._stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)
         p2p = await self.dht.replicate_p2p()
@@ -197,7 +250,7 @@ class StageServer:
                 close_timeout_s=swarm.request_timeout_s, exchange_timeout_s=swarm.averaging_timeout_s
             ),
             self.ledger,
-            on_step=self.sync.step_applied,
+            on_step=self._step_applied,
         )
         self.sync.on_epoch_moved = self.steps.version_changed_threadsafe
         params = self.worker.params
@@ -389,9 +442,23 @@ class StageServer:
     def shutdown(self) -> None:
         if self.sync is not None:
             self.sync.stop()
+        self._final_checkpoint()
         self.compute.stop()
         shutdown_quietly(self.averager, self.dht)
         self.ledger.close()
+
+    def _final_checkpoint(self) -> None:
+        """On a graceful stop, the state as it is (a whole-swarm restart then loses nothing); never
+        the initial weights, which are no checkpoint of anything."""
+        if self.checkpointer is None:
+            return
+        try:
+            if self.sync is not None and not self.sync.untrained:
+                self.checkpointer.save_and_wait(self.worker.epoch)
+        except Exception:
+            logger.exception("final checkpoint failed")
+        finally:
+            self.checkpointer.close()
 
 
 def _timed(fn, request):

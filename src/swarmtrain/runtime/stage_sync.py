@@ -9,7 +9,10 @@ module runs on its own threads and works from shared state in the DHT:
   than `lag_grace_s` (replicas finish a step's exchange a few milliseconds apart, which is no lag), stops
   serving, drops its unapplied buckets (recorded as lost) and downloads the state;
 - after a step, replicas compare a fingerprint of the gradient they applied; on a mismatch (a member's
-  gradients reached one replica but not another) the replica with the larger peer id resyncs.
+  gradients reached one replica but not another) the replica with the larger peer id resyncs;
+- at start, the state comes from live replicas, else the stage's newest checkpoint, else initial
+  weights, which are refused once the swarm has stepped (planner/restore.py decides); a replica left
+  behind the other stages (restored from an older checkpoint) adopts their step after a grace period.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from swarmtrain.config.errors import UserError
+from swarmtrain.planner.restore import behind_other_stages, choose_start
 from swarmtrain.runtime.compute import PRIORITY_SYNC, ComputeWorker
 from swarmtrain.runtime.ledger import Ledger
 from swarmtrain.runtime.stage_steps import KEEP_STEPS_AHEAD
@@ -38,6 +43,12 @@ class SyncSettings:
     lag_grace_s: float = 3.0
     download_timeout_s: float = 60.0
     compute_timeout_s: float = 120.0
+    num_stages: int = 1
+    allow_fresh: bool = False  # --fresh-start: initial weights even when the swarm has stepped
+
+
+class RestoreRefused(UserError):
+    """A replica would serve initial weights to a swarm that has already trained."""
 
 
 @dataclass
@@ -58,11 +69,18 @@ class StageSynchronizer:
         digest: str,
         settings: SyncSettings,
         ledger: Ledger | None = None,
+        checkpoints=None,
+        on_fatal: Callable[[str], None] | None = None,
     ) -> None:
+        """`checkpoints`: a StageCheckpointer to restore from (None: no checkpoints); `on_fatal`: stop
+        the server with this message (a replica that must not serve)."""
         self.worker, self.compute, self.averager, self.records = worker, compute, averager, records
         self.peer_id, self.digest, self.settings = peer_id, digest, settings
         self.stage = worker.spec.index
         self.ledger = ledger or Ledger(None)
+        self.checkpoints, self.on_fatal = checkpoints, on_fatal
+        self.untrained = True  # initial weights: never stepped, downloaded or restored
+        self._other_ahead_since_s: float | None = None
         self.counters = SyncCounters()
         self.serving = threading.Event()
         self.stop_event = threading.Event()
@@ -74,11 +92,30 @@ class StageSynchronizer:
 
     # life cycle ---------------------------------------------------------------------------------
     def join(self) -> None:
-        """Before serving: catch up with the stage if its replicas have already stepped."""
+        """Before serving: take the state from live replicas, a checkpoint, or initial weights."""
         self._start_thread(self._publish_loop, "stage-progress")
         self.publish()
-        if any(p["epoch"] > self.worker.epoch for p in self._others().values()):
+        found = self.checkpoints.load_newest(self.worker.names) if self.checkpoints is not None else None
+        checkpoint_step = None if found is None else found[0].step
+        swarm_step = self._other_stages_step()
+        peer_epochs = [p["epoch"] for p in self._others().values()]
+        start = choose_start(peer_epochs, checkpoint_step, swarm_step, self.settings.allow_fresh)
+        if start.source == "peers":
             self.resync("joining a stage that has already trained")
+            if self.untrained:  # the download failed (the replicas just died): as if there were none
+                start = choose_start([], checkpoint_step, swarm_step, self.settings.allow_fresh)
+        self.ledger.write("restore", source=start.source, epoch=start.epoch, lost_steps=start.lost_steps)
+        if start.source == "refuse":
+            raise RestoreRefused(f"stage {self.stage}: {start.reason}")
+        if start.source == "checkpoint":
+            checkpoint, meta, tensors = found
+            self._on_compute(lambda: self.worker.import_state(meta, tensors))
+            logger.info("stage %d restored from %s", self.stage, checkpoint.tensors_path)
+        self.untrained = start.source == "fresh"
+        if start.epoch > self.worker.epoch:
+            self._on_compute(lambda: self.worker.advance_to(start.epoch))
+        log = logger.warning if start.lost_steps else logger.info
+        log("stage %d starts at step %d from %s: %s", self.stage, start.epoch, start.source, start.reason)
         self.averager.state_sharing_priority = float(self.worker.epoch)
         self.serving.set()
         self.publish()
@@ -110,6 +147,7 @@ class StageSynchronizer:
         per step per replica cost CPU the stage needs (several steps per second on `tiny`); the
         heartbeat carries the epoch and its fingerprint together."""
         self._grad_fp = grad_fp
+        self.untrained = False
         self.averager.state_sharing_priority = float(self.worker.epoch)
 
     def tick(self) -> None:
@@ -127,6 +165,61 @@ class StageSynchronizer:
             self.resync(f"peers are {ahead} step(s) ahead (we are at {epoch})")
         elif self._diverged_from({p: v for p, v in others.items() if v["epoch"] == epoch}):
             self.resync("parameters diverged from a peer after a partial exchange")
+        elif ahead <= 0:
+            self._check_other_stages(epoch, now)
+
+    def _check_other_stages(self, epoch: int, now: float) -> None:
+        """No replica of this stage is ahead: are the other stages, for longer than a step takes?"""
+        other = self._other_stages_step()
+        if other <= epoch:
+            self._other_ahead_since_s = None
+            return
+        since = self._other_ahead_since_s = self._other_ahead_since_s or now
+        action = behind_other_stages(
+            epoch,
+            other,
+            self.worker.unapplied_samples,
+            now - since,
+            self.settings.lag_grace_s,
+            self.untrained,
+            self.settings.allow_fresh,
+        )
+        if action == "advance":
+            lost_samples, lost_ids = self._on_compute(lambda: self.worker.advance_to(other))
+            logger.warning(
+                "stage %d was at step %d, the other stages at %d: adopting their step (this stage's "
+                "updates of %d step(s) are lost)",
+                self.stage,
+                epoch,
+                other,
+                other - epoch,
+            )
+            self.ledger.write("advance", epoch=other, skipped=other - epoch, lost=lost_samples)
+            self._other_ahead_since_s = None
+            if self.on_epoch_moved is not None:
+                self.on_epoch_moved()
+            self.publish()
+        elif action == "refuse":
+            self.serving.clear()
+            self.publish()
+            message = (
+                f"stage {self.stage} holds untrained initial weights but the other stages are at step "
+                f"{other}: refusing to serve (that would silently reset this stage). Restart it with "
+                "--checkpoint-dir pointing at its checkpoints, or with --fresh-start on purpose"
+            )
+            if self.on_fatal is not None:
+                self.on_fatal(message)
+
+    def _other_stages_step(self) -> int:
+        """The highest step a live replica of another stage of this run reports (a DHT read per stage)."""
+        best = 0
+        for stage in range(self.settings.num_stages):
+            if stage == self.stage:
+                continue
+            for value in self.records.stage_progress(stage).values():
+                if value.get("digest") == self.digest and isinstance(value.get("epoch"), int):
+                    best = max(best, value["epoch"])
+        return best
 
     def resync(self, reason: str) -> None:
         """Stop serving, drop unapplied buckets, download the stage state from peers, serve again."""
@@ -139,6 +232,7 @@ class StageSynchronizer:
             logger.error("state download failed; serving the local state and retrying later")
         else:
             lost_samples, lost_ids = self._on_compute(lambda: self.worker.import_state(*loaded))
+            self.untrained = False
             self.counters.resyncs += 1
             if lost_ids:
                 self.counters.lost_samples += lost_samples

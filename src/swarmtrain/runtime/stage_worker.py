@@ -245,6 +245,15 @@ class StageWorker:
         lost = [self.buckets.pop(s) for s in sorted(self.buckets) if s < epoch]
         return sum(b.samples for b in lost), [mb for b in lost for mb in b.micro_batch_ids]
 
+    def advance_to(self, epoch: int) -> tuple[int, list[str]]:
+        """Adopt a later step number without new parameters (this stage's updates of the skipped steps
+        are lost: it was restored from an older checkpoint than the other stages)."""
+        with self.state_lock:
+            if epoch > self.epoch:
+                self.counters["skipped_steps"] += epoch - self.epoch
+                self.epoch = epoch
+        return self.drop_steps_before(self.epoch)
+
     def _live_copy(self) -> list[torch.Tensor]:
         return [p.detach().clone().requires_grad_(True) for p in self.params]
 

@@ -50,9 +50,10 @@ class TrainerOptions:
     ledger_path: str | None = None
     trainer_id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
     # part of every micro-batch id: a restarted trainer with the same --trainer-id never reuses an id
-    incarnation: str = field(default_factory=lambda: uuid.uuid4().hex[:6])
+    incarnation: str = field(default_factory=lambda: uuid.uuid4().hex[:12])  # ids unique per start
     shard_index: int = 0
     shard_count: int = 1
+    identity_path: str | None = None  # a stable peer id across restarts
     log_period_s: float = 5.0
     refresh_period_s: float | None = None  # default: the announce period
 
@@ -68,6 +69,7 @@ class TrainerResult:
     val_loss: float | None = None
     completed_ids: list[str] = field(default_factory=list)
     start_step: int = 0
+    data_start_sample: int = 0  # of this trainer's shard: where its data stream resumed
     steps_closed: int = 0
 
     def summary(self, window: int = 8) -> dict:
@@ -82,6 +84,7 @@ class TrainerResult:
             "microbatches_completed": self.completed,
             "microbatches_failed": self.failed,
             "start_step": self.start_step,
+            "data_start_sample": self.data_start_sample,
             "steps": self.steps_closed,
             "val_loss": self.val_loss,
         }
@@ -123,12 +126,24 @@ class SwarmTrainer:
         await self.caller.refresh()
 
     # training -----------------------------------------------------------------------------------
-    async def train(self, batches) -> TrainerResult:
+    async def train(self, batches_from) -> TrainerResult:
+        """`batches_from(skip_samples)`: this shard's micro-batch stream after that many of its samples.
+        Step k of the swarm takes the shard's samples [k * B/N, (k+1) * B/N): a trainer that starts at
+        the swarm's step (a restart, a late joiner) continues the data where that step is."""
         opts, res = self.options, self.result
         await self._wait_for_every_stage()
         res.start_step = self._swarm_step()
+        shard_samples_per_step = self.micro_batches_per_step * self.cfg.training.micro_batch_size
+        res.data_start_sample = res.start_step * shard_samples_per_step
+        batches = batches_from(res.data_start_sample)
         self.tracker = StepTracker(self.num_stages, self.micro_batches_per_step, res.start_step, self._close)
-        logger.info("starting at global step %d", res.start_step)
+        logger.info(
+            "starting at global step %d (data: sample %d of shard %d/%d)",
+            res.start_step,
+            res.data_start_sample,
+            opts.shard_index,
+            opts.shard_count,
+        )
         start = self._start_s = time.monotonic()
         background = [
             asyncio.create_task(self._every(self._refresh_period_s(), self.caller.refresh)),
@@ -376,7 +391,7 @@ def transport_summary(stats) -> dict:
     }
 
 
-async def train_async(cfg: RunConfig, options: TrainerOptions, dht, batches, val_set=None) -> dict:
+async def train_async(cfg: RunConfig, options: TrainerOptions, dht, batches_from, val_set=None) -> dict:
     import signal
 
     trainer = SwarmTrainer(cfg, options, dht)
@@ -385,7 +400,7 @@ async def train_async(cfg: RunConfig, options: TrainerOptions, dht, batches, val
         loop.add_signal_handler(sig, trainer.stopping.set)
     await trainer.setup()
     remember_group_sockets()
-    result = await trainer.train(batches)
+    result = await trainer.train(batches_from)
     if options.eval_samples and val_set is not None and not trainer.stopping.is_set():
         result.val_loss = await trainer.evaluate(val_set, options.eval_samples)
     summary = result.summary()
@@ -418,16 +433,20 @@ def run_trainer(
 
     forked_children_die_with_me()
     train_set, val_set = build_datasets(cfg)
-    batches = iterate_batches(
-        train_set,
-        cfg.training.micro_batch_size,
-        seed=cfg.training.seed,
-        shard_index=options.shard_index,
-        shard_count=options.shard_count,
-    )
-    dht = start_dht(initial_peers, client_mode=True, host=host)
+
+    def batches_from(skip_samples: int):
+        return iterate_batches(
+            train_set,
+            cfg.training.micro_batch_size,
+            seed=cfg.training.seed,
+            shard_index=options.shard_index,
+            shard_count=options.shard_count,
+            skip_samples=skip_samples,
+        )
+
+    dht = start_dht(initial_peers, client_mode=True, host=host, identity_path=options.identity_path)
     try:
-        return asyncio.run(train_async(cfg, options, dht, batches, val_set))
+        return asyncio.run(train_async(cfg, options, dht, batches_from, val_set))
     finally:
         shutdown_quietly(dht)
         reap_own_group()

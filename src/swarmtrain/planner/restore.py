@@ -1,0 +1,81 @@
+"""Where a starting stage replica's state comes from, and what a replica behind the other stages does.
+
+Pure decisions (no I/O), used by the server's synchronizer and unit-tested on their own:
+- `choose_start`: live replicas of the stage > its newest checkpoint > initial weights, and never
+  initial weights silently once the swarm has stepped (a stage whose replicas all died would
+  otherwise restart from scratch while the other stages go on: the loss jumps back to the start);
+- `behind_other_stages`: stages apply a step milliseconds apart; a stage left steps behind the others
+  for longer than a grace period (it was restored from an older checkpoint, or all stages restarted
+  from checkpoints of different steps) adopts the swarm's step number, keeping its parameters (the
+  skipped steps' updates of this stage are lost, which is what a checkpoint period bounds), unless
+  its parameters are the untrained initial ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StartState:
+    source: str  # "fresh" | "peers" | "checkpoint" | "refuse"
+    epoch: int  # the step this replica serves from
+    lost_steps: int  # of this stage's updates, when it resumes behind the swarm
+    reason: str
+
+
+def choose_start(
+    stage_peer_epochs: list[int], checkpoint_step: int | None, swarm_step: int, allow_fresh: bool
+) -> StartState:
+    """`stage_peer_epochs`: live replicas of this stage; `checkpoint_step`: the newest usable checkpoint
+    of this stage (None: none); `swarm_step`: the highest step live replicas of the other stages are at."""
+    peers_epoch = max(stage_peer_epochs, default=None)
+    if checkpoint_step == 0:
+        checkpoint_step = None  # the initial weights: restoring them once the swarm has stepped is a reset
+    if peers_epoch is not None and peers_epoch >= (checkpoint_step or 0) and peers_epoch > 0:
+        return StartState(
+            "peers", peers_epoch, 0, f"{len(stage_peer_epochs)} live replica(s) at step {peers_epoch}"
+        )
+    if checkpoint_step is not None:
+        epoch = max(checkpoint_step, swarm_step)
+        lost = epoch - checkpoint_step
+        why = f"checkpoint of step {checkpoint_step}"
+        if lost:
+            why += f"; the other stages are at step {swarm_step}: this stage's last {lost} update(s) are lost"
+        return StartState("checkpoint", epoch, lost, why)
+    if peers_epoch is not None or swarm_step == 0:
+        return StartState("fresh", 0, 0, "a new run: initial weights")
+    if allow_fresh:
+        return StartState(
+            "fresh",
+            swarm_step,
+            swarm_step,
+            f"--fresh-start: initial weights at step {swarm_step}; every update of this stage so far is lost",
+        )
+    return StartState(
+        "refuse",
+        swarm_step,
+        swarm_step,
+        f"the swarm is at step {swarm_step}, this stage has no live replica and no checkpoint: serving "
+        "initial weights would silently reset it. Start this server with --checkpoint-dir pointing at "
+        "the stage's checkpoints, or with --fresh-start to restart this stage from scratch on purpose",
+    )
+
+
+def behind_other_stages(
+    epoch: int,
+    other_stage_epoch: int,
+    pending_samples: int,
+    behind_for_s: float,
+    grace_s: float,
+    untrained: bool,
+    allow_fresh: bool,
+) -> str:
+    """ "wait", "advance" (adopt `other_stage_epoch`) or "refuse" for a replica whose own stage has no
+    replica ahead of it. A replica still holding a step's gradients is never advanced (that step is
+    being closed); nor one behind by less than `grace_s` (normal: stages step a few ms apart)."""
+    if other_stage_epoch <= epoch or pending_samples > 0 or behind_for_s < grace_s:
+        return "wait"
+    if untrained and not allow_fresh:
+        return "refuse"
+    return "advance"

@@ -1,0 +1,65 @@
+"""A whole swarm stopped and started again resumes where it was: servers write their stage to
+--checkpoint-dir (periodically and on a graceful stop) and load it on start; a restarted trainer
+continues at the swarm's step and data position, and its micro-batches are accumulated."""
+
+import json
+
+import pytest
+import torch
+
+from swarm_fixtures import start_servers
+from swarmtrain.data import build_datasets
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
+
+SERVERS = {"s0a": 0, "s0b": 0, "s1": 1}
+
+
+def _state(make_swarm, cfg, swarm, val_set):
+    """Every server's (epoch, samples_seen, params) and the val loss through the swarm."""
+    probe = make_swarm.probe(cfg, swarm)
+    probe.wait_for_peers([2, 1])
+    infos = {peer: probe.info(peer, want="params") for stage in (0, 1) for peer in probe.peers(stage)}
+    val_loss = probe.run(probe.trainer.evaluate(val_set, 256), timeout_s=120)
+    probe.close()
+    return infos, val_loss
+
+
+def test_whole_swarm_stop_and_restart_resumes_at_the_step_it_reached(make_swarm, tmp_path):
+    overrides = {
+        "training": {"max_samples": 8192},
+        "swarm": {"checkpoint_dir": str(tmp_path / "checkpoints"), "checkpoint_every_steps": 10},
+    }
+    swarm, cfg = make_swarm("tiny", overrides)
+    start_servers(swarm, SERVERS)
+    swarm.start_trainer("trainer", "--max-samples", "1024", "--in-flight", "4")
+    assert swarm.wait_exit("trainer", 300) == 0, swarm.processes["trainer"].log_text()[-3000:]
+    _, val_set = build_datasets(cfg)
+    before, loss_before = _state(make_swarm, cfg, swarm, val_set)
+    swarm.stop_all()  # SIGTERM: each server writes its final checkpoint
+    steps = 1024 // cfg.training.global_batch_size
+    saved = sorted(p.name for p in (tmp_path / "checkpoints" / "stage0").glob("*.json"))
+    assert saved == [f"step{s:08d}.json" for s in (20, 30, steps)], saved  # the last 3 kept
+
+    again, _ = make_swarm("tiny", overrides)  # a new DHT, new processes, the same checkpoint dir
+    start_servers(again, SERVERS)
+    after, loss_after = _state(make_swarm, cfg, again, val_set)
+    print(f"val loss before the stop {loss_before:.4f}, after the restart {loss_after:.4f}")
+    assert loss_after == pytest.approx(loss_before, rel=0.03)
+    by_stage = lambda infos, stage: [i for i in infos.values() if i.header["stage"] == stage]  # noqa: E731
+    for stage in (0, 1):
+        reference = by_stage(before, stage)[0]
+        for info in by_stage(after, stage):
+            assert (info.header["epoch"], info.header["samples_seen"]) == (steps, 1024)
+            for name in reference.tensors:
+                assert torch.equal(info.tensor(name), reference.tensor(name)), name
+
+    # the same trainer id again: a new incarnation, accumulated, continuing the data stream
+    again.start_trainer("trainer", "--max-samples", "256", "--in-flight", "4")
+    assert again.wait_exit("trainer", 300) == 0, again.processes["trainer"].log_text()[-3000:]
+    summary = json.loads((again.workdir / "trainer.summary.json").read_text())
+    assert summary["start_step"] == steps and summary["data_start_sample"] == 1024
+    assert summary["microbatches_failed"] == 0 and summary["retries_not_accumulated"] == 0
+    final, _ = _state(make_swarm, cfg, again, val_set)
+    for info in final.values():
+        assert (info.header["epoch"], info.header["samples_seen"]) == (steps + 8, 1024 + 256), info.header

@@ -1,0 +1,69 @@
+"""Where a starting replica's state comes from (planner/restore.py): live replicas, then the newest
+checkpoint, then initial weights, and never initial weights silently once the swarm has stepped."""
+
+import pytest
+
+from swarmtrain.planner.restore import behind_other_stages, choose_start
+
+pytestmark = pytest.mark.unit
+
+
+def test_a_new_run_starts_from_initial_weights():
+    start = choose_start([], None, 0, allow_fresh=False)
+    assert (start.source, start.epoch, start.lost_steps) == ("fresh", 0, 0)
+
+
+def test_live_replicas_ahead_win_over_an_older_checkpoint():
+    start = choose_start([40, 41], 30, 41, allow_fresh=False)
+    assert (start.source, start.epoch) == ("peers", 41)
+
+
+def test_a_checkpoint_newer_than_live_replicas_is_used():
+    # the live replicas restarted fresh (a new run under the same config): ours is further along
+    start = choose_start([0], 30, 0, allow_fresh=False)
+    assert (start.source, start.epoch) == ("checkpoint", 30)
+
+
+def test_checkpoint_restores_at_the_swarm_step_and_counts_the_lost_updates():
+    start = choose_start([], 100, 150, allow_fresh=False)
+    assert (start.source, start.epoch, start.lost_steps) == ("checkpoint", 150, 50)
+    assert "50 update(s) are lost" in start.reason
+
+
+def test_checkpoint_ahead_of_the_other_stages_keeps_its_step():
+    start = choose_start([], 120, 100, allow_fresh=False)
+    assert (start.source, start.epoch, start.lost_steps) == ("checkpoint", 120, 0)
+
+
+def test_no_replica_no_checkpoint_and_a_swarm_that_stepped_is_refused():
+    start = choose_start([], None, 150, allow_fresh=False)
+    assert start.source == "refuse"
+    assert "--checkpoint-dir" in start.reason and "--fresh-start" in start.reason
+
+
+def test_a_step_zero_checkpoint_is_the_initial_weights_and_no_restore():
+    assert choose_start([], 0, 150, allow_fresh=False).source == "refuse"
+
+
+def test_fresh_start_on_purpose_adopts_the_swarm_step_and_says_what_is_lost():
+    start = choose_start([], None, 150, allow_fresh=True)
+    assert (start.source, start.epoch, start.lost_steps) == ("fresh", 150, 150)
+
+
+def test_joining_live_replicas_at_step_zero_is_a_fresh_start():
+    assert choose_start([0, 0], None, 3, allow_fresh=False).source == "fresh"
+
+
+@pytest.mark.parametrize(
+    "epoch, other, pending, behind_s, untrained, allow_fresh, expected",
+    [
+        (10, 10, 0, 99.0, False, False, "wait"),  # not behind
+        (10, 11, 0, 0.1, False, False, "wait"),  # stages step milliseconds apart: normal
+        (10, 11, 16, 99.0, False, False, "wait"),  # still holding step 10's gradients: being closed
+        (10, 50, 0, 5.0, False, False, "advance"),  # restored from an older checkpoint
+        (0, 50, 0, 5.0, True, False, "refuse"),  # initial weights in a trained swarm
+        (0, 50, 0, 5.0, True, True, "advance"),  # ... unless asked for
+    ],
+)
+def test_behind_other_stages(epoch, other, pending, behind_s, untrained, allow_fresh, expected):
+    assert behind_other_stages(epoch, other, pending, behind_s, 3.0, untrained, allow_fresh) == expected

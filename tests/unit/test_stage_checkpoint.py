@@ -1,0 +1,172 @@
+"""Stage checkpoints on disk (runtime/stage_checkpoint.py): a round trip restores parameters,
+optimizer state, step and samples exactly; the last K are kept; incomplete, corrupt or foreign files
+are never loaded; a whole model assembles from stage files."""
+
+import json
+
+import pytest
+import torch
+
+from swarmtrain.model import build_model
+from swarmtrain.model.checkpoint import load_stage_from_checkpoint
+from swarmtrain.net.protocol import StageRequest
+from swarmtrain.runtime.stage_checkpoint import (
+    CheckpointSettings,
+    StageCheckpointer,
+    StageCheckpointError,
+    list_checkpoints,
+)
+from swarmtrain.runtime.stage_worker import StageWorker
+
+pytestmark = pytest.mark.unit
+
+
+def _trained_worker(cfg, stage: int, steps: int) -> StageWorker:
+    """A stage worker after `steps` real optimizer steps (so Adam's moments are not zero)."""
+    spec = cfg.stages()[stage]
+    worker = StageWorker(cfg, spec)
+    generator = torch.Generator().manual_seed(stage)
+    for step in range(steps):
+        shape = (8, cfg.model.seq_len) if spec.is_first else (8, cfg.model.seq_len, cfg.model.d_model)
+        x = (
+            torch.randint(0, 256, shape, generator=generator)
+            if spec.is_first
+            else torch.randn(shape, generator=generator)
+        )
+        if spec.is_last:
+            y = torch.randint(0, 256, (8, cfg.model.seq_len), generator=generator)
+            worker.forward(
+                StageRequest("forward", f"m{step}", "none", x, step=step, labels=y, fused_backward=True)
+            )
+        else:
+            out = worker.forward(StageRequest("forward", f"m{step}", "none", x, step=step)).tensor("outputs")
+            worker.backward(
+                StageRequest("backward", f"m{step}", "none", x, step=step, grad_outputs=torch.ones_like(out))
+            )
+        bucket = worker.seal(step)
+        worker.apply_step(step, [g / bucket.samples for g in bucket.grad_sums], bucket.samples)
+    return worker
+
+
+def _checkpointer(cfg, directory, stage=0, keep=3, every_steps=1):
+    spec = cfg.stages()[stage]
+    identity = {
+        "run_id": "r",
+        "digest": cfg.digest(),
+        "layer_start": spec.layer_start,
+        "layer_end": spec.layer_end,
+    }
+    settings = CheckpointSettings(directory=directory, every_steps=every_steps, keep=keep)
+    return spec, identity, settings
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_round_trip_restores_parameters_optimizer_step_and_samples(tiny_cfg, tmp_path, stage):
+    worker = _trained_worker(tiny_cfg, stage, steps=3)
+    _, identity, settings = _checkpointer(tiny_cfg, tmp_path, stage)
+    checkpointer = StageCheckpointer(settings, stage, identity, worker.export_state)
+    checkpointer.save(worker.epoch).result(timeout=30)
+
+    fresh = StageWorker(tiny_cfg, tiny_cfg.stages()[stage])
+    checkpoint, meta, tensors = checkpointer.load_newest(fresh.names)
+    fresh.import_state(meta, tensors)
+    assert (checkpoint.step, fresh.epoch, fresh.samples_seen) == (3, 3, worker.samples_seen)
+    _, want = worker.export_state()
+    _, got = fresh.export_state()
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+    assert float(fresh.optimizer.state[fresh.params[0]]["exp_avg_sq"].abs().sum()) > 0
+    manifest = json.loads(checkpoint.manifest_path.read_text())
+    assert manifest["stage"] == stage and manifest["digest"] == tiny_cfg.digest() and manifest["step"] == 3
+
+
+def test_keeps_the_last_k_and_saves_only_when_due(tiny_cfg, tmp_path):
+    worker = _trained_worker(tiny_cfg, 0, steps=1)
+    _, identity, settings = _checkpointer(tiny_cfg, tmp_path, keep=2, every_steps=2)
+    checkpointer = StageCheckpointer(settings, 0, identity, worker.export_state)
+    saved = []
+    for step in range(1, 8):
+        worker.epoch = step  # the step number is all `due` looks at
+        if checkpointer.due(step):
+            checkpointer.save(step).result(timeout=30)
+            saved.append(step)
+    assert saved == [2, 4, 6]
+    assert [c.step for c in list_checkpoints(tmp_path, 0, tiny_cfg.digest())] == [4, 6]
+    assert sorted(p.name for p in (tmp_path / "stage0").iterdir()) == [
+        "step00000004.json",
+        "step00000004.safetensors",
+        "step00000006.json",
+        "step00000006.safetensors",
+    ]
+
+
+def test_incomplete_corrupt_and_foreign_checkpoints_are_skipped(tiny_cfg, tmp_path):
+    worker = _trained_worker(tiny_cfg, 0, steps=2)
+    _, identity, settings = _checkpointer(tiny_cfg, tmp_path, keep=10)
+    checkpointer = StageCheckpointer(settings, 0, identity, worker.export_state)
+    checkpointer.save(2).result(timeout=30)
+    folder = tmp_path / "stage0"
+    # step 3: tensors without a manifest (a crash between the two renames)
+    (folder / "step00000003.safetensors").write_bytes(b"half")
+    # step 4: a manifest whose tensors are corrupt
+    manifest = json.loads((folder / "step00000002.json").read_text())
+    (folder / "step00000004.json").write_text(json.dumps(dict(manifest, step=4)))
+    (folder / "step00000004.safetensors").write_bytes(b"not a safetensors file")
+    # step 5: another run config's checkpoint
+    (folder / "step00000005.json").write_text(json.dumps(dict(manifest, step=5, digest="other")))
+    (folder / "step00000005.safetensors").write_bytes((folder / "step00000002.safetensors").read_bytes())
+
+    assert [c.step for c in list_checkpoints(tmp_path, 0, tiny_cfg.digest())] == [2, 4]
+    checkpoint, meta, _ = checkpointer.load_newest(worker.names)
+    assert checkpoint.step == 2 and meta["epoch"] == 2
+
+
+def test_stage_files_assemble_into_the_whole_model(tiny_cfg, tmp_path):
+    paths = []
+    for stage in (0, 1):
+        worker = _trained_worker(tiny_cfg, stage, steps=1)
+        _, identity, settings = _checkpointer(tiny_cfg, tmp_path, stage)
+        StageCheckpointer(settings, stage, identity, worker.export_state).save(1).result(timeout=30)
+        paths.append(tmp_path / f"stage{stage}" / "step00000001.safetensors")
+    model = load_stage_from_checkpoint(build_model(tiny_cfg.model, seed=123), paths)
+    worker = _trained_worker(tiny_cfg, 1, steps=1)
+    assert torch.equal(dict(model.named_parameters())[worker.names[0]], worker.params[0])
+
+
+def test_keep_must_be_positive(tiny_cfg, tmp_path):
+    _, identity, settings = _checkpointer(tiny_cfg, tmp_path, keep=0)
+    with pytest.raises(StageCheckpointError):
+        StageCheckpointer(settings, 0, identity, lambda: None)
+
+
+def test_export_then_train_local_init_from_gives_the_swarm_stages_logits(tiny_cfg, tmp_path, capsys):
+    from swarmtrain.cli.main import main
+    from swarmtrain.runtime.local import LocalTrainer
+
+    workers = []
+    for stage in (0, 1):
+        worker = _trained_worker(tiny_cfg, stage, steps=2)
+        _, identity, settings = _checkpointer(tiny_cfg, tmp_path / "ckpt", stage)
+        identity["num_stages"] = 2
+        StageCheckpointer(settings, stage, identity, worker.export_state).save(2).result(timeout=30)
+        workers.append(worker)
+    out = tmp_path / "model.safetensors"
+    assert main(["export", "--checkpoint-dir", str(tmp_path / "ckpt"), "--out", str(out)]) == 0
+    assert "2 stage(s) at step 2" in capsys.readouterr().out
+
+    local = LocalTrainer(tiny_cfg, progress=False, init_from=out)
+    tokens = torch.randint(0, 256, (2, tiny_cfg.model.seq_len), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        expected = workers[1].module(workers[0].module(tokens))
+        assert torch.equal(local.model(tokens), expected)
+
+
+def test_export_refuses_an_incomplete_model(tiny_cfg, tmp_path, capsys):
+    from swarmtrain.cli.main import main
+
+    worker = _trained_worker(tiny_cfg, 0, steps=1)
+    _, identity, settings = _checkpointer(tiny_cfg, tmp_path, 0)
+    identity["num_stages"] = 2
+    StageCheckpointer(settings, 0, identity, worker.export_state).save(1).result(timeout=30)
+    assert main(["export", "--checkpoint-dir", str(tmp_path), "--out", str(tmp_path / "m.safetensors")]) != 0
+    assert "no checkpoint of stage(s) [1]" in capsys.readouterr().err
+    assert not (tmp_path / "m.safetensors").exists()
