@@ -59,7 +59,8 @@ def test_whole_swarm_stop_and_restart_resumes_at_the_step_it_reached(make_swarm,
     assert again.wait_exit("trainer", 300) == 0, again.processes["trainer"].log_text()[-3000:]
     summary = json.loads((again.workdir / "trainer.summary.json").read_text())
     assert summary["start_step"] == steps and summary["data_start_sample"] == 1024
-    assert summary["microbatches_failed"] == 0 and summary["retries_not_accumulated"] == 0
+    trainer_log = again.processes["trainer"].log_text()[-3000:]
+    assert summary["microbatches_failed"] == 0 and summary["retries_not_accumulated"] == 0, trainer_log
     final, _ = _state(make_swarm, cfg, again, val_set)
     for info in final.values():
         assert (info.header["epoch"], info.header["samples_seen"]) == (steps + 8, 1024 + 256), info.header

@@ -96,6 +96,8 @@ def test_replicas_sum_their_samples_and_apply_exactly_one_global_batch(
             task.cancel()
         bucket = single.seal(0)
         single.apply_step(0, [g / bucket.samples for g in bucket.grad_sums], bucket.samples)
+        # each replica sends to the other one only: a send to itself was a failed dial every step
+        assert sorted((me, peer) for me, peer, _ in net.sent) == [("A", "B"), ("B", "A")]
         for node in nodes.values():
             assert node.worker.samples_seen == 32 and node.counters.last_group_size == 2
             for p, q in zip(node.worker.params, single.params, strict=True):

@@ -215,7 +215,7 @@ class StepCoordinator:
     async def _send(self, state: PendingStep, samples: int, sums: list[torch.Tensor]) -> None:
         """Send our sums to every other participant in the background: the step waits for the other
         members' sums, never for a send (a hung participant must not stall the stage)."""
-        for peer in sorted(state.participants | set(state.members) - {self.peer_id}):
+        for peer in sorted((state.participants | set(state.members)) - {self.peer_id}):
             task = asyncio.create_task(self.send_grads(peer, state.step, samples, sums))
             self._sending.add(task)
             task.add_done_callback(lambda t, p=peer: self._sent(state, p, t))
