@@ -94,3 +94,21 @@ def test_steps_of_replicas_that_all_died_count_where_a_survivor_downloaded_them(
     account = account_stage(0, ledgers, dead={"a"}, completed={"m1", "m2", "m3", "m4"})
     assert account.applied == {"m1", "m2"} and account.lost_with_dead == {"m3"}
     assert account.pending == {"m4"} and account.balanced
+
+
+def test_steps_of_stopped_replicas_count_as_applied_when_a_survivor_restored_past_them():
+    """A whole-swarm restart: the first incarnation applied steps 0 and 1 and was stopped; the new one
+    restored the checkpoint of step 2 (it holds both); a checkpoint of step 1 would hold step 0 only."""
+    old = [
+        {"e": "start", "peer": "P1"},
+        *_acc("m1", "m2"),
+        {"e": "step", "step": 0, "mbs": ["m1"], "group": {"P1": 8}},
+        {"e": "step", "step": 1, "mbs": ["m2"], "group": {"P1": 8}},
+    ]
+    for state_step, applied in ((2, {"m1", "m2"}), (1, {"m1"})):
+        new = [
+            {"e": "start", "peer": "P2"},
+            {"e": "restore", "source": "checkpoint", "state_step": state_step},
+        ]
+        account = account_stage(0, {"old": old, "new": new}, dead={"old"}, completed={"m1", "m2"})
+        assert account.applied == applied and account.balanced

@@ -59,8 +59,9 @@ def _apply(worker):
     worker.apply_step(worker.epoch, [g / bucket.samples for g in bucket.grad_sums], bucket.samples)
 
 
-def _peer(epoch, grad_fp=None):
-    return {"epoch": epoch, "samples": 0, "digest": "d", "grad_fp": grad_fp}
+def _peer(epoch, fp=None, fp_epoch=None):
+    fp_epoch = epoch if fp_epoch is None else fp_epoch
+    return {"epoch": epoch, "samples": 0, "digest": "d", "fp_epoch": fp_epoch, "fp": fp}
 
 
 def test_a_replica_far_behind_drops_its_work_and_downloads(make_sync, tiny_cfg):
@@ -97,15 +98,44 @@ def test_one_step_behind_is_normal_for_a_moment_but_not_for_long(make_sync, tiny
 
 def test_diverged_replica_with_larger_id_resyncs(make_sync):
     sync, worker, records, averager = make_sync(peer="B")
-    sync._grad_fp = [1.0, 2.0]
-    records.progress["A"] = _peer(0, grad_fp=[1.0, 2.5])
+    sync._fp = (0, [1.0, 2.0])
+    records.progress["A"] = _peer(0, fp=[1.0, 2.5])
     sync.tick()
     assert ("download",) in averager.calls  # A < B: B follows A
     sync2, _, records2, averager2 = make_sync(peer="0")
-    sync2._grad_fp = [1.0, 2.0]
-    records2.progress["A"] = _peer(0, grad_fp=[1.0, 2.5])
+    sync2._fp = (0, [1.0, 2.0])
+    records2.progress["A"] = _peer(0, fp=[1.0, 2.5])
     sync2.tick()
     assert ("download",) not in averager2.calls
+
+
+def test_fingerprints_of_different_steps_are_not_compared(make_sync):
+    sync, _, records, averager = make_sync(peer="B")
+    sync._fp = (3, [1.0, 2.0])
+    records.progress["A"] = _peer(4, fp=[1.0, 2.5], fp_epoch=4)  # one step further: not comparable
+    sync.tick()
+    assert averager.calls == []
+
+
+def test_a_divergence_shows_in_the_parameter_fingerprint_steps_later(tiny_cfg):
+    """Two replicas that applied one step from different contributions, then the same later steps:
+    a gradient fingerprint of the last step would agree; the parameter fingerprint does not."""
+    a, b = (StageWorker(tiny_cfg, tiny_cfg.stages()[1]) for _ in range(2))
+    assert a.param_fingerprint() == b.param_fingerprint()
+    _train(a, 2)
+    _train(b, 1)
+    _apply(a)
+    _apply(b)  # step 0: a applied 16 samples, b only 8 of them
+    for step in (1, 2):
+        for worker in (a, b):
+            torch.manual_seed(step)
+            _train(worker, 1, step)
+        grads = a.seal(step).grad_sums
+        b.seal(step)
+        for worker in (a, b):  # the same averaged gradient on both, as after a full exchange
+            worker.apply_step(step, [g / 8 for g in grads], 8)
+    fa, fb = a.param_fingerprint(), b.param_fingerprint()
+    assert any(abs(x - y) > 1e-6 * (abs(x) + abs(y)) for x, y in zip(fa, fb, strict=True)), (fa, fb)
 
 
 # start-up: live replicas, checkpoint or refusal; a stage left behind the others ------------------------

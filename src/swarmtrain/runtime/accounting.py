@@ -2,8 +2,9 @@
 
 For one stage, every micro-batch the trainer completed must be exactly one of:
 - applied: in a step that a surviving replica applied (its own contribution, or a dead replica's
-  contribution to a step the survivor applied with it), or in a step a dead replica applied before
-  a survivor downloaded a stage state past that step (the state holds it);
+  contribution to a step the survivor applied with it), or in a step a dead (or stopped) replica
+  applied before a survivor downloaded or restored from a checkpoint a stage state past that step
+  (the state holds it);
 - pending: accumulated on a survivor, waiting for its step;
 - lost with a dead peer: accumulated only on a replica that was killed, before any step
   that a survivor applied with it;
@@ -78,9 +79,16 @@ def account_stage(
         account.double_applied += [mb for mb, count in Counter(accumulated[name]).items() if count > 1]
     survivors = [name for name in ledgers if name not in dead]
     survivor_steps = {(r["step"], peer) for name in survivors for r in rounds[name] for peer in r["group"]}
-    # a survivor that downloaded the stage state at epoch E holds every step before E
+    # a survivor that downloaded the stage state at epoch E, or restored a checkpoint of step E,
+    # holds every step before E
     downloaded = max(
-        (e["epoch"] for name in survivors for e in ledgers[name] if e["e"] == "resync"), default=0
+        (
+            e["epoch"] if e["e"] == "resync" else e.get("state_step", 0)
+            for name in survivors
+            for e in ledgers[name]
+            if e["e"] in ("resync", "restore")
+        ),
+        default=0,
     )
     applied_counter: Counter = Counter()
     for name, server_rounds in rounds.items():

@@ -183,8 +183,8 @@ class StageServer:
         if self._loop is not None and self._stop is not None:
             self._loop.call_soon_threadsafe(self._stop.set)
 
-    def _step_applied(self, grad_fp: list[float]) -> None:
-        self.sync.step_applied(grad_fp)
+    def _step_applied(self, epoch: int, fingerprint: list[float]) -> None:
+        self.sync.step_applied(epoch, fingerprint)
         if self.checkpointer is not None:
             self.checkpointer.after_step(self.worker.epoch)
 

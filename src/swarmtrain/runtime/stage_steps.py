@@ -89,12 +89,12 @@ class StepCoordinator:
         send_grads: GradSender,
         settings: StepSettings,
         ledger: Ledger | None = None,
-        on_step: Callable[[list[float]], None] | None = None,
+        on_step: Callable[[int, list[float]], None] | None = None,  # (epoch, parameter fingerprint)
     ) -> None:
         self.worker, self.compute, self.peer_id = worker, compute, peer_id
         self.send_grads, self.settings = send_grads, settings
         self.ledger = ledger or Ledger(None)
-        self.on_step = on_step  # called with the applied gradient's fingerprint
+        self.on_step = on_step  # after every step (applied or skipped) with the new parameters' fingerprint
         self.counters = StepCounters()
         self.pending: dict[int, PendingStep] = {}
         self._version_changed = asyncio.Event()
@@ -236,7 +236,12 @@ class StepCoordinator:
             means: list[torch.Tensor] | None = [t / samples for t in totals]
         else:
             means = None  # every micro-batch of the step failed here: nothing to apply
-        applied = await self._on_compute(lambda: self.worker.apply_step(step, means, samples))
+
+        def apply() -> tuple[bool, list[float]]:
+            applied = self.worker.apply_step(step, means, samples)
+            return applied, self.worker.param_fingerprint()
+
+        applied, fingerprint = await self._on_compute(apply)
         self.pending.pop(step, None)
         self.version_changed()
         c = self.counters
@@ -254,8 +259,8 @@ class StepCoordinator:
             applied=applied,
             exchange_s=round(c.last_exchange_s, 4),
         )
-        if applied and means is not None and self.on_step is not None:
-            self.on_step(self.worker.grad_fingerprint(means))
+        if self.on_step is not None:
+            self.on_step(step + 1, fingerprint)
 
     async def _on_compute(self, fn):
         return await self.compute.run(fn, PRIORITY_SYNC)

@@ -2,14 +2,15 @@
 
 Steps themselves are closed and exchanged on the server's event loop (runtime/stage_steps.py). This
 module runs on its own threads and works from shared state in the DHT:
-- each replica publishes `{epoch, samples, serving, grad_fp}` under `{run}.stage{i}.progress`;
+- each replica publishes `{epoch, samples, serving, fp_epoch, fp}` under `{run}.stage{i}.progress`
+  (fp: a fingerprint of its parameters at step fp_epoch);
 - a replica joining a stage whose replicas have already stepped downloads their parameters and
   optimizer state (`load_state_from_peers`) before serving;
 - a replica that sees a peer more than `KEEP_STEPS_AHEAD` steps ahead, or ahead at all for longer
   than `lag_grace_s` (replicas finish a step's exchange a few milliseconds apart, which is no lag), stops
   serving, drops its unapplied buckets (recorded as lost) and downloads the state;
-- after a step, replicas compare a fingerprint of the gradient they applied; on a mismatch (a member's
-  gradients reached one replica but not another) the replica with the larger peer id resyncs;
+- replicas compare parameter fingerprints taken at the same step; on a mismatch (a member's gradients
+  reached one replica but not another, at that step or any before) the one with the larger id resyncs;
 - at start, the state comes from live replicas, else the stage's newest checkpoint, else initial
   weights, which are refused once the swarm has stepped (planner/restore.py decides); a replica left
   behind the other stages (restored from an older checkpoint) adopts their step after a grace period.
@@ -32,7 +33,10 @@ from swarmtrain.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
-FINGERPRINT_RTOL = 1e-3
+# Replicas on the same kind of device hold bitwise-equal parameters; one step applied from different
+# contributions changes the sums by ~1e-4 relative and more. Replicas on different hardware would drift
+# apart by rounding and resync now and then.
+FINGERPRINT_RTOL = 1e-6
 
 
 @dataclass
@@ -85,7 +89,7 @@ class StageSynchronizer:
         self.serving = threading.Event()
         self.stop_event = threading.Event()
         self.on_epoch_moved: Callable[[], None] | None = None  # set by the server once its loop runs
-        self._grad_fp: list[float] | None = None
+        self._fp: tuple[int, list[float]] | None = None  # (step, parameter fingerprint at that step)
         self._behind_since_s: float | None = None
         self._publish_now = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -104,7 +108,16 @@ class StageSynchronizer:
             self.resync("joining a stage that has already trained")
             if self.untrained:  # the download failed (the replicas just died): as if there were none
                 start = choose_start([], checkpoint_step, swarm_step, self.settings.allow_fresh)
-        self.ledger.write("restore", source=start.source, epoch=start.epoch, lost_steps=start.lost_steps)
+        # state_step: every step before it is in the state this replica starts from (the accounting
+        # counts dead replicas' steps before it as applied)
+        state_step = {"peers": self.worker.epoch, "checkpoint": checkpoint_step or 0}.get(start.source, 0)
+        self.ledger.write(
+            "restore",
+            source=start.source,
+            epoch=start.epoch,
+            lost_steps=start.lost_steps,
+            state_step=state_step,
+        )
         if start.source == "refuse":
             raise RestoreRefused(f"stage {self.stage}: {start.reason}")
         if start.source == "checkpoint":
@@ -114,6 +127,7 @@ class StageSynchronizer:
         self.untrained = start.source == "fresh"
         if start.epoch > self.worker.epoch:
             self._on_compute(lambda: self.worker.advance_to(start.epoch))
+        self._refresh_fingerprint()
         log = logger.warning if start.lost_steps else logger.info
         log("stage %d starts at step %d from %s: %s", self.stage, start.epoch, start.source, start.reason)
         self.averager.state_sharing_priority = float(self.worker.epoch)
@@ -142,11 +156,11 @@ class StageSynchronizer:
                 logger.exception("stage sync tick failed")
 
     # checks -------------------------------------------------------------------------------------
-    def step_applied(self, grad_fp: list[float]) -> None:
+    def step_applied(self, epoch: int, fingerprint: list[float]) -> None:
         """Called after every applied step (from the event loop). Not published at once: a DHT store
         per step per replica cost CPU the stage needs (several steps per second on `tiny`); the
         heartbeat carries the epoch and its fingerprint together."""
-        self._grad_fp = grad_fp
+        self._fp = (epoch, fingerprint)
         self.untrained = False
         self.averager.state_sharing_priority = float(self.worker.epoch)
 
@@ -163,7 +177,7 @@ class StageSynchronizer:
         lagging = ahead >= 1 and now - (self._behind_since_s or now) >= self.settings.lag_grace_s
         if ahead > KEEP_STEPS_AHEAD or lagging:
             self.resync(f"peers are {ahead} step(s) ahead (we are at {epoch})")
-        elif self._diverged_from({p: v for p, v in others.items() if v["epoch"] == epoch}):
+        elif self._diverged_from(others):
             self.resync("parameters diverged from a peer after a partial exchange")
         elif ahead <= 0:
             self._check_other_stages(epoch, now)
@@ -195,6 +209,7 @@ class StageSynchronizer:
                 other - epoch,
             )
             self.ledger.write("advance", epoch=other, skipped=other - epoch, lost=lost_samples)
+            self._refresh_fingerprint()
             self._other_ahead_since_s = None
             if self.on_epoch_moved is not None:
                 self.on_epoch_moved()
@@ -240,7 +255,7 @@ class StageSynchronizer:
             self.ledger.write("resync", epoch=self.worker.epoch, reason=reason)
             if self.on_epoch_moved is not None:
                 self.on_epoch_moved()
-        self._grad_fp = None
+        self._refresh_fingerprint()
         self._behind_since_s = None
         self.averager.state_sharing_priority = float(self.worker.epoch)
         self.serving.set()
@@ -251,18 +266,29 @@ class StageSynchronizer:
         progress = self.records.stage_progress(self.stage)
         return {p: v for p, v in progress.items() if p != self.peer_id and v.get("digest") == self.digest}
 
-    def _diverged_from(self, same: dict[str, dict]) -> bool:
-        if self._grad_fp is None:
+    def _diverged_from(self, others: dict[str, dict]) -> bool:
+        """A peer with a smaller id had other parameters than ours at the same step."""
+        if self._fp is None:
             return False
-        for peer, value in same.items():
-            theirs = value.get("grad_fp")
-            if peer < self.peer_id and isinstance(theirs, list) and len(theirs) == 2:
+        step, ours = self._fp
+        for peer, value in others.items():
+            theirs = value.get("fp")
+            if (
+                peer < self.peer_id
+                and value.get("fp_epoch") == step
+                and isinstance(theirs, list)
+                and len(theirs) == 2
+            ):
                 if any(
                     abs(a - b) > FINGERPRINT_RTOL * (abs(a) + abs(b) + 1e-12)
-                    for a, b in zip(theirs, self._grad_fp, strict=True)
+                    for a, b in zip(theirs, ours, strict=True)
                 ):
                     return True
         return False
+
+    def _refresh_fingerprint(self) -> None:
+        """After the state changed other than by a step (download, restore): fingerprint it as it is."""
+        self._fp = self._on_compute(lambda: (self.worker.epoch, self.worker.param_fingerprint()))
 
     def _on_compute(self, fn):
         return self.compute.submit(fn, PRIORITY_SYNC).result(timeout=self.settings.compute_timeout_s)
@@ -283,7 +309,8 @@ class StageSynchronizer:
                 "samples": self.worker.unapplied_samples,
                 "digest": self.digest,
                 "serving": self.serving.is_set(),
-                "grad_fp": self._grad_fp,
+                "fp_epoch": None if self._fp is None else self._fp[0],
+                "fp": None if self._fp is None else self._fp[1],
             }
             try:
                 self.records.publish_progress(self.stage, self.peer_id, value, self.settings.progress_ttl_s)

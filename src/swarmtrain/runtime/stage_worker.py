@@ -303,11 +303,15 @@ class StageWorker:
         self.cache.clear()
         return self.drop_steps_before(self.epoch)
 
-    def grad_fingerprint(self, grads: list[torch.Tensor]) -> list[float]:
-        """Two numbers that differ when two replicas applied different averaged gradients."""
-        total = sum(float(g.double().sum()) for g in grads)
-        squares = sum(float(g.double().pow(2).sum()) for g in grads)
-        return [total, squares]
+    def param_fingerprint(self) -> list[float]:
+        """Two float64 sums over the parameters: replicas holding the same state agree exactly (same
+        operations in the same order); one step applied from other contributions moves them far more
+        than stage_sync's FINGERPRINT_RTOL. Unlike a fingerprint of one step's gradient, a divergence
+        still shows after later steps."""
+        with self.state_lock, torch.no_grad():
+            absolute = sum(float(p.double().abs().sum()) for p in self.params)
+            total = sum(float(p.double().sum()) for p in self.params)
+        return [absolute, total]
 
 
 _LEDGER_EVENT = {"duplicates": "dup", "late": "late", "not_accumulated": "noacc"}
