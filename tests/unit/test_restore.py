@@ -67,3 +67,9 @@ def test_joining_live_replicas_at_step_zero_is_a_fresh_start():
 )
 def test_behind_other_stages(epoch, other, pending, behind_s, untrained, allow_fresh, expected):
     assert behind_other_stages(epoch, other, pending, behind_s, 3.0, untrained, allow_fresh) == expected
+
+
+def test_a_replica_whose_step_is_being_closed_is_never_advanced():
+    """The chaos bench found this: a replica with no samples of step k waited a close timeout for a
+    slow trainer while the other stage moved on; advancing it skipped step k, which its peer applied."""
+    assert behind_other_stages(916, 917, 0, 99.0, 3.0, False, False, closing=True) == "wait"

@@ -170,3 +170,19 @@ def test_export_refuses_an_incomplete_model(tiny_cfg, tmp_path, capsys):
     assert main(["export", "--checkpoint-dir", str(tmp_path), "--out", str(tmp_path / "m.safetensors")]) != 0
     assert "no checkpoint of stage(s) [1]" in capsys.readouterr().err
     assert not (tmp_path / "m.safetensors").exists()
+
+
+def test_time_based_checkpoints_fall_on_the_next_step_after_the_period(tiny_cfg, tmp_path, monkeypatch):
+    import swarmtrain.runtime.stage_checkpoint as module
+
+    clock = [100.0]
+    monkeypatch.setattr(module.time, "monotonic", lambda: clock[0])
+    worker = _trained_worker(tiny_cfg, 0, steps=1)
+    spec, identity, _ = _checkpointer(tiny_cfg, tmp_path)
+    settings = CheckpointSettings(directory=tmp_path, every_steps=0, every_s=60.0)
+    checkpointer = StageCheckpointer(settings, 0, identity, worker.export_state)
+    assert not checkpointer.due(1)
+    clock[0] += 61.0
+    assert checkpointer.due(2)
+    checkpointer.save(2).result(timeout=30)
+    assert not checkpointer.due(3)  # the period starts again at the save

@@ -70,11 +70,13 @@ def behind_other_stages(
     grace_s: float,
     untrained: bool,
     allow_fresh: bool,
+    closing: bool = False,
 ) -> str:
     """ "wait", "advance" (adopt `other_stage_epoch`) or "refuse" for a replica whose own stage has no
-    replica ahead of it. A replica still holding a step's gradients is never advanced (that step is
-    being closed); nor one behind by less than `grace_s` (normal: stages step a few ms apart)."""
-    if other_stage_epoch <= epoch or pending_samples > 0 or behind_for_s < grace_s:
+    replica ahead of it. A replica still holding a step's gradients, or whose current step is being
+    closed (`closing`: it may wait a close timeout for a slow trainer, with or without samples of its
+    own), is never advanced; nor one behind by less than `grace_s` (stages step a few ms apart)."""
+    if other_stage_epoch <= epoch or pending_samples > 0 or closing or behind_for_s < grace_s:
         return "wait"
     if untrained and not allow_fresh:
         return "refuse"

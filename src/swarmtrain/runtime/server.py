@@ -149,6 +149,7 @@ class StageServer:
             self.ledger,
             checkpoints=self.checkpointer,
             on_fatal=self._fatal,
+            closing=self._closing,
         )
         remember_group_sockets()
         self.ledger.write("start", peer=self.peer_id, stage=self.spec.index)
@@ -182,6 +183,10 @@ class StageServer:
         self.exit_code = 2
         if self._loop is not None and self._stop is not None:
             self._loop.call_soon_threadsafe(self._stop.set)
+
+    def _closing(self) -> bool:
+        """The step this replica is at has a close or gradients pending (read from the sync thread)."""
+        return self.steps is not None and self.worker.epoch in self.steps.pending
 
     def _step_applied(self, epoch: int, fingerprint: list[float]) -> None:
         self.sync.step_applied(epoch, fingerprint)

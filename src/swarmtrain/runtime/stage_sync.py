@@ -75,14 +75,16 @@ class StageSynchronizer:
         ledger: Ledger | None = None,
         checkpoints=None,
         on_fatal: Callable[[str], None] | None = None,
+        closing: Callable[[], bool] = lambda: False,
     ) -> None:
         """`checkpoints`: a StageCheckpointer to restore from (None: no checkpoints); `on_fatal`: stop
-        the server with this message (a replica that must not serve)."""
+        the server with this message (a replica that must not serve); `closing`: whether the step this
+        replica is at is being closed (the step coordinator holds it)."""
         self.worker, self.compute, self.averager, self.records = worker, compute, averager, records
         self.peer_id, self.digest, self.settings = peer_id, digest, settings
         self.stage = worker.spec.index
         self.ledger = ledger or Ledger(None)
-        self.checkpoints, self.on_fatal = checkpoints, on_fatal
+        self.checkpoints, self.on_fatal, self.closing = checkpoints, on_fatal, closing
         self.untrained = True  # initial weights: never stepped, downloaded or restored
         self._other_ahead_since_s: float | None = None
         self.counters = SyncCounters()
@@ -197,6 +199,7 @@ class StageSynchronizer:
             self.settings.lag_grace_s,
             self.untrained,
             self.settings.allow_fresh,
+            self.closing(),
         )
         if action == "advance":
             lost_samples, lost_ids = self._on_compute(lambda: self.worker.advance_to(other))
