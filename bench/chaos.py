@@ -149,6 +149,7 @@ def probe_state(cfg, swarm: LocalSwarm, val_set, want_params: bool) -> dict:
                     "stage": stage,
                     "epoch": info.header["epoch"],
                     "params": digest.hexdigest()[:16],
+                    "fingerprint": info.header.get("fingerprint"),
                 }
         return {"val_loss": val_loss, "replicas": replicas}
     finally:

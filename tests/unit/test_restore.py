@@ -73,3 +73,10 @@ def test_a_replica_whose_step_is_being_closed_is_never_advanced():
     """The chaos bench found this: a replica with no samples of step k waited a close timeout for a
     slow trainer while the other stage moved on; advancing it skipped step k, which its peer applied."""
     assert behind_other_stages(916, 917, 0, 99.0, 3.0, False, False, closing=True) == "wait"
+
+
+def test_a_replica_that_has_stepped_with_the_swarm_is_never_advanced():
+    """Found by the chaos bench too: all of a step's micro-batches went to a peer that died, the close
+    was slow; skipping that step made this replica differ from its live peers."""
+    assert behind_other_stages(1050, 1051, 0, 99.0, 3.0, False, False, restored=False) == "wait"
+    assert behind_other_stages(30, 32, 0, 99.0, 3.0, False, False, restored=True) == "advance"

@@ -4,9 +4,9 @@ Pure decisions (no I/O), used by the server's synchronizer and unit-tested on th
 - `choose_start`: live replicas of the stage > its newest checkpoint > initial weights, and never
   initial weights silently once the swarm has stepped (a stage whose replicas all died would
   otherwise restart from scratch while the other stages go on: the loss jumps back to the start);
-- `behind_other_stages`: stages apply a step milliseconds apart; a stage left steps behind the others
-  for longer than a grace period (it was restored from an older checkpoint, or all stages restarted
-  from checkpoints of different steps) adopts the swarm's step number, keeping its parameters (the
+- `behind_other_stages`: stages apply a step milliseconds apart; a replica restored from a checkpoint
+  and left steps behind the others for longer than a grace period (an older checkpoint, or stages
+  restarted from checkpoints of different steps) adopts the swarm's step number, keeping its parameters (the
   skipped steps' updates of this stage are lost, which is what a checkpoint period bounds), unless
   its parameters are the untrained initial ones.
 """
@@ -71,13 +71,19 @@ def behind_other_stages(
     untrained: bool,
     allow_fresh: bool,
     closing: bool = False,
+    restored: bool = True,
 ) -> str:
     """ "wait", "advance" (adopt `other_stage_epoch`) or "refuse" for a replica whose own stage has no
     replica ahead of it. A replica still holding a step's gradients, or whose current step is being
     closed (`closing`: it may wait a close timeout for a slow trainer, with or without samples of its
-    own), is never advanced; nor one behind by less than `grace_s` (stages step a few ms apart)."""
+    own), is never advanced; nor one behind by less than `grace_s` (stages step a few ms apart); nor
+    one that was not `restored` from a checkpoint (or started fresh) without stepping since: a
+    replica that has been stepping with the swarm and falls behind (its step's close is slow, all
+    its stage's micro-batches went to a replica that died) would skip a step its peers applied."""
     if other_stage_epoch <= epoch or pending_samples > 0 or closing or behind_for_s < grace_s:
         return "wait"
+    if not (restored or untrained):
+        return "wait"  # it has stepped with the swarm since its start: its peers, not skipping, catch it up
     if untrained and not allow_fresh:
         return "refuse"
     return "advance"

@@ -381,6 +381,7 @@ class StageServer:
             "samples_seen": w.samples_seen,
             "pending_samples": w.unapplied_samples,
             "serving": self.sync.serving.is_set(),
+            "fingerprint": self.sync.fingerprint,  # [step, [sum |p|, sum p]] as compared between replicas
             "counters": dict(w.counters),
             "sync": vars(self.sync.counters),
             "steps": vars(self.steps.counters) if self.steps is not None else {},

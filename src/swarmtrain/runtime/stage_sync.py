@@ -86,6 +86,7 @@ class StageSynchronizer:
         self.ledger = ledger or Ledger(None)
         self.checkpoints, self.on_fatal, self.closing = checkpoints, on_fatal, closing
         self.untrained = True  # initial weights: never stepped, downloaded or restored
+        self.restored = False  # state from a checkpoint (or --fresh-start), no step applied since
         self._other_ahead_since_s: float | None = None
         self.counters = SyncCounters()
         self.serving = threading.Event()
@@ -127,6 +128,7 @@ class StageSynchronizer:
             self._on_compute(lambda: self.worker.import_state(meta, tensors))
             logger.info("stage %d restored from %s", self.stage, checkpoint.tensors_path)
         self.untrained = start.source == "fresh"
+        self.restored = start.source == "checkpoint" or (start.source == "fresh" and start.epoch > 0)
         if start.epoch > self.worker.epoch:
             self._on_compute(lambda: self.worker.advance_to(start.epoch))
         self._refresh_fingerprint()
@@ -163,7 +165,7 @@ class StageSynchronizer:
         per step per replica cost CPU the stage needs (several steps per second on `tiny`); the
         heartbeat carries the epoch and its fingerprint together."""
         self._fp = (epoch, fingerprint)
-        self.untrained = False
+        self.untrained = self.restored = False
         self.averager.state_sharing_priority = float(self.worker.epoch)
 
     def tick(self) -> None:
@@ -200,6 +202,7 @@ class StageSynchronizer:
             self.untrained,
             self.settings.allow_fresh,
             self.closing(),
+            self.restored,
         )
         if action == "advance":
             lost_samples, lost_ids = self._on_compute(lambda: self.worker.advance_to(other))
@@ -250,7 +253,7 @@ class StageSynchronizer:
             logger.error("state download failed; serving the local state and retrying later")
         else:
             lost_samples, lost_ids = self._on_compute(lambda: self.worker.import_state(*loaded))
-            self.untrained = False
+            self.untrained = self.restored = False
             self.counters.resyncs += 1
             if lost_ids:
                 self.counters.lost_samples += lost_samples
@@ -288,6 +291,10 @@ class StageSynchronizer:
                 ):
                     return True
         return False
+
+    @property
+    def fingerprint(self) -> list | None:
+        return None if self._fp is None else [self._fp[0], list(self._fp[1])]
 
     def _refresh_fingerprint(self) -> None:
         """After the state changed other than by a step (download, restore): fingerprint it as it is."""
