@@ -179,3 +179,25 @@ def test_tracker_closes_a_stage_when_all_its_micro_batches_are_done():
     tracker.finished(6, 1, "L", 8)
     tracker.finished(6, 0, "B", 8)
     assert closed[-2:] == [(6, 1, {"L": 8}), (6, 0, {"B": 8})] and tracker.next_step == 7
+
+
+def test_three_replicas_hold_bitwise_equal_parameters_after_a_step(tiny_cfg, micro_batches, start_compute):
+    """fp32 sums added in a different order differ in the last bits: each replica appended its own
+    sums last, and a 3-replica stage drifted apart (found by bench/chaos.py)."""
+
+    async def scenario():
+        net = Net()
+        nodes = await _replicas(tiny_cfg, ["A", "B", "C"], net, start_compute)
+        _train(nodes["A"].worker, micro_batches[:2])
+        _train(nodes["B"].worker, micro_batches[2:3], prefix="b")
+        _train(nodes["C"].worker, micro_batches[3:], prefix="c")
+        tasks = [asyncio.create_task(n.run()) for n in nodes.values()]
+        _close(nodes, 0, {"A": 16, "B": 8, "C": 8})
+        await _until(lambda: all(n.counters.steps == 1 for n in nodes.values()))
+        for task in tasks:
+            task.cancel()
+        a, b, c = (nodes[n].worker.params for n in "ABC")
+        for p, q, r in zip(a, b, c, strict=True):
+            assert torch.equal(p, q) and torch.equal(p, r)
+
+    asyncio.run(scenario())

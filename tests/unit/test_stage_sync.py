@@ -251,3 +251,14 @@ def test_a_restored_stage_behind_the_others_adopts_their_step_an_untrained_one_r
     assert worker.epoch == 0 and not untrained.serving.is_set()
     assert len(fatal) == 1 and "untrained initial weights" in fatal[0]
     untrained.stop()
+
+
+def test_a_truncated_download_is_refused_and_the_replica_serves_on(make_sync, tiny_cfg):
+    """The chaos bench: a donor died mid-stream, the state had too few tensors; the tick raised and the
+    replica never served again."""
+    donor = _donor(tiny_cfg, 2)
+    meta, tensors = donor.export_state()
+    sync, worker, records, averager = make_sync(averager=FakeAverager(donor_state=(meta, tensors[:3])))
+    records.progress["A"] = _peer(9)
+    sync.tick()
+    assert ("download",) in averager.calls and worker.epoch == 0 and sync.serving.is_set()

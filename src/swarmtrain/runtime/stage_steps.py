@@ -203,9 +203,12 @@ class StepCoordinator:
         )
         if self.worker.epoch != step:
             return  # a resync moved us on meanwhile
-        contributions = {p: state.received[p] for p in sorted(others) if p in state.received}
+        contributions = {p: state.received[p] for p in others if p in state.received}
         if self.peer_id in listed and bucket.samples:
             contributions[self.peer_id] = (bucket.samples, bucket.grad_sums)
+        # fp32 addition is not associative: every replica must add the same sums in the same order
+        # (with our own sums appended last, 3 replicas drifted apart by rounding, ~1e-9 per run)
+        contributions = dict(sorted(contributions.items()))
         if not complete or len(contributions) < len(listed):
             self.counters.partial_exchanges += 1
             missing = sorted(listed - set(contributions))

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from swarmtrain.config.errors import UserError
+from swarmtrain.net.protocol import ProtocolError
 from swarmtrain.planner.restore import behind_other_stages, choose_start
 from swarmtrain.runtime.compute import PRIORITY_SYNC, ComputeWorker
 from swarmtrain.runtime.ledger import Ledger
@@ -249,10 +250,16 @@ class StageSynchronizer:
         self.averager.state_sharing_priority = -1.0  # never be picked as a donor while stale
         self.publish()
         loaded = self.averager.download_state(self.settings.download_timeout_s)
-        if loaded is None:
+        imported = None
+        if loaded is not None:
+            try:
+                imported = self._on_compute(lambda: self.worker.import_state(*loaded))
+            except ProtocolError as exc:  # e.g. the donor died mid-stream: a truncated state
+                logger.error("downloaded stage state refused: %s", exc)
+        if imported is None:
             logger.error("state download failed; serving the local state and retrying later")
         else:
-            lost_samples, lost_ids = self._on_compute(lambda: self.worker.import_state(*loaded))
+            lost_samples, lost_ids = imported
             self.untrained = self.restored = False
             self.counters.resyncs += 1
             if lost_ids:
