@@ -184,8 +184,12 @@ class StageSynchronizer:
             self.resync(f"peers are {ahead} step(s) ahead (we are at {epoch})")
         elif self._diverged_from(others):
             self.resync("parameters diverged from a peer after a partial exchange")
-        elif ahead <= 0:
+        elif ahead <= 0 and (self.restored or self.untrained):
+            # only such a replica may adopt the other stages' step or must refuse (planner/restore.py):
+            # the others are not read from the DHT on every tick of a replica stepping with the swarm
             self._check_other_stages(epoch, now)
+        else:
+            self._other_ahead_since_s = None
 
     def _check_other_stages(self, epoch: int, now: float) -> None:
         """No replica of this stage is ahead: are the other stages, for longer than a step takes?"""

@@ -309,8 +309,9 @@ class StageWorker:
         than stage_sync's FINGERPRINT_RTOL. Unlike a fingerprint of one step's gradient, a divergence
         still shows after later steps."""
         with self.state_lock, torch.no_grad():
-            absolute = sum(float(p.double().abs().sum()) for p in self.params)
-            total = sum(float(p.double().sum()) for p in self.params)
+            # float64 accumulation without a float64 copy of every parameter (this runs every step)
+            absolute = sum(float(torch.linalg.vector_norm(p, 1, dtype=torch.float64)) for p in self.params)
+            total = sum(float(p.sum(dtype=torch.float64)) for p in self.params)
         return [absolute, total]
 
 
