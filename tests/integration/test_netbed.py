@@ -1,0 +1,227 @@
+"""The WAN test bed (runtime/netbed.py): peers in network namespaces reach each other, the rate limits
+hold, nothing is left behind, and a hivemind DHT works across namespaces. Needs root; skipped otherwise."""
+
+from __future__ import annotations
+
+import re
+import signal
+import sys
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+import pytest
+
+from swarmtrain.runtime import netbed
+from swarmtrain.runtime.netbed import WanTestbed
+from swarmtrain.runtime.procs import ManagedProcess
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+
+# Accepts `connections` connections; answers each with the number of bytes it received.
+SERVER = """
+import os, socket, sys
+server = socket.create_server((sys.argv[1], 0))
+print("listening", server.getsockname()[1], os.getpid(), os.getpgrp(), flush=True)
+for _ in range(int(sys.argv[2])):
+    conn, _ = server.accept()
+    received = 0
+    while chunk := conn.recv(1 << 16):
+        received += len(chunk)
+    conn.sendall(str(received).encode())
+    conn.close()
+"""
+
+# Sends `size` bytes and waits for the server's count: the time covers the last byte's arrival.
+CLIENT = """
+import socket, sys, time
+host, port, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+start_s = time.monotonic()
+with socket.create_connection((host, port), timeout=30) as sock:
+    sock.sendall(b"x" * size)
+    sock.shutdown(socket.SHUT_WR)
+    answer = sock.recv(64).decode()
+print("received", answer, "in", time.monotonic() - start_s, flush=True)
+"""
+
+DHT_CLIENT = """
+import sys
+from swarmtrain.net.engine import prepare_environment
+prepare_environment()
+import hivemind
+from hivemind.utils import get_dht_time
+from swarmtrain.runtime.procs import reap_own_group, remember_group_sockets
+dht = hivemind.DHT(initial_peers=[sys.argv[1]], host_maddrs=[f"/ip4/{sys.argv[2]}/tcp/0"], start=True)
+remember_group_sockets()
+try:
+    assert dht.store("netbed-key", "netbed-value", get_dht_time() + 60)
+    found = dht.get("netbed-key", latest=True)
+    assert found is not None and found.value == "netbed-value", found
+    print("dht ok", flush=True)
+finally:
+    dht.shutdown()
+    reap_own_group()
+"""
+
+
+@pytest.fixture(autouse=True)
+def _needs_netbed():
+    ok, why = netbed.available()
+    if not ok:
+        pytest.skip(why)
+
+
+@pytest.fixture
+def spawn(tmp_path):
+    """spawn(name, argv) -> ManagedProcess in its own process group; every group killed at teardown."""
+    with ExitStack() as stack:
+
+        def start(name: str, argv: list[str]) -> ManagedProcess:
+            proc = ManagedProcess(name, argv, tmp_path / f"{name}.log")
+            stack.callback(proc.kill)
+            return proc
+
+        yield start
+
+
+def wait_for(proc: ManagedProcess, pattern: str, timeout_s: float = 30.0) -> re.Match:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if match := re.search(pattern, proc.log_text()):
+            return match
+        if not proc.alive and not re.search(pattern, proc.log_text()):
+            break
+        time.sleep(0.05)
+    raise AssertionError(f"{proc.name}: no {pattern!r} in {timeout_s} s; log:\n{proc.log_text()[-3000:]}")
+
+
+def finished_output(proc: ManagedProcess, timeout_s: float = 30.0) -> str:
+    assert proc.proc.wait(timeout=timeout_s) == 0, proc.log_text()
+    return proc.log_text()
+
+
+def start_server(spawn, bed: WanTestbed, i: int, connections: int) -> tuple[ManagedProcess, int]:
+    server = spawn(f"server{i}", bed.wrap(i, [sys.executable, "-c", SERVER, bed.host(i), str(connections)]))
+    port = int(wait_for(server, r"listening (\d+)").group(1))
+    return server, port
+
+
+def send_seconds(spawn, bed: WanTestbed, i: int, host: str, port: int, size_bytes: int) -> float:
+    """Seconds for peer i to send `size_bytes` to host:port and hear that they all arrived."""
+    client = spawn(
+        f"client{i}-{time.monotonic_ns()}",
+        bed.wrap(i, [sys.executable, "-c", CLIENT, host, str(port), str(size_bytes)]),
+    )
+    match = re.search(r"received (\d+) in (\S+)", finished_output(client))
+    assert match and int(match.group(1)) == size_bytes, client.log_text()
+    return float(match.group(2))
+
+
+def test_peers_reach_each_other_and_wrap_keeps_pid_and_process_group(spawn):
+    import socket
+
+    with WanTestbed(2, up_mbit_s=None, down_mbit_s=None) as bed:
+        assert bed.host(0) != bed.host(1)
+        server, port = start_server(spawn, bed, 0, connections=2)
+        _, pid, pgid = wait_for(server, r"listening (\d+) (\d+) (\d+)").groups()
+        # `ip netns exec` execs the command: a launcher's process-group kill reaches the whole peer
+        assert int(pid) == server.pid and int(pgid) == server.pid
+        assert server.pid in bed.pids(0)
+        assert send_seconds(spawn, bed, 1, bed.host(0), port, 1000) < 30
+        # the root namespace reaches peers through the bridge's address
+        with socket.create_connection((bed.host(0), port), timeout=10) as sock:
+            sock.sendall(b"hello")
+            sock.shutdown(socket.SHUT_WR)
+            assert sock.recv(64) == b"5"
+        finished_output(server)
+
+
+def test_upload_and_download_limits_hold(spawn):
+    size_bytes = 1_500_000  # 1.5 MB at 8 Mbit/s: 1.5 s; only a lower bound is asserted (shared machine)
+    with WanTestbed(2, up_mbit_s=[8, None], down_mbit_s=None) as bed:
+        _, port = start_server(spawn, bed, 1, connections=2)
+        assert send_seconds(spawn, bed, 0, bed.host(1), port, size_bytes) >= 1.2  # peer 0's upload
+        bed.set_rate(0, None, None)
+        bed.set_rate(1, None, 8)
+        assert send_seconds(spawn, bed, 0, bed.host(1), port, size_bytes) >= 1.2  # peer 1's download
+
+
+def test_set_rate_replaces_and_removes_the_qdisc():
+    with WanTestbed(1, up_mbit_s=4, down_mbit_s=None) as bed:
+        ns = bed.namespace(0)
+        assert "rate 4Mbit" in netbed._run(["tc", "-n", ns, "qdisc", "show"])
+        bed.set_rate(0, 2.5, 16)
+        assert "rate 2500Kbit" in netbed._run(["tc", "-n", ns, "qdisc", "show"])
+        assert "rate 16Mbit" in netbed._run(["tc", "qdisc", "show", "dev", f"{bed.tag}h0"])
+        bed.set_rate(0, None, 0)
+        assert " tbf " not in netbed._run(["tc", "-n", ns, "qdisc", "show"])
+        assert " tbf " not in netbed._run(["tc", "qdisc", "show", "dev", f"{bed.tag}h0"])
+
+
+def test_nothing_is_left_after_the_context_even_when_the_body_raises(spawn):
+    with WanTestbed(2, up_mbit_s=8, down_mbit_s=8) as bed:
+        assert set(netbed.leftovers(bed.tag)) == bed.names()
+    assert netbed.leftovers(bed.tag) == []
+
+    sleep = [sys.executable, "-c", "import time; print('inside', flush=True); time.sleep(600)"]
+    with (
+        pytest.raises(RuntimeError, match="body failed"),
+        WanTestbed(2, up_mbit_s=8, down_mbit_s=None) as bed,
+    ):
+        sleepers = [spawn(f"sleeper{i}", bed.wrap(i, sleep)) for i in range(2)]
+        for sleeper in sleepers:
+            wait_for(sleeper, "inside")
+        raise RuntimeError("body failed")
+    assert netbed.leftovers(bed.tag) == []
+    for sleeper in sleepers:  # close() killed what still ran inside
+        assert sleeper.proc.wait(timeout=10) == -signal.SIGKILL
+
+
+def test_a_failed_start_removes_what_it_created(monkeypatch):
+    bed = WanTestbed(3, up_mbit_s=8, down_mbit_s=8)
+    real_create_peer = bed._create_peer
+
+    def create_peer(i: int) -> None:
+        if i == 2:
+            raise netbed.NetbedError("injected failure")
+        real_create_peer(i)
+
+    monkeypatch.setattr(bed, "_create_peer", create_peer)
+    with pytest.raises(netbed.NetbedError, match="injected failure"):
+        bed.start()
+    assert netbed.leftovers(bed.tag) == []
+
+
+def test_cleanup_leftovers_removes_a_dead_owners_objects_and_spares_live_ones():
+    prefix = "stwt"  # a prefix of this test's own: other test beds on the machine are never touched
+    with WanTestbed(1, name_prefix=prefix) as live:
+        dead = WanTestbed(1, name_prefix=prefix).start()
+        netbed._open_beds.discard(dead)
+        (netbed._OWNERS_DIR / dead.tag).write_text("999999999 0\n")  # as if its owner had been killed
+        removed = netbed.cleanup_leftovers(prefix)
+        assert (
+            dead.namespace(0) in removed and set(removed) <= dead.names()
+        )  # its veth went with its namespace
+        assert set(netbed.leftovers(prefix)) == live.names()
+    assert netbed.leftovers(prefix) == []
+
+
+def test_a_hivemind_dht_works_across_namespaces(spawn):
+    swarmtrain = str(Path(sys.executable).with_name("swarmtrain"))
+    with WanTestbed(2, up_mbit_s=50, down_mbit_s=50) as bed:
+        dht = spawn("dht", bed.wrap(0, [swarmtrain, "dht", "--host", bed.host(0), "--port", "0"]))
+        addresses = wait_for(dht, r"--initial-peers (.+)").group(1).split()
+        address = next(a for a in addresses if a.startswith(f"/ip4/{bed.host(0)}/"))
+        client = spawn("dht-client", bed.wrap(1, [sys.executable, "-c", DHT_CLIENT, address, bed.host(1)]))
+        assert "dht ok" in finished_output(client, timeout_s=40)
+        dht.stop(grace_s=5)
+
+
+def test_not_root_is_a_clear_error_and_a_skip_reason(monkeypatch):
+    monkeypatch.setattr(netbed.os, "geteuid", lambda: 1000)
+    assert netbed._check_availability() == (False, "the WAN test bed needs root (running as uid 1000)")
+    with pytest.raises(netbed.NetbedError, match="needs root"):
+        WanTestbed(1).start()
+    bad_rates = {"up_mbit_s": [8]}  # one value for two peers
+    with pytest.raises(netbed.NetbedError, match="1 values for 2 peers"):
+        WanTestbed(2, **bad_rates)
