@@ -13,6 +13,11 @@ from swarmtrain.config.errors import UserError
 
 MODE_CHOICES = ("swarm", "swarm-no-rebalance", "gpipe", "async-replicas", "all")
 CHURN_CHOICES = ("none", "preemptible", "exponential", "diurnal", "regional-outage")
+DEFAULT_H_VALUES = (1, 2, 5, 10, 20, 50, 100)  # as sim.mode_choice (not imported: --help stays fast)
+DEFAULT_DURATION_S = 3600.0
+DEFAULT_EVENT_BUDGET = 1_500_000
+CHOOSE_DURATION_S = 600.0  # --choose-mode: SWARM's simulated seconds (replicas run whole rounds)
+CHOOSE_EVENT_BUDGET = 300_000
 
 DESCRIPTION = """\
 Simulate training on a fleet you may not have: thousands of heterogeneous, preemptible peers on
@@ -20,10 +25,18 @@ several continents, on a virtual clock (deterministic for a seed). Compares SWAR
 rebalancing, fixed GPipe pipelines and asynchronous full replicas on the same fleet and churn, against
 the fleet's optimal throughput at every moment.
 
+--choose-mode answers "SWARM or asynchronous full replicas, and averaging every how many local steps
+(H)?": it simulates SWARM (--duration-s, default 600 s) and replicas at each H of --h-values (a whole
+number of averaging rounds each), prints samples/s and synchronization bytes per sample of each, the
+recommendation and why (memory, bandwidth, device speed). The smallest H within 10% of the best
+replica throughput is chosen (rarer averaging costs convergence, which is not simulated), and replicas
+only when they beat SWARM by 10% or more. --summary-json writes the same as JSON.
+
 examples:
   swarmtrain simulate --num-peers 1000 --churn preemptible --plot sim.png
   swarmtrain simulate --scenario world-wide --mode all --duration-s 1800
   swarmtrain simulate --fleet my_fleet.toml --trace outages.csv --summary-json out.json
+  swarmtrain simulate --scenario world-wide --model gpt2-small --choose-mode --h-values 1,10,100
 """
 
 
@@ -52,7 +65,24 @@ def register(subparsers) -> None:
     p.add_argument("--stages", type=positive_int, metavar="S", help="override the number of pipeline stages")
     p.add_argument("--global-batch-size", type=positive_int, metavar="N", help="samples per optimizer step")
     p.add_argument(
-        "--mode", choices=MODE_CHOICES, default="swarm", help="what to run; `all` compares the four"
+        "--mode", choices=MODE_CHOICES, help="what to run (default swarm); `all` compares the four"
+    )
+    p.add_argument(
+        "--choose-mode",
+        action="store_true",
+        help="recommend SWARM or async replicas and their H for this fleet, with reasons (see above)",
+    )
+    p.add_argument(
+        "--h-values",
+        type=_h_values,
+        metavar="H,H,...",
+        help=f"--choose-mode: local steps between averaging rounds to try (default {','.join(map(str, DEFAULT_H_VALUES))})",
+    )
+    p.add_argument(
+        "--local-batch-samples",
+        type=positive_int,
+        metavar="N",
+        help="async replicas: samples per local step (default: global batch / 16)",
     )
     churn = p.add_mutually_exclusive_group()
     churn.add_argument(
@@ -64,7 +94,9 @@ def register(subparsers) -> None:
     )
     churn.add_argument("--trace", metavar="FILE", help="CSV churn trace: time_s,peer,event (join/leave/fail)")
     p.add_argument(
-        "--duration-s", type=positive_float, default=3600.0, help="simulated seconds (default 3600)"
+        "--duration-s",
+        type=positive_float,
+        help=f"simulated seconds (default {DEFAULT_DURATION_S:g}; {CHOOSE_DURATION_S:g} for SWARM with --choose-mode)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -99,7 +131,13 @@ def register(subparsers) -> None:
         help="variability of each transfer's latency, as --compute-cv (default 0)",
     )
     p.add_argument("--rebalance-period-s", type=positive_float, default=60.0, metavar="T")
-    p.add_argument("--event-budget", type=positive_int, default=1_500_000, metavar="N")
+    p.add_argument(
+        "--event-budget",
+        type=positive_int,
+        metavar="N",
+        help=f"target events when the micro-batch granularity is derived (default {DEFAULT_EVENT_BUDGET:,}; "
+        f"{CHOOSE_EVENT_BUDGET:,} with --choose-mode)",
+    )
     p.set_defaults(func=run)
 
     def one_line_error(message: str) -> None:
@@ -107,6 +145,18 @@ def register(subparsers) -> None:
         sys.exit(2)
 
     p.error = one_line_error  # bad input: exit 2 with one line, like every UserError
+
+
+def _h_values(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(
+            f"expected positive integers separated by commas (e.g. 1,10,100), got {text!r}"
+        )
+    return values
 
 
 def _cv(text: str) -> float:
@@ -153,6 +203,13 @@ def run(args: argparse.Namespace) -> int:
     from swarmtrain.sim.runner import run_simulation
 
     start = time.perf_counter()  # the CLI, not the engine, measures wall time
+    if args.choose_mode:
+        return _choose_mode(args, start)
+    if args.h_values is not None:
+        raise UserError("--h-values goes with --choose-mode")
+    args.mode = args.mode or "swarm"
+    args.duration_s = args.duration_s or DEFAULT_DURATION_S
+    args.event_budget = args.event_budget or DEFAULT_EVENT_BUDGET
     run_cfg = _run_config(args)
     fleet = _fleet(args, run_cfg.swarm.num_stages)
     if args.trace:
@@ -175,6 +232,7 @@ def run(args: argparse.Namespace) -> int:
             event_budget=args.event_budget,
             compute_cv=args.compute_cv,
             latency_cv=args.latency_cv,
+            local_batch_samples=args.local_batch_samples,
         )
         results.append(run_simulation(fleet, run_cfg, config, schedule, args.global_batch_size))
     wall_s = time.perf_counter() - start
@@ -212,3 +270,84 @@ def _summary(results, wall_s: float, fleet, churn_name: str) -> dict:
         top["best_mode"] = best.mode
         top["modes"] = {r.mode: r.summary for r in results}
     return top
+
+
+def _choose_mode(args: argparse.Namespace, start: float) -> int:
+    from swarmtrain.sim.base import SimConfig
+    from swarmtrain.sim.mode_choice import choose_mode
+    from swarmtrain.sim.report import format_table, human_bytes
+
+    for flag, given in (
+        ("--mode", args.mode),
+        ("--trace", args.trace),
+        ("--save-trace", args.save_trace),
+        ("--plot", args.plot),
+    ):
+        if given:
+            raise UserError(
+                f"--choose-mode simulates SWARM and async replicas itself, each for its own duration; drop {flag}"
+                + (" (use --churn MODEL)" if flag == "--trace" else "")
+            )
+    run_cfg = _run_config(args)
+    fleet = _fleet(args, run_cfg.swarm.num_stages)
+    base = SimConfig(
+        mode="swarm",
+        duration_s=args.duration_s or CHOOSE_DURATION_S,
+        seed=args.seed,
+        chunk_samples=args.chunk_samples,
+        in_flight=args.in_flight,
+        num_trainers=args.trainers,
+        rebalance_period_s=args.rebalance_period_s,
+        event_budget=args.event_budget or CHOOSE_EVENT_BUDGET,
+        compute_cv=args.compute_cv,
+        latency_cv=args.latency_cv,
+        local_batch_samples=args.local_batch_samples,
+        num_samples=30,
+    )
+    h_values = args.h_values or DEFAULT_H_VALUES
+    choice = choose_mode(fleet, run_cfg, base, h_values, args.global_batch_size, churn=args.churn)
+    wall_s = time.perf_counter() - start
+    print(f"fleet: {fleet.description}")
+    print(
+        f"model: {args.model}, {run_cfg.swarm.num_stages} stages | churn: {args.churn} | SWARM vs async replicas "
+        f"at H = {','.join(map(str, sorted(set(h_values))))}, simulated in {wall_s:.1f} s wall"
+    )
+    rows = []
+    for c in choice.candidates:
+        chosen = c.mode == choice.recommended_mode and c.h == choice.recommended_h
+        rows.append(
+            [
+                c.mode + (" *" if chosen else ""),
+                "-" if c.h is None else c.h,
+                _samples_per_s(c.samples_per_s),
+                "-" if c.sync_bytes_per_sample is None else human_bytes(c.sync_bytes_per_sample),
+                round(c.simulated_s),
+                *(
+                    [int(c.samples_lost), _samples_per_s(c.kept_samples_per_s)]
+                    if args.churn != "none"
+                    else []
+                ),
+            ]
+        )
+    headers = ["mode", "H", "samples/s", "sync bytes/sample", "simulated s"]
+    print(format_table(headers + (["lost", "kept/s"] if args.churn != "none" else []), rows))
+    if choice.recommended_mode == "swarm":
+        print("recommended (*): SWARM")
+    else:
+        print(f"recommended (*): async full replicas, averaging every H={choice.recommended_h} local steps")
+    print("why:")
+    for reason in choice.reasons:
+        print(f"  - {reason}")
+    summary = {
+        **choice.to_dict(),
+        "fleet": fleet.description,
+        "model": args.model,
+        "churn": args.churn,
+        "wall_s": wall_s,
+    }
+    write_summary_json(args.summary_json, summary)
+    return 0
+
+
+def _samples_per_s(value: float) -> float | int:
+    return round(value) if value >= 100 else value  # 3,090 rather than 3.09e+03
