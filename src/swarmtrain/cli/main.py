@@ -17,6 +17,7 @@ SUBCOMMANDS = (
     ("dht", "swarmtrain.cli.dht"),
     ("server", "swarmtrain.cli.server"),
     ("trainer", "swarmtrain.cli.trainer"),
+    ("replica", "swarmtrain.cli.replica"),
     ("export", "swarmtrain.cli.export"),
     ("plan", "swarmtrain.cli.plan"),
     ("simulate", "swarmtrain.cli.simulate"),

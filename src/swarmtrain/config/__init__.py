@@ -7,7 +7,7 @@ from swarmtrain.config.errors import ConfigError, UserError
 from swarmtrain.config.loading import load_run_config, run_config_from_dict
 from swarmtrain.config.model import ModelConfig, StageSpec, partition_layers
 from swarmtrain.config.presets import PRESETS, get_preset, preset_names
-from swarmtrain.config.run import DataConfig, RunConfig, SwarmConfig, TrainingConfig
+from swarmtrain.config.run import DataConfig, DilocoConfig, RunConfig, SwarmConfig, TrainingConfig
 
 __all__ = [
     "ConfigError",
@@ -19,6 +19,7 @@ __all__ = [
     "StageSpec",
     "SwarmConfig",
     "TrainingConfig",
+    "DilocoConfig",
     "get_preset",
     "load_run_config",
     "partition_layers",

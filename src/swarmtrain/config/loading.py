@@ -20,7 +20,7 @@ from swarmtrain.config.errors import ConfigError
 from swarmtrain.config.presets import get_preset
 from swarmtrain.config.run import RunConfig
 
-SECTIONS = ("model", "training", "data", "swarm")
+SECTIONS = ("model", "training", "data", "swarm", "diloco")
 
 
 def load_run_config(path: str | Path, preset: str | None = None) -> RunConfig:

@@ -41,3 +41,33 @@ def lr_at(samples_seen: int, cfg: TrainingConfig) -> float:
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr
+
+
+def adam_state_tensors(optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> list[torch.Tensor]:
+    """AdamW's moments and step counts as plain tensors (exp_avg of every param, exp_avg_sq, step), for a
+    joining replica; zeros for a parameter that has not been stepped yet."""
+    out: list[torch.Tensor] = []
+    for key in ("exp_avg", "exp_avg_sq"):
+        for p in params:
+            value = optimizer.state.get(p, {}).get(key)
+            out.append(value.detach().clone() if value is not None else torch.zeros_like(p))
+    for p in params:
+        step = optimizer.state.get(p, {}).get("step")
+        out.append(torch.tensor([float(step) if step is not None else 0.0]))
+    return out
+
+
+@torch.no_grad()
+def load_adam_state(optimizer: torch.optim.Optimizer, params: list[nn.Parameter], tensors: list[torch.Tensor]) -> None:
+    """The inverse of `adam_state_tensors` (creates the state of parameters never stepped here)."""
+    n = len(params)
+    if len(tensors) != 3 * n:
+        raise ValueError(f"AdamW state has {len(tensors)} tensors, expected {3 * n}")
+    for i, p in enumerate(params):
+        if tensors[i].shape != p.shape or tensors[n + i].shape != p.shape:
+            raise ValueError(f"AdamW state shape {tuple(tensors[i].shape)} != {tuple(p.shape)}")
+        optimizer.state[p] = {
+            "step": torch.tensor(float(tensors[2 * n + i].reshape(-1)[0])),
+            "exp_avg": tensors[i].detach().clone().to(p.dtype),
+            "exp_avg_sq": tensors[n + i].detach().clone().to(p.dtype),
+        }

@@ -39,13 +39,10 @@ class StageAverager(DecentralizedAverager):
         request_timeout_s: float = 0.5,
         allreduce_timeout_s: float = 30.0,
         declare_state_period_s: float = 5.0,
+        **averager_kwargs,
     ) -> None:
         self._state_provider = state_provider
-        super().__init__(
-            [t.detach().clone() for t in tensors],
-            dht,
-            start=True,
-            prefix=prefix.replace(".", "_"),
+        options = dict(
             target_group_size=2,
             min_group_size=2,
             min_matchmaking_time=min_matchmaking_time_s,
@@ -54,6 +51,10 @@ class StageAverager(DecentralizedAverager):
             next_chunk_timeout=request_timeout_s * 4,
             declare_state_period=declare_state_period_s,
             shutdown_timeout=3,
+        )
+        options.update(averager_kwargs)
+        super().__init__(
+            [t.detach().clone() for t in tensors], dht, start=True, prefix=prefix.replace(".", "_"), **options
         )
         restore_sigint()
 

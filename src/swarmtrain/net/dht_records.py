@@ -5,6 +5,8 @@ expiration so that dead peers disappear by themselves:
 - `{run}.stage{i}`          -> StageAnnouncement (addresses, throughput, queue, digest, state version)
 - `{run}.stage{i}.progress` -> {epoch, samples, ready, params_digest, time}: drives intra-stage steps
 - `{run}.metrics`           -> {role, stage, step, loss, samples_per_s, time, ...}
+- `{run}.replicas`          -> {digest, outer_step, inner_step, samples_per_s, fp, time}: whole-model
+                               replicas (`swarmtrain replica`)
 
 Every call is bounded by a timeout (a dead DHT process would otherwise hang callers forever) and
 tolerates malformed values from other peers (skipped, never raised).
@@ -30,6 +32,10 @@ def progress_key(run_id: str, stage: int) -> str:
 
 def metrics_key(run_id: str) -> str:
     return f"{run_id}.metrics"
+
+
+def replicas_key(run_id: str) -> str:
+    return f"{run_id}.replicas"
 
 
 @dataclass
@@ -134,3 +140,20 @@ class RunRecords:
 
     def metrics(self) -> dict[str, dict]:
         return {k: v for k, v in self._get_dict(metrics_key(self.run_id)).items() if isinstance(v, dict)}
+
+    # whole-model replicas -------------------------------------------------------------------------
+    def publish_replica(self, peer_id: str, record: dict, ttl_s: float) -> bool:
+        return self._store(replicas_key(self.run_id), peer_id, dict(record, time=time.time()), ttl_s)
+
+    def replicas(self, digest: str) -> dict[str, dict]:
+        """Live replicas of this config (a record of another digest is another run's, never counted)."""
+        out = {}
+        for peer_id, value in self._get_dict(replicas_key(self.run_id)).items():
+            if (
+                isinstance(value, dict)
+                and value.get("digest") == digest
+                and isinstance(value.get("outer_step"), int)
+                and isinstance(value.get("inner_step"), int)
+            ):
+                out[peer_id] = value
+        return out

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from swarmtrain.config import RunConfig
+from swarmtrain.config import RunConfig, TrainingConfig
 from swarmtrain.config.errors import UserError
 from swarmtrain.data import PackedDataset, build_datasets, iterate_batches
 from swarmtrain.model import build_model, load_model_checkpoint, save_model_checkpoint
@@ -116,19 +116,9 @@ class LocalTrainer:
         """One optimizer step over the global batch; returns the mean training loss."""
         t = self.cfg.training
         accumulation = t.global_batch_size // t.micro_batch_size
-        set_lr(self.optimizer, lr_at(self.samples_seen, t))
-        total = 0.0
-        for _ in range(accumulation):
-            inputs, labels = next(batches)
-            loss = self.model(inputs, labels)
-            (loss / accumulation).backward()
-            total += loss.item()
-        if t.grad_clip_norm > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip_norm)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        loss = optimizer_step(self.model, self.optimizer, batches, accumulation, lr_at(self.samples_seen, t), t)
         self.samples_seen += t.global_batch_size
-        return total / accumulation
+        return loss
 
     def train(self, stop_samples: int | None = None) -> LocalResult:
         """Train whole global batches until `stop_samples` (default: training.max_samples).
@@ -173,6 +163,30 @@ class LocalTrainer:
             samples_per_s=trained_samples / train_time_s if train_time_s else 0.0,
             val_history=history,
         )
+
+
+def optimizer_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches,
+    accumulation: int,
+    lr: float,
+    t: TrainingConfig,
+) -> float:
+    """Accumulate `accumulation` micro-batches' mean gradient, clip it to the global norm, step at `lr`;
+    returns the mean training loss. The one training step of every whole-model mode (local, replicas)."""
+    set_lr(optimizer, lr)
+    total = 0.0
+    for _ in range(accumulation):
+        inputs, labels = next(batches)
+        loss = model(inputs, labels)
+        (loss / accumulation).backward()
+        total += loss.item()
+    if t.grad_clip_norm > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return total / accumulation
 
 
 def local_reference_val_loss(

@@ -1,0 +1,93 @@
+"""`swarmtrain replica`: train the whole model on this peer and synchronize rarely with the others (DiLoCo)."""
+
+from __future__ import annotations
+
+import argparse
+
+from swarmtrain.cli.common import add_run_config_args, positive_int, run_config_from_args, write_summary_json
+from swarmtrain.cli.net_args import add_identity_arg, add_network_args, prepare_process
+
+HELP = "an asynchronous full replica: local steps, a rare averaged outer step (DiLoCo) with the others"
+
+DESCRIPTION = """\
+Train the whole model on this peer's data shard and, every diloco.inner_steps local steps, average
+the change since the last round (the pseudo-gradient) with every replica that reaches the same round
+(hivemind all-reduce, weighted by samples, compressed with diloco.compression), then take one outer
+step (SGD with Nesterov momentum: diloco.outer_learning_rate, diloco.outer_momentum). For slow
+networks: a replica sends its model once per round instead of activations every micro-batch.
+
+Replica K of N (--shard K/N) trains global_batch_size / N samples per local step, and local step s uses
+the learning rate of global step s, so N replicas follow one process's schedule. A replica waits at most
+diloco.matchmaking_time_s for the others at a round's end; a late joiner downloads the current state
+from a live replica and trains from the others' position. Ctrl-C/SIGTERM: a last round, then exit.
+
+Start the first one with --initial-peers of a `swarmtrain dht`; every replica of a run must use the
+same config ([training], [model], [diloco] in --config).
+"""
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "replica", help=HELP, description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_run_config_args(parser)
+    add_network_args(parser)
+    add_identity_arg(parser)
+    parser.add_argument("--shard", default="0/1", metavar="K/N", help="data shard of this replica (default 0/1)")
+    parser.add_argument(
+        "--max-samples",
+        type=positive_int,
+        metavar="N",
+        help="stop when the run has trained N samples, i.e. at local step N / global_batch_size "
+        "(each of the N replicas trains N / shards of them; default: training.max_samples)",
+    )
+    parser.add_argument("--duration-s", type=float, help="stop after this many seconds (a last round first)")
+    parser.add_argument(
+        "--eval-samples", type=int, default=0, help="at the end, the validation loss on this many samples"
+    )
+    parser.add_argument("--threads", type=positive_int, metavar="N", help="torch CPU threads")
+    parser.add_argument("--log-period-s", type=float, default=5.0, help="progress line period (default 5)")
+    parser.add_argument("--summary-json", metavar="PATH", help="write the run summary here")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from swarmtrain.config.errors import UserError
+
+    try:
+        shard_index, shard_count = (int(x) for x in args.shard.split("/"))
+    except ValueError:
+        raise UserError(f"--shard must look like K/N, got {args.shard!r}") from None
+    if not 0 <= shard_index < shard_count:
+        raise UserError(f"--shard {args.shard}: K must be in 0..N-1")
+    if args.duration_s is not None and args.duration_s <= 0:
+        raise UserError("--duration-s must be positive")
+    if args.log_period_s <= 0:
+        raise UserError("--log-period-s must be positive")
+    cfg = run_config_from_args(args)
+    from swarmtrain.runtime.replica_inner import replica_batch_samples
+
+    replica_batch_samples(cfg, shard_count)  # a bad split is a config error before any process starts
+    prepare_process()
+    from swarmtrain.net.engine import validate_initial_peers
+    from swarmtrain.runtime.replica import ReplicaOptions, run_replica
+
+    options = ReplicaOptions(
+        shard_index=shard_index,
+        shard_count=shard_count,
+        max_samples=args.max_samples,
+        duration_s=args.duration_s,
+        eval_samples=args.eval_samples,
+        log_period_s=args.log_period_s,
+        threads=args.threads,
+    )
+    peers = validate_initial_peers(args.initial_peers)
+    summary = run_replica(cfg, options, peers, host=args.host, port=args.port, identity_path=args.identity_path)
+    print(
+        f"replica {summary['shard']}: {summary['inner_steps']} local steps ({summary['samples']} samples, "
+        f"{summary['samples_per_s']:.1f} samples/s), outer step {summary['outer_steps']}, rounds averaged "
+        f"{summary['rounds_averaged']} alone {summary['rounds_alone']} resynced {summary['rounds_resynced']}"
+        + (f", val loss {summary['val_loss']:.4f}" if summary.get("val_loss") is not None else "")
+    )
+    write_summary_json(args.summary_json, summary)
+    return 0

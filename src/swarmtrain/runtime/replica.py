@@ -1,0 +1,358 @@
+"""`swarmtrain replica`: an asynchronous full replica (ATOM's mode) synchronized with DiLoCo.
+
+A replica trains the whole model on its data shard (`replica_inner.InnerTrainer`) and, every
+`diloco.inner_steps` inner steps, joins an outer round: its pseudo-gradient (round start minus now)
+is all-reduced with the replicas that reach the same round, weighted by samples, and every member
+applies the mean to the round's starting weights with the outer optimizer (`model/diloco.py`).
+
+Who takes part, and how replicas stay equal:
+- Each replica publishes `{outer_step, inner_step, fp}` to the DHT every `log_period_s / 2`; `fp` is
+  a fingerprint of the anchor (the weights the round started from). Records expire, so a dead
+  replica stops being waited for after `RECORD_TTL_S`.
+- At a round's end a replica asks for a group as large as the live replicas at its outer step and
+  waits at most `diloco.matchmaking_time_s` for them: a slow or dead replica never stalls the others
+  for longer. Alone (nobody else, or nobody came), it applies its own pseudo-gradient.
+- Members gather each other's `(outer_step, fp)`. Members that started the round from the same
+  anchor as the reference member (highest outer step, then most common fingerprint, then lowest peer
+  id) apply the mean and stay bitwise equal; any other member, and a replica that finds the others
+  already past its round, downloads the reference state (anchor, outer momentum, AdamW) instead.
+- A joiner downloads that state from a live replica and starts at the others' current inner step,
+  so it ends the round with them and contributes the samples it trained (its weight is smaller).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from swarmtrain.config import RunConfig
+from swarmtrain.config.errors import UserError
+from swarmtrain.model.diloco import OuterOptimizer
+from swarmtrain.model.optim import adam_state_tensors, load_adam_state
+from swarmtrain.net.outer_averaging import WIRE_BYTES_PER_ELEMENT
+from swarmtrain.runtime.replica_inner import InnerTrainer
+from swarmtrain.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+RECORD_TTL_S = 6.0
+# replicas of one group differ by codec rounding (~1e-8 relative in this sum); one that averaged a
+# round alone differs by a whole round of updates (~1e-3)
+FINGERPRINT_RTOL = 1e-5
+DOWNLOAD_TIMEOUT_S = 60.0
+
+
+@dataclass
+class ReplicaOptions:
+    shard_index: int = 0
+    shard_count: int = 1
+    max_samples: int | None = None  # of the whole run: stop at inner step max_samples / global batch
+    duration_s: float | None = None
+    eval_samples: int = 0
+    log_period_s: float = 5.0
+    threads: int | None = None
+
+
+@dataclass
+class ReplicaSummary:
+    replica_id: str
+    shard: str
+    start_inner_step: int = 0
+    inner_steps: int = 0  # trained by this replica
+    samples: int = 0  # trained by this replica
+    outer_steps: int = 0  # the run's outer step at the end
+    rounds_averaged: int = 0  # rounds applied with at least one other replica
+    rounds_alone: int = 0
+    rounds_resynced: int = 0  # rounds replaced by a download (behind or diverged)
+    group_sizes: list[int] = field(default_factory=list)
+    sync_bytes_sent: float = 0.0  # pseudo-gradient bytes this replica put on the wire (estimated)
+    joined_from: str = "fresh"  # fresh | peers
+    initial_loss: float | None = None
+    final_loss: float | None = None
+    val_loss: float | None = None
+    samples_per_s: float = 0.0
+    wall_s: float = 0.0
+    fingerprint: float = 0.0
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def fingerprint(tensors: list[torch.Tensor]) -> float:
+    """float64 sum of |x| over tensors: equal weights give bitwise-equal sums."""
+    return float(sum(float(torch.linalg.vector_norm(t, 1, dtype=torch.float64)) for t in tensors))
+
+
+class ReplicaPeer:
+    """One replica: inner trainer + outer optimizer + averager + DHT records. `run()` trains to the end."""
+
+    def __init__(self, cfg: RunConfig, options: ReplicaOptions, dht, records, averager_factory) -> None:
+        self.cfg, self.options, self.records, self.dht = cfg, options, records, dht
+        self.digest = cfg.digest()
+        self.peer_id = str(dht.peer_id)
+        self.inner = InnerTrainer(cfg, options.shard_index, options.shard_count)
+        d = cfg.diloco
+        self.outer = OuterOptimizer(self.inner.params(), d.outer_learning_rate, d.outer_momentum)
+        self.state_lock = threading.Lock()  # the state provider runs on hivemind's thread
+        self.averager = averager_factory(self.outer.anchor, self._export_state)
+        self.summary = ReplicaSummary(
+            replica_id=self.peer_id, shard=f"{options.shard_index}/{options.shard_count}"
+        )
+        t = cfg.training
+        self.stop_step = (options.max_samples or t.max_samples) // t.global_batch_size
+        self.round_samples = 0
+
+    # state for joiners ------------------------------------------------------------------------
+    def _export_state(self) -> tuple[dict, list[torch.Tensor]]:
+        with self.state_lock:
+            params = self.inner.params()
+            tensors = [a.clone() for a in self.outer.anchor]
+            tensors += [m.clone() for m in self.outer.momentum_buffers()]
+            tensors += adam_state_tensors(self.inner.optimizer, params)
+            meta = {
+                "digest": self.digest,
+                "outer_step": self.outer.outer_step,
+                "inner_step": self.outer.outer_step * self.cfg.diloco.inner_steps,
+            }
+        return meta, tensors
+
+    def _import_state(self, meta: dict, tensors: list[torch.Tensor]) -> None:
+        n = len(self.outer.anchor)
+        if meta.get("digest") != self.digest or len(tensors) != 5 * n:
+            raise UserError("downloaded replica state does not match this run (digest or size)")
+        with self.state_lock:
+            self.outer.load(tensors[:n], tensors[n : 2 * n], int(meta["outer_step"]))
+            load_adam_state(self.inner.optimizer, self.inner.params(), tensors[2 * n :])
+
+    def _download(self, reason: str) -> bool:
+        loaded = self.averager.download_state(DOWNLOAD_TIMEOUT_S)
+        if loaded is None:
+            logger.warning("replica state download failed (%s)", reason)
+            return False
+        try:
+            self._import_state(*loaded)
+        except (UserError, ValueError) as exc:
+            logger.warning("downloaded replica state refused (%s): %s", reason, exc)
+            return False
+        logger.info("replica state downloaded (%s): outer step %d", reason, self.outer.outer_step)
+        return True
+
+    # records ----------------------------------------------------------------------------------
+    def _others(self) -> dict[str, dict]:
+        return {k: v for k, v in self.records.replicas(self.digest).items() if k != self.peer_id}
+
+    def publish(self) -> None:
+        record = {
+            "digest": self.digest,
+            "outer_step": self.outer.outer_step,
+            "inner_step": self.inner.step,
+            "fp": fingerprint(self.outer.anchor),
+            "samples_per_s": self.summary.samples_per_s,
+            "loss": self.summary.final_loss,
+        }
+        self.records.publish_replica(self.peer_id, record, RECORD_TTL_S)
+
+    # joining ----------------------------------------------------------------------------------
+    def join(self) -> None:
+        """Take the live replicas' outer state and inner position, or start fresh when there are none."""
+        others = self._others()
+        if others and max(v["outer_step"] for v in others.values()) > 0 and self._download("joining"):
+            self.summary.joined_from = "peers"
+            self._adopt_position(self._others())
+        elif others:  # the others have not finished a round yet: start their first round with them
+            self.inner.seek(max(v["inner_step"] for v in others.values()))
+        self.summary.start_inner_step = self.inner.step
+        self.publish()
+
+    def _adopt_position(self, others: dict[str, dict]) -> None:
+        """After a download: train on from the others' inner step in this outer step, so this replica
+        reaches the round's end with them (the skipped samples are theirs to train)."""
+        start = self.outer.outer_step * self.cfg.diloco.inner_steps
+        at_round = [v["inner_step"] for v in others.values() if v["outer_step"] == self.outer.outer_step]
+        self.inner.seek(max([start, *at_round]))
+
+    # the outer round --------------------------------------------------------------------------
+    def outer_round(self) -> None:
+        others = self._others()
+        k = self.outer.outer_step
+        if any(v["outer_step"] > k for v in others.values()):
+            self._resync(f"the others are past outer step {k}")
+            return
+        peers_at_round = [p for p, v in others.items() if v["outer_step"] == k]
+        result = None
+        if peers_at_round:
+            result = self._average(len(peers_at_round) + 1, k)
+        if result is None:
+            with self.state_lock:
+                self.outer.apply(self.outer.pseudo_gradients())
+            self.summary.rounds_alone += 1
+        elif self._is_reference_member(result.gathered, k):
+            with self.state_lock:
+                self.outer.apply(result.averaged)
+            self.summary.rounds_averaged += 1
+            self.summary.group_sizes.append(result.group_size)
+            self._count_bytes(result.group_size)
+        else:
+            self._count_bytes(result.group_size)
+            self._resync(f"started outer step {k} from other weights than the group")
+            return
+        self.round_samples = 0
+        self.averager.state_sharing_priority = float(self.outer.outer_step)
+        self.publish()  # the others must not wait for this replica at a round it has left
+
+    def _average(self, group_target: int, k: int):
+        d = self.cfg.diloco
+        self.averager.set_group_target(group_target)
+        gather = {"outer_step": k, "fp": fingerprint(self.outer.anchor), "samples": self.round_samples}
+        return self.averager.average(
+            self.outer.pseudo_gradients(),
+            weight=max(1, self.round_samples),
+            gather=gather,
+            timeout_s=d.matchmaking_time_s + 1.0,
+        )
+
+    def _is_reference_member(self, gathered: dict[str, dict], k: int) -> bool:
+        states = {p: (g.get("outer_step"), g.get("fp")) for p, g in gathered.items()}
+        states[self.peer_id] = (k, fingerprint(self.outer.anchor))
+        return started_from_reference(states, self.peer_id)
+
+    def _resync(self, reason: str) -> None:
+        """Replace this round by the state of a replica that has applied it (or a later one)."""
+        self.summary.rounds_resynced += 1
+        target = self.outer.outer_step + 1
+        deadline = time.monotonic() + DOWNLOAD_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self._download(reason) and self.outer.outer_step >= target:
+                break
+            time.sleep(0.2)  # the donor is still applying the round
+        self._adopt_position(self._others())
+        self.round_samples = 0
+        self.averager.state_sharing_priority = float(self.outer.outer_step)
+        self.publish()
+
+    def _count_bytes(self, group_size: int) -> None:
+        # butterfly all-reduce: each member sends (n-1)/n of the vector to reduce and as much of the
+        # reduced result back
+        elements = sum(t.numel() for t in self.outer.anchor)
+        per_element = WIRE_BYTES_PER_ELEMENT[self.cfg.diloco.compression]
+        self.summary.sync_bytes_sent += 2 * elements * per_element * (group_size - 1) / group_size
+
+    # the run ----------------------------------------------------------------------------------
+    def run(self, stop_event: threading.Event | None = None) -> ReplicaSummary:
+        opts, d, t = self.options, self.cfg.diloco, self.cfg.training
+        stop_event = stop_event or threading.Event()
+        start = time.monotonic()
+        next_log = next_publish = start
+        losses: list[float] = []
+        while self.inner.step < self.stop_step and not stop_event.is_set():
+            if opts.duration_s is not None and time.monotonic() - start >= opts.duration_s:
+                break
+            with self.state_lock:
+                loss = self.inner.train_step()
+            losses.append(loss)
+            self.round_samples += self.inner.batch_samples
+            self.summary.samples += self.inner.batch_samples
+            self.summary.inner_steps += 1
+            if self.summary.initial_loss is None:
+                self.summary.initial_loss = loss
+            if self.inner.step % d.inner_steps == 0 or self.inner.step == self.stop_step:
+                self.outer_round()
+            now = time.monotonic()
+            self.summary.samples_per_s = self.summary.samples / max(now - start, 1e-9)
+            self.summary.final_loss = sum(losses[-10:]) / len(losses[-10:])
+            if now >= next_publish:
+                self.publish()
+                next_publish = now + opts.log_period_s / 2
+            if now >= next_log:
+                self._log_progress(t.global_batch_size)
+                next_log = now + opts.log_period_s
+        if self.round_samples and self.inner.step % d.inner_steps:
+            self.outer_round()  # stopped mid-round (duration or Ctrl-C): the others get its samples
+        self.summary.wall_s = time.monotonic() - start
+        self.summary.outer_steps = self.outer.outer_step
+        self.summary.fingerprint = fingerprint(self.outer.anchor)
+        if opts.eval_samples:
+            self.summary.val_loss = self.inner.val_loss(opts.eval_samples)
+        self.publish()
+        return self.summary
+
+    def _log_progress(self, global_batch: int) -> None:
+        s = self.summary
+        logger.info(
+            "replica %s: inner step %d/%d (run at ~%d samples), outer step %d, loss %.4f, %.1f samples/s, "
+            "rounds averaged %d alone %d resynced %d",
+            s.shard,
+            self.inner.step,
+            self.stop_step,
+            self.inner.step * global_batch,
+            self.outer.outer_step,
+            s.final_loss or float("nan"),
+            s.samples_per_s,
+            s.rounds_averaged,
+            s.rounds_alone,
+            s.rounds_resynced,
+        )
+
+
+def started_from_reference(states: dict[str, tuple], me: str, rtol: float = FINGERPRINT_RTOL) -> bool:
+    """Whether `me` started the round from the same anchor as the group's reference member (the highest
+    outer step, then the lowest peer id), fingerprints compared within `rtol`: members of one group end
+    a round equal only up to the codec's rounding of the averaged deltas (hivemind returns each member
+    its average as a compressed delta from its own tensors). Pure, so every member decides alike."""
+    top = max(s[0] for s in states.values())
+    reference = states[min(p for p, s in states.items() if s[0] == top)]
+    step, fp = states[me]
+    return step == reference[0] and abs(fp - reference[1]) <= rtol * max(abs(reference[1]), 1e-12)
+
+
+def run_replica(
+    cfg: RunConfig,
+    options: ReplicaOptions,
+    initial_peers: list[str],
+    host: str = "127.0.0.1",
+    port: int = 0,
+    identity_path: str | None = None,
+) -> dict:
+    """Blocking entry point: DHT, averager, join, train to the end; returns the summary. SIGINT/SIGTERM
+    end the run after the current inner step, with a last outer round so the others keep its samples."""
+    import signal
+
+    from swarmtrain.net.dht_records import RunRecords
+    from swarmtrain.net.engine import shutdown_quietly, start_dht
+    from swarmtrain.net.outer_averaging import OuterAverager
+    from swarmtrain.runtime.procs import forked_children_die_with_me, reap_own_group
+
+    forked_children_die_with_me()
+    if options.threads:
+        torch.set_num_threads(options.threads)
+    d = cfg.diloco
+    dht = start_dht(initial_peers, host=host, port=port, identity_path=identity_path)
+    averager = None
+
+    def make_averager(anchor, state_provider):
+        nonlocal averager
+        averager = OuterAverager(
+            anchor,
+            dht,
+            prefix=f"{cfg.swarm.run_id}_replicas_{cfg.digest()}",
+            state_provider=state_provider,
+            compression=d.compression,
+            matchmaking_time_s=d.matchmaking_time_s,
+            allreduce_timeout_s=d.averaging_timeout_s,
+        )
+        return averager
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        peer = ReplicaPeer(cfg, options, dht, RunRecords(dht, cfg.swarm.run_id), make_averager)
+        peer.join()
+        return peer.run(stop).to_dict()
+    finally:
+        shutdown_quietly(averager, dht)
+        reap_own_group()
