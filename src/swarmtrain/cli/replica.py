@@ -33,7 +33,9 @@ def register(subparsers) -> None:
     add_run_config_args(parser)
     add_network_args(parser)
     add_identity_arg(parser)
-    parser.add_argument("--shard", default="0/1", metavar="K/N", help="data shard of this replica (default 0/1)")
+    parser.add_argument(
+        "--shard", default="0/1", metavar="K/N", help="data shard of this replica (default 0/1)"
+    )
     parser.add_argument(
         "--max-samples",
         type=positive_int,
@@ -82,7 +84,9 @@ def run(args: argparse.Namespace) -> int:
         threads=args.threads,
     )
     peers = validate_initial_peers(args.initial_peers)
-    summary = run_replica(cfg, options, peers, host=args.host, port=args.port, identity_path=args.identity_path)
+    summary = run_replica(
+        cfg, options, peers, host=args.host, port=args.port, identity_path=args.identity_path
+    )
     print(
         f"replica {summary['shard']}: {summary['inner_steps']} local steps ({summary['samples']} samples, "
         f"{summary['samples_per_s']:.1f} samples/s), outer step {summary['outer_steps']}, rounds averaged "

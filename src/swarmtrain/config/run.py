@@ -181,12 +181,19 @@ class RunConfig:
             "run_id": self.swarm.run_id,
             "stages": [(s.layer_start, s.layer_end) for s in self.stages()],
         }
-        diloco = dataclasses.asdict(self.diloco)
-        for local_only in ("compression", "matchmaking_time_s", "averaging_timeout_s"):
-            diloco.pop(local_only)
         payload = {"model": dataclasses.asdict(self.model), "training": training, "swarm": swarm}
-        if self.diloco != DilocoConfig():
-            # only runs that change it get a new digest: the replicas' outer step must agree
+        diloco = _outer_step_settings(self.diloco)
+        if diloco != _outer_step_settings(DilocoConfig()):
+            # only runs that change the outer step get a new digest (older digests stay valid)
             payload["diloco"] = diloco
         text = json.dumps(payload, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _outer_step_settings(diloco: DilocoConfig) -> dict:
+    """What replicas must agree on; the codec and the waits are each peer's own."""
+    return {
+        k: v
+        for k, v in dataclasses.asdict(diloco).items()
+        if k in ("inner_steps", "outer_learning_rate", "outer_momentum")
+    }

@@ -67,7 +67,9 @@ class OuterOptimizer:
     def load(self, anchor: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor], outer_step: int) -> None:
         """Adopt another replica's outer state; the live weights restart from its anchor."""
         if len(anchor) != len(self.anchor) or len(momentum) != len(self.anchor):
-            raise ValueError(f"outer state has {len(anchor)}/{len(momentum)} tensors, expected {len(self.anchor)}")
+            raise ValueError(
+                f"outer state has {len(anchor)}/{len(momentum)} tensors, expected {len(self.anchor)}"
+            )
         for mine, theirs in zip(self.anchor, anchor, strict=True):
             if mine.shape != theirs.shape:
                 raise ValueError(f"outer state shape {tuple(theirs.shape)} != {tuple(mine.shape)}")

@@ -58,7 +58,9 @@ def adam_state_tensors(optimizer: torch.optim.Optimizer, params: list[nn.Paramet
 
 
 @torch.no_grad()
-def load_adam_state(optimizer: torch.optim.Optimizer, params: list[nn.Parameter], tensors: list[torch.Tensor]) -> None:
+def load_adam_state(
+    optimizer: torch.optim.Optimizer, params: list[nn.Parameter], tensors: list[torch.Tensor]
+) -> None:
     """The inverse of `adam_state_tensors` (creates the state of parameters never stepped here)."""
     n = len(params)
     if len(tensors) != 3 * n:

@@ -34,15 +34,13 @@ from swarmtrain.config.errors import UserError
 from swarmtrain.model.diloco import OuterOptimizer
 from swarmtrain.model.optim import adam_state_tensors, load_adam_state
 from swarmtrain.net.outer_averaging import WIRE_BYTES_PER_ELEMENT
+from swarmtrain.planner.outer_rounds import started_from_reference
 from swarmtrain.runtime.replica_inner import InnerTrainer
 from swarmtrain.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
 RECORD_TTL_S = 6.0
-# replicas of one group differ by codec rounding (~1e-8 relative in this sum); one that averaged a
-# round alone differs by a whole round of updates (~1e-3)
-FINGERPRINT_RTOL = 1e-5
 DOWNLOAD_TIMEOUT_S = 60.0
 
 
@@ -296,17 +294,6 @@ class ReplicaPeer:
             s.rounds_alone,
             s.rounds_resynced,
         )
-
-
-def started_from_reference(states: dict[str, tuple], me: str, rtol: float = FINGERPRINT_RTOL) -> bool:
-    """Whether `me` started the round from the same anchor as the group's reference member (the highest
-    outer step, then the lowest peer id), fingerprints compared within `rtol`: members of one group end
-    a round equal only up to the codec's rounding of the averaged deltas (hivemind returns each member
-    its average as a compressed delta from its own tensors). Pure, so every member decides alike."""
-    top = max(s[0] for s in states.values())
-    reference = states[min(p for p, s in states.items() if s[0] == top)]
-    step, fp = states[me]
-    return step == reference[0] and abs(fp - reference[1]) <= rtol * max(abs(reference[1]), 1e-12)
 
 
 def run_replica(
