@@ -9,7 +9,13 @@ import torch
 from swarmtrain.config import ConfigError, DilocoConfig, get_preset, run_config_from_dict
 from swarmtrain.model.diloco import OuterOptimizer
 from swarmtrain.model.optim import adam_state_tensors, load_adam_state
-from swarmtrain.planner.outer_rounds import started_from_reference
+from swarmtrain.planner.outer_rounds import (
+    INITIAL_LINEAGE,
+    RoundState,
+    next_lineage,
+    reference_member,
+    started_from_reference,
+)
 from swarmtrain.runtime.local import local_reference_val_loss
 from swarmtrain.runtime.replica_inner import InnerTrainer, diloco_reference, replica_batch_samples
 
@@ -114,14 +120,27 @@ def test_adam_state_round_trip():
 
 
 def test_round_rule_keeps_the_reference_and_resyncs_the_rest():
-    # same step, fingerprints within codec rounding: both apply
-    states = {"a": (3, 100.0), "b": (3, 100.0 + 1e-6)}
+    same = next_lineage(2, ["a", "b"], INITIAL_LINEAGE)
+    assert same == next_lineage(2, ["b", "a"], INITIAL_LINEAGE)  # every member computes the same
+    # one group: fingerprints differ by codec rounding only, both apply
+    states = {"a": RoundState(3, same, 100.0), "b": RoundState(3, same, 100.0 + 1e-3)}
     assert started_from_reference(states, "a") and started_from_reference(states, "b")
-    # b averaged a round alone: the lowest peer id at the top step is the reference, b resyncs
-    states = {"a": (3, 100.0), "b": (3, 100.2)}
+    # b averaged round 2 alone: another lineage, even with a fingerprint within rounding; the lowest
+    # peer id at the top step is the reference, b downloads
+    alone = next_lineage(2, ["b"], INITIAL_LINEAGE)
+    states = {"a": RoundState(3, same, 100.0), "b": RoundState(3, alone, 100.0)}
     assert started_from_reference(states, "a") and not started_from_reference(states, "b")
+    states = {"a2": RoundState(3, alone, 100.0), "b": RoundState(3, same, 100.0)}
+    assert reference_member(states) == "a2" and not started_from_reference(states, "b")
+    # same lineage but a silently partial all-reduce: the loose fingerprint check still catches it
+    states = {"a": RoundState(3, same, 100.0), "b": RoundState(3, same, 100.5)}
+    assert not started_from_reference(states, "b")
     # a member behind by a round never applies, whatever its id
-    states = {"a": (2, 100.0), "b": (3, 101.0), "c": (3, 101.0)}
+    states = {
+        "a": RoundState(2, same, 100.0),
+        "b": RoundState(3, same, 101.0),
+        "c": RoundState(3, same, 101.0),
+    }
     assert not started_from_reference(states, "a")
     assert started_from_reference(states, "b") and started_from_reference(states, "c")
 

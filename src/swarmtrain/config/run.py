@@ -124,8 +124,8 @@ class DilocoConfig:
     outer_learning_rate: float = 0.9
     outer_momentum: float = 0.1
     compression: str = "float16"  # pseudo-gradients on the wire: none | float16 | 8bit
-    # how long a replica at a round's end waits for the others it sees in the DHT to arrive
-    matchmaking_time_s: float = 5.0
+    # how long a replica at a round's end waits for the live replicas it sees in the DHT to arrive
+    matchmaking_time_s: float = 30.0
     averaging_timeout_s: float = 60.0  # the all-reduce itself
 
     def __post_init__(self) -> None:

@@ -29,6 +29,7 @@ logger = get_logger(__name__)
 
 # bytes per element on the wire, for accounting (8-bit adds a 256-entry fp32 codebook per part)
 WIRE_BYTES_PER_ELEMENT = {"none": 4.0, "float16": 2.0, "8bit": 1.0}
+CHUNK_TIMEOUT_S = 15.0
 
 
 class _Uniform8Bit(Uniform8BitQuantization):
@@ -91,6 +92,9 @@ class OuterAverager(StageAverager):
             allreduce_timeout_s=allreduce_timeout_s,
             compression=codec,
             state_compression=NoCompression(),
+            # a whole model per round: parts take longer than a stage's small exchanges, and a chunk
+            # timed out leaves that part un-averaged on some members (seen with 8-bit on 2 busy cores)
+            next_chunk_timeout=CHUNK_TIMEOUT_S,
         )
 
     def set_group_target(self, size: int) -> None:

@@ -128,6 +128,25 @@ class LocalSwarm:
         ]
         return self._spawn(name, args)
 
+    def start_replica(self, name: str, shard: str, *extra: str) -> ManagedProcess:
+        """A whole-model replica (`swarmtrain replica`) of data shard `shard` ("K/N")."""
+        args = [
+            "replica",
+            "--config",
+            self.config_path,
+            "--initial-peers",
+            self.address,
+            "--shard",
+            shard,
+            "--summary-json",
+            str(self.summary_path(name)),
+            *extra,
+        ]
+        return self._spawn(name, args)
+
+    def summary_path(self, name: str) -> Path:
+        return self.workdir / f"{name}.summary.json"
+
     def wait_ready(self, names: list[str], timeout_s: float = 120.0) -> None:
         """Wait until each named server logged that it serves."""
         deadline = time.monotonic() + timeout_s

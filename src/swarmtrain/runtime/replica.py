@@ -9,13 +9,15 @@ Who takes part, and how replicas stay equal:
 - Each replica publishes `{outer_step, inner_step, fp}` to the DHT every `log_period_s / 2`; `fp` is
   a fingerprint of the anchor (the weights the round started from). Records expire, so a dead
   replica stops being waited for after `RECORD_TTL_S`.
-- At a round's end a replica asks for a group as large as the live replicas at its outer step and
-  waits at most `diloco.matchmaking_time_s` for them: a slow or dead replica never stalls the others
-  for longer. Alone (nobody else, or nobody came), it applies its own pseudo-gradient.
+- At a round's end a replica waits until the live replicas of its outer step have reached the round's
+  end too (their records say so), at most `diloco.matchmaking_time_s`: a dead replica stops being
+  waited for when its record expires, a slower one is left out and catches up by download. Then it
+  asks hivemind for a group of exactly the arrived ones. Alone, it applies its own pseudo-gradient.
 - Members gather each other's `(outer_step, fp)`. Members that started the round from the same
-  anchor as the reference member (highest outer step, then most common fingerprint, then lowest peer
-  id) apply the mean and stay bitwise equal; any other member, and a replica that finds the others
-  already past its round, downloads the reference state (anchor, outer momentum, AdamW) instead.
+  anchor as the reference member (highest outer step, then lowest peer id; fingerprints within the
+  codec's rounding, `planner/outer_rounds.py`) apply the mean; any other member, and a replica that
+  finds the others already past its round, downloads the state (anchor, outer momentum, AdamW) of a
+  replica that has applied the round instead.
 - A joiner downloads that state from a live replica and starts at the others' current inner step,
   so it ends the round with them and contributes the samples it trained (its weight is smaller).
 """
@@ -34,13 +36,17 @@ from swarmtrain.config.errors import UserError
 from swarmtrain.model.diloco import OuterOptimizer
 from swarmtrain.model.optim import adam_state_tensors, load_adam_state
 from swarmtrain.net.outer_averaging import WIRE_BYTES_PER_ELEMENT
-from swarmtrain.planner.outer_rounds import started_from_reference
+from swarmtrain.planner.outer_rounds import INITIAL_LINEAGE, RoundState, next_lineage, started_from_reference
 from swarmtrain.runtime.replica_inner import InnerTrainer
 from swarmtrain.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
 RECORD_TTL_S = 6.0
+PEER_POLL_S = 0.2
+# everyone expected is already at the round's end: hivemind's matchmaking only has to gather them
+MATCHMAKING_S = 1.0
+GROUP_TIMEOUT_S = 10.0
 DOWNLOAD_TIMEOUT_S = 60.0
 
 
@@ -68,6 +74,7 @@ class ReplicaSummary:
     rounds_resynced: int = 0  # rounds replaced by a download (behind or diverged)
     group_sizes: list[int] = field(default_factory=list)
     sync_bytes_sent: float = 0.0  # pseudo-gradient bytes this replica put on the wire (estimated)
+    state_bytes_received: int = 0  # state downloads (joining, resyncs)
     joined_from: str = "fresh"  # fresh | peers
     initial_loss: float | None = None
     final_loss: float | None = None
@@ -96,6 +103,7 @@ class ReplicaPeer:
         d = cfg.diloco
         self.outer = OuterOptimizer(self.inner.params(), d.outer_learning_rate, d.outer_momentum)
         self.state_lock = threading.Lock()  # the state provider runs on hivemind's thread
+        self.lineage = INITIAL_LINEAGE  # which rounds, applied by whom, made the anchor
         self.averager = averager_factory(self.outer.anchor, self._export_state)
         self.summary = ReplicaSummary(
             replica_id=self.peer_id, shard=f"{options.shard_index}/{options.shard_count}"
@@ -114,7 +122,7 @@ class ReplicaPeer:
             meta = {
                 "digest": self.digest,
                 "outer_step": self.outer.outer_step,
-                "inner_step": self.outer.outer_step * self.cfg.diloco.inner_steps,
+                "lineage": self.lineage,
             }
         return meta, tensors
 
@@ -124,6 +132,7 @@ class ReplicaPeer:
             raise UserError("downloaded replica state does not match this run (digest or size)")
         with self.state_lock:
             self.outer.load(tensors[:n], tensors[n : 2 * n], int(meta["outer_step"]))
+            self.lineage = str(meta.get("lineage", ""))
             load_adam_state(self.inner.optimizer, self.inner.params(), tensors[2 * n :])
 
     def _download(self, reason: str) -> bool:
@@ -131,6 +140,7 @@ class ReplicaPeer:
         if loaded is None:
             logger.warning("replica state download failed (%s)", reason)
             return False
+        self.summary.state_bytes_received += sum(t.numel() * t.element_size() for t in loaded[1])
         try:
             self._import_state(*loaded)
         except (UserError, ValueError) as exc:
@@ -175,22 +185,25 @@ class ReplicaPeer:
 
     # the outer round --------------------------------------------------------------------------
     def outer_round(self) -> None:
-        others = self._others()
         k = self.outer.outer_step
+        self.publish()  # tells the others this replica is at the round's end
+        others = self._wait_for_peers(k)
         if any(v["outer_step"] > k for v in others.values()):
             self._resync(f"the others are past outer step {k}")
             return
-        peers_at_round = [p for p, v in others.items() if v["outer_step"] == k]
-        result = None
-        if peers_at_round:
-            result = self._average(len(peers_at_round) + 1, k)
+        arrived = [
+            p for p, v in others.items() if v["outer_step"] == k and v["inner_step"] >= self.inner.step
+        ]
+        result = self._average(len(arrived) + 1, k) if arrived else None
         if result is None:
             with self.state_lock:
                 self.outer.apply(self.outer.pseudo_gradients())
+                self.lineage = next_lineage(k, [self.peer_id], self.lineage)
             self.summary.rounds_alone += 1
         elif self._is_reference_member(result.gathered, k):
             with self.state_lock:
                 self.outer.apply(result.averaged)
+                self.lineage = next_lineage(k, list(result.gathered), self.lineage)
             self.summary.rounds_averaged += 1
             self.summary.group_sizes.append(result.group_size)
             self._count_bytes(result.group_size)
@@ -202,20 +215,37 @@ class ReplicaPeer:
         self.averager.state_sharing_priority = float(self.outer.outer_step)
         self.publish()  # the others must not wait for this replica at a round it has left
 
+    def _wait_for_peers(self, k: int) -> dict[str, dict]:
+        """Until every live replica of outer step k has reached this round's end, at most
+        `diloco.matchmaking_time_s`: a dead one's record expires (RECORD_TTL_S) and stops the wait,
+        a slower one is left out and catches up by download."""
+        deadline = time.monotonic() + self.cfg.diloco.matchmaking_time_s
+        while True:
+            others = self._others()
+            position = (k, self.inner.step)
+            behind = [p for p, v in others.items() if (v["outer_step"], v["inner_step"]) < position]
+            if not behind or time.monotonic() >= deadline:
+                return others
+            time.sleep(PEER_POLL_S)
+
     def _average(self, group_target: int, k: int):
-        d = self.cfg.diloco
         self.averager.set_group_target(group_target)
-        gather = {"outer_step": k, "fp": fingerprint(self.outer.anchor), "samples": self.round_samples}
+        gather = {
+            "outer_step": k,
+            "lineage": self.lineage,
+            "fp": fingerprint(self.outer.anchor),
+            "samples": self.round_samples,
+        }
         return self.averager.average(
             self.outer.pseudo_gradients(),
             weight=max(1, self.round_samples),
             gather=gather,
-            timeout_s=d.matchmaking_time_s + 1.0,
+            timeout_s=GROUP_TIMEOUT_S,
         )
 
     def _is_reference_member(self, gathered: dict[str, dict], k: int) -> bool:
-        states = {p: (g.get("outer_step"), g.get("fp")) for p, g in gathered.items()}
-        states[self.peer_id] = (k, fingerprint(self.outer.anchor))
+        states = {p: _round_state(g) for p, g in gathered.items()}
+        states[self.peer_id] = RoundState(k, self.lineage, fingerprint(self.outer.anchor))
         return started_from_reference(states, self.peer_id)
 
     def _resync(self, reason: str) -> None:
@@ -296,6 +326,13 @@ class ReplicaPeer:
         )
 
 
+def _round_state(gathered: dict) -> RoundState:
+    try:
+        return RoundState(int(gathered["outer_step"]), str(gathered["lineage"]), float(gathered["fp"]))
+    except (KeyError, TypeError, ValueError):
+        return RoundState(-1, "", float("nan"))  # a malformed member never becomes the reference
+
+
 def run_replica(
     cfg: RunConfig,
     options: ReplicaOptions,
@@ -328,7 +365,7 @@ def run_replica(
             prefix=f"{cfg.swarm.run_id}_replicas_{cfg.digest()}",
             state_provider=state_provider,
             compression=d.compression,
-            matchmaking_time_s=d.matchmaking_time_s,
+            matchmaking_time_s=MATCHMAKING_S,
             allreduce_timeout_s=d.averaging_timeout_s,
         )
         return averager
