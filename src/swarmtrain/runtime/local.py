@@ -116,7 +116,9 @@ class LocalTrainer:
         """One optimizer step over the global batch; returns the mean training loss."""
         t = self.cfg.training
         accumulation = t.global_batch_size // t.micro_batch_size
-        loss = optimizer_step(self.model, self.optimizer, batches, accumulation, lr_at(self.samples_seen, t), t)
+        loss = optimizer_step(
+            self.model, self.optimizer, batches, accumulation, lr_at(self.samples_seen, t), t
+        )
         self.samples_seen += t.global_batch_size
         return loss
 
