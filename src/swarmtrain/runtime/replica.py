@@ -153,12 +153,20 @@ class ReplicaPeer:
     def _others(self) -> dict[str, dict]:
         return {k: v for k, v in self.records.replicas(self.digest).items() if k != self.peer_id}
 
+    def _publish_periodically(self, stop: threading.Event) -> None:
+        """Keeps this replica's record alive while the main thread waits in a round (longer than the
+        record's TTL at times): the others must not take a waiting replica for a dead one."""
+        while not stop.wait(RECORD_TTL_S / 4):
+            self.publish()
+
     def publish(self) -> None:
+        with self.state_lock:
+            anchor_fp = fingerprint(self.outer.anchor)
         record = {
             "digest": self.digest,
             "outer_step": self.outer.outer_step,
             "inner_step": self.inner.step,
-            "fp": fingerprint(self.outer.anchor),
+            "fp": anchor_fp,
             "samples_per_s": self.summary.samples_per_s,
             "loss": self.summary.final_loss,
         }
@@ -271,10 +279,18 @@ class ReplicaPeer:
 
     # the run ----------------------------------------------------------------------------------
     def run(self, stop_event: threading.Event | None = None) -> ReplicaSummary:
-        opts, d, t = self.options, self.cfg.diloco, self.cfg.training
         stop_event = stop_event or threading.Event()
         start = time.monotonic()
-        next_log = next_publish = start
+        next_log = start
+        publishing = threading.Event()
+        threading.Thread(target=self._publish_periodically, args=(publishing,), daemon=True).start()
+        try:
+            return self._train(stop_event, start, next_log)
+        finally:
+            publishing.set()
+
+    def _train(self, stop_event: threading.Event, start: float, next_log: float) -> ReplicaSummary:
+        opts, d, t = self.options, self.cfg.diloco, self.cfg.training
         losses: list[float] = []
         while self.inner.step < self.stop_step and not stop_event.is_set():
             if opts.duration_s is not None and time.monotonic() - start >= opts.duration_s:
@@ -292,9 +308,6 @@ class ReplicaPeer:
             now = time.monotonic()
             self.summary.samples_per_s = self.summary.samples / max(now - start, 1e-9)
             self.summary.final_loss = sum(losses[-10:]) / len(losses[-10:])
-            if now >= next_publish:
-                self.publish()
-                next_publish = now + opts.log_period_s / 2
             if now >= next_log:
                 self._log_progress(t.global_batch_size)
                 next_log = now + opts.log_period_s
