@@ -1,7 +1,7 @@
-"""`swarmtrain replica` on real processes, at the defaults (H = 20, float16 pseudo-gradients): two DiLoCo
-replicas of `tiny` learn as well as one process at equal total samples, end with the same weights, and
-send far fewer synchronization bytes than averaging every step in fp32 would (20 x 2 = 40x fewer, less
-the rounds a replica took alone or replaced by a state download)."""
+"""`swarmtrain replica` on real processes, at the defaults (H = 20, blockwise 8-bit pseudo-gradients): two
+DiLoCo replicas of `tiny` learn as well as one process at equal total samples, end with the same weights,
+and send far fewer synchronization bytes than averaging every step in fp32 would (20 x 4 / 1.016 = 79x
+fewer, less the rounds a replica took alone or replaced by a state download)."""
 
 import json
 
@@ -43,4 +43,4 @@ def test_two_replicas_match_local_training_at_equal_samples(make_swarm):
     ratio = every_step_bytes(cfg, steps, 2) / (a["sync_bytes_sent"] + a["state_bytes_received"])
     print(f"replicas {a['val_loss']:.4f} vs local {local:.4f} ({gap:+.2%}); {ratio:.0f}x fewer sync bytes")
     assert gap < 0.03
-    assert ratio >= 35
+    assert ratio >= 50

@@ -125,3 +125,23 @@ def test_fp32_equivalent_bytes():
     assert codec.encode(torch.randn(10, 10), "8bit").fp32_equivalent_bytes() == 400
     assert codec.encode(torch.zeros(10, dtype=torch.int64), "8bit").fp32_equivalent_bytes() == 80
     assert codec.encode(torch.zeros(10, dtype=torch.float16), "none").fp32_equivalent_bytes() == 40
+
+
+def test_blockwise_codec_inside_hivemind_serialization():
+    """The replicas' all-reduce sends pseudo-gradients through hivemind's serializer with this codec."""
+    from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+    from hivemind.proto import runtime_pb2
+
+    from swarmtrain.net.outer_averaging import _codec
+
+    _codec("8bit")  # registers it for deserialization
+    torch.manual_seed(0)
+    x = torch.randn(3, 1024) * torch.logspace(-3, 1, 3).unsqueeze(
+        1
+    )  # rows (whole blocks) of very different scales
+    wire = serialize_torch_tensor(x, runtime_pb2.CompressionType.BLOCKWISE_8BIT)
+    y = deserialize_torch_tensor(wire)
+    assert y.shape == x.shape and y.dtype == torch.float32
+    assert len(wire.buffer) == 3072 + 4 * 3072 // 256
+    for row in range(3):  # per-block scales: the small row keeps its own precision
+        assert (x[row] - y[row]).abs().max() <= x[row].abs().max() / 254 * 1.01

@@ -123,7 +123,7 @@ class DilocoConfig:
     # published 0.7 / 0.9 (tuned for thousands of rounds) ends 18% above local training, 0.9 / 0.1 2%
     outer_learning_rate: float = 0.9
     outer_momentum: float = 0.1
-    compression: str = "float16"  # pseudo-gradients on the wire: none | float16 | 8bit
+    compression: str = "8bit"  # pseudo-gradients on the wire: none | float16 | 8bit (blockwise absmax)
     # how long a replica at a round's end waits for the live replicas it sees in the DHT to arrive
     matchmaking_time_s: float = 30.0
     averaging_timeout_s: float = 60.0  # the all-reduce itself
