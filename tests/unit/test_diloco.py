@@ -196,3 +196,14 @@ def test_diloco_config_section_and_digest(tmp_path):
         run_config_from_dict({"preset": "tiny", "diloco": {"compression": "4bit"}})
     with pytest.raises(ConfigError, match="unknown field diloco.h"):
         run_config_from_dict({"preset": "tiny", "diloco": {"h": 3}})
+
+
+def test_a_round_alone_keeps_the_weights_and_moves_the_anchor():
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    outer = OuterOptimizer(params, 0.9, 0.1)
+    with torch.no_grad():
+        params[0].add_(torch.tensor([1.0, -1.0]))
+    outer.rebase()
+    assert torch.equal(params[0].detach(), torch.tensor([1.0, -1.0]))
+    assert torch.equal(outer.anchor[0], params[0].detach()) and outer.outer_step == 1
+    assert torch.equal(outer.pseudo_gradients()[0], torch.zeros(2))

@@ -201,3 +201,63 @@ def test_three_replicas_hold_bitwise_equal_parameters_after_a_step(tiny_cfg, mic
             assert torch.equal(p, q) and torch.equal(p, r)
 
     asyncio.run(scenario())
+
+
+def _local_round_in_process(cfg, rounds):
+    """One replica's two local steps as a stage server takes them, without any network."""
+    worker = StageWorker(cfg, cfg.stages()[1])
+    for step, (batches, prefix) in enumerate(rounds):
+        _train(worker, batches, step=step, prefix=prefix)
+        bucket = worker.seal(step)
+        means = [g / bucket.samples for g in bucket.grad_sums]
+        worker.apply_step(step, means, bucket.samples, hold_epoch=worker.is_sync_step(step))
+    return worker
+
+
+def test_local_steps_differ_between_rounds_and_agree_after_each(tiny_cfg, micro_batches, start_compute):
+    """swarm.local_steps = 2: step 0 is each replica's own AdamW step (A and B differ, no grads sent);
+    step 1 ends with an outer round: both apply the samples-weighted mean pseudo-gradient to the same
+    anchor and hold bitwise-equal parameters, equal to the same round computed in process; step 2's
+    forwards wait for the round."""
+    import dataclasses
+
+    cfg = tiny_cfg.replace(swarm=dataclasses.replace(tiny_cfg.swarm, local_steps=2))
+    rounds_a = [(micro_batches[:3], "m"), (micro_batches[:1], "a1")]
+    rounds_b = [(micro_batches[3:], "b"), (micro_batches[1:3], "b1")]
+
+    async def scenario():
+        net = Net()
+        nodes = await _replicas(cfg, ["A", "B"], net, start_compute)
+        a, b = nodes["A"].worker, nodes["B"].worker
+        tasks = [asyncio.create_task(n.run()) for n in nodes.values()]
+        _train(a, rounds_a[0][0], prefix=rounds_a[0][1])
+        _train(b, rounds_b[0][0], prefix=rounds_b[0][1])
+        _close(nodes, 0, {"A": 24, "B": 8})
+        await _until(lambda: a.epoch == 1 and b.epoch == 1)
+        assert net.sent == []  # a local step exchanges nothing
+        assert not all(torch.equal(p, q) for p, q in zip(a.params, b.params, strict=True))
+
+        _train(a, rounds_a[1][0], step=1, prefix=rounds_a[1][1])
+        _train(b, rounds_b[1][0], step=1, prefix=rounds_b[1][1])
+        parked = asyncio.create_task(nodes["B"].wait_for_version(2, time.monotonic() + 10))
+        await asyncio.sleep(0.05)
+        assert not parked.done()
+        _close(nodes, 1, {"A": 8, "B": 16})
+        assert await parked
+        await _until(lambda: all(n.counters.last_group_size == 2 for n in nodes.values()))
+        for task in tasks:
+            task.cancel()
+        assert sorted(net.sent) == [("A", "B", 1), ("B", "A", 1)]
+        assert all(torch.equal(p, q) for p, q in zip(a.params, b.params, strict=True))
+        assert a.samples_since_sync == 0 and a.epoch == 2
+
+        # the same round in process: pseudo-gradients weighted by samples since the anchor (32, 24)
+        a2, b2 = _local_round_in_process(cfg, rounds_a), _local_round_in_process(cfg, rounds_b)
+        (na, da), (nb, db) = a2.pseudo_gradient(), b2.pseudo_gradient()
+        assert (na, nb) == (32, 24)
+        mean = [(x * na + y * nb) / (na + nb) for x, y in zip(da, db, strict=True)]
+        a2.finish_sync(1, mean)
+        for p, q in zip(a.params, a2.params, strict=True):
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-8)
+
+    asyncio.run(scenario())

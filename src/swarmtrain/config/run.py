@@ -84,6 +84,9 @@ class SwarmConfig:
     request_timeout_s: float = 30.0
     averaging_timeout_s: float = 30.0  # a step's gradient exchange between a stage's replicas
     max_retries: int = 5
+    # a stage's replicas step on their own gradients and average every `local_steps` steps (DiLoCo's
+    # pseudo-gradients and outer step, [diloco]); 1: every step averages the gradient (the default)
+    local_steps: int = 1
     # stage checkpoints (local knobs, not in the digest): where, how often, how many kept
     checkpoint_dir: str = ""  # empty: no checkpoints (the server's --checkpoint-dir overrides)
     checkpoint_every_steps: int = 50  # 0: not by steps
@@ -106,6 +109,8 @@ class SwarmConfig:
                 raise ConfigError(f"swarm.{name} must be positive")
         if self.max_retries < 0:
             raise ConfigError("swarm.max_retries must be >= 0")
+        if self.local_steps < 1:
+            raise ConfigError(f"swarm.local_steps must be >= 1, got {self.local_steps}")
         if not self.run_id.replace("-", "").replace("_", "").isalnum():
             raise ConfigError(f"swarm.run_id must be letters, digits, '-' or '_', got {self.run_id!r}")
 
@@ -181,9 +186,11 @@ class RunConfig:
             "run_id": self.swarm.run_id,
             "stages": [(s.layer_start, s.layer_end) for s in self.stages()],
         }
+        if self.swarm.local_steps != 1:
+            swarm["local_steps"] = self.swarm.local_steps
         payload = {"model": dataclasses.asdict(self.model), "training": training, "swarm": swarm}
         diloco = _outer_step_settings(self.diloco)
-        if diloco != _outer_step_settings(DilocoConfig()):
+        if diloco != _outer_step_settings(DilocoConfig()) or self.swarm.local_steps != 1:
             # only runs that change the outer step get a new digest (older digests stay valid)
             payload["diloco"] = diloco
         text = json.dumps(payload, sort_keys=True, separators=(",", ":"))

@@ -50,6 +50,14 @@ class OuterOptimizer:
         self.outer_step += 1
 
     @torch.no_grad()
+    def rebase(self) -> None:
+        """A round nobody else joined: the live weights become the anchor as they are (an outer step
+        on one replica's own pseudo-gradient would only rescale its progress)."""
+        for anchor, param in zip(self.anchor, self.params, strict=True):
+            anchor.copy_(param.detach())
+        self.outer_step += 1
+
+    @torch.no_grad()
     def reset_params(self) -> None:
         for param, anchor in zip(self.params, self.anchor, strict=True):
             param.copy_(anchor)

@@ -12,7 +12,7 @@ Who takes part, and how replicas stay equal:
 - At a round's end a replica waits until the live replicas of its outer step have reached the round's
   end too (their records say so), at most `diloco.matchmaking_time_s`: a dead replica stops being
   waited for when its record expires, a slower one is left out and catches up by download. Then it
-  asks hivemind for a group of exactly the arrived ones. Alone, it applies its own pseudo-gradient.
+  asks hivemind for a group of exactly the arrived ones. Alone, its weights become the next anchor as they are.
 - Members gather each other's `(outer_step, fp)`. Members that started the round from the same
   anchor as the reference member (highest outer step, then lowest peer id; fingerprints within the
   codec's rounding, `planner/outer_rounds.py`) apply the mean; any other member, and a replica that
@@ -205,7 +205,7 @@ class ReplicaPeer:
         result = self._average(len(arrived) + 1, k) if arrived else None
         if result is None:
             with self.state_lock:
-                self.outer.apply(self.outer.pseudo_gradients())
+                self.outer.rebase()
                 self.lineage = next_lineage(k, [self.peer_id], self.lineage)
             self.summary.rounds_alone += 1
         elif self._is_reference_member(result.gathered, k):

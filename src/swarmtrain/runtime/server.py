@@ -188,7 +188,7 @@ class StageServer:
         """The step this replica is at has a close or gradients pending (read from the sync thread)."""
         return self.steps is not None and self.worker.epoch in self.steps.pending
 
-    def _step_applied(self, epoch: int, fingerprint: list[float]) -> None:
+    def _step_applied(self, epoch: int, fingerprint: list[float] | None) -> None:
         self.sync.step_applied(epoch, fingerprint)
         if self.checkpointer is not None:
             self.checkpointer.after_step(self.worker.epoch)

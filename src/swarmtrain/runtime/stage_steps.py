@@ -41,6 +41,7 @@ logger = get_logger(__name__)
 
 # (peer, step, samples, gradient sums) -> False when the peer is unreachable (gone)
 GradSender = Callable[[str, int, int, list[torch.Tensor]], Awaitable[bool]]
+OnStep = Callable[[int, list[float] | None], None]  # (epoch, parameter fingerprint or None)
 KEEP_STEPS_AHEAD = 4  # closes/grads this far ahead are kept; a replica further behind resyncs
 
 
@@ -89,7 +90,7 @@ class StepCoordinator:
         send_grads: GradSender,
         settings: StepSettings,
         ledger: Ledger | None = None,
-        on_step: Callable[[int, list[float]], None] | None = None,  # (epoch, parameter fingerprint)
+        on_step: OnStep | None = None,
     ) -> None:
         self.worker, self.compute, self.peer_id = worker, compute, peer_id
         self.send_grads, self.settings = send_grads, settings
@@ -189,6 +190,9 @@ class StepCoordinator:
             self.counters.timed_out_closes += 1
             logger.warning("step %d: %d of %d trainers closed it", step, len(state.shards), state.shard_count)
         bucket = await self._on_compute(lambda: self.worker.seal(step))
+        if self.worker.outer is not None:
+            await self._finish_local(state, bucket, start_s)
+            return
         listed = {p for p, n in state.members.items() if n > 0}
         if bucket.samples and self.peer_id in listed:
             await self._send(state, bucket.samples, bucket.grad_sums)
@@ -215,6 +219,44 @@ class StepCoordinator:
             logger.warning("step %d: no gradients from %s; stepping without them", step, missing)
         await self._apply(step, contributions, bucket.micro_batch_ids, start_s)
 
+    async def _finish_local(self, state: PendingStep, bucket, start_s: float) -> None:
+        """swarm.local_steps > 1: step on this replica's own gradient; at every H-th step, average the
+        pseudo-gradients (weighted by samples since the last round) with the step's participants in
+        peer order and take the outer step, so all end the round with the same parameters."""
+        step = state.step
+        own = {self.peer_id: (bucket.samples, bucket.grad_sums)} if bucket.samples else {}
+        sync = self.worker.is_sync_step(step)
+        await self._apply(step, own, bucket.micro_batch_ids, start_s, hold_epoch=sync)
+        if not sync or self.worker.epoch != step:
+            return
+        samples, delta = await self._on_compute(self.worker.pseudo_gradient)
+        await self._send(state, samples, delta)
+        others = (state.participants | set(state.members)) - {self.peer_id}
+        complete = await self._wait(
+            step, lambda s: others <= set(s.received) | s.unreachable, self.settings.exchange_timeout_s
+        )
+        if self.worker.epoch != step:
+            return  # a resync moved us on meanwhile
+        contributions = {p: state.received[p] for p in sorted(others) if p in state.received}
+        contributions[self.peer_id] = (samples, delta)
+        contributions = {p: c for p, c in sorted(contributions.items()) if c[0] > 0}
+        if not complete:
+            self.counters.partial_exchanges += 1
+            logger.warning("step %d: outer round without %s", step, sorted(others - set(state.received)))
+        mean = _weighted_mean(contributions) if len(contributions) > 1 else None
+
+        def finish() -> list[float]:
+            self.worker.finish_sync(step, mean)
+            return self.worker.param_fingerprint()
+
+        fingerprint = await self._on_compute(finish)
+        self.pending.pop(step, None)
+        self.version_changed()
+        self.counters.last_group_size = len(contributions)
+        self.ledger.write("sync", step=step, group={p: n for p, (n, _) in contributions.items()})
+        if self.on_step is not None:
+            self.on_step(step + 1, fingerprint)
+
     async def _send(self, state: PendingStep, samples: int, sums: list[torch.Tensor]) -> None:
         """Send our sums to every other participant in the background: the step waits for the other
         members' sums, never for a send (a hung participant must not stall the stage)."""
@@ -229,7 +271,9 @@ class StepCoordinator:
             state.unreachable.add(peer)  # a member we cannot reach will not send us its sums either
             state.changed.set()
 
-    async def _apply(self, step: int, contributions: dict, own_ids: list[str], start_s: float) -> None:
+    async def _apply(
+        self, step: int, contributions: dict, own_ids: list[str], start_s: float, hold_epoch: bool = False
+    ) -> None:
         samples = sum(n for n, _ in contributions.values())
         if samples:
             totals = [torch.zeros_like(p) for p in self.worker.params]
@@ -240,13 +284,17 @@ class StepCoordinator:
         else:
             means = None  # every micro-batch of the step failed here: nothing to apply
 
-        def apply() -> tuple[bool, list[float]]:
-            applied = self.worker.apply_step(step, means, samples)
-            return applied, self.worker.param_fingerprint()
+        # between outer rounds (local steps) replicas legitimately differ: no fingerprint to compare
+        local_step = self.worker.outer is not None
+
+        def apply() -> tuple[bool, list[float] | None]:
+            applied = self.worker.apply_step(step, means, samples, hold_epoch)
+            return applied, None if local_step else self.worker.param_fingerprint()
 
         applied, fingerprint = await self._on_compute(apply)
-        self.pending.pop(step, None)
-        self.version_changed()
+        if not hold_epoch:
+            self.pending.pop(step, None)
+            self.version_changed()
         c = self.counters
         c.steps += 1
         c.solo_steps += len(contributions) <= 1
@@ -262,8 +310,21 @@ class StepCoordinator:
             applied=applied,
             exchange_s=round(c.last_exchange_s, 4),
         )
-        if self.on_step is not None:
+        if self.on_step is not None and not hold_epoch:
             self.on_step(step + 1, fingerprint)
 
     async def _on_compute(self, fn):
         return await self.compute.run(fn, PRIORITY_SYNC)
+
+
+def _weighted_mean(contributions: dict[str, tuple[int, list[torch.Tensor]]]) -> list[torch.Tensor] | None:
+    """Sum of samples-weighted tensors over total samples, added in the dict's (peer) order."""
+    samples = sum(n for n, _ in contributions.values())
+    if not samples:
+        return None
+    totals: list[torch.Tensor] | None = None
+    for n, tensors in contributions.values():
+        weighted = [t * n for t in tensors]
+        totals = weighted if totals is None else [a.add_(b) for a, b in zip(totals, weighted, strict=True)]
+    assert totals is not None
+    return [t / samples for t in totals]

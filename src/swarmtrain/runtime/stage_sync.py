@@ -161,11 +161,12 @@ class StageSynchronizer:
                 logger.exception("stage sync tick failed")
 
     # checks -------------------------------------------------------------------------------------
-    def step_applied(self, epoch: int, fingerprint: list[float]) -> None:
+    def step_applied(self, epoch: int, fingerprint: list[float] | None) -> None:
         """Called after every applied step (from the event loop). Not published at once: a DHT store
         per step per replica cost CPU the stage needs (several steps per second on `tiny`); the
         heartbeat carries the epoch and its fingerprint together."""
-        self._fp = (epoch, fingerprint)
+        if fingerprint is not None:  # None: a local step (swarm.local_steps), replicas differ until the round
+            self._fp = (epoch, fingerprint)
         self.untrained = self.restored = False
         self.averager.state_sharing_priority = float(self.worker.epoch)
 

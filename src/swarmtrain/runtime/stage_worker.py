@@ -27,6 +27,7 @@ from torch.func import functional_call
 
 from swarmtrain.config import RunConfig, StageSpec
 from swarmtrain.model import build_stage
+from swarmtrain.model.diloco import OuterOptimizer
 from swarmtrain.model.optim import build_optimizer, lr_at, set_lr
 from swarmtrain.net.protocol import Message, ProtocolError, StageRequest, make_message
 from swarmtrain.runtime.ledger import Ledger
@@ -63,6 +64,10 @@ class StageWorker:
         self.params = [param for _, param in self.module.named_parameters()]
         self.live = self._live_copy()
         _init_adam_state(self.optimizer)
+        # swarm.local_steps > 1: replicas step on their own gradients and average every H steps
+        d, h = cfg.diloco, cfg.swarm.local_steps
+        self.outer = OuterOptimizer(self.params, d.outer_learning_rate, d.outer_momentum) if h > 1 else None
+        self.samples_since_sync = 0
         self.cache: OrderedDict[str, CacheEntry] = OrderedDict()
         self.cache_size = cache_size
         self.ledger = ledger or Ledger(None)
@@ -211,13 +216,16 @@ class StageWorker:
                 acc.add_(g)
         return sums
 
-    def apply_step(self, step: int, mean_grads: list[torch.Tensor] | None, samples: int) -> bool:
+    def apply_step(
+        self, step: int, mean_grads: list[torch.Tensor] | None, samples: int, hold_epoch: bool = False
+    ) -> bool:
         """The optimizer step of global step `step` with the stage-averaged mean gradients.
 
         The learning rate is a function of the step alone, identical on every stage. A non-finite
         average is never applied (every replica sees the same average, so all skip it alike); the
         step still counts, so stages keep agreeing on step numbers; so does a step with no samples
-        here (`mean_grads` None: all its micro-batches failed). Returns whether it was applied."""
+        here (`mean_grads` None: all its micro-batches failed). Returns whether it was applied.
+        `hold_epoch`: the step ends with an outer round (`finish_sync` moves the epoch)."""
         if step != self.epoch:
             raise RuntimeError(f"step {step} applied at epoch {self.epoch}")
         t = self.cfg.training
@@ -233,12 +241,40 @@ class StageWorker:
                 for p in self.params:
                     p.grad = None
                 self.samples_seen += samples
+                self.samples_since_sync += samples
             else:
                 self.counters["skipped_steps"] += 1
-            self.epoch += 1
-            self.live = self._live_copy()
+            if not hold_epoch:
+                self.epoch += 1
+                self.live = self._live_copy()
         self.buckets.pop(step, None)
         return applied
+
+    # rare synchronization (swarm.local_steps) -------------------------------------------------------
+    def is_sync_step(self, step: int) -> bool:
+        return self.outer is not None and (step + 1) % self.cfg.swarm.local_steps == 0
+
+    def pseudo_gradient(self) -> tuple[int, list[torch.Tensor]]:
+        """(samples since the last outer round, anchor - parameters)."""
+        assert self.outer is not None
+        with self.state_lock:
+            return self.samples_since_sync, self.outer.pseudo_gradients()
+
+    def finish_sync(self, step: int, mean_delta: list[torch.Tensor] | None) -> None:
+        """The outer step of sync step `step` with the replicas' mean pseudo-gradient (None: nobody
+        trained here or nobody else took part: the parameters become the anchor), then the epoch moves
+        on."""
+        assert self.outer is not None
+        if step != self.epoch:
+            raise RuntimeError(f"sync step {step} finished at epoch {self.epoch}")
+        with self.state_lock:
+            if mean_delta is None:
+                self.outer.rebase()
+            else:
+                self.outer.apply(mean_delta)
+            self.samples_since_sync = 0
+            self.epoch += 1
+            self.live = self._live_copy()
 
     def drop_steps_before(self, epoch: int) -> tuple[int, list[str]]:
         """Forget buckets of steps this replica will never apply (it downloaded a newer state)."""
@@ -269,11 +305,15 @@ class StageWorker:
                     else self.optimizer.state[p][key].detach().clone()
                     for p in self.params
                 ]
+            if self.outer is not None:  # the round's anchor and momentum: a joiner syncs like its peers
+                tensors += [a.clone() for a in self.outer.anchor]
+                tensors += [m.clone() for m in self.outer.momentum_buffers()]
             meta = {
                 "epoch": self.epoch,
                 "samples_seen": self.samples_seen,
                 "names": self.names,
                 "digest": self.cfg.digest(),
+                "samples_since_sync": self.samples_since_sync,
             }
         return meta, tensors
 
@@ -283,7 +323,7 @@ class StageWorker:
         if (
             meta.get("names") != self.names
             or meta.get("digest") != self.cfg.digest()
-            or len(tensors) != 4 * n
+            or len(tensors) not in (4 * n, 6 * n)
         ):
             raise ProtocolError("downloaded state does not match this stage (names, digest or size)")
         for i, p in enumerate(self.params):
@@ -299,9 +339,25 @@ class StageWorker:
                     state["step"].fill_(float(tensors[3 * n + i].reshape(-1)[0]))
             self.epoch = int(meta["epoch"])
             self.samples_seen = int(meta["samples_seen"])
+            self._import_outer(meta, tensors[4 * n :])
             self.live = self._live_copy()
         self.cache.clear()
         return self.drop_steps_before(self.epoch)
+
+    def _import_outer(self, meta: dict, tensors: list[torch.Tensor]) -> None:
+        """A peer's anchor and momentum; a checkpoint (or a peer stepping every step) has none: the
+        round then restarts from the parameters, with no momentum."""
+        if self.outer is None:
+            return
+        n = len(self.params)
+        anchor = tensors[:n] if tensors else [p.detach() for p in self.params]
+        momentum = tensors[n:] if tensors else [torch.zeros_like(p) for p in self.params]
+        params = [p.detach().clone() for p in self.params]
+        self.outer.load(anchor, momentum, self.outer.outer_step)
+        with torch.no_grad():  # load() restarted the parameters from the anchor: keep the peer's
+            for p, value in zip(self.params, params, strict=True):
+                p.copy_(value)
+        self.samples_since_sync = int(meta.get("samples_since_sync", 0)) if tensors else 0
 
     def param_fingerprint(self) -> list[float]:
         """Two float64 sums over the parameters: replicas holding the same state agree exactly (same
