@@ -387,6 +387,14 @@ def main() -> int:
     )
     parser.add_argument("--rows", type=parse_rows, default=list(MATRIX), help=ROWS_HELP)
     parser.add_argument(
+        "--local-steps",
+        type=int,
+        default=1,
+        metavar="H",
+        help="swarm.local_steps for every row: a stage's replicas step on their own gradients and "
+        "average pseudo-gradients every H steps (default 1: every step)",
+    )
+    parser.add_argument(
         "--samples", type=int, default=8192, help="training samples, swarm and local (default 8192)"
     )
     parser.add_argument("--preset", default="tiny", help="model/training preset (default tiny)")
@@ -445,7 +453,10 @@ def main() -> int:
     tmp = None if keep else tempfile.TemporaryDirectory(prefix="convergence-")
     base = keep or Path(tmp.name)
     base.mkdir(parents=True, exist_ok=True)
-    overrides = {"training": {"max_samples": args.samples}, "swarm": {"announce_period_s": 1.0}}
+    overrides = {
+        "training": {"max_samples": args.samples},
+        "swarm": {"announce_period_s": 1.0, "local_steps": args.local_steps},
+    }
     config_path = write_run_toml(base / "run.toml", args.preset, overrides)
     cfg = load_run_config(config_path)
     t = cfg.training
