@@ -85,3 +85,36 @@ def test_trainer_waits_for_a_missing_stage_and_a_late_replica_catches_up(make_sw
     assert any(
         e.get("e") == "resync" for e in map(json.loads, swarm.ledger_path("s0b").read_text().splitlines())
     )
+
+
+def test_local_steps_replicas_sync_every_h_steps_and_match_local(make_swarm):
+    """swarm.local_steps = 4 (rare sync inside SWARM): each stage-0 replica steps on its own share of
+    the batch and the two average pseudo-gradients every 4 steps; at equal samples the swarm stays
+    within 3% of one process, and after the last round (step 128 = 32 x 4) the replicas are equal."""
+    overrides = {
+        "training": {"max_samples": SAMPLES, "eval_samples": EVAL_SAMPLES},
+        "swarm": {"local_steps": 4},
+    }
+    swarm, cfg = make_swarm("tiny", overrides)
+    swarm.start_dht()
+    for name, stage in (("s0a", 0), ("s0b", 0), ("s1", 1)):
+        swarm.start_server(name, stage)
+    swarm.wait_ready(["s0a", "s0b", "s1"])
+    args = ["--max-samples", str(SAMPLES), "--eval-samples", str(EVAL_SAMPLES), "--in-flight", "4"]
+    swarm.start_trainer("trainer", *args, "--compression", "8bit")
+    assert swarm.wait_exit("trainer", 300) == 0, swarm.processes["trainer"].log_text()[-3000:]
+    summary = json.loads((swarm.workdir / "trainer.summary.json").read_text())
+
+    probe = make_swarm.probe(cfg, swarm)
+    probe.wait_for_peers([2, 1])
+    a, b = (probe.info(peer, want="params") for peer in probe.peers(0))
+    torch.set_num_threads(1)
+    local_cfg = cfg.replace(training=dataclasses.replace(cfg.training, eval_every_samples=0))
+    local = LocalTrainer(local_cfg, progress=False).train()
+    print(f"local steps H=4: swarm {summary['val_loss']:.4f} vs local {local.final_val_loss:.4f}")
+    steps = SAMPLES // cfg.training.global_batch_size
+    assert a.header["epoch"] == b.header["epoch"] == steps
+    assert a.header["samples_seen"] + b.header["samples_seen"] == SAMPLES  # each its own share
+    for name in a.tensors:
+        torch.testing.assert_close(a.tensor(name), b.tensor(name), rtol=1e-6, atol=1e-7, msg=name)
+    assert summary["val_loss"] == pytest.approx(local.final_val_loss, rel=0.03)
