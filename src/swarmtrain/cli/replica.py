@@ -19,7 +19,8 @@ networks: a replica sends its model once per round instead of activations every 
 Replica K of N (--shard K/N) trains global_batch_size / N samples per local step, and local step s uses
 the learning rate of global step s, so N replicas follow one process's schedule. A replica waits at most
 diloco.matchmaking_time_s for the others at a round's end; a late joiner downloads the current state
-from a live replica and trains from the others' position. Ctrl-C/SIGTERM: a last round, then exit.
+from a live replica and trains from the others' position. SIGTERM: a last round with the others, the
+summary, exit 0 (Ctrl-C also stops the libp2p daemon of the process group: that last round is alone).
 
 Start the first one with --initial-peers of a `swarmtrain dht`; every replica of a run must use the
 same config ([training], [model], [diloco] in --config).

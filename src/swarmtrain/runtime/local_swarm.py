@@ -54,9 +54,13 @@ class LocalSwarm:
         python: str | None = None,
         env: dict | None = None,
         cpus_per_server: float | None = None,
+        netbed=None,
+        netbed_peers: dict[str, int] | None = None,
     ) -> None:
         """`cpus_per_server`: run each server's process tree in its own cgroup limited to that many
-        cores (CpuQuota), so servers behave like separate equal machines; None: no limit."""
+        cores (CpuQuota), so servers behave like separate equal machines; None: no limit.
+        `netbed` (a started `netbed.WanTestbed`) and `netbed_peers` (peer name -> index in it): a peer
+        named there runs inside that namespace (`wrap`) and listens on its address (`--host`)."""
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.config_path = str(config_path)
@@ -67,6 +71,8 @@ class LocalSwarm:
         self.address: str | None = None
         self.cpus_per_server = cpus_per_server
         self.quotas: dict[str, CpuQuota] = {}
+        self.netbed = netbed
+        self.netbed_peers = dict(netbed_peers or {})
 
     def __enter__(self) -> LocalSwarm:
         return self
@@ -76,6 +82,9 @@ class LocalSwarm:
 
     def _spawn(self, name: str, args: list[str], cpu_quota: CpuQuota | None = None) -> ManagedProcess:
         argv = [self.python, "-m", "swarmtrain.cli.main", *args]
+        if self.netbed is not None and name in self.netbed_peers:
+            i = self.netbed_peers[name]  # --host right after the subcommand: `extra` may still override it
+            argv = self.netbed.wrap(i, [*argv[:4], "--host", self.netbed.host(i), *argv[4:]])
         proc = ManagedProcess(name, argv, self.workdir / f"{name}.log", env=self.env, cpu_quota=cpu_quota)
         self.processes[name] = proc
         return proc

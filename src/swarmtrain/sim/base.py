@@ -46,6 +46,15 @@ class SimConfig:
     num_samples: int = 120  # points of the time series
     average_every_steps: int = 50  # async replicas: local steps between averaging rounds
     local_batch_samples: int | None = None  # async replicas: samples per local step
+    # async replicas: bytes per parameter of the averaging payload (2: fp16; the runtime's 8-bit codec
+    # sends 1 + 4/256, see `costs.BYTES_PER_VALUE`)
+    replica_averaging_bytes_per_param: float = 2.0
+    # SWARM and GPipe data path. False (default): boundary tensors go from peer to peer and trainers have
+    # unlimited links. True: as the runtime does it, the trainer relays every boundary tensor (peer ->
+    # trainer -> next peer), sends a stage's input again with each backward and the labels with the last
+    # stage's request, over its own link of `trainer_link_bytes_per_s` each way.
+    relay_via_trainer: bool = False
+    trainer_link_bytes_per_s: float = float("inf")
     gpipe_micro_batches: int | None = None  # chunks per pipeline step
     # Variability (coefficient of variation, gamma-distributed, mean kept) of each compute task and
     # each transfer's latency in SWARM and GPipe modes; 0 = deterministic.
@@ -61,6 +70,10 @@ class SimConfig:
             raise ValueError("duration_s must be positive")
         if not (0 <= self.compute_cv < 10 and 0 <= self.latency_cv < 10):
             raise ValueError("compute_cv and latency_cv must be in [0, 10)")
+        if not self.replica_averaging_bytes_per_param > 0 or not self.trainer_link_bytes_per_s > 0:
+            raise ValueError(
+                "replica_averaging_bytes_per_param and trainer_link_bytes_per_s must be positive"
+            )
 
 
 class PeerState(Endpoint):

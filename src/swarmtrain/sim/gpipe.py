@@ -16,8 +16,6 @@
 
 from __future__ import annotations
 
-import math
-
 from swarmtrain.sim.base import PeerState
 from swarmtrain.sim.network import Endpoint
 from swarmtrain.sim.pipeline import Chunk, PipelineSimulation
@@ -75,9 +73,8 @@ class GPipeSimulation(PipelineSimulation):
             if fit is None:
                 return None
             slots[stage] = fit.index
-        pipeline = Pipeline(
-            len(self.pipelines), slots, Endpoint(self.peers[slots[0]].location, math.inf, math.inf)
-        )
+        link = self.config.trainer_link_bytes_per_s
+        pipeline = Pipeline(len(self.pipelines), slots, Endpoint(self.peers[slots[0]].location, link, link))
         self.pipelines.append(pipeline)
         for stage, index in enumerate(slots):
             self._assign(pipeline, self.peers[index], stage, download)

@@ -188,14 +188,16 @@ def _candidate(mode: str, h: int | None, result, duration_s: float) -> Candidate
     )
 
 
-def _replica_cycle_s(fleet: Fleet, costs: StageCosts, local: int, h: int) -> float | None:
+def _replica_cycle_s(
+    fleet: Fleet, costs: StageCosts, local: int, h: int, bytes_per_param: float = sizes.FP16_BYTES
+) -> float | None:
     """Median over replica-capable peers of one round: H local steps plus the blocking all-reduce."""
     step = [full_model_s_per_sample(p, costs) for p in fleet.peers]
     capable = [i for i, s in enumerate(step) if math.isfinite(s)]
     if not capable:
         return None
     n = len(capable)
-    per_peer = 2 * costs.model_params * sizes.FP16_BYTES * (n - 1) / n
+    per_peer = 2 * costs.model_params * bytes_per_param * (n - 1) / n
     cycles = []
     for i in capable:
         p = fleet.peers[i]
@@ -230,7 +232,7 @@ def simulate_replicas(
     base = _base(sim_base_config)
     costs = costs_for(run_cfg, global_batch_size)
     local = _local_batch(base, costs)
-    cycle = _replica_cycle_s(fleet, costs, local, h)
+    cycle = _replica_cycle_s(fleet, costs, local, h, base.replica_averaging_bytes_per_param)
     if cycle is None:  # nobody can hold the whole model: nothing to simulate
         return Candidate(REPLICAS, h, 0.0, None, 0.0, 0.0, 0.0, 0.0)
     duration = max(min_rounds, math.ceil(base.duration_s / cycle)) * cycle if cycle > 0 else base.duration_s

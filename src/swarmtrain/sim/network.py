@@ -9,7 +9,8 @@ So concurrent transfers share a link by queueing behind each other at the full l
 link), each link's capacity is exact, and a fast sender feeding slow receivers is not held back by them
 (its uplink time is its own). The two ends are not synchronized, which is slightly optimistic when both
 are congested. Cost: O(1) per transfer, no events for link state. Trainers are endpoints with an
-unlimited link (they are cheap CPU machines one can place well).
+unlimited link by default (they are cheap CPU machines one can place well; `SimConfig.trainer_link_bytes_per_s`
+limits it).
 
 Background traffic (gradient averaging with delayed parameter updates) has lower priority: its bytes
 are a debt that the link pays off whenever it would otherwise be idle, so it does not delay transfers

@@ -5,7 +5,10 @@ backward S-1..0. At each stage it is sent to a peer (a transfer on the link mode
 FIFO queue, and is computed (forward: 1/3 of the stage's training time; the last stage runs forward and
 backward in one go; a backward on the peer that ran the forward reuses its activations, elsewhere it
 recomputes them, +1/3). Boundary tensors travel peer to peer. The trainer keeps a copy of every boundary
-tensor (in the runtime it relays them), so a retry is re-sent from the trainer.
+tensor (in the runtime it relays them), so a retry is re-sent from the trainer. With
+`SimConfig.relay_via_trainer` they take the runtime's path: the previous peer's output goes to the trainer
+and the trainer sends the request (with a backward, the stage's input again; with the last stage's
+forward, the labels), over the trainer's link of `trainer_link_bytes_per_s` each way.
 
 Each peer of a stage counts the samples it processed; each time the stage as a whole has processed a
 global batch, all its serving peers run the gradient all-reduce, which occupies both directions of
@@ -171,24 +174,45 @@ class PipelineSimulation(Simulation):
             return
         self._send(chunk, peer)
 
+    def _request_bytes(self, chunk: Chunk) -> tuple[str, float]:
+        """What the request to the chunk's current stage carries (kind, bytes)."""
+        k, act, tokens = (
+            chunk.samples,
+            self.costs.activation_bytes_per_sample,
+            self.costs.token_bytes_per_sample,
+        )
+        relay = self.config.relay_via_trainer
+        if chunk.backward:
+            if relay:  # the runtime sends the stage's input again with the gradient of its output
+                return "gradients", k * (act + (tokens if chunk.stage == 0 else act))
+            return "gradients", k * act * (2 if chunk.recompute else 1)
+        if chunk.stage == 0:
+            return "tokens", k * tokens + (k * tokens if relay and self.last == 0 else 0.0)
+        return "activations", k * act + (k * tokens if relay and chunk.stage == self.last else 0.0)
+
     def _send(self, chunk: Chunk, peer: PeerState) -> None:
         now = self.engine.now_s
-        src = self.peers[chunk.src] if chunk.src >= 0 else self.trainer_endpoint(chunk)
-        k = chunk.samples
-        if chunk.backward:
-            kind = "gradients"
-            num_bytes = k * self.costs.activation_bytes_per_sample * (2 if chunk.recompute else 1)
-        elif chunk.stage == 0:
-            kind, num_bytes = "tokens", k * self.costs.token_bytes_per_sample
-        else:
-            kind, num_bytes = "activations", k * self.costs.activation_bytes_per_sample
+        trainer = self.trainer_endpoint(chunk)
+        src = self.peers[chunk.src] if chunk.src >= 0 else trainer
+        kind, num_bytes = self._request_bytes(chunk)
         chunk.attempt += 1
         chunk.peer = peer.index
         chunk.sent_s = now
         peer.held[chunk.id] = chunk
         if self.variability.compute_cv:
             chunk.compute_factor = self.variability.compute_factor()
-        arrival = self.network.transfer(now, src, peer, num_bytes, self.timeout_s)
+        if self.config.relay_via_trainer and src is not trainer:
+            # the previous peer's output (activations, or the input gradient) goes back to the trainer
+            # first, which then sends the request on
+            out_bytes = chunk.samples * self.costs.activation_bytes_per_sample
+            back = self.network.transfer(now, src, trainer, out_bytes, self.timeout_s)
+            arrival = None
+            if back is not None:
+                self.metrics.bytes_by_kind[kind] += out_bytes
+                left_s = self.timeout_s - (back - now)
+                arrival = self.network.transfer(back, trainer, peer, num_bytes, left_s)
+        else:
+            arrival = self.network.transfer(now, src, peer, num_bytes, self.timeout_s)
         if arrival is not None and self.variability.latency_cv:
             arrival += self.network.latency(src.location, peer.location) * (
                 self.variability.latency_factor() - 1

@@ -3,9 +3,10 @@
 Every live peer whose host memory holds the whole model's training state trains the whole model by
 itself, streaming layers from host memory when the accelerator is too small (`costs.full_model_s_per_sample`).
 A local step processes `local_batch_samples`; after every `average_every_steps` steps the replica
-averages its parameters with the others (butterfly all-reduce of fp16 parameters: about 2x the model in
-each direction of its link), which blocks its compute until its links have moved the bytes (replicas do
-not wait for each other: group formation is not modelled). A replica that fails loses the samples since
+averages its parameters with the others (butterfly all-reduce of fp16 parameters, or of
+`SimConfig.replica_averaging_bytes_per_param` bytes each: about 2x the model in each direction of its
+link), which blocks its compute until its links have moved the bytes (replicas do not wait for each
+other: group formation is not modelled). A replica that fails loses the samples since
 its last averaging; a joining replica first downloads the full training state from the replica that can
 send it soonest.
 """
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import math
 
-from swarmtrain.config import sizes
 from swarmtrain.sim.base import PeerState, Simulation
 from swarmtrain.sim.costs import full_model_s_per_sample
 
@@ -26,7 +26,7 @@ class ReplicaSimulation(Simulation):
         self.step_s = [full_model_s_per_sample(p.spec, self.costs) for p in self.peers]
         self.steps = [0] * len(self.peers)
         self.replicas: dict[int, PeerState] = {}
-        self.average_bytes = 2 * self.costs.model_params * sizes.FP16_BYTES
+        self.average_bytes = 2 * self.costs.model_params * self.config.replica_averaging_bytes_per_param
 
     def metrics_stages(self) -> int:
         return 1

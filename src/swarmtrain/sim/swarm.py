@@ -19,7 +19,6 @@
 from __future__ import annotations
 
 import heapq
-import math
 
 from swarmtrain.planner.rebalance import PeerLoad, RebalanceConfig, plan_moves, stage_for_new_peer
 from swarmtrain.planner.routing import FORWARD_WEIGHT, StageRouter
@@ -94,9 +93,10 @@ class SwarmSimulation(PipelineSimulation):
         self.max_moves = self.config.max_moves_per_tick or max(1, len(live) // 100)
         stages, throughput = self._initial_stages(live)
         locations = sorted({p.location for p in self.peers})
+        link = self.config.trainer_link_bytes_per_s
         for t in range(self.num_trainers):
             where = locations[t % len(locations)]
-            self.trainers.append(Trainer(t, Endpoint(where, math.inf, math.inf), self.num_stages))
+            self.trainers.append(Trainer(t, Endpoint(where, link, link), self.num_stages))
         self.refresh_rates(throughput, [sum(1 for s in stages if s == k) for k in range(self.num_stages)])
         for peer, stage in zip(live, stages, strict=True):
             if stage >= 0 and peer.rates[stage] > 0:
