@@ -18,6 +18,7 @@ SUBCOMMANDS = (
     ("server", "swarmtrain.cli.server"),
     ("trainer", "swarmtrain.cli.trainer"),
     ("replica", "swarmtrain.cli.replica"),
+    ("status", "swarmtrain.cli.status"),
     ("export", "swarmtrain.cli.export"),
     ("plan", "swarmtrain.cli.plan"),
     ("simulate", "swarmtrain.cli.simulate"),

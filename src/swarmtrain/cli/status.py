@@ -1,0 +1,45 @@
+"""`swarmtrain status`: the swarm as its DHT sees it (stages, bottleneck, trainers, replicas)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from swarmtrain.cli.common import add_run_config_args, run_config_from_args
+from swarmtrain.cli.net_args import add_network_args, prepare_process
+
+HELP = "show the swarm as the DHT sees it: each stage's peers, the bottleneck, trainers, replicas"
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "status",
+        help=HELP,
+        description=HELP + ". Give the run's --preset/--config (run id, stages and the config digest "
+        "peers announce). --json prints {stages: [{index, peers: [{peer_id, throughput_samples_per_s, "
+        "queue, epoch, state, same_config, addresses}], throughput_samples_per_s}], bottleneck, trainers, "
+        "replicas, run_id, digest, time}.",
+    )
+    add_run_config_args(parser)
+    add_network_args(parser)
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = run_config_from_args(args)
+    prepare_process("ERROR")
+    from swarmtrain.monitor.snapshot import format_snapshot, swarm_snapshot
+    from swarmtrain.net.dht_records import RunRecords
+    from swarmtrain.net.engine import shutdown_quietly, start_dht, validate_initial_peers
+    from swarmtrain.runtime.procs import forked_children_die_with_me, reap_own_group
+
+    forked_children_die_with_me()
+    dht = start_dht(validate_initial_peers(args.initial_peers), client_mode=True, host=args.host)
+    try:
+        snapshot = swarm_snapshot(cfg, RunRecords(dht, cfg.swarm.run_id))
+    finally:
+        shutdown_quietly(dht)
+        reap_own_group()
+    print(json.dumps(snapshot, indent=2) if args.json else format_snapshot(snapshot))
+    return 0

@@ -1,0 +1,105 @@
+"""A swarm snapshot from its DHT records: every stage's peers (throughput, queue, step), the bottleneck
+stage, trainers (loss, samples/s) and whole-model replicas; plain data for `swarmtrain status` (table or
+JSON) and anything that renders the swarm.
+
+`records` is a `net.dht_records.RunRecords` (or anything with the same read methods), so the snapshot
+is built from exactly what peers announce, and tested on fakes.
+"""
+
+from __future__ import annotations
+
+import time
+
+from swarmtrain.config import RunConfig
+
+
+def swarm_snapshot(cfg: RunConfig, records) -> dict:
+    digest = cfg.digest()
+    stages = [_stage(i, records, digest) for i in range(cfg.swarm.num_stages)]
+    return {
+        "run_id": cfg.swarm.run_id,
+        "digest": digest,
+        "stages": stages,
+        "bottleneck": min(range(len(stages)), key=lambda i: stages[i]["throughput_samples_per_s"]),
+        "trainers": _trainers(records.metrics()),
+        "replicas": _replicas(records.replicas(digest)),
+        "time": time.time(),
+    }
+
+
+def _stage(index: int, records, digest: str) -> dict:
+    progress = records.stage_progress(index)
+    peers = []
+    for peer_id, announcement in sorted(records.stage_peers(index).items()):
+        peers.append(
+            {
+                "peer_id": peer_id,
+                "throughput_samples_per_s": announcement.throughput_samples_per_s,
+                "queue": announcement.queue_len,
+                "epoch": progress.get(peer_id, {}).get("epoch", announcement.state_version),
+                "state": announcement.state,
+                "same_config": announcement.config_digest == digest,
+                "addresses": announcement.addresses,
+            }
+        )
+    # only peers of this run's config serve its trainers
+    serving = [p for p in peers if p["same_config"] and p["state"] == "online"]
+    return {
+        "index": index,
+        "peers": peers,
+        "throughput_samples_per_s": sum(p["throughput_samples_per_s"] for p in serving),
+    }
+
+
+def _trainers(metrics: dict[str, dict]) -> list[dict]:
+    trainers = []
+    for peer_id, value in sorted(metrics.items()):
+        if value.get("role") == "trainer":
+            trainers.append(
+                {
+                    "trainer_id": peer_id.removeprefix("trainer-"),
+                    "loss": value.get("loss"),
+                    "samples_per_s": value.get("samples_per_s"),
+                    "samples": value.get("step"),
+                    "completed": value.get("completed"),
+                    "failed": value.get("failed"),
+                }
+            )
+    return trainers
+
+
+def _replicas(replicas: dict[str, dict]) -> list[dict]:
+    keys = ("outer_step", "inner_step", "samples_per_s", "loss")
+    return [
+        {"peer_id": peer_id, **{k: value.get(k) for k in keys}} for peer_id, value in sorted(replicas.items())
+    ]
+
+
+def format_snapshot(snapshot: dict) -> str:
+    """A terminal table: one line per peer, stages first, then trainers and replicas."""
+    lines = [f"run {snapshot['run_id']} (config {snapshot['digest']})"]
+    for stage in snapshot["stages"]:
+        mark = "  <- bottleneck" if stage["index"] == snapshot["bottleneck"] else ""
+        lines.append(
+            f"stage {stage['index']}: {len(stage['peers'])} peer(s), "
+            f"{stage['throughput_samples_per_s']:.1f} samples/s{mark}"
+        )
+        for p in stage["peers"]:
+            note = "" if p["same_config"] else "  (other config: not used)"
+            lines.append(
+                f"  {p['peer_id'][-12:]}  {p['throughput_samples_per_s']:8.1f} samples/s  queue {p['queue']:3d}  "
+                f"step {p['epoch']}  {p['state']}{note}"
+            )
+    for t in snapshot["trainers"]:
+        loss = "-" if t["loss"] is None else f"{t['loss']:.4f}"
+        lines.append(
+            f"trainer {t['trainer_id']}: loss {loss}, {t['samples_per_s'] or 0:.1f} samples/s, {t['samples']} samples"
+        )
+    for r in snapshot["replicas"]:
+        lines.append(
+            f"replica {r['peer_id'][-12:]}: outer step {r['outer_step']}, local step {r['inner_step']}, "
+            f"{r['samples_per_s'] or 0:.1f} samples/s"
+        )
+    if not any(s["peers"] for s in snapshot["stages"]) and not snapshot["replicas"]:
+        lines.append("no peer of this run is announced (check --initial-peers and --preset/--config)")
+    return "\n".join(lines)
