@@ -17,7 +17,13 @@ def register(subparsers) -> None:
         description=HELP + ". Announces itself in the DHT, downloads the stage state from its replicas if "
         "they have already trained, and serves until Ctrl-C or SIGTERM.",
     )
-    parser.add_argument("--stage", type=int, required=True, help="stage index, 0 .. num_stages-1")
+    parser.add_argument(
+        "--stage",
+        type=_stage_arg,
+        required=True,
+        help="stage index, 0 .. num_stages-1, or `auto`: the stage with the least capacity among the "
+        "peers announced in the DHT (empty stages first)",
+    )
     add_run_config_args(parser)
     add_network_args(parser)
     add_identity_arg(parser)
@@ -72,9 +78,15 @@ def run(args: argparse.Namespace) -> int:
     from swarmtrain.runtime.server import ServerOptions, StageServer
 
     cfg = _with_checkpoint_overrides(run_config_from_args(args), args)
+    initial_peers = validate_initial_peers(args.initial_peers)
+    stage = args.stage
+    if stage == "auto":
+        from swarmtrain.runtime.stage_choice import choose_stage_live
+
+        stage = choose_stage_live(cfg, initial_peers, args.host)
     options = ServerOptions(
-        stage=args.stage,
-        initial_peers=validate_initial_peers(args.initial_peers),
+        stage=stage,
+        initial_peers=initial_peers,
         host=args.host,
         port=args.port,
         threads=args.threads,
@@ -100,3 +112,12 @@ def _with_checkpoint_overrides(cfg, args: argparse.Namespace):
     if not overrides:
         return cfg
     return dataclasses.replace(cfg, swarm=dataclasses.replace(cfg.swarm, **overrides))
+
+
+def _stage_arg(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a stage index or `auto`, got {text!r}") from None
