@@ -17,13 +17,20 @@ def register(subparsers) -> None:
         description=HELP + ". Announces itself in the DHT, downloads the stage state from its replicas if "
         "they have already trained, and serves until Ctrl-C or SIGTERM.",
     )
-    parser.add_argument(
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument(
         "--stage",
         type=_stage_arg,
-        required=True,
         help="stage index, 0 .. num_stages-1, or `auto`: the stage with the least capacity among the "
         "peers announced in the DHT (empty stages first)",
     )
+    where.add_argument(
+        "--plan",
+        metavar="PLAN.json",
+        help="serve the stage a placement plan (`swarmtrain plan ... --json`) gives --device-index, with "
+        "the plan's stage cut (trainers take the same --plan)",
+    )
+    parser.add_argument("--device-index", type=int, metavar="I", help="this machine's device index in --plan")
     add_run_config_args(parser)
     add_network_args(parser)
     add_identity_arg(parser)
@@ -73,6 +80,8 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from swarmtrain.config.errors import UserError
+
     prepare_process()
     from swarmtrain.net.engine import validate_initial_peers
     from swarmtrain.runtime.server import ServerOptions, StageServer
@@ -80,6 +89,10 @@ def run(args: argparse.Namespace) -> int:
     cfg = _with_checkpoint_overrides(run_config_from_args(args), args)
     initial_peers = validate_initial_peers(args.initial_peers)
     stage = args.stage
+    if args.plan is not None:
+        cfg, stage = _from_plan(cfg, args)
+    elif args.device_index is not None:
+        raise UserError("--device-index needs --plan")
     if stage == "auto":
         from swarmtrain.runtime.stage_choice import choose_stage_live
 
@@ -121,3 +134,13 @@ def _stage_arg(text: str) -> int | str:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a stage index or `auto`, got {text!r}") from None
+
+
+def _from_plan(cfg, args: argparse.Namespace):
+    from swarmtrain.config.errors import UserError
+    from swarmtrain.planner.plan_file import config_from_plan, load_plan, stage_of_device
+
+    if args.device_index is None:
+        raise UserError("--plan needs --device-index (this machine's index among the plan's devices)")
+    plan = load_plan(args.plan)
+    return config_from_plan(cfg, plan), stage_of_device(plan, args.device_index)

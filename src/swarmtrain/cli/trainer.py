@@ -43,6 +43,9 @@ def register(subparsers) -> None:
     )
     parser.add_argument("--trainer-id", help="prefix of this trainer's micro-batch ids (default: random)")
     parser.add_argument(
+        "--plan", metavar="PLAN.json", help="the placement plan the servers were started with (its stage cut)"
+    )
+    parser.add_argument(
         "--ledger", metavar="PATH", help="append a JSON line per started/completed micro-batch"
     )
     parser.add_argument("--log-period-s", type=float, default=5.0, help="progress/metrics period")
@@ -61,6 +64,10 @@ def run(args: argparse.Namespace) -> int:
     except ValueError:
         raise UserError(f"--shard must look like K/N, got {args.shard!r}") from None
     cfg = run_config_from_args(args)
+    if args.plan:
+        from swarmtrain.planner.plan_file import config_from_plan, load_plan
+
+        cfg = config_from_plan(cfg, load_plan(args.plan))
     options = TrainerOptions(
         codec=args.compression,
         max_in_flight=args.in_flight,

@@ -102,11 +102,11 @@ class LocalSwarm:
         proc.remember_sockets()
         return self.address
 
-    def start_server(self, name: str, stage: int, *extra: str) -> ManagedProcess:
+    def start_server(self, name: str, stage: int | str | None, *extra: str) -> ManagedProcess:
+        """`stage`: an index, "auto", or None when `extra` says where (--plan)."""
         args = [
             "server",
-            "--stage",
-            str(stage),
+            *([] if stage is None else ["--stage", str(stage)]),
             "--config",
             self.config_path,
             "--initial-peers",
