@@ -71,6 +71,13 @@ def register(subparsers) -> None:
     )
     parser.add_argument("--metrics-period-s", type=float, default=5.0, help="metrics publish/log period")
     parser.add_argument(
+        "--rebalance-period-s",
+        type=non_negative_float,
+        metavar="S",
+        help="every S seconds (jittered) check whether this server should move to the bottleneck stage "
+        "(default: swarm.rebalance_period_s; 0: never move)",
+    )
+    parser.add_argument(
         "--matchmaking-time-s",
         type=float,
         default=1.0,
@@ -83,7 +90,12 @@ def run(args: argparse.Namespace) -> int:
     from swarmtrain.config.errors import UserError
 
     prepare_process()
+    import os
+    import sys
+    import time
+
     from swarmtrain.net.engine import validate_initial_peers
+    from swarmtrain.runtime.balancer import MOVE_ENV, moved_from
     from swarmtrain.runtime.server import ServerOptions, StageServer
 
     cfg = _with_checkpoint_overrides(run_config_from_args(args), args)
@@ -93,6 +105,9 @@ def run(args: argparse.Namespace) -> int:
         cfg, stage = _from_plan(cfg, args)
     elif args.device_index is not None:
         raise UserError("--device-index needs --plan")
+    moved = moved_from()
+    if moved is not None:  # re-executed by a rebalancing move: serve the stage it moved to
+        stage = moved[2]
     if stage == "auto":
         from swarmtrain.runtime.stage_choice import choose_stage_live
 
@@ -111,7 +126,14 @@ def run(args: argparse.Namespace) -> int:
         fresh_start=args.fresh_start,
         identity_path=args.identity_path,
     )
-    return StageServer(cfg, options).run()
+    server = StageServer(cfg, options)
+    code = server.run()
+    if server.move_to is None:
+        return code
+    # the old stage is shut down (offline, checkpointed, its processes reaped): become a joiner of the
+    # new stage, same pid and process group for whoever launched us, same --identity-path
+    os.environ[MOVE_ENV] = f"{server.spec.index},{time.time()},{server.move_to}"
+    os.execv(sys.executable, [sys.executable, "-m", "swarmtrain.cli.main", *sys.argv[1:]])
 
 
 def _with_checkpoint_overrides(cfg, args: argparse.Namespace):
@@ -120,6 +142,7 @@ def _with_checkpoint_overrides(cfg, args: argparse.Namespace):
     overrides = {
         "checkpoint_every_steps": args.checkpoint_every_steps,
         "checkpoint_every_s": args.checkpoint_every_s,
+        "rebalance_period_s": args.rebalance_period_s,
     }
     overrides = {k: v for k, v in overrides.items() if v is not None}
     if not overrides:

@@ -92,8 +92,14 @@ class SwarmConfig:
     checkpoint_every_steps: int = 50  # 0: not by steps
     checkpoint_every_s: float = 0.0  # 0: not by time
     checkpoint_keep: int = 3
+    # adaptive rebalancing (local knobs): every period (jittered) a server reads the stages' loads and
+    # moves to the bottleneck stage when the policy picks it; 0: off
+    rebalance_period_s: float = 0.0
+    rebalance_margin: float = 0.1  # hysteresis of planner/rebalance.py
 
     def __post_init__(self) -> None:
+        if self.rebalance_period_s < 0 or self.rebalance_margin < 0:
+            raise ConfigError("swarm.rebalance_period_s and swarm.rebalance_margin must be >= 0")
         if self.checkpoint_every_steps < 0 or self.checkpoint_every_s < 0 or self.checkpoint_keep < 1:
             raise ConfigError(
                 "swarm.checkpoint_every_steps and checkpoint_every_s must be >= 0, checkpoint_keep >= 1"

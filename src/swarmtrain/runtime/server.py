@@ -14,6 +14,7 @@ serve (checkpointing every N steps with --checkpoint-dir) until SIGTERM/SIGINT -
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import time
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ from swarmtrain.net.protocol import (
     validate_grads,
     validate_request,
 )
+from swarmtrain.runtime.balancer import Balancer, move_record, moved_from
 from swarmtrain.runtime.compute import (
     PRIORITY_BACKWARD,
     PRIORITY_EVAL,
@@ -102,6 +104,8 @@ class StageServer:
         self._tput_mark = (0, 0.0)
         self.checkpointer: StageCheckpointer | None = None
         self.exit_code = 0
+        self.move_to: int | None = None  # set when the balancer moves this server to another stage
+        self.moved = moved_from()  # (from, start time, to) when this process is a server that moved here
 
     # setup --------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -277,6 +281,10 @@ class StageServer:
             asyncio.create_task(self._every(self.cfg.swarm.announce_period_s, self._announce)),
             asyncio.create_task(self._every(self.options.metrics_period_s, self._publish_metrics)),
         ]
+        if swarm.rebalance_period_s > 0:
+            tasks.append(asyncio.create_task(self._rebalance_loop()))
+        if self.moved is not None:
+            self._log_move_cost()
         try:
             await self._stop.wait()
         finally:
@@ -286,6 +294,44 @@ class StageServer:
             logger.info("stage %d replica %s stopping", self.spec.index, self.peer_id)
             await loop.run_in_executor(None, lambda: self._announce(state="offline"))
             await asyncio.wait_for(servicer.remove_p2p_handlers(p2p, namespace=namespace(self.cfg)), 5)
+
+    async def _rebalance_loop(self) -> None:
+        swarm = self.cfg.swarm
+        balancer = Balancer(
+            self.peer_id, swarm.num_stages, self.digest, swarm.rebalance_period_s, swarm.rebalance_margin
+        )
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(balancer.jittered_period_s())
+            if balancer.serving_since_s is None and self.sync.serving.is_set():
+                balancer.serving_since_s = time.monotonic()
+            try:
+                move = await loop.run_in_executor(None, balancer.decide, self.records)
+            except Exception:  # a failed read: decide next period
+                logger.exception("rebalancing tick failed")
+                continue
+            if move is not None:
+                logger.warning(
+                    "rebalancing: moving from stage %d to stage %d, the bottleneck (%.1f samples/s; the two "
+                    "stages' minimum after the move %.1f)",
+                    move.from_stage,
+                    move.to_stage,
+                    move.bottleneck_before_samples_per_s,
+                    move.pair_min_after_samples_per_s,
+                )
+                self.ledger.write("move", to=move.to_stage, bottleneck=move.bottleneck_before_samples_per_s)
+                self.move_to = move.to_stage
+                self._stop.set()
+                return
+
+    def _log_move_cost(self) -> None:
+        """The move's cost, now that this incarnation serves: the state download and the seconds since
+        the old incarnation decided to move."""
+        previous, started, _ = self.moved
+        record = move_record(previous, self.spec.index, started, self.sync.counters.downloaded_bytes)
+        logger.warning("rebalancing: moved here %s", record)
+        self.ledger.write("moved", **json.loads(record))
+        self.move_cost = json.loads(record)
 
     async def _every(self, period_s: float, fn) -> None:
         loop = asyncio.get_running_loop()
@@ -441,6 +487,7 @@ class StageServer:
             "bytes_in": totals.wire_bytes if totals else 0,
             "samples_forward": c["samples_forward"],
             "busy_s": round(self.compute.busy_s, 3),
+            "moved": getattr(self, "move_cost", None),
         }
         self.records.publish_metrics(self.peer_id, metrics, ttl_s=3 * self.options.metrics_period_s)
         logger.info("metrics %s", " ".join(f"{k}={v}" for k, v in metrics.items() if k != "role"))

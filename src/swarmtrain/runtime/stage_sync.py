@@ -60,6 +60,7 @@ class RestoreRefused(UserError):
 class SyncCounters:
     resyncs: int = 0
     lost_samples: int = 0
+    downloaded_bytes: int = 0  # stage states downloaded from peers (joining, resyncs)
     extra: dict = field(default_factory=dict)
 
 
@@ -257,6 +258,7 @@ class StageSynchronizer:
         loaded = self.averager.download_state(self.settings.download_timeout_s)
         imported = None
         if loaded is not None:
+            self.counters.downloaded_bytes += sum(t.numel() * t.element_size() for t in loaded[1])
             try:
                 imported = self._on_compute(lambda: self.worker.import_state(*loaded))
             except ProtocolError as exc:  # e.g. the donor died mid-stream: a truncated state

@@ -1,0 +1,91 @@
+"""Live adaptive rebalancing: each server, every `swarm.rebalance_period_s` (jittered), reads every
+stage's announcements and asks the pure policy the simulator uses (`planner.rebalance.choose_move`)
+whether one peer should move to the bottleneck stage. The policy is deterministic on the same data, so
+every server that reads the same loads names the same mover, and only the named one acts; its
+hysteresis means a move always raises the pipeline's minimum and moves cannot ping-pong; it never
+empties a stage (a stage's only server stays). Peers still joining a stage count toward its capacity and
+never move. A server also waits two periods after it starts serving before it may move (its measured
+throughput settles first).
+
+How a server moves (runtime/server.py, cli/server.py): it stops announcing (offline), finishes and
+shuts down like a graceful stop, and re-executes itself with `--stage TARGET`; the new incarnation joins
+the target stage like any joiner (downloads parameters and optimizer state from that stage's peers)
+and logs and publishes what the move cost. hivemind's averager holds a stage's tensors in shared memory
+in its own process, so serving another stage needs a new averager anyway; exec also frees the old
+stage's memory at once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from dataclasses import dataclass
+
+from swarmtrain.planner.rebalance import Move, PeerLoad, RebalanceConfig, choose_move
+
+MOVE_ENV = "SWARMTRAIN_MOVED_FROM"  # "from stage,unix time,to stage": set on the re-executed server
+
+
+def loads_from_announcements(announced: dict[int, dict], digest: str) -> list[PeerLoad]:
+    """PeerLoads of the peers announcing this run's config (joining ones as pending)."""
+    loads = []
+    for stage, peers in announced.items():
+        for peer, a in peers.items():
+            if a.config_digest == digest and a.state in ("online", "joining"):
+                loads.append(
+                    PeerLoad(
+                        peer, stage, a.throughput_samples_per_s, a.queue_len, pending=a.state == "joining"
+                    )
+                )
+    return loads
+
+
+@dataclass
+class Balancer:
+    """Decides, from the records, whether this server (`peer_id`) moves now."""
+
+    peer_id: str
+    num_stages: int
+    digest: str
+    period_s: float
+    margin: float
+    serving_since_s: float | None = None
+
+    def jittered_period_s(self) -> float:
+        return self.period_s * random.uniform(0.75, 1.25)
+
+    def decide(self, records, now_s: float | None = None) -> Move | None:
+        now_s = time.monotonic() if now_s is None else now_s
+        if self.serving_since_s is None or now_s - self.serving_since_s < 2 * self.period_s:
+            return None
+        announced = {s: records.stage_peers(s) for s in range(self.num_stages)}
+        move = choose_move(
+            loads_from_announcements(announced, self.digest), self.num_stages, RebalanceConfig(self.margin)
+        )
+        return move if move is not None and move.peer == self.peer_id else None
+
+
+def moved_from() -> tuple[int, float, int] | None:
+    """(previous stage, when the move began, new stage) if this process is a server re-executed by a
+    move."""
+    value = os.environ.get(MOVE_ENV)
+    if not value:
+        return None
+    try:
+        source, started, target = value.split(",")
+        return int(source), float(started), int(target)
+    except ValueError:
+        return None
+
+
+def move_record(move_from: int, move_to: int, started_s: float, download_bytes: int) -> str:
+    return json.dumps(
+        {
+            "from": move_from,
+            "to": move_to,
+            "seconds": round(time.time() - started_s, 2),
+            "bytes": download_bytes,
+        }
+    )

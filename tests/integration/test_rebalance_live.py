@@ -1,0 +1,55 @@
+"""Live adaptive rebalancing: 3 servers on stage 0 and 1 on stage 1 (the bottleneck) with a trainer
+running. Exactly one stage-0 server moves to stage 1 (the policy is deterministic, so the servers agree
+on who), logs and publishes what the move cost, joins stage 1 by downloading its state, and after the
+next step holds the same parameters as stage 1's other server; 2+2 is balanced, so nobody moves again,
+and the trainer completes every micro-batch."""
+
+import json
+import time
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
+
+MOVING = "rebalancing: moving from stage 0 to stage 1"
+
+
+def test_a_server_moves_to_the_bottleneck_stage(make_swarm):
+    swarm, cfg = make_swarm(
+        "tiny", {"swarm": {"rebalance_period_s": 2.0}, "training": {"max_samples": 100000}}
+    )
+    swarm.start_dht()
+    servers = {"a": 0, "b": 0, "c": 0, "d": 1}
+    for name, stage in servers.items():
+        swarm.start_server(name, stage)
+    swarm.wait_ready(list(servers))
+    swarm.start_trainer("trainer", "--max-samples", "100000", "--in-flight", "4", "--log-period-s", "2")
+
+    deadline = time.monotonic() + 120
+    while not (movers := [n for n in "abc" if MOVING in swarm.processes[n].log_text()]):
+        assert time.monotonic() < deadline, {n: swarm.processes[n].log_text()[-1500:] for n in servers}
+        time.sleep(0.5)
+    mover = movers[0]
+    while "rebalancing: moved here" not in swarm.processes[mover].log_text():
+        assert time.monotonic() < deadline and swarm.processes[mover].alive, swarm.processes[
+            mover
+        ].log_text()[-3000:]
+        time.sleep(0.5)
+    cost = json.loads(swarm.processes[mover].log_text().split("rebalancing: moved here ")[1].splitlines()[0])
+    assert cost["from"] == 0 and cost["to"] == 1 and cost["bytes"] > 0 and cost["seconds"] > 0
+
+    probe = make_swarm.probe(cfg, swarm)
+    probe.wait_for_peers([2, 2], timeout_s=60)
+    time.sleep(8)  # several more rebalancing periods: 2 + 2 is balanced
+    assert [n for n in "abc" if MOVING in swarm.processes[n].log_text()] == [mover]
+    assert MOVING.replace("0 to stage 1", "1 to stage 0") not in swarm.processes[mover].log_text()
+
+    swarm.processes["trainer"].kill()  # a quiet stage: compare the two stage-1 replicas at one step
+    time.sleep(5)
+    infos = [probe.info(peer, want="params") for peer in probe.peers(1)]
+    assert infos[0].header["epoch"] == infos[1].header["epoch"] > 0
+    for name in infos[0].tensors:
+        torch.testing.assert_close(
+            infos[0].tensor(name), infos[1].tensor(name), rtol=1e-5, atol=1e-6, msg=name
+        )
