@@ -10,11 +10,20 @@ pytestmark = pytest.mark.unit
 
 
 class Records:
-    def __init__(self, peers):
-        self.peers = peers
+    """Stage announcements and move leases as the DHT would hold them (shared by every balancer)."""
+
+    def __init__(self, peers, leases=None):
+        self.peers, self.leases = peers, dict(leases or {})
 
     def stage_peers(self, stage):
         return self.peers.get(stage, {})
+
+    def moves(self):
+        return self.leases
+
+    def publish_move(self, peer, record, ttl_s):
+        self.leases[peer] = record
+        return True
 
 
 def ann(stage, throughput, digest="d", state="online", queue=0):
@@ -32,6 +41,23 @@ def test_exactly_one_named_peer_moves_to_the_bottleneck():
     moves = {p: balancer(p).decide(Records(IMBALANCED), now_s=100.0) for p in "abcd"}
     movers = [p for p, m in moves.items() if m is not None]
     assert len(movers) == 1 and moves[movers[0]].to_stage == 1 and moves[movers[0]].from_stage == 0
+
+
+def test_one_move_at_a_time_through_the_lease():
+    """Found live: three servers reading slightly different snapshots all moved and emptied stage 0.
+    A server only moves with the lease; while another's lease lives, nobody else moves."""
+    records = Records(IMBALANCED)
+    first = {p: balancer(p).decide(records, now_s=100.0) for p in "abcd"}
+    mover = next(p for p, m in first.items() if m is not None)
+    assert list(records.leases) == [mover]
+    # the mover has left stage 0 but does not show at stage 1 yet: without the lease the next decision
+    # would move another stage-0 server
+    left = {0: {p: a for p, a in IMBALANCED[0].items() if p != mover}, 1: IMBALANCED[1]}
+    records.peers = left
+    assert all(balancer(p).decide(records, now_s=101.0) is None for p in "abcd" if p != mover)
+    # two leases taken at the same moment: the lower peer id goes, the other gives way
+    tie = Records(IMBALANCED, leases={"0": {"from": 0, "to": 1}})
+    assert all(balancer(p).decide(tie, now_s=100.0) is None for p in "abcd")
 
 
 def test_balanced_stages_and_a_lone_server_stay():

@@ -7,6 +7,7 @@ expiration so that dead peers disappear by themselves:
 - `{run}.metrics`           -> {role, stage, step, loss, samples_per_s, time, ...}
 - `{run}.replicas`          -> {digest, outer_step, inner_step, samples_per_s, fp, time}: whole-model
                                replicas (`swarmtrain replica`)
+- `{run}.moves`             -> {from, to, time}: a rebalancing move in progress (a lease: one at a time)
 
 Every call is bounded by a timeout (a dead DHT process would otherwise hang callers forever) and
 tolerates malformed values from other peers (skipped, never raised).
@@ -36,6 +37,10 @@ def metrics_key(run_id: str) -> str:
 
 def replicas_key(run_id: str) -> str:
     return f"{run_id}.replicas"
+
+
+def moves_key(run_id: str) -> str:
+    return f"{run_id}.moves"
 
 
 @dataclass
@@ -157,3 +162,10 @@ class RunRecords:
             ):
                 out[peer_id] = value
         return out
+
+    # rebalancing moves in progress ----------------------------------------------------------------
+    def publish_move(self, peer_id: str, record: dict, ttl_s: float) -> bool:
+        return self._store(moves_key(self.run_id), peer_id, dict(record, time=time.time()), ttl_s)
+
+    def moves(self) -> dict[str, dict]:
+        return {k: v for k, v in self._get_dict(moves_key(self.run_id)).items() if isinstance(v, dict)}

@@ -56,15 +56,35 @@ class Balancer:
     def jittered_period_s(self) -> float:
         return self.period_s * random.uniform(0.75, 1.25)
 
+    @property
+    def lease_ttl_s(self) -> float:
+        """How long a move blocks every other one: the mover's stop, restart and state download."""
+        return max(30.0, 5 * self.period_s)
+
     def decide(self, records, now_s: float | None = None) -> Move | None:
+        """The move this server makes now, or None. Only one move in the swarm at a time: a mover takes
+        a lease in the DHT first and gives way to any other lease (the lower peer id wins a tie), so
+        servers reading slightly different snapshots never empty a stage together."""
         now_s = time.monotonic() if now_s is None else now_s
         if self.serving_since_s is None or now_s - self.serving_since_s < 2 * self.period_s:
             return None
+        if any(peer != self.peer_id for peer in records.moves()):
+            return None  # someone is moving: wait until it is visible where it went
         announced = {s: records.stage_peers(s) for s in range(self.num_stages)}
         move = choose_move(
             loads_from_announcements(announced, self.digest), self.num_stages, RebalanceConfig(self.margin)
         )
-        return move if move is not None and move.peer == self.peer_id else None
+        if move is None or move.peer != self.peer_id:
+            return None
+        records.publish_move(self.peer_id, {"from": move.from_stage, "to": move.to_stage}, self.lease_ttl_s)
+        if min(records.moves(), default=self.peer_id) != self.peer_id:
+            return None  # another server took a lease at the same moment
+        return move
+
+    def announce_intent(self, records, announcement) -> None:
+        """Count this server at its target stage (as joining) for the lease's length, so others see the
+        move before its new incarnation announces itself."""
+        records.announce(self.peer_id, announcement, self.lease_ttl_s)
 
 
 def moved_from() -> tuple[int, float, int] | None:

@@ -311,6 +311,9 @@ class StageServer:
                 logger.exception("rebalancing tick failed")
                 continue
             if move is not None:
+                intent = self._announcement(state="joining")
+                intent.stage = move.to_stage
+                await loop.run_in_executor(None, balancer.announce_intent, self.records, intent)
                 logger.warning(
                     "rebalancing: moving from stage %d to stage %d, the bottleneck (%.1f samples/s; the two "
                     "stages' minimum after the move %.1f)",
@@ -448,8 +451,15 @@ class StageServer:
         if d_samples > 0 and d_busy > 0:  # samples per busy second: forward+backward+sync per sample
             self.throughput_samples_per_s = 0.7 * self.throughput_samples_per_s + 0.3 * d_samples / d_busy
             self._tput_mark = (samples, busy)
+        if self.move_to is not None and state != "offline":
+            return  # moving: our record at the target stage stands for us now
+        announcement = self._announcement(state)
+        ttl_s = 1.0 if state == "offline" else 3 * self.cfg.swarm.announce_period_s
+        self.records.announce(self.peer_id, announcement, ttl_s)
+
+    def _announcement(self, state: str | None = None) -> StageAnnouncement:
         state = state or ("online" if self.sync.serving.is_set() else "joining")
-        announcement = StageAnnouncement(
+        return StageAnnouncement(
             stage=self.spec.index,
             addresses=self.addresses,
             throughput_samples_per_s=self.throughput_samples_per_s,
@@ -458,8 +468,6 @@ class StageServer:
             state_version=self.worker.epoch,
             state=state,
         )
-        ttl_s = 1.0 if state == "offline" else 3 * self.cfg.swarm.announce_period_s
-        self.records.announce(self.peer_id, announcement, ttl_s)
 
     def _publish_metrics(self) -> None:
         c, s = self.worker.counters, self.sync.counters
