@@ -20,8 +20,16 @@ from dataclasses import dataclass, field
 
 import torch
 
+from swarmtrain.config import RunConfig
 from swarmtrain.config.model import ModelConfig, StageSpec
 from swarmtrain.net import codec
+
+
+def namespace(cfg: RunConfig) -> str:
+    """RPC handler namespace: run and config digest, so runs never cross on a shared daemon (servers
+    register under it, trainers and probes call it)."""
+    return f"{cfg.swarm.run_id}_{cfg.digest()}"
+
 
 PROTOCOL_VERSION = 2  # 2: training requests carry the global step they belong to
 MAGIC = b"SWT1"

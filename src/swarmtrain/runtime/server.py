@@ -33,6 +33,7 @@ from swarmtrain.net.protocol import (
     error_message,
     make_message,
     max_grads_message_bytes,
+    namespace,
     validate_close,
     validate_grads,
     validate_request,
@@ -78,11 +79,6 @@ class ServerOptions:
     checkpoint_dir: str | None = None  # default: the run config's swarm.checkpoint_dir (empty: none)
     fresh_start: bool = False  # initial weights even when the swarm has stepped (said loudly)
     identity_path: str | None = None  # a stable peer id across restarts
-
-
-def namespace(cfg: RunConfig) -> str:
-    """RPC handler namespace: run and config digest, so runs never cross on a shared daemon."""
-    return f"{cfg.swarm.run_id}_{cfg.digest()}"
 
 
 class StageServer:

@@ -26,13 +26,12 @@ from swarmtrain.config import RunConfig
 from swarmtrain.config.errors import UserError
 from swarmtrain.net.codec import encode
 from swarmtrain.net.dht_records import RunRecords
-from swarmtrain.net.protocol import close_message
+from swarmtrain.net.protocol import close_message, namespace
 from swarmtrain.net.transport import StageClient
 from swarmtrain.planner.routing import BACKWARD_WEIGHT, FORWARD_WEIGHT
 from swarmtrain.runtime.ledger import Ledger
 from swarmtrain.runtime.peer_table import PeerTable
 from swarmtrain.runtime.procs import remember_group_sockets
-from swarmtrain.runtime.server import namespace
 from swarmtrain.runtime.stage_calls import StageCaller
 from swarmtrain.runtime.step_tracker import StepTracker
 from swarmtrain.utils.logging import get_logger
