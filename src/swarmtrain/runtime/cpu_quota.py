@@ -67,6 +67,23 @@ class CpuQuota:
             return int(stats["throttled_time"]) / 1e9
         return int(stats.get("throttled_usec", 0)) / 1e6
 
+    def cpu_s(self) -> float:
+        """CPU seconds (user + system) used so far by the processes now in the group (v1 has no usage
+        counter in the cpu hierarchy, so it is summed from /proc)."""
+        total_ticks = 0
+        try:
+            pids = (self.path / "cgroup.procs").read_text().split()
+        except OSError:
+            return 0.0
+        for pid in pids:
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text()
+            except OSError:
+                continue  # exited meanwhile
+            fields = stat[stat.rfind(")") + 2 :].split()
+            total_ticks += int(fields[11]) + int(fields[12])  # utime, stime
+        return total_ticks / os.sysconf("SC_CLK_TCK")
+
     def remove(self, timeout_s: float = 5.0) -> None:
         """Delete the group once its processes are gone (the kernel refuses while any remain)."""
         deadline = time.monotonic() + timeout_s

@@ -1,0 +1,226 @@
+"""Live adaptive rebalancing: does the swarm move a server to its bottleneck stage, and does throughput
+rise as the simulator predicts?
+
+Each server runs in its own cgroup limited to --cpus-per-server cores (runtime/cpu_quota.py: servers
+behave like separate equal machines instead of sharing 2 cores), so 3 servers on stage 0 and 1 on stage
+1 make stage 1 the compute bottleneck. Two runs, one swarm at a time:
+
+- `imbalanced`: 3+1 servers with `--rebalance-period-s P`; the trainer's throughput is measured while
+  3+1 (after warm-up, before the move) and after the moved server serves stage 1 (2+2);
+- `auto`: 4 servers started one after another with `--stage auto` (no rebalancing), 2+2 from the start.
+
+The prediction: the simulator (mode swarm-no-rebalance, the same code as `swarmtrain simulate`) on a
+fleet of pinned peers with each stage's measured seconds per sample at the quota (the CPU time of the
+server's whole cgroup per forwarded sample, divided by its cores, measured on the servers that did not
+move, before the move) and the measured per-call overhead as link latency (as
+experiments/calibrate_demo.py does), for 3+1 and for 2+2. Needs root for the cgroups (it says so and exits 2 otherwise).
+
+    python bench/rebalance_live.py [--cpus-per-server 0.35] [--rebalance-period-s 10] [--summary-json P]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from swarmtrain.config import load_run_config
+from swarmtrain.runtime.cpu_quota import CpuQuota, CpuQuotaError
+from swarmtrain.runtime.ledger import read_ledger
+from swarmtrain.runtime.local_swarm import LocalSwarm, write_run_toml
+from swarmtrain.sim.base import SimConfig
+from swarmtrain.sim.entities import DEVICE_TYPES, Fleet, PeerSpec, single_location
+from swarmtrain.sim.report import format_table
+from swarmtrain.sim.runner import run_simulation
+
+METRICS = re.compile(r"metrics stage=(\d+) .*?samples_forward=(\d+) busy_s=([\d.]+)")
+LOOPBACK_BYTES_PER_S = 10e9 / 8
+WARMUP_S = 8.0
+MOVED = "rebalancing: moved here "
+
+
+def window_samples_per_s(ledger: Path, start_t: float, end_t: float) -> float:
+    """The trainer's completed samples per second between two wall-clock times."""
+    done = [e for e in read_ledger(ledger) if e["e"] == "done" and start_t <= e["t"] <= end_t]
+    if len(done) < 3:
+        return float("nan")
+    return sum(e["n"] for e in done[1:]) / (done[-1]["t"] - done[0]["t"])
+
+
+def cpu_snapshot(swarm: LocalSwarm, names: list[str]) -> dict[str, tuple[float, int]]:
+    """Per server: (CPU seconds of its whole cgroup, samples it has forwarded per its last metrics line)."""
+    out = {}
+    for name in names:
+        points = METRICS.findall(swarm.processes[name].log_text())
+        out[name] = (swarm.quotas[name].cpu_s(), int(points[-1][1]) if points else 0)
+    return out
+
+
+def seconds_per_sample(first: dict, last: dict, names: list[str], cpus: float) -> float:
+    """What one sample costs a server at its quota: CPU seconds per sample of its whole process tree
+    (compute, serialization, p2pd, DHT) divided by the cores it may use. The compute thread's busy time
+    alone left out the rest of the tree, and the simulator then predicted twice the measured rate."""
+    costs = []
+    for name in names:
+        (c0, n0), (c1, n1) = first[name], last[name]
+        if n1 > n0:
+            costs.append((c1 - c0) / (n1 - n0) / cpus)
+    return sum(costs) / len(costs)
+
+
+def predict(cfg, per_stage_s: list[float], counts: list[int], latency_s: float, in_flight: int) -> float:
+    peers = []
+    for stage, count in enumerate(counts):
+        for i in range(count):
+            times = tuple(per_stage_s[s] if s == stage else None for s in range(len(counts)))
+            spec = PeerSpec.from_device(f"stage{stage}-{i}", DEVICE_TYPES["cpu"], 0)
+            fields = {
+                **spec.__dict__,
+                "uplink_bytes_per_s": LOOPBACK_BYTES_PER_S,
+                "downlink_bytes_per_s": LOOPBACK_BYTES_PER_S,
+                "compute_s_per_sample": times,
+                "stage": stage,
+                "home_stage": stage,
+            }
+            peers.append(PeerSpec(**fields))
+    fleet = Fleet(tuple(peers), single_location(latency_s=latency_s), "local swarm (measured)")
+    config = SimConfig(
+        mode="swarm-no-rebalance",
+        duration_s=300.0,
+        chunk_samples=cfg.training.micro_batch_size,
+        in_flight=in_flight,
+        num_trainers=1,
+    )
+    return run_simulation(fleet, cfg, config).summary["samples_per_s"]
+
+
+def hop_latency_s(trainer_summary: dict) -> float:
+    rpc = trainer_summary["rpc"]
+    calls = sum(v["calls"] for v in rpc.values())
+    return sum(v["calls"] * v["mean_overhead_s"] for v in rpc.values()) / calls
+
+
+def run_imbalanced(args, config_path: Path, workdir: Path) -> dict:
+    with LocalSwarm(workdir, config_path, cpus_per_server=args.cpus_per_server) as swarm:
+        swarm.start_dht()
+        servers = {"a": 0, "b": 0, "c": 0, "d": 1}
+        for name, stage in servers.items():
+            swarm.start_server(
+                name, stage, "--rebalance-period-s", str(args.rebalance_period_s), "--metrics-period-s", "1"
+            )
+        swarm.wait_ready(list(servers))
+        trainer_args = ["--duration-s", str(args.duration_s), "--in-flight", str(args.in_flight)]
+        swarm.start_trainer("trainer", *trainer_args, "--log-period-s", "2")
+        started = time.time()
+        deadline = time.monotonic() + args.duration_s
+        time.sleep(WARMUP_S)
+        first = last = cpu_snapshot(swarm, list(servers))
+        mover, moved_at = None, None
+        while time.monotonic() < deadline and moved_at is None:
+            if not any("rebalancing: moving" in swarm.processes[n].log_text() for n in "abc"):
+                last = cpu_snapshot(swarm, list(servers))
+            for name in "abc":
+                text = swarm.processes[name].log_text()
+                if MOVED in text:
+                    mover, moved_at = name, time.time()
+                    cost = json.loads(text.split(MOVED)[1].splitlines()[0])
+            time.sleep(0.5)
+        if moved_at is None:
+            raise RuntimeError(f"no server moved within {args.duration_s:.0f} s")
+        decided_at = moved_at - cost["seconds"]
+        print(
+            f"  {mover} moved to stage 1: {cost['seconds']:.1f} s, {cost['bytes'] / 1e6:.2f} MB downloaded",
+            flush=True,
+        )
+        swarm.wait_exit("trainer", args.duration_s + 120)
+        ledger = swarm.ledger_path("trainer")
+        before = window_samples_per_s(ledger, started + WARMUP_S, decided_at)
+        after = window_samples_per_s(ledger, moved_at + WARMUP_S / 2, time.time())
+        summary = json.loads((swarm.workdir / "trainer.summary.json").read_text())
+        stayed = [n for n in "abc" if n != mover]
+        cpus = args.cpus_per_server
+        compute = [
+            seconds_per_sample(first, last, stayed, cpus),
+            seconds_per_sample(first, last, ["d"], cpus),
+        ]
+        return {
+            "mover": mover,
+            "move_cost": cost,
+            "before_samples_per_s": before,
+            "after_samples_per_s": after,
+            "before_window_s": decided_at - started - WARMUP_S,
+            "compute_s_per_sample": compute,
+            "hop_latency_s": hop_latency_s(summary),
+            "in_flight": args.in_flight,
+        }
+
+
+def run_auto(args, config_path: Path, workdir: Path) -> dict:
+    with LocalSwarm(workdir, config_path, cpus_per_server=args.cpus_per_server) as swarm:
+        swarm.start_dht()
+        for name in "abcd":
+            swarm.start_server(name, "auto")
+            swarm.wait_ready([name])
+        stages = [int(re.search(r"serving stage (\d+)", swarm.processes[n].log_text())[1]) for n in "abcd"]
+        duration_s = args.duration_s / 2
+        swarm.start_trainer("trainer", "--duration-s", str(duration_s), "--in-flight", str(args.in_flight))
+        started = time.time()
+        swarm.wait_exit("trainer", duration_s + 120)
+        rate = window_samples_per_s(swarm.ledger_path("trainer"), started + WARMUP_S, time.time())
+        return {"stages": stages, "samples_per_s": rate}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--cpus-per-server", type=float, default=0.35)
+    parser.add_argument("--rebalance-period-s", type=float, default=10.0)
+    parser.add_argument("--duration-s", type=float, default=90.0, help="the imbalanced run's training time")
+    parser.add_argument("--in-flight", type=int, default=8)
+    parser.add_argument("--summary-json", metavar="PATH")
+    args = parser.parse_args()
+    try:
+        CpuQuota("probe", 1.0).remove()
+    except CpuQuotaError as exc:
+        print(f"rebalance_live: {exc}", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="rebalance-live-") as tmp:
+        config_path = write_run_toml(
+            Path(tmp) / "run.toml", args.preset, {"training": {"max_samples": 10**7}}
+        )
+        cfg = load_run_config(config_path)
+        print(
+            f"imbalanced swarm (3+1, {args.cpus_per_server} CPU per server, rebalancing every {args.rebalance_period_s} s) ...",
+            flush=True,
+        )
+        imbalanced = run_imbalanced(args, config_path, Path(tmp) / "imbalanced")
+        print("--stage auto for every server from the start ...", flush=True)
+        auto = run_auto(args, config_path, Path(tmp) / "auto")
+    compute, latency = imbalanced["compute_s_per_sample"], imbalanced["hop_latency_s"]
+    sim_before = predict(cfg, compute, [3, 1], latency, args.in_flight)
+    sim_after = predict(cfg, compute, [2, 2], latency, args.in_flight)
+    rows = [
+        ["3+1 (before the move)", imbalanced["before_samples_per_s"], sim_before],
+        ["2+2 (after the move)", imbalanced["after_samples_per_s"], sim_after],
+        [f"--stage auto {auto['stages']}", auto["samples_per_s"], sim_after],
+    ]
+    table = [[label, f"{m:.1f}", f"{p:.1f}", f"{100 * (m / p - 1):+.1f}%"] for label, m, p in rows]
+    print(format_table(["swarm", "measured samples/s", "simulator samples/s", "measured vs sim"], table))
+    gain = imbalanced["after_samples_per_s"] / imbalanced["before_samples_per_s"]
+    print(
+        f"after / before: {gain:.2f} (simulator {sim_after / sim_before:.2f}); compute ms/sample per stage "
+        f"{[round(1e3 * c, 2) for c in compute]}, per-call overhead {1e3 * latency:.1f} ms; move: "
+        f"{imbalanced['move_cost']}"
+    )
+    if args.summary_json:
+        report = {"imbalanced": imbalanced, "auto": auto, "sim_before": sim_before, "sim_after": sim_after}
+        Path(args.summary_json).write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
