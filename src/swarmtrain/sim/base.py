@@ -55,6 +55,11 @@ class SimConfig:
     # stage's request, over its own link of `trainer_link_bytes_per_s` each way.
     relay_via_trainer: bool = False
     trainer_link_bytes_per_s: float = float("inf")
+    # SWARM steps. None (default): delayed updates, a stage's gradient all-reduce overlaps its next
+    # micro-batches. k >= 0: as the runtime's training.max_staleness, a stage runs the forward of a
+    # micro-batch of step s only after it has applied step s - 1 - k, and applies a step once all of its
+    # samples finished there and its peers exchanged their gradients (0: the runtime's default)
+    max_staleness: int | None = None
     gpipe_micro_batches: int | None = None  # chunks per pipeline step
     # Variability (coefficient of variation, gamma-distributed, mean kept) of each compute task and
     # each transfer's latency in SWARM and GPipe modes; 0 = deterministic.
@@ -70,6 +75,8 @@ class SimConfig:
             raise ValueError("duration_s must be positive")
         if not (0 <= self.compute_cv < 10 and 0 <= self.latency_cv < 10):
             raise ValueError("compute_cv and latency_cv must be in [0, 10)")
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise ValueError("max_staleness must be None or >= 0")
         if not self.replica_averaging_bytes_per_param > 0 or not self.trainer_link_bytes_per_s > 0:
             raise ValueError(
                 "replica_averaging_bytes_per_param and trainer_link_bytes_per_s must be positive"

@@ -13,7 +13,10 @@ forward, the labels), over the trainer's link of `trainer_link_bytes_per_s` each
 Each peer of a stage counts the samples it processed; each time the stage as a whole has processed a
 global batch, all its serving peers run the gradient all-reduce, which occupies both directions of
 their links (overlapped with compute, as with delayed parameter updates), and a failed peer loses the
-samples it had accumulated since the stage's last step.
+samples it had accumulated since the stage's last step. With `SimConfig.max_staleness` (SWARM modes) steps
+are synchronous, as in the runtime: each chunk belongs to a step of its trainer, a stage applies step s once
+all of its chunks finished there and its peers exchanged gradients (nothing overlaps that exchange), and
+runs the forward of a step-s chunk only after it has applied step s - 1 - max_staleness.
 
 Subclasses decide which peer serves a chunk (`choose_peer`) and what happens when it completes.
 """
@@ -46,6 +49,7 @@ class Chunk:
         "avoid",
         "expected_s",
         "compute_factor",
+        "step",
     )
 
     def __init__(self, chunk_id: int, owner, samples: int, num_stages: int) -> None:
@@ -56,6 +60,7 @@ class Chunk:
         self.log: list[tuple[int, bool]] | None = None
         self.path = [-1] * num_stages
         self.path_epoch = [-1] * num_stages
+        self.step = 0  # the global step its samples belong to (synchronous steps)
         self.reset(chunk_id)
 
     def reset(self, chunk_id: int) -> None:
@@ -99,6 +104,8 @@ class Variability:
 
 class PipelineSimulation(Simulation):
     uses_timeouts = True  # fixed pipelines cannot go elsewhere, so they wait instead
+    # numbers each chunk's step (`assign_step`, `closed_step`), so steps can run synchronously
+    numbers_steps = False
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -114,6 +121,14 @@ class PipelineSimulation(Simulation):
         self.audit_violations = 0
         self.audited_chunks = 0
         self.variability = Variability(self.config.compute_cv, self.config.latency_cv, self.config.seed)
+        # synchronous steps (`SimConfig.max_staleness` not None): per stage, the last step applied, the
+        # samples of each step whose last call there finished, forwards waiting for their step's turn
+        self.max_staleness = self.config.max_staleness if self.numbers_steps else None
+        self.applied = [-1] * S
+        self.applying = [False] * S
+        self.step_done: list[dict[int, float]] = [{} for _ in range(S)]
+        self.step_issued: dict[int, float] = {}
+        self.gated: list[list[Chunk]] = [[] for _ in range(S)]
 
     def refresh_rates(self, throughput_samples_per_s: float, sizes: list[int] | None = None) -> None:
         """What peers announce: their rate at each stage with the averaging traffic of a pipeline at the
@@ -136,6 +151,10 @@ class PipelineSimulation(Simulation):
         """Hook for routers to learn from an observed end-to-end duration (SWARM)."""
 
     def trainer_endpoint(self, chunk: Chunk) -> Endpoint:
+        raise NotImplementedError
+
+    def closed_step(self) -> float:
+        """Synchronous steps: the highest step no trainer will add samples to any more."""
         raise NotImplementedError
 
     # chunks ------------------------------------------------------------------------------------
@@ -167,6 +186,9 @@ class PipelineSimulation(Simulation):
                 peer = self.choose_peer(chunk, BACKWARD_WEIGHT)
                 chunk.recompute = True
         else:
+            if self.max_staleness is not None and chunk.step > self.applied[s] + 1 + self.max_staleness:
+                self.gated[s].append(chunk)  # the runtime parks it until the stage applied step - 1
+                return
             peer = self.choose_peer(chunk, LAST_STAGE_WEIGHT if s == self.last else FORWARD_WEIGHT)
         if peer is None:
             self.waiting[s].append(chunk)
@@ -202,23 +224,35 @@ class PipelineSimulation(Simulation):
         if self.variability.compute_cv:
             chunk.compute_factor = self.variability.compute_factor()
         if self.config.relay_via_trainer and src is not trainer:
-            # the previous peer's output (activations, or the input gradient) goes back to the trainer
-            # first, which then sends the request on
+            # the previous peer's output (activations, or the input gradient) goes back to the trainer,
+            # which sends the request on once it has it (`_relay`)
             out_bytes = chunk.samples * self.costs.activation_bytes_per_sample
             back = self.network.transfer(now, src, trainer, out_bytes, self.timeout_s)
-            arrival = None
-            if back is not None:
-                self.metrics.bytes_by_kind[kind] += out_bytes
-                left_s = self.timeout_s - (back - now)
-                arrival = self.network.transfer(back, trainer, peer, num_bytes, left_s)
-        else:
-            arrival = self.network.transfer(now, src, peer, num_bytes, self.timeout_s)
+            if back is None:
+                self._time_out(chunk, peer, now + self.timeout_s, 2 * self.timeout_s)
+                return
+            self.metrics.bytes_by_kind[kind] += out_bytes
+            self.engine.schedule(back, self._relay, chunk, chunk.attempt)
+            return
+        self._request(chunk, src, peer, kind, num_bytes)
+
+    def _relay(self, chunk: Chunk, attempt: int) -> None:
+        if attempt != chunk.attempt:
+            return  # the peer it was meant for left; the chunk was rerouted
+        kind, num_bytes = self._request_bytes(chunk)
+        self._request(chunk, self.trainer_endpoint(chunk), self.peers[chunk.peer], kind, num_bytes)
+
+    def _request(self, chunk: Chunk, src: Endpoint, peer: PeerState, kind: str, num_bytes: float) -> None:
+        """The request's transfer to the peer, within what is left of its deadline."""
+        now = self.engine.now_s
+        left_s = self.timeout_s - (now - chunk.sent_s)
+        arrival = self.network.transfer(now, src, peer, num_bytes, left_s)
         if arrival is not None and self.variability.latency_cv:
             arrival += self.network.latency(src.location, peer.location) * (
                 self.variability.latency_factor() - 1
             )
         if arrival is None:  # the links are backed up beyond the deadline: given up, retried elsewhere
-            self._time_out(chunk, peer, now + self.timeout_s, 2 * self.timeout_s)
+            self._time_out(chunk, peer, chunk.sent_s + self.timeout_s, 2 * self.timeout_s)
             return
         self.metrics.bytes_by_kind[kind] += num_bytes
         self.engine.schedule(arrival, self._on_arrive, chunk, chunk.attempt)
@@ -309,7 +343,7 @@ class PipelineSimulation(Simulation):
             chunk.stage = s + 1
             self.dispatch(chunk)
             return
-        self._stage_progress(s, chunk.samples, peer)
+        self._stage_progress(s, chunk, peer)
         if s == 0:
             self._finish(chunk)
             return
@@ -328,23 +362,64 @@ class PipelineSimulation(Simulation):
         self.on_chunk_done(chunk)
 
     # averaging ---------------------------------------------------------------------------------
-    def _stage_progress(self, stage: int, samples: float, peer: PeerState) -> None:
+    def _stage_progress(self, stage: int, chunk: Chunk, peer: PeerState) -> None:
+        samples = chunk.samples
         peer.samples_since_step += samples
         self.stage_samples[stage] += samples
+        if self.max_staleness is not None:
+            done = self.step_done[stage]
+            done[chunk.step] = done.get(chunk.step, 0.0) + samples
+            self.try_apply(stage)
+            return
         while self.stage_samples[stage] >= self.next_step[stage]:
             self.next_step[stage] += self.costs.global_batch_size
             self._average(stage)
 
-    def _average(self, stage: int) -> None:
+    def assign_step(self, chunk: Chunk, step: int) -> None:
+        """Synchronous steps: the chunk's samples belong to `step` (called before it is dispatched)."""
+        chunk.step = step
+        if self.max_staleness is not None:
+            self.step_issued[step] = self.step_issued.get(step, 0.0) + chunk.samples
+            for stage in range(self.num_stages):
+                self.try_apply(stage)
+
+    def try_apply(self, stage: int) -> None:
+        """Apply the stage's next step once it is closed and all its samples finished there: after the
+        gradient exchange between the stage's peers, which (unlike delayed updates) nothing overlaps."""
+        k = self.applied[stage] + 1
+        if self.applying[stage] or k > self.closed_step():
+            return
+        if self.step_done[stage].get(k, 0.0) < self.step_issued.get(k, 0.0):
+            return
+        self.applying[stage] = True
+        self.engine.schedule(self._average(stage, foreground=True), self._on_applied, stage, k)
+
+    def _on_applied(self, stage: int, step: int) -> None:
+        self.applying[stage] = False
+        self.applied[stage] = step
+        self.step_done[stage].pop(step, None)
+        if self.gated[stage]:
+            parked, self.gated[stage] = self.gated[stage], []
+            for chunk in parked:  # those still too early park again
+                self.engine.schedule(self.engine.now_s, self.dispatch, chunk)
+        self.try_apply(stage)
+
+    def _average(self, stage: int, foreground: bool = False) -> float:
+        """The stage's gradient all-reduce; returns when it is done (background: now)."""
         members = self.members[stage]
         n = len(members)
         now = self.engine.now_s
+        done = now
         per_peer = 2 * self.costs.averaging_bytes[stage] * (n - 1) / n if n > 1 else 0.0
         for peer in members.values():
-            if per_peer:
+            if per_peer and foreground:
+                peer.reserve_both(now, per_peer)
+                done = max(done, peer.link_free_s())
+            elif per_peer:
                 peer.add_background(now, per_peer)
             peer.samples_since_step = 0.0
         self.metrics.bytes_by_kind["averaging"] += per_peer * n
+        return done
 
     # membership --------------------------------------------------------------------------------
     def start_serving(self, peer: PeerState, stage: int) -> None:

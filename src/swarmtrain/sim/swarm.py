@@ -48,15 +48,18 @@ class FastMinRouter(StageRouter):
 
 
 class Trainer:
-    __slots__ = ("index", "endpoint", "routers")
+    __slots__ = ("index", "endpoint", "routers", "issued")
 
     def __init__(self, index: int, endpoint: Endpoint, num_stages: int) -> None:
         self.index = index
         self.endpoint = endpoint
         self.routers = [FastMinRouter() for _ in range(num_stages)]
+        self.issued = 0.0  # samples this trainer has started
 
 
 class SwarmSimulation(PipelineSimulation):
+    numbers_steps = True
+
     def __init__(self, *args, num_trainers: int, in_flight: int, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.rebalance = self.config.mode == "swarm"
@@ -103,12 +106,27 @@ class SwarmSimulation(PipelineSimulation):
                 self.capacity[stage] += peer.rates[stage]
                 self.start_serving(peer, stage)
         for i in range(self.in_flight):
-            self.dispatch(self.new_chunk(self.trainers[i % self.num_trainers]))
+            chunk = self.new_chunk(self.trainers[i % self.num_trainers])
+            self._start(chunk)
         if self.rebalance:
             self.engine.schedule(self._next_tick_s(), self._on_rebalance)
 
     def trainer_endpoint(self, chunk: Chunk) -> Endpoint:
         return chunk.owner.endpoint
+
+    def _start(self, chunk: Chunk) -> None:
+        """A new micro-batch of its trainer: the step of its first sample (each trainer contributes
+        global_batch / trainers samples to a step), then on its way."""
+        trainer = chunk.owner
+        share = self.costs.global_batch_size / self.num_trainers
+        step = int(trainer.issued // share)
+        trainer.issued += chunk.samples
+        self.assign_step(chunk, step)
+        self.dispatch(chunk)
+
+    def closed_step(self) -> float:
+        share = self.costs.global_batch_size / self.num_trainers
+        return min(int(t.issued // share) for t in self.trainers) - 1
 
     # routing -----------------------------------------------------------------------------------
     def choose_peer(self, chunk: Chunk, weight: float) -> PeerState | None:
@@ -122,7 +140,7 @@ class SwarmSimulation(PipelineSimulation):
     def on_chunk_done(self, chunk: Chunk) -> None:
         self.metrics.samples_completed += chunk.samples
         chunk.reset(self.next_chunk_id())
-        self.dispatch(chunk)
+        self._start(chunk)
 
     # membership --------------------------------------------------------------------------------
     def start_serving(self, peer: PeerState, stage: int) -> None:

@@ -1,0 +1,123 @@
+"""The simulator's runtime data path (bench/replicas_vs_swarm.py): a trainer that relays every boundary
+tensor over its own limited link, synchronous steps (a stage's forwards of step s wait for step s - 1), and
+replicas whose all-reduce sends a given number of bytes per parameter. The defaults (peer-to-peer, unlimited
+trainer, delayed updates, fp16 averaging) must stay as they were."""
+
+from dataclasses import replace
+
+import pytest
+
+from swarmtrain.config import get_preset
+from swarmtrain.sim.base import SimConfig
+from swarmtrain.sim.entities import DEVICE_TYPES, Fleet, PeerSpec, single_location
+from swarmtrain.sim.runner import costs_for, run_simulation
+
+pytestmark = pytest.mark.unit
+
+TINY = get_preset("tiny")  # 2 stages; 8-bit activations of 64 x 64 per sample, int64 tokens (512 B)
+LINK = 1e6  # bytes/s each way: every run below is link-bound (compute is 10 us per sample)
+
+
+def peer(name, stage=None, link=LINK, compute=1e-5):
+    spec = PeerSpec.from_device(name, DEVICE_TYPES["cpu"], 0)
+    return replace(
+        spec,
+        uplink_bytes_per_s=link,
+        downlink_bytes_per_s=link,
+        compute_s_per_sample=(compute, compute),
+        stage=stage,
+        home_stage=stage,
+    )
+
+
+def swarm(compute=1e-5, link=LINK, latency_s=0.001, **kw):
+    peers = (peer("s0", 0, link, compute), peer("s1", 1, link, compute))
+    fleet = Fleet(peers, single_location(latency_s=latency_s))
+    config = SimConfig(
+        mode="swarm-no-rebalance",
+        duration_s=60.0,
+        chunk_samples=8,
+        in_flight=4,
+        num_trainers=1,
+        audit=True,
+        **kw,
+    )
+    return run_simulation(fleet, TINY, config).summary
+
+
+def test_defaults_are_the_peer_to_peer_model():
+    config = SimConfig()
+    assert not config.relay_via_trainer
+    assert config.trainer_link_bytes_per_s == float("inf")
+    assert config.replica_averaging_bytes_per_param == 2.0
+    assert config.max_staleness is None
+    with pytest.raises(ValueError):
+        SimConfig(trainer_link_bytes_per_s=0)
+
+
+def test_peer_to_peer_swarm_is_bound_by_the_busiest_stage_link():
+    costs = costs_for(TINY)
+    busiest = max(max(costs.up_bytes_per_sample(s), costs.down_bytes_per_sample(s)) for s in range(2))
+    summary = swarm()
+    assert summary["samples_per_s"] == pytest.approx(LINK / busiest, rel=0.1)
+    assert summary["audit"]["violations"] == 0
+
+
+def test_a_relaying_trainer_on_a_limited_link_carries_every_boundary_tensor():
+    costs = costs_for(TINY)
+    act, tokens = costs.activation_bytes_per_sample, costs.token_bytes_per_sample
+    # the trainer sends: tokens to stage 0; activations + labels to stage 1; tokens + gradient to stage 0
+    trainer_up = tokens + (act + tokens) + (tokens + act)
+    summary = swarm(relay_via_trainer=True, trainer_link_bytes_per_s=LINK)
+    assert summary["samples_per_s"] == pytest.approx(LINK / trainer_up, rel=0.1)
+    assert summary["audit"]["violations"] == 0
+    # every byte the trainer and the peers sent: the trainer's, plus each stage's output back to it
+    sent = sum(summary["bytes_by_kind"][k] for k in ("tokens", "activations", "gradients"))
+    per_sample = trainer_up + 2 * act
+    assert sent / summary["samples"] == pytest.approx(per_sample, rel=0.05)
+
+
+def test_a_relaying_trainer_with_an_unlimited_link_leaves_the_stage_links_as_the_limit():
+    costs = costs_for(TINY)
+    act, tokens = costs.activation_bytes_per_sample, costs.token_bytes_per_sample
+    # stage 0 receives its tokens twice (forward, backward) and the gradient of its output
+    busiest = max(2 * tokens + act, act + tokens)
+    summary = swarm(relay_via_trainer=True)
+    assert summary["samples_per_s"] == pytest.approx(LINK / busiest, rel=0.1)
+
+
+def test_replica_averaging_bytes_per_param_sets_the_all_reduce_payload():
+    fleet = Fleet((peer("r0"), peer("r1")), single_location())
+
+    def replicas(**kw):
+        config = SimConfig(
+            mode="async-replicas", duration_s=600.0, average_every_steps=1, local_batch_samples=16, **kw
+        )
+        return run_simulation(fleet, TINY, config).summary
+
+    fp16, codec = replicas(), replicas(replica_averaging_bytes_per_param=1.0)
+    params = costs_for(TINY).model_params
+    # averaging dominates (16 samples of compute take 160 us): rounds take payload / link
+    assert codec["samples_per_s"] == pytest.approx(2 * fp16["samples_per_s"], rel=0.02)
+    assert codec["samples_per_s"] == pytest.approx(2 * 16 * LINK / params, rel=0.02)
+    per_sample = {
+        k: v["bytes_by_kind"]["averaging"] / v["samples"] for k, v in (("fp16", fp16), ("codec", codec))
+    }
+    assert per_sample["codec"] == pytest.approx(per_sample["fp16"] / 2, rel=0.05)
+
+
+def test_synchronous_steps_drain_the_pipeline_every_step():
+    """tiny: 4 micro-batches of 8 per step, all in flight, two stages computing c per sample (forward c/3,
+    the last stage's fused call c, a backward 2c/3), no link limit or latency. Stage 0 runs the 4 forwards
+    (4 x 8c/3), stage 1 the fused calls back to back from the first forward's end (the last ends at 8c/3
+    + 4 x 8c = 104c/3), stage 0 the last backward by 104c/3 + 16c/3 = 40c; only then may step s + 1's
+    forwards start: 32 samples per 40c. Delayed updates keep both stages busy: 32 samples per 4 x 8c."""
+    c = 0.01
+    kw = {"compute": c, "link": float("inf"), "latency_s": 0.0}
+    synchronous = swarm(max_staleness=0, **kw)
+    assert synchronous["samples_per_s"] == pytest.approx(32 / (40 * c), rel=0.03)
+    assert synchronous["audit"]["violations"] == 0
+    delayed = swarm(**kw)
+    assert delayed["samples_per_s"] == pytest.approx(32 / (32 * c), rel=0.03)
+    one_behind = swarm(max_staleness=1, **kw)
+    assert synchronous["samples_per_s"] < one_behind["samples_per_s"] <= delayed["samples_per_s"] * 1.01
