@@ -2,8 +2,8 @@
 rise as the simulator predicts?
 
 Each server runs in its own cgroup limited to --cpus-per-server cores (runtime/cpu_quota.py: servers
-behave like separate equal machines instead of sharing 2 cores), so 3 servers on stage 0 and 1 on stage
-1 make stage 1 the compute bottleneck. Two runs, one swarm at a time:
+behave like separate equal machines instead of sharing 2 cores); stage 1 holds 3 of `tiny`'s 4 layers,
+so 3 servers on stage 0 and 1 on stage 1 make stage 1 the bottleneck. Two runs, one swarm at a time:
 
 - `imbalanced`: 3+1 servers with `--rebalance-period-s P`; the trainer's throughput is measured while
   3+1 (after warm-up, before the move) and after the moved server serves stage 1 (2+2);
@@ -189,9 +189,9 @@ def main() -> int:
         print(f"rebalance_live: {exc}", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory(prefix="rebalance-live-") as tmp:
-        config_path = write_run_toml(
-            Path(tmp) / "run.toml", args.preset, {"training": {"max_samples": 10**7}}
-        )
+        # stage 1 holds 3 of tiny's 4 layers: the heavier stage, made the bottleneck by 3+1 servers
+        overrides = {"training": {"max_samples": 10**7}, "swarm": {"layers_per_stage": [1, 3]}}
+        config_path = write_run_toml(Path(tmp) / "run.toml", args.preset, overrides)
         cfg = load_run_config(config_path)
         print(
             f"imbalanced swarm (3+1, {args.cpus_per_server} CPU per server, rebalancing every {args.rebalance_period_s} s) ...",
@@ -203,10 +203,12 @@ def main() -> int:
     compute, latency = imbalanced["compute_s_per_sample"], imbalanced["hop_latency_s"]
     sim_before = predict(cfg, compute, [3, 1], latency, args.in_flight)
     sim_after = predict(cfg, compute, [2, 2], latency, args.in_flight)
+    auto_counts = [auto["stages"].count(stage) for stage in range(cfg.swarm.num_stages)]
+    sim_auto = predict(cfg, compute, auto_counts, latency, args.in_flight)
     rows = [
         ["3+1 (before the move)", imbalanced["before_samples_per_s"], sim_before],
         ["2+2 (after the move)", imbalanced["after_samples_per_s"], sim_after],
-        [f"--stage auto {auto['stages']}", auto["samples_per_s"], sim_after],
+        [f"--stage auto {auto['stages']}", auto["samples_per_s"], sim_auto],
     ]
     table = [[label, f"{m:.1f}", f"{p:.1f}", f"{100 * (m / p - 1):+.1f}%"] for label, m, p in rows]
     print(format_table(["swarm", "measured samples/s", "simulator samples/s", "measured vs sim"], table))
@@ -217,7 +219,13 @@ def main() -> int:
         f"{imbalanced['move_cost']}"
     )
     if args.summary_json:
-        report = {"imbalanced": imbalanced, "auto": auto, "sim_before": sim_before, "sim_after": sim_after}
+        report = {
+            "imbalanced": imbalanced,
+            "auto": auto,
+            "sim_before": sim_before,
+            "sim_after": sim_after,
+            "sim_auto": sim_auto,
+        }
         Path(args.summary_json).write_text(json.dumps(report, indent=2) + "\n")
     return 0
 

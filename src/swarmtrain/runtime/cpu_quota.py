@@ -70,19 +70,11 @@ class CpuQuota:
     def cpu_s(self) -> float:
         """CPU seconds (user + system) used so far by the processes now in the group (v1 has no usage
         counter in the cpu hierarchy, so it is summed from /proc)."""
-        total_ticks = 0
         try:
             pids = (self.path / "cgroup.procs").read_text().split()
         except OSError:
             return 0.0
-        for pid in pids:
-            try:
-                stat = Path(f"/proc/{pid}/stat").read_text()
-            except OSError:
-                continue  # exited meanwhile
-            fields = stat[stat.rfind(")") + 2 :].split()
-            total_ticks += int(fields[11]) + int(fields[12])  # utime, stime
-        return total_ticks / os.sysconf("SC_CLK_TCK")
+        return sum(_process_cpu_s(int(pid)) for pid in pids)
 
     def remove(self, timeout_s: float = 5.0) -> None:
         """Delete the group once its processes are gone (the kernel refuses while any remain)."""
@@ -97,3 +89,12 @@ class CpuQuota:
                 if time.monotonic() > deadline:
                     return  # a straggler still lives: leave the (harmless, empty-later) group
                 time.sleep(0.1)
+
+
+def _process_cpu_s(pid: int) -> float:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0.0  # exited meanwhile
+    fields = stat[stat.rfind(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

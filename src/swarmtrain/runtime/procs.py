@@ -140,6 +140,20 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def tree_cpu_s(pid: int | None = None) -> float:
+    """CPU seconds (user + system) used so far by a live process and its live descendants."""
+    pid = os.getpid() if pid is None else pid
+    ticks = 0
+    for member in (pid, *descendants(pid)):
+        try:
+            stat = Path(f"/proc/{member}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2 :].split()
+        ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
 def remember_group_sockets() -> None:
     """Note the hivemind sockets of this process tree now (after start-up): forked children that exit
     before us would otherwise take the knowledge of their sockets with them."""

@@ -53,6 +53,7 @@ from swarmtrain.runtime.procs import (
     reap_own_group,
     remember_group_sockets,
     start_exit_watchdog,
+    tree_cpu_s,
 )
 from swarmtrain.runtime.stage_checkpoint import CheckpointSettings, StageCheckpointer
 from swarmtrain.runtime.stage_steps import StepCoordinator, StepSettings
@@ -273,6 +274,7 @@ class StageServer:
             self.worker.epoch,
             " ".join(self.addresses),
         )
+        self._tput_mark = (self.worker.counters["samples_forward"], tree_cpu_s())  # start-up excluded
         tasks = [
             asyncio.create_task(self._every(self.cfg.swarm.announce_period_s, self._announce)),
             asyncio.create_task(self._every(self.options.metrics_period_s, self._publish_metrics)),
@@ -442,9 +444,12 @@ class StageServer:
 
     # announcements and metrics ------------------------------------------------------------------
     def _announce(self, state: str | None = None) -> None:
-        samples, busy = self.worker.counters["samples_forward"], self.compute.busy_s
+        # samples per CPU second of the whole server (compute, serialization, p2pd, DHT): the compute
+        # thread's busy time alone made stage 0 (two calls per micro-batch) look 2x cheaper than it is,
+        # and the balancer moved a server into what became the bottleneck (bench/rebalance_live.py)
+        samples, busy = self.worker.counters["samples_forward"], tree_cpu_s()
         d_samples, d_busy = samples - self._tput_mark[0], busy - self._tput_mark[1]
-        if d_samples > 0 and d_busy > 0:  # samples per busy second: forward+backward+sync per sample
+        if d_samples > 0 and d_busy > 0:
             self.throughput_samples_per_s = 0.7 * self.throughput_samples_per_s + 0.3 * d_samples / d_busy
             self._tput_mark = (samples, busy)
         if self.move_to is not None and state != "offline":
