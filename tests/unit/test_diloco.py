@@ -207,3 +207,25 @@ def test_a_round_alone_keeps_the_weights_and_moves_the_anchor():
     assert torch.equal(params[0].detach(), torch.tensor([1.0, -1.0]))
     assert torch.equal(outer.anchor[0], params[0].detach()) and outer.outer_step == 1
     assert torch.equal(outer.pseudo_gradients()[0], torch.zeros(2))
+
+
+def test_a_replica_streaming_its_blocks_through_the_swapper_trains_like_a_resident_one(
+    tmp_path, small_text_dir
+):
+    """A device budget that holds 2 of tiny's 4 blocks at a time: the swap plan has several groups, and
+    three local steps give the same weights as the resident model (up to summation order)."""
+    from swarmtrain.offload.whole_model import SwappedGPT
+
+    cfg = small_cfg(tmp_path, small_text_dir)
+    resident = InnerTrainer(cfg, 0, 2)
+    block_bytes = sum(p.numel() * 4 for p in resident.model.layers["0"].parameters())
+    swapped = InnerTrainer(
+        cfg, 0, 2, datasets=(resident.train_set, resident.val_set), swap_budget_bytes=2.5 * block_bytes
+    )
+    assert isinstance(swapped.swapped, SwappedGPT) and swapped.swapped.plan.num_groups >= 2
+    for _ in range(3):
+        a, b = resident.train_step(), swapped.train_step()
+        assert a == pytest.approx(b, rel=1e-5)
+    for p, q in zip(resident.params(), swapped.params(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    assert swapped.swapped.swapper.bytes_copied > 0  # the blocks did stream

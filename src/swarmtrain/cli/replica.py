@@ -49,6 +49,16 @@ def register(subparsers) -> None:
         "--eval-samples", type=int, default=0, help="at the end, the validation loss on this many samples"
     )
     parser.add_argument("--threads", type=positive_int, metavar="N", help="torch CPU threads")
+    parser.add_argument(
+        "--offload-budget-mb",
+        type=float,
+        metavar="MB",
+        help="keep the model in host memory and stream its blocks through --device in groups that fit "
+        "MB of device memory (ATOM's model swapping; default: the model is resident)",
+    )
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu", help="where the blocks compute (default: cpu)"
+    )
     parser.add_argument("--log-period-s", type=float, default=5.0, help="progress line period (default 5)")
     parser.add_argument("--summary-json", metavar="PATH", help="write the run summary here")
     parser.set_defaults(func=run)
@@ -67,6 +77,13 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--duration-s must be positive")
     if args.log_period_s <= 0:
         raise UserError("--log-period-s must be positive")
+    if args.offload_budget_mb is not None and args.offload_budget_mb <= 0:
+        raise UserError("--offload-budget-mb must be positive")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UserError("--device cuda: no CUDA device is visible to torch")
     cfg = run_config_from_args(args)
     from swarmtrain.runtime.replica_inner import replica_batch_samples
 
@@ -83,6 +100,8 @@ def run(args: argparse.Namespace) -> int:
         eval_samples=args.eval_samples,
         log_period_s=args.log_period_s,
         threads=args.threads,
+        swap_budget_bytes=args.offload_budget_mb * 2**20 if args.offload_budget_mb else None,
+        device=args.device,
     )
     peers = validate_initial_peers(args.initial_peers)
     summary = run_replica(

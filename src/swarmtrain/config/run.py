@@ -188,7 +188,7 @@ class RunConfig:
         training = dataclasses.asdict(self.training)
         for local_only in ("eval_every_samples", "eval_samples"):
             training.pop(local_only)
-        swarm = {
+        swarm: dict[str, object] = {
             "run_id": self.swarm.run_id,
             "stages": [(s.layer_start, s.layer_end) for s in self.stages()],
         }

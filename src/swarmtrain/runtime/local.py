@@ -174,16 +174,22 @@ def optimizer_step(
     accumulation: int,
     lr: float,
     t: TrainingConfig,
+    loss_and_backward=None,
 ) -> float:
     """Accumulate `accumulation` micro-batches' mean gradient, clip it to the global norm, step at `lr`;
-    returns the mean training loss. The one training step of every whole-model mode (local, replicas)."""
+    returns the mean training loss. The one training step of every whole-model mode (local, replicas).
+    `loss_and_backward(inputs, labels, scale) -> loss` replaces the resident forward and backward (the
+    layer swapper's streamed pass)."""
     set_lr(optimizer, lr)
     total = 0.0
     for _ in range(accumulation):
         inputs, labels = next(batches)
-        loss = model(inputs, labels)
-        (loss / accumulation).backward()
-        total += loss.item()
+        if loss_and_backward is None:
+            loss = model(inputs, labels)
+            (loss / accumulation).backward()
+            total += loss.item()
+        else:
+            total += loss_and_backward(inputs, labels, 1.0 / accumulation)
     if t.grad_clip_norm > 0:
         torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip_norm)
     optimizer.step()

@@ -59,6 +59,8 @@ class ReplicaOptions:
     eval_samples: int = 0
     log_period_s: float = 5.0
     threads: int | None = None
+    swap_budget_bytes: float | None = None  # stream the blocks through `device` within this budget
+    device: str = "cpu"
 
 
 @dataclass
@@ -99,7 +101,23 @@ class ReplicaPeer:
         self.cfg, self.options, self.records, self.dht = cfg, options, records, dht
         self.digest = cfg.digest()
         self.peer_id = str(dht.peer_id)
-        self.inner = InnerTrainer(cfg, options.shard_index, options.shard_count)
+        self.inner = InnerTrainer(
+            cfg,
+            options.shard_index,
+            options.shard_count,
+            swap_budget_bytes=options.swap_budget_bytes,
+            device=options.device,
+        )
+        if self.inner.swapped is not None:
+            plan = self.inner.swapped.plan
+            logger.info(
+                "model swapping: %d blocks stream through %s in %d groups %s (peak %.1f MB of the budget)",
+                cfg.model.num_layers,
+                options.device,
+                plan.num_groups,
+                list(plan.groups),
+                plan.peak_bytes / 2**20,
+            )
         d = cfg.diloco
         self.outer = OuterOptimizer(self.inner.params(), d.outer_learning_rate, d.outer_momentum)
         self.state_lock = threading.Lock()  # the state provider runs on hivemind's thread

@@ -19,6 +19,7 @@ from swarmtrain.data import build_datasets, iterate_batches
 from swarmtrain.model import build_model
 from swarmtrain.model.diloco import OuterOptimizer
 from swarmtrain.model.optim import build_optimizer, lr_at
+from swarmtrain.offload.whole_model import SwappedGPT
 from swarmtrain.runtime.local import optimizer_step, validation_loss
 
 
@@ -38,7 +39,17 @@ class InnerTrainer:
     """The whole model, its AdamW and this shard's data stream; `step` is the global inner step number,
     which sets both the learning rate and the position in the shard's data."""
 
-    def __init__(self, cfg: RunConfig, shard_index: int = 0, shard_count: int = 1, datasets=None) -> None:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        shard_index: int = 0,
+        shard_count: int = 1,
+        datasets=None,
+        swap_budget_bytes: float | None = None,
+        device: str = "cpu",
+    ) -> None:
+        """`swap_budget_bytes`: stream the blocks through `device` in groups that fit this budget
+        (offload/whole_model.py) instead of holding the model resident."""
         self.cfg = cfg
         self.batch_samples = replica_batch_samples(cfg, shard_count)
         self.shard_index, self.shard_count = shard_index, shard_count
@@ -47,6 +58,7 @@ class InnerTrainer:
         self.train_set, self.val_set = datasets or build_datasets(cfg)
         self.step = 0
         self._batches = self._stream(0)
+        self.swapped = SwappedGPT(self.model, swap_budget_bytes, device) if swap_budget_bytes else None
 
     def params(self) -> list[torch.Tensor]:
         return [p for p in self.model.parameters() if p.requires_grad]
@@ -71,7 +83,8 @@ class InnerTrainer:
         t = self.cfg.training
         accumulation = self.batch_samples // t.micro_batch_size
         lr = lr_at(self.step * t.global_batch_size, t)
-        loss = optimizer_step(self.model, self.optimizer, self._batches, accumulation, lr, t)
+        swapped = self.swapped.loss_and_backward if self.swapped is not None else None
+        loss = optimizer_step(self.model, self.optimizer, self._batches, accumulation, lr, t, swapped)
         self.step += 1
         return loss
 
