@@ -24,7 +24,9 @@ def test_two_replicas_match_local_training_at_equal_samples(make_swarm):
     swarm, cfg = make_swarm("tiny")
     swarm.start_dht()
     for k in range(2):
-        swarm.start_replica(f"replica{k}", f"{k}/2", "--threads", "1", "--eval-samples", "256")
+        swarm.start_replica(
+            f"replica{k}", f"{k}/2", "--threads", "1", "--eval-samples", "256", "--wait-for-replicas", "2"
+        )
     for k in range(2):
         proc = swarm.processes[f"replica{k}"]
         assert swarm.wait_exit(f"replica{k}", 300) == 0, proc.log_text()[-3000:]

@@ -44,6 +44,14 @@ def register(subparsers) -> None:
         help="stop when the run has trained N samples, i.e. at local step N / global_batch_size "
         "(each of the N replicas trains N / shards of them; default: training.max_samples)",
     )
+    parser.add_argument(
+        "--wait-for-replicas",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="start training once N replicas (this one included) are in the swarm, so replicas started "
+        "together begin together (default 1: at once; a late one joins the others by download)",
+    )
     parser.add_argument("--duration-s", type=float, help="stop after this many seconds (a last round first)")
     parser.add_argument(
         "--eval-samples", type=int, default=0, help="at the end, the validation loss on this many samples"
@@ -96,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
         shard_index=shard_index,
         shard_count=shard_count,
         max_samples=args.max_samples,
+        wait_for_replicas=args.wait_for_replicas,
         duration_s=args.duration_s,
         eval_samples=args.eval_samples,
         log_period_s=args.log_period_s,

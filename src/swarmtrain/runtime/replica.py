@@ -55,6 +55,7 @@ class ReplicaOptions:
     shard_index: int = 0
     shard_count: int = 1
     max_samples: int | None = None  # of the whole run: stop at inner step max_samples / global batch
+    wait_for_replicas: int = 1  # start training once this many replicas are announced
     duration_s: float | None = None
     eval_samples: int = 0
     log_period_s: float = 5.0
@@ -84,6 +85,7 @@ class ReplicaSummary:
     samples_per_s: float = 0.0
     wall_s: float = 0.0
     fingerprint: float = 0.0
+    final_inner_step: int = 0  # the global local step it stopped at (max_samples / global batch at the end)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -191,6 +193,24 @@ class ReplicaPeer:
         self.records.publish_replica(self.peer_id, record, RECORD_TTL_S)
 
     # joining ----------------------------------------------------------------------------------
+    def wait_for_replicas(self, count: int, timeout_s: float = 300.0) -> None:
+        """Before training: until `count` replicas (this one included) are announced, so replicas started
+        together begin together (one that starts a few seconds late would join by download and skip
+        the samples the others trained meanwhile). Replicas already past their first round end it."""
+        if count <= 1:
+            return
+        self.publish()
+        deadline = time.monotonic() + timeout_s
+        logger.info("waiting for %d replica(s) before training", count)
+        while len(others := self._others()) + 1 < count:
+            if any(v["inner_step"] > 0 for v in others.values()):
+                return  # training has started without us: join it
+            if time.monotonic() > deadline:
+                raise UserError(
+                    f"--wait-for-replicas {count}: only {len(others) + 1} after {timeout_s:.0f} s"
+                )
+            time.sleep(PEER_POLL_S)
+
     def join(self) -> None:
         """Take the live replicas' outer state and inner position, or start fresh when there are none."""
         others = self._others()
@@ -333,6 +353,7 @@ class ReplicaPeer:
             self.outer_round()  # stopped mid-round (duration or Ctrl-C): the others get its samples
         self.summary.wall_s = time.monotonic() - start
         self.summary.outer_steps = self.outer.outer_step
+        self.summary.final_inner_step = self.inner.step
         self.summary.fingerprint = fingerprint(self.outer.anchor)
         if opts.eval_samples:
             self.summary.val_loss = self.inner.val_loss(opts.eval_samples)
@@ -406,6 +427,7 @@ def run_replica(
         signal.signal(sig, lambda *_: stop.set())
     try:
         peer = ReplicaPeer(cfg, options, dht, RunRecords(dht, cfg.swarm.run_id), make_averager)
+        peer.wait_for_replicas(options.wait_for_replicas)
         peer.join()
         return peer.run(stop).to_dict()
     finally:
