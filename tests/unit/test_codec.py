@@ -145,3 +145,14 @@ def test_blockwise_codec_inside_hivemind_serialization():
     assert len(wire.buffer) == 3072 + 4 * 3072 // 256
     for row in range(3):  # per-block scales: the small row keeps its own precision
         assert (x[row] - y[row]).abs().max() <= x[row].abs().max() / 254 * 1.01
+
+
+def test_a_partial_all_reduce_is_recognised():
+    """hivemind keeps a part local when its reducer's results never come, and raises nothing."""
+    from swarmtrain.net.outer_averaging import unaveraged_fraction
+
+    mine = [torch.tensor([1.0, 2.0, 0.0, 4.0]), torch.tensor([5.0, 6.0])]
+    full = [torch.tensor([1.5, 2.5, 0.0, 3.0]), torch.tensor([4.0, 6.5])]
+    assert unaveraged_fraction(mine, full) == 0.0  # the unused zero is not counted
+    partial = [torch.tensor([1.5, 2.5, 0.0, 3.0]), torch.tensor([5.0, 6.0])]  # the second part stayed local
+    assert unaveraged_fraction(mine, partial) == pytest.approx(2 / 5)

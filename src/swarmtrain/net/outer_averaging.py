@@ -30,6 +30,7 @@ logger = get_logger(__name__)
 # bytes per element on the wire, for accounting (8-bit: a 4-byte scale per block of 256)
 WIRE_BYTES_PER_ELEMENT = {"none": 4.0, "float16": 2.0, "8bit": 1.0 + 4.0 / 256}
 CHUNK_TIMEOUT_S = 15.0
+PARTIAL_FRACTION = 0.05
 
 
 class BlockwiseCodec(CompressionBase):
@@ -75,6 +76,7 @@ class RoundResult:
     averaged: list[torch.Tensor]
     gathered: dict[str, dict]  # peer id -> the metadata it sent (outer step, fingerprint, samples)
     group_size: int
+    complete: bool = True  # False: some parts stayed local (a reducer's results never came)
 
 
 class OuterAverager(StageAverager):
@@ -139,4 +141,17 @@ class OuterAverager(StageAverager):
         with self.get_tensors() as local:
             averaged = [t.clone() for t in local]
         members = {str(peer): (data if isinstance(data, dict) else {}) for peer, data in gathered.items()}
-        return RoundResult(averaged=averaged, gathered=members, group_size=len(members))
+        complete = len(members) < 2 or unaveraged_fraction(tensors, averaged) < PARTIAL_FRACTION
+        return RoundResult(averaged=averaged, gathered=members, group_size=len(members), complete=complete)
+
+
+def unaveraged_fraction(mine: Sequence[torch.Tensor], averaged: Sequence[torch.Tensor]) -> float:
+    """Share of this member's nonzero values that came back unchanged. hivemind keeps a part local when
+    its reducer's results do not arrive ("received 64.9% results", nothing raised); every other part of
+    a real average differs from our own value (zeros, e.g. embedding rows nobody used, are left out)."""
+    kept = total = 0
+    for own, avg in zip(mine, averaged, strict=True):
+        used = own != 0
+        kept += int((avg[used] == own[used]).sum())
+        total += int(used.sum())
+    return kept / total if total else 0.0

@@ -75,6 +75,7 @@ class ReplicaSummary:
     rounds_averaged: int = 0  # rounds applied with at least one other replica
     rounds_alone: int = 0
     rounds_resynced: int = 0  # rounds replaced by a download (behind or diverged)
+    rounds_partial: int = 0  # rounds whose all-reduce kept some parts local (hivemind)
     group_sizes: list[int] = field(default_factory=list)
     sync_bytes_sent: float = 0.0  # pseudo-gradient bytes this replica put on the wire (estimated)
     state_bytes_received: int = 0  # state downloads (joining, resyncs)
@@ -249,7 +250,13 @@ class ReplicaPeer:
         elif self._is_reference_member(result.gathered, k):
             with self.state_lock:
                 self.outer.apply(result.averaged)
-                self.lineage = next_lineage(k, list(result.gathered), self.lineage)
+                # a partial all-reduce leaves this member unlike the others: a lineage of its own makes
+                # the next round resync whoever is not the reference
+                members = list(result.gathered) if result.complete else [self.peer_id]
+                self.lineage = next_lineage(k, members, self.lineage)
+            if not result.complete:
+                self.summary.rounds_partial += 1
+                logger.warning("outer step %d: part of the all-reduce never came back; resync next round", k)
             self.summary.rounds_averaged += 1
             self.summary.group_sizes.append(result.group_size)
             self._count_bytes(result.group_size)
@@ -284,7 +291,7 @@ class ReplicaPeer:
         }
         return self.averager.average(
             self.outer.pseudo_gradients(),
-            weight=max(1, self.round_samples),
+            weight=self.round_samples or 1e-3,  # a joiner at the round's end trained nothing in it
             gather=gather,
             timeout_s=GROUP_TIMEOUT_S,
         )
@@ -331,6 +338,9 @@ class ReplicaPeer:
         opts, d, t = self.options, self.cfg.diloco, self.cfg.training
         losses: list[float] = []
         while self.inner.step < self.stop_step and not stop_event.is_set():
+            if self._round_due():  # a download put us at a round's end where the others wait
+                self.outer_round()
+                continue
             if opts.duration_s is not None and time.monotonic() - start >= opts.duration_s:
                 break
             with self.state_lock:
@@ -341,7 +351,7 @@ class ReplicaPeer:
             self.summary.inner_steps += 1
             if self.summary.initial_loss is None:
                 self.summary.initial_loss = loss
-            if self.inner.step % d.inner_steps == 0 or self.inner.step == self.stop_step:
+            if self._round_due():
                 self.outer_round()
             now = time.monotonic()
             self.summary.samples_per_s = self.summary.samples / max(now - start, 1e-9)
@@ -359,6 +369,11 @@ class ReplicaPeer:
             self.summary.val_loss = self.inner.val_loss(opts.eval_samples)
         self.publish()
         return self.summary
+
+    def _round_due(self) -> bool:
+        """At the end of this replica's current round: local step (outer step + 1) x H, or the last."""
+        end = (self.outer.outer_step + 1) * self.cfg.diloco.inner_steps
+        return self.inner.step >= min(end, self.stop_step) and self.inner.step > 0
 
     def _log_progress(self, global_batch: int) -> None:
         s = self.summary
