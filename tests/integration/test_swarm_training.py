@@ -44,8 +44,18 @@ def test_two_replicas_with_the_batch_in_flight_match_local_training(make_swarm):
     assert summary["microbatches_completed"] == SAMPLES // cfg.training.micro_batch_size
     assert summary["microbatches_failed"] == 0 and summary["steps"] == steps
     assert summary["val_loss"] == pytest.approx(local.final_val_loss, rel=0.03)
-    for info in infos.values():  # exactly one global batch per step on every server
-        assert (info.header["epoch"], info.header["samples_seen"]) == (steps, SAMPLES), info.header
+    # exactly one global batch per step on every server, less the micro-batches whose backward reply was
+    # cut off and retried without accumulating (hivemind streams sometimes end empty under load: at
+    # most once per stage, by design), which the trainer counts
+    short = cfg.training.micro_batch_size * summary["retries_not_accumulated"]
+    seen = {info.header["samples_seen"] for info in infos.values()}
+    for info in infos.values():
+        assert info.header["epoch"] == steps, info.header
+        assert SAMPLES - short <= info.header["samples_seen"] <= SAMPLES, (
+            info.header,
+            summary["retries_not_accumulated"],
+        )
+    assert short or seen == {SAMPLES}
     a, b = (infos[peer] for peer in probe.peers(0))
     for name in a.tensors:
         torch.testing.assert_close(a.tensor(name), b.tensor(name), rtol=1e-5, atol=1e-6, msg=name)
