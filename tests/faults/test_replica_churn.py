@@ -47,5 +47,5 @@ def test_kill_a_replica_and_a_new_one_catches_up(make_swarm):
     assert b2["joined_from"] == "peers" and b2["start_inner_step"] > 100, b2
     assert a["outer_steps"] == b2["outer_steps"]
     assert b2["rounds_averaged"] >= 3, b2  # it contributed after joining
-    assert a["fingerprint"] == pytest.approx(b2["fingerprint"], rel=1e-3)
-    assert a["val_loss"] == pytest.approx(b2["val_loss"], rel=1e-3)
+    assert a["fingerprint"] == pytest.approx(b2["fingerprint"], rel=5e-3)
+    assert a["val_loss"] == pytest.approx(b2["val_loss"], rel=5e-3)
