@@ -67,6 +67,13 @@ def register(subparsers) -> None:
         help="micro-batches whose activations are kept for the backward (default: 64)",
     )
     parser.add_argument(
+        "--cache-mb",
+        type=positive_int,
+        default=512,
+        help="memory for those activations, estimated from the model shape; the oldest are dropped first "
+        "and recomputed if their backward comes (default: 512)",
+    )
+    parser.add_argument(
         "--ledger", metavar="PATH", help="append a JSON line per accumulated/applied micro-batch"
     )
     parser.add_argument("--metrics-period-s", type=float, default=5.0, help="metrics publish/log period")
@@ -119,6 +126,7 @@ def run(args: argparse.Namespace) -> int:
         port=args.port,
         threads=args.threads,
         cache_size=args.cache_size,
+        cache_max_bytes=args.cache_mb << 20,
         ledger_path=args.ledger,
         metrics_period_s=args.metrics_period_s,
         min_matchmaking_time_s=args.matchmaking_time_s,

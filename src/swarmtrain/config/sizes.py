@@ -70,6 +70,18 @@ def activation_bytes_per_sample(cfg: ModelConfig, bytes_per_value: float = FP16_
     return cfg.seq_len * cfg.d_model * bytes_per_value
 
 
+def saved_activation_bytes_per_sample(cfg: ModelConfig, stage: StageSpec) -> int:
+    """fp32 tensors autograd keeps for one sample's backward through a stage: per block
+    2*T*d*(34 + 5*heads*T/d) bytes (Korthikanti et al. 2022, fp16 figures doubled), plus the
+    stage's input and, on the last stage, the logits and their softmax."""
+    t, d = cfg.seq_len, cfg.d_model
+    per_layer = 2 * t * d * 34 + 2 * 5 * cfg.num_heads * t * t
+    total = stage.num_layers * per_layer + FP32_BYTES * t * d
+    if stage.is_last:
+        total += 2 * FP32_BYTES * t * cfg.vocab_size
+    return total
+
+
 def stage_gradient_bytes(cfg: ModelConfig, stage: StageSpec, bytes_per_value: float = FP32_BYTES) -> float:
     """Bytes of one stage's parameter gradients (what its replicas all-reduce each step)."""
     return params_per_stage(cfg, stage) * bytes_per_value

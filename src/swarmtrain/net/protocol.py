@@ -132,14 +132,16 @@ def unpack(data: bytes, max_bytes: int) -> Message:
         raise ProtocolError(f"bad header length {header_len}")
     try:
         header = json.loads(data[start : start + header_len])
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise ProtocolError("header is not valid JSON") from None
+    except RecursionError:
+        raise ProtocolError("header nests too deeply") from None
+    except ValueError as exc:  # not JSON, not UTF-8, or an integer beyond Python's 4,300-digit limit
+        raise ProtocolError(f"header is not acceptable JSON: {str(exc)[:120]}") from None
     if not isinstance(header, dict):
         raise ProtocolError("header must be a JSON object")
     if header.pop("v", None) != PROTOCOL_VERSION:
         raise ProtocolError(f"protocol version mismatch (this peer speaks {PROTOCOL_VERSION})", "version")
     kind = header.pop("kind", None)
-    if kind not in KINDS:
+    if not _one_of(kind, KINDS):
         raise ProtocolError(f"unknown message kind {kind!r}")
     tensors = _parse_tensors(header.pop("tensors", []), data, start + header_len)
     return Message(kind, header, tensors)
@@ -160,7 +162,7 @@ def _parse_tensors(descriptors, data: bytes, offset: int) -> dict[str, codec.Enc
             isinstance(shape, list) and len(shape) <= 8 and all(isinstance(d, int) and d >= 0 for d in shape)
         ):
             raise ProtocolError(f"tensor {name!r}: bad shape {shape!r:.200}")
-        if codec_name not in codec.CODECS or dtype not in codec.DTYPES:
+        if not (_one_of(codec_name, codec.CODECS) and _one_of(dtype, codec.DTYPES)):
             raise ProtocolError(f"tensor {name!r}: unknown codec {codec_name!r} or dtype {dtype!r}")
         expected = codec.payload_size(codec_name, codec.DTYPES[dtype], _numel(shape))
         if nbytes != expected:
@@ -251,24 +253,26 @@ def validate_request(message: Message, io: StageIO, digest: str) -> StageRequest
             "(different model, stage cut or optimizer settings); refusing",
             "digest_mismatch",
         )
-    if header.get("stage") != io.stage:
+    if not (_is_int(header.get("stage")) and header["stage"] == io.stage):
         raise ProtocolError(f"this server hosts stage {io.stage}, the request is for {header.get('stage')!r}")
     mb_id = header.get("mb")
     if not isinstance(mb_id, str) or not 0 < len(mb_id) <= MAX_ID_CHARS:
         raise ProtocolError("missing or bad micro-batch id")
     codec_name = header.get("codec", "none")
-    if codec_name not in codec.CODECS:
+    if not _one_of(codec_name, codec.CODECS):
         raise ProtocolError(f"unknown codec {codec_name!r}")
     expected = {"inputs"} | ({"labels"} if io.is_last else set())
     expected |= {"grad_outputs"} if message.kind == "backward" else set()
     if set(message.tensors) != expected:
         raise ProtocolError(f"expected tensors {sorted(expected)}, got {sorted(message.tensors)}")
-    fused = bool(header.get("fused_backward", False))
+    fused = header_flag(header, "fused_backward", False)
     if io.is_last and message.kind == "backward":
         raise ProtocolError("the last stage takes its backward fused into the forward (fused_backward)")
     inputs = _checked_inputs(message, io)
     batch, seq = inputs.shape[0], inputs.shape[1]
-    evaluate = message.kind == "forward" and (bool(header.get("eval", False)) or (io.is_last and not fused))
+    evaluate = message.kind == "forward" and (
+        header_flag(header, "eval", False) or (io.is_last and not fused)
+    )
     request = StageRequest(
         message.kind,
         mb_id,
@@ -276,7 +280,7 @@ def validate_request(message: Message, io: StageIO, digest: str) -> StageRequest
         inputs,
         fused_backward=fused and io.is_last and not evaluate,
         evaluate=evaluate,
-        accumulate=header.get("accumulate", True) is not False,
+        accumulate=header_flag(header, "accumulate", True),
         step=_checked_step(header, required=not evaluate),
     )
     if io.is_last:
@@ -284,6 +288,14 @@ def validate_request(message: Message, io: StageIO, digest: str) -> StageRequest
     if message.kind == "backward":
         request.grad_outputs = _checked_float(message, "grad_outputs", (batch, seq, io.d_model))
     return request
+
+
+def header_flag(header: dict, name: str, default: bool) -> bool:
+    """A yes/no header field: JSON true or false only (read by truthiness, "no" would count as yes)."""
+    value = header.get(name, default)
+    if not isinstance(value, bool):
+        raise ProtocolError(f"header field {name!r} must be true or false, got {value!r:.40}")
+    return value
 
 
 def _checked_step(header: dict, required: bool) -> int | None:
@@ -418,10 +430,15 @@ def _checked_step_header(message: Message, stage: int, digest: str) -> dict:
         raise ProtocolError(
             f"config digest mismatch ({header.get('digest')!r} vs {digest})", "digest_mismatch"
         )
-    if header.get("stage") != stage:
+    if not (_is_int(header.get("stage")) and header["stage"] == stage):
         raise ProtocolError(f"this server hosts stage {stage}, the message is for {header.get('stage')!r}")
     _checked_step(header, required=True)
     return header
+
+
+def _one_of(value, names) -> bool:
+    """`value in names` for a name table, safe for any JSON value (a list is unhashable)."""
+    return isinstance(value, str) and value in names
 
 
 def _is_int(value) -> bool:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ CHUNK_BYTES = 512 * 1024
 STREAM_KINDS = ("forward", "backward", "grads")
 UNARY_KINDS = ("info", "close")
 MAX_REPLY_BYTES = 1 << 30
+MAX_DRAIN_S = 30.0  # how long an oversized upload is read (and dropped) so its sender gets the answer
 
 Handler = Callable[[Message, P2PContext], Awaitable[Message]]
 
@@ -86,20 +88,48 @@ def _chunks(data: bytes) -> list[bytes]:
     return [bytes(view[i : i + CHUNK_BYTES]) for i in range(0, len(data), CHUNK_BYTES)] or [b""]
 
 
-async def _collect(stream: AsyncIterator, max_bytes: int, drain_bytes: int = 0) -> bytes:
-    """Join a stream's chunks. Past `max_bytes`, keep reading (and discarding) up to `drain_bytes`
-    more before refusing: a server that stops reading mid-upload makes the sender fail with a broken
-    pipe instead of receiving the error answer (seen in CI)."""
+async def _collect(stream: AsyncIterator, max_bytes: int, drain_s: float = 0.0) -> bytes:
+    """Join a stream's chunks. Past `max_bytes`, read and discard the rest for up to `drain_s`
+    seconds before refusing (`too_large`): a server that stops reading mid-upload closes the stream
+    under the sender, which then sees a broken pipe instead of the answer (seen here at 2x and 3x the
+    limit; p2pd resets the stream and the answer is lost)."""
     parts, size = [], 0
+    deadline_s = time.monotonic() + drain_s
     async for item in stream:
         size += len(item.metadata)
-        if size > max_bytes + drain_bytes:
-            break
         if size <= max_bytes:
             parts.append(item.metadata)
+        elif time.monotonic() > deadline_s:
+            break
     if size > max_bytes:
         raise ProtocolError(f"message exceeds the limit of {max_bytes} bytes", "too_large")
     return b"".join(parts)
+
+
+async def _collect_reply(stream: AsyncIterator) -> bytes:
+    """A reply stream. A server that refuses a request before reading all of it (too large) answers
+    and closes the stream; our upload then fails with a broken pipe after the answer arrived, and
+    hivemind raises that at the stream's end: the complete answer is what counts."""
+    parts: list[bytes] = []
+    try:
+        async for item in stream:
+            parts.append(item.metadata)
+            if sum(map(len, parts)) > MAX_REPLY_BYTES:
+                raise ProtocolError(f"reply exceeds {MAX_REPLY_BYTES} bytes", "too_large")
+    except (OSError, EOFError, asyncio.IncompleteReadError):
+        data = b"".join(parts)
+        if not _is_complete(data):
+            raise
+        return data
+    return b"".join(parts)
+
+
+def _is_complete(data: bytes) -> bool:
+    try:
+        unpack(data, MAX_REPLY_BYTES)
+    except ProtocolError:
+        return False
+    return True
 
 
 class StageServicer(ServicerBase):
@@ -143,7 +173,7 @@ class StageServicer(ServicerBase):
 
     async def _serve(self, kind: str, requests, context: P2PContext):
         try:
-            data = await _collect(requests, self.max_message_bytes, drain_bytes=self.max_message_bytes)
+            data = await _collect(requests, self.max_message_bytes, drain_s=MAX_DRAIN_S)
         except ProtocolError as exc:
             reply = error_message(str(exc), exc.code)
         else:
@@ -220,7 +250,7 @@ class StageClient:
         if kind not in STREAM_KINDS:
             raise ValueError(f"no handler for message kind {kind!r}")
         stream = await getattr(stub, f"rpc_{kind}")(requests())
-        return await _collect(stream, MAX_REPLY_BYTES)
+        return await _collect_reply(stream)
 
     async def connect(self, peer_id: PeerID, addresses: list[str], timeout_s: float) -> bool:
         """Best effort: tell our p2pd where a peer listens (its DHT may not know it yet)."""

@@ -72,6 +72,7 @@ class ServerOptions:
     port: int = 0
     threads: int = 1
     cache_size: int = 64
+    cache_max_bytes: int = 512 << 20
     max_batch: int | None = None  # default: 4 micro-batches
     ledger_path: str | None = None
     metrics_period_s: float = 5.0
@@ -118,7 +119,9 @@ class StageServer:
         self.peer_id = self.dht.peer_id.to_base58()
         self.addresses = visible_addresses(self.dht)  # fixed for our lifetime; asking a dead DHT would hang
         self.records = RunRecords(self.dht, self.cfg.swarm.run_id)
-        self.worker = StageWorker(self.cfg, self.spec, self.options.cache_size, self.ledger)
+        self.worker = StageWorker(
+            self.cfg, self.spec, self.options.cache_size, self.ledger, self.options.cache_max_bytes
+        )
         self._param_shapes = [tuple(p.shape) for p in self.worker.params]
         self.throughput_samples_per_s = self._measure_throughput()
         self.averager = StageAverager(
@@ -430,6 +433,7 @@ class StageServer:
             "serving": self.sync.serving.is_set(),
             "fingerprint": self.sync.fingerprint,  # [step, [sum |p|, sum p]] as compared between replicas
             "counters": dict(w.counters),
+            "cache": {"entries": len(w.cache), "bytes": w.cache_bytes},
             "sync": vars(self.sync.counters),
             "steps": vars(self.steps.counters) if self.steps is not None else {},
             "names": w.names,

@@ -26,6 +26,7 @@ import torch
 from torch.func import functional_call
 
 from swarmtrain.config import RunConfig, StageSpec
+from swarmtrain.config.sizes import saved_activation_bytes_per_sample
 from swarmtrain.model import build_stage
 from swarmtrain.model.diloco import OuterOptimizer
 from swarmtrain.model.optim import build_optimizer, lr_at, set_lr
@@ -39,6 +40,7 @@ class CacheEntry:
     inputs: torch.Tensor  # as received (a leaf with requires_grad for float inputs)
     outputs: torch.Tensor  # graph attached
     params: list[torch.Tensor]  # the live parameter leaves this graph was built on
+    nbytes: int = 0  # estimated memory of the saved activations
 
 
 @dataclass
@@ -54,7 +56,12 @@ class Bucket:
 
 class StageWorker:
     def __init__(
-        self, cfg: RunConfig, spec: StageSpec, cache_size: int = 64, ledger: Ledger | None = None
+        self,
+        cfg: RunConfig,
+        spec: StageSpec,
+        cache_size: int = 64,
+        ledger: Ledger | None = None,
+        cache_max_bytes: int = 512 << 20,
     ) -> None:
         self.cfg, self.spec = cfg, spec
         self.module = build_stage(cfg.model, spec, seed=cfg.training.seed)
@@ -70,6 +77,10 @@ class StageWorker:
         self.samples_since_sync = 0
         self.cache: OrderedDict[str, CacheEntry] = OrderedDict()
         self.cache_size = cache_size
+        # bounded in bytes too: 64 forward-only requests of a full batch grew a server to 1.7 GB
+        self.cache_max_bytes = cache_max_bytes
+        self.cache_bytes = 0
+        self._entry_bytes_per_sample = saved_activation_bytes_per_sample(cfg.model, spec)
         self.ledger = ledger or Ledger(None)
         self.state_lock = threading.Lock()  # parameters/optimizer vs. export to joining peers
         self.epoch = 0  # optimizer steps applied = the global step whose micro-batches come next
@@ -109,7 +120,7 @@ class StageWorker:
 
     def backward(self, request: StageRequest) -> Message:
         mb = request.micro_batch_id
-        entry = self.cache.pop(mb, None)
+        entry = self._cache_pop(mb)
         stale = entry is not None and entry.epoch < self.epoch - 1
         if entry is None or stale or not torch.equal(entry.inputs.detach(), request.inputs):
             entry = self._compute(request)  # another replica did the forward (or long ago): recompute
@@ -188,10 +199,21 @@ class StageWorker:
         return None
 
     def _cache_put(self, mb: str, entry: CacheEntry) -> None:
+        self._cache_pop(mb)
+        entry.nbytes = int(entry.inputs.shape[0]) * self._entry_bytes_per_sample
         self.cache[mb] = entry
-        self.cache.move_to_end(mb)
-        while len(self.cache) > self.cache_size:
-            self.cache.popitem(last=False)
+        self.cache_bytes += entry.nbytes
+        # the oldest go first: a backward that finds nothing recomputes, so eviction costs time only
+        while len(self.cache) > self.cache_size or (
+            self.cache_bytes > self.cache_max_bytes and len(self.cache) > 1
+        ):
+            self._cache_pop(next(iter(self.cache)))
+
+    def _cache_pop(self, mb: str) -> CacheEntry | None:
+        entry = self.cache.pop(mb, None)
+        if entry is not None:
+            self.cache_bytes -= entry.nbytes
+        return entry
 
     # steps --------------------------------------------------------------------------------------
     def bucket(self, step: int) -> Bucket:
@@ -342,6 +364,7 @@ class StageWorker:
             self._import_outer(meta, tensors[4 * n :])
             self.live = self._live_copy()
         self.cache.clear()
+        self.cache_bytes = 0
         return self.drop_steps_before(self.epoch)
 
     def _import_outer(self, meta: dict, tensors: list[torch.Tensor]) -> None:

@@ -1,0 +1,168 @@
+"""Malformed protocol messages for fuzz tests: seeded mutations of valid forward, backward, close, grads
+and info messages (byte flips, truncation, header fields replaced by hostile JSON, descriptor edits)."""
+
+from __future__ import annotations
+
+import json
+import random
+import struct
+
+import torch
+
+from swarmtrain.config import RunConfig
+from swarmtrain.net import protocol
+from swarmtrain.net.protocol import Message, StageIO, pack, request_message
+
+# JSON texts that broke or could break a header reader: deep nesting, Python's 4,300-digit integer
+# limit, strings where flags are expected, values of every type and absurd sizes
+HOSTILE_VALUES = [
+    "[" * 5000 + "]" * 5000,
+    '{"a":' * 3000 + "1" + "}" * 3000,
+    "9" * 4400,
+    "-" + "9" * 5000,
+    '"no"',
+    '"yes"',
+    '"false"',
+    "0",
+    "1",
+    "-1",
+    "null",
+    "true",
+    "1e308",
+    "-1e309",
+    "NaN",
+    "Infinity",
+    "18446744073709551617",
+    '"' + "x" * 20000 + '"',
+    "[]",
+    "{}",
+    '[["inputs","none","float32",[1,1],4]]',
+    '{"stage": 0}',
+    "3.5",
+    '"\\ud800"',
+]
+_ENVELOPE = ["kind", "v", "tensors", "stage", "digest"]
+FIELDS = {  # the header fields each kind's validator reads
+    "forward": _ENVELOPE + ["mb", "codec", "step", "fused_backward", "eval", "accumulate"],
+    "backward": _ENVELOPE + ["mb", "codec", "step", "accumulate"],
+    "close": _ENVELOPE + ["step", "shard", "shards", "members", "participants"],
+    "grads": _ENVELOPE + ["step", "samples"],
+    "info": _ENVELOPE + ["want"],
+}
+
+
+def valid_messages(cfg: RunConfig, stage: int) -> list[tuple[str, bytes]]:
+    """(kind, bytes) of one valid message of each kind for `stage` of `cfg`."""
+    m, digest, b = cfg.model, cfg.digest(), 2
+    spec = cfg.stages()[stage]
+    inputs = (
+        torch.randint(0, m.vocab_size, (b, m.seq_len))
+        if spec.is_first
+        else torch.randn(b, m.seq_len, m.d_model)
+    )
+    tensors = {"inputs": inputs}
+    if spec.is_last:
+        tensors["labels"] = torch.randint(0, m.vocab_size, (b, m.seq_len))
+    forward = request_message(
+        "forward", "fz-1", stage, digest, "8bit", tensors, step=0, fused_backward=spec.is_last
+    )
+    messages = [("forward", pack(forward))]
+    if not spec.is_last:
+        grad = torch.randn(b, m.seq_len, m.d_model)
+        backward = request_message(
+            "backward", "fz-1", stage, digest, "none", {**tensors, "grad_outputs": grad}, step=0
+        )
+        messages.append(("backward", pack(backward)))
+    close = protocol.close_message(0, stage, digest, 0, 1, {"peer-a": 8}, ["peer-a"])
+    messages.append(("close", pack(close)))
+    grads = protocol.make_message(
+        "grads", {"step": 0, "stage": stage, "digest": digest, "samples": 8}, {"w": torch.randn(3)}
+    )
+    messages.append(("grads", pack(grads)))
+    messages.append(("info", pack(Message("info", {"stage": stage, "want": "params"}))))
+    return messages
+
+
+def mutations(valid: list[tuple[str, bytes]], count: int, seed: int) -> list[tuple[str, str, bytes]]:
+    """`count` (description, handler kind, bytes) mutations of the valid messages."""
+    rng = random.Random(seed)
+    makers = [_flip_bytes, _truncate, _replace_field, _replace_field, _edit_descriptor, _bad_length, _append]
+    cases = []
+    for i in range(count):
+        kind, data = valid[i % len(valid)]
+        maker = rng.choice(makers)
+        description, mutated = maker(rng, data, kind)
+        cases.append((f"{kind}: {description}", kind, mutated))
+    return cases
+
+
+def _split(data: bytes) -> tuple[dict, bytes]:
+    start = len(protocol.MAGIC) + 4
+    (length,) = struct.unpack_from("<I", data, len(protocol.MAGIC))
+    return json.loads(data[start : start + length]), data[start + length :]
+
+
+def _join(header_text: bytes, payload: bytes) -> bytes:
+    return protocol.MAGIC + struct.pack("<I", len(header_text)) + header_text + payload
+
+
+def _flip_bytes(rng: random.Random, data: bytes, kind: str) -> tuple[str, bytes]:
+    out = bytearray(data)
+    # flip in the header (the payload alone can stay a valid message)
+    header_end = min(len(out), len(protocol.MAGIC) + 4 + struct.unpack_from("<I", data, 4)[0])
+    for _ in range(rng.randint(1, 4)):
+        out[rng.randrange(header_end)] ^= 1 << rng.randrange(8)
+    return "flipped header bits", bytes(out)
+
+
+def _truncate(rng: random.Random, data: bytes, kind: str) -> tuple[str, bytes]:
+    return "truncated", data[: rng.randrange(len(data))]
+
+
+def _replace_field(rng: random.Random, data: bytes, kind: str) -> tuple[str, bytes]:
+    header, payload = _split(data)
+    name, value = rng.choice(FIELDS[kind]), rng.choice(HOSTILE_VALUES)
+    header.pop(name, None)
+    text = json.dumps(header, separators=(",", ":"))
+    text = text[:-1] + ("," if len(header) else "") + f'"{name}":{value}' + "}"
+    return f"{name} = {value[:24]}", _join(text.encode(), payload)
+
+
+def _edit_descriptor(rng: random.Random, data: bytes, kind: str) -> tuple[str, bytes]:
+    header, payload = _split(data)
+    if not header.get("tensors"):
+        header["tensors"] = [["inputs", "none", "float32", [2, 2], 16]]
+    entry = rng.choice(header["tensors"])
+    slot = rng.randrange(5)
+    entry[slot] = rng.choice([-1, 0, 2**40, "float64", "zip", [10**6] * 9, [-3], None, {"a": 1}, "inputs"])
+    return f"descriptor slot {slot}", _join(json.dumps(header).encode(), payload)
+
+
+def _bad_length(rng: random.Random, data: bytes, kind: str) -> tuple[str, bytes]:
+    length = rng.choice([0, 1, 2**31, 2**32 - 1, len(data), protocol.MAX_HEADER_BYTES + 1])
+    return f"header length {length}", protocol.MAGIC + struct.pack("<I", length) + data[8:]
+
+
+def _append(rng: random.Random, data: bytes, kind: str) -> tuple[str, bytes]:
+    return "trailing bytes", data + rng.randbytes(rng.randint(1, 64))
+
+
+def locally_rejected(kind: str, data: bytes, cfg: RunConfig, stage: int) -> bool:
+    """Whether the server's own checks refuse these bytes (a mutation can stay valid: skip those)."""
+    spec = cfg.stages()[stage]
+    io = StageIO.from_config(cfg.model, spec, 4 * cfg.training.micro_batch_size)
+    try:
+        message = protocol.unpack(data, io.max_message_bytes())
+        if message.kind != kind:
+            return True
+        if kind in ("forward", "backward"):
+            protocol.validate_request(message, io, cfg.digest())
+        elif kind == "close":
+            protocol.validate_close(message, stage, cfg.digest())
+        elif kind == "grads":
+            protocol.validate_grads(message, stage, cfg.digest(), ["w"], [(3,)])
+        else:
+            return False  # info: any header is answered
+    except protocol.ProtocolError:
+        return True
+    return False
