@@ -36,10 +36,10 @@ def make_swarm(tmp_path):
         swarms.append(swarm)
         return swarm, load_run_config(path)
 
-    def probe(cfg, swarm, codec="none"):
+    def probe(cfg, swarm, codec="none", network=None):
         from swarmtrain.runtime.probe import SwarmProbe
 
-        client = SwarmProbe(cfg, [swarm.address], codec=codec)
+        client = SwarmProbe(cfg, [swarm.address], codec=codec, network=network)
         probes.append(client)
         return client
 

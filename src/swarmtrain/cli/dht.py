@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from swarmtrain.cli.net_args import add_identity_arg, add_network_args, prepare_process
+from swarmtrain.cli.net_args import add_identity_arg, add_network_args, network_from_args, prepare_process
 
 HELP = "start a bootstrap DHT node and print its address for --initial-peers"
 
@@ -28,7 +28,7 @@ def run(args: argparse.Namespace) -> int:
 
     forked_children_die_with_me()
     peers = validate_initial_peers(args.initial_peers)
-    dht = start_dht(peers, host=args.host, port=args.port, identity_path=args.identity_path)
+    dht = start_dht(peers, network_from_args(args))
     remember_group_sockets()
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

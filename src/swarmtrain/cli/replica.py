@@ -5,7 +5,13 @@ from __future__ import annotations
 import argparse
 
 from swarmtrain.cli.common import add_run_config_args, positive_int, run_config_from_args, write_summary_json
-from swarmtrain.cli.net_args import add_identity_arg, add_network_args, prepare_process
+from swarmtrain.cli.net_args import (
+    add_client_mode_arg,
+    add_identity_arg,
+    add_network_args,
+    network_from_args,
+    prepare_process,
+)
 
 HELP = "an asynchronous full replica: local steps, a rare averaged outer step (DiLoCo) with the others"
 
@@ -34,6 +40,7 @@ def register(subparsers) -> None:
     add_run_config_args(parser)
     add_network_args(parser)
     add_identity_arg(parser)
+    add_client_mode_arg(parser)
     parser.add_argument(
         "--shard", default="0/1", metavar="K/N", help="data shard of this replica (default 0/1)"
     )
@@ -113,9 +120,7 @@ def run(args: argparse.Namespace) -> int:
         device=args.device,
     )
     peers = validate_initial_peers(args.initial_peers)
-    summary = run_replica(
-        cfg, options, peers, host=args.host, port=args.port, identity_path=args.identity_path
-    )
+    summary = run_replica(cfg, options, peers, network_from_args(args))
     print(
         f"replica {summary['shard']}: {summary['inner_steps']} local steps ({summary['samples']} samples, "
         f"{summary['samples_per_s']:.1f} samples/s), outer step {summary['outer_steps']}, rounds averaged "

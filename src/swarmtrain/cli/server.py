@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from swarmtrain.cli.common import add_run_config_args, non_negative_float, positive_int, run_config_from_args
-from swarmtrain.cli.net_args import add_identity_arg, add_network_args, prepare_process
+from swarmtrain.cli.net_args import add_identity_arg, add_network_args, network_from_args, prepare_process
 
 HELP = "serve one pipeline stage (forward/backward RPCs, intra-stage averaging)"
 
@@ -107,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = _with_checkpoint_overrides(run_config_from_args(args), args)
     initial_peers = validate_initial_peers(args.initial_peers)
+    network = network_from_args(args)
     stage = args.stage
     if args.plan is not None:
         cfg, stage = _from_plan(cfg, args)
@@ -118,12 +119,11 @@ def run(args: argparse.Namespace) -> int:
     if stage == "auto":
         from swarmtrain.runtime.stage_choice import choose_stage_live
 
-        stage = choose_stage_live(cfg, initial_peers, args.host)
+        stage = choose_stage_live(cfg, initial_peers, network)
     options = ServerOptions(
         stage=stage,
         initial_peers=initial_peers,
-        host=args.host,
-        port=args.port,
+        network=network,
         threads=args.threads,
         cache_size=args.cache_size,
         cache_max_bytes=args.cache_mb << 20,
@@ -132,7 +132,6 @@ def run(args: argparse.Namespace) -> int:
         min_matchmaking_time_s=args.matchmaking_time_s,
         checkpoint_dir=args.checkpoint_dir,
         fresh_start=args.fresh_start,
-        identity_path=args.identity_path,
     )
     server = StageServer(cfg, options)
     code = server.run()

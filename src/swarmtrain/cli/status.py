@@ -6,7 +6,7 @@ import argparse
 import json
 
 from swarmtrain.cli.common import add_run_config_args, run_config_from_args
-from swarmtrain.cli.net_args import add_network_args, prepare_process
+from swarmtrain.cli.net_args import add_network_args, network_from_args, prepare_process
 
 HELP = "show the swarm as the DHT sees it: each stage's peers, the bottleneck, trainers, replicas"
 
@@ -35,7 +35,8 @@ def run(args: argparse.Namespace) -> int:
     from swarmtrain.runtime.procs import forked_children_die_with_me, reap_own_group
 
     forked_children_die_with_me()
-    dht = start_dht(validate_initial_peers(args.initial_peers), client_mode=True, host=args.host)
+    network = network_from_args(args)
+    dht = start_dht(validate_initial_peers(args.initial_peers), network, client_mode=True)
     try:
         snapshot = swarm_snapshot(cfg, RunRecords(dht, cfg.swarm.run_id))
     finally:

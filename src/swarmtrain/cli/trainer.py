@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from swarmtrain.cli.common import add_run_config_args, positive_int, run_config_from_args, write_summary_json
-from swarmtrain.cli.net_args import add_identity_arg, add_network_args, prepare_process
+from swarmtrain.cli.net_args import add_identity_arg, add_network_args, network_from_args, prepare_process
 
 HELP = "drive micro-batches through the swarm (stochastic wiring, retries, compression)"
 
@@ -78,13 +78,13 @@ def run(args: argparse.Namespace) -> int:
         shard_index=shard_index,
         shard_count=shard_count,
         log_period_s=args.log_period_s,
-        identity_path=args.identity_path,
+        network=network_from_args(args),
     )
     if args.trainer_id:
         options.trainer_id = args.trainer_id
     if options.max_samples is None and options.duration_s is None:
         options.max_samples = cfg.training.max_samples
-    summary = run_trainer(cfg, options, validate_initial_peers(args.initial_peers), host=args.host)
+    summary = run_trainer(cfg, options, validate_initial_peers(args.initial_peers))
     print(
         f"trainer {options.trainer_id}: {summary['microbatches_completed']} micro-batches, "
         f"loss {summary['initial_loss']} -> {summary['final_loss']}, {summary['samples_per_s']:.1f} samples/s"

@@ -7,15 +7,22 @@ why hivemind's matchmaking is too slow for that); hivemind's averager serves the
 - the download is bounded (`load_state_from_peers` otherwise waits forever when the averager process
   is gone) and failures come back as values, not exceptions;
 - the state shared with joining peers comes from a callback of the owner (parameters + optimizer),
-  and SIGINT is restored after start (hivemind sets it to ignored in the parent).
+  and SIGINT is restored after start (hivemind sets it to ignored in the parent);
+- in a private run (`members_keys`), hivemind's averaging RPCs answer only peers that have a record
+  under one of those DHT keys: records are signed with the run key (net/auth.py), and hivemind's
+  own messages carry no token of ours.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
+from typing import AsyncIterator  # noqa: UP035 (hivemind's ServicerBase only recognizes typing's alias)
 
 import torch
 from hivemind.averaging import DecentralizedAverager
+from hivemind.p2p import P2PContext
+from hivemind.proto import averaging_pb2
 
 from swarmtrain.net.engine import restore_sigint
 from swarmtrain.utils.logging import get_logger
@@ -23,6 +30,7 @@ from swarmtrain.utils.logging import get_logger
 logger = get_logger(__name__)
 
 StateProvider = Callable[[], tuple[dict, Sequence[torch.Tensor]]]
+MEMBERS_REFRESH_S = 1.0  # at most one DHT read per second for unknown peers (a stranger's flood)
 
 
 class StageAverager(DecentralizedAverager):
@@ -39,9 +47,13 @@ class StageAverager(DecentralizedAverager):
         request_timeout_s: float = 0.5,
         allreduce_timeout_s: float = 30.0,
         declare_state_period_s: float = 5.0,
+        members_keys: Sequence[str] = (),
         **averager_kwargs,
     ) -> None:
         self._state_provider = state_provider
+        self._members_keys = tuple(members_keys)
+        self._members: set[str] = set()
+        self._members_read_s = float("-inf")
         options = dict(
             target_group_size=2,
             min_group_size=2,
@@ -57,6 +69,60 @@ class StageAverager(DecentralizedAverager):
             [t.detach().clone() for t in tensors], dht, start=True, prefix=prefix.replace(".", "_"), **options
         )
         restore_sigint()
+
+    # private runs: hivemind's RPCs (served in the averager's process) answer members only ------------
+    async def rpc_join_group(
+        self, request: averaging_pb2.JoinRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        if not await self._is_member(context, "join our averaging group"):
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        async for response in super().rpc_join_group(request, context):
+            yield response
+
+    async def rpc_aggregate_part(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        if not await self._is_member(context, "send an averaging part"):
+            yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        async for response in super().rpc_aggregate_part(stream, context):
+            yield response
+
+    async def rpc_download_state(
+        self, request: averaging_pb2.DownloadRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        if not await self._is_member(context, "download our state"):
+            return  # no data: the downloader moves on to the next peer
+        async for response in super().rpc_download_state(request, context):
+            yield response
+
+    async def _is_member(self, context, action: str) -> bool:
+        if not self._members_keys:
+            return True
+        peer = context.remote_id.to_base58()
+        now_s = time.monotonic()
+        if peer not in self._members and now_s - self._members_read_s >= MEMBERS_REFRESH_S:
+            self._members_read_s = now_s
+            self._members = await self._read_members()
+        if peer not in self._members:
+            logger.warning("refused %s a request to %s: not a peer of this private run", peer, action)
+        return peer in self._members
+
+    async def _read_members(self) -> set[str]:
+        members: set[str] = set()
+        for key in self._members_keys:
+            try:
+                found = await self.dht.get(key, latest=True, return_future=True)
+            except Exception as exc:  # a slow or dead DHT: refuse for now, the caller retries
+                logger.warning("reading %s for members failed: %r", key, exc)
+                continue
+            if found is not None and isinstance(found.value, dict):
+                items = found.value.items()
+                members.update(
+                    k for k, v in items if isinstance(k, str) and getattr(v, "value", None) is not None
+                )
+        return members
 
     # state sharing (called in this process by hivemind's background thread) ----------------------
     def get_current_state(self):

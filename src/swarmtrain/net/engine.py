@@ -13,9 +13,11 @@ import os
 import signal
 import socket
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from swarmtrain.config.errors import UserError
+from swarmtrain.net.auth import RunKey, record_validator
 
 
 class NetworkError(UserError):
@@ -36,25 +38,42 @@ def restore_sigint() -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+@dataclass(frozen=True)
+class PeerNetwork:
+    """How this peer meets the others: where it listens and what it announces, its identity, the
+    run key of a private run, and the NAT options (relays, client mode)."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    # the peer's private key file (created when missing): its peer id, and with a fixed port its
+    # whole address, survive restarts
+    identity_path: str | None = None
+    run_key: RunKey | None = None
+    # addresses others should dial (a public IP or a port forward in front of this peer); default:
+    # what libp2p sees locally
+    announce_addrs: tuple[str, ...] = ()
+    use_relay: bool = True  # may be reached through, and reach others through, circuit relays
+    use_auto_relay: bool = False  # behind NAT: find relays and announce relayed addresses
+    client_mode: bool = False  # accepts no incoming connections (behind a NAT with no relay)
+
+
 def start_dht(
     initial_peers: list[str] | None,
+    network: PeerNetwork | None = None,
     *,
     client_mode: bool = False,
-    host: str = "127.0.0.1",
-    port: int = 0,
     startup_timeout_s: float = 20.0,
-    identity_path: str | None = None,
 ):
     """Start a hivemind DHT (own process + p2pd) and return it; bootstrap failures become NetworkError.
-
-    `identity_path`: the peer's private key file (created when missing), so that its peer id, and
-    with a fixed --port its whole address, survive restarts."""
+    `client_mode`: this role never serves (trainers, probes), whatever `network.client_mode` says."""
     prepare_environment()
     from hivemind.dht import DHT
 
-    extra = {}
-    if identity_path:
-        path = Path(identity_path)
+    network = network or PeerNetwork()
+    host, port = network.host, network.port
+    extra = _dht_options(network)
+    if network.identity_path:
+        path = Path(network.identity_path)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -70,7 +89,7 @@ def start_dht(
         dht = DHT(
             initial_peers=list(initial_peers) if initial_peers else None,
             start=True,
-            client_mode=client_mode,
+            client_mode=client_mode or network.client_mode,
             host_maddrs=[host_maddr],
             startup_timeout=startup_timeout_s,
             await_ready=False,
@@ -85,6 +104,22 @@ def start_dht(
         ) from None
     restore_sigint()
     return dht
+
+
+def _dht_options(network: PeerNetwork) -> dict:
+    from hivemind.utils.multiaddr import Multiaddr
+
+    options: dict = {"use_relay": network.use_relay, "use_auto_relay": network.use_auto_relay}
+    if network.announce_addrs:
+        try:
+            options["announce_maddrs"] = [Multiaddr(a) for a in network.announce_addrs]
+        except ValueError as exc:
+            raise NetworkError(
+                f"bad --announce-addr: {exc} (expected e.g. /ip4/203.0.113.7/tcp/31337)"
+            ) from None
+    if network.run_key is not None:
+        options["record_validators"] = [record_validator(network.run_key)]
+    return options
 
 
 def _remove_dead_sockets(paths: set[str]) -> None:

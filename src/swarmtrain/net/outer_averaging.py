@@ -92,6 +92,8 @@ class OuterAverager(StageAverager):
         compression: str,
         matchmaking_time_s: float,
         allreduce_timeout_s: float,
+        members_keys: Sequence[str] = (),
+        client_mode: bool = False,
     ) -> None:
         codec = _codec(compression)
         super().__init__(
@@ -107,6 +109,8 @@ class OuterAverager(StageAverager):
             # a whole model per round: parts take longer than a stage's small exchanges, and a chunk
             # timed out leaves that part un-averaged on some members (seen with 8-bit on 2 busy cores)
             next_chunk_timeout=CHUNK_TIMEOUT_S,
+            members_keys=members_keys,
+            client_mode=client_mode,
         )
 
     def set_group_target(self, size: int) -> None:

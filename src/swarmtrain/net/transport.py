@@ -22,6 +22,7 @@ from typing import AsyncIterator  # noqa: UP035 (hivemind's ServicerBase only re
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import runtime_pb2
 
+from swarmtrain.net.auth import RunKey
 from swarmtrain.net.protocol import Message, ProtocolError, error_message, pack, unpack
 from swarmtrain.utils.logging import get_logger
 
@@ -136,10 +137,17 @@ class StageServicer(ServicerBase):
     """Registers `rpc_forward`, `rpc_backward`, `rpc_grads` (streams) and `rpc_info`, `rpc_close`
     (unary: small messages) under a namespace; one handler per message kind."""
 
-    def __init__(self, handler: Handler, max_message_bytes: int, stats: TransportStats | None = None) -> None:
+    def __init__(
+        self,
+        handler: Handler,
+        max_message_bytes: int,
+        stats: TransportStats | None = None,
+        run_key: RunKey | None = None,
+    ) -> None:
         self.handler = handler
         self.max_message_bytes = max_message_bytes
         self.stats = stats or TransportStats()
+        self.run_key = run_key  # a private run: only peers holding it are answered
 
     async def rpc_forward(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
@@ -184,6 +192,12 @@ class StageServicer(ServicerBase):
     async def _answer(self, kind: str, data: bytes, context: P2PContext) -> Message:
         try:
             message = unpack(data, self.max_message_bytes)
+            if self.run_key is not None and not self.run_key.verify(
+                context.remote_id.to_base58(), message.header.get("auth")
+            ):
+                raise ProtocolError(
+                    "this run is private and the sender holds no valid run key", "unauthorized"
+                )
             if message.kind != kind:
                 raise ProtocolError(f"a {message.kind!r} message sent to the {kind} handler")
             stage = message.header.get("stage")
@@ -206,14 +220,20 @@ class StageServicer(ServicerBase):
 class StageClient:
     """Calls stage servers; every call is bounded by `timeout_s` and counted in `stats`."""
 
-    def __init__(self, p2p: P2P, namespace: str, stats: TransportStats | None = None) -> None:
+    def __init__(
+        self, p2p: P2P, namespace: str, stats: TransportStats | None = None, run_key: RunKey | None = None
+    ) -> None:
         self.p2p = p2p
         self.namespace = namespace
         self.stats = stats or TransportStats()
+        # a private run: every request carries our membership token (a keyed hash of our peer id)
+        self._token = run_key.token(p2p.peer_id.to_base58()) if run_key is not None else None
 
     async def call(self, peer_id: PeerID, kind: str, message: Message, timeout_s: float) -> Message:
         """Send `message` to the `kind` handler of `peer_id`; raise RemoteError on an error answer,
         asyncio.TimeoutError on timeout and hivemind's P2P errors on connection failures."""
+        if self._token is not None:
+            message = Message(message.kind, {**message.header, "auth": self._token}, message.tensors)
         data = pack(message)
         stage = message.header.get("stage", -1)
         reply_bytes = await asyncio.wait_for(self._exchange(peer_id, kind, data), timeout=timeout_s)
@@ -257,7 +277,9 @@ class StageClient:
         from hivemind.utils.multiaddr import Multiaddr
 
         try:
-            maddrs = [Multiaddr(a) for a in addresses]
+            # p2pd's connect takes transport addresses: with the /p2p/ID suffix that announcements
+            # carry, it fails to parse them ("length greater than remaining number of bytes")
+            maddrs = [Multiaddr(a.split("/p2p/")[0]) for a in addresses]
             await asyncio.wait_for(self.p2p._client.connect(peer_id, maddrs), timeout=timeout_s)
             return True
         except Exception as exc:  # unreachable addresses are normal (NAT, stale record)

@@ -10,7 +10,7 @@ import threading
 import time
 
 from swarmtrain.config import RunConfig
-from swarmtrain.net.engine import shutdown_quietly, start_dht
+from swarmtrain.net.engine import PeerNetwork, shutdown_quietly, start_dht
 from swarmtrain.net.protocol import Message
 from swarmtrain.runtime.procs import descendants, hivemind_socket_paths, remove_files
 from swarmtrain.runtime.trainer import SwarmTrainer, TrainerOptions
@@ -18,15 +18,23 @@ from swarmtrain.runtime.trainer import SwarmTrainer, TrainerOptions
 
 class SwarmProbe:
     def __init__(
-        self, cfg: RunConfig, initial_peers: list[str], codec: str = "none", timeout_s: float = 60.0
+        self,
+        cfg: RunConfig,
+        initial_peers: list[str],
+        codec: str = "none",
+        timeout_s: float = 60.0,
+        network: PeerNetwork | None = None,
     ):
         self.cfg, self.timeout_s = cfg, timeout_s
-        self.dht = start_dht(initial_peers, client_mode=True)
+        network = network or PeerNetwork()
+        self.dht = start_dht(initial_peers, network, client_mode=True)
         self._sockets = self._own_sockets()
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="probe-loop", daemon=True)
         self._thread.start()
-        self.trainer = SwarmTrainer(cfg, TrainerOptions(codec=codec, trainer_id="probe"), self.dht)
+        self.trainer = SwarmTrainer(
+            cfg, TrainerOptions(codec=codec, trainer_id="probe", network=network), self.dht
+        )
         self.run(self.trainer.setup())
 
     def run(self, coro, timeout_s: float | None = None):

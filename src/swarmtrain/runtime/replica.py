@@ -35,6 +35,7 @@ from swarmtrain.config import RunConfig
 from swarmtrain.config.errors import UserError
 from swarmtrain.model.diloco import OuterOptimizer
 from swarmtrain.model.optim import adam_state_tensors, load_adam_state
+from swarmtrain.net.engine import PeerNetwork
 from swarmtrain.net.outer_averaging import WIRE_BYTES_PER_ELEMENT
 from swarmtrain.planner.outer_rounds import INITIAL_LINEAGE, RoundState, next_lineage, started_from_reference
 from swarmtrain.runtime.replica_inner import InnerTrainer
@@ -404,15 +405,13 @@ def run_replica(
     cfg: RunConfig,
     options: ReplicaOptions,
     initial_peers: list[str],
-    host: str = "127.0.0.1",
-    port: int = 0,
-    identity_path: str | None = None,
+    network: PeerNetwork | None = None,
 ) -> dict:
     """Blocking entry point: DHT, averager, join, train to the end; returns the summary. SIGINT/SIGTERM
     end the run after the current inner step, with a last outer round so the others keep its samples."""
     import signal
 
-    from swarmtrain.net.dht_records import RunRecords
+    from swarmtrain.net.dht_records import RunRecords, replicas_key
     from swarmtrain.net.engine import shutdown_quietly, start_dht
     from swarmtrain.net.outer_averaging import OuterAverager
     from swarmtrain.runtime.procs import forked_children_die_with_me, reap_own_group
@@ -421,7 +420,7 @@ def run_replica(
     if options.threads:
         torch.set_num_threads(options.threads)
     d = cfg.diloco
-    dht = start_dht(initial_peers, host=host, port=port, identity_path=identity_path)
+    dht = start_dht(initial_peers, network)
     averager = None
 
     def make_averager(anchor, state_provider):
@@ -434,6 +433,8 @@ def run_replica(
             compression=d.compression,
             matchmaking_time_s=MATCHMAKING_S,
             allreduce_timeout_s=d.averaging_timeout_s,
+            members_keys=(replicas_key(cfg.swarm.run_id),) if network and network.run_key else (),
+            client_mode=bool(network and network.client_mode),
         )
         return averager
 

@@ -24,8 +24,8 @@ import torch
 
 from swarmtrain.config import RunConfig
 from swarmtrain.config.errors import UserError
-from swarmtrain.net.dht_records import RunRecords, StageAnnouncement
-from swarmtrain.net.engine import shutdown_quietly, start_dht, visible_addresses
+from swarmtrain.net.dht_records import RunRecords, StageAnnouncement, progress_key, stage_key
+from swarmtrain.net.engine import PeerNetwork, shutdown_quietly, start_dht, visible_addresses
 from swarmtrain.net.protocol import (
     Message,
     ProtocolError,
@@ -68,8 +68,7 @@ logger = get_logger(__name__)
 class ServerOptions:
     stage: int
     initial_peers: list[str] = field(default_factory=list)
-    host: str = "127.0.0.1"
-    port: int = 0
+    network: PeerNetwork = field(default_factory=PeerNetwork)
     threads: int = 1
     cache_size: int = 64
     cache_max_bytes: int = 512 << 20
@@ -80,7 +79,6 @@ class ServerOptions:
     sync_tick_s: float = 0.5
     checkpoint_dir: str | None = None  # default: the run config's swarm.checkpoint_dir (empty: none)
     fresh_start: bool = False  # initial weights even when the swarm has stepped (said loudly)
-    identity_path: str | None = None  # a stable peer id across restarts
 
 
 class StageServer:
@@ -110,12 +108,7 @@ class StageServer:
         from swarmtrain.net.averaging import StageAverager
 
         torch.set_num_threads(self.options.threads)
-        self.dht = start_dht(
-            self.options.initial_peers,
-            host=self.options.host,
-            port=self.options.port,
-            identity_path=self.options.identity_path,
-        )
+        self.dht = start_dht(self.options.initial_peers, self.options.network)
         self.peer_id = self.dht.peer_id.to_base58()
         self.addresses = visible_addresses(self.dht)  # fixed for our lifetime; asking a dead DHT would hang
         self.records = RunRecords(self.dht, self.cfg.swarm.run_id)
@@ -132,6 +125,8 @@ class StageServer:
             min_matchmaking_time_s=self.options.min_matchmaking_time_s,
             request_timeout_s=min(0.5, self.options.min_matchmaking_time_s / 2),
             allreduce_timeout_s=self.cfg.swarm.averaging_timeout_s,
+            # a private run: state goes only to peers announced (signed) at this stage
+            members_keys=self._stage_keys() if self.options.network.run_key else (),
         )
         self.compute.start()
         self.checkpointer = self._make_checkpointer()
@@ -225,6 +220,10 @@ class StageServer:
                 )
 
     # serving ------------------------------------------------------------------------------------
+    def _stage_keys(self) -> tuple[str, ...]:
+        run, i = self.cfg.swarm.run_id, self.spec.index
+        return (stage_key(run, i), progress_key(run, i))
+
     def run(self) -> int:
         """Start, serve until SIGTERM/SIGINT, shut down. Returns the exit code."""
         forked_children_die_with_me()
@@ -248,7 +247,8 @@ class StageServer:
             loop.add_signal_handler(sig, self._stop.set)
         p2p = await self.dht.replicate_p2p()
         remember_group_sockets()
-        self._client = StageClient(p2p, namespace(self.cfg))
+        run_key = self.options.network.run_key
+        self._client = StageClient(p2p, namespace(self.cfg), run_key=run_key)
         swarm = self.cfg.swarm
         self.steps = StepCoordinator(
             self.worker,
@@ -265,7 +265,7 @@ class StageServer:
         params = self.worker.params
         grads_bytes = max_grads_message_bytes(sum(p.numel() for p in params), len(params))
         limit = max(self.io.max_message_bytes(), grads_bytes)
-        servicer = StageServicer(self._handle, limit)
+        servicer = StageServicer(self._handle, limit, run_key=run_key)
         self.stats = servicer.stats
         await servicer.add_p2p_handlers(p2p, namespace=namespace(self.cfg))
         self.sync.start()

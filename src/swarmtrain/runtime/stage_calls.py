@@ -4,7 +4,8 @@ Failure policy (DESIGN.md section 5):
 - timeout -> the peer is slow or hung: retry on another peer (and fold the timeout into its EMA);
 - connection error -> the peer is gone: ban it until its record expires or it re-announces;
 - error answer -> `unavailable`/`timeout`/`internal`: try another peer; `digest_mismatch`: ban;
-  `bad_request`/`too_large`: our request is wrong, retrying cannot help;
+  `bad_request`/`too_large`: our request is wrong, retrying cannot help; `unauthorized`: a private
+  run and we hold no (or another) run key;
 - retries are bounded (`swarm.max_retries`) with exponential backoff; a backward whose micro-batch a
   later stage has already accumulated is `persistent`: it keeps trying (up to `PERSISTENT_ATTEMPTS`,
   waiting for live peers) because giving up would leave the stages disagreeing on the step's batch;
@@ -35,7 +36,7 @@ logger = get_logger(__name__)
 NO_PEER_LOG_PERIOD_S = 5.0
 BACKOFF_BASE_S = 0.05
 BACKOFF_MAX_S = 2.0
-FATAL_CODES = ("bad_request", "too_large", "version")
+FATAL_CODES = ("bad_request", "too_large", "version", "unauthorized")
 PERSISTENT_ATTEMPTS = 60
 
 

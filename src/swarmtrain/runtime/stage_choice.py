@@ -52,9 +52,9 @@ def choose_stage(cfg: RunConfig, records) -> StageChoice:
     return StageChoice(stage, capacities, counts)
 
 
-def choose_stage_live(cfg: RunConfig, initial_peers: list[str], host: str, jitter_s: float = 1.0) -> int:
+def choose_stage_live(cfg: RunConfig, initial_peers: list[str], network, jitter_s: float = 1.0) -> int:
     """Join the swarm briefly (a client DHT) to read the stages' loads; returns the stage to serve."""
-    dht = start_dht(initial_peers, client_mode=True, host=host)
+    dht = start_dht(initial_peers, network, client_mode=True)
     try:
         time.sleep(random.uniform(0.0, jitter_s))
         choice = choose_stage(cfg, RunRecords(dht, cfg.swarm.run_id))

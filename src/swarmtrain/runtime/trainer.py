@@ -26,6 +26,7 @@ from swarmtrain.config import RunConfig
 from swarmtrain.config.errors import UserError
 from swarmtrain.net.codec import encode
 from swarmtrain.net.dht_records import RunRecords
+from swarmtrain.net.engine import PeerNetwork
 from swarmtrain.net.protocol import close_message, namespace
 from swarmtrain.net.transport import StageClient
 from swarmtrain.planner.routing import BACKWARD_WEIGHT, FORWARD_WEIGHT
@@ -52,7 +53,7 @@ class TrainerOptions:
     incarnation: str = field(default_factory=lambda: uuid.uuid4().hex[:12])  # ids unique per start
     shard_index: int = 0
     shard_count: int = 1
-    identity_path: str | None = None  # a stable peer id across restarts
+    network: PeerNetwork = field(default_factory=PeerNetwork)
     log_period_s: float = 5.0
     refresh_period_s: float | None = None  # default: the announce period
 
@@ -118,7 +119,7 @@ class SwarmTrainer:
 
     async def setup(self) -> None:
         p2p = await self.dht.replicate_p2p()
-        self.client = StageClient(p2p, namespace(self.cfg))
+        self.client = StageClient(p2p, namespace(self.cfg), run_key=self.options.network.run_key)
         self.caller = StageCaller(
             self.client, self.table, self.cfg.swarm, self.digest, self.codec, self.stopping
         )
@@ -422,9 +423,7 @@ async def train_async(cfg: RunConfig, options: TrainerOptions, dht, batches_from
     return summary
 
 
-def run_trainer(
-    cfg: RunConfig, options: TrainerOptions, initial_peers: list[str], host: str = "127.0.0.1"
-) -> dict:
+def run_trainer(cfg: RunConfig, options: TrainerOptions, initial_peers: list[str]) -> dict:
     """Blocking entry point: DHT (client mode), data, train, optional evaluation; returns the summary."""
     from swarmtrain.data import build_datasets, iterate_batches
     from swarmtrain.net.engine import shutdown_quietly, start_dht
@@ -443,7 +442,7 @@ def run_trainer(
             skip_samples=skip_samples,
         )
 
-    dht = start_dht(initial_peers, client_mode=True, host=host, identity_path=options.identity_path)
+    dht = start_dht(initial_peers, options.network, client_mode=True)
     try:
         return asyncio.run(train_async(cfg, options, dht, batches_from, val_set))
     finally:
