@@ -19,6 +19,8 @@ SUBCOMMANDS = (
     ("trainer", "swarmtrain.cli.trainer"),
     ("replica", "swarmtrain.cli.replica"),
     ("status", "swarmtrain.cli.status"),
+    ("keygen", "swarmtrain.cli.keygen"),
+    ("monitor", "swarmtrain.cli.monitor"),
     ("export", "swarmtrain.cli.export"),
     ("plan", "swarmtrain.cli.plan"),
     ("simulate", "swarmtrain.cli.simulate"),

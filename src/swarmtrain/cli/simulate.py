@@ -104,6 +104,12 @@ def register(subparsers) -> None:
     )
     p.add_argument("--summary-json", metavar="PATH", help="write the summary as JSON")
     p.add_argument(
+        "--timeline-json",
+        metavar="PATH",
+        help="write every stage's peers, the bottleneck, throughput and lost work at each sample point, "
+        "for `swarmtrain monitor --replay PATH` (one mode of swarm, swarm-no-rebalance, gpipe)",
+    )
+    p.add_argument(
         "--peer-compute-times",
         metavar="FILE",
         help="calibration: CSV peer,stage,seconds_per_sample of measured forward+backward time",
@@ -219,7 +225,8 @@ def run(args: argparse.Namespace) -> int:
     if args.save_trace:
         write_trace(args.save_trace, schedule, fleet)
     modes = list(MODES) if args.mode == "all" else [args.mode]
-    results = []
+    _check_timeline_mode(args)
+    results, frames = [], []
     for mode in modes:
         config = SimConfig(
             mode=mode,
@@ -234,7 +241,13 @@ def run(args: argparse.Namespace) -> int:
             latency_cv=args.latency_cv,
             local_batch_samples=args.local_batch_samples,
         )
-        results.append(run_simulation(fleet, run_cfg, config, schedule, args.global_batch_size))
+        if args.timeline_json:
+            from swarmtrain.sim.timeline import run_with_timeline
+
+            result, frames = run_with_timeline(fleet, run_cfg, config, schedule, args.global_batch_size)
+            results.append(result)
+        else:
+            results.append(run_simulation(fleet, run_cfg, config, schedule, args.global_batch_size))
     wall_s = time.perf_counter() - start
     counts = schedule.counts()
     print(f"fleet: {fleet.description}")
@@ -260,7 +273,27 @@ def run(args: argparse.Namespace) -> int:
         plot_results(results, args.plot, title=f"{fleet.description}; churn {churn_name}")
         print(f"plot: {args.plot}")
     write_summary_json(args.summary_json, _summary(results, wall_s, fleet, churn_name))
+    if args.timeline_json:
+        from swarmtrain.sim.timeline import timeline_document
+
+        description = f"{args.mode} on {fleet.description}; churn {churn_name}"
+        write_summary_json(
+            args.timeline_json, timeline_document(frames, args.mode, args.duration_s, description)
+        )
+        print(
+            f"timeline: {args.timeline_json} ({len(frames)} frames; view it with `swarmtrain monitor --replay`)"
+        )
     return 0
+
+
+def _check_timeline_mode(args: argparse.Namespace) -> None:
+    from swarmtrain.sim.timeline import TIMELINE_MODES
+
+    if args.timeline_json and args.mode not in TIMELINE_MODES:
+        raise UserError(
+            f"--timeline-json records one pipeline mode ({', '.join(TIMELINE_MODES)}); --mode {args.mode} "
+            "has no stages to show"
+        )
 
 
 def _summary(results, wall_s: float, fleet, churn_name: str) -> dict:
@@ -279,6 +312,7 @@ def _choose_mode(args: argparse.Namespace, start: float) -> int:
 
     for flag, given in (
         ("--mode", args.mode),
+        ("--timeline-json", args.timeline_json),
         ("--trace", args.trace),
         ("--save-trace", args.save_trace),
         ("--plot", args.plot),

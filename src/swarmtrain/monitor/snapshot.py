@@ -1,6 +1,7 @@
 """A swarm snapshot from its DHT records: every stage's peers (throughput, queue, step), the bottleneck
 stage, trainers (loss, samples/s) and whole-model replicas; plain data for `swarmtrain status` (table or
-JSON) and anything that renders the swarm.
+JSON) and anything that renders the swarm. `monitor_snapshot` adds what `swarmtrain monitor` shows
+beside it: servers' counters, moves in progress, lost and retried work.
 
 `records` is a `net.dht_records.RunRecords` (or anything with the same read methods), so the snapshot
 is built from exactly what peers announce, and tested on fakes.
@@ -12,8 +13,17 @@ import time
 
 from swarmtrain.config import RunConfig
 
+# what servers publish in their metrics record (runtime/server.py) that the monitor shows
+SERVER_KEYS = ("stage", "step", "resyncs", "lost_samples", "duplicates", "recomputed", "late", "moved")
+# trainer counters beyond `swarm_snapshot`'s, shown when a trainer publishes them (None otherwise)
+TRAINER_EXTRA_KEYS = ("retries", "timeouts")
+
 
 def swarm_snapshot(cfg: RunConfig, records) -> dict:
+    return _snapshot(cfg, records, records.metrics())
+
+
+def _snapshot(cfg: RunConfig, records, metrics: dict[str, dict]) -> dict:
     digest = cfg.digest()
     stages = [_stage(i, records, digest) for i in range(cfg.swarm.num_stages)]
     return {
@@ -21,10 +31,50 @@ def swarm_snapshot(cfg: RunConfig, records) -> dict:
         "digest": digest,
         "stages": stages,
         "bottleneck": min(range(len(stages)), key=lambda i: stages[i]["throughput_samples_per_s"]),
-        "trainers": _trainers(records.metrics()),
+        "trainers": _trainers(metrics),
         "replicas": _replicas(records.replicas(digest)),
         "time": time.time(),
     }
+
+
+def monitor_snapshot(cfg: RunConfig, records) -> dict:
+    """`swarm_snapshot` plus what the monitor shows beside it: trainers' retries, servers' counters,
+    rebalancing moves in progress, and the swarm's lost and retried work summed (`work`)."""
+    metrics = records.metrics()  # read once: the DHT read is the slow part of a snapshot
+    snapshot = _snapshot(cfg, records, metrics)
+    for trainer in snapshot["trainers"]:
+        published = metrics.get(f"trainer-{trainer['trainer_id']}", {})
+        trainer.update({key: published.get(key) for key in TRAINER_EXTRA_KEYS})
+    servers = [
+        {"peer_id": peer_id, **{key: value.get(key) for key in SERVER_KEYS}}
+        for peer_id, value in sorted(metrics.items())
+        if value.get("role") == "server"
+    ]
+    moves = [
+        {"peer_id": peer_id, "from": value.get("from"), "to": value.get("to"), "time": value.get("time")}
+        for peer_id, value in sorted(records.moves().items())
+    ]
+    snapshot.update(servers=servers, moves=moves, work=work_totals(snapshot["trainers"], servers))
+    snapshot["source"] = "dht"
+    return snapshot
+
+
+def work_totals(trainers: list[dict], servers: list[dict]) -> dict:
+    """Lost and retried work over the swarm; a total is None when no peer reports its counter (an
+    older peer, or none of that role yet), so the page never shows an invented 0."""
+    return {
+        "microbatches_completed": _total(t.get("completed") for t in trainers),
+        "microbatches_failed": _total(t.get("failed") for t in trainers),
+        "retries": _total(t.get("retries") for t in trainers),
+        "samples_lost": _total(s.get("lost_samples") for s in servers),
+        "state_downloads": _total(s.get("resyncs") for s in servers),
+        "duplicates": _total(s.get("duplicates") for s in servers),
+    }
+
+
+def _total(values) -> int | float | None:
+    numbers = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    return sum(numbers) if numbers else None
 
 
 def _stage(index: int, records, digest: str) -> dict:

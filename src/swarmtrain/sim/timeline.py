@@ -1,0 +1,132 @@
+"""A simulator run as a timeline of swarm snapshots, for `swarmtrain monitor --replay`.
+
+At each of the simulation's sample points (`SimConfig.num_samples` of them) a frame records every
+stage's live peers (rate, queue, the stage's step, serving or still downloading its state), the
+bottleneck, the trainers' samples/s and the lost and retried work so far, in the shape of the live
+monitor's snapshot (`monitor.snapshot.monitor_snapshot`), `time` in simulated seconds. The monitor then
+derives joins, leaves, moves and lost work between frames exactly as it does for a live swarm.
+
+The simulator has no loss model: frames carry `loss: None`. Pipeline modes only (SWARM with and without
+rebalancing, GPipe): asynchronous replicas have no stages to show.
+"""
+
+from __future__ import annotations
+
+from swarmtrain.sim import runner
+from swarmtrain.sim.metrics import SimResult
+
+TIMELINE_FORMAT = "swarmtrain-timeline"
+TIMELINE_VERSION = 1
+TIMELINE_MODES = ("swarm", "swarm-no-rebalance", "gpipe")
+SIM_TRAINER_ID = "sim"  # the simulated trainers are shown as one: the simulator counts their samples together
+
+
+def timeline_document(frames: list[dict], mode: str, duration_s: float, description: str) -> dict:
+    """The JSON document `swarmtrain monitor --replay` reads."""
+    return {
+        "format": TIMELINE_FORMAT,
+        "version": TIMELINE_VERSION,
+        "mode": mode,
+        "duration_s": duration_s,
+        "description": description,
+        "frames": frames,
+    }
+
+
+def run_with_timeline(
+    fleet, run, config, schedule=None, global_batch_size=None
+) -> tuple[SimResult, list[dict]]:
+    """`runner.run_simulation`, plus a frame at each sample point. The simulation object exists only
+    inside `run_simulation`, so `runner.build` is wrapped for the call to attach the recorder to what it
+    builds (restored afterwards, also on errors); the run itself is unchanged."""
+    if config.mode not in TIMELINE_MODES:
+        raise ValueError(
+            f"a timeline records the pipeline modes {', '.join(TIMELINE_MODES)}, not {config.mode}"
+        )
+    frames: list[dict] = []
+    build = runner.build
+
+    def build_and_record(*args, **kwargs):
+        sim = build(*args, **kwargs)
+        _record_frames(sim, frames)
+        return sim
+
+    runner.build = build_and_record
+    try:
+        result = runner.run_simulation(fleet, run, config, schedule, global_batch_size)
+    finally:
+        runner.build = build
+    return result, frames
+
+
+def _record_frames(sim, frames: list[dict]) -> None:
+    """After each of the metrics' samples (the sample's rate is then in the series), append a frame."""
+    sample = sim.metrics.sample
+
+    def sample_then_frame(now_s: float, optimal_samples_per_s: float, live_peers: int) -> None:
+        sample(now_s, optimal_samples_per_s, live_peers)
+        series = sim.metrics.series
+        if series["time_s"] and series["time_s"][-1] == now_s:  # metrics skip empty intervals
+            frames.append(frame(sim, now_s, series["samples_per_s"][-1]))
+
+    sim.metrics.sample = sample_then_frame
+
+
+def frame(sim, now_s: float, samples_per_s: float) -> dict:
+    """One snapshot of a running pipeline simulation."""
+    stages = [_stage(sim, s) for s in range(sim.num_stages)]
+    metrics = sim.metrics
+    counts = metrics.counts
+    retries = counts["reroutes"] + counts["timeouts"]  # each sends a micro-batch to another peer
+    return {
+        "run_id": f"simulation ({sim.config.mode})",
+        "digest": None,
+        "stages": stages,
+        "bottleneck": min(range(len(stages)), key=lambda i: stages[i]["throughput_samples_per_s"]),
+        "trainers": [
+            {
+                "trainer_id": SIM_TRAINER_ID,
+                "loss": None,
+                "samples_per_s": float(samples_per_s),
+                "samples": int(metrics.samples_completed),
+                "completed": None,
+                "failed": None,
+                "retries": retries,
+                "timeouts": counts["timeouts"],
+            }
+        ],
+        "replicas": [],
+        "servers": [],
+        "moves": [],
+        "work": {
+            "microbatches_completed": None,
+            "microbatches_failed": None,
+            "retries": retries,
+            "samples_lost": float(metrics.samples_lost),
+            "state_downloads": counts["joins"] + counts["moves"],
+            "duplicates": None,
+        },
+        "time": float(now_s),
+        "source": "simulator",
+    }
+
+
+def _stage(sim, index: int) -> dict:
+    # a stage's step: the global batches it has processed (the simulator steps stages on sample counts)
+    step = int(sim.stage_samples[index] // sim.costs.global_batch_size)
+    peers = []
+    for peer in sim.peers:
+        if peer.live and peer.stage == index:
+            peers.append(
+                {
+                    "peer_id": peer.spec.peer_id,
+                    "throughput_samples_per_s": float(peer.rates[index]),
+                    "queue": len(peer.queue) + int(peer.busy),
+                    "epoch": step,
+                    "state": "online" if peer.serving else "joining",  # joining: downloading the state
+                    "same_config": True,
+                    "addresses": [],
+                }
+            )
+    serving = sum(p["throughput_samples_per_s"] for p in peers if p["state"] == "online")
+    return {"index": index, "peers": peers, "throughput_samples_per_s": serving}
