@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import time
 from dataclasses import dataclass, field
@@ -353,6 +354,11 @@ class StageServer:
         from swarmtrain.net.transport import RemoteError, TruncatedReply, is_connection_error
 
         header = {"step": step, "samples": samples, "stage": self.spec.index, "digest": self.digest}
+        nan_every = int(
+            os.environ.get("SWARMTRAIN_FAULT_NAN_GRADS_EVERY", "0")
+        )  # a byzantine replica (tests)
+        if nan_every and step % nan_every == 0:
+            sums = [torch.full_like(t, float("nan")) for t in sums]
         message = make_message("grads", header, dict(zip(self.worker.names, sums, strict=True)), "none")
         for attempt in range(3):  # a cut-off stream is retried; a dead peer is not waited for
             try:

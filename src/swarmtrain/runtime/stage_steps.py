@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from swarmtrain.model.robust import robust_mean
 from swarmtrain.runtime.compute import PRIORITY_SYNC, ComputeWorker
 from swarmtrain.runtime.ledger import Ledger
 from swarmtrain.runtime.stage_worker import StageWorker
@@ -79,6 +80,7 @@ class StepCounters:
     unconfirmed_samples: int = 0  # accumulated here, but no trainer listed this replica
     last_group_size: int = 0
     last_exchange_s: float = 0.0
+    clipped_contributions: int = 0  # a replica's sums far above the others' (model/robust.py)
 
 
 class StepCoordinator:
@@ -243,7 +245,9 @@ class StepCoordinator:
         if not complete:
             self.counters.partial_exchanges += 1
             logger.warning("step %d: outer round without %s", step, sorted(others - set(state.received)))
-        mean = _weighted_mean(contributions) if len(contributions) > 1 else None
+        # pseudo-gradients are per-sample means: weight them back into sums first
+        sums = {p: (n, [t * n for t in delta]) for p, (n, delta) in contributions.items()}
+        mean = self._combine(step, sums) if len(contributions) > 1 else None
 
         def finish() -> list[float]:
             self.worker.finish_sync(step, mean)
@@ -275,14 +279,9 @@ class StepCoordinator:
         self, step: int, contributions: dict, own_ids: list[str], start_s: float, hold_epoch: bool = False
     ) -> None:
         samples = sum(n for n, _ in contributions.values())
-        if samples:
-            totals = [torch.zeros_like(p) for p in self.worker.params]
-            for _n, sums in contributions.values():  # sorted by peer: the same order on every replica
-                for acc, g in zip(totals, sums, strict=True):
-                    acc.add_(g)
-            means: list[torch.Tensor] | None = [t / samples for t in totals]
-        else:
-            means = None  # every micro-batch of the step failed here: nothing to apply
+        # sorted by peer: the same order on every replica; None when every micro-batch of the step
+        # failed here (nothing to apply)
+        means = self._combine(step, contributions)
 
         # between outer rounds (local steps) replicas legitimately differ: no fingerprint to compare
         local_step = self.worker.outer is not None
@@ -313,18 +312,12 @@ class StepCoordinator:
         if self.on_step is not None and not hold_epoch:
             self.on_step(step + 1, fingerprint)
 
+    def _combine(self, step: int, contributions: dict) -> list[torch.Tensor] | None:
+        means, clipped = robust_mean(contributions)
+        if clipped:
+            self.counters.clipped_contributions += len(clipped)
+            logger.warning("step %d: gradients of %s clipped (far larger than the others')", step, clipped)
+        return means
+
     async def _on_compute(self, fn):
         return await self.compute.run(fn, PRIORITY_SYNC)
-
-
-def _weighted_mean(contributions: dict[str, tuple[int, list[torch.Tensor]]]) -> list[torch.Tensor] | None:
-    """Sum of samples-weighted tensors over total samples, added in the dict's (peer) order."""
-    samples = sum(n for n, _ in contributions.values())
-    if not samples:
-        return None
-    totals: list[torch.Tensor] | None = None
-    for n, tensors in contributions.values():
-        weighted = [t * n for t in tensors]
-        totals = weighted if totals is None else [a.add_(b) for a, b in zip(totals, weighted, strict=True)]
-    assert totals is not None
-    return [t / samples for t in totals]

@@ -18,6 +18,7 @@ matters with `training.max_staleness = 1`). Graphs more than one step old are re
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -85,6 +86,8 @@ class StageWorker:
         self.state_lock = threading.Lock()  # parameters/optimizer vs. export to joining peers
         self.epoch = 0  # optimizer steps applied = the global step whose micro-batches come next
         self.samples_seen = 0
+        # a byzantine replica for tests (SWARMTRAIN_FAULT_GRAD_SCALE): its gradient sums come out scaled
+        self.fault_grad_scale = float(os.environ.get("SWARMTRAIN_FAULT_GRAD_SCALE", "1"))
         self.buckets: dict[int, Bucket] = {}
         self.counters = dict(
             forward=0,
@@ -181,7 +184,7 @@ class StageWorker:
         bucket = self.bucket(request.step)
         for acc, grad in zip(bucket.grad_sums, param_grads, strict=True):
             if grad is not None:
-                acc.add_(grad)
+                acc.add_(grad, alpha=self.fault_grad_scale)
         bucket.micro_batch_ids.append(mb)
         bucket.samples += n
         self.ledger.write("acc", mb=mb, n=n, step=request.step)
