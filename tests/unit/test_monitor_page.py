@@ -10,7 +10,7 @@ import pytest
 
 from swarmtrain.cli.main import main
 from swarmtrain.config.errors import UserError
-from swarmtrain.monitor.charts import line_chart, nice_ticks, stage_bars
+from swarmtrain.monitor.charts import line_chart, nice_bounds, nice_ticks, stage_bars
 from swarmtrain.monitor.history import SwarmHistory
 from swarmtrain.monitor.page import PageMeta, render_page
 from swarmtrain.monitor.web import build_app, server_url, start_http_server
@@ -83,11 +83,16 @@ class Checker(HTMLParser):
 def test_nice_ticks_and_charts():
     assert nice_ticks(0, 10) == [0, 2, 4, 6, 8, 10] and nice_ticks(0, 97) == [0, 20, 40, 60, 80]
     assert nice_ticks(2.13, 2.91) == [2.2, 2.4, 2.6, 2.8]
+    assert nice_bounds(2.2, 5.5) == (2.0, 6.0) and nice_bounds(0, 1712) == (0, 2000)  # a loss from ln(256)
     svg = line_chart(
         {"a": [(0, 1.0), (1, None), (2, 3.0), (3, 4.0)], "b": [(0, 2.0)]}, title="t", x_label="s"
     )
     assert svg.count("<polyline") == 1 and svg.count("<circle") == 2  # a gap splits a; b is one point
     assert "no data yet" in line_chart({"a": [(0, None)]}, title="t", x_label="s")
+    flat = line_chart({"a": [(0, 0), (5, 0)]}, title="t", x_label="s")
+    assert 'class="tick">-' not in flat  # a counter at 0: no negative axis
+    late = line_chart({"a": [(5, 1.0), (10, 2.0)]}, title="t", x_label="s", x_range=(0, 10))
+    assert 'text-anchor="middle" class="tick">0</text>' in late  # the shared time axis starts at 0
     bars = stage_bars(snapshot(0, 1.0)["stages"], bottleneck=1)
     assert bars.count("<rect") == 2 and "#d62728" in bars and "20.0 bottleneck" in bars
 

@@ -29,19 +29,32 @@ def fmt_number(value) -> str:
     return f"{value:.1f}" if abs(value) >= 10 else f"{value:.3g}"
 
 
-def nice_ticks(low: float, high: float, count: int = 5) -> list[float]:
-    """About `count` round tick values (steps of 1, 2 or 5 times a power of ten) covering [low, high]."""
-    if not high > low:
-        return [low]
+def nice_step(low: float, high: float, count: int = 5) -> float:
+    """A round step (1, 2 or 5 times a power of ten) cutting [low, high] into about `count` parts."""
     raw = (high - low) / count
     power = 10 ** math.floor(math.log10(raw))
-    step = next(m * power for m in (1, 2, 5, 10) if m * power >= raw)
+    return next(m * power for m in (1, 2, 5, 10) if m * power >= raw)
+
+
+def nice_ticks(low: float, high: float, count: int = 5) -> list[float]:
+    """Round tick values (multiples of `nice_step`) within [low, high]."""
+    if not high > low:
+        return [low]
+    step = nice_step(low, high, count)
     first = math.ceil(low / step - 1e-9) * step
     ticks, value = [], first
     while value <= high + step * 1e-9:
         ticks.append(round(value, 12))
         value += step
     return ticks
+
+
+def nice_bounds(low: float, high: float, count: int = 5) -> tuple[float, float]:
+    """[low, high] widened to the surrounding ticks, so the highest point never touches the frame."""
+    if not high > low:
+        return low, high
+    step = nice_step(low, high, count)
+    return math.floor(low / step + 1e-9) * step, math.ceil(high / step - 1e-9) * step
 
 
 def _svg_open(width: int, height: int, title: str, label: str) -> list[str]:
@@ -69,18 +82,22 @@ def line_chart(
     height: int = 220,
     y_from_zero: bool = True,
     empty_text: str = "no data yet",
+    x_range: tuple[float, float] | None = None,
 ) -> str:
-    """One polyline per named series (gaps where y is None), axes with round ticks, a legend."""
+    """One polyline per named series (gaps where y is None), axes with round ticks, a legend.
+    `x_range`: the x axis's extent (charts side by side share one time axis); default: the data's."""
     points = [(x, y) for values in series.values() for x, y in values if y is not None]
     if not points:
         return _empty(width, height, title, empty_text)
-    x_low, x_high = min(p[0] for p in points), max(p[0] for p in points)
+    x_low, x_high = x_range or (min(p[0] for p in points), max(p[0] for p in points))
     y_low, y_high = min(p[1] for p in points), max(p[1] for p in points)
     y_low = min(0.0, y_low) if y_from_zero else y_low
     if x_high <= x_low:
         x_low, x_high = x_low - 1, x_high + 1
-    if y_high <= y_low:
-        y_low, y_high = y_low - (abs(y_low) * 0.1 or 1), y_high + (abs(y_high) * 0.1 or 1)
+    if y_high <= y_low:  # a flat line: give it room, below only where values may go there
+        pad = abs(y_high) * 0.1 or 1.0
+        y_low, y_high = (y_low if y_from_zero and y_low >= 0 else y_low - pad), y_high + pad
+    y_low, y_high = nice_bounds(y_low, y_high)
     plot_w, plot_h = width - MARGIN_LEFT - MARGIN_RIGHT, height - MARGIN_TOP - MARGIN_BOTTOM
 
     def sx(x: float) -> float:

@@ -187,7 +187,7 @@ def _stage_panel(stage: dict, snapshot: dict) -> str:
 
 
 def _charts(points: list[dict], snapshot: dict, meta: PageMeta) -> str:
-    x_label = _x_label(meta)
+    axis = _time_axis(points, meta)
     start = points[0]["time"] if points else 0.0
     trainer_ids = sorted({t for p in points for t in p["trainers"]})
 
@@ -204,15 +204,15 @@ def _charts(points: list[dict], snapshot: dict, meta: PageMeta) -> str:
     no_loss = "no loss reported (a simulator run does not model loss)" if meta.simulated else "no loss yet"
     charts = [
         stage_bars(snapshot["stages"], snapshot.get("bottleneck")),
-        line_chart(by_stage, title="throughput per stage over time (samples/s)", x_label=x_label),
+        line_chart(by_stage, title="throughput per stage over time (samples/s)", **axis),
         line_chart(
             per_trainer("loss"),
             title="training loss per trainer",
-            x_label=x_label,
+            **axis,
             y_from_zero=False,
             empty_text=no_loss,
         ),
-        line_chart(per_trainer("samples_per_s"), title="samples/s per trainer", x_label=x_label),
+        line_chart(per_trainer("samples_per_s"), title="samples/s per trainer", **axis),
     ]
     return "<div class='grid2'>" + "".join(f"<div class='panel'>{c}</div>" for c in charts) + "</div>"
 
@@ -227,13 +227,16 @@ def _work_chart(points: list[dict], meta: PageMeta) -> str:
     return line_chart(
         series,
         title="lost and retried work (totals)",
-        x_label=_x_label(meta),
+        **_time_axis(points, meta),
         empty_text="no counters reported",
     )
 
 
-def _x_label(meta: PageMeta) -> str:
-    return "simulated seconds" if meta.simulated else "seconds since the monitor started"
+def _time_axis(points: list[dict], meta: PageMeta) -> dict:
+    """One time axis for every chart: seconds from the first snapshot to the latest."""
+    span_s = points[-1]["time"] - points[0]["time"] if points else 0.0
+    label = "simulated seconds" if meta.simulated else "seconds since the monitor started"
+    return {"x_label": label, "x_range": (0.0, span_s)}
 
 
 def _at(values: list, index: int):
