@@ -9,7 +9,7 @@ import torch
 
 from swarmtrain.net.auth import RunKey, generate_key_file
 from swarmtrain.net.engine import PeerNetwork
-from swarmtrain.net.protocol import Message, close_message, namespace
+from swarmtrain.net.protocol import Message, close_message, make_message, namespace
 from swarmtrain.net.transport import RemoteError
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -43,7 +43,10 @@ def test_private_run_refuses_strangers(make_swarm, tmp_path):
     _peer_id = _pid(s1)
     assert stranger.run(stranger_client.connect(_peer_id, addresses, timeout_s=10))
     forged_close = close_message(2, 1, cfg.digest(), 0, 1, {s1: 16}, [s1])
-    for kind, message in [("info", Message("info", {})), ("close", forged_close)]:
+    forged_grads = make_message(
+        "grads", {"step": 2, "stage": 1, "digest": cfg.digest(), "samples": 16}, {"w": torch.zeros(2)}
+    )
+    for kind, message in [("info", Message("info", {})), ("close", forged_close), ("grads", forged_grads)]:
         with pytest.raises(RemoteError) as refused:
             stranger.run(stranger_client.call(_peer_id, kind, message, timeout_s=20))
         assert refused.value.code == "unauthorized"

@@ -16,6 +16,13 @@ def test_help_lists_subcommands(capsys):
         assert name in out
 
 
+_STATUS = [
+    "status",
+    "--initial-peers",
+    "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWJWoaqZhDaoEFshF7Rh1bpY9ohihFhzcW6d69Lr2NASuq",
+]
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -23,6 +30,9 @@ def test_help_lists_subcommands(capsys):
         (["train-local", "--config", "/nonexistent.toml"], "config file not found"),
         (["train-local", "--data", "/nonexistent/texts", "--max-samples", "64"], "data path does not exist"),
         (["train-local", "--max-samples", "8"], "less than one global batch"),
+        ([*_STATUS, "--run-key", "/nonexistent.key"], "cannot read run key"),
+        ([*_STATUS, "--auto-relay", "--no-relay"], "contradict each other"),
+        ([*_STATUS, "--announce-addr", "garbage"], "bad --announce-addr"),
     ],
 )
 def test_user_mistakes_exit_2_with_one_line(capsys, argv, message):
@@ -61,3 +71,10 @@ def test_train_local_learns_and_resumes(tmp_path, small_text_dir):
     second = json.loads((tmp_path / "b.json").read_text())
     assert second["samples"] == 128
     assert second["initial_val_loss"] == pytest.approx(first["final_val_loss"], abs=1e-6)
+
+
+def test_keygen_never_overwrites(tmp_path, capsys):
+    key = tmp_path / "run.key"
+    assert main(["keygen", str(key)]) == 0 and len(key.read_text().strip()) == 64
+    assert main(["keygen", str(key)]) == 2
+    assert "refusing to overwrite" in capsys.readouterr().err

@@ -4,7 +4,7 @@ honest replicas add exactly as before."""
 import pytest
 import torch
 
-from swarmtrain.model.robust import robust_mean
+from swarmtrain.net.robust import robust_mean
 
 pytestmark = pytest.mark.unit
 
@@ -44,3 +44,25 @@ def test_a_scaled_replica_is_clipped_to_the_honest_scale(replicas):
 def test_nothing_to_combine():
     assert robust_mean({}) == (None, [])
     assert robust_mean({"a": (0, [torch.zeros(2)])}) == (None, [])
+
+
+def test_all_reduce_parts_are_combined_robustly():
+    import asyncio
+
+    from swarmtrain.net.outer_averaging import RobustTensorPartReducer
+
+    async def reduce(parts):
+        reducer = RobustTensorPartReducer((torch.Size([4]),), num_senders=len(parts))
+        results = await asyncio.gather(
+            *(reducer.accumulate_part(i, 0, t, w) for i, (t, w) in enumerate(parts))
+        )
+        return results[0]
+
+    honest = torch.tensor([0.1, -0.2, 0.3, 0.0])
+    other = torch.tensor([0.12, -0.18, 0.25, 0.01])
+    plain = asyncio.run(reduce([(honest, 16.0), (other, 16.0)]))
+    assert torch.allclose(plain, (honest + other) / 2)
+    scaled = asyncio.run(reduce([(honest, 16.0), (other * 1e6, 16.0)]))
+    assert torch.isfinite(scaled).all() and scaled.norm() <= 1.6 * honest.norm()
+    nan = asyncio.run(reduce([(honest, 16.0), (torch.full((4,), float("nan")), 16.0)]))
+    assert torch.equal(nan, honest)

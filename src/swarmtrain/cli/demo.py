@@ -38,6 +38,14 @@ def register(subparsers) -> None:
         "prints its validation loss next to the swarm's",
     )
     parser.add_argument(
+        "--monitor-port",
+        type=int,
+        default=0,
+        metavar="PORT",
+        help="port of the live web page (`swarmtrain monitor`, its URL is printed; default: any free port)",
+    )
+    parser.add_argument("--no-monitor", action="store_true", help="do not start the live web page")
+    parser.add_argument(
         "--summary-json",
         metavar="PATH",
         help='write {"initial_loss", "final_loss", "samples", "microbatches_started", "microbatches_completed", '
@@ -63,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
         workdir=args.workdir,
         config_path=args.config,
         reference=not args.no_reference,
+        monitor_port=None if args.no_monitor else args.monitor_port,
     )
     summary = run_demo(options)
     write_summary_json(args.summary_json, summary)

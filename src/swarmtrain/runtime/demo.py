@@ -51,6 +51,7 @@ class DemoOptions:
     workdir: str | None = None
     config_path: str | None = None  # a TOML run file instead of the preset
     reference: bool = True  # train one process on the same samples afterwards, for comparison
+    monitor_port: int | None = 0  # the live web page (`swarmtrain monitor`); 0: any free port; None: none
 
 
 class Interrupted(Exception):
@@ -104,6 +105,9 @@ def _start(swarm: LocalSwarm, cfg, options: DemoOptions, out) -> dict[str, int]:
     print(f"  DHT bootstrap node: {address}", file=out, flush=True)
     for name, stage in servers.items():
         swarm.start_server(name, stage)
+    if options.monitor_port is not None:  # started while the servers build their stages
+        url = swarm.start_monitor(options.monitor_port, "--interval-s", "1")
+        print(f"  monitor: {url} (open it in a browser; JSON at {url}api/swarm)", file=out, flush=True)
     print("  waiting for the servers (model build, DHT join, averager start)...", file=out, flush=True)
     swarm.wait_ready(list(servers), timeout_s=180)
     return servers

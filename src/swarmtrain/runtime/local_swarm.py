@@ -6,6 +6,7 @@ and fault tests, and the benchmark. Every process is started in its own process 
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -15,6 +16,7 @@ from swarmtrain.runtime.cpu_quota import CpuQuota
 from swarmtrain.runtime.procs import ManagedProcess
 
 READY_MARKER = "ready (epoch"
+MONITOR_URL = re.compile(r"monitor: (http://\S+/) ")  # the line `swarmtrain monitor` prints when it serves
 
 
 class SwarmStartError(UserError):
@@ -152,6 +154,17 @@ class LocalSwarm:
             *extra,
         ]
         return self._spawn(name, args)
+
+    def start_monitor(self, port: int = 0, *extra: str, timeout_s: float = 60.0) -> str:
+        """`swarmtrain monitor` of this swarm (stopped with the servers); returns its page's URL."""
+        args = ["monitor", "--config", self.config_path, "--initial-peers", self.address, "--port", str(port)]
+        proc = self._spawn("monitor", [*args, *extra])
+        deadline = time.monotonic() + timeout_s
+        while not (match := MONITOR_URL.search(proc.log_text())):
+            if not proc.alive or time.monotonic() > deadline:
+                raise SwarmStartError(f"the monitor did not start:\n{proc.log_text()[-3000:]}")
+            time.sleep(0.1)
+        return match.group(1)
 
     def summary_path(self, name: str) -> Path:
         return self.workdir / f"{name}.summary.json"

@@ -25,6 +25,7 @@ Who takes part, and how replicas stay equal:
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ from swarmtrain.model.diloco import OuterOptimizer
 from swarmtrain.model.optim import adam_state_tensors, load_adam_state
 from swarmtrain.net.engine import PeerNetwork
 from swarmtrain.net.outer_averaging import WIRE_BYTES_PER_ELEMENT
+from swarmtrain.net.robust import norm_of
 from swarmtrain.planner.outer_rounds import INITIAL_LINEAGE, RoundState, next_lineage, started_from_reference
 from swarmtrain.runtime.replica_inner import InnerTrainer
 from swarmtrain.utils.logging import get_logger
@@ -49,6 +51,7 @@ PEER_POLL_S = 0.2
 MATCHMAKING_S = 1.0
 GROUP_TIMEOUT_S = 10.0
 DOWNLOAD_TIMEOUT_S = 60.0
+ANCHOR_NORM_RATIO = 3.0  # a downloaded model whose norm is beyond this many times ours is refused
 
 
 @dataclass
@@ -152,6 +155,7 @@ class ReplicaPeer:
         n = len(self.outer.anchor)
         if meta.get("digest") != self.digest or len(tensors) != 5 * n:
             raise UserError("downloaded replica state does not match this run (digest or size)")
+        _check_plausible(tensors[:n], self.outer.anchor)
         with self.state_lock:
             self.outer.load(tensors[:n], tensors[n : 2 * n], int(meta["outer_step"]))
             self.lineage = str(meta.get("lineage", ""))
@@ -291,7 +295,7 @@ class ReplicaPeer:
             "samples": self.round_samples,
         }
         return self.averager.average(
-            self.outer.pseudo_gradients(),
+            _byzantine(self.outer.pseudo_gradients(), k),
             weight=self.round_samples or 1e-3,  # a joiner at the round's end trained nothing in it
             gather=gather,
             timeout_s=GROUP_TIMEOUT_S,
@@ -399,6 +403,28 @@ def _round_state(gathered: dict) -> RoundState:
         return RoundState(int(gathered["outer_step"]), str(gathered["lineage"]), float(gathered["fp"]))
     except (KeyError, TypeError, ValueError):
         return RoundState(-1, "", float("nan"))  # a malformed member never becomes the reference
+
+
+def _check_plausible(anchor: list[torch.Tensor], own: list[torch.Tensor]) -> None:
+    """Refuse a donor's weights that are non-finite or far larger than ours: a faulty replica (one
+    whose rounds were dropped as non-finite or clipped) serves state too, and an honest replica that
+    resynced from it ended at val loss 4e5 (tests/faults/test_byzantine_replica.py). Training moves
+    a model's norm by far less than ANCHOR_NORM_RATIO, from initial weights (a joiner) included."""
+    if not all(bool(torch.isfinite(t).all()) for t in anchor):
+        raise ValueError("the donor's weights are not finite")
+    theirs, mine = norm_of(anchor), norm_of(own)
+    if theirs > ANCHOR_NORM_RATIO * mine:
+        raise ValueError(f"the donor's weights have norm {theirs:.3g}, ours {mine:.3g}: implausible")
+
+
+def _byzantine(tensors: list[torch.Tensor], round_index: int) -> list[torch.Tensor]:
+    """A faulty replica for tests: what it sends into a round scaled (SWARMTRAIN_FAULT_GRAD_SCALE), or
+    NaN every k-th round (SWARMTRAIN_FAULT_NAN_GRADS_EVERY)."""
+    scale = float(os.environ.get("SWARMTRAIN_FAULT_GRAD_SCALE", "1"))
+    nan_every = int(os.environ.get("SWARMTRAIN_FAULT_NAN_GRADS_EVERY", "0"))
+    if nan_every and round_index % nan_every == 0:
+        return [torch.full_like(t, float("nan")) for t in tensors]
+    return [t * scale for t in tensors] if scale != 1.0 else tensors
 
 
 def run_replica(

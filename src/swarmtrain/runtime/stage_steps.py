@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from swarmtrain.model.robust import robust_mean
+from swarmtrain.net.robust import robust_mean
 from swarmtrain.runtime.compute import PRIORITY_SYNC, ComputeWorker
 from swarmtrain.runtime.ledger import Ledger
 from swarmtrain.runtime.stage_worker import StageWorker
@@ -80,7 +80,7 @@ class StepCounters:
     unconfirmed_samples: int = 0  # accumulated here, but no trainer listed this replica
     last_group_size: int = 0
     last_exchange_s: float = 0.0
-    clipped_contributions: int = 0  # a replica's sums far above the others' (model/robust.py)
+    clipped_contributions: int = 0  # a replica's sums far above the others' (net/robust.py)
 
 
 class StepCoordinator:

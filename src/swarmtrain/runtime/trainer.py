@@ -365,6 +365,8 @@ class SwarmTrainer:
             "samples_per_s": rate,
             "completed": res.completed,
             "failed": res.failed,
+            "retries": self.caller.retries,
+            "timeouts": self.caller.timeouts,
             "peers_per_stage": peers,
         }
         await asyncio.get_running_loop().run_in_executor(
