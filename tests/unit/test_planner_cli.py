@@ -123,3 +123,23 @@ def test_user_scenario_file_runs(tmp_path, capsys):
     }))  # fmt: skip
     out = run_json(capsys, "--scenario-file", str(fleet), *SIZES, *FAST)
     assert len(out["groups"]) == 2 and len(out["pipelines"]) == 4
+
+
+def test_fleet_file_plans_end_to_end(capsys):
+    from pathlib import Path
+
+    example = str(Path(__file__).resolve().parents[2] / "examples" / "fleet.toml")
+    out = run_json(capsys, "--fleet", example, "--num-stages", "4", *SIZES, *FAST)
+    assert len(out["groups"]) == 4 and sorted(d for g in out["groups"] for d in g) == list(range(16))
+    out = run_json(capsys, "--fleet", example, "--num-stages", "4", "--model", "tiny", "--compute", *FAST)
+    assert out["fits_memory"] and len(out["layers_per_stage"]) == 4
+
+
+def test_bad_fleet_files_exit_2_with_one_line(tmp_path, capsys):
+    fleet = tmp_path / "fleet.toml"
+    fleet.write_text('[[peers]]\ndevice = "t4"\ncount = 2\nuplink_mbit_s = -5\n')
+    assert main(["plan", "--fleet", str(fleet), *SIZES]) == 2
+    err = capsys.readouterr().err
+    assert "peers[0]: uplink_mbit_s must be a positive number" in err and err.count("\n") == 1
+    assert main(["plan", "--scenario", "spot", "--num-stages", "4", *SIZES]) == 2
+    assert "--num-stages applies to --fleet" in capsys.readouterr().err

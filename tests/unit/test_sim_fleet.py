@@ -99,11 +99,32 @@ def test_fleet_file_expands_counts_and_overrides(tmp_path):
         ({"peers": [{"device": "t4", "compute_s_per_sample": [0.1, -2]}]}, "compute_s_per_sample"),
         ({"servers": []}, "unknown key"),
         ({"peers": [{"device": "t4", "stage": -1}]}, "stage must be a stage index"),
+        ({"peers": [{"device": "t4", "peak_tflops": "fast"}]}, r"peers\[0\]: peak_tflops must be a positive"),
+        ({"peers": [{"device": "t4"}, {"device": "A100-90GB"}]}, r"peers\[1\]: device must be one of"),
     ],
 )
 def test_fleet_file_errors_say_what_is_wrong(raw, message):
     with pytest.raises(FleetError, match=message):
         fleet_from_dict(raw)
+
+
+def test_fleet_file_takes_aliases_and_either_tflops_figure():
+    fleet = fleet_from_dict(
+        {"peers": [
+            {"device": "A100-80GB"},
+            {"device": "t4", "peak_tflops": 130},  # twice the T4's peak: twice its sustained speed
+            {"device": "t4", "tflops": 10},
+        ]}
+    )  # fmt: skip
+    big, fast_t4, slow_t4 = fleet.peers
+    assert (big.peer_id, big.device, big.tflops, big.memory_bytes) == (
+        "a100-80gb0",
+        "a100-80gb",
+        120.0,
+        80 * GB,
+    )
+    assert fast_t4.tflops == pytest.approx(2 * DEVICE_TYPES["t4"].sustained_tflops)
+    assert slow_t4.tflops == 10.0
 
 
 def test_fleet_file_that_is_not_toml(tmp_path):

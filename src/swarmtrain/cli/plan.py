@@ -27,7 +27,11 @@ of Foundation Models in Heterogeneous Environments"). Built-in fleets: datacente
 multi-university, regional, world-wide (communication only) and mixed-regional, mixed-world,
 mixed-volunteers (with GPU speed and memory, for --compute).
 
-Your own fleet (--scenario-file), one JSON object; links are symmetric, latency >= 0, bandwidth > 0:
+Your own fleet (--fleet FILE.toml): the simulator's fleet file (locations, latency_ms, bandwidth_mbit_s,
+[[peers]] with device, count, location; see docs/simulator.md and examples/fleet.toml). Devices take
+peak TFLOPS and memory from the shared device table; --num-stages cuts them into stages (default 8).
+
+The older form (--scenario-file), one JSON object; links are symmetric, latency >= 0, bandwidth > 0:
   {"name": "labs", "num_stages": 2,                        (default 8; must divide the devices)
    "devices": [{"site": "a", "gpu": "A100", "tflops": 312, "memory_gb": 80}, ...],   (or a count)
    "sites": ["a", "b"],                  (optional: then the matrices are site x site, the diagonal
@@ -44,8 +48,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--scenario", metavar="NAME", help="a built-in fleet (see above)")
+    source.add_argument("--fleet", metavar="FILE.toml", help="a fleet file, the one `simulate --fleet` reads")
     source.add_argument(
         "--scenario-file", metavar="PATH", help="a fleet as JSON (devices, sites, latency_ms, bandwidth_gbps)"
+    )
+    parser.add_argument(
+        "--num-stages", type=positive_int, default=None, metavar="N", help="stages for --fleet (default 8)"
     )
     parser.add_argument(
         "--shuffle-seed", type=int, default=None, metavar="N", help="relabel the devices randomly first"
@@ -138,13 +146,19 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _load_scenario(args: argparse.Namespace):
+    from swarmtrain.planner.fleet_scenario import load_fleet_scenario
     from swarmtrain.planner.fleets import builtin_scenario
     from swarmtrain.planner.scenario_file import load_scenario_file
-    from swarmtrain.planner.scenarios import relabel
+    from swarmtrain.planner.scenarios import DEFAULT_NUM_STAGES, relabel
 
-    scenario = (
-        load_scenario_file(args.scenario_file) if args.scenario_file else builtin_scenario(args.scenario)
-    )
+    if args.num_stages is not None and not args.fleet:
+        raise UserError("--num-stages applies to --fleet (a scenario file gives num_stages itself)")
+    if args.fleet:
+        scenario = load_fleet_scenario(args.fleet, args.num_stages or DEFAULT_NUM_STAGES)
+    elif args.scenario_file:
+        scenario = load_scenario_file(args.scenario_file)
+    else:
+        scenario = builtin_scenario(args.scenario)
     if args.shuffle_seed is not None:
         scenario, _ = relabel(scenario, args.shuffle_seed)
     return scenario

@@ -49,7 +49,7 @@ def register(subparsers) -> None:
     )
     fleet = p.add_mutually_exclusive_group()
     fleet.add_argument("--scenario", metavar="NAME", help="one of the planner's five 64-device scenarios")
-    fleet.add_argument("--fleet", metavar="FILE", help="a TOML fleet file (see swarmtrain.sim.fleet_file)")
+    fleet.add_argument("--fleet", metavar="FILE", help="a TOML fleet file (see examples/fleet.toml)")
     fleet.add_argument(
         "--num-peers",
         type=positive_int,

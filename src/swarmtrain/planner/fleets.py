@@ -1,8 +1,8 @@
 """Mixed-GPU fleets: the communication scenarios' networks with real accelerators on them.
 
-TFLOPS are vendor peak dense fp16/bf16 tensor throughput (consumer cards: with fp32 accumulation, as
-mixed-precision training uses), memory is the card's. The compute-aware planner (`planner.hetero`)
-applies a utilization factor to the peaks.
+Speed and memory come from the device table shared with the simulator (`config.devices`): the
+scenarios carry each device's vendor *peak* dense fp16 TFLOPS and its memory; the compute-aware planner
+(`planner.hetero`) applies its utilization factor to the peaks.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from swarmtrain.config.devices import device_type
 from swarmtrain.planner.scenarios import (
     COMMUNICATION_SCENARIOS,
     Scenario,
@@ -21,36 +22,27 @@ from swarmtrain.planner.scenarios import (
     world_wide,
 )
 
-# name: (peak dense fp16 TFLOPS, memory GB)
-GPUS = {
-    "A100-80GB": (312.0, 80.0),
-    "V100-32GB": (125.0, 32.0),
-    "T4": (65.0, 16.0),
-    "RTX-3090": (71.0, 24.0),
-    "RTX-4090": (165.0, 24.0),
-    "RTX-3080": (59.5, 10.0),
-}
-
 
 def with_gpus(scenario: Scenario, name: str, gpu_of_site: dict[str, str]) -> Scenario:
-    """The same network with each device's GPU chosen by its site."""
-    gpu_names = tuple(gpu_of_site[site] for site in scenario.sites)
-    tflops = np.array([GPUS[g][0] for g in gpu_names])
-    memory_gb = np.array([GPUS[g][1] for g in gpu_names])
+    """The same network with each device's GPU (a `config.devices` name or alias) chosen by its site."""
+    devices = [device_type(gpu_of_site[site]) for site in scenario.sites]
+    tflops = np.array([d.peak_tflops for d in devices])
+    memory_gb = np.array([d.memory_gb for d in devices], dtype=float)
+    gpu_names = tuple(d.name for d in devices)
     return replace(scenario, name=name, tflops=tflops, memory_gb=memory_gb, gpu_names=gpu_names)
 
 
 def mixed_regional() -> Scenario:
     """`regional` with A100s in Virginia, V100s in Oregon, T4s in California and RTX 3090s in Ohio."""
-    gpus = {"virginia": "A100-80GB", "oregon": "V100-32GB", "california": "T4", "ohio": "RTX-3090"}
+    gpus = {"virginia": "a100-80gb", "oregon": "v100-32gb", "california": "t4", "ohio": "rtx3090"}
     return with_gpus(regional(), "mixed-regional", gpus)
 
 
 def mixed_world() -> Scenario:
     """`world-wide` with a different accelerator in each city, from A100s to 10 GB consumer cards."""
     gpus = {
-        "oregon": "A100-80GB", "virginia": "A100-80GB", "ohio": "V100-32GB", "tokyo": "V100-32GB",
-        "seoul": "RTX-4090", "london": "T4", "frankfurt": "RTX-3090", "ireland": "RTX-3080",
+        "oregon": "a100-80gb", "virginia": "a100-80gb", "ohio": "v100-32gb", "tokyo": "v100-32gb",
+        "seoul": "rtx4090", "london": "t4", "frankfurt": "rtx3090", "ireland": "rtx3080",
     }  # fmt: skip
     return with_gpus(world_wide(), "mixed-world", gpus)
 
@@ -69,8 +61,8 @@ def mixed_volunteers() -> Scenario:
     device_sites = [i // 8 if i < 32 else 4 + (i - 32) for i in range(64)]
     names = [f"dc-machine{m}" for m in range(4)] + [f"home{v}" for v in range(32)]
     scenario = scenario_from_sites("mixed-volunteers", device_sites, names, (latency, bandwidth))
-    home_cards = ("RTX-4090", "RTX-3090", "RTX-3080", "RTX-3090")
-    gpus = {name: "A100-80GB" for name in names[:4]}
+    home_cards = ("rtx4090", "rtx3090", "rtx3080", "rtx3090")
+    gpus = {name: "a100-80gb" for name in names[:4]}
     gpus.update({name: home_cards[v % len(home_cards)] for v, name in enumerate(names[4:])})
     return with_gpus(scenario, "mixed-volunteers", gpus)
 

@@ -1,4 +1,8 @@
-"""Reading and writing fleets as JSON, with errors that say what is wrong and where.
+"""Reading and writing fleets as JSON (`plan --scenario-file`), with errors that say what is wrong and where.
+
+This is the planner's older fleet format, kept for existing files and `plan --json` round trips; the
+TOML fleet file (`planner.fleet_spec`, `plan --fleet`) is the one the simulator reads too, and takes
+device speed and memory from the shared table (`config.devices`) instead of numbers per device.
 
 A scenario file is one JSON object:
 
@@ -58,7 +62,7 @@ def scenario_from_dict(data: Any, default_name: str = "custom") -> Scenario:
             raise ScenarioError(f"scenario is missing {key!r}")
     devices = _parse_devices(data["devices"])
     num_devices = len(devices)
-    num_stages = _parse_num_stages(data.get("num_stages", DEFAULT_NUM_STAGES), num_devices)
+    num_stages = parse_num_stages(data.get("num_stages", DEFAULT_NUM_STAGES), num_devices)
     if "sites" in data:
         site_names = _parse_site_names(data["sites"])
         size, what = len(site_names), "site"
@@ -103,7 +107,7 @@ def _parse_devices(value: Any) -> list[dict]:
     return value
 
 
-def _parse_num_stages(value: Any, num_devices: int) -> int:
+def parse_num_stages(value: Any, num_devices: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ScenarioError(f"'num_stages' must be a positive integer, got {value!r}")
     if num_devices % value:

@@ -1,38 +1,20 @@
-"""Static descriptions of what is simulated: device types, peers, locations and fleets (plain frozen data)."""
+"""Static descriptions of what is simulated: peers, locations and fleets (plain frozen data).
+
+Device types come from the table shared with the planner, `config.devices`.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from swarmtrain.config.devices import DEVICES, DeviceType
+
 GB = 1e9
 MBIT_S = 1e6 / 8  # bytes per second in one Mbit/s
 
 
-@dataclass(frozen=True)
-class DeviceType:
-    """A kind of machine. `tflops` is *sustained* mixed-precision training throughput, not the peak."""
-
-    name: str
-    tflops: float
-    memory_gb: float  # accelerator memory
-    host_memory_gb: float
-    uplink_mbit_s: float
-    downlink_mbit_s: float
-    host_to_device_gb_s: float = 12.0  # PCIe, for layer swapping
-
-
-# Sustained numbers are ~35-45% of the datasheet fp16 tensor peak, a typical large-transformer MFU.
-DEVICE_TYPES: dict[str, DeviceType] = {
-    d.name: d
-    for d in (
-        DeviceType("a100", 120.0, 40, 256, 10_000, 10_000, 24.0),
-        DeviceType("v100", 50.0, 16, 128, 5_000, 5_000, 12.0),
-        DeviceType("t4", 25.0, 16, 64, 2_000, 2_000, 12.0),
-        DeviceType("rtx3090", 35.0, 24, 64, 300, 1_000, 24.0),
-        DeviceType("rtx2080ti", 22.0, 11, 32, 100, 500, 12.0),
-        DeviceType("cpu", 0.05, 0, 8, 10_000, 10_000, 1.0),  # only with measured compute times
-    )
-}
+# The shared device table (config.devices); the simulator computes with each type's *sustained* TFLOPS.
+DEVICE_TYPES: dict[str, DeviceType] = DEVICES
 
 
 @dataclass(frozen=True)
@@ -96,7 +78,7 @@ class PeerSpec:
         return PeerSpec(
             peer_id=peer_id,
             device=device.name,
-            tflops=device.tflops,
+            tflops=device.sustained_tflops,
             memory_bytes=device.memory_gb * GB,
             host_memory_bytes=device.host_memory_gb * GB,
             uplink_bytes_per_s=device.uplink_mbit_s * MBIT_S,

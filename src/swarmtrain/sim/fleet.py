@@ -3,7 +3,7 @@
 Synthetic fleet (`--num-peers N`): each peer draws a device type with these weights (seeded):
 5% a100 and 15% v100 (cloud, 10 and 5 Gbit/s), 30% t4 (spot cloud, 2 Gbit/s), 25% rtx3090
 (home: 300 Mbit/s up, 1 Gbit/s down) and 25% rtx2080ti (home: 100 Mbit/s up, 500 Mbit/s down), see
-`entities.DEVICE_TYPES`; and a location uniformly among the 8 cities of the planner's `world-wide`
+`config.devices`; and a location uniformly among the 8 cities of the planner's `world-wide`
 scenario (5 ms / 2 Gbit/s inside a city, 11-238 ms / 0.34-1.16 Gbit/s per flow across).
 
 Scenario fleets (`--scenario NAME`): the 64 devices of one of the planner's five communication
@@ -21,16 +21,12 @@ from pathlib import Path
 
 import numpy as np
 
-from swarmtrain.config.errors import UserError
+from swarmtrain.planner.fleet_spec import FleetError  # one error class for fleet files and fleets
 from swarmtrain.sim.entities import DEVICE_TYPES, GB, Fleet, Locations, PeerSpec
 from swarmtrain.utils.rng import make_rng
 
 SYNTHETIC_MIX = {"a100": 0.05, "v100": 0.15, "t4": 0.30, "rtx3090": 0.25, "rtx2080ti": 0.25}
 GBIT_S = 1e9 / 8
-
-
-class FleetError(UserError):
-    """A fleet description or compute-time table that cannot be used; the message says why."""
 
 
 def scenario_names() -> list[str]:
