@@ -43,7 +43,9 @@ HOSTILE_VALUES = [
 ]
 _ENVELOPE = ["kind", "v", "tensors", "stage", "digest"]
 FIELDS = {  # the header fields each kind's validator reads
-    "forward": _ENVELOPE + ["mb", "codec", "step", "fused_backward", "eval", "accumulate"],
+    "forward": _ENVELOPE + ["mb", "codec", "step", "accumulate"],
+    "forward_backward": _ENVELOPE + ["mb", "codec", "step", "accumulate"],
+    "evaluate": _ENVELOPE + ["mb", "codec", "step"],
     "backward": _ENVELOPE + ["mb", "codec", "step", "accumulate"],
     "close": _ENVELOPE + ["step", "shard", "shards", "members", "participants"],
     "grads": _ENVELOPE + ["step", "samples"],
@@ -63,10 +65,10 @@ def valid_messages(cfg: RunConfig, stage: int) -> list[tuple[str, bytes]]:
     tensors = {"inputs": inputs}
     if spec.is_last:
         tensors["labels"] = torch.randint(0, m.vocab_size, (b, m.seq_len))
-    forward = request_message(
-        "forward", "fz-1", stage, digest, "8bit", tensors, step=0, fused_backward=spec.is_last
-    )
-    messages = [("forward", pack(forward))]
+    kind = "forward_backward" if spec.is_last else "forward"
+    forward = request_message(kind, "fz-1", stage, digest, "8bit", tensors, step=0)
+    evaluate = request_message("evaluate", "fz-2", stage, digest, "8bit", tensors)
+    messages = [(kind, pack(forward)), ("evaluate", pack(evaluate))]
     if not spec.is_last:
         grad = torch.randn(b, m.seq_len, m.d_model)
         backward = request_message(
@@ -155,7 +157,7 @@ def locally_rejected(kind: str, data: bytes, cfg: RunConfig, stage: int) -> bool
         message = protocol.unpack(data, io.max_message_bytes())
         if message.kind != kind:
             return True
-        if kind in ("forward", "backward"):
+        if kind in protocol.MICRO_BATCH_KINDS:
             protocol.validate_request(message, io, cfg.digest())
         elif kind == "close":
             protocol.validate_close(message, stage, cfg.digest())

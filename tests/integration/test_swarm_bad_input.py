@@ -18,8 +18,8 @@ def _bad_requests(cfg, digest):
     hidden, labels = torch.randn(b, t, m.d_model), torch.randint(0, m.vocab_size, (b, t))
 
     def req(tensors, **header):
-        fields = {"fused_backward": True, "step": 0, **header}
-        return pack(request_message("forward", "bad-1", 1, digest, "none", tensors, **fields))
+        fields = {"step": 0, **header}
+        return pack(request_message("forward_backward", "bad-1", 1, digest, "none", tensors, **fields))
 
     nan = hidden.clone()
     nan[0, 0, 0] = float("nan")
@@ -29,12 +29,16 @@ def _bad_requests(cfg, digest):
     header["tensors"] = [["inputs", "none", "float32", [10**6, 10**6, 10**6], 4 * 10**18]]
     forged = json.dumps(header).encode()
     return [
-        ("wrong hidden size", "forward", req({"inputs": torch.randn(b, t, m.d_model + 1), "labels": labels})),
-        ("wrong dtype of labels", "forward", req({"inputs": hidden, "labels": labels.float()})),
-        ("int hidden states", "forward", req({"inputs": hidden.long(), "labels": labels})),
+        (
+            "wrong hidden size",
+            "forward_backward",
+            req({"inputs": torch.randn(b, t, m.d_model + 1), "labels": labels}),
+        ),
+        ("wrong dtype of labels", "forward_backward", req({"inputs": hidden, "labels": labels.float()})),
+        ("int hidden states", "forward_backward", req({"inputs": hidden.long(), "labels": labels})),
         (
             "too long sequence",
-            "forward",
+            "forward_backward",
             req(
                 {
                     "inputs": torch.randn(b, t + 1, m.d_model),
@@ -42,9 +46,9 @@ def _bad_requests(cfg, digest):
                 }
             ),
         ),
-        ("labels out of range", "forward", req({"inputs": hidden, "labels": labels + m.vocab_size})),
-        ("missing labels", "forward", req({"inputs": hidden})),
-        ("NaN activations", "forward", req({"inputs": nan, "labels": labels})),
+        ("labels out of range", "forward_backward", req({"inputs": hidden, "labels": labels + m.vocab_size})),
+        ("missing labels", "forward_backward", req({"inputs": hidden})),
+        ("NaN activations", "forward_backward", req({"inputs": nan, "labels": labels})),
         (
             "wrong stage",
             "forward",
@@ -54,13 +58,13 @@ def _bad_requests(cfg, digest):
         ),
         (
             "wrong digest",
-            "forward",
+            "forward_backward",
             req({"inputs": hidden, "labels": labels}).replace(digest.encode(), b"0" * len(digest)),
         ),
         ("absurd declared size", "forward", protocol.MAGIC + struct.pack("<I", len(forged)) + forged),
         ("garbage bytes", "forward", b"\x00garbage" * 1000),
         ("empty message", "backward", b""),
-        ("truncated payload", "forward", req({"inputs": hidden, "labels": labels})[:-100]),
+        ("truncated payload", "forward_backward", req({"inputs": hidden, "labels": labels})[:-100]),
         (
             "oversized message",
             "forward",
@@ -106,15 +110,8 @@ def test_bad_requests_get_error_answers_and_change_nothing(make_swarm):
     hidden = torch.randn(2, cfg.model.seq_len, cfg.model.d_model)
     labels = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_len))
     good = request_message(
-        "forward",
-        "good-1",
-        1,
-        cfg.digest(),
-        "none",
-        {"inputs": hidden, "labels": labels},
-        fused_backward=True,
-        step=0,
+        "forward_backward", "good-1", 1, cfg.digest(), "none", {"inputs": hidden, "labels": labels}, step=0
     )
-    reply = probe.call_raw(peer, "forward", pack(good))
+    reply = probe.call_raw(peer, "forward_backward", pack(good))
     assert reply.kind == "result" and reply.header["loss"] > 0
     assert reply.tensor("grad_inputs").shape == hidden.shape

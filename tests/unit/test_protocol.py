@@ -26,10 +26,12 @@ def _io(tiny_cfg, stage):
 
 def test_pack_unpack_round_trip_keeps_header_and_tensors():
     msg = request_message(
-        "forward", "t-1", 1, DIGEST, "8bit", {"inputs": torch.randn(2, 3, 4)}, fused_backward=True
+        "forward_backward", "t-1", 1, DIGEST, "8bit", {"inputs": torch.randn(2, 3, 4)}, accumulate=False
     )
     back = unpack(pack(msg), max_bytes=10**6)
-    assert back.kind == "forward" and back.header["mb"] == "t-1" and back.header["fused_backward"] is True
+    assert (
+        back.kind == "forward_backward" and back.header["mb"] == "t-1" and back.header["accumulate"] is False
+    )
     assert back.tensors["inputs"] == msg.tensors["inputs"]
 
 
@@ -74,12 +76,25 @@ def test_valid_requests_for_first_and_last_stage(tiny_cfg):
     assert req.num_samples == 3 and not req.evaluate and torch.equal(req.inputs, tokens) and req.step == 7
     hidden = torch.randn(3, m.seq_len, m.d_model)
     msg = request_message(
-        "forward", "a", 1, DIGEST, "8bit", {"inputs": hidden, "labels": tokens}, fused_backward=True, step=0
+        "forward_backward", "a", 1, DIGEST, "8bit", {"inputs": hidden, "labels": tokens}, step=0
     )
     req = validate_request(msg, _io(tiny_cfg, 1), DIGEST)
     assert req.fused_backward and req.labels is not None
-    msg = request_message("forward", "a", 1, DIGEST, "8bit", {"inputs": hidden, "labels": tokens}, eval=True)
+    msg = request_message("evaluate", "a", 1, DIGEST, "8bit", {"inputs": hidden, "labels": tokens})
     assert validate_request(msg, _io(tiny_cfg, 1), DIGEST).evaluate  # an evaluation needs no step
+
+
+@pytest.mark.parametrize(("kind", "stage"), [("forward", 1), ("backward", 1), ("forward_backward", 0)])
+def test_each_kind_goes_to_its_stages(tiny_cfg, kind, stage):
+    m = tiny_cfg.model
+    inputs = (
+        torch.zeros(2, m.seq_len, dtype=torch.long) if stage == 0 else torch.randn(2, m.seq_len, m.d_model)
+    )
+    tensors = {"inputs": inputs, **({"labels": torch.zeros(2, m.seq_len, dtype=torch.long)} if stage else {})}
+    with pytest.raises(ProtocolError, match="last stage"):
+        validate_request(
+            request_message(kind, "a", stage, DIGEST, "none", tensors, step=0), _io(tiny_cfg, stage), DIGEST
+        )
 
 
 @pytest.mark.parametrize("step", [None, -1, "3", True, 2**60])
@@ -157,7 +172,7 @@ def test_absurd_but_finite_hidden_states_are_refused(tiny_cfg):
     hidden[1, 3, 5] = 1e20
     labels = torch.zeros(2, m.seq_len, dtype=torch.long)
     msg = request_message(
-        "forward", "m", 1, DIGEST, "none", {"inputs": hidden, "labels": labels}, fused_backward=True, step=0
+        "forward_backward", "m", 1, DIGEST, "none", {"inputs": hidden, "labels": labels}, step=0
     )
     with pytest.raises(ProtocolError) as info:
         validate_request(msg, _io(tiny_cfg, 1), DIGEST)
@@ -188,7 +203,7 @@ def test_large_but_plausible_values_are_accepted(tiny_cfg):
     hidden[0, 0, 0] = MAX_ABS_VALUE  # exactly on the bound: "none" keeps it exact, 8-bit might round past
     labels = torch.zeros(2, m.seq_len, dtype=torch.long)
     msg = request_message(
-        "forward", "m", 1, DIGEST, "none", {"inputs": hidden, "labels": labels}, fused_backward=True, step=0
+        "forward_backward", "m", 1, DIGEST, "none", {"inputs": hidden, "labels": labels}, step=0
     )
     assert validate_request(msg, _io(tiny_cfg, 1), DIGEST).inputs.shape == hidden.shape
 

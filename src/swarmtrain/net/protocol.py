@@ -31,7 +31,9 @@ def namespace(cfg: RunConfig) -> str:
     return f"{cfg.swarm.run_id}_{cfg.digest()}"
 
 
-PROTOCOL_VERSION = 2  # 2: training requests carry the global step they belong to
+# 2: training requests carry the global step they belong to; 3: forward_backward and evaluate are
+# message kinds of their own (were flags on forward)
+PROTOCOL_VERSION = 3
 MAGIC = b"SWT1"
 MAX_HEADER_BYTES = 64 * 1024
 MAX_ID_CHARS = 128
@@ -43,10 +45,13 @@ MAX_TENSORS = 1024  # info replies carry one tensor per parameter
 # finite fp32 magnitude, and only the float16 codec overflows (to inf, which the NaN/inf check catches)
 # at 65504, so the wire format itself bounds nothing.
 MAX_ABS_VALUE = 1e6
-# forward/backward: a micro-batch through a stage; close: a trainer tells a stage's replicas that a
-# step's micro-batches are all done (and who accumulated them); grads: one replica's gradient sums of
-# a step, sent to its stage peers; info: counters and state for probes and monitors
-KINDS = ("forward", "backward", "close", "grads", "info", "result", "error")
+# forward/backward: a training micro-batch through a stage (not the last); forward_backward: through
+# the last stage, loss and backward in one call; evaluate: forward only, any stage, nothing kept;
+# close: a trainer tells a stage's replicas that a step's micro-batches are all done (and who
+# accumulated them); grads: one replica's gradient sums of a step, sent to its stage peers; info:
+# counters and state for probes and monitors
+MICRO_BATCH_KINDS = ("forward", "backward", "forward_backward", "evaluate")
+KINDS = (*MICRO_BATCH_KINDS, "close", "grads", "info", "result", "error")
 MAX_STEP = 2**53
 _LEN = struct.Struct("<I")
 
@@ -245,8 +250,13 @@ class StageRequest:
 def validate_request(message: Message, io: StageIO, digest: str) -> StageRequest:
     """Check a forward/backward request against this stage; raise ProtocolError with the reason."""
     header = message.header
-    if message.kind not in ("forward", "backward"):
-        raise ProtocolError(f"expected a forward or backward request, got {message.kind!r}")
+    kind = message.kind
+    if kind not in MICRO_BATCH_KINDS:
+        raise ProtocolError(f"expected a micro-batch request ({', '.join(MICRO_BATCH_KINDS)}), got {kind!r}")
+    if io.is_last and kind in ("forward", "backward"):
+        raise ProtocolError(f"the last stage takes forward_backward (training) or evaluate, not {kind}")
+    if not io.is_last and kind == "forward_backward":
+        raise ProtocolError("forward_backward is for the last stage; this stage takes forward, then backward")
     if header.get("digest") != digest:
         raise ProtocolError(
             f"config digest mismatch: this server runs {digest}, the request has {header.get('digest')!r} "
@@ -265,20 +275,15 @@ def validate_request(message: Message, io: StageIO, digest: str) -> StageRequest
     expected |= {"grad_outputs"} if message.kind == "backward" else set()
     if set(message.tensors) != expected:
         raise ProtocolError(f"expected tensors {sorted(expected)}, got {sorted(message.tensors)}")
-    fused = header_flag(header, "fused_backward", False)
-    if io.is_last and message.kind == "backward":
-        raise ProtocolError("the last stage takes its backward fused into the forward (fused_backward)")
     inputs = _checked_inputs(message, io)
     batch, seq = inputs.shape[0], inputs.shape[1]
-    evaluate = message.kind == "forward" and (
-        header_flag(header, "eval", False) or (io.is_last and not fused)
-    )
+    evaluate = kind == "evaluate"
     request = StageRequest(
-        message.kind,
+        kind,
         mb_id,
         codec_name,
         inputs,
-        fused_backward=fused and io.is_last and not evaluate,
+        fused_backward=kind == "forward_backward",
         evaluate=evaluate,
         accumulate=header_flag(header, "accumulate", True),
         step=_checked_step(header, required=not evaluate),

@@ -29,7 +29,7 @@ from swarmtrain.utils.logging import get_logger
 logger = get_logger(__name__)
 
 CHUNK_BYTES = 512 * 1024
-STREAM_KINDS = ("forward", "backward", "grads")
+STREAM_KINDS = ("forward", "backward", "forward_backward", "evaluate", "grads")
 UNARY_KINDS = ("info", "close")
 MAX_REPLY_BYTES = 1 << 30
 MAX_DRAIN_S = 30.0  # how long an oversized upload is read (and dropped) so its sender gets the answer
@@ -134,8 +134,9 @@ def _is_complete(data: bytes) -> bool:
 
 
 class StageServicer(ServicerBase):
-    """Registers `rpc_forward`, `rpc_backward`, `rpc_grads` (streams) and `rpc_info`, `rpc_close`
-    (unary: small messages) under a namespace; one handler per message kind."""
+    """Registers `rpc_forward`, `rpc_backward`, `rpc_forward_backward`, `rpc_evaluate`, `rpc_grads`
+    (streams) and `rpc_info`, `rpc_close` (unary: small messages) under a namespace; one RPC per
+    message kind, and a message of another kind sent to it is refused."""
 
     def __init__(
         self,
@@ -159,6 +160,18 @@ class StageServicer(ServicerBase):
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         async for response in self._serve("backward", requests, context):
+            yield response
+
+    async def rpc_forward_backward(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        async for response in self._serve("forward_backward", requests, context):
+            yield response
+
+    async def rpc_evaluate(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        async for response in self._serve("evaluate", requests, context):
             yield response
 
     async def rpc_grads(

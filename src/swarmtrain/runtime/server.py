@@ -150,6 +150,7 @@ class StageServer:
             checkpoints=self.checkpointer,
             on_fatal=self._fatal,
             closing=self._closing,
+            on_epoch_moved=self._epoch_moved,
         )
         remember_group_sockets()
         self.ledger.write("start", peer=self.peer_id, stage=self.spec.index)
@@ -221,6 +222,12 @@ class StageServer:
                 )
 
     # serving ------------------------------------------------------------------------------------
+    def _epoch_moved(self) -> None:
+        # the step coordinator lives on the serving loop and exists once it runs; before that no
+        # request waits for a version
+        if self.steps is not None:
+            self.steps.version_changed_threadsafe()
+
     def _stage_keys(self) -> tuple[str, ...]:
         run, i = self.cfg.swarm.run_id, self.spec.index
         return (stage_key(run, i), progress_key(run, i))
@@ -262,7 +269,6 @@ class StageServer:
             self.ledger,
             on_step=self._step_applied,
         )
-        self.sync.on_epoch_moved = self.steps.version_changed_threadsafe
         params = self.worker.params
         grads_bytes = max_grads_message_bytes(sum(p.numel() for p in params), len(params))
         limit = max(self.io.max_message_bytes(), grads_bytes)
@@ -378,17 +384,33 @@ class StageServer:
         return False
 
     async def _handle(self, message: Message, context) -> Message:
-        if message.kind == "info":
-            return await self.compute.run(lambda: self._info(message), PRIORITY_SYNC)
-        if message.kind == "close":
-            self.steps.on_close(**validate_close(message, self.spec.index, self.digest))
-            return Message("result", {"ok": True})
-        if message.kind == "grads":
-            step, samples, sums = validate_grads(
-                message, self.spec.index, self.digest, self.worker.names, self._param_shapes
-            )
-            self.steps.on_grads(context.remote_id.to_base58(), step, samples, sums)
-            return Message("result", {"ok": True})
+        """One handler per message kind (the transport has already matched kind and RPC)."""
+        handlers = {
+            "info": self._on_info,
+            "close": self._on_close,
+            "grads": self._on_grads,
+            "forward": self._on_micro_batch,
+            "backward": self._on_micro_batch,
+            "forward_backward": self._on_micro_batch,
+            "evaluate": self._on_micro_batch,
+        }
+        return await handlers[message.kind](message, context)
+
+    async def _on_info(self, message: Message, _context) -> Message:
+        return await self.compute.run(lambda: self._info(message), PRIORITY_SYNC)
+
+    async def _on_close(self, message: Message, _context) -> Message:
+        self.steps.on_close(**validate_close(message, self.spec.index, self.digest))
+        return Message("result", {"ok": True})
+
+    async def _on_grads(self, message: Message, context) -> Message:
+        step, samples, sums = validate_grads(
+            message, self.spec.index, self.digest, self.worker.names, self._param_shapes
+        )
+        self.steps.on_grads(context.remote_id.to_base58(), step, samples, sums)
+        return Message("result", {"ok": True})
+
+    async def _on_micro_batch(self, message: Message, _context) -> Message:
         if not self.sync.serving.is_set():
             return error_message("this replica is downloading the stage state; try another", "unavailable")
         return await self._handle_micro_batch(message)

@@ -121,7 +121,7 @@ class StageCaller:
         message = request_message(
             kind, mb, stage, self.digest, self.codec, tensors, timeout_s=timeout_s, **header
         )
-        accumulates = kind == "backward" or bool(header.get("fused_backward"))
+        accumulates = kind in ("backward", "forward_backward")
         max_attempts = PERSISTENT_ATTEMPTS if persistent else self.swarm.max_retries
         attempt, excluded = 0, set()
         while True:

@@ -78,10 +78,12 @@ class StageSynchronizer:
         checkpoints=None,
         on_fatal: Callable[[str], None] | None = None,
         closing: Callable[[], bool] = lambda: False,
+        on_epoch_moved: Callable[[], None] = lambda: None,
     ) -> None:
         """`checkpoints`: a StageCheckpointer to restore from (None: no checkpoints); `on_fatal`: stop
         the server with this message (a replica that must not serve); `closing`: whether the step this
-        replica is at is being closed (the step coordinator holds it)."""
+        replica is at is being closed (the step coordinator holds it); `on_epoch_moved`: called (on
+        this object's thread) after a download or restore moved the epoch."""
         self.worker, self.compute, self.averager, self.records = worker, compute, averager, records
         self.peer_id, self.digest, self.settings = peer_id, digest, settings
         self.stage = worker.spec.index
@@ -93,7 +95,7 @@ class StageSynchronizer:
         self.counters = SyncCounters()
         self.serving = threading.Event()
         self.stop_event = threading.Event()
-        self.on_epoch_moved: Callable[[], None] | None = None  # set by the server once its loop runs
+        self.on_epoch_moved = on_epoch_moved
         self._fp: tuple[int, list[float]] | None = None  # (step, parameter fingerprint at that step)
         self._behind_since_s: float | None = None
         self._publish_now = threading.Event()
@@ -224,8 +226,7 @@ class StageSynchronizer:
             self.ledger.write("advance", epoch=other, skipped=other - epoch, lost=lost_samples)
             self._refresh_fingerprint()
             self._other_ahead_since_s = None
-            if self.on_epoch_moved is not None:
-                self.on_epoch_moved()
+            self.on_epoch_moved()
             self.publish()
         elif action == "refuse":
             self.serving.clear()
@@ -273,8 +274,7 @@ class StageSynchronizer:
                 self.counters.lost_samples += lost_samples
                 self.ledger.write("lost", mbs=lost_ids, n=lost_samples, reason=reason)
             self.ledger.write("resync", epoch=self.worker.epoch, reason=reason)
-            if self.on_epoch_moved is not None:
-                self.on_epoch_moved()
+            self.on_epoch_moved()
         self._refresh_fingerprint()
         self._behind_since_s = None
         self.averager.state_sharing_priority = float(self.worker.epoch)

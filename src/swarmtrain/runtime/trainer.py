@@ -270,7 +270,7 @@ class SwarmTrainer:
                 x = reply.tensors["outputs"]
             tensors = {"inputs": x, "labels": encode(labels, "none")}
             weight = FORWARD_WEIGHT + BACKWARD_WEIGHT
-            reply, peer = await call(last, "forward", mb, n, tensors, weight, fused_backward=True, step=step)
+            reply, peer = await call(last, "forward_backward", mb, n, tensors, weight, step=step)
             self._finished(step, last, peer, reply, done)
             loss, grad = float(reply.header["loss"]), reply.tensors.get("grad_inputs")
             for stage in reversed(range(last)):
@@ -314,17 +314,16 @@ class SwarmTrainer:
             for stage in range(self.num_stages - 1):
                 x = (
                     await self.caller.call(
-                        stage, "forward", mb, n, {"inputs": x}, FORWARD_WEIGHT, eval=True, step=version
+                        stage, "evaluate", mb, n, {"inputs": x}, FORWARD_WEIGHT, step=version
                     )
                 ).tensors["outputs"]
             reply = await self.caller.call(
                 self.num_stages - 1,
-                "forward",
+                "evaluate",
                 mb,
                 n,
                 {"inputs": x, "labels": encode(labels, "none")},
                 FORWARD_WEIGHT,
-                eval=True,
                 step=version,
             )
             total += float(reply.header["loss"]) * n
