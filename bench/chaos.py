@@ -13,7 +13,7 @@ trainer processes continuing at the swarm's step.
 At the end it prints, and writes to --summary-json:
 - micro-batches started / completed / failed (all trainers, both halves);
 - per stage: micro-batches applied, pending, lost with dead peers, lost to resyncs, not accumulated,
-  applied twice, unaccounted (runtime/accounting.py over every server incarnation's ledger);
+  applied twice, unaccounted (runtime/harness/accounting.py over every server incarnation's ledger);
 - validation loss through the swarm (256 samples) at the start, before the stop, right after the
   restart, at the end;
 - whether the replicas of each stage hold identical parameters at the end (after the swarm settled for
@@ -39,9 +39,9 @@ from pathlib import Path
 
 from swarmtrain.config import load_run_config
 from swarmtrain.data import build_datasets
-from swarmtrain.runtime.accounting import account_stage
+from swarmtrain.runtime.harness.accounting import account_stage
+from swarmtrain.runtime.harness.local_swarm import READY_MARKER, LocalSwarm, write_run_toml
 from swarmtrain.runtime.ledger import read_ledger
-from swarmtrain.runtime.local_swarm import READY_MARKER, LocalSwarm, write_run_toml
 from swarmtrain.runtime.procs import forked_children_die_with_me, group_members
 
 REPLICAS = {0: 3, 1: 2}
@@ -129,7 +129,7 @@ def free_port() -> int:
 
 def probe_state(cfg, swarm: LocalSwarm, val_set, want_params: bool) -> dict:
     """Validation loss through the swarm, and each live server's epoch and parameter hash."""
-    from swarmtrain.runtime.probe import SwarmProbe
+    from swarmtrain.runtime.harness.probe import SwarmProbe
 
     probe = SwarmProbe(cfg, [swarm.address])
     try:

@@ -52,9 +52,9 @@ from pathlib import Path
 import torch
 
 from swarmtrain.config import RunConfig, get_preset, load_run_config
-from swarmtrain.runtime.cpu_quota import CpuQuota, CpuQuotaError
+from swarmtrain.runtime.harness.cpu_quota import CpuQuota, CpuQuotaError
+from swarmtrain.runtime.harness.local_swarm import LocalSwarm, write_run_toml
 from swarmtrain.runtime.local import LocalTrainer
-from swarmtrain.runtime.local_swarm import LocalSwarm, write_run_toml
 
 CODECS = ("none", "float16", "8bit")
 REPO = Path(__file__).resolve().parent.parent
@@ -199,7 +199,7 @@ def server_counters(
 ) -> dict[str, dict]:
     """Each server's info counters once they stop changing (the last round may still be running when
     the trainer exits). Returns name -> {stage, peer, epoch, samples_seen, pending_samples}."""
-    from swarmtrain.runtime.probe import SwarmProbe
+    from swarmtrain.runtime.harness.probe import SwarmProbe
 
     counts = [0] * cfg.swarm.num_stages
     for _, stage in names:

@@ -1,7 +1,7 @@
 """Live adaptive rebalancing: does the swarm move a server to its bottleneck stage, and does throughput
 rise as the simulator predicts?
 
-Each server runs in its own cgroup limited to --cpus-per-server cores (runtime/cpu_quota.py: servers
+Each server runs in its own cgroup limited to --cpus-per-server cores (runtime/harness/cpu_quota.py: servers
 behave like separate equal machines instead of sharing 2 cores); stage 1 holds 3 of `tiny`'s 4 layers,
 so 3 servers on stage 0 and 1 on stage 1 make stage 1 the bottleneck. Two runs, one swarm at a time:
 
@@ -29,9 +29,9 @@ import time
 from pathlib import Path
 
 from swarmtrain.config import load_run_config
-from swarmtrain.runtime.cpu_quota import CpuQuota, CpuQuotaError
+from swarmtrain.runtime.harness.cpu_quota import CpuQuota, CpuQuotaError
+from swarmtrain.runtime.harness.local_swarm import LocalSwarm, write_run_toml
 from swarmtrain.runtime.ledger import read_ledger
-from swarmtrain.runtime.local_swarm import LocalSwarm, write_run_toml
 from swarmtrain.sim.base import SimConfig
 from swarmtrain.sim.entities import DEVICE_TYPES, Fleet, PeerSpec, single_location
 from swarmtrain.sim.report import format_table

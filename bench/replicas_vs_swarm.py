@@ -15,7 +15,7 @@ configurations run one after the other on this machine, each from scratch:
   h is the config's default (diloco.inner_steps); the second, smaller, is there because it has a crossover
   (see below).
 Every process (the DHT and the trainer included) runs in its own network namespace of a WAN test bed
-(`runtime/netbed.py`: a bridge, a veth pair per peer, `tc tbf` on both directions; no added latency) when
+(`runtime/harness/netbed.py`: a bridge, a veth pair per peer, `tc tbf` on both directions; no added latency) when
 this machine can build one (root, iproute2); otherwise everything runs on loopback, the output says so,
 and only the unlimited point is measured (no measured crossover then; the prediction still is).
 
@@ -75,9 +75,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from swarmtrain.config import RunConfig, get_preset, load_run_config
-from swarmtrain.runtime import netbed
+from swarmtrain.runtime.harness import netbed
+from swarmtrain.runtime.harness.local_swarm import LocalSwarm, SwarmStartError, write_run_toml
 from swarmtrain.runtime.ledger import read_ledger
-from swarmtrain.runtime.local_swarm import LocalSwarm, SwarmStartError, write_run_toml
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_BANDWIDTHS = "4,8,16,32,inf"

@@ -28,9 +28,9 @@ import torch
 
 from swarmtrain.config import get_preset, load_run_config
 from swarmtrain.data import iterate_batches
+from swarmtrain.runtime.harness.local_swarm import LocalSwarm, write_run_toml
 from swarmtrain.runtime.ledger import read_ledger
 from swarmtrain.runtime.local import LocalTrainer
-from swarmtrain.runtime.local_swarm import LocalSwarm, write_run_toml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from codec_throughput import codec_gb_per_s  # noqa: E402

@@ -27,7 +27,7 @@ from pathlib import Path
 import _common as c
 
 from swarmtrain.config import load_run_config
-from swarmtrain.runtime.demo import DemoOptions, run_demo
+from swarmtrain.runtime.harness.demo import DemoOptions, run_demo
 from swarmtrain.runtime.ledger import read_ledger
 from swarmtrain.sim.base import SimConfig
 from swarmtrain.sim.entities import DEVICE_TYPES, Fleet, PeerSpec, single_location

@@ -16,7 +16,7 @@ import torch
 
 from swarmtrain.config import get_preset
 from swarmtrain.runtime.local import local_reference_val_loss
-from swarmtrain.runtime.replica_inner import diloco_reference
+from swarmtrain.runtime.replica.replica_inner import diloco_reference
 from swarmtrain.sim.report import format_table
 
 # (H, outer learning rate, outer momentum): the published DiLoCo setting, plain averaging, and between

@@ -36,7 +36,7 @@ def start_compute():
     start-up costs more than it saves on a shared machine); every thread stopped at teardown."""
     import torch
 
-    from swarmtrain.runtime.compute import ComputeWorker
+    from swarmtrain.runtime.server.compute import ComputeWorker
 
     started: list[ComputeWorker] = []
     threads = torch.get_num_threads()

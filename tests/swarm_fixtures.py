@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from swarmtrain.config import load_run_config
-from swarmtrain.runtime.local_swarm import LocalSwarm, write_run_toml
+from swarmtrain.runtime.harness.local_swarm import LocalSwarm, write_run_toml
 
 # short timeouts so that a failure shows up in seconds, not minutes
 FAST_SWARM = {"request_timeout_s": 10.0, "averaging_timeout_s": 10.0, "announce_period_s": 1.0}
@@ -37,7 +37,7 @@ def make_swarm(tmp_path):
         return swarm, load_run_config(path)
 
     def probe(cfg, swarm, codec="none", network=None):
-        from swarmtrain.runtime.probe import SwarmProbe
+        from swarmtrain.runtime.harness.probe import SwarmProbe
 
         client = SwarmProbe(cfg, [swarm.address], codec=codec, network=network)
         probes.append(client)

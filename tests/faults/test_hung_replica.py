@@ -12,7 +12,7 @@ import time
 import pytest
 
 from swarm_fixtures import TWO_REPLICAS_OF_STAGE_0, start_servers
-from swarmtrain.runtime.accounting import account_stage
+from swarmtrain.runtime.harness.accounting import account_stage
 from swarmtrain.runtime.ledger import read_ledger
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(300)]

@@ -40,7 +40,7 @@ def test_a_restarted_bootstrap_keeps_its_address_and_peers_rejoin(make_swarm, tm
 
 
 def test_an_identity_path_that_is_a_directory_is_a_clear_error(make_swarm, tmp_path):
-    from swarmtrain.runtime.local_swarm import SwarmStartError
+    from swarmtrain.runtime.harness.local_swarm import SwarmStartError
 
     swarm, _ = make_swarm("tiny")
     with pytest.raises(SwarmStartError, match="is a directory; give a file name"):

@@ -1,4 +1,4 @@
-"""The WAN test bed (runtime/netbed.py): peers in network namespaces reach each other, the rate limits
+"""The WAN test bed (runtime/harness/netbed.py): peers in network namespaces reach each other, the rate limits
 hold, nothing is left behind, and a hivemind DHT works across namespaces. Needs root; skipped otherwise."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from swarmtrain.runtime import netbed
-from swarmtrain.runtime.netbed import WanTestbed
+from swarmtrain.runtime.harness import netbed
+from swarmtrain.runtime.harness.netbed import WanTestbed
 from swarmtrain.runtime.procs import ManagedProcess
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]

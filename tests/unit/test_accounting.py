@@ -2,7 +2,7 @@
 
 import pytest
 
-from swarmtrain.runtime.accounting import account_stage
+from swarmtrain.runtime.harness.accounting import account_stage
 
 pytestmark = pytest.mark.unit
 

@@ -4,7 +4,7 @@ the peer it names, never before the server has served for two periods."""
 import pytest
 
 from swarmtrain.net.dht_records import StageAnnouncement
-from swarmtrain.runtime.balancer import Balancer, loads_from_announcements
+from swarmtrain.runtime.server.balancer import Balancer, loads_from_announcements
 
 pytestmark = pytest.mark.unit
 

@@ -17,7 +17,7 @@ from swarmtrain.planner.outer_rounds import (
     started_from_reference,
 )
 from swarmtrain.runtime.local import local_reference_val_loss
-from swarmtrain.runtime.replica_inner import InnerTrainer, diloco_reference, replica_batch_samples
+from swarmtrain.runtime.replica.replica_inner import InnerTrainer, diloco_reference, replica_batch_samples
 
 pytestmark = pytest.mark.unit
 

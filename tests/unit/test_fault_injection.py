@@ -1,4 +1,4 @@
-"""Faults scheduled at named points (runtime/fault_injection.py) against the real retry logic of the
+"""Faults scheduled at named points (runtime/harness/fault_injection.py) against the real retry logic of the
 trainer (StageCaller) and the real gradient exchange of a stage (StepCoordinator): no sleeps for the
 fault, no sockets, no SIGKILL; each outcome is asserted."""
 
@@ -11,11 +11,11 @@ from test_peer_table import _ann
 
 from swarmtrain.config import SwarmConfig
 from swarmtrain.net.protocol import Message, StageRequest
-from swarmtrain.runtime import stage_calls
-from swarmtrain.runtime.fault_injection import FailureInjector
-from swarmtrain.runtime.peer_table import PeerTable
-from swarmtrain.runtime.stage_steps import StepCoordinator, StepSettings
-from swarmtrain.runtime.stage_worker import StageWorker
+from swarmtrain.runtime.harness.fault_injection import FailureInjector
+from swarmtrain.runtime.server.stage_steps import StepCoordinator, StepSettings
+from swarmtrain.runtime.server.stage_worker import StageWorker
+from swarmtrain.runtime.trainer import stage_calls
+from swarmtrain.runtime.trainer.peer_table import PeerTable
 
 pytestmark = pytest.mark.unit
 

@@ -5,7 +5,7 @@ import time
 import pytest
 
 from swarmtrain.net.dht_records import StageAnnouncement
-from swarmtrain.runtime.peer_table import PeerTable
+from swarmtrain.runtime.trainer.peer_table import PeerTable
 
 pytestmark = pytest.mark.unit
 
@@ -76,7 +76,7 @@ def test_a_backward_a_later_stage_holds_is_retried_until_it_lands(monkeypatch, p
     import asyncio
 
     from swarmtrain.config import SwarmConfig
-    from swarmtrain.runtime import stage_calls
+    from swarmtrain.runtime.trainer import stage_calls
 
     monkeypatch.setattr(stage_calls, "BACKOFF_MAX_S", 0.001)
     table = PeerTable(records=None, num_stages=1, digest="d")

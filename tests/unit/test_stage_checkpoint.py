@@ -1,4 +1,4 @@
-"""Stage checkpoints on disk (runtime/stage_checkpoint.py): a round trip restores parameters,
+"""Stage checkpoints on disk (runtime/server/stage_checkpoint.py): a round trip restores parameters,
 optimizer state, step and samples exactly; the last K are kept; incomplete, corrupt or foreign files
 are never loaded; a whole model assembles from stage files."""
 
@@ -10,13 +10,13 @@ import torch
 from swarmtrain.model import build_model
 from swarmtrain.model.checkpoint import load_stage_from_checkpoint
 from swarmtrain.net.protocol import StageRequest
-from swarmtrain.runtime.stage_checkpoint import (
+from swarmtrain.runtime.server.stage_checkpoint import (
     CheckpointSettings,
     StageCheckpointer,
     StageCheckpointError,
     list_checkpoints,
 )
-from swarmtrain.runtime.stage_worker import StageWorker
+from swarmtrain.runtime.server.stage_worker import StageWorker
 
 pytestmark = pytest.mark.unit
 
@@ -173,7 +173,7 @@ def test_export_refuses_an_incomplete_model(tiny_cfg, tmp_path, capsys):
 
 
 def test_time_based_checkpoints_fall_on_the_next_step_after_the_period(tiny_cfg, tmp_path, monkeypatch):
-    import swarmtrain.runtime.stage_checkpoint as module
+    import swarmtrain.runtime.server.stage_checkpoint as module
 
     clock = [100.0]
     monkeypatch.setattr(module.time, "monotonic", lambda: clock[0])

@@ -4,7 +4,7 @@ import pytest
 
 from swarmtrain.config import get_preset
 from swarmtrain.net.dht_records import StageAnnouncement
-from swarmtrain.runtime.stage_choice import choose_stage
+from swarmtrain.runtime.server.stage_choice import choose_stage
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""A global step across a stage's replicas (runtime/stage_steps.py): two real coordinators and stage
+"""A global step across a stage's replicas (runtime/server/stage_steps.py): two real coordinators and stage
 workers, joined by an in-process network whose faults the tests choose (no sleeps, no sockets)."""
 
 import asyncio
@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from swarmtrain.net.protocol import StageRequest
-from swarmtrain.runtime.stage_steps import StepCoordinator, StepSettings
-from swarmtrain.runtime.stage_worker import StageWorker
-from swarmtrain.runtime.step_tracker import StepTracker
+from swarmtrain.runtime.server.stage_steps import StepCoordinator, StepSettings
+from swarmtrain.runtime.server.stage_worker import StageWorker
+from swarmtrain.runtime.trainer.step_tracker import StepTracker
 
 pytestmark = pytest.mark.unit
 

@@ -1,11 +1,11 @@
-"""Keeping replicas in line (runtime/stage_sync.py), on fakes of the DHT records and of the averager."""
+"""Keeping replicas in line (runtime/server/stage_sync.py), on fakes of the DHT records and of the averager."""
 
 import pytest
 import torch
 
 from swarmtrain.net.protocol import StageRequest
-from swarmtrain.runtime.stage_sync import StageSynchronizer, SyncSettings
-from swarmtrain.runtime.stage_worker import StageWorker
+from swarmtrain.runtime.server.stage_sync import StageSynchronizer, SyncSettings
+from swarmtrain.runtime.server.stage_worker import StageWorker
 
 pytestmark = pytest.mark.unit
 
@@ -153,7 +153,7 @@ class StagedRecords(FakeRecords):
 
 @pytest.fixture
 def make_joiner(tiny_cfg, start_compute, tmp_path):
-    from swarmtrain.runtime.stage_checkpoint import CheckpointSettings, StageCheckpointer
+    from swarmtrain.runtime.server.stage_checkpoint import CheckpointSettings, StageCheckpointer
 
     made = []
 
@@ -206,7 +206,7 @@ def test_join_restores_the_checkpoint_at_the_swarm_step(make_joiner, tiny_cfg):
 
 
 def test_join_refuses_initial_weights_in_a_swarm_that_stepped(make_joiner):
-    from swarmtrain.runtime.stage_sync import RestoreRefused
+    from swarmtrain.runtime.server.stage_sync import RestoreRefused
 
     sync, worker, records, _ = make_joiner()
     records.by_stage[0] = {"X": _peer(7)}

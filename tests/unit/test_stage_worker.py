@@ -9,7 +9,7 @@ import torch
 from swarmtrain.model import build_model
 from swarmtrain.model.optim import build_optimizer, lr_at, set_lr
 from swarmtrain.net.protocol import ProtocolError, StageRequest
-from swarmtrain.runtime.stage_worker import StageWorker
+from swarmtrain.runtime.server.stage_worker import StageWorker
 
 pytestmark = pytest.mark.unit
 
@@ -55,7 +55,7 @@ def _micro_batch(workers, mb, x, y, step=0):
 
 
 def _step(worker, step=None):
-    """What the stage's replicas do once the step is closed (runtime/stage_steps.py), one replica."""
+    """What the stage's replicas do once the step is closed (runtime/server/stage_steps.py), one replica."""
     step = worker.epoch if step is None else step
     bucket = worker.seal(step)
     return worker.apply_step(step, [g / bucket.samples for g in bucket.grad_sums], bucket.samples)

@@ -58,7 +58,7 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from swarmtrain.config.errors import UserError
-    from swarmtrain.runtime.demo import DemoOptions, run_demo
+    from swarmtrain.runtime.harness.demo import DemoOptions, run_demo
 
     if args.replicas < 2 and not args.no_kill:
         raise UserError("killing a replica needs --replicas >= 2 (or pass --no-kill)")

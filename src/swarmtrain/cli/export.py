@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
     from safetensors.torch import save_file
 
     from swarmtrain.config.errors import UserError
-    from swarmtrain.runtime.stage_checkpoint import export_model
+    from swarmtrain.runtime.server.stage_checkpoint import export_model
 
     named, meta = export_model(args.checkpoint_dir, args.step)
     out = Path(args.out)

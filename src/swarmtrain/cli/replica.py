@@ -100,12 +100,12 @@ def run(args: argparse.Namespace) -> int:
         if not torch.cuda.is_available():
             raise UserError("--device cuda: no CUDA device is visible to torch")
     cfg = run_config_from_args(args)
-    from swarmtrain.runtime.replica_inner import replica_batch_samples
+    from swarmtrain.runtime.replica.replica_inner import replica_batch_samples
 
     replica_batch_samples(cfg, shard_count)  # a bad split is a config error before any process starts
     prepare_process()
     from swarmtrain.net.engine import validate_initial_peers
-    from swarmtrain.runtime.replica import ReplicaOptions, run_replica
+    from swarmtrain.runtime.replica.replica_peer import ReplicaOptions, run_replica
 
     options = ReplicaOptions(
         shard_index=shard_index,

@@ -102,8 +102,8 @@ def run(args: argparse.Namespace) -> int:
     import time
 
     from swarmtrain.net.engine import validate_initial_peers
-    from swarmtrain.runtime.balancer import MOVE_ENV, moved_from
-    from swarmtrain.runtime.server import ServerOptions, StageServer
+    from swarmtrain.runtime.server.balancer import MOVE_ENV, moved_from
+    from swarmtrain.runtime.server.stage_server import ServerOptions, StageServer
 
     cfg = _with_checkpoint_overrides(run_config_from_args(args), args)
     initial_peers = validate_initial_peers(args.initial_peers)
@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     if moved is not None:  # re-executed by a rebalancing move: serve the stage it moved to
         stage = moved[2]
     if stage == "auto":
-        from swarmtrain.runtime.stage_choice import choose_stage_live
+        from swarmtrain.runtime.server.stage_choice import choose_stage_live
 
         stage = choose_stage_live(cfg, initial_peers, network)
     options = ServerOptions(

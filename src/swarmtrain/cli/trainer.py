@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     prepare_process()
     from swarmtrain.config.errors import UserError
     from swarmtrain.net.engine import validate_initial_peers
-    from swarmtrain.runtime.trainer import TrainerOptions, run_trainer
+    from swarmtrain.runtime.trainer.swarm_trainer import TrainerOptions, run_trainer
 
     try:
         shard_index, shard_count = (int(x) for x in args.shard.split("/"))

@@ -1,6 +1,6 @@
 """Stage state sharing and download on top of hivemind's `DecentralizedAverager`.
 
-A step's gradients are exchanged directly between a stage's replicas (runtime/stage_steps.py says
+A step's gradients are exchanged directly between a stage's replicas (runtime/server/stage_steps.py says
 why hivemind's matchmaking is too slow for that); hivemind's averager serves the stage state
 (parameters + optimizer) to joining and lagging replicas, which download it with
 `load_state_from_peers`. What this wrapper adds:

@@ -1,4 +1,4 @@
-"""Pure decisions of an outer (DiLoCo) round between whole-model replicas (runtime/replica.py).
+"""Pure decisions of an outer (DiLoCo) round between whole-model replicas (runtime/replica/replica_peer.py).
 
 Members of one hivemind all-reduce end a round equal only up to the codec's rounding (each gets the
 mean back as a compressed delta from its own tensors), and that drift adds up over rounds: measured

@@ -39,15 +39,6 @@ from swarmtrain.net.protocol import (
     validate_grads,
     validate_request,
 )
-from swarmtrain.runtime.balancer import Balancer, move_record, moved_from
-from swarmtrain.runtime.compute import (
-    PRIORITY_BACKWARD,
-    PRIORITY_EVAL,
-    PRIORITY_FORWARD,
-    PRIORITY_SYNC,
-    ComputeWorker,
-    DeadlineExpired,
-)
 from swarmtrain.runtime.ledger import Ledger
 from swarmtrain.runtime.procs import (
     forked_children_die_with_me,
@@ -56,10 +47,19 @@ from swarmtrain.runtime.procs import (
     start_exit_watchdog,
     tree_cpu_s,
 )
-from swarmtrain.runtime.stage_checkpoint import CheckpointSettings, StageCheckpointer
-from swarmtrain.runtime.stage_steps import StepCoordinator, StepSettings
-from swarmtrain.runtime.stage_sync import StageSynchronizer, SyncSettings
-from swarmtrain.runtime.stage_worker import StageWorker
+from swarmtrain.runtime.server.balancer import Balancer, move_record, moved_from
+from swarmtrain.runtime.server.compute import (
+    PRIORITY_BACKWARD,
+    PRIORITY_EVAL,
+    PRIORITY_FORWARD,
+    PRIORITY_SYNC,
+    ComputeWorker,
+    DeadlineExpired,
+)
+from swarmtrain.runtime.server.stage_checkpoint import CheckpointSettings, StageCheckpointer
+from swarmtrain.runtime.server.stage_steps import StepCoordinator, StepSettings
+from swarmtrain.runtime.server.stage_sync import StageSynchronizer, SyncSettings
+from swarmtrain.runtime.server.stage_worker import StageWorker
 from swarmtrain.utils.logging import get_logger
 
 logger = get_logger(__name__)

@@ -7,7 +7,7 @@ empties a stage (a stage's only server stays). Peers still joining a stage count
 never move. A server also waits two periods after it starts serving before it may move (its measured
 throughput settles first).
 
-How a server moves (runtime/server.py, cli/server.py): it stops announcing (offline), finishes and
+How a server moves (runtime/server/stage_server.py, cli/server.py): it stops announcing (offline), finishes and
 shuts down like a graceful stop, and re-executes itself with `--stage TARGET`; the new incarnation joins
 the target stage like any joiner (downloads parameters and optimizer state from that stage's peers)
 and logs and publishes what the move cost. hivemind's averager holds a stage's tensors in shared memory

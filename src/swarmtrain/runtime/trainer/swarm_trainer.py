@@ -6,9 +6,9 @@ trip less) -> gradients go back through the stages in reverse; any replica may t
 recomputes the forward from the input it is sent when it does not hold the activations).
 The trainer relays encoded tensors as received (never decodes hidden states). Many micro-batches
 are in flight at once; for every call a peer is chosen by IWRR (`PeerTable`), failures are retried
-on another peer with bounded retries and backoff (runtime/stage_calls.py).
+on another peer with bounded retries and backoff (runtime/trainer/stage_calls.py).
 
-Every micro-batch belongs to a global step (runtime/step_tracker.py): this trainer contributes
+Every micro-batch belongs to a global step (runtime/trainer/step_tracker.py): this trainer contributes
 `global_batch_size / shard_count` samples to each step, and once a step's micro-batches are done at
 a stage it tells that stage's replicas (`close`), which then exchange and apply exactly that step.
 A stage runs a step's forwards only on the parameters after the previous step (synchronous steps,
@@ -31,10 +31,10 @@ from swarmtrain.net.protocol import close_message, namespace
 from swarmtrain.net.transport import StageClient
 from swarmtrain.planner.routing import BACKWARD_WEIGHT, FORWARD_WEIGHT
 from swarmtrain.runtime.ledger import Ledger
-from swarmtrain.runtime.peer_table import PeerTable
 from swarmtrain.runtime.procs import remember_group_sockets
-from swarmtrain.runtime.stage_calls import StageCaller
-from swarmtrain.runtime.step_tracker import StepTracker
+from swarmtrain.runtime.trainer.peer_table import PeerTable
+from swarmtrain.runtime.trainer.stage_calls import StageCaller
+from swarmtrain.runtime.trainer.step_tracker import StepTracker
 from swarmtrain.utils.logging import get_logger
 
 logger = get_logger(__name__)

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from swarmtrain.config import load_run_config
-from swarmtrain.runtime.accounting import account_stage
+from swarmtrain.runtime.harness.accounting import account_stage
+from swarmtrain.runtime.harness.local_swarm import LocalSwarm, write_run_toml
 from swarmtrain.runtime.ledger import read_ledger
-from swarmtrain.runtime.local_swarm import LocalSwarm, write_run_toml
 
 SUMMARY_KEYS = (
     "initial_loss",

@@ -10,7 +10,7 @@ For one stage, every micro-batch the trainer completed must be exactly one of:
   that a survivor applied with it;
 - lost to a resync: dropped by a replica that had to download the stage state, and not applied or
   pending anywhere else (a retry of the same micro-batch on another replica counts there);
-- not accumulated: retried with `accumulate=False` after a replica went silent (runtime/stage_calls.py),
+- not accumulated: retried with `accumulate=False` after a replica went silent (runtime/trainer/stage_calls.py),
   or arrived after its step was over (`late`), and no replica accumulated it.
 A micro-batch accumulated twice on one server (at-most-once violated) or applied in two
 steps is reported in `double_applied`.

@@ -40,7 +40,7 @@ from swarmtrain.net.engine import PeerNetwork
 from swarmtrain.net.outer_averaging import WIRE_BYTES_PER_ELEMENT
 from swarmtrain.net.robust import norm_of
 from swarmtrain.planner.outer_rounds import INITIAL_LINEAGE, RoundState, next_lineage, started_from_reference
-from swarmtrain.runtime.replica_inner import InnerTrainer
+from swarmtrain.runtime.replica.replica_inner import InnerTrainer
 from swarmtrain.utils.logging import get_logger
 
 logger = get_logger(__name__)

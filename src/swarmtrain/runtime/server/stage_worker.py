@@ -2,12 +2,12 @@
 accumulation per global step with at-most-once application per micro-batch, the optimizer step,
 state export/import.
 
-Every method except `export_state` runs on the server's single compute thread (runtime/compute.py).
+Every method except `export_state` runs on the server's single compute thread (runtime/server/compute.py).
 
 Gradient bookkeeping: every training request names the global step it belongs to, and its gradient
 goes into that step's bucket. The last stage back-propagates `loss * batch_size`, so buckets hold
 the *sum* of per-sample gradients; the stage's replicas add their sums and divide by the step's
-samples (runtime/stage_steps.py), so every step is exactly the global batch the trainers sent for it.
+samples (runtime/server/stage_steps.py), so every step is exactly the global batch the trainers sent for it.
 
 Parameters: the optimizer owns the master parameters; forward passes run (`functional_call`) on a
 detached copy made after each step (`live`). A cached graph therefore stays valid across an optimizer

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from swarmtrain.config.errors import UserError
-from swarmtrain.runtime.cpu_quota import CpuQuota
+from swarmtrain.runtime.harness.cpu_quota import CpuQuota
 from swarmtrain.runtime.procs import ManagedProcess
 
 READY_MARKER = "ready (epoch"

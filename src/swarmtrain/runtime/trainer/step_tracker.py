@@ -6,7 +6,7 @@ A trainer with shard i of N contributes `global_batch_size / N` samples to every
 micro-batches that have finished that stage's backward (or will never reach it: they failed
 earlier) and which replica accumulated how many samples. When all of a step's micro-batches are
 finished at a stage, it calls `close(step, stage, members)`: the stage's replicas then exchange
-and apply exactly those gradients (runtime/stage_steps.py). Pure bookkeeping: no I/O, no clock.
+and apply exactly those gradients (runtime/server/stage_steps.py). Pure bookkeeping: no I/O, no clock.
 """
 
 from __future__ import annotations

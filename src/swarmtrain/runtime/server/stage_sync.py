@@ -1,6 +1,6 @@
 """Keeping a stage's replicas in line: join, lag and divergence checks, state download.
 
-Steps themselves are closed and exchanged on the server's event loop (runtime/stage_steps.py). This
+Steps themselves are closed and exchanged on the server's event loop (runtime/server/stage_steps.py). This
 module runs on its own threads and works from shared state in the DHT:
 - each replica publishes `{epoch, samples, serving, fp_epoch, fp}` under `{run}.stage{i}.progress`
   (fp: a fingerprint of its parameters at step fp_epoch);
@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 from swarmtrain.config.errors import UserError
 from swarmtrain.net.protocol import ProtocolError
 from swarmtrain.planner.restore import behind_other_stages, choose_start
-from swarmtrain.runtime.compute import PRIORITY_SYNC, ComputeWorker
 from swarmtrain.runtime.ledger import Ledger
-from swarmtrain.runtime.stage_steps import KEEP_STEPS_AHEAD
-from swarmtrain.runtime.stage_worker import StageWorker
+from swarmtrain.runtime.server.compute import PRIORITY_SYNC, ComputeWorker
+from swarmtrain.runtime.server.stage_steps import KEEP_STEPS_AHEAD
+from swarmtrain.runtime.server.stage_worker import StageWorker
 from swarmtrain.utils.logging import get_logger
 
 logger = get_logger(__name__)

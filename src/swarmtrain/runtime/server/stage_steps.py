@@ -1,6 +1,6 @@
 """One global step across a stage's replicas: close, exchange, apply, in step order.
 
-A trainer numbers its micro-batches by global step (runtime/step_tracker.py). When every micro-batch
+A trainer numbers its micro-batches by global step (runtime/trainer/step_tracker.py). When every micro-batch
 of step k has finished this stage's backward, it sends every replica of the stage it knows a
 `close` naming the replicas that accumulated them (`members`, with samples) and the replicas it
 told (`participants`). With N trainers (shards) a replica waits for N closes, or for
@@ -12,7 +12,7 @@ divides by their samples and applies the optimizer step. All replicas therefore 
 gradient of exactly the step's samples. Only the listed members count, so every replica sums the
 same set; a member that cannot be reached (connection error) or whose sums do not come within
 `exchange_timeout_s` is left out, which can make replicas differ: the fingerprint check in
-runtime/stage_sync.py then resyncs the one with the larger id.
+runtime/server/stage_sync.py then resyncs the one with the larger id.
 
 Why not hivemind's `DecentralizedAverager` for this: its matchmaking took 0.2-1.2 s per round on
 this machine (DHT-based group formation with a minimum matchmaking time), several times longer
@@ -33,9 +33,9 @@ from dataclasses import dataclass, field
 import torch
 
 from swarmtrain.net.robust import robust_mean
-from swarmtrain.runtime.compute import PRIORITY_SYNC, ComputeWorker
 from swarmtrain.runtime.ledger import Ledger
-from swarmtrain.runtime.stage_worker import StageWorker
+from swarmtrain.runtime.server.compute import PRIORITY_SYNC, ComputeWorker
+from swarmtrain.runtime.server.stage_worker import StageWorker
 from swarmtrain.utils.logging import get_logger
 
 logger = get_logger(__name__)

@@ -28,7 +28,7 @@ from hivemind.p2p import PeerID
 from swarmtrain.config import SwarmConfig
 from swarmtrain.net.protocol import Message, request_message
 from swarmtrain.net.transport import RemoteError, StageClient, TruncatedReply, is_connection_error
-from swarmtrain.runtime.peer_table import PeerTable
+from swarmtrain.runtime.trainer.peer_table import PeerTable
 from swarmtrain.utils.logging import get_logger
 
 logger = get_logger(__name__)

@@ -13,7 +13,7 @@ from swarmtrain.config import RunConfig
 from swarmtrain.net.engine import PeerNetwork, shutdown_quietly, start_dht
 from swarmtrain.net.protocol import Message
 from swarmtrain.runtime.procs import descendants, hivemind_socket_paths, remove_files
-from swarmtrain.runtime.trainer import SwarmTrainer, TrainerOptions
+from swarmtrain.runtime.trainer.swarm_trainer import SwarmTrainer, TrainerOptions
 
 
 class SwarmProbe:

@@ -1,0 +1,1 @@
+"""The runtime of whole-model DiLoCo replicas (`swarmtrain replica`)."""
