@@ -5,15 +5,16 @@ Each server runs in its own cgroup limited to --cpus-per-server cores (runtime/h
 behave like separate equal machines instead of sharing 2 cores); stage 1 holds 3 of `tiny`'s 4 layers,
 so 3 servers on stage 0 and 1 on stage 1 make stage 1 the bottleneck. Two runs, one swarm at a time:
 
-- `imbalanced`: 3+1 servers with `--rebalance-period-s P`; the trainer's throughput is measured while
-  3+1 (after warm-up, before the move) and after the moved server serves stage 1 (2+2);
-- `auto`: 4 servers started one after another with `--stage auto` (no rebalancing), 2+2 from the start.
+- `imbalanced`: N+1 servers (`--stage0-servers N`, default 3) with `--rebalance-period-s P`; the
+  trainer's throughput is measured while N+1 (after warm-up, before the move) and after the moved
+  server serves stage 1 (N-1+2);
+- `auto`: N+1 servers started one after another with `--stage auto` (no rebalancing).
 
 The prediction: the simulator (mode swarm-no-rebalance, the same code as `swarmtrain simulate`) on a
 fleet of pinned peers with each stage's measured seconds per sample at the quota (the CPU time of the
 server's whole cgroup per forwarded sample, divided by its cores, measured on the servers that did not
 move, before the move) and the measured per-call overhead as link latency (as
-experiments/calibrate_demo.py does), for 3+1 and for 2+2. Needs root for the cgroups (it says so and exits 2 otherwise).
+experiments/calibrate_demo.py does), for N+1 and for N-1+2. Needs root for the cgroups (it says so and exits 2 otherwise).
 
     python bench/rebalance_live.py [--cpus-per-server 0.35] [--rebalance-period-s 10] [--summary-json P]
 """
@@ -41,6 +42,7 @@ METRICS = re.compile(r"metrics stage=(\d+) .*?samples_forward=(\d+) busy_s=([\d.
 LOOPBACK_BYTES_PER_S = 10e9 / 8
 WARMUP_S = 8.0
 MOVED = "rebalancing: moved here "
+STAGE0_NAMES = "abcdefg"
 
 
 def window_samples_per_s(ledger: Path, start_t: float, end_t: float) -> float:
@@ -107,7 +109,8 @@ def hop_latency_s(trainer_summary: dict) -> float:
 def run_imbalanced(args, config_path: Path, workdir: Path) -> dict:
     with LocalSwarm(workdir, config_path, cpus_per_server=args.cpus_per_server) as swarm:
         swarm.start_dht()
-        servers = {"a": 0, "b": 0, "c": 0, "d": 1}
+        stage0 = STAGE0_NAMES[: args.stage0_servers]
+        servers = {**{name: 0 for name in stage0}, "z": 1}
         for name, stage in servers.items():
             swarm.start_server(
                 name, stage, "--rebalance-period-s", str(args.rebalance_period_s), "--metrics-period-s", "1"
@@ -121,9 +124,9 @@ def run_imbalanced(args, config_path: Path, workdir: Path) -> dict:
         first = last = cpu_snapshot(swarm, list(servers))
         mover, moved_at = None, None
         while time.monotonic() < deadline and moved_at is None:
-            if not any("rebalancing: moving" in swarm.processes[n].log_text() for n in "abc"):
+            if not any("rebalancing: moving" in swarm.processes[n].log_text() for n in stage0):
                 last = cpu_snapshot(swarm, list(servers))
-            for name in "abc":
+            for name in stage0:
                 text = swarm.processes[name].log_text()
                 if MOVED in text:
                     mover, moved_at = name, time.time()
@@ -141,11 +144,11 @@ def run_imbalanced(args, config_path: Path, workdir: Path) -> dict:
         before = window_samples_per_s(ledger, started + WARMUP_S, decided_at)
         after = window_samples_per_s(ledger, moved_at + WARMUP_S / 2, time.time())
         summary = json.loads((swarm.workdir / "trainer.summary.json").read_text())
-        stayed = [n for n in "abc" if n != mover]
+        stayed = [n for n in stage0 if n != mover]
         cpus = args.cpus_per_server
         compute = [
             seconds_per_sample(first, last, stayed, cpus),
-            seconds_per_sample(first, last, ["d"], cpus),
+            seconds_per_sample(first, last, ["z"], cpus),
         ]
         return {
             "mover": mover,
@@ -162,10 +165,11 @@ def run_imbalanced(args, config_path: Path, workdir: Path) -> dict:
 def run_auto(args, config_path: Path, workdir: Path) -> dict:
     with LocalSwarm(workdir, config_path, cpus_per_server=args.cpus_per_server) as swarm:
         swarm.start_dht()
-        for name in "abcd":
+        names = STAGE0_NAMES[: args.stage0_servers + 1]
+        for name in names:
             swarm.start_server(name, "auto")
             swarm.wait_ready([name])
-        stages = [int(re.search(r"serving stage (\d+)", swarm.processes[n].log_text())[1]) for n in "abcd"]
+        stages = [int(re.search(r"serving stage (\d+)", swarm.processes[n].log_text())[1]) for n in names]
         duration_s = args.duration_s / 2
         swarm.start_trainer("trainer", "--duration-s", str(duration_s), "--in-flight", str(args.in_flight))
         started = time.time()
@@ -181,6 +185,14 @@ def main() -> int:
     parser.add_argument("--rebalance-period-s", type=float, default=10.0)
     parser.add_argument("--duration-s", type=float, default=90.0, help="the imbalanced run's training time")
     parser.add_argument("--in-flight", type=int, default=8)
+    parser.add_argument(
+        "--stage0-servers",
+        type=int,
+        default=3,
+        choices=range(2, len(STAGE0_NAMES) + 1),
+        metavar="N",
+        help="servers started on stage 0 (stage 1 gets one): N+1 -> N-1+2 after the move (default 3)",
+    )
     parser.add_argument("--summary-json", metavar="PATH")
     args = parser.parse_args()
     try:
@@ -189,25 +201,27 @@ def main() -> int:
         print(f"rebalance_live: {exc}", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory(prefix="rebalance-live-") as tmp:
-        # stage 1 holds 3 of tiny's 4 layers: the heavier stage, made the bottleneck by 3+1 servers
+        # stage 1 holds 3 of tiny's 4 layers: the heavier stage, made the bottleneck by N+1 servers
         overrides = {"training": {"max_samples": 10**7}, "swarm": {"layers_per_stage": [1, 3]}}
         config_path = write_run_toml(Path(tmp) / "run.toml", args.preset, overrides)
         cfg = load_run_config(config_path)
         print(
-            f"imbalanced swarm (3+1, {args.cpus_per_server} CPU per server, rebalancing every {args.rebalance_period_s} s) ...",
+            f"imbalanced swarm ({args.stage0_servers}+1, {args.cpus_per_server} CPU per server, "
+            f"rebalancing every {args.rebalance_period_s} s) ...",
             flush=True,
         )
         imbalanced = run_imbalanced(args, config_path, Path(tmp) / "imbalanced")
         print("--stage auto for every server from the start ...", flush=True)
         auto = run_auto(args, config_path, Path(tmp) / "auto")
     compute, latency = imbalanced["compute_s_per_sample"], imbalanced["hop_latency_s"]
-    sim_before = predict(cfg, compute, [3, 1], latency, args.in_flight)
-    sim_after = predict(cfg, compute, [2, 2], latency, args.in_flight)
+    n = args.stage0_servers
+    sim_before = predict(cfg, compute, [n, 1], latency, args.in_flight)
+    sim_after = predict(cfg, compute, [n - 1, 2], latency, args.in_flight)
     auto_counts = [auto["stages"].count(stage) for stage in range(cfg.swarm.num_stages)]
     sim_auto = predict(cfg, compute, auto_counts, latency, args.in_flight)
     rows = [
-        ["3+1 (before the move)", imbalanced["before_samples_per_s"], sim_before],
-        ["2+2 (after the move)", imbalanced["after_samples_per_s"], sim_after],
+        [f"{n}+1 (before the move)", imbalanced["before_samples_per_s"], sim_before],
+        [f"{n - 1}+2 (after the move)", imbalanced["after_samples_per_s"], sim_after],
         [f"--stage auto {auto['stages']}", auto["samples_per_s"], sim_auto],
     ]
     table = [[label, f"{m:.1f}", f"{p:.1f}", f"{100 * (m / p - 1):+.1f}%"] for label, m, p in rows]
