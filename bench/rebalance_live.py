@@ -193,6 +193,12 @@ def main() -> int:
         metavar="N",
         help="servers started on stage 0 (stage 1 gets one): N+1 -> N-1+2 after the move (default 3)",
     )
+    parser.add_argument(
+        "--layers-per-stage",
+        default="1,3",
+        metavar="A,B",
+        help="layers of stage 0 and stage 1 (the model gets A+B layers; default 1,3: tiny's 4)",
+    )
     parser.add_argument("--summary-json", metavar="PATH")
     args = parser.parse_args()
     try:
@@ -201,8 +207,14 @@ def main() -> int:
         print(f"rebalance_live: {exc}", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory(prefix="rebalance-live-") as tmp:
-        # stage 1 holds 3 of tiny's 4 layers: the heavier stage, made the bottleneck by N+1 servers
-        overrides = {"training": {"max_samples": 10**7}, "swarm": {"layers_per_stage": [1, 3]}}
+        # stage 1 holds most layers (default 3 of tiny's 4): the heavier stage, made the bottleneck by
+        # N+1 servers
+        layers = [int(x) for x in args.layers_per_stage.split(",")]
+        overrides = {
+            "training": {"max_samples": 10**7},
+            "model": {"num_layers": sum(layers)},
+            "swarm": {"layers_per_stage": layers},
+        }
         config_path = write_run_toml(Path(tmp) / "run.toml", args.preset, overrides)
         cfg = load_run_config(config_path)
         print(
