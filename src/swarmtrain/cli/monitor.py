@@ -8,7 +8,7 @@ import signal
 from pathlib import Path
 
 from swarmtrain.cli.common import add_run_config_args, positive_float, positive_int, run_config_from_args
-from swarmtrain.cli.net_args import add_network_args, network_from_args, prepare_process
+from swarmtrain.cli.net_args import add_network_args, prepare_process, start_client_dht
 from swarmtrain.config.errors import UserError
 
 HELP = "serve a web page showing the swarm live: stages, bottleneck, loss, throughput, events"
@@ -127,7 +127,7 @@ def _live(args: argparse.Namespace) -> int:
     )  # a taken port: fail first
     dht = poller = None
     try:
-        dht = _start_dht(args)
+        dht = start_client_dht(args)
         records = RunRecords(dht, cfg.swarm.run_id)
         poller = Poller(lambda: monitor_snapshot(cfg, records), history, args.interval_s)
         poller.start()
@@ -139,16 +139,6 @@ def _live(args: argparse.Namespace) -> int:
         shutdown_quietly(dht)
         reap_own_group()
     return 0
-
-
-def _start_dht(args: argparse.Namespace):
-    """A client-mode DHT node, started exactly as `swarmtrain status` starts its own."""
-    from swarmtrain.net.engine import start_dht, validate_initial_peers
-    from swarmtrain.runtime.procs import forked_children_die_with_me
-
-    forked_children_die_with_me()
-    network = network_from_args(args)
-    return start_dht(validate_initial_peers(args.initial_peers), network, client_mode=True)
 
 
 def _serve(server, url: str) -> None:

@@ -74,6 +74,16 @@ def add_client_mode_arg(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def start_client_dht(args: argparse.Namespace):
+    """A client-mode DHT node for a command that only reads the swarm (`status`, `monitor`); its forked
+    children die with this process."""
+    from swarmtrain.net.engine import start_dht, validate_initial_peers
+    from swarmtrain.runtime.procs import forked_children_die_with_me
+
+    forked_children_die_with_me()
+    return start_dht(validate_initial_peers(args.initial_peers), network_from_args(args), client_mode=True)
+
+
 def network_from_args(args: argparse.Namespace):
     """The peer's network settings from its command line (the run key read and checked here)."""
     from swarmtrain.net.auth import RunKey

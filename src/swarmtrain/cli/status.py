@@ -6,7 +6,7 @@ import argparse
 import json
 
 from swarmtrain.cli.common import add_run_config_args, run_config_from_args
-from swarmtrain.cli.net_args import add_network_args, network_from_args, prepare_process
+from swarmtrain.cli.net_args import add_network_args, prepare_process, start_client_dht
 
 HELP = "show the swarm as the DHT sees it: each stage's peers, the bottleneck, trainers, replicas"
 
@@ -31,12 +31,10 @@ def run(args: argparse.Namespace) -> int:
     prepare_process("ERROR")
     from swarmtrain.monitor.snapshot import format_snapshot, swarm_snapshot
     from swarmtrain.net.dht_records import RunRecords
-    from swarmtrain.net.engine import shutdown_quietly, start_dht, validate_initial_peers
-    from swarmtrain.runtime.procs import forked_children_die_with_me, reap_own_group
+    from swarmtrain.net.engine import shutdown_quietly
+    from swarmtrain.runtime.procs import reap_own_group
 
-    forked_children_die_with_me()
-    network = network_from_args(args)
-    dht = start_dht(validate_initial_peers(args.initial_peers), network, client_mode=True)
+    dht = start_client_dht(args)
     try:
         snapshot = swarm_snapshot(cfg, RunRecords(dht, cfg.swarm.run_id))
     finally:

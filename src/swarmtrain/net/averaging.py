@@ -24,6 +24,7 @@ from hivemind.averaging import DecentralizedAverager
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 
+from swarmtrain.net.dht_records import live_subkeys
 from swarmtrain.net.engine import restore_sigint
 from swarmtrain.utils.logging import get_logger
 
@@ -117,11 +118,7 @@ class StageAverager(DecentralizedAverager):
             except Exception as exc:  # a slow or dead DHT: refuse for now, the caller retries
                 logger.warning("reading %s for members failed: %r", key, exc)
                 continue
-            if found is not None and isinstance(found.value, dict):
-                items = found.value.items()
-                members.update(
-                    k for k, v in items if isinstance(k, str) and getattr(v, "value", None) is not None
-                )
+            members.update(live_subkeys(found))
         return members
 
     # state sharing (called in this process by hivemind's background thread) ----------------------

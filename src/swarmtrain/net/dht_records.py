@@ -23,6 +23,19 @@ from swarmtrain.utils.logging import get_logger
 logger = get_logger(__name__)
 
 
+def live_subkeys(found) -> dict[str, object]:
+    """A dictionary record as hivemind returns it (or None) -> {subkey: value} of its live entries
+    (a peer that went offline stores None; malformed subkeys are skipped)."""
+    if found is None or not isinstance(found.value, dict):
+        return {}
+    out = {}
+    for subkey, item in found.value.items():
+        value = getattr(item, "value", None)
+        if isinstance(subkey, str) and value is not None:
+            out[subkey] = value
+    return out
+
+
 def stage_key(run_id: str, stage: int) -> str:
     return f"{run_id}.stage{stage}"
 
@@ -101,14 +114,7 @@ class RunRecords:
         except Exception as exc:
             logger.warning("DHT get of %s failed: %r", key, exc)
             return {}
-        if found is None or not isinstance(found.value, dict):
-            return {}
-        out = {}
-        for subkey, item in found.value.items():
-            value = getattr(item, "value", None)
-            if isinstance(subkey, str) and value is not None:
-                out[subkey] = value
-        return out
+        return live_subkeys(found)
 
     # announcements ------------------------------------------------------------------------------
     def announce(self, peer_id: str, announcement: StageAnnouncement, ttl_s: float) -> bool:

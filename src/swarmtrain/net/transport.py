@@ -112,10 +112,12 @@ async def _collect_reply(stream: AsyncIterator) -> bytes:
     and closes the stream; our upload then fails with a broken pipe after the answer arrived, and
     hivemind raises that at the stream's end: the complete answer is what counts."""
     parts: list[bytes] = []
+    size = 0
     try:
         async for item in stream:
             parts.append(item.metadata)
-            if sum(map(len, parts)) > MAX_REPLY_BYTES:
+            size += len(item.metadata)
+            if size > MAX_REPLY_BYTES:
                 raise ProtocolError(f"reply exceeds {MAX_REPLY_BYTES} bytes", "too_large")
     except (OSError, EOFError, asyncio.IncompleteReadError):
         data = b"".join(parts)

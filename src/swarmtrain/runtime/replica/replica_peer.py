@@ -25,7 +25,6 @@ Who takes part, and how replicas stay equal:
 from __future__ import annotations
 
 import dataclasses
-import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -40,6 +39,7 @@ from swarmtrain.net.engine import PeerNetwork
 from swarmtrain.net.outer_averaging import WIRE_BYTES_PER_ELEMENT
 from swarmtrain.net.robust import norm_of
 from swarmtrain.planner.outer_rounds import INITIAL_LINEAGE, RoundState, next_lineage, started_from_reference
+from swarmtrain.runtime import byzantine
 from swarmtrain.runtime.replica.replica_inner import InnerTrainer
 from swarmtrain.utils.logging import get_logger
 
@@ -295,7 +295,7 @@ class ReplicaPeer:
             "samples": self.round_samples,
         }
         return self.averager.average(
-            _byzantine(self.outer.pseudo_gradients(), k),
+            byzantine.corrupted(self.outer.pseudo_gradients(), k),
             weight=self.round_samples or 1e-3,  # a joiner at the round's end trained nothing in it
             gather=gather,
             timeout_s=GROUP_TIMEOUT_S,
@@ -415,16 +415,6 @@ def _check_plausible(anchor: list[torch.Tensor], own: list[torch.Tensor]) -> Non
     theirs, mine = norm_of(anchor), norm_of(own)
     if theirs > ANCHOR_NORM_RATIO * mine:
         raise ValueError(f"the donor's weights have norm {theirs:.3g}, ours {mine:.3g}: implausible")
-
-
-def _byzantine(tensors: list[torch.Tensor], round_index: int) -> list[torch.Tensor]:
-    """A faulty replica for tests: what it sends into a round scaled (SWARMTRAIN_FAULT_GRAD_SCALE), or
-    NaN every k-th round (SWARMTRAIN_FAULT_NAN_GRADS_EVERY)."""
-    scale = float(os.environ.get("SWARMTRAIN_FAULT_GRAD_SCALE", "1"))
-    nan_every = int(os.environ.get("SWARMTRAIN_FAULT_NAN_GRADS_EVERY", "0"))
-    if nan_every and round_index % nan_every == 0:
-        return [torch.full_like(t, float("nan")) for t in tensors]
-    return [t * scale for t in tensors] if scale != 1.0 else tensors
 
 
 def run_replica(

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import time
 from dataclasses import dataclass, field
@@ -39,6 +38,7 @@ from swarmtrain.net.protocol import (
     validate_grads,
     validate_request,
 )
+from swarmtrain.runtime import byzantine
 from swarmtrain.runtime.ledger import Ledger
 from swarmtrain.runtime.procs import (
     forked_children_die_with_me,
@@ -360,11 +360,8 @@ class StageServer:
         from swarmtrain.net.transport import RemoteError, TruncatedReply, is_connection_error
 
         header = {"step": step, "samples": samples, "stage": self.spec.index, "digest": self.digest}
-        nan_every = int(
-            os.environ.get("SWARMTRAIN_FAULT_NAN_GRADS_EVERY", "0")
-        )  # a byzantine replica (tests)
-        if nan_every and step % nan_every == 0:
-            sums = [torch.full_like(t, float("nan")) for t in sums]
+        if byzantine.sends_nan(step):  # a faulty replica (tests); its scaling is in the accumulation
+            sums = byzantine.nan_like(sums)
         message = make_message("grads", header, dict(zip(self.worker.names, sums, strict=True)), "none")
         for attempt in range(3):  # a cut-off stream is retried; a dead peer is not waited for
             try:

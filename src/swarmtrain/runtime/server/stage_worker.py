@@ -18,7 +18,6 @@ matters with `training.max_staleness = 1`). Graphs more than one step old are re
 
 from __future__ import annotations
 
-import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -32,6 +31,7 @@ from swarmtrain.model import build_stage
 from swarmtrain.model.diloco import OuterOptimizer
 from swarmtrain.model.optim import build_optimizer, lr_at, set_lr
 from swarmtrain.net.protocol import Message, ProtocolError, StageRequest, make_message
+from swarmtrain.runtime import byzantine
 from swarmtrain.runtime.ledger import Ledger
 
 
@@ -86,8 +86,8 @@ class StageWorker:
         self.state_lock = threading.Lock()  # parameters/optimizer vs. export to joining peers
         self.epoch = 0  # optimizer steps applied = the global step whose micro-batches come next
         self.samples_seen = 0
-        # a byzantine replica for tests (SWARMTRAIN_FAULT_GRAD_SCALE): its gradient sums come out scaled
-        self.fault_grad_scale = float(os.environ.get("SWARMTRAIN_FAULT_GRAD_SCALE", "1"))
+        # a byzantine replica for tests (runtime/byzantine.py): its gradient sums come out scaled
+        self.fault_grad_scale = byzantine.grad_scale()
         self.buckets: dict[int, Bucket] = {}
         self.counters = dict(
             forward=0,
