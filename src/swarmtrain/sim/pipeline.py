@@ -23,7 +23,7 @@ Subclasses decide which peer serves a chunk (`choose_peer`) and what happens whe
 
 from __future__ import annotations
 
-from swarmtrain.planner.routing import BACKWARD_WEIGHT, FORWARD_WEIGHT
+from swarmtrain.planner.routing import BACKWARD_WEIGHT, FORWARD_CHARGE, FORWARD_WEIGHT
 from swarmtrain.sim.base import PeerState, Simulation
 from swarmtrain.sim.network import Endpoint
 from swarmtrain.utils.rng import make_rng
@@ -189,7 +189,7 @@ class PipelineSimulation(Simulation):
             if self.max_staleness is not None and chunk.step > self.applied[s] + 1 + self.max_staleness:
                 self.gated[s].append(chunk)  # the runtime parks it until the stage applied step - 1
                 return
-            peer = self.choose_peer(chunk, LAST_STAGE_WEIGHT if s == self.last else FORWARD_WEIGHT)
+            peer = self.choose_peer(chunk, LAST_STAGE_WEIGHT if s == self.last else FORWARD_CHARGE)
         if peer is None:
             self.waiting[s].append(chunk)
             self.metrics.counts["stalls"] += 1

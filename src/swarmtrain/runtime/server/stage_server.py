@@ -420,6 +420,7 @@ class StageServer:
             timeout_s = float(requested)
         arrived_s = time.monotonic()
         deadline_s = arrived_s + timeout_s
+        step_wait_s = 0.0
         if request.step is not None:
             # a training micro-batch of step k runs on the parameters after step k - max_staleness
             # (synchronous by default: after step k - 1); an evaluation names the step it must see
@@ -430,6 +431,7 @@ class StageServer:
                 )
             if not await self.steps.wait_for_version(need, deadline_s):
                 return error_message(f"parameters of step {need} not ready in time", "timeout")
+            step_wait_s = time.monotonic() - arrived_s
         if request.kind == "backward":
             fn, priority = self.worker.backward, PRIORITY_BACKWARD
         else:
@@ -443,6 +445,8 @@ class StageServer:
         # queue wait + compute: the caller subtracts it from its round trip to see the transport's share
         reply.header["server_s"] = round(time.monotonic() - arrived_s, 6)
         reply.header["compute_s"] = round(compute_s, 6)
+        # waiting for the previous step is the step's pace, not this peer's speed: routers leave it out
+        reply.header["step_wait_s"] = round(step_wait_s, 6)
         return reply
 
     def _info(self, message: Message) -> Message:

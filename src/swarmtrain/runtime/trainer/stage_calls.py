@@ -44,6 +44,17 @@ class MicroBatchFailed(RuntimeError):
     """A stage call failed after all retries (or with an error retrying cannot fix)."""
 
 
+def _service_s(elapsed_s: float, header: dict) -> float:
+    """The call's round trip less the time the request waited on the peer for the previous step's
+    parameters: a micro-batch sent early waits there whichever replica gets it, so that wait measures
+    the step's pace, not the peer's speed (counted in, a forward's observed duration varied ~10x with
+    when in the step it was sent)."""
+    wait_s = header.get("step_wait_s")
+    if isinstance(wait_s, (int, float)) and 0 <= wait_s < elapsed_s:
+        return elapsed_s - float(wait_s)
+    return elapsed_s
+
+
 class CallTiming:
     """Running sums of one kind of call's timings (seconds), for means and standard deviations."""
 
@@ -113,10 +124,14 @@ class StageCaller:
         weight: float,
         prefer: str | None = None,
         persistent: bool = False,
+        charge: float | None = None,
         **header,
     ) -> tuple[Message, str]:
-        """Like `call`, also returning the peer that answered. `prefer`: try this peer first if it is
-        usable (the replica that ran the forward still holds the activations for the backward)."""
+        """Like `call`, also returning the peer that answered. `weight` normalizes the observed
+        duration into the peer's throughput; `charge` (default `weight`) is what choosing a peer costs
+        in the router. `prefer`: try this peer first if it is usable (the replica that ran the forward
+        holds the activations for the backward); its forward already paid for this call, so it is
+        charged nothing."""
         timeout_s = self.swarm.request_timeout_s
         message = request_message(
             kind, mb, stage, self.digest, self.codec, tensors, timeout_s=timeout_s, **header
@@ -128,16 +143,16 @@ class StageCaller:
             peer = None
             if prefer is not None and attempt == 0:
                 others = set(self.table.routers[stage].peers) - {prefer}
-                peer = self.table.choose(stage, num_samples, weight, exclude=others)
+                peer = self.table.choose(stage, num_samples, 0.0, exclude=others)
             if peer is None:
-                peer = await self._pick(stage, num_samples, weight, excluded)
+                peer = await self._pick(stage, num_samples, weight if charge is None else charge, excluded)
             start = time.monotonic()
             try:
                 reply = await self.client.call(
                     PeerID.from_base58(peer), "info" if kind == "info" else kind, message, timeout_s
                 )
                 elapsed_s = time.monotonic() - start
-                self.table.report(stage, peer, num_samples, elapsed_s, weight)
+                self.table.report(stage, peer, num_samples, _service_s(elapsed_s, reply.header), weight)
                 self._time(stage, kind, elapsed_s, reply.header)
                 return reply, peer
             except TimeoutError:

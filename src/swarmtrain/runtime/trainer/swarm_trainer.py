@@ -29,7 +29,7 @@ from swarmtrain.net.dht_records import RunRecords
 from swarmtrain.net.engine import PeerNetwork
 from swarmtrain.net.protocol import close_message, namespace
 from swarmtrain.net.transport import StageClient
-from swarmtrain.planner.routing import BACKWARD_WEIGHT, FORWARD_WEIGHT
+from swarmtrain.planner.routing import BACKWARD_WEIGHT, FORWARD_CHARGE, FORWARD_WEIGHT
 from swarmtrain.runtime.ledger import Ledger
 from swarmtrain.runtime.procs import remember_group_sockets
 from swarmtrain.runtime.trainer.peer_table import PeerTable
@@ -264,7 +264,9 @@ class SwarmTrainer:
             x = encode(input_ids, self.codec)
             stage_inputs, forward_peers = [], []
             for stage in range(last):
-                reply, peer = await call(stage, "forward", mb, n, {"inputs": x}, FORWARD_WEIGHT, step=step)
+                reply, peer = await call(
+                    stage, "forward", mb, n, {"inputs": x}, FORWARD_WEIGHT, charge=FORWARD_CHARGE, step=step
+                )
                 stage_inputs.append(x)
                 forward_peers.append(peer)
                 x = reply.tensors["outputs"]
