@@ -25,6 +25,9 @@ Columns:
   took fewer, larger steps, or more, smaller ones, trained on a different schedule than local.
   With 2 replicas the first replica's values are shown; `*` marks a stage whose replicas disagree.
 Server counters are read with an info call after the trainer has exited, once they stop changing.
+Below the table, rows that differ only in stage 0's replica count are paired: their samples/s ratio
+(e.g. 2x1/8bit/4 / 1x1/8bit/4). On one machine, read it with `--cpus-per-server`: without a quota an
+added replica brings no cores of its own, only another process competing for the same ones.
 
 A row that fails (a peer does not start, the trainer exits non-zero or times out) is reported with
 its log tail and the run goes on; the exit status is then 1. Ctrl-C stops the current swarm, prints
@@ -381,6 +384,26 @@ def print_table(results: list[dict], local: dict, tolerance_pct: float) -> None:
         print("* replicas of this stage disagree (epoch or samples_seen); the first replica's value is shown")
 
 
+def replica_speedups(results: list[dict]) -> list[dict]:
+    """Rows that differ only in stage 0's replica count (same codec and in flight, the other stages
+    equal), paired: the samples/s ratio of the larger count to the smaller, measured in this run."""
+    done = [r for r in results if not r.get("error") and r.get("samples_per_s")]
+    pairs = []
+    for more in done:
+        for fewer in done:
+            a, b = more["row"], fewer["row"]
+            same_rest = a["servers"][1:] == b["servers"][1:] and a["codec"] == b["codec"]
+            if same_rest and a["in_flight"] == b["in_flight"] and a["servers"][0] > b["servers"][0]:
+                ratio = more["samples_per_s"] / fewer["samples_per_s"]
+                pairs.append({"more": a["label"], "fewer": b["label"], "ratio": round(ratio, 3)})
+    return pairs
+
+
+def print_speedups(pairs: list[dict]) -> None:
+    for p in pairs:
+        print(f"samples/s {p['more']} / {p['fewer']}: x{p['ratio']:.2f} (replicas of stage 0, same run)")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -553,6 +576,7 @@ def main() -> int:
     finally:
         if tmp is not None:
             tmp.cleanup()
+    report["replica_speedups"] = replica_speedups(results)
     save()
     if report["local"] is not None and results:
         print()
@@ -561,6 +585,7 @@ def main() -> int:
             f"{report['local']['steps']} steps x {g} samples"
         )
         print_table(results, report["local"], args.tolerance_pct)
+        print_speedups(report["replica_speedups"])
     if interrupted:
         return 130
     return 1 if any(r.get("error") for r in results) else 0

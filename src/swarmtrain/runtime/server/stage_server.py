@@ -48,6 +48,7 @@ from swarmtrain.runtime.procs import (
     tree_cpu_s,
 )
 from swarmtrain.runtime.server.balancer import Balancer, move_record, moved_from
+from swarmtrain.runtime.server.capacity import CapacityMeter
 from swarmtrain.runtime.server.compute import (
     PRIORITY_BACKWARD,
     PRIORITY_EVAL,
@@ -95,10 +96,9 @@ class StageServer:
         self.dht = self.averager = self.sync = None
         self.steps: StepCoordinator | None = None
         self.compute = ComputeWorker()
-        self.throughput_samples_per_s = 0.0
+        self.capacity = CapacityMeter(0.0)
         self._stop: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._tput_mark = (0, 0.0)
         self.checkpointer: StageCheckpointer | None = None
         self.exit_code = 0
         self.move_to: int | None = None  # set when the balancer moves this server to another stage
@@ -117,7 +117,7 @@ class StageServer:
             self.cfg, self.spec, self.options.cache_size, self.ledger, self.options.cache_max_bytes
         )
         self._param_shapes = [tuple(p.shape) for p in self.worker.params]
-        self.throughput_samples_per_s = self._measure_throughput()
+        self.capacity = CapacityMeter(self._measure_throughput())
         self.averager = StageAverager(
             self.worker.params,
             self.dht,
@@ -284,7 +284,7 @@ class StageServer:
             self.worker.epoch,
             " ".join(self.addresses),
         )
-        self._tput_mark = (self.worker.counters["samples_forward"], tree_cpu_s())  # start-up excluded
+        self.capacity.restart(time.monotonic(), tree_cpu_s(), self.worker.counters["samples_forward"])
         tasks = [
             asyncio.create_task(self._every(self.cfg.swarm.announce_period_s, self._announce)),
             asyncio.create_task(self._every(self.options.metrics_period_s, self._publish_metrics)),
@@ -477,19 +477,19 @@ class StageServer:
 
     # announcements and metrics ------------------------------------------------------------------
     def _announce(self, state: str | None = None) -> None:
-        # samples per CPU second of the whole server (compute, serialization, p2pd, DHT): the compute
-        # thread's busy time alone made stage 0 (two calls per micro-batch) look 2x cheaper than it is,
-        # and the balancer moved a server into what became the bottleneck (bench/rebalance_live.py)
-        samples, busy = self.worker.counters["samples_forward"], tree_cpu_s()
-        d_samples, d_busy = samples - self._tput_mark[0], busy - self._tput_mark[1]
-        if d_samples > 0 and d_busy > 0:
-            self.throughput_samples_per_s = 0.7 * self.throughput_samples_per_s + 0.3 * d_samples / d_busy
-            self._tput_mark = (samples, busy)
+        # samples per CPU second of the whole server (compute, serialization, p2pd, DHT), less its idle
+        # baseline: the compute thread's busy time alone made stage 0 (two calls per micro-batch) look
+        # 2x cheaper than it is, and the balancer moved a server into what became the bottleneck
+        self.capacity.update(time.monotonic(), tree_cpu_s(), self.worker.counters["samples_forward"])
         if self.move_to is not None and state != "offline":
             return  # moving: our record at the target stage stands for us now
         announcement = self._announcement(state)
         ttl_s = 1.0 if state == "offline" else 3 * self.cfg.swarm.announce_period_s
         self.records.announce(self.peer_id, announcement, ttl_s)
+
+    @property
+    def throughput_samples_per_s(self) -> float:
+        return self.capacity.samples_per_cpu_s
 
     def _announcement(self, state: str | None = None) -> StageAnnouncement:
         state = state or ("online" if self.sync.serving.is_set() else "joining")
