@@ -41,6 +41,7 @@ from swarmtrain.sim.runner import run_simulation
 METRICS = re.compile(r"metrics stage=(\d+) .*?samples_forward=(\d+) busy_s=([\d.]+)")
 LOOPBACK_BYTES_PER_S = 10e9 / 8
 WARMUP_S = 8.0
+IDLE_WINDOW_S = 6.0  # servers ready, no trainer yet: their idle CPU baseline
 MOVED = "rebalancing: moved here "
 STAGE0_NAMES = "abcdefg"
 
@@ -53,24 +54,33 @@ def window_samples_per_s(ledger: Path, start_t: float, end_t: float) -> float:
     return sum(e["n"] for e in done[1:]) / (done[-1]["t"] - done[0]["t"])
 
 
-def cpu_snapshot(swarm: LocalSwarm, names: list[str]) -> dict[str, tuple[float, int]]:
-    """Per server: (CPU seconds of its whole cgroup, samples it has forwarded per its last metrics line)."""
+def cpu_snapshot(swarm: LocalSwarm, names: list[str]) -> dict[str, tuple[float, int, float]]:
+    """Per server: (CPU seconds of its whole cgroup, samples it has forwarded per its last metrics line,
+    wall clock)."""
     out = {}
     for name in names:
         points = METRICS.findall(swarm.processes[name].log_text())
-        out[name] = (swarm.quotas[name].cpu_s(), int(points[-1][1]) if points else 0)
+        out[name] = (swarm.quotas[name].cpu_s(), int(points[-1][1]) if points else 0, time.monotonic())
     return out
 
 
-def seconds_per_sample(first: dict, last: dict, names: list[str], cpus: float) -> float:
-    """What one sample costs a server at its quota: CPU seconds per sample of its whole process tree
-    (compute, serialization, p2pd, DHT) divided by the cores it may use. The compute thread's busy time
-    alone left out the rest of the tree, and the simulator then predicted twice the measured rate."""
+def idle_cpu_per_s(first: dict, last: dict) -> dict[str, float]:
+    """Each server's CPU seconds per second with no trainer (DHT upkeep, announcements, p2pd)."""
+    return {name: (last[name][0] - c0) / max(last[name][2] - t0, 1e-9) for name, (c0, _, t0) in first.items()}
+
+
+def seconds_per_sample(first: dict, last: dict, names: list[str], cpus: float, idle: dict) -> float:
+    """What one sample costs a busy server at its quota: CPU seconds of work per sample of its whole
+    process tree (compute, serialization, p2pd, DHT) over the cores its quota leaves beside its idle
+    baseline. The compute thread's busy time alone left out the rest of the tree (the simulator then
+    predicted twice the measured rate); the whole tree's CPU per sample, baseline included, made the
+    lightly loaded servers of a well-served stage look 2-3x slower than they are."""
     costs = []
     for name in names:
-        (c0, n0), (c1, n1) = first[name], last[name]
+        (c0, n0, t0), (c1, n1, t1) = first[name], last[name]
         if n1 > n0:
-            costs.append((c1 - c0) / (n1 - n0) / cpus)
+            work_s = max(c1 - c0 - idle[name] * (t1 - t0), 0.3 * (c1 - c0))
+            costs.append(work_s / (n1 - n0) / max(cpus - idle[name], 0.1 * cpus))
     return sum(costs) / len(costs)
 
 
@@ -116,6 +126,9 @@ def run_imbalanced(args, config_path: Path, workdir: Path) -> dict:
                 name, stage, "--rebalance-period-s", str(args.rebalance_period_s), "--metrics-period-s", "1"
             )
         swarm.wait_ready(list(servers))
+        quiet = cpu_snapshot(swarm, list(servers))
+        time.sleep(IDLE_WINDOW_S)
+        idle = idle_cpu_per_s(quiet, cpu_snapshot(swarm, list(servers)))
         trainer_args = ["--duration-s", str(args.duration_s), "--in-flight", str(args.in_flight)]
         swarm.start_trainer("trainer", *trainer_args, "--log-period-s", "2")
         started = time.time()
@@ -147,8 +160,8 @@ def run_imbalanced(args, config_path: Path, workdir: Path) -> dict:
         stayed = [n for n in stage0 if n != mover]
         cpus = args.cpus_per_server
         compute = [
-            seconds_per_sample(first, last, stayed, cpus),
-            seconds_per_sample(first, last, ["z"], cpus),
+            seconds_per_sample(first, last, stayed, cpus, idle),
+            seconds_per_sample(first, last, ["z"], cpus, idle),
         ]
         return {
             "mover": mover,
@@ -157,6 +170,7 @@ def run_imbalanced(args, config_path: Path, workdir: Path) -> dict:
             "after_samples_per_s": after,
             "before_window_s": decided_at - started - WARMUP_S,
             "compute_s_per_sample": compute,
+            "idle_cpu_per_s": idle,
             "hop_latency_s": hop_latency_s(summary),
             "in_flight": args.in_flight,
         }
@@ -241,7 +255,8 @@ def main() -> int:
     gain = imbalanced["after_samples_per_s"] / imbalanced["before_samples_per_s"]
     print(
         f"after / before: {gain:.2f} (simulator {sim_after / sim_before:.2f}); compute ms/sample per stage "
-        f"{[round(1e3 * c, 2) for c in compute]}, per-call overhead {1e3 * latency:.1f} ms; move: "
+        f"{[round(1e3 * c, 2) for c in compute]}, per-call overhead {1e3 * latency:.1f} ms; idle CPU baseline "
+        f"{sum(imbalanced['idle_cpu_per_s'].values()) / len(imbalanced['idle_cpu_per_s']):.3f} CPU s/s per server; move: "
         f"{imbalanced['move_cost']}"
     )
     if args.summary_json:
