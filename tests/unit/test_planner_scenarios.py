@@ -121,6 +121,17 @@ def test_scenario_validation_errors(changes, message):
     assert "\n" not in str(info.value)
 
 
+def test_a_known_gpu_label_supplies_speed_and_memory_from_the_device_table():
+    devices = [{"gpu": "A100"}, {"gpu": "t4"}, {"gpu": "t4", "tflops": 30.0}, {"gpu": "rtx4090"}]
+    scenario = scenario_from_dict(device_fleet(devices=devices))
+    assert scenario.gpu_names == ("A100", "t4", "t4", "rtx4090")
+    assert scenario.tflops.tolist() == [312.0, 65.0, 30.0, 165.0]  # the table's peak; own numbers win
+    assert scenario.memory_gb.tolist() == [40.0, 16.0, 16.0, 24.0]
+    # a label the table does not know supplies nothing: the numbers must then be given
+    with pytest.raises(ScenarioError, match=r"devices\[0\] has no 'tflops'"):
+        scenario_from_dict(device_fleet(devices=[{"gpu": "lab-box"}] + devices[1:]))
+
+
 def test_site_errors():
     data = site_fleet()
     data["devices"] = data["devices"][:3] + [{"site": "c", "tflops": 1, "memory_gb": 1}]

@@ -97,12 +97,10 @@ def run(args: argparse.Namespace) -> int:
     from swarmtrain.config.errors import UserError
 
     prepare_process()
-    import os
-    import sys
+    import dataclasses
     import time
 
     from swarmtrain.net.engine import validate_initial_peers
-    from swarmtrain.runtime.server.balancer import MOVE_ENV, moved_from
     from swarmtrain.runtime.server.stage_server import ServerOptions, StageServer
 
     cfg = _with_checkpoint_overrides(run_config_from_args(args), args)
@@ -113,9 +111,6 @@ def run(args: argparse.Namespace) -> int:
         cfg, stage = _from_plan(cfg, args)
     elif args.device_index is not None:
         raise UserError("--device-index needs --plan")
-    moved = moved_from()
-    if moved is not None:  # re-executed by a rebalancing move: serve the stage it moved to
-        stage = moved[2]
     if stage == "auto":
         from swarmtrain.runtime.server.stage_choice import choose_stage_live
 
@@ -133,14 +128,18 @@ def run(args: argparse.Namespace) -> int:
         checkpoint_dir=args.checkpoint_dir,
         fresh_start=args.fresh_start,
     )
-    server = StageServer(cfg, options)
-    code = server.run()
-    if server.move_to is None:
-        return code
-    # the old stage is shut down (offline, checkpointed, its processes reaped): become a joiner of the
-    # new stage, same pid and process group for whoever launched us, same --identity-path
-    os.environ[MOVE_ENV] = f"{server.spec.index},{time.time()},{server.move_to}"
-    os.execv(sys.executable, [sys.executable, "-m", "swarmtrain.cli.main", *sys.argv[1:]])
+    dht = runner = None
+    while True:
+        server = StageServer(cfg, options, dht, runner)
+        code = server.run()
+        if not server.moving:
+            return code
+        # the old stage is shut down (offline, checkpointed, its averager gone): join the new stage
+        # in this process, on the same DHT node and loop (same peer id, connections, process group)
+        moved_from = (server.spec.index, server.move_decided_at or time.time())
+        options = dataclasses.replace(options, stage=server.move_to, moved_from=moved_from)
+        dht, runner = server.dht, server.runner
+        del server  # released before the next stage's server is built and downloads its state
 
 
 def _with_checkpoint_overrides(cfg, args: argparse.Namespace):

@@ -18,7 +18,9 @@ A scenario file is one JSON object:
 Without "sites" the matrices are device x device and their diagonal is ignored. With "sites" every
 device names its site and the diagonal entry of a site is the link between two devices at that site.
 A device object may carry {"site": name, "gpu": label, "tflops": peak dense fp16 TFLOPS, "memory_gb": GB};
-"tflops" and "memory_gb" are needed (on every device) only for compute-aware planning.
+"tflops" and "memory_gb" are needed (on every device) only for compute-aware planning. A "gpu" that
+names a type of the shared device table (`config.devices`: "a100", "T4", "rtx4090", ...) supplies
+both from the table (peak TFLOPS, device memory) where the device does not give its own.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from swarmtrain.config.devices import device_type, is_device
 from swarmtrain.planner.scenarios import DEFAULT_NUM_STAGES, Scenario, ScenarioError, expand_sites
 
 TOP_LEVEL_KEYS = ("name", "num_stages", "devices", "sites", "latency_ms", "bandwidth_gbps")
@@ -79,7 +82,7 @@ def scenario_from_dict(data: Any, default_name: str = "custom") -> Scenario:
         np.fill_diagonal(latency, 0.0)
         np.fill_diagonal(bandwidth, np.inf)
         sites = tuple(str(d.get("site", "")) for d in devices) if any("site" in d for d in devices) else ()
-    tflops, memory_gb = _parse_compute(devices)
+    tflops, memory_gb = _parse_compute(_with_table_figures(devices))
     gpu_names = tuple(str(d.get("gpu", "")) for d in devices) if any("gpu" in d for d in devices) else ()
     name = data.get("name", default_name)
     if not isinstance(name, str) or not name:
@@ -170,6 +173,19 @@ def _device_site_indices(devices: list[dict], site_names: list[str]) -> list[int
             raise ScenarioError(f"devices[{i}] names unknown site {device['site']!r}")
         result.append(index[device["site"]])
     return result
+
+
+def _with_table_figures(devices: list[dict]) -> list[dict]:
+    """Each device whose "gpu" is in the device table, with the table's peak TFLOPS and memory where it
+    gives none (its own numbers win); a free-form label ("my-lab-box") supplies nothing."""
+    filled = []
+    for device in devices:
+        label = device.get("gpu")
+        if is_device(label) and device_type(label).memory_gb > 0:
+            table = device_type(label)
+            device = {"tflops": table.peak_tflops, "memory_gb": table.memory_gb, **device}
+        filled.append(device)
+    return filled
 
 
 def _parse_compute(devices: list[dict]) -> tuple[np.ndarray | None, np.ndarray | None]:

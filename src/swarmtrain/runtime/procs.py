@@ -108,15 +108,19 @@ def remove_files(paths) -> None:
             pass
 
 
-def start_exit_watchdog(grace_s: float) -> None:
-    """If a graceful shutdown hangs, kill our whole group after `grace_s` (a daemon thread)."""
+def start_exit_watchdog(grace_s: float) -> threading.Event:
+    """If a graceful shutdown hangs, kill our whole group after `grace_s` (a daemon thread). Setting the
+    returned event disarms it (a server that moved to another stage lives on)."""
+    disarmed = threading.Event()
 
     def _watch() -> None:
-        time.sleep(grace_s)
+        if disarmed.wait(grace_s):
+            return
         reap_own_group()
         os._exit(1)
 
     threading.Thread(target=_watch, name="exit-watchdog", daemon=True).start()
+    return disarmed
 
 
 def descendants(pid: int) -> list[int]:

@@ -8,24 +8,20 @@ never move. A server also waits two periods after it starts serving before it ma
 throughput settles first).
 
 How a server moves (runtime/server/stage_server.py, cli/server.py): it stops announcing (offline), finishes and
-shuts down like a graceful stop, and re-executes itself with `--stage TARGET`; the new incarnation joins
-the target stage like any joiner (downloads parameters and optimizer state from that stage's peers)
-and logs and publishes what the move cost. hivemind's averager holds a stage's tensors in shared memory
-in its own process, so serving another stage needs a new averager anyway; exec also frees the old
-stage's memory at once.
+shuts down its stage like a graceful stop but keeps its DHT node; the same process then builds a server
+for the target stage on that node, which joins like any joiner (downloads parameters and optimizer
+state from that stage's peers) and logs and publishes what the move cost. hivemind's averager holds a
+stage's tensors in shared memory in its own process, so each stage gets a new averager.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import random
 import time
 from dataclasses import dataclass
 
 from swarmtrain.planner.rebalance import Move, PeerLoad, RebalanceConfig, choose_move
-
-MOVE_ENV = "SWARMTRAIN_MOVED_FROM"  # "from stage,unix time,to stage": set on the re-executed server
 
 
 def loads_from_announcements(announced: dict[int, dict], digest: str) -> list[PeerLoad]:
@@ -85,19 +81,6 @@ class Balancer:
         """Count this server at its target stage (as joining) for the lease's length, so others see the
         move before its new incarnation announces itself."""
         records.announce(self.peer_id, announcement, self.lease_ttl_s)
-
-
-def moved_from() -> tuple[int, float, int] | None:
-    """(previous stage, when the move began, new stage) if this process is a server re-executed by a
-    move."""
-    value = os.environ.get(MOVE_ENV)
-    if not value:
-        return None
-    try:
-        source, started, target = value.split(",")
-        return int(source), float(started), int(target)
-    except ValueError:
-        return None
 
 
 def move_record(move_from: int, move_to: int, started_s: float, download_bytes: int) -> str:

@@ -4,11 +4,12 @@ Process tree: this process (asyncio loop for RPCs, one compute thread, one sync 
 hivemind DHT process with its p2pd + the averager process. Start order matters: everything that
 forks (DHT, averager) is created before any thread starts (notes 3.3).
 
-Life cycle: start DHT -> build the stage from the run config -> start the averager -> take the
-stage's state from its live replicas, else its newest checkpoint, else initial weights (refused once
-the swarm has stepped) -> register RPC handlers -> announce in the DHT every `announce_period_s` ->
-serve (checkpointing every N steps with --checkpoint-dir) until SIGTERM/SIGINT -> announce offline
--> write a final checkpoint.
+Life cycle: `StageServer(cfg, options)` starts the DHT, builds the stage from the run config,
+starts the averager and takes the stage's state from its live replicas, else its newest checkpoint,
+else initial weights (refused once the swarm has stepped): a constructed server is complete, and one
+that fails half-way stops what it had started. `run()` registers the RPC handlers, announces in the
+DHT every `announce_period_s`, serves (checkpointing every N steps with --checkpoint-dir) until
+SIGTERM/SIGINT, announces offline and writes a final checkpoint.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import asyncio
 import json
 import signal
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,7 +49,7 @@ from swarmtrain.runtime.procs import (
     start_exit_watchdog,
     tree_cpu_s,
 )
-from swarmtrain.runtime.server.balancer import Balancer, move_record, moved_from
+from swarmtrain.runtime.server.balancer import Balancer, move_record
 from swarmtrain.runtime.server.capacity import CapacityMeter
 from swarmtrain.runtime.server.compute import (
     PRIORITY_BACKWARD,
@@ -81,10 +83,21 @@ class ServerOptions:
     sync_tick_s: float = 0.5
     checkpoint_dir: str | None = None  # default: the run config's swarm.checkpoint_dir (empty: none)
     fresh_start: bool = False  # initial weights even when the swarm has stepped (said loudly)
+    moved_from: tuple[int, float] | None = None  # (stage, unix time the move began): a server that moved
 
 
 class StageServer:
-    def __init__(self, cfg: RunConfig, options: ServerOptions) -> None:
+    """One replica of one stage, complete when constructed (see the module docstring). Its own event
+    loop exists from construction too, so the step coordinator and the stop event are made with it;
+    only the transport endpoints (RPC client, servicer) are made when `run()` serves, because they
+    need the loop running."""
+
+    def __init__(
+        self, cfg: RunConfig, options: ServerOptions, dht=None, runner: asyncio.Runner | None = None
+    ) -> None:
+        """`dht`, `runner`: the DHT node and event loop of this process's previous stage server (a move
+        keeps the peer's node, identity, connections and loop: the node's RPC client is bound to the
+        loop it was made on); None makes new ones."""
         specs = cfg.stages()
         if not 0 <= options.stage < len(specs):
             raise UserError(f"--stage {options.stage} outside 0..{len(specs) - 1} for this run config")
@@ -92,53 +105,83 @@ class StageServer:
         self.digest = cfg.digest()
         max_batch = options.max_batch or 4 * cfg.training.micro_batch_size
         self.io = StageIO.from_config(cfg.model, self.spec, max_batch)
-        self.ledger = Ledger(options.ledger_path)
-        self.dht = self.averager = self.sync = None
-        self.steps: StepCoordinator | None = None
-        self.compute = ComputeWorker()
-        self.capacity = CapacityMeter(0.0)
-        self._stop: asyncio.Event | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self.checkpointer: StageCheckpointer | None = None
         self.exit_code = 0
         self.move_to: int | None = None  # set when the balancer moves this server to another stage
-        self.moved = moved_from()  # (from, start time, to) when this process is a server that moved here
+        self.move_decided_at: float | None = None  # unix time of that decision
+        self.move_cost: dict | None = None
+        self._client = self.stats = None  # the transport, while serving
+        forked_children_die_with_me()  # before the DHT and the averager fork
+        torch.set_num_threads(options.threads)
+        with ExitStack() as undo:  # a failure half-way stops what was started, in reverse order
+            undo.callback(reap_own_group)
+            self.ledger = Ledger(options.ledger_path)
+            undo.callback(self.ledger.close)
+            self._build(undo, dht, runner)
+            undo.pop_all()  # complete: from here `shutdown()` stops it all
 
-    # setup --------------------------------------------------------------------------------------
-    def start(self) -> None:
+    def _build(self, undo: ExitStack, dht, runner: asyncio.Runner | None) -> None:
         from swarmtrain.net.averaging import StageAverager
 
-        torch.set_num_threads(self.options.threads)
-        self.dht = start_dht(self.options.initial_peers, self.options.network)
+        options, cfg = self.options, self.cfg
+        self.dht = dht or start_dht(options.initial_peers, options.network)
+        undo.callback(shutdown_quietly, self.dht)
         self.peer_id = self.dht.peer_id.to_base58()
         self.addresses = visible_addresses(self.dht)  # fixed for our lifetime; asking a dead DHT would hang
-        self.records = RunRecords(self.dht, self.cfg.swarm.run_id)
-        self.worker = StageWorker(
-            self.cfg, self.spec, self.options.cache_size, self.ledger, self.options.cache_max_bytes
-        )
+        self.records = RunRecords(self.dht, cfg.swarm.run_id)
+        self.worker = StageWorker(cfg, self.spec, options.cache_size, self.ledger, options.cache_max_bytes)
         self._param_shapes = [tuple(p.shape) for p in self.worker.params]
+        self.compute = ComputeWorker()
         self.capacity = CapacityMeter(self._measure_throughput())
         self.averager = StageAverager(
             self.worker.params,
             self.dht,
-            prefix=f"{namespace(self.cfg)}_s{self.spec.index}",
+            prefix=f"{namespace(cfg)}_s{self.spec.index}",
             state_provider=self.worker.export_state,
-            min_matchmaking_time_s=self.options.min_matchmaking_time_s,
-            request_timeout_s=min(0.5, self.options.min_matchmaking_time_s / 2),
-            allreduce_timeout_s=self.cfg.swarm.averaging_timeout_s,
+            min_matchmaking_time_s=options.min_matchmaking_time_s,
+            request_timeout_s=min(0.5, options.min_matchmaking_time_s / 2),
+            allreduce_timeout_s=cfg.swarm.averaging_timeout_s,
             # a private run: state goes only to peers announced (signed) at this stage
-            members_keys=self._stage_keys() if self.options.network.run_key else (),
+            members_keys=self._stage_keys() if options.network.run_key else (),
         )
+        undo.callback(shutdown_quietly, self.averager)
+        self.runner = runner or asyncio.Runner()  # the serving loop, made after the forks
+        undo.callback(self.runner.close)
+        self._loop = self.runner.get_loop()
+        self._stop = asyncio.Event()
         self.compute.start()
+        undo.callback(self.compute.stop)
         self.checkpointer = self._make_checkpointer()
+        if self.checkpointer is not None:
+            undo.callback(self.checkpointer.close)
+        self.steps = StepCoordinator(
+            self.worker,
+            self.compute,
+            self.peer_id,
+            self._send_grads,
+            StepSettings(
+                close_timeout_s=cfg.swarm.request_timeout_s, exchange_timeout_s=cfg.swarm.averaging_timeout_s
+            ),
+            self.ledger,
+            on_step=self._step_applied,
+            loop=self._loop,
+        )
+        self.sync = self._make_synchronizer()
+        undo.callback(self.sync.stop)
+        remember_group_sockets()
+        self.ledger.write("start", peer=self.peer_id, stage=self.spec.index)
+        self._warn_about_foreign_peers()
+        self.sync.join()
+
+    def _make_synchronizer(self) -> StageSynchronizer:
+        swarm = self.cfg.swarm
         settings = SyncSettings(
             tick_s=self.options.sync_tick_s,
-            heartbeat_s=max(0.5, self.cfg.swarm.announce_period_s / 2),
-            progress_ttl_s=max(3.0, 2 * self.cfg.swarm.announce_period_s),
-            num_stages=self.cfg.swarm.num_stages,
+            heartbeat_s=max(0.5, swarm.announce_period_s / 2),
+            progress_ttl_s=max(3.0, 2 * swarm.announce_period_s),
+            num_stages=swarm.num_stages,
             allow_fresh=self.options.fresh_start,
         )
-        self.sync = StageSynchronizer(
+        return StageSynchronizer(
             self.worker,
             self.compute,
             self.averager,
@@ -150,12 +193,8 @@ class StageServer:
             checkpoints=self.checkpointer,
             on_fatal=self._fatal,
             closing=self._closing,
-            on_epoch_moved=self._epoch_moved,
+            on_epoch_moved=self.steps.version_changed_threadsafe,
         )
-        remember_group_sockets()
-        self.ledger.write("start", peer=self.peer_id, stage=self.spec.index)
-        self._warn_about_foreign_peers()
-        self.sync.join()
 
     def _make_checkpointer(self) -> StageCheckpointer | None:
         directory = self.options.checkpoint_dir or self.cfg.swarm.checkpoint_dir
@@ -182,12 +221,11 @@ class StageServer:
         """Stop serving and exit non-zero (called from the sync thread)."""
         logger.error("%s", message)
         self.exit_code = 2
-        if self._loop is not None and self._stop is not None:
-            self._loop.call_soon_threadsafe(self._stop.set)
+        self._loop.call_soon_threadsafe(self._stop.set)
 
     def _closing(self) -> bool:
         """The step this replica is at has a close or gradients pending (read from the sync thread)."""
-        return self.steps is not None and self.worker.epoch in self.steps.pending
+        return self.worker.epoch in self.steps.pending
 
     def _step_applied(self, epoch: int, fingerprint: list[float] | None) -> None:
         self.sync.step_applied(epoch, fingerprint)
@@ -222,35 +260,34 @@ class StageServer:
                 )
 
     # serving ------------------------------------------------------------------------------------
-    def _epoch_moved(self) -> None:
-        # the step coordinator lives on the serving loop and exists once it runs; before that no
-        # request waits for a version
-        if self.steps is not None:
-            self.steps.version_changed_threadsafe()
-
     def _stage_keys(self) -> tuple[str, ...]:
         run, i = self.cfg.swarm.run_id, self.spec.index
         return (stage_key(run, i), progress_key(run, i))
 
     def run(self) -> int:
-        """Start, serve until SIGTERM/SIGINT, shut down. Returns the exit code."""
-        forked_children_die_with_me()
+        """Serve until SIGTERM/SIGINT or a move, shut down. Returns the exit code. After a move
+        (`move_to` set) the DHT node and the loop stay for the next stage's server (`dht`, `runner`)."""
         try:
-            self.start()
-            asyncio.run(self._serve())
+            self.runner.run(self._serve())
         except KeyboardInterrupt:
             pass
         finally:
-            start_exit_watchdog(grace_s=20.0)
+            watchdog = start_exit_watchdog(grace_s=20.0)
             self.shutdown()
-            reap_own_group()
+            if self.moving:
+                watchdog.set()
+            else:
+                reap_own_group()
         return self.exit_code
+
+    @property
+    def moving(self) -> bool:
+        return self.move_to is not None and self.exit_code == 0
 
     async def _serve(self) -> None:
         from swarmtrain.net.transport import StageClient, StageServicer
 
-        self._stop = asyncio.Event()
-        loop = self._loop = asyncio.get_running_loop()
+        loop = self._loop
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)
         p2p = await self.dht.replicate_p2p()
@@ -258,17 +295,6 @@ class StageServer:
         run_key = self.options.network.run_key
         self._client = StageClient(p2p, namespace(self.cfg), run_key=run_key)
         swarm = self.cfg.swarm
-        self.steps = StepCoordinator(
-            self.worker,
-            self.compute,
-            self.peer_id,
-            self._send_grads,
-            StepSettings(
-                close_timeout_s=swarm.request_timeout_s, exchange_timeout_s=swarm.averaging_timeout_s
-            ),
-            self.ledger,
-            on_step=self._step_applied,
-        )
         params = self.worker.params
         grads_bytes = max_grads_message_bytes(sum(p.numel() for p in params), len(params))
         limit = max(self.io.max_message_bytes(), grads_bytes)
@@ -291,17 +317,19 @@ class StageServer:
         ]
         if swarm.rebalance_period_s > 0:
             tasks.append(asyncio.create_task(self._rebalance_loop()))
-        if self.moved is not None:
+        if self.options.moved_from is not None:
             self._log_move_cost()
         try:
             await self._stop.wait()
         finally:
-            start_exit_watchdog(grace_s=15.0)  # whatever hangs below (a dead DHT), the process ends
+            watchdog = start_exit_watchdog(grace_s=15.0)  # whatever hangs below (a dead DHT), we end
             for task in [*tasks, step_task]:
                 task.cancel()
             logger.info("stage %d replica %s stopping", self.spec.index, self.peer_id)
             await loop.run_in_executor(None, lambda: self._announce(state="offline"))
             await asyncio.wait_for(servicer.remove_p2p_handlers(p2p, namespace=namespace(self.cfg)), 5)
+            if self.moving:
+                watchdog.set()
 
     async def _rebalance_loop(self) -> None:
         swarm = self.cfg.swarm
@@ -331,14 +359,14 @@ class StageServer:
                     move.pair_min_after_samples_per_s,
                 )
                 self.ledger.write("move", to=move.to_stage, bottleneck=move.bottleneck_before_samples_per_s)
-                self.move_to = move.to_stage
+                self.move_to, self.move_decided_at = move.to_stage, time.time()
                 self._stop.set()
                 return
 
     def _log_move_cost(self) -> None:
-        """The move's cost, now that this incarnation serves: the state download and the seconds since
-        the old incarnation decided to move."""
-        previous, started, _ = self.moved
+        """The move's cost, now that this server serves its new stage: the state download and the seconds
+        since the server of the old stage decided to move."""
+        previous, started = self.options.moved_from
         record = move_record(previous, self.spec.index, started, self.sync.counters.downloaded_bytes)
         logger.warning("rebalancing: moved here %s", record)
         self.ledger.write("moved", **json.loads(record))
@@ -505,8 +533,8 @@ class StageServer:
 
     def _publish_metrics(self) -> None:
         c, s = self.worker.counters, self.sync.counters
-        st = self.steps.counters if self.steps is not None else None
-        totals = self.stats.totals() if hasattr(self, "stats") else None
+        st = self.steps.counters
+        totals = self.stats.totals() if self.stats is not None else None
         metrics = {
             "role": "server",
             "stage": self.spec.index,
@@ -520,27 +548,28 @@ class StageServer:
             "recomputed": c["recomputed"],
             "duplicates": c["duplicates"],
             "late": c["late"],
-            "partial_exchanges": st.partial_exchanges if st else 0,
-            "solo_steps": st.solo_steps if st else 0,
+            "partial_exchanges": st.partial_exchanges,
+            "solo_steps": st.solo_steps,
             "resyncs": s.resyncs,
             "lost_samples": s.lost_samples,
-            "group_size": st.last_group_size if st else 0,
-            "exchange_s": round(st.last_exchange_s, 4) if st else 0.0,
+            "group_size": st.last_group_size,
+            "exchange_s": round(st.last_exchange_s, 4),
             "bytes_in": totals.wire_bytes if totals else 0,
             "samples_forward": c["samples_forward"],
             "busy_s": round(self.compute.busy_s, 3),
-            "moved": getattr(self, "move_cost", None),
+            "moved": self.move_cost,
         }
         self.records.publish_metrics(self.peer_id, metrics, ttl_s=3 * self.options.metrics_period_s)
         logger.info("metrics %s", " ".join(f"{k}={v}" for k, v in metrics.items() if k != "role"))
 
     def shutdown(self) -> None:
-        if self.sync is not None:
-            self.sync.stop()
+        self.sync.stop()
         self._final_checkpoint()
         self.compute.stop()
-        shutdown_quietly(self.averager, self.dht)
+        shutdown_quietly(self.averager, None if self.moving else self.dht)
         self.ledger.close()
+        if not self.moving:
+            self.runner.close()
 
     def _final_checkpoint(self) -> None:
         """On a graceful stop, the state as it is (a whole-swarm restart then loses nothing); never
@@ -548,7 +577,7 @@ class StageServer:
         if self.checkpointer is None:
             return
         try:
-            if self.sync is not None and not self.sync.untrained:
+            if not self.sync.untrained:
                 self.checkpointer.save_and_wait(self.worker.epoch)
         except Exception:
             logger.exception("final checkpoint failed")

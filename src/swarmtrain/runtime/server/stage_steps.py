@@ -93,6 +93,7 @@ class StepCoordinator:
         settings: StepSettings,
         ledger: Ledger | None = None,
         on_step: OnStep | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
         self.worker, self.compute, self.peer_id = worker, compute, peer_id
         self.send_grads, self.settings = send_grads, settings
@@ -102,7 +103,8 @@ class StepCoordinator:
         self.pending: dict[int, PendingStep] = {}
         self._version_changed = asyncio.Event()
         self._sending: set[asyncio.Task] = set()
-        self._loop = asyncio.get_running_loop()
+        # the loop this coordinator runs on: a server makes it before serving, tests run in one
+        self._loop = loop or asyncio.get_running_loop()
 
     # messages -----------------------------------------------------------------------------------
     def on_close(self, step: int, shard: int, shard_count: int, members: dict, participants: list) -> None:
