@@ -181,7 +181,7 @@ def _with_table_figures(devices: list[dict]) -> list[dict]:
     filled = []
     for device in devices:
         label = device.get("gpu")
-        if is_device(label) and device_type(label).memory_gb > 0:
+        if isinstance(label, str) and is_device(label) and device_type(label).memory_gb > 0:
             table = device_type(label)
             device = {"tflops": table.peak_tflops, "memory_gb": table.memory_gb, **device}
         filled.append(device)
