@@ -33,6 +33,7 @@ from swarmtrain.config import load_run_config
 from swarmtrain.runtime.harness.cpu_quota import CpuQuota, CpuQuotaError
 from swarmtrain.runtime.harness.local_swarm import LocalSwarm, write_run_toml
 from swarmtrain.runtime.ledger import read_ledger
+from swarmtrain.runtime.server.capacity import MIN_WORK_SHARE
 from swarmtrain.sim.base import SimConfig
 from swarmtrain.sim.entities import DEVICE_TYPES, Fleet, PeerSpec, single_location
 from swarmtrain.sim.report import format_table
@@ -79,7 +80,7 @@ def seconds_per_sample(first: dict, last: dict, names: list[str], cpus: float, i
     for name in names:
         (c0, n0, t0), (c1, n1, t1) = first[name], last[name]
         if n1 > n0:
-            work_s = max(c1 - c0 - idle[name] * (t1 - t0), 0.3 * (c1 - c0))
+            work_s = max(c1 - c0 - idle[name] * (t1 - t0), MIN_WORK_SHARE * (c1 - c0))
             costs.append(work_s / (n1 - n0) / max(cpus - idle[name], 0.1 * cpus))
     return sum(costs) / len(costs)
 
