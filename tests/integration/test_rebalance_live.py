@@ -64,6 +64,14 @@ def test_a_server_moves_to_the_bottleneck_stage(make_swarm):
 
     swarm.processes["trainer"].kill()  # a quiet stage: compare the stage-1 replicas at one step
     time.sleep(5)
+    # a second mover may still be downloading stage 1's state; the probe's view of the DHT is refreshed
+    # only by wait_for_peers (a stale view once missed a mover that had joined during the sleep above)
+    movers = [n for n in "abc" if MOVING in swarm.processes[n].log_text()]
+    deadline = time.monotonic() + 60
+    while not all("rebalancing: moved here" in swarm.processes[n].log_text() for n in movers):
+        assert time.monotonic() < deadline, {n: swarm.processes[n].log_text()[-1500:] for n in movers}
+        time.sleep(0.5)
+    probe.wait_for_peers([3 - len(movers), 1 + len(movers)], timeout_s=60)
     infos = [probe.info(peer, want="params") for peer in probe.peers(1)]
     assert len(infos) == 1 + len(movers) and infos[0].header["epoch"] > 0
     for other in infos[1:]:
