@@ -156,3 +156,27 @@ def test_a_partial_all_reduce_is_recognised():
     assert unaveraged_fraction(mine, full) == 0.0  # the unused zero is not counted
     partial = [torch.tensor([1.5, 2.5, 0.0, 3.0]), torch.tensor([5.0, 6.0])]  # the second part stayed local
     assert unaveraged_fraction(mine, partial) == pytest.approx(2 / 5)
+
+
+def test_a_partial_all_reduce_is_filled_from_another_members_mean():
+    """Only the values that stayed local are taken from the other member's mean; the rest is ours."""
+    from swarmtrain.net.outer_averaging import fill_unaveraged, unaveraged_fraction
+
+    mine = [torch.tensor([1.0, 2.0, 0.0, 4.0]), torch.tensor([5.0, 6.0])]
+    partial = [torch.tensor([1.5, 2.5, 0.0, 3.0]), torch.tensor([5.0, 6.0])]
+    theirs = [torch.tensor([1.4, 2.6, 0.1, 3.1]), torch.tensor([4.0, 6.5])]  # their codec rounding differs
+    filled = fill_unaveraged(mine, partial, theirs)
+    torch.testing.assert_close(filled[0], torch.tensor([1.5, 2.5, 0.1, 3.0]))  # the unused zero: theirs
+    torch.testing.assert_close(filled[1], torch.tensor([4.0, 6.5]))
+    assert unaveraged_fraction(mine, filled) == 0.0
+
+
+@pytest.mark.parametrize("bad", [float("nan"), 1e3])
+def test_a_mean_that_is_not_finite_or_implausibly_long_is_refused(bad):
+    from swarmtrain.net.outer_averaging import fill_unaveraged
+
+    mine, partial = [torch.tensor([1.0, 2.0])], [torch.tensor([1.5, 2.0])]
+    with pytest.raises(ValueError):
+        fill_unaveraged(mine, partial, [torch.tensor([1.4, bad])])
+    # a value that was averaged is ours whatever the other member sends for it
+    assert fill_unaveraged(mine, partial, [torch.tensor([bad, 2.2])])[0][0] == 1.5

@@ -125,6 +125,11 @@ def run(args: argparse.Namespace) -> int:
         f"replica {summary['shard']}: {summary['inner_steps']} local steps ({summary['samples']} samples, "
         f"{summary['samples_per_s']:.1f} samples/s), outer step {summary['outer_steps']}, rounds averaged "
         f"{summary['rounds_averaged']} alone {summary['rounds_alone']} resynced {summary['rounds_resynced']}"
+        + (
+            f" (partial {summary['rounds_partial']}, repaired {summary['rounds_repaired']})"
+            if summary["rounds_partial"]
+            else ""
+        )
         + (f", val loss {summary['val_loss']:.4f}" if summary.get("val_loss") is not None else "")
     )
     write_summary_json(args.summary_json, summary)

@@ -36,6 +36,9 @@ logger = get_logger(__name__)
 WIRE_BYTES_PER_ELEMENT = {"none": 4.0, "float16": 2.0, "8bit": 1.0 + 4.0 / 256}
 CHUNK_TIMEOUT_S = 15.0
 PARTIAL_FRACTION = 0.05
+# a member's mean filling our unaveraged values is refused beyond this many times the norm of what we
+# sent for them: a mean of honest pseudo-gradients is no longer than the longest of them
+FILL_NORM_RATIO = 4.0
 
 
 class BlockwiseCodec(CompressionBase):
@@ -120,6 +123,26 @@ class RobustTensorPartReducer(TensorPartReducer):
             self.accumulator = _CollectingAccumulator(self.part_shapes[self.current_part_index])
 
 
+def _drop_results_in(all_reduce_number: int) -> None:
+    """Fault injection for tests, in the averager's own process: in its `all_reduce_number`-th all-reduce
+    (1-based) it reduces its parts but sends no results back, which is what a broken result stream does
+    (the other members keep those parts local and nothing is raised)."""
+    import hivemind.averaging.allreduce as allreduce
+
+    original = allreduce.AllReduceRunner._accumulate_parts_streaming
+    groups: list[bytes] = []
+
+    async def without_results(runner, stream, sender_index):
+        if runner.group_id not in groups:
+            groups.append(runner.group_id)
+        drop = groups.index(runner.group_id) + 1 == all_reduce_number
+        async for message in original(runner, stream, sender_index):
+            if not drop:
+                yield message
+
+    allreduce.AllReduceRunner._accumulate_parts_streaming = without_results
+
+
 def _use_robust_reducer() -> None:
     """In the averager's own process only: hivemind's all-reduce builds its reducer from this name."""
     import hivemind.averaging.allreduce as allreduce
@@ -142,8 +165,10 @@ class OuterAverager(StageAverager):
         allreduce_timeout_s: float,
         members_keys: Sequence[str] = (),
         client_mode: bool = False,
+        drop_results_in: int = 0,
     ) -> None:
         codec = _codec(compression)
+        self.drop_results_in = drop_results_in  # fault injection: see _drop_results_in
         super().__init__(
             tensors,
             dht,
@@ -163,6 +188,8 @@ class OuterAverager(StageAverager):
 
     def run(self) -> None:  # the averager process's entry point (a fork: the parent is untouched)
         _use_robust_reducer()
+        if self.drop_results_in:
+            _drop_results_in(self.drop_results_in)
         super().run()
 
     def set_group_target(self, size: int) -> None:
@@ -211,3 +238,25 @@ def unaveraged_fraction(mine: Sequence[torch.Tensor], averaged: Sequence[torch.T
         kept += int((avg[used] == own[used]).sum())
         total += int(used.sum())
     return kept / total if total else 0.0
+
+
+def fill_unaveraged(
+    mine: Sequence[torch.Tensor], averaged: Sequence[torch.Tensor], other_mean: Sequence[torch.Tensor]
+) -> list[torch.Tensor]:
+    """`averaged` with the values that came back unchanged (kept local by a partial all-reduce) taken from
+    another member's mean of the same round. Raises ValueError for a mean that is not finite there or
+    implausibly long (see FILL_NORM_RATIO)."""
+    filled = []
+    kept_sq = theirs_sq = 0.0
+    for own, avg, other in zip(mine, averaged, other_mean, strict=True):
+        kept = avg == own
+        if not bool(torch.isfinite(other[kept]).all()):
+            raise ValueError("the mean is not finite where ours stayed local")
+        kept_sq += float(own[kept].double().square().sum())
+        theirs_sq += float(other[kept].double().square().sum())
+        filled.append(torch.where(kept, other, avg))
+    if theirs_sq**0.5 > FILL_NORM_RATIO * kept_sq**0.5 + 1e-12:
+        raise ValueError(
+            f"the mean is {(theirs_sq / max(kept_sq, 1e-30)) ** 0.5:.3g}x longer than ours there"
+        )
+    return filled

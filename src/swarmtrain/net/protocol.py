@@ -49,9 +49,10 @@ MAX_ABS_VALUE = 1e6
 # the last stage, loss and backward in one call; evaluate: forward only, any stage, nothing kept;
 # close: a trainer tells a stage's replicas that a step's micro-batches are all done (and who
 # accumulated them); grads: one replica's gradient sums of a step, sent to its stage peers; info:
-# counters and state for probes and monitors
+# counters and state for probes and monitors; round_mean: a whole-model replica asks a member of its
+# last outer round for that round's mean (to fill what a partial all-reduce left out)
 MICRO_BATCH_KINDS = ("forward", "backward", "forward_backward", "evaluate")
-KINDS = (*MICRO_BATCH_KINDS, "close", "grads", "info", "result", "error")
+KINDS = (*MICRO_BATCH_KINDS, "close", "grads", "info", "round_mean", "result", "error")
 MAX_STEP = 2**53
 _LEN = struct.Struct("<I")
 

@@ -1,6 +1,8 @@
 """A faulty replica for tests, switched on by environment variables of its process: its gradient sums
 (stage servers) or pseudo-gradients (replicas) come out scaled (SWARMTRAIN_FAULT_GRAD_SCALE), and every
-k-th step or round it sends NaN instead (SWARMTRAIN_FAULT_NAN_GRADS_EVERY=k). Unset: no effect."""
+k-th step or round it sends NaN instead (SWARMTRAIN_FAULT_NAN_GRADS_EVERY=k). A replica's averager can
+also reduce its n-th all-reduce but send no results back (SWARMTRAIN_FAULT_DROP_RESULTS_IN=n), as a broken
+result stream does. Unset: no effect."""
 
 from __future__ import annotations
 
@@ -10,10 +12,16 @@ import torch
 
 SCALE_ENV = "SWARMTRAIN_FAULT_GRAD_SCALE"
 NAN_EVERY_ENV = "SWARMTRAIN_FAULT_NAN_GRADS_EVERY"
+DROP_RESULTS_ENV = "SWARMTRAIN_FAULT_DROP_RESULTS_IN"
 
 
 def grad_scale() -> float:
     return float(os.environ.get(SCALE_ENV, "1"))
+
+
+def drop_results_in() -> int:
+    """The all-reduce (1-based) whose results this replica's averager withholds; 0: none."""
+    return int(os.environ.get(DROP_RESULTS_ENV, "0"))
 
 
 def sends_nan(index: int) -> bool:

@@ -36,11 +36,12 @@ from swarmtrain.config.errors import UserError
 from swarmtrain.model.diloco import OuterOptimizer
 from swarmtrain.model.optim import adam_state_tensors, load_adam_state
 from swarmtrain.net.engine import PeerNetwork
-from swarmtrain.net.outer_averaging import WIRE_BYTES_PER_ELEMENT
+from swarmtrain.net.outer_averaging import WIRE_BYTES_PER_ELEMENT, RoundResult
 from swarmtrain.net.robust import norm_of
 from swarmtrain.planner.outer_rounds import INITIAL_LINEAGE, RoundState, next_lineage, started_from_reference
 from swarmtrain.runtime import byzantine
 from swarmtrain.runtime.replica.replica_inner import InnerTrainer
+from swarmtrain.runtime.replica.round_repair import RoundRepair
 from swarmtrain.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -80,9 +81,11 @@ class ReplicaSummary:
     rounds_alone: int = 0
     rounds_resynced: int = 0  # rounds replaced by a download (behind or diverged)
     rounds_partial: int = 0  # rounds whose all-reduce kept some parts local (hivemind)
+    rounds_repaired: int = 0  # partial rounds filled from a member's mean (round_repair.py)
     group_sizes: list[int] = field(default_factory=list)
     sync_bytes_sent: float = 0.0  # pseudo-gradient bytes this replica put on the wire (estimated)
     state_bytes_received: int = 0  # state downloads (joining, resyncs)
+    repair_bytes_received: int = 0  # round means fetched to repair partial rounds
     joined_from: str = "fresh"  # fresh | peers
     initial_loss: float | None = None
     final_loss: float | None = None
@@ -104,7 +107,9 @@ def fingerprint(tensors: list[torch.Tensor]) -> float:
 class ReplicaPeer:
     """One replica: inner trainer + outer optimizer + averager + DHT records. `run()` trains to the end."""
 
-    def __init__(self, cfg: RunConfig, options: ReplicaOptions, dht, records, averager_factory) -> None:
+    def __init__(
+        self, cfg: RunConfig, options: ReplicaOptions, dht, records, averager_factory, repair_factory
+    ) -> None:
         self.cfg, self.options, self.records, self.dht = cfg, options, records, dht
         self.digest = cfg.digest()
         self.peer_id = str(dht.peer_id)
@@ -130,12 +135,15 @@ class ReplicaPeer:
         self.state_lock = threading.Lock()  # the state provider runs on hivemind's thread
         self.lineage = INITIAL_LINEAGE  # which rounds, applied by whom, made the anchor
         self.averager = averager_factory(self.outer.anchor, self._export_state)
+        # after the averager's fork: the repair's RPC runs on an event loop thread
+        self.repair: RoundRepair = repair_factory()
         self.summary = ReplicaSummary(
             replica_id=self.peer_id, shard=f"{options.shard_index}/{options.shard_count}"
         )
         t = cfg.training
         self.stop_step = (options.max_samples or t.max_samples) // t.global_batch_size
         self.round_samples = 0
+        self._sent: list[torch.Tensor] = []  # this round's pseudo-gradients as sent to the all-reduce
 
     # state for joiners ------------------------------------------------------------------------
     def _export_state(self) -> tuple[dict, list[torch.Tensor]]:
@@ -247,6 +255,8 @@ class ReplicaPeer:
             p for p, v in others.items() if v["outer_step"] == k and v["inner_step"] >= self.inner.step
         ]
         result = self._average(len(arrived) + 1, k) if arrived else None
+        if result is not None and not result.complete:
+            result = self._repaired(result, k)
         if result is None:
             with self.state_lock:
                 self.outer.rebase()
@@ -255,12 +265,11 @@ class ReplicaPeer:
         elif self._is_reference_member(result.gathered, k):
             with self.state_lock:
                 self.outer.apply(result.averaged)
-                # a partial all-reduce leaves this member unlike the others: a lineage of its own makes
-                # the next round resync whoever is not the reference
+                # a partial all-reduce the members' means could not fill leaves this member unlike the
+                # others: a lineage of its own makes the next round resync whoever is not the reference
                 members = list(result.gathered) if result.complete else [self.peer_id]
                 self.lineage = next_lineage(k, members, self.lineage)
             if not result.complete:
-                self.summary.rounds_partial += 1
                 logger.warning("outer step %d: part of the all-reduce never came back; resync next round", k)
             self.summary.rounds_averaged += 1
             self.summary.group_sizes.append(result.group_size)
@@ -286,7 +295,7 @@ class ReplicaPeer:
                 return others
             time.sleep(PEER_POLL_S)
 
-    def _average(self, group_target: int, k: int):
+    def _average(self, group_target: int, k: int) -> RoundResult | None:
         self.averager.set_group_target(group_target)
         gather = {
             "outer_step": k,
@@ -294,12 +303,31 @@ class ReplicaPeer:
             "fp": fingerprint(self.outer.anchor),
             "samples": self.round_samples,
         }
-        return self.averager.average(
-            byzantine.corrupted(self.outer.pseudo_gradients(), k),
+        self._sent = byzantine.corrupted(self.outer.pseudo_gradients(), k)
+        result = self.averager.average(
+            self._sent,
             weight=self.round_samples or 1e-3,  # a joiner at the round's end trained nothing in it
             gather=gather,
             timeout_s=GROUP_TIMEOUT_S,
         )
+        if result is not None:
+            self.repair.offer(k, result.averaged)  # members whose round came back partial may ask
+        return result
+
+    def _repaired(self, result: RoundResult, k: int) -> RoundResult:
+        """A partial round with the values that stayed local filled from the other members' means of it;
+        `result` unchanged (still partial) when they could not fill it."""
+        self.summary.rounds_partial += 1
+        before = self.repair.bytes_received
+        others = [p for p in result.gathered if p != self.peer_id]
+        merged = self.repair.repair(k, self._sent, result.averaged, others)
+        self.summary.repair_bytes_received += self.repair.bytes_received - before
+        if merged is None:
+            return result
+        self.summary.rounds_repaired += 1
+        self.repair.offer(k, merged)
+        logger.info("outer step %d: partial all-reduce repaired from a member's mean", k)
+        return dataclasses.replace(result, averaged=merged, complete=True)
 
     def _is_reference_member(self, gathered: dict[str, dict], k: int) -> bool:
         states = {p: _round_state(g) for p, g in gathered.items()}
@@ -451,17 +479,27 @@ def run_replica(
             allreduce_timeout_s=d.averaging_timeout_s,
             members_keys=(replicas_key(cfg.swarm.run_id),) if network and network.run_key else (),
             client_mode=bool(network and network.client_mode),
+            drop_results_in=byzantine.drop_results_in(),
         )
         return averager
 
+    def make_repair():
+        nonlocal repair
+        repair = RoundRepair(cfg, dht, d.compression, network.run_key if network else None)
+        return repair
+
+    repair: RoundRepair | None = None
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        peer = ReplicaPeer(cfg, options, dht, RunRecords(dht, cfg.swarm.run_id), make_averager)
+        records = RunRecords(dht, cfg.swarm.run_id)
+        peer = ReplicaPeer(cfg, options, dht, records, make_averager, make_repair)
         peer.wait_for_replicas(options.wait_for_replicas)
         peer.join()
         return peer.run(stop).to_dict()
     finally:
+        if repair is not None:
+            repair.close()
         shutdown_quietly(averager, dht)
         reap_own_group()

@@ -419,6 +419,8 @@ class StageServer:
             "forward_backward": self._on_micro_batch,
             "evaluate": self._on_micro_batch,
         }
+        if message.kind not in handlers:
+            return error_message(f"a stage server does not answer {message.kind!r}", "bad_request")
         return await handlers[message.kind](message, context)
 
     async def _on_info(self, message: Message, _context) -> Message:
