@@ -428,7 +428,9 @@ def _replica_result(swarm: LocalSwarm, workers: list[str]) -> dict:
             key: [s[key] for s in summaries]
             for key in ("outer_steps", "rounds_averaged", "rounds_alone", "rounds_resynced")
         },
-        "app_bytes": sum(s["sync_bytes_sent"] + s["state_bytes_received"] for s in summaries),
+        "app_bytes": sum(
+            s["sync_bytes_sent"] + s["repair_bytes_received"] + s["state_bytes_received"] for s in summaries
+        ),
         "joined_from": [s.get("joined_from") for s in summaries],
     }
 
