@@ -404,6 +404,16 @@ def print_speedups(pairs: list[dict]) -> None:
         print(f"samples/s {p['more']} / {p['fewer']}: x{p['ratio']:.2f} (replicas of stage 0, same run)")
 
 
+def parse_layer_cut(text: str) -> tuple[int, ...]:
+    try:
+        counts = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected counts like 3,1, got {text!r}") from None
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"every stage needs at least one block, got {text!r}")
+    return counts
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -437,6 +447,13 @@ def main() -> int:
         "separate equal machines and an added replica brings its own compute; default: no limit "
         "(on a 2-core machine every server then shares the same 2 cores)",
     )
+    parser.add_argument(
+        "--layers-per-stage",
+        type=parse_layer_cut,
+        metavar="A,B",
+        help="the model's blocks per stage (model.num_layers becomes their sum), e.g. 3,1 to make stage 0 "
+        "the bottleneck, where a second stage-0 replica should add throughput; default: the preset's cut",
+    )
     parser.add_argument("--summary-json", metavar="PATH", help="all rows, the local reference, machine info")
     parser.add_argument(
         "--keep-logs",
@@ -448,6 +465,8 @@ def main() -> int:
 
     cfg = get_preset(args.preset)
     g = cfg.training.global_batch_size
+    if args.layers_per_stage and len(args.layers_per_stage) != cfg.swarm.num_stages:
+        parser.error(f"--layers-per-stage needs {cfg.swarm.num_stages} counts on {args.preset}")
     if args.samples < g or args.samples % g:
         parser.error(f"--samples must be a positive multiple of the global batch ({g} on {args.preset})")
     too_many = [r.label for r in args.rows if len(r.servers) > cfg.swarm.num_stages]
@@ -480,6 +499,9 @@ def main() -> int:
         "training": {"max_samples": args.samples},
         "swarm": {"announce_period_s": 1.0, "local_steps": args.local_steps},
     }
+    if args.layers_per_stage:
+        overrides["model"] = {"num_layers": sum(args.layers_per_stage)}
+        overrides["swarm"]["layers_per_stage"] = list(args.layers_per_stage)
     config_path = write_run_toml(base / "run.toml", args.preset, overrides)
     cfg = load_run_config(config_path)
     t = cfg.training

@@ -255,14 +255,14 @@ class ReplicaPeer:
             p for p, v in others.items() if v["outer_step"] == k and v["inner_step"] >= self.inner.step
         ]
         result = self._average(len(arrived) + 1, k) if arrived else None
-        if result is not None and not result.complete:
-            result = self._repaired(result, k)
         if result is None:
             with self.state_lock:
                 self.outer.rebase()
                 self.lineage = next_lineage(k, [self.peer_id], self.lineage)
             self.summary.rounds_alone += 1
         elif self._is_reference_member(result.gathered, k):
+            if not result.complete:
+                result = self._repaired(result, k)
             with self.state_lock:
                 self.outer.apply(result.averaged)
                 # a partial all-reduce the members' means could not fill leaves this member unlike the
