@@ -22,6 +22,7 @@ experiments/calibrate_demo.py does), for N+1 and for N-1+2. Needs root for the c
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import sys
@@ -215,13 +216,21 @@ def main() -> int:
         help="layers of stage 0 and stage 1 (the model gets A+B layers; default 1,3: tiny's 4)",
     )
     parser.add_argument("--summary-json", metavar="PATH")
+    parser.add_argument(
+        "--keep-logs", metavar="DIR", help="keep both runs' peer logs and ledgers in DIR (default: deleted)"
+    )
     args = parser.parse_args()
     try:
         CpuQuota("probe", 1.0).remove()
     except CpuQuotaError as exc:
         print(f"rebalance_live: {exc}", file=sys.stderr)
         return 2
-    with tempfile.TemporaryDirectory(prefix="rebalance-live-") as tmp:
+    with contextlib.ExitStack() as stack:
+        if args.keep_logs:
+            tmp = args.keep_logs
+            Path(tmp).mkdir(parents=True, exist_ok=True)
+        else:
+            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="rebalance-live-"))
         # stage 1 holds most layers (default 3 of tiny's 4): the heavier stage, made the bottleneck by
         # N+1 servers
         layers = [int(x) for x in args.layers_per_stage.split(",")]

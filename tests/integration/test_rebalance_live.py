@@ -61,6 +61,11 @@ def test_a_server_moves_to_the_bottleneck_stage(make_swarm):
     assert mover in movers and len(movers) < 3, movers
     back = MOVING.replace("0 to stage 1", "1 to stage 0")
     assert not any(back in swarm.processes[n].log_text() for n in servers)
+    # the mover drained: no trainer request waited out its timeout on a server that had left stage 0 (one
+    # that stopped with requests unanswered stalled the swarm for 30 s); and trainers routed to it at
+    # stage 1 within the sleep above (an intent record that outlived its online records hid it for 30 s)
+    assert "failed (timeout" not in swarm.processes["trainer"].log_text()
+    assert probe.info(ready[1][1]).header["counters"]["samples_forward"] > 0
 
     swarm.processes["trainer"].kill()  # a quiet stage: compare the stage-1 replicas at one step
     time.sleep(5)

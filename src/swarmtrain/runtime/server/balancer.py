@@ -77,10 +77,13 @@ class Balancer:
             return None  # another server took a lease at the same moment
         return move
 
-    def announce_intent(self, records, announcement) -> None:
-        """Count this server at its target stage (as joining) for the lease's length, so others see the
-        move before its new incarnation announces itself."""
-        records.announce(self.peer_id, announcement, self.lease_ttl_s)
+    def announce_intent(self, records, announcement, ttl_s: float) -> None:
+        """Count this server at its target stage (as joining), so others see the move before its new
+        incarnation announces itself. `ttl_s` is a regular announcement's: the DHT keeps a record until
+        one with a later expiry replaces it, so an intent held for the lease's length (30-50 s) refused
+        the new incarnation's "online" records and trainers saw the moved server as joining, and routed
+        nothing to it, for that long (measured in bench/rebalance_live.py)."""
+        records.announce(self.peer_id, announcement, ttl_s)
 
 
 def move_record(move_from: int, move_to: int, started_s: float, download_bytes: int) -> str:

@@ -67,6 +67,11 @@ from swarmtrain.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
+# a record lives this many announce periods: one missed announcement does not drop a live server
+ANNOUNCE_TTL_PERIODS = 3
+DRAIN_TIMEOUT_S = 15.0
+DRAIN_POLL_S = 0.05
+
 
 @dataclass
 class ServerOptions:
@@ -107,6 +112,7 @@ class StageServer:
         self.io = StageIO.from_config(cfg.model, self.spec, max_batch)
         self.exit_code = 0
         self.move_to: int | None = None  # set when the balancer moves this server to another stage
+        self._running_requests = 0  # micro-batches being served (a move waits for them)
         self.move_decided_at: float | None = None  # unix time of that decision
         self.move_cost: dict | None = None
         self._client = self.stats = None  # the transport, while serving
@@ -349,7 +355,8 @@ class StageServer:
             if move is not None:
                 intent = self._announcement(state="joining")
                 intent.stage = move.to_stage
-                await loop.run_in_executor(None, balancer.announce_intent, self.records, intent)
+                ttl_s = ANNOUNCE_TTL_PERIODS * self.cfg.swarm.announce_period_s
+                await loop.run_in_executor(None, balancer.announce_intent, self.records, intent, ttl_s)
                 logger.warning(
                     "rebalancing: moving from stage %d to stage %d, the bottleneck (%.1f samples/s; the two "
                     "stages' minimum after the move %.1f)",
@@ -360,8 +367,29 @@ class StageServer:
                 )
                 self.ledger.write("move", to=move.to_stage, bottleneck=move.bottleneck_before_samples_per_s)
                 self.move_to, self.move_decided_at = move.to_stage, time.time()
+                await self._drain()
                 self._stop.set()
                 return
+
+    async def _drain(self) -> None:
+        """Leave the stage without losing work (`move_to` set): trainers are told at once (an offline
+        record; new micro-batches and parked forwards are answered `unavailable`, which they retry on
+        another replica without waiting), micro-batches already computing finish, and we stay for the
+        exchange of every step we hold samples of. Stopping with requests unanswered stalled the whole
+        swarm for the trainer's request timeout (30 s, bench/rebalance_live.py)."""
+        loop = asyncio.get_running_loop()
+        self.steps.version_changed()  # parked forwards see that we are leaving
+        await loop.run_in_executor(None, lambda: self._announce(state="offline"))
+        deadline_s = time.monotonic() + DRAIN_TIMEOUT_S
+        while self._running_requests or self.worker.unapplied_samples:
+            if time.monotonic() > deadline_s:
+                logger.warning(
+                    "rebalancing: left with %d request(s) running and %d sample(s) unapplied",
+                    self._running_requests,
+                    self.worker.unapplied_samples,
+                )
+                return
+            await asyncio.sleep(DRAIN_POLL_S)
 
     def _log_move_cost(self) -> None:
         """The move's cost, now that this server serves its new stage: the state download and the seconds
@@ -440,7 +468,13 @@ class StageServer:
     async def _on_micro_batch(self, message: Message, _context) -> Message:
         if not self.sync.serving.is_set():
             return error_message("this replica is downloading the stage state; try another", "unavailable")
-        return await self._handle_micro_batch(message)
+        if self.move_to is not None:
+            return error_message("this replica is leaving the stage; try another", "unavailable")
+        self._running_requests += 1
+        try:
+            return await self._handle_micro_batch(message)
+        finally:
+            self._running_requests -= 1
 
     async def _handle_micro_batch(self, message: Message) -> Message:
         request = validate_request(message, self.io, self.digest)
@@ -459,7 +493,10 @@ class StageServer:
                 return error_message(
                     f"step {request.step} is already applied here (at {self.worker.epoch})", "stale"
                 )
-            if not await self.steps.wait_for_version(need, deadline_s):
+            leaving = lambda: self.move_to is not None  # noqa: E731
+            if not await self.steps.wait_for_version(need, deadline_s, abandon=leaving):
+                if leaving():
+                    return error_message("this replica is leaving the stage; try another", "unavailable")
                 return error_message(f"parameters of step {need} not ready in time", "timeout")
             step_wait_s = time.monotonic() - arrived_s
         if request.kind == "backward":
@@ -514,7 +551,9 @@ class StageServer:
         if self.move_to is not None and state != "offline":
             return  # moving: our record at the target stage stands for us now
         announcement = self._announcement(state)
-        ttl_s = 1.0 if state == "offline" else 3 * self.cfg.swarm.announce_period_s
+        # an offline record too: the DHT replaces a record only by one that expires later, so a short-lived
+        # offline record was refused and trainers kept routing to a stopped server until it expired
+        ttl_s = ANNOUNCE_TTL_PERIODS * self.cfg.swarm.announce_period_s
         self.records.announce(self.peer_id, announcement, ttl_s)
 
     @property

@@ -132,10 +132,13 @@ class StepCoordinator:
         return self.pending.setdefault(step, PendingStep(step))
 
     # waiting for a parameter version ------------------------------------------------------------
-    async def wait_for_version(self, version: int, deadline_s: float) -> bool:
+    async def wait_for_version(self, version: int, deadline_s: float, abandon=lambda: False) -> bool:
         """Until the parameters have reached `version` (a step's forwards wait for the previous
-        step); False at the deadline (a time.monotonic() value)."""
+        step); False at the deadline (a time.monotonic() value), or once `abandon()` is true when the
+        version changes (call `version_changed` to make waiters check it)."""
         while self.worker.epoch < version:
+            if abandon():
+                return False
             remaining_s = deadline_s - time.monotonic()
             if remaining_s <= 0:
                 return False
