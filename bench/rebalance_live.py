@@ -101,13 +101,20 @@ def predict(cfg, per_stage_s: list[float], counts: list[int], latency_s: float, 
                 "home_stage": stage,
             }
             peers.append(PeerSpec(**fields))
-    fleet = Fleet(tuple(peers), single_location(latency_s=latency_s), "local swarm (measured)")
+    # as the runtime does it: the trainer relays every boundary tensor, so a micro-batch makes
+    # 2 (2S - 1) - 1 transfers for the 2S - 1 calls whose overhead was measured; steps are synchronous
+    calls = 2 * len(counts) - 1
+    per_transfer_s = latency_s * calls / (2 * calls - 1)
+    fleet = Fleet(tuple(peers), single_location(latency_s=per_transfer_s), "local swarm (measured)")
     config = SimConfig(
         mode="swarm-no-rebalance",
         duration_s=300.0,
         chunk_samples=cfg.training.micro_batch_size,
         in_flight=in_flight,
         num_trainers=1,
+        relay_via_trainer=True,
+        trainer_link_bytes_per_s=LOOPBACK_BYTES_PER_S,
+        max_staleness=cfg.training.max_staleness,
     )
     return run_simulation(fleet, cfg, config).summary["samples_per_s"]
 

@@ -31,6 +31,7 @@ from swarmtrain.utils.logging import get_logger
 logger = get_logger(__name__)
 
 StateProvider = Callable[[], tuple[dict, Sequence[torch.Tensor]]]
+STATE_CHUNK_TIMEOUT_S = 15.0
 MEMBERS_REFRESH_S = 1.0  # at most one DHT read per second for unknown peers (a stranger's flood)
 
 
@@ -61,7 +62,10 @@ class StageAverager(DecentralizedAverager):
             min_matchmaking_time=min_matchmaking_time_s,
             request_timeout=request_timeout_s,
             allreduce_timeout=allreduce_timeout_s,
-            next_chunk_timeout=request_timeout_s * 4,
+            # a state download's chunks: a donor busy at a CPU quota took over 2 s to send its first one
+            # (it snapshots the state on its compute thread), and two moving servers gave up on a live
+            # donor (bench/rebalance_live.py, a 7-layer stage at 0.25 CPU)
+            next_chunk_timeout=STATE_CHUNK_TIMEOUT_S,
             declare_state_period=declare_state_period_s,
             shutdown_timeout=3,
         )

@@ -38,6 +38,7 @@ logger = get_logger(__name__)
 # contributions changes the sums by ~1e-4 relative and more. Replicas on different hardware would drift
 # apart by rounding and resync now and then.
 FINGERPRINT_RTOL = 1e-6
+JOIN_RETRY_S = 1.0
 
 
 @dataclass
@@ -113,7 +114,12 @@ class StageSynchronizer:
         start = choose_start(peer_epochs, checkpoint_step, swarm_step, self.settings.allow_fresh)
         if start.source == "peers":
             self.resync("joining a stage that has already trained")
-            if self.untrained:  # the download failed (the replicas just died): as if there were none
+            deadline_s = time.monotonic() + self.settings.download_timeout_s
+            # a failed download from replicas that are still there (a busy donor) is tried again
+            while self.untrained and self._others() and time.monotonic() < deadline_s:
+                time.sleep(JOIN_RETRY_S)
+                self.resync("joining: the last download failed and the stage's replicas are still there")
+            if self.untrained:  # the replicas died meanwhile: as if there were none
                 start = choose_start([], checkpoint_step, swarm_step, self.settings.allow_fresh)
         # state_step: every step before it is in the state this replica starts from (the accounting
         # counts dead replicas' steps before it as applied)
