@@ -34,7 +34,7 @@ IMBALANCED = {0: {"a": ann(0, 10.0), "b": ann(0, 10.0), "c": ann(0, 10.0)}, 1: {
 
 
 def balancer(peer, serving_since_s=0.0):
-    return Balancer(peer, 2, "d", period_s=2.0, margin=0.1, serving_since_s=serving_since_s)
+    return Balancer(peer, 2, "d", period_s=2.0, margin=0.1, serving_since_s=serving_since_s, settle_s=0.0)
 
 
 def test_exactly_one_named_peer_moves_to_the_bottleneck():
@@ -58,6 +58,17 @@ def test_one_move_at_a_time_through_the_lease():
     # two leases taken at the same moment: the lower peer id goes, the other gives way
     tie = Records(IMBALANCED, leases={"0": {"from": 0, "to": 1}})
     assert all(balancer(p).decide(tie, now_s=100.0) is None for p in "abcd")
+
+
+def test_a_lease_taken_while_ours_settles_wins_if_its_peer_id_is_lower():
+    """Found live: two stage-0 servers decided 1 s apart, each re-read the leases before the other's was
+    stored, and both moved. A lease is trusted only after a settle time, in which a concurrent one shows."""
+    records = Records(IMBALANCED)
+    mover = next(p for p in "abcd" if balancer(p).decide(Records(IMBALANCED), now_s=100.0) is not None)
+    late = balancer(mover)
+    late.settle = lambda: records.publish_move("0", {"from": 0, "to": 1}, 30.0)  # stored meanwhile
+    assert late.decide(records, now_s=100.0) is None
+    assert set(records.leases) == {mover, "0"}
 
 
 def test_balanced_stages_and_a_lone_server_stay():

@@ -48,6 +48,10 @@ class Balancer:
     period_s: float
     margin: float
     serving_since_s: float | None = None
+    # between taking the lease and trusting it: a lease another server stores meanwhile becomes visible.
+    # Without it two servers deciding 1 s apart each re-read before the other's store and both moved
+    # (bench/rebalance_live.py)
+    settle_s: float = 1.0
 
     def jittered_period_s(self) -> float:
         return self.period_s * random.uniform(0.75, 1.25)
@@ -73,9 +77,13 @@ class Balancer:
         if move is None or move.peer != self.peer_id:
             return None
         records.publish_move(self.peer_id, {"from": move.from_stage, "to": move.to_stage}, self.lease_ttl_s)
+        self.settle()
         if min(records.moves(), default=self.peer_id) != self.peer_id:
             return None  # another server took a lease at the same moment
         return move
+
+    def settle(self) -> None:
+        time.sleep(self.settle_s)
 
     def announce_intent(self, records, announcement, ttl_s: float) -> None:
         """Count this server at its target stage (as joining), so others see the move before its new
