@@ -222,6 +222,13 @@ def main() -> int:
         metavar="A,B",
         help="layers of stage 0 and stage 1 (the model gets A+B layers; default 1,3: tiny's 4)",
     )
+    parser.add_argument(
+        "--global-batch-size",
+        type=int,
+        metavar="N",
+        help="samples per optimizer step (default: the preset's; tiny 32 = 4 micro-batches). A step's "
+        "gradient exchange between a stage's replicas is per step, so a larger batch amortizes it",
+    )
     parser.add_argument("--summary-json", metavar="PATH")
     parser.add_argument(
         "--keep-logs", metavar="DIR", help="keep both runs' peer logs and ledgers in DIR (default: deleted)"
@@ -241,8 +248,11 @@ def main() -> int:
         # stage 1 holds most layers (default 3 of tiny's 4): the heavier stage, made the bottleneck by
         # N+1 servers
         layers = [int(x) for x in args.layers_per_stage.split(",")]
+        training = {"max_samples": 10**7}
+        if args.global_batch_size:
+            training["global_batch_size"] = args.global_batch_size
         overrides = {
-            "training": {"max_samples": 10**7},
+            "training": training,
             "model": {"num_layers": sum(layers)},
             "swarm": {"layers_per_stage": layers},
         }

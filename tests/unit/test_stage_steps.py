@@ -261,3 +261,39 @@ def test_local_steps_differ_between_rounds_and_agree_after_each(tiny_cfg, micro_
             torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-8)
 
     asyncio.run(scenario())
+
+
+def test_a_replica_that_missed_steps_replays_them_from_a_peers_means(tiny_cfg, micro_batches, start_compute):
+    """C was no participant of steps 0 and 1 (it joined while they were closed): it applies them from
+    A's kept mean gradients and ends with A's parameters and optimizer state, bitwise, without a state
+    download; a step A no longer keeps, or one C holds samples of, is refused (C resyncs instead)."""
+
+    async def scenario():
+        net = Net()
+        nodes = await _replicas(tiny_cfg, ["A", "B", "C"], net, start_compute)
+        tasks = [asyncio.create_task(nodes[n].run()) for n in "AB"]
+        for step in (0, 1):
+            _train(nodes["A"].worker, micro_batches[:2], step=step, prefix=f"a{step}")
+            _train(nodes["B"].worker, micro_batches[2:], step=step, prefix=f"b{step}")
+            _close(nodes, step, {"A": 16, "B": 16}, to="AB")
+            await _until(lambda s=step: nodes["A"].worker.epoch == s + 1 == nodes["B"].worker.epoch)
+        for task in tasks:
+            task.cancel()
+        a, c = nodes["A"], nodes["C"]
+        for step in (0, 1):
+            samples, means = a.means_of(step)
+            assert samples == 32
+            assert await c.replay(step, samples, means)
+        assert c.worker.epoch == 2 and c.counters.replayed_steps == 2 and c.worker.samples_seen == 64
+        for p, q in zip(a.worker.params, c.worker.params, strict=True):
+            assert torch.equal(p, q)
+        state_a, state_c = a.worker.optimizer.state_dict()["state"], c.worker.optimizer.state_dict()["state"]
+        for key, moments in state_a.items():
+            for name in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(moments[name], state_c[key][name])
+        # kept: the last KEPT_STEP_MEANS steps; replay only at this replica's own epoch
+        assert a.means_of(5) is None and not await c.replay(1, 32, a.means_of(1)[1])
+        _train(c.worker, micro_batches[:1], step=2, prefix="c")  # samples of its own: not replayed
+        assert not await c.replay(2, 32, a.means_of(1)[1])
+
+    asyncio.run(scenario())

@@ -262,3 +262,31 @@ def test_a_truncated_download_is_refused_and_the_replica_serves_on(make_sync, ti
     records.progress["A"] = _peer(9)
     sync.tick()
     assert ("download",) in averager.calls and worker.epoch == 0 and sync.serving.is_set()
+
+
+def test_a_replica_a_step_behind_replays_it_instead_of_downloading(tiny_cfg, start_compute):
+    """No samples of its own and at most KEPT_STEP_MEANS behind: the missed steps come from a peer's
+    mean gradients (`replay_missed`); holding samples, or when the replay fails, it downloads."""
+    replays = []
+
+    def replay(peer, start, end):
+        replays.append((peer, start, end))
+        return ok
+
+    worker = StageWorker(tiny_cfg, tiny_cfg.stages()[1])
+    records, averager = FakeRecords(), FakeAverager()
+    settings = SyncSettings(lag_grace_s=0.0)
+    sync = StageSynchronizer(
+        worker, start_compute(), averager, records, "B", "d", settings, replay_missed=replay
+    )
+    records.progress["A"], records.progress["C"] = _peer(2), _peer(1)
+    ok = True
+    sync.tick()
+    assert replays == [("A", 0, 2)] and averager.calls == []  # from the most advanced peer
+    ok = False
+    sync.tick()
+    assert replays[-1] == ("A", 0, 2) and averager.calls == [("download",)]
+    _train(worker, 1)
+    ok = True
+    sync.tick()
+    assert len(replays) == 2 and averager.calls == [("download",)] * 2  # its own samples: a resync

@@ -49,10 +49,11 @@ MAX_ABS_VALUE = 1e6
 # the last stage, loss and backward in one call; evaluate: forward only, any stage, nothing kept;
 # close: a trainer tells a stage's replicas that a step's micro-batches are all done (and who
 # accumulated them); grads: one replica's gradient sums of a step, sent to its stage peers; info:
-# counters and state for probes and monitors; round_mean: a whole-model replica asks a member of its
-# last outer round for that round's mean (to fill what a partial all-reduce left out)
+# counters and state for probes and monitors; step_means: a stage replica that missed a step asks a
+# peer for the mean gradients it applied; round_mean: a whole-model replica asks a member of its last
+# outer round for that round's mean (to fill what a partial all-reduce left out)
 MICRO_BATCH_KINDS = ("forward", "backward", "forward_backward", "evaluate")
-KINDS = (*MICRO_BATCH_KINDS, "close", "grads", "info", "round_mean", "result", "error")
+KINDS = (*MICRO_BATCH_KINDS, "close", "grads", "info", "step_means", "round_mean", "result", "error")
 MAX_STEP = 2**53
 _LEN = struct.Struct("<I")
 
@@ -428,6 +429,25 @@ def validate_grads(
         tensor = _checked_float(message, name, shape)
         sums.append(tensor)
     return header["step"], samples, sums
+
+
+def validate_step_means_request(message: Message, stage: int, digest: str) -> int:
+    """The step whose mean gradients a stage peer asks for."""
+    return _checked_step_header(message, stage, digest)["step"]
+
+
+def validate_step_means(
+    message: Message, names: list[str], shapes: list[tuple[int, ...]]
+) -> tuple[int, list[torch.Tensor] | None]:
+    """A peer's answer: (samples, mean gradients in parameter order; None for a step with no samples)."""
+    samples = message.header.get("samples")
+    if not _is_int(samples) or not 0 <= samples < MAX_STEP:
+        raise ProtocolError(f"step means need a sample count, got {samples!r}")
+    if not message.tensors and message.header.get("empty") is True:
+        return samples, None
+    if set(message.tensors) != set(names):
+        raise ProtocolError("step means must carry exactly this stage's parameters")
+    return samples, [_checked_float(message, name, shape) for name, shape in zip(names, shapes, strict=True)]
 
 
 def _checked_step_header(message: Message, stage: int, digest: str) -> dict:

@@ -39,6 +39,8 @@ from swarmtrain.net.protocol import (
     validate_close,
     validate_grads,
     validate_request,
+    validate_step_means,
+    validate_step_means_request,
 )
 from swarmtrain.runtime import byzantine
 from swarmtrain.runtime.ledger import Ledger
@@ -200,6 +202,7 @@ class StageServer:
             on_fatal=self._fatal,
             closing=self._closing,
             on_epoch_moved=self.steps.version_changed_threadsafe,
+            replay_missed=self._replay_missed,
         )
 
     def _make_checkpointer(self) -> StageCheckpointer | None:
@@ -442,6 +445,7 @@ class StageServer:
             "info": self._on_info,
             "close": self._on_close,
             "grads": self._on_grads,
+            "step_means": self._on_step_means,
             "forward": self._on_micro_batch,
             "backward": self._on_micro_batch,
             "forward_backward": self._on_micro_batch,
@@ -464,6 +468,44 @@ class StageServer:
         )
         self.steps.on_grads(context.remote_id.to_base58(), step, samples, sums)
         return Message("result", {"ok": True})
+
+    async def _on_step_means(self, message: Message, _context) -> Message:
+        step = validate_step_means_request(message, self.spec.index, self.digest)
+        kept = self.steps.means_of(step)
+        if kept is None:
+            return error_message(f"the means of step {step} are not kept here", "unavailable")
+        samples, means = kept
+        header = {"step": step, "samples": samples}
+        if means is None or not all(bool(torch.isfinite(m).all()) for m in means):
+            return Message("result", {**header, "empty": True})  # skipped alike on every replica
+        return make_message("result", header, dict(zip(self.worker.names, means, strict=True)), "none")
+
+    def _replay_missed(self, peer: str, start: int, end: int) -> bool:
+        """(sync thread) Apply steps start..end-1, which this replica missed, from `peer`'s mean
+        gradients; False when that failed (the caller resyncs)."""
+        if self._client is None:
+            return False
+        future = asyncio.run_coroutine_threadsafe(self._replay_from(peer, start, end), self._loop)
+        try:
+            return future.result(timeout=self.cfg.swarm.request_timeout_s * (end - start) + 5.0)
+        except Exception as exc:  # unreachable donor, a step it no longer keeps, a malformed answer
+            future.cancel()
+            logger.info("replaying steps %d-%d from %s failed: %r", start, end - 1, peer[-8:], exc)
+            return False
+
+    async def _replay_from(self, peer: str, start: int, end: int) -> bool:
+        from hivemind.p2p import PeerID
+
+        assert self._client is not None
+        for step in range(start, end):
+            header = {"step": step, "stage": self.spec.index, "digest": self.digest}
+            request = Message("step_means", header)
+            timeout_s = self.cfg.swarm.request_timeout_s
+            reply = await self._client.call(PeerID.from_base58(peer), "step_means", request, timeout_s)
+            samples, means = validate_step_means(reply, self.worker.names, self._param_shapes)
+            if not await self.steps.replay(step, samples, means):
+                return False
+        return True
 
     async def _on_micro_batch(self, message: Message, _context) -> Message:
         if not self.sync.serving.is_set():

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -44,6 +45,7 @@ logger = get_logger(__name__)
 GradSender = Callable[[str, int, int, list[torch.Tensor]], Awaitable[bool]]
 OnStep = Callable[[int, list[float] | None], None]  # (epoch, parameter fingerprint or None)
 KEEP_STEPS_AHEAD = 4  # closes/grads this far ahead are kept; a replica further behind resyncs
+KEPT_STEP_MEANS = 3  # a replica this many steps behind or fewer replays them (`replay`) instead of resyncing
 
 
 @dataclass
@@ -81,6 +83,7 @@ class StepCounters:
     last_group_size: int = 0
     last_exchange_s: float = 0.0
     clipped_contributions: int = 0  # a replica's sums far above the others' (net/robust.py)
+    replayed_steps: int = 0  # steps this replica missed and applied from a peer's mean gradients
 
 
 class StepCoordinator:
@@ -101,6 +104,9 @@ class StepCoordinator:
         self.on_step = on_step  # after every step (applied or skipped) with the new parameters' fingerprint
         self.counters = StepCounters()
         self.pending: dict[int, PendingStep] = {}
+        # the mean gradients of the last steps applied here, for replicas that missed them (`replay`)
+        self.recent_means: OrderedDict[int, tuple[int, list[torch.Tensor] | None]] = OrderedDict()
+        self._replaying = False
         self._version_changed = asyncio.Event()
         self._sending: set[asyncio.Task] = set()
         # the loop this coordinator runs on: a server makes it before serving, tests run in one
@@ -189,7 +195,46 @@ class StepCoordinator:
         return False
 
     def _is_closed(self, state: PendingStep) -> bool:
-        return state.closed(time.monotonic(), self.settings.close_timeout_s)
+        return not self._replaying and state.closed(time.monotonic(), self.settings.close_timeout_s)
+
+    # steps missed: replayed from a peer's means ---------------------------------------------------
+    def means_of(self, step: int) -> tuple[int, list[torch.Tensor] | None] | None:
+        """(samples, mean gradients) of a recent step applied here; None when not kept."""
+        return self.recent_means.get(step)
+
+    def _keep_means(self, step: int, samples: int, means: list[torch.Tensor] | None) -> None:
+        if self.worker.outer is not None:
+            return  # local steps: every replica stepped on its own gradient, there is no shared mean
+        self.recent_means[step] = (samples, means)
+        while len(self.recent_means) > KEPT_STEP_MEANS:
+            self.recent_means.popitem(last=False)
+
+    async def replay(self, step: int, samples: int, means: list[torch.Tensor] | None) -> bool:
+        """Apply step `step` as its participants did, from one participant's mean gradients: a replica
+        that was no participant (it joined or resynced while the step was closed) catches up with the
+        same optimizer math on the same state instead of downloading the whole state again, which took
+        longer than a step at a CPU quota and never caught up (bench/rebalance_live.py). False when
+        this replica is not at `step` or holds samples of its own (a resync handles those)."""
+        if self.worker.epoch != step or self.worker.unapplied_samples or self._replaying:
+            return False
+        self._replaying = True
+        try:
+            kept = None if means is None else [m.clone() for m in means]  # clipping scales in place
+
+            def apply() -> tuple[bool, list[float]]:
+                return self.worker.apply_step(step, means, samples), self.worker.param_fingerprint()
+
+            applied, fingerprint = await self._on_compute(apply)
+        finally:
+            self._replaying = False
+        self._keep_means(step, samples, kept)
+        self.pending.pop(step, None)
+        self.version_changed()
+        self.counters.replayed_steps += 1
+        self.ledger.write("replay", step=step, n=samples, applied=applied)
+        if self.on_step is not None:
+            self.on_step(step + 1, fingerprint)
+        return True
 
     async def _finish(self, step: int) -> None:
         state, start_s = self.pending[step], time.monotonic()
@@ -295,7 +340,10 @@ class StepCoordinator:
             applied = self.worker.apply_step(step, means, samples, hold_epoch)
             return applied, None if local_step else self.worker.param_fingerprint()
 
+        kept = None if means is None else [m.clone() for m in means]  # clipping scales in place
         applied, fingerprint = await self._on_compute(apply)
+        if not hold_epoch:
+            self._keep_means(step, samples, kept)
         if not hold_epoch:
             self.pending.pop(step, None)
             self.version_changed()

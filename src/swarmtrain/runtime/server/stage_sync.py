@@ -7,8 +7,10 @@ module runs on its own threads and works from shared state in the DHT:
 - a replica joining a stage whose replicas have already stepped downloads their parameters and
   optimizer state (`load_state_from_peers`) before serving;
 - a replica that sees a peer more than `KEEP_STEPS_AHEAD` steps ahead, or ahead at all for longer
-  than `lag_grace_s` (replicas finish a step's exchange a few milliseconds apart, which is no lag), stops
-  serving, drops its unapplied buckets (recorded as lost) and downloads the state;
+  than `lag_grace_s` (replicas finish a step's exchange a few milliseconds apart, which is no lag),
+  replays the steps it missed from a peer's mean gradients when it is at most `KEPT_STEP_MEANS` behind
+  and holds no samples of its own; otherwise it stops serving, drops its unapplied buckets (recorded as
+  lost) and downloads the state;
 - replicas compare parameter fingerprints taken at the same step; on a mismatch (a member's gradients
   reached one replica but not another, at that step or any before) the one with the larger id resyncs;
 - at start, the state comes from live replicas, else the stage's newest checkpoint, else initial
@@ -28,7 +30,7 @@ from swarmtrain.net.protocol import ProtocolError
 from swarmtrain.planner.restore import behind_other_stages, choose_start
 from swarmtrain.runtime.ledger import Ledger
 from swarmtrain.runtime.server.compute import PRIORITY_SYNC, ComputeWorker
-from swarmtrain.runtime.server.stage_steps import KEEP_STEPS_AHEAD
+from swarmtrain.runtime.server.stage_steps import KEEP_STEPS_AHEAD, KEPT_STEP_MEANS
 from swarmtrain.runtime.server.stage_worker import StageWorker
 from swarmtrain.utils.logging import get_logger
 
@@ -39,6 +41,7 @@ logger = get_logger(__name__)
 # apart by rounding and resync now and then.
 FINGERPRINT_RTOL = 1e-6
 JOIN_RETRY_S = 1.0
+JOIN_RETRIES = 2
 
 
 @dataclass
@@ -80,11 +83,13 @@ class StageSynchronizer:
         on_fatal: Callable[[str], None] | None = None,
         closing: Callable[[], bool] = lambda: False,
         on_epoch_moved: Callable[[], None] = lambda: None,
+        replay_missed: Callable[[str, int, int], bool] = lambda peer, start, end: False,
     ) -> None:
         """`checkpoints`: a StageCheckpointer to restore from (None: no checkpoints); `on_fatal`: stop
         the server with this message (a replica that must not serve); `closing`: whether the step this
         replica is at is being closed (the step coordinator holds it); `on_epoch_moved`: called (on
-        this object's thread) after a download or restore moved the epoch."""
+        this object's thread) after a download or restore moved the epoch; `replay_missed(peer, start,
+        end)`: apply steps start..end-1 from that peer's mean gradients, True when done."""
         self.worker, self.compute, self.averager, self.records = worker, compute, averager, records
         self.peer_id, self.digest, self.settings = peer_id, digest, settings
         self.stage = worker.spec.index
@@ -97,6 +102,7 @@ class StageSynchronizer:
         self.serving = threading.Event()
         self.stop_event = threading.Event()
         self.on_epoch_moved = on_epoch_moved
+        self.replay_missed = replay_missed
         self._fp: tuple[int, list[float]] | None = None  # (step, parameter fingerprint at that step)
         self._behind_since_s: float | None = None
         self._publish_now = threading.Event()
@@ -114,9 +120,10 @@ class StageSynchronizer:
         start = choose_start(peer_epochs, checkpoint_step, swarm_step, self.settings.allow_fresh)
         if start.source == "peers":
             self.resync("joining a stage that has already trained")
-            deadline_s = time.monotonic() + self.settings.download_timeout_s
             # a failed download from replicas that are still there (a busy donor) is tried again
-            while self.untrained and self._others() and time.monotonic() < deadline_s:
+            for _ in range(JOIN_RETRIES):
+                if not (self.untrained and self._others()):
+                    break
                 time.sleep(JOIN_RETRY_S)
                 self.resync("joining: the last download failed and the stage's replicas are still there")
             if self.untrained:  # the replicas died meanwhile: as if there were none
@@ -190,7 +197,9 @@ class StageSynchronizer:
         # a replica that was not a member of a step can trail the members by a step or two while the
         # members' gradients reach it; it catches up from what it was sent
         lagging = ahead >= 1 and now - (self._behind_since_s or now) >= self.settings.lag_grace_s
-        if ahead > KEEP_STEPS_AHEAD or lagging:
+        if lagging and self._replayed(others, epoch, ahead):
+            self._behind_since_s = None
+        elif ahead > KEEP_STEPS_AHEAD or lagging:
             self.resync(f"peers are {ahead} step(s) ahead (we are at {epoch})")
         elif self._diverged_from(others):
             self.resync("parameters diverged from a peer after a partial exchange")
@@ -200,6 +209,21 @@ class StageSynchronizer:
             self._check_other_stages(epoch, now)
         else:
             self._other_ahead_since_s = None
+
+    def _replayed(self, others: dict[str, dict], epoch: int, ahead: int) -> bool:
+        """A replica a few steps behind holding no samples of its own (it was no participant of those
+        steps) applies them from a peer's mean gradients: the same state as its peers, for one mean per
+        step instead of a whole state download."""
+        if ahead > KEPT_STEP_MEANS or self.worker.unapplied_samples:
+            return False
+        donor = max(others, key=lambda peer: others[peer]["epoch"])
+        if not self.replay_missed(donor, epoch, epoch + ahead):
+            return False
+        logger.info(
+            "stage %d: replayed steps %d-%d from %s", self.stage, epoch, epoch + ahead - 1, donor[-8:]
+        )
+        self.publish()
+        return True
 
     def _check_other_stages(self, epoch: int, now: float) -> None:
         """No replica of this stage is ahead: are the other stages, for longer than a step takes?"""
