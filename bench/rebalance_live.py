@@ -2,10 +2,15 @@
 rise as the simulator predicts?
 
 Each server runs in its own cgroup limited to --cpus-per-server cores (runtime/harness/cpu_quota.py: servers
-behave like separate equal machines instead of sharing 2 cores); stage 1 holds 3 of `tiny`'s 4 layers,
-so 3 servers on stage 0 and 1 on stage 1 make stage 1 the bottleneck. Two runs, one swarm at a time:
+behave like separate equal machines instead of sharing 2 cores). By default the model has 8 blocks, stage 1
+holds 7 of them, and 4 servers on stage 0 with 1 on stage 1 make stage 1 the bottleneck by the servers'
+own capacity figures (with `tiny`'s 4 blocks cut 1,3, at 0.25 CPU a stage-0 server, two calls per
+micro-batch, costs about as much per sample as a stage-1 one, and 4+1 was balanced: nobody moved). The
+global batch is 128 samples (16 micro-batches, 16 in flight): a step's gradient exchange between a
+stage's replicas is per step, and with 4 micro-batches per step it ate what a second stage-1 replica
+adds. Two runs, one swarm at a time:
 
-- `imbalanced`: N+1 servers (`--stage0-servers N`, default 3) with `--rebalance-period-s P`; the
+- `imbalanced`: N+1 servers (`--stage0-servers N`, default 4) with `--rebalance-period-s P`; the
   trainer's throughput is measured while N+1 (after warm-up, before the move) and after the moved
   server serves stage 1 (N-1+2);
 - `auto`: N+1 servers started one after another with `--stage auto` (no rebalancing).
@@ -16,7 +21,8 @@ server's whole cgroup per forwarded sample, divided by its cores, measured on th
 move, before the move) and the measured per-call overhead as link latency (as
 experiments/calibrate_demo.py does), for N+1 and for N-1+2. Needs root for the cgroups (it says so and exits 2 otherwise).
 
-    python bench/rebalance_live.py [--cpus-per-server 0.35] [--rebalance-period-s 10] [--summary-json P]
+    python bench/rebalance_live.py [--cpus-per-server 0.25] [--rebalance-period-s 10] [--summary-json P]
+                                   [--layers-per-stage 1,7] [--global-batch-size 128] [--keep-logs DIR]
 """
 
 from __future__ import annotations
@@ -204,29 +210,30 @@ def run_auto(args, config_path: Path, workdir: Path) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="tiny")
-    parser.add_argument("--cpus-per-server", type=float, default=0.35)
+    parser.add_argument("--cpus-per-server", type=float, default=0.25)
     parser.add_argument("--rebalance-period-s", type=float, default=10.0)
     parser.add_argument("--duration-s", type=float, default=90.0, help="the imbalanced run's training time")
-    parser.add_argument("--in-flight", type=int, default=8)
+    parser.add_argument("--in-flight", type=int, default=16)
     parser.add_argument(
         "--stage0-servers",
         type=int,
-        default=3,
+        default=4,
         choices=range(2, len(STAGE0_NAMES) + 1),
         metavar="N",
-        help="servers started on stage 0 (stage 1 gets one): N+1 -> N-1+2 after the move (default 3)",
+        help="servers started on stage 0 (stage 1 gets one): N+1 -> N-1+2 after the move (default 4)",
     )
     parser.add_argument(
         "--layers-per-stage",
-        default="1,3",
+        default="1,7",
         metavar="A,B",
-        help="layers of stage 0 and stage 1 (the model gets A+B layers; default 1,3: tiny's 4)",
+        help="layers of stage 0 and stage 1 (the model gets A+B layers; default 1,7)",
     )
     parser.add_argument(
         "--global-batch-size",
         type=int,
+        default=128,
         metavar="N",
-        help="samples per optimizer step (default: the preset's; tiny 32 = 4 micro-batches). A step's "
+        help="samples per optimizer step (default 128; tiny's own is 32 = 4 micro-batches). A step's "
         "gradient exchange between a stage's replicas is per step, so a larger batch amortizes it",
     )
     parser.add_argument("--summary-json", metavar="PATH")
