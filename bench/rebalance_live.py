@@ -137,6 +137,17 @@ def predict(cfg, per_stage_s: list[float], counts: list[int], latency_s: float, 
     return run_simulation(fleet, cfg, config).summary["samples_per_s"]
 
 
+def next_move_at(swarm: LocalSwarm, names: list[str], after_t: float) -> float | None:
+    """Wall time of the first move decision after `after_t` among these servers (their ledgers)."""
+    times = [
+        e["t"]
+        for name in names
+        for e in read_ledger(swarm.ledger_path(name))
+        if e["e"] == "move" and e["t"] > after_t
+    ]
+    return min(times, default=None)
+
+
 def hop_latency_s(trainer_summary: dict) -> float:
     rpc = trainer_summary["rpc"]
     calls = sum(v["calls"] for v in rpc.values())
@@ -182,7 +193,11 @@ def run_imbalanced(args, config_path: Path, workdir: Path) -> dict:
         swarm.wait_exit("trainer", args.duration_s + 120)
         ledger = swarm.ledger_path("trainer")
         before = window_samples_per_s(ledger, started + WARMUP_S, decided_at)
-        after = window_samples_per_s(ledger, moved_at + WARMUP_S / 2, time.time())
+        # until a second server decides to move (the policy may go on towards its balance): that
+        # move's drain, download and replays are a transition, not the allocation after this move
+        second = next_move_at(swarm, [n for n in stage0 if n != mover], decided_at)
+        after_end = second if second is not None else time.time()
+        after = window_samples_per_s(ledger, moved_at + WARMUP_S / 2, after_end)
         summary = json.loads((swarm.workdir / "trainer.summary.json").read_text())
         stayed = [n for n in stage0 if n != mover]
         cpus = args.cpus_per_server
@@ -195,6 +210,8 @@ def run_imbalanced(args, config_path: Path, workdir: Path) -> dict:
             "before_samples_per_s": before,
             "after_samples_per_s": after,
             "before_window_s": decided_at - started - WARMUP_S,
+            "after_window_s": after_end - moved_at - WARMUP_S / 2,
+            "second_move_decided_after_s": None if second is None else second - moved_at,
             "idle_cpu_per_s": idle,
             "hop_latency_s": hop_latency_s(summary),
             "in_flight": args.in_flight,
@@ -317,7 +334,14 @@ def main() -> int:
         f"after / before: {gain:.2f} (simulator {sim_after / sim_before:.2f}); compute ms/sample per stage "
         f"{[round(1e3 * c, 2) for c in compute]}, per-call overhead {1e3 * latency:.1f} ms; idle CPU baseline "
         f"{sum(imbalanced['idle_cpu_per_s'].values()) / len(imbalanced['idle_cpu_per_s']):.3f} CPU s/s per server; move: "
-        f"{imbalanced['move_cost']}"
+        f"{imbalanced['move_cost']}; windows: before {imbalanced['before_window_s']:.0f} s, after "
+        f"{imbalanced['after_window_s']:.0f} s"
+        + (
+            f" (up to a second server's move decision, {imbalanced['second_move_decided_after_s']:.0f} s "
+            "after the first had moved)"
+            if imbalanced["second_move_decided_after_s"] is not None
+            else ""
+        )
     )
     if args.summary_json:
         report = {
