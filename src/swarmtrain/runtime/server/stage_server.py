@@ -64,7 +64,7 @@ from swarmtrain.runtime.server.compute import (
 from swarmtrain.runtime.server.stage_checkpoint import CheckpointSettings, StageCheckpointer
 from swarmtrain.runtime.server.stage_steps import StepCoordinator, StepSettings
 from swarmtrain.runtime.server.stage_sync import StageSynchronizer, SyncSettings
-from swarmtrain.runtime.server.stage_worker import StageWorker
+from swarmtrain.runtime.server.stage_worker import StageWorker, all_finite
 from swarmtrain.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -290,6 +290,14 @@ class StageServer:
         return self.exit_code
 
     @property
+    def _announce_ttl_s(self) -> float:
+        return ANNOUNCE_TTL_PERIODS * self.cfg.swarm.announce_period_s
+
+    def _leaving(self) -> bool:
+        """A move is decided: this server drains and serves no new micro-batch."""
+        return self.move_to is not None
+
+    @property
     def moving(self) -> bool:
         return self.move_to is not None and self.exit_code == 0
 
@@ -358,8 +366,9 @@ class StageServer:
             if move is not None:
                 intent = self._announcement(state="joining")
                 intent.stage = move.to_stage
-                ttl_s = ANNOUNCE_TTL_PERIODS * self.cfg.swarm.announce_period_s
-                await loop.run_in_executor(None, balancer.announce_intent, self.records, intent, ttl_s)
+                await loop.run_in_executor(
+                    None, balancer.announce_intent, self.records, intent, self._announce_ttl_s
+                )
                 logger.warning(
                     "rebalancing: moving from stage %d to stage %d, the bottleneck (%.1f samples/s; the two "
                     "stages' minimum after the move %.1f)",
@@ -476,7 +485,7 @@ class StageServer:
             return error_message(f"the means of step {step} are not kept here", "unavailable")
         samples, means = kept
         header = {"step": step, "samples": samples}
-        if means is None or not all(bool(torch.isfinite(m).all()) for m in means):
+        if means is None or not all_finite(means):
             return Message("result", {**header, "empty": True})  # skipped alike on every replica
         return make_message("result", header, dict(zip(self.worker.names, means, strict=True)), "none")
 
@@ -510,8 +519,8 @@ class StageServer:
     async def _on_micro_batch(self, message: Message, _context) -> Message:
         if not self.sync.serving.is_set():
             return error_message("this replica is downloading the stage state; try another", "unavailable")
-        if self.move_to is not None:
-            return error_message("this replica is leaving the stage; try another", "unavailable")
+        if self._leaving():
+            return _leaving_answer()
         self._running_requests += 1
         try:
             return await self._handle_micro_batch(message)
@@ -535,10 +544,9 @@ class StageServer:
                 return error_message(
                     f"step {request.step} is already applied here (at {self.worker.epoch})", "stale"
                 )
-            leaving = lambda: self.move_to is not None  # noqa: E731
-            if not await self.steps.wait_for_version(need, deadline_s, abandon=leaving):
-                if leaving():
-                    return error_message("this replica is leaving the stage; try another", "unavailable")
+            if not await self.steps.wait_for_version(need, deadline_s, abandon=self._leaving):
+                if self._leaving():
+                    return _leaving_answer()
                 return error_message(f"parameters of step {need} not ready in time", "timeout")
             step_wait_s = time.monotonic() - arrived_s
         if request.kind == "backward":
@@ -595,8 +603,7 @@ class StageServer:
         announcement = self._announcement(state)
         # an offline record too: the DHT replaces a record only by one that expires later, so a short-lived
         # offline record was refused and trainers kept routing to a stopped server until it expired
-        ttl_s = ANNOUNCE_TTL_PERIODS * self.cfg.swarm.announce_period_s
-        self.records.announce(self.peer_id, announcement, ttl_s)
+        self.records.announce(self.peer_id, announcement, self._announce_ttl_s)
 
     @property
     def throughput_samples_per_s(self) -> float:
@@ -666,6 +673,10 @@ class StageServer:
             logger.exception("final checkpoint failed")
         finally:
             self.checkpointer.close()
+
+
+def _leaving_answer() -> Message:
+    return error_message("this replica is leaving the stage; try another", "unavailable")
 
 
 def _timed(fn, request):

@@ -178,7 +178,7 @@ class StageWorker:
             return grad, 0
         grads = torch.autograd.grad(outputs, params + extra, grad_outputs, allow_unused=True)
         param_grads = grads[: len(params)]
-        if not _all_finite(param_grads):
+        if not all_finite(param_grads):
             self.counters["rejected_nonfinite"] += 1
             raise ProtocolError(f"micro-batch {mb} gives non-finite parameter gradients; not accumulated")
         bucket = self.bucket(request.step)
@@ -254,7 +254,7 @@ class StageWorker:
         if step != self.epoch:
             raise RuntimeError(f"step {step} applied at epoch {self.epoch}")
         t = self.cfg.training
-        applied = mean_grads is not None and _all_finite(mean_grads)
+        applied = mean_grads is not None and all_finite(mean_grads)
         with self.state_lock:
             if applied and mean_grads is not None:
                 for p, g in zip(self.params, mean_grads, strict=True):
@@ -400,7 +400,7 @@ class StageWorker:
 _LEDGER_EVENT = {"duplicates": "dup", "late": "late", "not_accumulated": "noacc"}
 
 
-def _all_finite(tensors) -> bool:
+def all_finite(tensors) -> bool:
     present = [t for t in tensors if t is not None]
     return not present or bool(torch.isfinite(torch.stack([t.sum() for t in present])).all())
 
