@@ -246,6 +246,12 @@ class ReplicaPeer:
     # the outer round --------------------------------------------------------------------------
     def outer_round(self) -> None:
         k = self.outer.outer_step
+        try:
+            self._outer_round(k)
+        finally:
+            self.repair.round_done(k)  # a member asking for this round's mean is answered at once now
+
+    def _outer_round(self, k: int) -> None:
         self.publish()  # tells the others this replica is at the round's end
         others = self._wait_for_peers(k)
         if any(v["outer_step"] > k for v in others.values()):

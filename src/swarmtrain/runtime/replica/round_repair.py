@@ -33,7 +33,9 @@ from swarmtrain.utils.logging import get_logger
 logger = get_logger(__name__)
 
 KEPT_ROUNDS = 2  # a member may ask for round k while this replica is already in round k + 1
-REPAIR_TIMEOUT_S = 15.0
+# the members of one all-reduce finish it within moments of each other; waiting longer let the other
+# replica take a whole round alone (CI)
+REPAIR_TIMEOUT_S = 5.0
 CALL_TIMEOUT_S = 5.0
 RETRY_S = 0.2
 MAX_REQUEST_BYTES = 64 * 1024
@@ -51,6 +53,7 @@ class RoundRepair:
         self.codec = codec
         self.bytes_received = 0
         self._means: OrderedDict[int, list[torch.Tensor]] = OrderedDict()
+        self._done_round = -1  # rounds up to this one are over here: a mean not kept now never will be
         self._lock = threading.Lock()
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="round-repair", daemon=True)
@@ -87,14 +90,21 @@ class RoundRepair:
             while len(self._means) > KEPT_ROUNDS:
                 self._means.popitem(last=False)
 
+    def round_done(self, round_index: int) -> None:
+        """This replica has left `round_index` (averaged, alone or resynced)."""
+        self._done_round = max(self._done_round, round_index)
+
     async def _handle(self, message: Message, _context) -> Message:
         if message.kind != "round_mean":
             return error_message(f"a replica answers only round_mean, not {message.kind!r}", "bad_request")
         round_index = message.header.get("round")
         with self._lock:
             mean = self._means.get(round_index) if isinstance(round_index, int) else None
+        if mean is None and isinstance(round_index, int) and round_index <= self._done_round:
+            # its all-reduce failed here (it went on alone) or it resynced: asking again cannot help
+            return error_message(f"no mean of outer round {round_index} here", "no_mean")
         if mean is None:
-            return error_message(f"no mean of outer round {round_index!r} here (yet)", "unavailable")
+            return error_message(f"no mean of outer round {round_index!r} here yet", "unavailable")
         tensors = {str(i): t for i, t in enumerate(mean)}
         return make_message("result", {"round": round_index}, tensors, self.codec)
 
