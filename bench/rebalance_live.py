@@ -11,15 +11,16 @@ stage's replicas is per step, and with 4 micro-batches per step it ate what a se
 adds. Two runs, one swarm at a time:
 
 - `imbalanced`: N+1 servers (`--stage0-servers N`, default 4) with `--rebalance-period-s P`; the
-  trainer's throughput is measured while N+1 (after warm-up, before the move) and after the moved
-  server serves stage 1 (N-1+2);
+  trainer's throughput is measured while N+1 (after warm-up, before the first move decision) and once
+  the swarm is rebalanced (from the last mover serving its new stage to the end of the run); the time to
+  balance is from the first decision to the last mover serving;
 - `auto`: N+1 servers started one after another with `--stage auto` (no rebalancing).
 
 The prediction: the simulator (mode swarm-no-rebalance, the same code as `swarmtrain simulate`) on a
 fleet of pinned peers with each stage's measured seconds per sample at the quota (the CPU time of the
 server's whole cgroup per forwarded sample, divided by its cores, from the stage's busiest server over
 both runs: the imbalanced run's servers that did not move, before the move, and the auto run's) and the measured per-call overhead as link latency (as
-experiments/calibrate_demo.py does), for N+1 and for N-1+2. Needs root for the cgroups (it says so and exits 2 otherwise).
+experiments/calibrate_demo.py does), for N+1 and for the allocation rebalancing reached. Needs root for the cgroups (it says so and exits 2 otherwise).
 
     python bench/rebalance_live.py [--cpus-per-server 0.25] [--rebalance-period-s 10] [--summary-json P]
                                    [--layers-per-stage 1,7] [--global-batch-size 128] [--keep-logs DIR]
@@ -31,10 +32,13 @@ import argparse
 import contextlib
 import json
 import re
+import signal
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+import numpy as np
 
 from swarmtrain.config import load_run_config
 from swarmtrain.runtime.harness.cpu_quota import CpuQuota, CpuQuotaError
@@ -46,7 +50,7 @@ from swarmtrain.sim.entities import DEVICE_TYPES, Fleet, PeerSpec, single_locati
 from swarmtrain.sim.report import format_table
 from swarmtrain.sim.runner import run_simulation
 
-METRICS = re.compile(r"metrics stage=(\d+) .*?samples_forward=(\d+) busy_s=([\d.]+)")
+METRICS = re.compile(r"metrics stage=(\d+) step=(\d+) .*?samples_forward=(\d+) busy_s=([\d.]+)")
 LOOPBACK_BYTES_PER_S = 10e9 / 8
 WARMUP_S = 8.0
 IDLE_WINDOW_S = 6.0  # servers ready, no trainer yet: their idle CPU baseline
@@ -62,46 +66,71 @@ def window_samples_per_s(ledger: Path, start_t: float, end_t: float) -> float:
     return sum(e["n"] for e in done[1:]) / (done[-1]["t"] - done[0]["t"])
 
 
-def cpu_snapshot(swarm: LocalSwarm, names: list[str]) -> dict[str, tuple[float, int, float]]:
-    """Per server: (CPU seconds of its whole cgroup, samples it has forwarded per its last metrics line,
-    wall clock)."""
+def cpu_snapshot(swarm: LocalSwarm, names: list[str]) -> dict[str, tuple[float, int, int, float]]:
+    """Per server: (CPU seconds of its whole cgroup, samples it has forwarded and the step it is at per
+    its last metrics line, wall clock)."""
     out = {}
     for name in names:
         points = METRICS.findall(swarm.processes[name].log_text())
-        out[name] = (swarm.quotas[name].cpu_s(), int(points[-1][1]) if points else 0, time.monotonic())
+        samples, step = (int(points[-1][2]), int(points[-1][1])) if points else (0, 0)
+        out[name] = (swarm.quotas[name].cpu_s(), samples, step, time.monotonic())
     return out
 
 
 def idle_cpu_per_s(first: dict, last: dict) -> dict[str, float]:
     """Each server's CPU seconds per second with no trainer (DHT upkeep, announcements, p2pd)."""
-    return {name: (last[name][0] - c0) / max(last[name][2] - t0, 1e-9) for name, (c0, _, t0) in first.items()}
+    return {
+        name: (last[name][0] - c0) / max(last[name][3] - t0, 1e-9) for name, (c0, _, _, t0) in first.items()
+    }
 
 
-def server_costs(first: dict, last: dict, names: list[str], cpus: float, idle: dict) -> dict[str, float]:
-    """What one sample costs each server at its quota: CPU seconds of work per sample of its whole
-    process tree (compute, serialization, p2pd, DHT) over the cores its quota leaves beside its idle
-    baseline. The compute thread's busy time alone left out the rest of the tree (the simulator then
-    predicted twice the measured rate); the whole tree's CPU per sample, baseline included, made the
-    lightly loaded servers of a well-served stage look 2-3x slower than they are."""
-    costs = {}
-    for name in names:
-        (c0, n0, t0), (c1, n1, t1) = first[name], last[name]
-        if n1 > n0:
-            work_s = max(c1 - c0 - idle[name] * (t1 - t0), MIN_WORK_SHARE * (c1 - c0))
-            costs[name] = work_s / (n1 - n0) / max(cpus - idle[name], 0.1 * cpus)
-    return costs
+def at(snapshots: list, t: float) -> dict:
+    """The first snapshot taken at or after unix time t (the last one if none)."""
+    return next((snap for when, snap in snapshots if when >= t), snapshots[-1][1])
 
 
-def stage_costs(runs: list[tuple[dict[str, int], dict[str, float]]], num_stages: int) -> list[float]:
-    """Each stage's seconds per sample: its busiest server's figure over both runs (a server with a
-    quarter of its stage's traffic still pays the per-step work, closes and its replicas' exchange, so
-    its cost per sample read 2.8x a lone server's: the simulator then predicted 25.8 samples/s for the
-    `--stage auto` fleet that measured 73.1)."""
-    best: list[float] = [float("inf")] * num_stages
-    for stage_of, costs in runs:
-        for name, cost in costs.items():
-            best[stage_of[name]] = min(best[stage_of[name]], cost)
-    return best
+def before_t(snapshots: list, t: float) -> dict:
+    """The last snapshot taken at or before unix time t (the first one if none)."""
+    return next((snap for when, snap in reversed(snapshots) if when <= t), snapshots[0][1])
+
+
+def server_work(first: dict, last: dict, idle: dict) -> dict[str, tuple[float, int, int]]:
+    """Per server between two snapshots: (CPU seconds of work of its whole process tree, its idle
+    baseline left out; samples forwarded; steps taken). A server that moved in between has counters of
+    its new stage at the end: left out."""
+    work = {}
+    for name in first:
+        (c0, n0, k0, t0), (c1, n1, k1, t1) = first[name], last[name]
+        if n1 > n0 and k1 >= k0:
+            work[name] = (max(c1 - c0 - idle[name] * (t1 - t0), MIN_WORK_SHARE * (c1 - c0)), n1 - n0, k1 - k0)
+    return work
+
+
+def fit_stage_costs(runs: list[tuple[dict[str, int], dict]], num_stages: int) -> list[tuple[float, float]]:
+    """Each stage's (CPU s per sample, CPU s per step) fitted over its servers in both runs, work = a *
+    samples + b * steps. Every replica applies every step (optimizer, gradient exchange) whatever its
+    share of the samples, so a replica's cost per sample is a + b * replicas / global batch: taking the
+    busiest server's figure as the stage's let the simulator predict 94 samples/s for 4 stage-1 replicas
+    that did 71 (each paid 4x the per-step work per sample of the lone one it was measured on)."""
+    from scipy.optimize import nnls
+
+    fits = []
+    for stage in range(num_stages):
+        rows = [work[name] for stage_of, work in runs for name in work if stage_of[name] == stage]
+        samples = np.array([[n, k] for _, n, k in rows], dtype=float)
+        cpu = np.array([w for w, _, _ in rows])
+        if len({round(k / n, 4) for _, n, k in rows}) < 2:  # one share only: no per-step term to tell
+            fits.append((float(cpu.sum() / samples[:, 0].sum()), 0.0))
+            continue
+        coef, _ = nnls(samples, cpu)
+        fits.append((float(coef[0]), float(coef[1])))
+    return fits
+
+
+def stage_seconds(fits, counts: list[int], batch: int, cpus: float, idle_cpu_per_s: float) -> list[float]:
+    """Each stage's seconds per sample at the quota for an allocation (traffic split evenly)."""
+    cores = max(cpus - idle_cpu_per_s, 0.1 * cpus)
+    return [(a + b * max(n, 1) / batch) / cores for (a, b), n in zip(fits, counts, strict=True)]
 
 
 def predict(cfg, per_stage_s: list[float], counts: list[int], latency_s: float, in_flight: int) -> float:
@@ -137,15 +166,14 @@ def predict(cfg, per_stage_s: list[float], counts: list[int], latency_s: float, 
     return run_simulation(fleet, cfg, config).summary["samples_per_s"]
 
 
-def next_move_at(swarm: LocalSwarm, names: list[str], after_t: float) -> float | None:
-    """Wall time of the first move decision after `after_t` among these servers (their ledgers)."""
-    times = [
-        e["t"]
-        for name in names
-        for e in read_ledger(swarm.ledger_path(name))
-        if e["e"] == "move" and e["t"] > after_t
-    ]
-    return min(times, default=None)
+def move_events(swarm: LocalSwarm, names: list[str], kind: str) -> dict[str, float]:
+    """Per server, the wall time of its first `move` (decided) or `moved` (serving its new stage) entry."""
+    times = {}
+    for name in names:
+        found = [e["t"] for e in read_ledger(swarm.ledger_path(name)) if e["e"] == kind]
+        if found:
+            times[name] = min(found)
+    return times
 
 
 def hop_latency_s(trainer_summary: dict) -> float:
@@ -171,51 +199,65 @@ def run_imbalanced(args, config_path: Path, workdir: Path) -> dict:
         swarm.start_trainer("trainer", *trainer_args, "--log-period-s", "2")
         started = time.time()
         deadline = time.monotonic() + args.duration_s
-        time.sleep(WARMUP_S)
-        first = last = cpu_snapshot(swarm, list(servers))
-        mover, moved_at = None, None
-        while time.monotonic() < deadline and moved_at is None:
-            if not any("rebalancing: moving" in swarm.processes[n].log_text() for n in stage0):
-                last = cpu_snapshot(swarm, list(servers))
-            for name in stage0:
-                text = swarm.processes[name].log_text()
-                if MOVED in text:
-                    mover, moved_at = name, time.time()
-                    cost = json.loads(text.split(MOVED)[1].splitlines()[0])
-            time.sleep(0.5)
-        if moved_at is None:
-            raise RuntimeError(f"no server moved within {args.duration_s:.0f} s")
-        decided_at = moved_at - cost["seconds"]
-        print(
-            f"  {mover} moved to stage 1: {cost['seconds']:.1f} s, {cost['bytes'] / 1e6:.2f} MB downloaded",
-            flush=True,
-        )
-        swarm.wait_exit("trainer", args.duration_s + 120)
+        snapshots = []  # (unix time, cpu_snapshot): the cost windows are chosen once the moves are known
+        while swarm.processes["trainer"].alive and time.monotonic() < deadline + 120:
+            snapshots.append((time.time(), cpu_snapshot(swarm, list(servers))))
+            time.sleep(1.0)
+        swarm.wait_exit("trainer", 120)
+        decided, moved = move_events(swarm, stage0, "move"), move_events(swarm, stage0, "moved")
+        if not decided or set(moved) != set(decided):
+            raise RuntimeError(f"no balanced allocation within {args.duration_s:.0f} s: {decided=} {moved=}")
+        costs_of_moves = {n: moved_record(swarm, n) for n in moved}
+        for name, cost in sorted(costs_of_moves.items(), key=lambda item: decided[item[0]]):
+            print(
+                f"  {name} decided {decided[name] - started:.1f} s after traffic began and served stage "
+                f"{cost['to']} {cost['seconds']:.1f} s later ({cost['bytes'] / 1e6:.2f} MB downloaded)",
+                flush=True,
+            )
         ledger = swarm.ledger_path("trainer")
-        before = window_samples_per_s(ledger, started + WARMUP_S, decided_at)
-        # until a second server decides to move (the policy may go on towards its balance): that
-        # move's drain, download and replays are a transition, not the allocation after this move
-        second = next_move_at(swarm, [n for n in stage0 if n != mover], decided_at)
-        after_end = second if second is not None else time.time()
-        after = window_samples_per_s(ledger, moved_at + WARMUP_S / 2, after_end)
+        first_decision, last_decision, balanced_at = (
+            min(decided.values()),
+            max(decided.values()),
+            max(moved.values()),
+        )
+        before = window_samples_per_s(ledger, started + WARMUP_S, first_decision)
+        after = window_samples_per_s(ledger, balanced_at + WARMUP_S / 2, time.time())
         summary = json.loads((swarm.workdir / "trainer.summary.json").read_text())
-        stayed = [n for n in stage0 if n != mover]
-        cpus = args.cpus_per_server
-        costs = server_costs(first, last, [*stayed, "z"], cpus, idle)
+        final = {**servers, **{n: c["to"] for n, c in costs_of_moves.items()}}
+        last_done = max(e["t"] for e in read_ledger(ledger) if e["e"] == "done")
+        windows = [  # every server's work while 4+1 and once rebalanced (its share differs: see the fit)
+            (
+                servers,
+                server_work(at(snapshots, started + WARMUP_S), before_t(snapshots, first_decision), idle),
+            ),
+            (
+                final,
+                server_work(at(snapshots, balanced_at + WARMUP_S / 2), before_t(snapshots, last_done), idle),
+            ),
+        ]
         return {
-            "server_stage": {name: servers[name] for name in costs},
-            "server_costs_s_per_sample": costs,
-            "mover": mover,
-            "move_cost": cost,
+            "windows": [
+                {"stage_of": stage_of, "work_cpu_s_samples_steps": work} for stage_of, work in windows
+            ],
+            "moves": costs_of_moves,
+            "stages_after": sorted(final.values()),
+            "first_decision_after_traffic_s": first_decision - started,
+            "decision_spread_s": last_decision - first_decision,
+            "time_to_balance_s": balanced_at - first_decision,
+            "longest_move_s": max(c["seconds"] for c in costs_of_moves.values()),
             "before_samples_per_s": before,
             "after_samples_per_s": after,
-            "before_window_s": decided_at - started - WARMUP_S,
-            "after_window_s": after_end - moved_at - WARMUP_S / 2,
-            "second_move_decided_after_s": None if second is None else second - moved_at,
+            "before_window_s": first_decision - started - WARMUP_S,
+            "after_window_s": time.time() - balanced_at - WARMUP_S / 2,
             "idle_cpu_per_s": idle,
             "hop_latency_s": hop_latency_s(summary),
             "in_flight": args.in_flight,
         }
+
+
+def moved_record(swarm: LocalSwarm, name: str) -> dict:
+    text = swarm.processes[name].log_text()
+    return json.loads(text.split(MOVED)[1].splitlines()[0])
 
 
 def run_auto(args, config_path: Path, workdir: Path) -> dict:
@@ -237,12 +279,14 @@ def run_auto(args, config_path: Path, workdir: Path) -> dict:
         swarm.wait_exit("trainer", duration_s + 120)
         last = cpu_snapshot(swarm, names)
         rate = window_samples_per_s(swarm.ledger_path("trainer"), started + WARMUP_S, time.time())
-        costs = server_costs(first, last, names, args.cpus_per_server, idle)
+        work = server_work(first, last, idle)
         return {
             "stages": stages,
             "samples_per_s": rate,
-            "server_stage": {name: stage for name, stage in zip(names, stages, strict=True) if name in costs},
-            "server_costs_s_per_sample": costs,
+            "windows": [
+                {"stage_of": dict(zip(names, stages, strict=True)), "work_cpu_s_samples_steps": work}
+            ],
+            "idle_cpu_per_s": idle,
         }
 
 
@@ -251,7 +295,9 @@ def main() -> int:
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--cpus-per-server", type=float, default=0.25)
     parser.add_argument("--rebalance-period-s", type=float, default=10.0)
-    parser.add_argument("--duration-s", type=float, default=90.0, help="the imbalanced run's training time")
+    parser.add_argument(
+        "--duration-s", type=float, default=150.0, help="the imbalanced run's training time (default 150)"
+    )
     parser.add_argument("--in-flight", type=int, default=16)
     parser.add_argument(
         "--stage0-servers",
@@ -280,6 +326,11 @@ def main() -> int:
         "--keep-logs", metavar="DIR", help="keep both runs' peer logs and ledgers in DIR (default: deleted)"
     )
     args = parser.parse_args()
+
+    def on_sigterm(signum, frame):  # stop the swarms as on Ctrl-C (a kill left the servers running)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     try:
         CpuQuota("probe", 1.0).remove()
     except CpuQuotaError as exc:
@@ -313,35 +364,57 @@ def main() -> int:
         print("--stage auto for every server from the start ...", flush=True)
         auto = run_auto(args, config_path, Path(tmp) / "auto")
     latency = imbalanced["hop_latency_s"]
-    compute = stage_costs(
-        [(run["server_stage"], run["server_costs_s_per_sample"]) for run in (imbalanced, auto)],
+    fits = fit_stage_costs(
+        [
+            (w["stage_of"], w["work_cpu_s_samples_steps"])
+            for run in (imbalanced, auto)
+            for w in run["windows"]
+        ],
         cfg.swarm.num_stages,
     )
+    idle_values = [*imbalanced["idle_cpu_per_s"].values(), *auto["idle_cpu_per_s"].values()]
+    mean_idle = sum(idle_values) / len(idle_values)
+
+    def predicted(counts: list[int]) -> float:
+        seconds = stage_seconds(fits, counts, cfg.training.global_batch_size, args.cpus_per_server, mean_idle)
+        return predict(cfg, seconds, counts, latency, args.in_flight)
+
     n = args.stage0_servers
-    sim_before = predict(cfg, compute, [n, 1], latency, args.in_flight)
-    sim_after = predict(cfg, compute, [n - 1, 2], latency, args.in_flight)
-    auto_counts = [auto["stages"].count(stage) for stage in range(cfg.swarm.num_stages)]
-    sim_auto = predict(cfg, compute, auto_counts, latency, args.in_flight)
+    num_stages = cfg.swarm.num_stages
+    after_counts = [imbalanced["stages_after"].count(stage) for stage in range(num_stages)]
+    auto_counts = [auto["stages"].count(stage) for stage in range(num_stages)]
+    sim_before, sim_after, sim_auto = (predicted(c) for c in ([n, 1], after_counts, auto_counts))
     rows = [
-        [f"{n}+1 (before the move)", imbalanced["before_samples_per_s"], sim_before],
-        [f"{n - 1}+2 (after the move)", imbalanced["after_samples_per_s"], sim_after],
-        [f"--stage auto {auto['stages']}", auto["samples_per_s"], sim_auto],
+        [f"{n}+1 (before rebalancing)", imbalanced["before_samples_per_s"], sim_before],
+        [f"{'+'.join(map(str, after_counts))} (rebalanced)", imbalanced["after_samples_per_s"], sim_after],
+        [f"--stage auto {'+'.join(map(str, auto_counts))}", auto["samples_per_s"], sim_auto],
     ]
+    if imbalanced["after_window_s"] < 10:
+        print(
+            f"the last move ended {imbalanced['after_window_s']:.0f} s before the run: rerun with a longer --duration-s"
+        )
     table = [[label, f"{m:.1f}", f"{p:.1f}", f"{100 * (m / p - 1):+.1f}%"] for label, m, p in rows]
     print(format_table(["swarm", "measured samples/s", "simulator samples/s", "measured vs sim"], table))
     gain = imbalanced["after_samples_per_s"] / imbalanced["before_samples_per_s"]
+    announce_s = cfg.swarm.announce_period_s
+    bound_s = 2 * announce_s + imbalanced["longest_move_s"]
     print(
-        f"after / before: {gain:.2f} (simulator {sim_after / sim_before:.2f}); compute ms/sample per stage "
-        f"{[round(1e3 * c, 2) for c in compute]}, per-call overhead {1e3 * latency:.1f} ms; idle CPU baseline "
-        f"{sum(imbalanced['idle_cpu_per_s'].values()) / len(imbalanced['idle_cpu_per_s']):.3f} CPU s/s per server; move: "
-        f"{imbalanced['move_cost']}; windows: before {imbalanced['before_window_s']:.0f} s, after "
-        f"{imbalanced['after_window_s']:.0f} s"
-        + (
-            f" (up to a second server's move decision, {imbalanced['second_move_decided_after_s']:.0f} s "
-            "after the first had moved)"
-            if imbalanced["second_move_decided_after_s"] is not None
-            else ""
-        )
+        f"after / before: {gain:.2f} (simulator {sim_after / sim_before:.2f}); rebalanced allocation "
+        f"{'equals' if after_counts == auto_counts else 'differs from'} --stage auto's"
+    )
+    print(
+        f"time to balance: {len(imbalanced['moves'])} move(s), decided within "
+        f"{imbalanced['decision_spread_s']:.1f} s of each other (the first "
+        f"{imbalanced['first_decision_after_traffic_s']:.0f} s after traffic began); all serving "
+        f"{imbalanced['time_to_balance_s']:.1f} s after the first decision, vs two announce periods plus "
+        f"the longest move (drain, restart, state download) {bound_s:.1f} s"
+    )
+    print(
+        f"CPU ms per sample, per step by stage {[(round(1e3 * a, 2), round(1e3 * b, 1)) for a, b in fits]}, "
+        f"per-call overhead "
+        f"{1e3 * latency:.1f} ms; idle CPU baseline "
+        f"{mean_idle:.3f} CPU s/s per "
+        f"server; windows: before {imbalanced['before_window_s']:.0f} s, after {imbalanced['after_window_s']:.0f} s"
     )
     if args.summary_json:
         report = {
@@ -350,11 +423,15 @@ def main() -> int:
             "sim_before": sim_before,
             "sim_after": sim_after,
             "sim_auto": sim_auto,
-            "compute_s_per_sample": compute,
+            "stage_cpu_s_per_sample_and_step": fits,
         }
         Path(args.summary_json).write_text(json.dumps(report, indent=2) + "\n")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        print("rebalance_live: interrupted; the swarms are stopped", file=sys.stderr)
+        sys.exit(130)

@@ -40,3 +40,13 @@ def test_without_an_idle_window_it_counts_every_cpu_second_and_never_less_than_a
     meter.idle_cpu_per_s = 5.0  # an absurd baseline (e.g. measured during a download) cannot inflate it
     bounded = 10.0 / (IDLE_CPU_PER_S + 0.1) / MIN_WORK_SHARE
     assert _feed(meter, 10.0, 30, clock) == pytest.approx(bounded, rel=0.02)
+
+
+def test_a_start_figure_off_by_10x_is_gone_after_the_first_busy_window():
+    """Found live: start-up figures of identical servers read 33 to 506 samples/s; an EMA of weight 0.3
+    still read half the truth after 6 windows, and the balancer's plan changed while it settled."""
+    for start in (10.0, 1000.0):
+        meter, clock = CapacityMeter(samples_per_cpu_s=start), [0.0, 0.0, 0]
+        meter.restart(*clock)
+        _feed(meter, 0.0, 2, clock)
+        assert _feed(meter, 40.0, 1, clock) == pytest.approx(100.0, rel=0.02)

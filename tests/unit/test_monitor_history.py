@@ -67,7 +67,11 @@ def test_monitor_snapshot_adds_servers_moves_retries_and_work_totals():
             "A": {"role": "server", "stage": 0, "step": 9, "resyncs": 1, "lost_samples": 16, "duplicates": 3},
             "B": {"role": "server", "stage": 1, "step": 9, "resyncs": 0, "lost_samples": 0, "duplicates": 0},
         },
-        moves={"A": {"from": 0, "to": 1, "time": 5.0}},
+        moves={
+            "A": {"from": 0, "to": 1, "state": "moving", "time": 5.0},
+            "B": {"from": 0, "to": 1, "state": "proposed", "time": 6.0},  # may still be withdrawn
+            "C": {"from": 0, "to": 1, "state": "done", "time": 7.0},  # serves its new stage
+        },
     )
     snap = monitor_snapshot(cfg, records)
     assert records.metrics_reads == 1  # one DHT read of the metrics key per snapshot
@@ -85,7 +89,7 @@ def test_monitor_snapshot_adds_servers_moves_retries_and_work_totals():
         "late": None,
         "moved": None,
     }
-    assert snap["moves"] == [{"peer_id": "A", "from": 0, "to": 1, "time": 5.0}]
+    assert snap["moves"] == [{"peer_id": "A", "from": 0, "to": 1, "state": "moving", "time": 5.0}]
     assert snap["work"] == {
         "microbatches_completed": 60,
         "microbatches_failed": 2,

@@ -10,6 +10,7 @@ from swarmtrain.planner.rebalance import (
     bottleneck_stage,
     choose_move,
     plan_moves,
+    relative_stage_costs,
     stage_capacities,
     stage_for_new_peer,
 )
@@ -143,6 +144,22 @@ def test_stage_cost_and_per_stage_throughput_drive_the_gain():
         *(PeerLoad(f"b{i}", 1, 10.0, throughput_by_stage=(0.0, 10.0)) for i in range(3)),
     ]
     assert choose_move(cannot_serve, 2) is None
+
+
+def test_stage_costs_estimated_from_announcements_plan_the_whole_gap():
+    """Equal servers read 40 samples/s on stage 0 and 10 on stage 1: stage 1 costs 4x. A stage-0
+    server moved there is worth 10, not 40, so the plan from 4+1 is three moves to 1+4; with equal costs
+    assumed it stopped at 2+3 (each mover counted 40 there)."""
+    current = loads([40, 40, 40, 40], [10])
+    costs = relative_stage_costs(current, 2)
+    assert costs[1] / costs[0] == pytest.approx(4.0)
+    plan = plan_moves(current, 2, RebalanceConfig(margin=0.1), costs, max_moves=len(current))
+    assert [m.rate_samples_per_s for m in plan] == [10.0, 10.0, 10.0]
+    assert [m.pair_min_after_samples_per_s for m in plan] == [20.0, 30.0, 40.0]
+    assert len(plan_moves(current, 2, RebalanceConfig(margin=0.1), None, max_moves=len(current))) == 2
+    # pending peers and silent ones tell nothing about a stage's cost; a stage nobody serves gets the mean
+    assert relative_stage_costs([PeerLoad("a", 0, 10.0, pending=True)], 2) is None
+    assert relative_stage_costs(loads([10], [], [5]), 3) == pytest.approx([0.1, 0.15, 0.2])
 
 
 def test_stage_for_new_peer_is_the_bottleneck_it_can_serve():

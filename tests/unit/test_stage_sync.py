@@ -157,7 +157,7 @@ def make_joiner(tiny_cfg, start_compute, tmp_path):
 
     made = []
 
-    def make(checkpoint_from=None, averager=None, allow_fresh=False, lag_grace_s=3.0):
+    def make(checkpoint_from=None, averager=None, allow_fresh=False, lag_grace_s=3.0, wait_s=0.0):
         worker = StageWorker(tiny_cfg, tiny_cfg.stages()[1])
         identity = {"run_id": "r", "digest": tiny_cfg.digest()}
         directory = tmp_path / f"checkpoints{len(made)}"  # each replica its own
@@ -169,7 +169,9 @@ def make_joiner(tiny_cfg, start_compute, tmp_path):
             )
             donor_checkpointer.save(checkpoint_from.epoch).result(timeout=30)
         fatal = []
-        settings = SyncSettings(num_stages=2, allow_fresh=allow_fresh, lag_grace_s=lag_grace_s)
+        settings = SyncSettings(
+            num_stages=2, allow_fresh=allow_fresh, lag_grace_s=lag_grace_s, missing_replica_wait_s=wait_s
+        )
         records, averager = StagedRecords(), averager or FakeAverager()
         sync = StageSynchronizer(
             worker,
@@ -218,6 +220,25 @@ def test_join_refuses_initial_weights_in_a_swarm_that_stepped(make_joiner):
     fresh.join()
     assert worker.epoch == 7 and fresh.serving.is_set()
     fresh.stop()
+
+
+def test_a_joiner_that_sees_only_another_joiner_waits_for_the_stage_replicas_record(make_joiner, tiny_cfg):
+    """Found live: two servers moved into a stage together while its one replica, busy sending its
+    state at a CPU quota, missed its heartbeats. The second saw only the first (joining, step 0) and
+    started from initial weights as if the run were new. A joiner's record says nothing about the
+    stage's state: the second now reads again until the replica's record is back, and downloads."""
+    import threading
+
+    donor = _donor(tiny_cfg, 3)
+    averager = FakeAverager(donor_state=donor.export_state())
+    sync, worker, records, _ = make_joiner(averager=averager, wait_s=10.0)
+    records.by_stage[0] = {"X": _peer(3)}  # the other stage has stepped
+    records.progress["J"] = dict(_peer(0), serving=False)  # the first mover, still downloading
+    threading.Timer(1.5, lambda: records.progress.update(Z=dict(_peer(3), serving=True))).start()
+    sync.join()
+    assert ("download",) in averager.calls and worker.epoch == 3 and not sync.untrained
+    assert all(torch.equal(a, b) for a, b in zip(worker.params, donor.params, strict=True))
+    sync.stop()
 
 
 def test_join_falls_back_to_the_checkpoint_when_the_replicas_died(make_joiner, tiny_cfg):

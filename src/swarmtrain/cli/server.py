@@ -98,7 +98,6 @@ def run(args: argparse.Namespace) -> int:
 
     prepare_process()
     import dataclasses
-    import time
 
     from swarmtrain.net.engine import validate_initial_peers
     from swarmtrain.runtime.server.stage_server import ServerOptions, StageServer
@@ -136,8 +135,8 @@ def run(args: argparse.Namespace) -> int:
             return code
         # the old stage is shut down (offline, checkpointed, its averager gone): join the new stage
         # in this process, on the same DHT node and loop (same peer id, connections, process group)
-        moved_from = (server.spec.index, server.move_decided_at or time.time())
-        options = dataclasses.replace(options, stage=server.move_to, moved_from=moved_from)
+        assert server.move_to is not None  # `moving` says so
+        options = dataclasses.replace(options, stage=server.move_to, moved_from=server.move)
         dht, runner = server.dht, server.runner
         del server  # released before the next stage's server is built and downloads its state
 

@@ -51,8 +51,13 @@ def monitor_snapshot(cfg: RunConfig, records) -> dict:
         if value.get("role") == "server"
     ]
     moves = [
-        {"peer_id": peer_id, "from": value.get("from"), "to": value.get("to"), "time": value.get("time")}
+        {
+            "peer_id": peer_id,
+            **{key: value.get(key) for key in ("from", "to", "state", "time")},
+        }
         for peer_id, value in sorted(records.moves().items())
+        # committed ones: a proposal lives a second and may be withdrawn; a released lease's mover serves
+        if value.get("state") == "moving"
     ]
     snapshot.update(servers=servers, moves=moves, work=work_totals(snapshot["trainers"], servers))
     snapshot["source"] = "dht"

@@ -7,7 +7,7 @@ expiration so that dead peers disappear by themselves:
 - `{run}.metrics`           -> {role, stage, step, loss, samples_per_s, time, ...}
 - `{run}.replicas`          -> {digest, outer_step, inner_step, samples_per_s, fp, time}: whole-model
                                replicas (`swarmtrain replica`)
-- `{run}.moves`             -> {from, to, time}: a rebalancing move in progress (a lease: one at a time)
+- `{run}.moves`             -> {from, to, rate, state, time}: rebalancing leases (proposed, moving, done)
 
 Every call is bounded by a timeout (a dead DHT process would otherwise hang callers forever) and
 tolerates malformed values from other peers (skipped, never raised).

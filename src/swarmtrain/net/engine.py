@@ -166,3 +166,14 @@ def shutdown_quietly(*components) -> None:
             component.shutdown()
         except Exception as exc:  # exit path: report, never raise
             print(f"warning: shutdown of {type(component).__name__} failed: {exc}", file=sys.stderr)
+
+
+async def release_p2p_replica(dht, p2p) -> None:
+    """Close this process's P2P replica of the DHT's daemon, so the next `dht.replicate_p2p()` makes a
+    new one. A server that moves to another stage must do this before its next stage's averager forks:
+    hivemind's averager process calls `replicate_p2p()` too, sees another pid and drops the replica it
+    inherited, whose finalizer deletes the unix socket the daemon delivers our incoming streams to. The
+    moved server could then call out but not be called (its stage peers' gradients: "connection reset",
+    every step; bench/rebalance_live.py). hivemind keeps the replica in `DHT._p2p_replica`."""
+    dht._p2p_replica = None
+    await p2p.shutdown()

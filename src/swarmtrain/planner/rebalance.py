@@ -20,7 +20,7 @@ The rule for one move (`choose_move`):
 
 A peer's throughput at another stage comes from `throughput_by_stage` when the caller knows it (the
 simulator does), otherwise it is scaled by relative stage cost (compute per sample), defaulting to equal
-costs. `pending` peers are on their way into a stage (downloading its state): they count toward its
+costs; `relative_stage_costs` estimates those costs from what the peers announce (the live balancer). `pending` peers are on their way into a stage (downloading its state): they count toward its
 capacity but not toward "never empty a stage", and they never move.
 """
 
@@ -63,6 +63,7 @@ class Move:
     to_stage: int
     bottleneck_before_samples_per_s: float
     pair_min_after_samples_per_s: float
+    rate_samples_per_s: float = 0.0  # the mover's expected throughput at the target stage
 
 
 def stage_capacities(loads: Sequence[PeerLoad], num_stages: int) -> list[float]:
@@ -137,7 +138,7 @@ def choose_move(
         pair_min = min(donor_after, capacities[target] + gain)
         key = (-pair_min, load.queue_len, source, str(load.peer))
         if best_key is None or key < best_key:
-            best_key, best = key, Move(load.peer, source, target, capacities[target], pair_min)
+            best_key, best = key, Move(load.peer, source, target, capacities[target], pair_min, gain)
     return best
 
 
@@ -162,12 +163,36 @@ def plan_moves(
         moves.append(move)
         for i, load in enumerate(current):
             if load.peer == move.peer and not load.pending:
-                new_rate = rate_at(load, move.to_stage, stage_cost)
                 current[i] = replace(
-                    load, stage=move.to_stage, throughput_samples_per_s=new_rate, queue_len=0.0, pending=True
+                    load,
+                    stage=move.to_stage,
+                    throughput_samples_per_s=move.rate_samples_per_s,
+                    queue_len=0.0,
+                    pending=True,
                 )
                 break
     return moves
+
+
+def relative_stage_costs(loads: Sequence[PeerLoad], num_stages: int) -> list[float] | None:
+    """Each stage's cost per sample relative to the others: 1 / the mean throughput of its serving peers.
+
+    This assumes a peer's speed differs from another's by one factor on every stage (true of equal
+    machines, or CPU-normalized figures; roughly true of GPUs of one family), which is what lets a peer's
+    figure at its own stage predict its figure elsewhere. Without it a stage-0 peer moving to a stage 4x
+    as costly counted 4x its real contribution there, so a plan of several moves stopped after one.
+    A stage nobody serves gets the mean cost of the others; None when no stage has a serving peer.
+    """
+    sums, counts = [0.0] * num_stages, [0] * num_stages
+    for load in loads:
+        if not load.pending and load.throughput_samples_per_s > 0:
+            sums[load.stage] += load.throughput_samples_per_s
+            counts[load.stage] += 1
+    known = [counts[s] / sums[s] for s in range(num_stages) if counts[s]]
+    if not known:
+        return None
+    fallback = sum(known) / len(known)
+    return [counts[s] / sums[s] if counts[s] else fallback for s in range(num_stages)]
 
 
 def stage_for_new_peer(

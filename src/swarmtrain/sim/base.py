@@ -40,7 +40,7 @@ class SimConfig:
     rebalance_period_s: float = 60.0
     rebalance_jitter: float = 0.1
     rebalance_margin: float = 0.1
-    max_moves_per_tick: int | None = None
+    max_moves_per_tick: int | None = None  # None: every move the plan wants, as live servers do
     fail_detect_s: float = 5.0  # a failed peer's requests are retried elsewhere after this
     request_timeout_s: float = 30.0  # per micro-batch of the config; scaled by chunk size (see pipeline)
     num_samples: int = 120  # points of the time series

@@ -93,7 +93,8 @@ class SwarmSimulation(PipelineSimulation):
 
     def setup(self) -> None:
         live = [p for p in self.peers if p.live]
-        self.max_moves = self.config.max_moves_per_tick or max(1, len(live) // 100)
+        # None: the whole plan, as live servers carry it out (runtime/server/balancer.py)
+        self.max_moves = self.config.max_moves_per_tick or len(self.peers)
         stages, throughput = self._initial_stages(live)
         locations = sorted({p.location for p in self.peers})
         link = self.config.trainer_link_bytes_per_s

@@ -1,11 +1,22 @@
 """Live adaptive rebalancing: each server, every `swarm.rebalance_period_s` (jittered), reads every
-stage's announcements and asks the pure policy the simulator uses (`planner.rebalance.choose_move`)
-whether one peer should move to the bottleneck stage. The policy is deterministic on the same data, so
-every server that reads the same loads names the same mover, and only the named one acts; its
-hysteresis means a move always raises the pipeline's minimum and moves cannot ping-pong; it never
-empties a stage (a stage's only server stays). Peers still joining a stage count toward its capacity and
-never move. A server also waits two periods after it starts serving before it may move (its measured
-throughput settles first).
+stage's announcements and asks the pure policy the simulator uses (`planner.rebalance.plan_moves`)
+which peers should move to the bottleneck stage. The policy is deterministic on the same data, so every
+server that reads the same loads computes the same plan, and each acts only on its own part of it: a
+decision moves at most the server making it. A plan of several moves covers several parts of the gap
+(each move is planned on the loads the previous ones leave, so two peers never move for the same part);
+its hysteresis means a move always raises the pipeline's minimum and moves cannot ping-pong; it never
+empties a stage (a stage's only server stays). A server also waits two periods after it starts serving
+before it may move (its measured throughput settles first).
+
+Leases (`{run}.moves` in the DHT, one subkey per mover): a server the plan names proposes its move,
+waits `settle_s` for concurrent proposals to become visible, then plans again counting every committed
+move and every proposal of a lower peer id as done; it commits ("moving") only if it is still named,
+otherwise it withdraws. Every server counts each live lease as its mover serving the target already
+(pending, at the rate the plan expected), whatever the mover's own records say mid-move, and the moved
+server releases its lease ("done") when it serves. A new or changed lease makes every server decide at
+its next announce period instead of waiting for its period: the rest of a plan follows the first move
+within seconds. (Before, a single lease blocked every other move for max(30 s, 5 periods), and going
+from 4+1 to 1+4 servers took three leases, 67 s at a 4 s period: bench/rebalance_live.py.)
 
 How a server moves (runtime/server/stage_server.py, cli/server.py): it stops announcing (offline), finishes and
 shuts down its stage like a graceful stop but keeps its DHT node; the same process then builds a server
@@ -17,11 +28,14 @@ stage's tensors in shared memory in its own process, so each stage gets a new av
 from __future__ import annotations
 
 import json
+import math
 import random
 import time
 from dataclasses import dataclass
 
-from swarmtrain.planner.rebalance import Move, PeerLoad, RebalanceConfig, choose_move
+from swarmtrain.planner.rebalance import Move, PeerLoad, RebalanceConfig, plan_moves, relative_stage_costs
+
+PROPOSED, MOVING, DONE = "proposed", "moving", "done"
 
 
 def loads_from_announcements(announced: dict[int, dict], digest: str) -> list[PeerLoad]:
@@ -29,13 +43,51 @@ def loads_from_announcements(announced: dict[int, dict], digest: str) -> list[Pe
     loads = []
     for stage, peers in announced.items():
         for peer, a in peers.items():
-            if a.config_digest == digest and a.state in ("online", "joining"):
+            if (
+                a.config_digest == digest
+                and a.state in ("online", "joining")
+                and _finite_nonnegative(a.throughput_samples_per_s, a.queue_len)
+            ):
                 loads.append(
                     PeerLoad(
                         peer, stage, a.throughput_samples_per_s, a.queue_len, pending=a.state == "joining"
                     )
                 )
     return loads
+
+
+def _finite_nonnegative(*values) -> bool:
+    """A NaN throughput made every server's plan fail (min() of NaN) and stopped rebalancing swarm-wide."""
+    return all(isinstance(v, int | float) and math.isfinite(v) and v >= 0 for v in values)
+
+
+def valid_lease(lease: object, num_stages: int) -> bool:
+    if not isinstance(lease, dict) or lease.get("state") not in (PROPOSED, MOVING, DONE):
+        return False
+    to = lease.get("to")
+    return isinstance(to, int) and 0 <= to < num_stages and _finite_nonnegative(lease.get("rate"))
+
+
+def with_leases(loads: list[PeerLoad], leases: dict[str, dict]) -> list[PeerLoad]:
+    """The loads with every leased mover serving its target already (pending: it never moves again in
+    this plan), at the rate its plan expected: mid-move its records say offline, joining or nothing."""
+    kept = [load for load in loads if load.peer not in leases]
+    return kept + [
+        PeerLoad(peer, lease["to"], float(lease["rate"]), pending=True) for peer, lease in leases.items()
+    ]
+
+
+def lease_record(move: Move, state: str) -> dict:
+    return {"from": move.from_stage, "to": move.to_stage, "rate": move.rate_samples_per_s, "state": state}
+
+
+@dataclass(frozen=True)
+class MovedFrom:
+    """What a server that moves hands to its next incarnation (same process, DHT node and peer id)."""
+
+    stage: int
+    decided_at_unix_s: float
+    expected_samples_per_s: float  # what the plan expected of it at the target
 
 
 @dataclass
@@ -48,42 +100,85 @@ class Balancer:
     period_s: float
     margin: float
     serving_since_s: float | None = None
-    # between taking the lease and trusting it: a lease another server stores meanwhile becomes visible.
+    # between proposing and committing: a proposal another server stores meanwhile becomes visible.
     # Without it two servers deciding 1 s apart each re-read before the other's store and both moved
-    # (bench/rebalance_live.py)
+    # for the same gap (bench/rebalance_live.py)
     settle_s: float = 1.0
+    _seen_leases: frozenset = frozenset()
 
     def jittered_period_s(self) -> float:
         return self.period_s * random.uniform(0.75, 1.25)
 
     @property
     def lease_ttl_s(self) -> float:
-        """How long a move blocks every other one: the mover's stop, restart and state download."""
-        return max(30.0, 5 * self.period_s)
+        """A lease's life if its mover never releases it (it died mid-move): the mover's stop, restart
+        and state download take 5-20 s (bench/rebalance_live.py)."""
+        return max(60.0, 5 * self.period_s)
+
+    def leases_changed(self, records) -> bool:
+        """Whether another server proposed, committed or released a move since we last looked: then
+        decide now, since the plan that named it may name us too."""
+        seen = frozenset(
+            (peer, lease.get("state")) for peer, lease in records.moves().items() if peer != self.peer_id
+        )
+        changed, self._seen_leases = seen != self._seen_leases, seen
+        return changed
 
     def decide(self, records, now_s: float | None = None) -> Move | None:
-        """The move this server makes now, or None. Only one move in the swarm at a time: a mover takes
-        a lease in the DHT first and gives way to any other lease (the lower peer id wins a tie), so
-        servers reading slightly different snapshots never empty a stage together."""
+        """The move this server makes now, or None (see the module docstring for the lease protocol)."""
         now_s = time.monotonic() if now_s is None else now_s
         if self.serving_since_s is None or now_s - self.serving_since_s < 2 * self.period_s:
             return None
-        if any(peer != self.peer_id for peer in records.moves()):
-            return None  # someone is moving: wait until it is visible where it went
-        announced = {s: records.stage_peers(s) for s in range(self.num_stages)}
-        move = choose_move(
-            loads_from_announcements(announced, self.digest), self.num_stages, RebalanceConfig(self.margin)
-        )
-        if move is None or move.peer != self.peer_id:
-            return None
-        records.publish_move(self.peer_id, {"from": move.from_stage, "to": move.to_stage}, self.lease_ttl_s)
-        self.settle()
-        if min(records.moves(), default=self.peer_id) != self.peer_id:
-            return None  # another server took a lease at the same moment
+        move = self._my_move(records, lambda peer, lease: lease["state"] != DONE)
+        if move is None or not records.publish_move(
+            self.peer_id, lease_record(move, PROPOSED), self.lease_ttl_s
+        ):
+            return None  # a proposal that was not stored protects nothing: decide next time
+        # twice: before committing, and after, since a check's reads can take longer than the settle and
+        # a rival's commit may land meanwhile (both then withdraw if only one was needed: safe)
+        for _check in range(2):
+            self.settle()
+            check = self._my_move(records, self._counts_in_check)
+            if (
+                check is None
+                or check.to_stage != move.to_stage
+                or not records.publish_move(self.peer_id, lease_record(move, MOVING), self.lease_ttl_s)
+            ):
+                records.publish_move(self.peer_id, lease_record(move, DONE), self.lease_ttl_s)
+                return None
         return move
+
+    def _counts_in_check(self, peer: str, lease: dict) -> bool:
+        """Committed moves count; of concurrent proposals only lower peer ids' (a higher id's proposal
+        gives way to ours: it counts ours when it checks)."""
+        return lease["state"] == MOVING or (lease["state"] == PROPOSED and peer < self.peer_id)
+
+    def _my_move(self, records, counts) -> Move | None:
+        """Our part of the plan on the current records, with the leases `counts` keeps as done moves.
+        The leases are read last: the stage reads can take seconds, and a lease stored meanwhile counts."""
+        announced = {s: records.stage_peers(s) for s in range(self.num_stages)}
+        leases = {
+            peer: lease
+            for peer, lease in records.moves().items()
+            if peer != self.peer_id and valid_lease(lease, self.num_stages) and counts(peer, lease)
+        }
+        loads = loads_from_announcements(announced, self.digest)
+        costs = relative_stage_costs(loads, self.num_stages)
+        loads = with_leases(loads, leases)
+        plan = plan_moves(loads, self.num_stages, RebalanceConfig(self.margin), costs, max_moves=len(loads))
+        return next((move for move in plan if move.peer == self.peer_id), None)
 
     def settle(self) -> None:
         time.sleep(self.settle_s)
+
+    def hold(self, records, moved: MovedFrom, to_stage: int, done: bool) -> bool:
+        """The moved server's lease: renewed while it joins (a long download outlived the lease and the
+        plan sent another peer for the same gap), released once it serves (its own records count it
+        then). False if the store failed: the caller tries again."""
+        lease = {"from": moved.stage, "to": to_stage, "rate": moved.expected_samples_per_s}
+        return records.publish_move(
+            self.peer_id, dict(lease, state=DONE if done else MOVING), self.lease_ttl_s
+        )
 
     def announce_intent(self, records, announcement, ttl_s: float) -> None:
         """Count this server at its target stage (as joining), so others see the move before its new

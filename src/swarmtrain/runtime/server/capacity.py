@@ -8,13 +8,20 @@ announcements, p2pd), 27% of a 0.25-CPU quota. Counted as work, that overhead ma
 replicas of a well-served stage look slow, so that stage's capacity read low and the balancer did not
 move a server from it to the real bottleneck (bench/rebalance_live.py). The baseline is measured in
 the windows where the server computed nothing and subtracted from the busy ones.
+
+The estimate is the ratio of sums over the last `BUSY_WINDOWS` busy windows, not an EMA: from a start-up
+figure off by 10x (a compute-only timing at a CPU quota beside four other starting servers read 33 to 506
+samples/s for identical stage-0 servers), an EMA of weight 0.3 took about 25 windows (50 s) to settle, and
+the balancer's plan changed under it while it did (bench/rebalance_live.py). Windows weigh by their
+samples, so a window with a couple of samples cannot swing it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
-RATE_EMA = 0.3  # weight of the newest busy window in the throughput estimate
+BUSY_WINDOWS = 8  # busy announce windows in the estimate (16 s at the default 2 s period)
 IDLE_EMA = 0.5  # weight of the newest idle window in the baseline
 MIN_WORK_SHARE = 0.3  # never count less than this share of a busy window's CPU as work
 
@@ -26,6 +33,7 @@ class CapacityMeter:
     samples_per_cpu_s: float  # the start: a compute-only measurement, refined while serving
     idle_cpu_per_s: float | None = None  # the baseline, once a window without work was seen
     _mark: tuple[float, float, int] | None = None
+    _busy: deque = field(default_factory=lambda: deque(maxlen=BUSY_WINDOWS))  # (samples, work CPU s)
 
     def restart(self, wall_s: float, cpu_s: float, samples: int) -> None:
         """Count from here (start-up work is neither idle nor serving)."""
@@ -45,8 +53,8 @@ class CapacityMeter:
             self.idle_cpu_per_s = rate if old is None else (1 - IDLE_EMA) * old + IDLE_EMA * rate
         elif d_cpu > 0:
             work_cpu_s = max(d_cpu - (self.idle_cpu_per_s or 0.0) * d_wall, MIN_WORK_SHARE * d_cpu)
-            observed = d_samples / work_cpu_s
-            self.samples_per_cpu_s = (1 - RATE_EMA) * self.samples_per_cpu_s + RATE_EMA * observed
+            self._busy.append((d_samples, work_cpu_s))
+            self.samples_per_cpu_s = sum(n for n, _ in self._busy) / sum(w for _, w in self._busy)
         else:
             return self.samples_per_cpu_s  # samples but no CPU tick yet: wait for the next window
         self._mark = (wall_s, cpu_s, samples)

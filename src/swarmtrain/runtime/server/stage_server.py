@@ -27,7 +27,13 @@ import torch
 from swarmtrain.config import RunConfig
 from swarmtrain.config.errors import UserError
 from swarmtrain.net.dht_records import RunRecords, StageAnnouncement, progress_key, stage_key
-from swarmtrain.net.engine import PeerNetwork, shutdown_quietly, start_dht, visible_addresses
+from swarmtrain.net.engine import (
+    PeerNetwork,
+    release_p2p_replica,
+    shutdown_quietly,
+    start_dht,
+    visible_addresses,
+)
 from swarmtrain.net.protocol import (
     Message,
     ProtocolError,
@@ -51,7 +57,7 @@ from swarmtrain.runtime.procs import (
     start_exit_watchdog,
     tree_cpu_s,
 )
-from swarmtrain.runtime.server.balancer import Balancer, move_record
+from swarmtrain.runtime.server.balancer import Balancer, MovedFrom, move_record
 from swarmtrain.runtime.server.capacity import CapacityMeter
 from swarmtrain.runtime.server.compute import (
     PRIORITY_BACKWARD,
@@ -90,7 +96,7 @@ class ServerOptions:
     sync_tick_s: float = 0.5
     checkpoint_dir: str | None = None  # default: the run config's swarm.checkpoint_dir (empty: none)
     fresh_start: bool = False  # initial weights even when the swarm has stepped (said loudly)
-    moved_from: tuple[int, float] | None = None  # (stage, unix time the move began): a server that moved
+    moved_from: MovedFrom | None = None  # set for the server a move builds
 
 
 class StageServer:
@@ -115,7 +121,7 @@ class StageServer:
         self.exit_code = 0
         self.move_to: int | None = None  # set when the balancer moves this server to another stage
         self._running_requests = 0  # micro-batches being served (a move waits for them)
-        self.move_decided_at: float | None = None  # unix time of that decision
+        self.move: MovedFrom | None = None  # where this server comes from when it moves on
         self.move_cost: dict | None = None
         self._client = self.stats = None  # the transport, while serving
         forked_children_die_with_me()  # before the DHT and the averager fork
@@ -139,7 +145,14 @@ class StageServer:
         self.worker = StageWorker(cfg, self.spec, options.cache_size, self.ledger, options.cache_max_bytes)
         self._param_shapes = [tuple(p.shape) for p in self.worker.params]
         self.compute = ComputeWorker()
-        self.capacity = CapacityMeter(self._measure_throughput())
+        moved = options.moved_from
+        # a moved server starts from the figure the balancers' plan expected of it here, which every
+        # server counted for it while it moved (a compute-only measurement leaves serialization out)
+        self.capacity = CapacityMeter(moved.expected_samples_per_s if moved else self._measure_throughput())
+        self.balancer = self._make_balancer()
+        self._lease_held = moved is not None and self.balancer is not None
+        if self._lease_held:  # the drain took part of the lease: a full one for the download
+            self.balancer.hold(self.records, moved, options.stage, done=False)
         self.averager = StageAverager(
             self.worker.params,
             self.dht,
@@ -205,6 +218,14 @@ class StageServer:
             replay_missed=self._replay_missed,
         )
 
+    def _make_balancer(self) -> Balancer | None:
+        swarm = self.cfg.swarm
+        if swarm.rebalance_period_s <= 0:
+            return None
+        return Balancer(
+            self.peer_id, swarm.num_stages, self.digest, swarm.rebalance_period_s, swarm.rebalance_margin
+        )
+
     def _make_checkpointer(self) -> StageCheckpointer | None:
         directory = self.options.checkpoint_dir or self.cfg.swarm.checkpoint_dir
         if not directory:
@@ -242,7 +263,10 @@ class StageServer:
             self.checkpointer.after_step(self.worker.epoch)
 
     def _measure_throughput(self) -> float:
-        """A first throughput estimate for routing (fwd+bwd ~ 3x a forward), refined while serving."""
+        """A first throughput estimate (fwd+bwd ~ 3x a forward) in samples per CPU second, like the
+        capacity meter's, which replaces it after the first busy announce period. Timed in CPU, not wall
+        time: under a CPU quota beside other starting servers, wall time read identical stage-0 servers
+        at 33 to 506 samples/s (bench/rebalance_live.py)."""
         t, m = self.cfg.training, self.cfg.model
         shape = (
             (t.micro_batch_size, m.seq_len)
@@ -250,11 +274,13 @@ class StageServer:
             else (t.micro_batch_size, m.seq_len, m.d_model)
         )
         sample = torch.zeros(shape, dtype=torch.long) if self.spec.is_first else torch.randn(shape)
+        repeats = 3
         with torch.no_grad():
             self.worker.module(sample)
-            start = time.perf_counter()
-            self.worker.module(sample)
-        return t.micro_batch_size / max(3 * (time.perf_counter() - start), 1e-6)
+            start = time.process_time()
+            for _ in range(repeats):
+                self.worker.module(sample)
+        return t.micro_batch_size * repeats / max(3 * (time.process_time() - start), 1e-6)
 
     def _warn_about_foreign_peers(self) -> None:
         for peer, ann in self.records.stage_peers(self.spec.index).items():
@@ -311,7 +337,6 @@ class StageServer:
         remember_group_sockets()
         run_key = self.options.network.run_key
         self._client = StageClient(p2p, namespace(self.cfg), run_key=run_key)
-        swarm = self.cfg.swarm
         params = self.worker.params
         grads_bytes = max_grads_message_bytes(sum(p.numel() for p in params), len(params))
         limit = max(self.io.max_message_bytes(), grads_bytes)
@@ -332,8 +357,8 @@ class StageServer:
             asyncio.create_task(self._every(self.cfg.swarm.announce_period_s, self._announce)),
             asyncio.create_task(self._every(self.options.metrics_period_s, self._publish_metrics)),
         ]
-        if swarm.rebalance_period_s > 0:
-            tasks.append(asyncio.create_task(self._rebalance_loop()))
+        if self.balancer is not None:
+            tasks.append(asyncio.create_task(self._rebalance_loop(self.balancer)))
         if self.options.moved_from is not None:
             self._log_move_cost()
         try:
@@ -346,42 +371,50 @@ class StageServer:
             await loop.run_in_executor(None, lambda: self._announce(state="offline"))
             await asyncio.wait_for(servicer.remove_p2p_handlers(p2p, namespace=namespace(self.cfg)), 5)
             if self.moving:
+                await asyncio.wait_for(release_p2p_replica(self.dht, p2p), 5)
                 watchdog.set()
 
-    async def _rebalance_loop(self) -> None:
-        swarm = self.cfg.swarm
-        balancer = Balancer(
-            self.peer_id, swarm.num_stages, self.digest, swarm.rebalance_period_s, swarm.rebalance_margin
-        )
+    async def _rebalance_loop(self, balancer: Balancer) -> None:
+        """Decide every jittered period, and at once when another server's lease changes (the plan
+        that named it may name us too)."""
         loop = asyncio.get_running_loop()
+        poll_s = self.cfg.swarm.announce_period_s
+        next_decision_s = time.monotonic() + balancer.jittered_period_s()
         while True:
-            await asyncio.sleep(balancer.jittered_period_s())
+            await asyncio.sleep(max(0.0, min(poll_s, next_decision_s - time.monotonic())))
             if balancer.serving_since_s is None and self.sync.serving.is_set():
                 balancer.serving_since_s = time.monotonic()
             try:
+                changed = await loop.run_in_executor(None, balancer.leases_changed, self.records)
+                if not changed and time.monotonic() < next_decision_s:
+                    continue
+                next_decision_s = time.monotonic() + balancer.jittered_period_s()
                 move = await loop.run_in_executor(None, balancer.decide, self.records)
             except Exception:  # a failed read: decide next period
                 logger.exception("rebalancing tick failed")
                 continue
             if move is not None:
-                intent = self._announcement(state="joining")
-                intent.stage = move.to_stage
-                await loop.run_in_executor(
-                    None, balancer.announce_intent, self.records, intent, self._announce_ttl_s
-                )
-                logger.warning(
-                    "rebalancing: moving from stage %d to stage %d, the bottleneck (%.1f samples/s; the two "
-                    "stages' minimum after the move %.1f)",
-                    move.from_stage,
-                    move.to_stage,
-                    move.bottleneck_before_samples_per_s,
-                    move.pair_min_after_samples_per_s,
-                )
-                self.ledger.write("move", to=move.to_stage, bottleneck=move.bottleneck_before_samples_per_s)
-                self.move_to, self.move_decided_at = move.to_stage, time.time()
-                await self._drain()
-                self._stop.set()
+                await self._move(balancer, move)
                 return
+
+    async def _move(self, balancer: Balancer, move) -> None:
+        loop = asyncio.get_running_loop()
+        intent = self._announcement(state="joining")
+        intent.stage, intent.throughput_samples_per_s = move.to_stage, move.rate_samples_per_s
+        await loop.run_in_executor(None, balancer.announce_intent, self.records, intent, self._announce_ttl_s)
+        logger.warning(
+            "rebalancing: moving from stage %d to stage %d, the bottleneck (%.1f samples/s; the two "
+            "stages' minimum after the move %.1f)",
+            move.from_stage,
+            move.to_stage,
+            move.bottleneck_before_samples_per_s,
+            move.pair_min_after_samples_per_s,
+        )
+        self.ledger.write("move", to=move.to_stage, bottleneck=move.bottleneck_before_samples_per_s)
+        self.move_to = move.to_stage
+        self.move = MovedFrom(move.from_stage, time.time(), move.rate_samples_per_s)
+        await self._drain()
+        self._stop.set()
 
     async def _drain(self) -> None:
         """Leave the stage without losing work (`move_to` set): trainers are told at once (an offline
@@ -406,11 +439,20 @@ class StageServer:
     def _log_move_cost(self) -> None:
         """The move's cost, now that this server serves its new stage: the state download and the seconds
         since the server of the old stage decided to move."""
-        previous, started = self.options.moved_from
-        record = move_record(previous, self.spec.index, started, self.sync.counters.downloaded_bytes)
+        moved = self.options.moved_from
+        record = move_record(
+            moved.stage, self.spec.index, moved.decided_at_unix_s, self.sync.counters.downloaded_bytes
+        )
         logger.warning("rebalancing: moved here %s", record)
         self.ledger.write("moved", **json.loads(record))
         self.move_cost = json.loads(record)
+
+    def _release_lease(self) -> None:
+        """Our lease done, once we serve (retried at every announcement until the DHT stored it: a lease
+        left "moving" would count us as still on our way for a minute)."""
+        moved = self.options.moved_from
+        if self.balancer is not None and moved is not None:  # as `_lease_held` implies
+            self._lease_held = not self.balancer.hold(self.records, moved, self.spec.index, done=True)
 
     async def _every(self, period_s: float, fn) -> None:
         loop = asyncio.get_running_loop()
@@ -604,6 +646,10 @@ class StageServer:
         # an offline record too: the DHT replaces a record only by one that expires later, so a short-lived
         # offline record was refused and trainers kept routing to a stopped server until it expired
         self.records.announce(self.peer_id, announcement, self._announce_ttl_s)
+        # our record first: a released lease makes every server decide at once, and one that did not see
+        # us yet at either place planned a move too many
+        if self._lease_held and announcement.state == "online":
+            self._release_lease()
 
     @property
     def throughput_samples_per_s(self) -> float:

@@ -54,6 +54,9 @@ class SyncSettings:
     compute_timeout_s: float = 120.0
     num_stages: int = 1
     allow_fresh: bool = False  # --fresh-start: initial weights even when the swarm has stepped
+    # how long a joiner reads again while the swarm has stepped and no serving replica of its stage shows:
+    # two progress record lifetimes (a live replica's record can lapse, see `_stage_epochs`)
+    missing_replica_wait_s: float = 8.0
 
 
 class RestoreRefused(UserError):
@@ -116,7 +119,7 @@ class StageSynchronizer:
         found = self.checkpoints.load_newest(self.worker.names) if self.checkpoints is not None else None
         checkpoint_step = None if found is None else found[0].step
         swarm_step = self._other_stages_step()
-        peer_epochs = [p["epoch"] for p in self._others().values()]
+        peer_epochs = self._stage_epochs(swarm_step)
         start = choose_start(peer_epochs, checkpoint_step, swarm_step, self.settings.allow_fresh)
         if start.source == "peers":
             self.resync("joining a stage that has already trained")
@@ -310,6 +313,23 @@ class StageSynchronizer:
         self.averager.state_sharing_priority = float(self.worker.epoch)
         self.serving.set()
         self.publish()
+
+    def _stage_epochs(self, swarm_step: int) -> list[int]:
+        """The steps the stage's serving replicas are at. A joiner's record says nothing about the stage's
+        state, and a live replica's record can lapse for seconds: a donor at a CPU quota busy sending its
+        state missed its heartbeats while a second mover joined, which saw only the first (still joining,
+        step 0) and started from initial weights as if the run were new (bench/rebalance_live.py). So
+        while the other stages have stepped and no serving replica shows, read again for a while."""
+        deadline_s = time.monotonic() + self.settings.missing_replica_wait_s
+        while True:
+            epochs = [
+                v["epoch"]
+                for v in self._others().values()
+                if v.get("serving", True) and isinstance(v.get("epoch"), int)
+            ]
+            if epochs or swarm_step == 0 or time.monotonic() >= deadline_s:
+                return epochs
+            time.sleep(JOIN_RETRY_S)
 
     def _others(self) -> dict[str, dict]:
         """Progress of the stage's other replicas with our config (a DHT read)."""
