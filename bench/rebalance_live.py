@@ -17,10 +17,12 @@ adds. Two runs, one swarm at a time:
 - `auto`: N+1 servers started one after another with `--stage auto` (no rebalancing).
 
 The prediction: the simulator (mode swarm-no-rebalance, the same code as `swarmtrain simulate`) on a
-fleet of pinned peers with each stage's measured seconds per sample at the quota (the CPU time of the
-server's whole cgroup per forwarded sample, divided by its cores, from the stage's busiest server over
-both runs: the imbalanced run's servers that did not move, before the move, and the auto run's) and the measured per-call overhead as link latency (as
-experiments/calibrate_demo.py does), for N+1 and for the allocation rebalancing reached. Needs root for the cgroups (it says so and exits 2 otherwise).
+fleet of pinned peers with each stage's measured seconds per sample at the quota and the measured
+per-call overhead as link latency (as experiments/calibrate_demo.py does), for N+1 and for the
+allocation rebalancing reached. A stage's cost is a per-sample part (the CPU its servers measure for
+their samples' own compute and transport, runtime/server/capacity.py) plus a per-step part every
+replica pays (fitted to the rest of their cgroups' CPU, idle baseline left out), over the stage's
+servers in both runs (the imbalanced run's servers before and after the moves, and the auto run's). Needs root for the cgroups (it says so and exits 2 otherwise).
 
     python bench/rebalance_live.py [--cpus-per-server 0.25] [--rebalance-period-s 10] [--summary-json P]
                                    [--layers-per-stage 1,7] [--global-batch-size 128] [--keep-logs DIR]
@@ -44,18 +46,20 @@ from swarmtrain.config import load_run_config
 from swarmtrain.runtime.harness.cpu_quota import CpuQuota, CpuQuotaError
 from swarmtrain.runtime.harness.local_swarm import LocalSwarm, write_run_toml
 from swarmtrain.runtime.ledger import read_ledger
-from swarmtrain.runtime.server.capacity import MIN_WORK_SHARE
 from swarmtrain.sim.base import SimConfig
 from swarmtrain.sim.entities import DEVICE_TYPES, Fleet, PeerSpec, single_location
 from swarmtrain.sim.report import format_table
 from swarmtrain.sim.runner import run_simulation
 
-METRICS = re.compile(r"metrics stage=(\d+) step=(\d+) .*?samples_forward=(\d+) busy_s=([\d.]+)")
+METRICS = re.compile(
+    r"metrics stage=(\d+) step=(\d+) .*?samples_forward=(\d+) busy_s=([\d.]+) work_cpu_s=([\d.]+)"
+)
 LOOPBACK_BYTES_PER_S = 10e9 / 8
 WARMUP_S = 8.0
 IDLE_WINDOW_S = 6.0  # servers ready, no trainer yet: their idle CPU baseline
 MOVED = "rebalancing: moved here "
 STAGE0_NAMES = "abcdefg"
+MIN_WORK_SHARE = 0.3  # never count less than this share of a window's CPU as work (a baseline read high)
 
 
 def window_samples_per_s(ledger: Path, start_t: float, end_t: float) -> float:
@@ -66,21 +70,25 @@ def window_samples_per_s(ledger: Path, start_t: float, end_t: float) -> float:
     return sum(e["n"] for e in done[1:]) / (done[-1]["t"] - done[0]["t"])
 
 
-def cpu_snapshot(swarm: LocalSwarm, names: list[str]) -> dict[str, tuple[float, int, int, float]]:
+def cpu_snapshot(swarm: LocalSwarm, names: list[str]) -> dict[str, tuple[float, int, int, float, float]]:
     """Per server: (CPU seconds of its whole cgroup, samples it has forwarded and the step it is at per
-    its last metrics line, wall clock)."""
+    its last metrics line, wall clock, CPU seconds of the work that came with those samples as the server
+    measures it: compute-thread and transport thread time, runtime/server/capacity.py)."""
     out = {}
     for name in names:
         points = METRICS.findall(swarm.processes[name].log_text())
-        samples, step = (int(points[-1][2]), int(points[-1][1])) if points else (0, 0)
-        out[name] = (swarm.quotas[name].cpu_s(), samples, step, time.monotonic())
+        samples, step, work = (
+            (int(points[-1][2]), int(points[-1][1]), float(points[-1][4])) if points else (0, 0, 0.0)
+        )
+        out[name] = (swarm.quotas[name].cpu_s(), samples, step, time.monotonic(), work)
     return out
 
 
 def idle_cpu_per_s(first: dict, last: dict) -> dict[str, float]:
     """Each server's CPU seconds per second with no trainer (DHT upkeep, announcements, p2pd)."""
     return {
-        name: (last[name][0] - c0) / max(last[name][3] - t0, 1e-9) for name, (c0, _, _, t0) in first.items()
+        name: (last[name][0] - c0) / max(last[name][3] - t0, 1e-9)
+        for name, (c0, _, _, t0, _) in first.items()
     }
 
 
@@ -94,36 +102,36 @@ def before_t(snapshots: list, t: float) -> dict:
     return next((snap for when, snap in reversed(snapshots) if when <= t), snapshots[0][1])
 
 
-def server_work(first: dict, last: dict, idle: dict) -> dict[str, tuple[float, int, int]]:
+def server_work(first: dict, last: dict, idle: dict) -> dict[str, tuple[float, int, int, float]]:
     """Per server between two snapshots: (CPU seconds of work of its whole process tree, its idle
-    baseline left out; samples forwarded; steps taken). A server that moved in between has counters of
-    its new stage at the end: left out."""
+    baseline left out; samples forwarded; steps taken; CPU seconds of the samples' own work as the server
+    measured it). A server that moved in between has counters of its new stage at the end: left out."""
     work = {}
     for name in first:
-        (c0, n0, k0, t0), (c1, n1, k1, t1) = first[name], last[name]
-        if n1 > n0 and k1 >= k0:
-            work[name] = (max(c1 - c0 - idle[name] * (t1 - t0), MIN_WORK_SHARE * (c1 - c0)), n1 - n0, k1 - k0)
+        (c0, n0, k0, t0, w0), (c1, n1, k1, t1, w1) = first[name], last[name]
+        if n1 > n0 and k1 >= k0 and w1 >= w0:
+            tree_s = max(c1 - c0 - idle[name] * (t1 - t0), MIN_WORK_SHARE * (c1 - c0))
+            work[name] = (tree_s, n1 - n0, k1 - k0, w1 - w0)
     return work
 
 
 def fit_stage_costs(runs: list[tuple[dict[str, int], dict]], num_stages: int) -> list[tuple[float, float]]:
-    """Each stage's (CPU s per sample, CPU s per step) fitted over its servers in both runs, work = a *
-    samples + b * steps. Every replica applies every step (optimizer, gradient exchange) whatever its
-    share of the samples, so a replica's cost per sample is a + b * replicas / global batch: taking the
-    busiest server's figure as the stage's let the simulator predict 94 samples/s for 4 stage-1 replicas
-    that did 71 (each paid 4x the per-step work per sample of the lone one it was measured on)."""
-    from scipy.optimize import nnls
-
+    """Each stage's (CPU s per sample, CPU s per step) over its servers in both runs. Every replica
+    applies every step (optimizer, gradient exchange) whatever its share of the samples, so a replica's
+    cost per sample is a + b * replicas / global batch: taking the busiest server's figure as the stage's
+    let the simulator predict 94 samples/s for 4 stage-1 replicas that did 71. `a` is what the servers
+    measure exactly (the samples' own compute and transport thread time); `b` is fitted to the rest of
+    their CPU, work - a * samples = b * steps. Fitting both to the CPU (steps come at a steady rate, so
+    the two columns are nearly collinear) put stage 1's `a` at 1.9 ms where its compute alone takes
+    3.7-4.2 ms, and `b` between 26 and 154 ms from one run to the next."""
     fits = []
     for stage in range(num_stages):
         rows = [work[name] for stage_of, work in runs for name in work if stage_of[name] == stage]
-        samples = np.array([[n, k] for _, n, k in rows], dtype=float)
-        cpu = np.array([w for w, _, _ in rows])
-        if len({round(k / n, 4) for _, n, k in rows}) < 2:  # one share only: no per-step term to tell
-            fits.append((float(cpu.sum() / samples[:, 0].sum()), 0.0))
-            continue
-        coef, _ = nnls(samples, cpu)
-        fits.append((float(coef[0]), float(coef[1])))
+        a = sum(own for _, _, _, own in rows) / sum(n for _, n, _, _ in rows)
+        rest = np.array([cpu - a * n for cpu, n, _, _ in rows])
+        steps = np.array([k for _, _, k, _ in rows], dtype=float)
+        b = max(0.0, float(rest @ steps / (steps @ steps))) if steps.any() else 0.0
+        fits.append((a, b))
     return fits
 
 

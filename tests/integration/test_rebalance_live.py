@@ -46,8 +46,12 @@ def test_a_server_moves_to_the_bottleneck_stage(make_swarm):
             mover
         ].log_text()[-3000:]
         time.sleep(0.5)
-    cost = json.loads(swarm.processes[mover].log_text().split("rebalancing: moved here ")[1].splitlines()[0])
-    assert cost["from"] == 0 and cost["to"] == 1 and cost["bytes"] > 0 and cost["seconds"] > 0
+    log = swarm.processes[mover].log_text()
+    cost = json.loads(log.split("rebalancing: moved here ")[1].splitlines()[0])
+    assert cost["from"] == 0 and cost["to"] == 1 and cost["seconds"] > 0
+    # the servers may move on their start-up figures before the trainer's first step: then stage 1 has
+    # nothing to download yet (a fresh start at step 0 is right), otherwise the move downloaded its state
+    assert cost["bytes"] > 0 or "stage 1 starts at step 0 from fresh" in log, log[-3000:]
 
     probe = make_swarm.probe(cfg, swarm)
     probe.wait_for_peers([1, 2], timeout_s=60)

@@ -276,7 +276,13 @@ def test_a_replica_that_missed_steps_replays_them_from_a_peers_means(tiny_cfg, m
             _train(nodes["A"].worker, micro_batches[:2], step=step, prefix=f"a{step}")
             _train(nodes["B"].worker, micro_batches[2:], step=step, prefix=f"b{step}")
             _close(nodes, step, {"A": 16, "B": 16}, to="AB")
-            await _until(lambda s=step: nodes["A"].worker.epoch == s + 1 == nodes["B"].worker.epoch)
+            # the epoch moves on the compute thread before the loop keeps the step's means: wait for both
+            await _until(
+                lambda s=step: (
+                    nodes["A"].worker.epoch == s + 1 == nodes["B"].worker.epoch
+                    and nodes["A"].means_of(s) is not None
+                )
+            )
         for task in tasks:
             task.cancel()
         a, c = nodes["A"], nodes["C"]
@@ -295,5 +301,31 @@ def test_a_replica_that_missed_steps_replays_them_from_a_peers_means(tiny_cfg, m
         assert a.means_of(5) is None and not await c.replay(1, 32, a.means_of(1)[1])
         _train(c.worker, micro_batches[:1], step=2, prefix="c")  # samples of its own: not replayed
         assert not await c.replay(2, 32, a.means_of(1)[1])
+
+    asyncio.run(scenario())
+
+
+def test_recent_means_are_kept_within_a_byte_budget(tiny_cfg, start_compute, monkeypatch):
+    """A moved server's download lasts several of `tiny`'s steps: the means of as many steps as fit the
+    budget are kept (at least KEPT_STEP_MEANS, at most MAX_REPLAY_STEPS), so it replays them instead of
+    downloading the state again."""
+    from swarmtrain.runtime.server import stage_steps
+
+    async def scenario():
+        (node,) = (await _replicas(tiny_cfg, ["A"], Net(), start_compute)).values()
+        means = [torch.zeros_like(p) for p in node.worker.params]
+        step_bytes = sum(m.numel() * m.element_size() for m in means)
+        for budget_steps, kept in (
+            (1, stage_steps.KEPT_STEP_MEANS),
+            (10, 10),
+            (10_000, stage_steps.MAX_REPLAY_STEPS),
+        ):
+            monkeypatch.setattr(stage_steps, "KEPT_MEANS_BYTES", budget_steps * step_bytes)
+            node.recent_means.clear()
+            for step in range(100):
+                node._keep_means(step, 32, means)
+            assert list(node.recent_means) == list(range(100 - kept, 100))
+        node._keep_means(100, 32, None)  # a step every micro-batch of which failed: nothing to size
+        assert 100 in node.recent_means
 
     asyncio.run(scenario())

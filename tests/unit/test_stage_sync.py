@@ -311,3 +311,33 @@ def test_a_replica_a_step_behind_replays_it_instead_of_downloading(tiny_cfg, sta
     ok = True
     sync.tick()
     assert len(replays) == 2 and averager.calls == [("download",)] * 2  # its own samples: a resync
+
+
+def test_a_replica_far_behind_replays_at_once_while_its_peer_keeps_the_steps(tiny_cfg, start_compute):
+    """A moved server whose download took several steps is more than KEEP_STEPS_AHEAD behind: it
+    replays the missed steps at once (it used to download the whole state again, and fall behind again),
+    and downloads only when the replay fails or the gap is beyond MAX_REPLAY_STEPS."""
+    from swarmtrain.runtime.server.stage_steps import KEEP_STEPS_AHEAD, MAX_REPLAY_STEPS
+
+    replays, ok = [], True
+
+    def replay(peer, start, end):
+        replays.append((peer, start, end))
+        return ok
+
+    worker = StageWorker(tiny_cfg, tiny_cfg.stages()[1])
+    records, averager = FakeRecords(), FakeAverager()
+    settings = SyncSettings(lag_grace_s=60.0)  # not lagging long enough to count: the gap alone decides
+    sync = StageSynchronizer(
+        worker, start_compute(), averager, records, "B", "d", settings, replay_missed=replay
+    )
+    records.progress["A"] = _peer(KEEP_STEPS_AHEAD + 3)
+    sync.tick()
+    assert replays == [("A", 0, KEEP_STEPS_AHEAD + 3)] and averager.calls == []
+    ok = False
+    sync.tick()
+    assert len(replays) == 2 and averager.calls == [("download",)]
+    records.progress["A"] = _peer(MAX_REPLAY_STEPS + 1)
+    ok = True
+    sync.tick()
+    assert len(replays) == 2 and averager.calls == [("download",)] * 2  # too far: not even tried

@@ -58,11 +58,22 @@ class ByteCount:
 
 
 class TransportStats:
-    """Thread-safe byte counters keyed by (stage, message kind, direction)."""
+    """Thread-safe byte counters keyed by (stage, message kind, direction), and the CPU seconds a
+    servicer spent parsing requests and packing replies, by kind (the thread time of the event loop's
+    synchronous parts: exact, whatever else the process does)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._counts: dict[tuple[int, str, str], ByteCount] = defaultdict(ByteCount)
+        self._cpu_s: dict[str, float] = defaultdict(float)
+
+    def add_cpu(self, kind: str, cpu_s: float) -> None:
+        with self._lock:
+            self._cpu_s[kind] += cpu_s
+
+    def cpu_s(self, kinds: tuple[str, ...]) -> float:
+        with self._lock:
+            return sum(self._cpu_s.get(kind, 0.0) for kind in kinds)
 
     def record(self, stage: int, kind: str, direction: str, wire_bytes: int, fp32_bytes: int) -> None:
         with self._lock:
@@ -213,10 +224,14 @@ class StageServicer(ServicerBase):
             reply = error_message(str(exc), exc.code)
         else:
             reply = await self._answer(kind, data, context)
-        for chunk in _chunks(pack(reply)):
+        start_cpu_s = time.thread_time()
+        chunks = _chunks(pack(reply))
+        self.stats.add_cpu(kind, time.thread_time() - start_cpu_s)
+        for chunk in chunks:
             yield runtime_pb2.ExpertResponse(metadata=chunk)
 
     async def _answer(self, kind: str, data: bytes, context: P2PContext) -> Message:
+        start_cpu_s = time.thread_time()
         try:
             message = unpack(data, self.max_message_bytes)
             if self.run_key is not None and not self.run_key.verify(
@@ -235,6 +250,7 @@ class StageServicer(ServicerBase):
                 len(data),
                 message.fp32_equivalent_bytes(),
             )
+            self.stats.add_cpu(kind, time.thread_time() - start_cpu_s)
             return await self.handler(message, context)
         except ProtocolError as exc:
             logger.info("refused %s from %s: %s", kind, context.remote_id, exc)

@@ -14,9 +14,13 @@ The rule for one move (`choose_move`):
   minimum; capacities sorted ascending increase lexicographically with every move, hence no sequence
   of moves on unchanged data can cycle (in particular no ping-pong between two equal stages, which the
   naive "move from most loaded to least loaded" rule does);
-- among candidates, pick the one with the largest resulting `min(C_a', C_b')`, then the smaller queue
-  (less work abandoned), then the lower source stage, then the peer id as a string, so every peer that
-  evaluates the rule on the same data picks the same mover.
+- among candidates, pick one whose resulting `min(C_a', C_b')` is within `mover_tolerance` (20%) of the
+  largest, by the lower source stage, then the peer id as a string, so every peer that evaluates the
+  rule on the same data picks the same mover. The band is what makes peers that read slightly different
+  data agree too: live figures of identical servers differ by 10-20% from one read to the next, and
+  picking strictly by the largest minimum named a different mover in every server's plan (proposals
+  withdrawn and made again for 13 s before a plan of 3 moves was committed, bench/rebalance_live.py).
+  Every candidate in the band still raises the pair's minimum above the old bottleneck.
 
 A peer's throughput at another stage comes from `throughput_by_stage` when the caller knows it (the
 simulator does), otherwise it is scaled by relative stage cost (compute per sample), defaulting to equal
@@ -48,12 +52,15 @@ class PeerLoad:
 class RebalanceConfig:
     margin: float = 0.1  # hysteresis: the donor must stay above the old bottleneck by this fraction
     min_peers_per_stage: int = 1
+    mover_tolerance: float = 0.2  # candidates within this fraction of the best move are equal (by peer id)
 
     def __post_init__(self) -> None:
         if self.margin < 0:
             raise ValueError("margin must be >= 0")
         if self.min_peers_per_stage < 1:
             raise ValueError("min_peers_per_stage must be >= 1 (a stage must never be emptied)")
+        if not 0 <= self.mover_tolerance < 1:
+            raise ValueError("mover_tolerance must be in [0, 1)")
 
 
 @dataclass(frozen=True)
@@ -126,7 +133,7 @@ def choose_move(
         if not load.pending:
             serving[load.stage] += 1
     floor = capacities[target] * (1 + config.margin)
-    best_key, best = None, None
+    candidates = []
     for load in loads:
         source = load.stage
         if load.pending or source == target or serving[source] - 1 < config.min_peers_per_stage:
@@ -136,10 +143,14 @@ def choose_move(
         if gain <= 0 or donor_after <= floor:
             continue
         pair_min = min(donor_after, capacities[target] + gain)
-        key = (-pair_min, load.queue_len, source, str(load.peer))
-        if best_key is None or key < best_key:
-            best_key, best = key, Move(load.peer, source, target, capacities[target], pair_min, gain)
-    return best
+        candidates.append(Move(load.peer, source, target, capacities[target], pair_min, gain))
+    if not candidates:
+        return None
+    best_min = max(move.pair_min_after_samples_per_s for move in candidates)
+    band = [
+        m for m in candidates if m.pair_min_after_samples_per_s >= best_min * (1 - config.mover_tolerance)
+    ]
+    return min(band, key=lambda move: (move.from_stage, str(move.peer)))
 
 
 def plan_moves(

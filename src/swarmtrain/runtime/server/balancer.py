@@ -31,9 +31,12 @@ import json
 import math
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from swarmtrain.planner.rebalance import Move, PeerLoad, RebalanceConfig, plan_moves, relative_stage_costs
+from swarmtrain.utils.logging import get_logger
+
+logger = get_logger(__name__)
 
 PROPOSED, MOVING, DONE = "proposed", "moving", "done"
 
@@ -105,6 +108,8 @@ class Balancer:
     # for the same gap (bench/rebalance_live.py)
     settle_s: float = 1.0
     _seen_leases: frozenset = frozenset()
+    last_plan: list[str] = field(default_factory=list)  # the last plan computed, for the log
+    _logged_plan: list[str] = field(default_factory=list)
 
     def jittered_period_s(self) -> float:
         return self.period_s * random.uniform(0.75, 1.25)
@@ -130,13 +135,17 @@ class Balancer:
         if self.serving_since_s is None or now_s - self.serving_since_s < 2 * self.period_s:
             return None
         move = self._my_move(records, lambda peer, lease: lease["state"] != DONE)
+        if self.last_plan != self._logged_plan:  # what every server plans, when it changes
+            self._logged_plan = self.last_plan
+            logger.info("rebalancing: the plan is %s", self.last_plan or "no move")
         if move is None or not records.publish_move(
             self.peer_id, lease_record(move, PROPOSED), self.lease_ttl_s
         ):
             return None  # a proposal that was not stored protects nothing: decide next time
+        logger.info("rebalancing: proposed a move to stage %d", move.to_stage)
         # twice: before committing, and after, since a check's reads can take longer than the settle and
         # a rival's commit may land meanwhile (both then withdraw if only one was needed: safe)
-        for _check in range(2):
+        for check_index in range(2):
             self.settle()
             check = self._my_move(records, self._counts_in_check)
             if (
@@ -145,6 +154,11 @@ class Balancer:
                 or not records.publish_move(self.peer_id, lease_record(move, MOVING), self.lease_ttl_s)
             ):
                 records.publish_move(self.peer_id, lease_record(move, DONE), self.lease_ttl_s)
+                logger.info(
+                    "rebalancing: withdrew the move at check %d (the plan now: %s)",
+                    check_index,
+                    self.last_plan,
+                )
                 return None
         return move
 
@@ -166,6 +180,7 @@ class Balancer:
         costs = relative_stage_costs(loads, self.num_stages)
         loads = with_leases(loads, leases)
         plan = plan_moves(loads, self.num_stages, RebalanceConfig(self.margin), costs, max_moves=len(loads))
+        self.last_plan = [f"{str(m.peer)[-8:]}:{m.from_stage}->{m.to_stage}" for m in plan]
         return next((move for move in plan if move.peer == self.peer_id), None)
 
     def settle(self) -> None:

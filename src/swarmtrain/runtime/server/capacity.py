@@ -1,19 +1,28 @@
-"""What a server announces as its throughput: samples per CPU second of work, its idle baseline left out.
+"""What a server announces as its throughput: samples per CPU second of the work each sample costs.
 
-The balancer compares stages' capacities (the sum of their servers' announcements), so the figure must
-say what a server could serve when busy, whatever its load now. Samples per CPU second of the whole
-process tree (compute, serialization, p2pd, DHT) is close to that for a busy server, but an idle
-server still burns CPU: ~0.067 CPU seconds per second for a `tiny` server here (DHT upkeep,
-announcements, p2pd), 27% of a 0.25-CPU quota. Counted as work, that overhead made the lightly loaded
-replicas of a well-served stage look slow, so that stage's capacity read low and the balancer did not
-move a server from it to the real bottleneck (bench/rebalance_live.py). The baseline is measured in
-the windows where the server computed nothing and subtracted from the busy ones.
+The balancer sums its stages' announcements into capacities and plans moves on them, so the figure must
+say what a server could serve, whatever its share of the traffic now: a figure that depends on the share
+is not additive, and a plan built on it stops short. Timed as the CPU of the whole process tree less an
+idle baseline, it was share-dependent: a stage-0 replica serving a quarter of the traffic read ~430
+samples per CPU second and a busy one ~650-890 (bench/rebalance_live.py, 0.25 CPU each), because every
+replica also pays work that does not come with its samples (p2pd and hivemind's processes, ~0.08 CPU s/s
+at any load; the gradient exchange and bookkeeping of every step, ~35 ms of CPU per step; DHT upkeep).
+Left in, that work is a small difference of two similar numbers at a light share; the plan from 4+1
+moved one or two servers and the rest came a minute later, one at a time.
 
-The estimate is the ratio of sums over the last `BUSY_WINDOWS` busy windows, not an EMA: from a start-up
-figure off by 10x (a compute-only timing at a CPU quota beside four other starting servers read 33 to 506
-samples/s for identical stage-0 servers), an EMA of weight 0.3 took about 25 windows (50 s) to settle, and
-the balancer's plan changed under it while it did (bench/rebalance_live.py). Windows weigh by their
-samples, so a window with a couple of samples cannot swing it.
+So the figure counts only the CPU that comes with samples, measured where it is exact: the compute
+thread's CPU on forward and backward jobs (thread time per job, runtime/server/compute.py) and the
+transport's (de)serialization of those requests (net/transport.py). Both are the same per sample at any
+share (stage 0: 0.7-0.9 ms compute at 8 and at 50 samples/s). What every replica pays whatever its share
+is left out, so a plan slightly overrates what one more replica adds: with 4 replicas the per-step work
+was ~6% of a 0.25-CPU server's usable CPU here, inside the policy's 10% hysteresis margin. On a GPU the
+compute thread's CPU is not its work (kernels run on the device): a GPU server will need the device's
+busy time per sample instead.
+
+Samples count once their backward ran here, after the job's CPU was counted (runtime/server/compute.py),
+so a window never holds samples without their CPU. The estimate is the ratio of sums over the last `BUSY_WINDOWS` windows with samples, not an EMA: from a
+start-up figure far off, an EMA of weight 0.3 took about 25 windows (50 s) to settle, and the balancer's
+plan changed under it. Windows weigh by their samples, so one with a couple of samples cannot swing it.
 """
 
 from __future__ import annotations
@@ -21,41 +30,34 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-BUSY_WINDOWS = 8  # busy announce windows in the estimate (16 s at the default 2 s period)
-IDLE_EMA = 0.5  # weight of the newest idle window in the baseline
-MIN_WORK_SHARE = 0.3  # never count less than this share of a busy window's CPU as work
+BUSY_WINDOWS = 8  # announce windows with samples in the estimate (16 s at the default 2 s period)
 
 
 @dataclass
 class CapacityMeter:
-    """Fed (wall clock, process-tree CPU seconds, samples computed) at every announcement."""
+    """Fed the running totals (samples computed, CPU seconds of their work) at every announcement."""
 
-    samples_per_cpu_s: float  # the start: a compute-only measurement, refined while serving
-    idle_cpu_per_s: float | None = None  # the baseline, once a window without work was seen
-    _mark: tuple[float, float, int] | None = None
+    samples_per_cpu_s: float  # the start: a compute-only measurement, replaced once samples come
+    # the start figure stands until the windows hold this many samples: the first window of a moved
+    # server, a few micro-batches, read 5,556 samples per CPU second for a 190 one (bench/rebalance_live.py)
+    min_samples: int = 0
+    _mark: tuple[int, float] | None = None
     _busy: deque = field(default_factory=lambda: deque(maxlen=BUSY_WINDOWS))  # (samples, work CPU s)
 
-    def restart(self, wall_s: float, cpu_s: float, samples: int) -> None:
-        """Count from here (start-up work is neither idle nor serving)."""
-        self._mark = (wall_s, cpu_s, samples)
+    def restart(self, samples: int, work_cpu_s: float) -> None:
+        """Count from here (start-up work is not serving)."""
+        self._mark = (samples, work_cpu_s)
 
-    def update(self, wall_s: float, cpu_s: float, samples: int) -> float:
+    def update(self, samples: int, work_cpu_s: float) -> float:
         if self._mark is None:
-            self.restart(wall_s, cpu_s, samples)
+            self.restart(samples, work_cpu_s)
             return self.samples_per_cpu_s
-        then_wall_s, then_cpu_s, then_samples = self._mark
-        d_wall, d_cpu, d_samples = wall_s - then_wall_s, cpu_s - then_cpu_s, samples - then_samples
-        if d_wall <= 0 or d_cpu < 0:
-            return self.samples_per_cpu_s
-        if d_samples == 0:
-            rate = d_cpu / d_wall
-            old = self.idle_cpu_per_s
-            self.idle_cpu_per_s = rate if old is None else (1 - IDLE_EMA) * old + IDLE_EMA * rate
-        elif d_cpu > 0:
-            work_cpu_s = max(d_cpu - (self.idle_cpu_per_s or 0.0) * d_wall, MIN_WORK_SHARE * d_cpu)
-            self._busy.append((d_samples, work_cpu_s))
-            self.samples_per_cpu_s = sum(n for n, _ in self._busy) / sum(w for _, w in self._busy)
-        else:
-            return self.samples_per_cpu_s  # samples but no CPU tick yet: wait for the next window
-        self._mark = (wall_s, cpu_s, samples)
+        d_samples, d_cpu_s = samples - self._mark[0], work_cpu_s - self._mark[1]
+        if d_samples <= 0 or d_cpu_s <= 0:
+            return self.samples_per_cpu_s  # nothing served (or a job still running): the figure stands
+        self._busy.append((d_samples, d_cpu_s))
+        self._mark = (samples, work_cpu_s)
+        total_samples = sum(n for n, _ in self._busy)
+        if total_samples >= self.min_samples:
+            self.samples_per_cpu_s = total_samples / sum(w for _, w in self._busy)
         return self.samples_per_cpu_s

@@ -39,6 +39,8 @@ class ComputeWorker:
         self._stopped = threading.Event()
         self.busy_s = 0.0
         self.tasks_done = 0
+        # CPU seconds of this thread per job priority (thread time: exact whatever else the machine does)
+        self.cpu_s_by_priority: dict[int, float] = {}
 
     def start(self) -> None:
         self._thread.start()
@@ -69,7 +71,7 @@ class ComputeWorker:
 
     def _loop(self) -> None:
         while not self._stopped.is_set():
-            _priority, _order, fn, future, deadline_s = self._queue.get()
+            priority, _order, fn, future, deadline_s = self._queue.get()
             if fn is None:
                 break
             if not future.set_running_or_notify_cancel():
@@ -77,14 +79,22 @@ class ComputeWorker:
             if deadline_s is not None and time.monotonic() > deadline_s:
                 future.set_exception(DeadlineExpired("request expired in the queue"))
                 continue
-            start = time.perf_counter()
+            start, start_cpu_s = time.perf_counter(), time.thread_time()
             try:
-                future.set_result(fn())
+                result, error = fn(), None
             except BaseException as exc:  # the caller decides; the thread must survive
-                future.set_exception(exc)
-            finally:
-                self.busy_s += time.perf_counter() - start
-                self.tasks_done += 1
+                result, error = None, exc
+            # counted before the caller sees the outcome: whoever counts the job's samples then finds
+            # their CPU counted too (a window with samples and not their CPU read 5,556 samples per
+            # CPU second for a 190 one, and the balancer planned a move back)
+            self.busy_s += time.perf_counter() - start
+            cpu_s = time.thread_time() - start_cpu_s
+            self.cpu_s_by_priority[priority] = self.cpu_s_by_priority.get(priority, 0.0) + cpu_s
+            self.tasks_done += 1
+            if error is None:
+                future.set_result(result)
+            else:
+                future.set_exception(error)
         while True:  # fail whatever is left so no caller waits forever
             try:
                 _p, _o, fn, future, _d = self._queue.get_nowait()

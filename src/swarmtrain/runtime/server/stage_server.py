@@ -55,7 +55,6 @@ from swarmtrain.runtime.procs import (
     reap_own_group,
     remember_group_sockets,
     start_exit_watchdog,
-    tree_cpu_s,
 )
 from swarmtrain.runtime.server.balancer import Balancer, MovedFrom, move_record
 from swarmtrain.runtime.server.capacity import CapacityMeter
@@ -74,6 +73,8 @@ from swarmtrain.runtime.server.stage_worker import StageWorker, all_finite
 from swarmtrain.utils.logging import get_logger
 
 logger = get_logger(__name__)
+MICRO_BATCH_KINDS = ("forward", "backward", "forward_backward")  # the requests whose work makes capacity
+LEASE_POLL_S = 1.0  # how often the balancer looks for another server's new or changed move lease
 
 # a record lives this many announce periods: one missed announcement does not drop a live server
 ANNOUNCE_TTL_PERIODS = 3
@@ -121,6 +122,7 @@ class StageServer:
         self.exit_code = 0
         self.move_to: int | None = None  # set when the balancer moves this server to another stage
         self._running_requests = 0  # micro-batches being served (a move waits for them)
+        self._samples_done = 0  # samples whose backward ran here (counted with their CPU for capacity)
         self.move: MovedFrom | None = None  # where this server comes from when it moves on
         self.move_cost: dict | None = None
         self._client = self.stats = None  # the transport, while serving
@@ -148,7 +150,10 @@ class StageServer:
         moved = options.moved_from
         # a moved server starts from the figure the balancers' plan expected of it here, which every
         # server counted for it while it moved (a compute-only measurement leaves serialization out)
-        self.capacity = CapacityMeter(moved.expected_samples_per_s if moved else self._measure_throughput())
+        self.capacity = CapacityMeter(
+            moved.expected_samples_per_s if moved else self._measure_throughput(),
+            min_samples=4 * cfg.training.micro_batch_size,
+        )
         self.balancer = self._make_balancer()
         self._lease_held = moved is not None and self.balancer is not None
         if self._lease_held:  # the drain took part of the lease: a full one for the download
@@ -352,7 +357,7 @@ class StageServer:
             self.worker.epoch,
             " ".join(self.addresses),
         )
-        self.capacity.restart(time.monotonic(), tree_cpu_s(), self.worker.counters["samples_forward"])
+        self.capacity.restart(self._samples_done, self._work_cpu_s())
         tasks = [
             asyncio.create_task(self._every(self.cfg.swarm.announce_period_s, self._announce)),
             asyncio.create_task(self._every(self.options.metrics_period_s, self._publish_metrics)),
@@ -378,7 +383,10 @@ class StageServer:
         """Decide every jittered period, and at once when another server's lease changes (the plan
         that named it may name us too)."""
         loop = asyncio.get_running_loop()
-        poll_s = self.cfg.swarm.announce_period_s
+        # the rest of a plan follows its first move within a poll (one DHT read each): polled every
+        # announce period (2 s), the three moves of one plan were decided 4.0 s apart, and the time to
+        # balance only just met two announce periods plus the longest move (bench/rebalance_live.py)
+        poll_s = min(LEASE_POLL_S, self.cfg.swarm.announce_period_s)
         next_decision_s = time.monotonic() + balancer.jittered_period_s()
         while True:
             await asyncio.sleep(max(0.0, min(poll_s, next_decision_s - time.monotonic())))
@@ -601,6 +609,8 @@ class StageServer:
             return error_message(str(exc), "timeout")
         except ProtocolError as exc:
             return error_message(str(exc), exc.code)
+        if request.kind in ("backward", "forward_backward"):  # the samples' work is done here
+            self._samples_done += request.num_samples
         # queue wait + compute: the caller subtracts it from its round trip to see the transport's share
         reply.header["server_s"] = round(time.monotonic() - arrived_s, 6)
         reply.header["compute_s"] = round(compute_s, 6)
@@ -636,10 +646,7 @@ class StageServer:
 
     # announcements and metrics ------------------------------------------------------------------
     def _announce(self, state: str | None = None) -> None:
-        # samples per CPU second of the whole server (compute, serialization, p2pd, DHT), less its idle
-        # baseline: the compute thread's busy time alone made stage 0 (two calls per micro-batch) look
-        # 2x cheaper than it is, and the balancer moved a server into what became the bottleneck
-        self.capacity.update(time.monotonic(), tree_cpu_s(), self.worker.counters["samples_forward"])
+        self.capacity.update(self._samples_done, self._work_cpu_s())
         if self.move_to is not None and state != "offline":
             return  # moving: our record at the target stage stands for us now
         announcement = self._announcement(state)
@@ -650,6 +657,15 @@ class StageServer:
         # us yet at either place planned a move too many
         if self._lease_held and announcement.state == "online":
             self._release_lease()
+
+    def _work_cpu_s(self) -> float:
+        """CPU seconds spent on micro-batches so far: their forward and backward jobs on the compute thread
+        (stage 0's backward is a call of its own: its wall-clock busy time alone made stage 0 look 2x
+        cheaper than it was) and their requests' parsing and replies' packing (runtime/server/capacity.py)."""
+        by_priority = self.compute.cpu_s_by_priority
+        compute_s = by_priority.get(PRIORITY_FORWARD, 0.0) + by_priority.get(PRIORITY_BACKWARD, 0.0)
+        transport_s = self.stats.cpu_s(MICRO_BATCH_KINDS) if self.stats is not None else 0.0
+        return compute_s + transport_s
 
     @property
     def throughput_samples_per_s(self) -> float:
@@ -693,6 +709,7 @@ class StageServer:
             "bytes_in": totals.wire_bytes if totals else 0,
             "samples_forward": c["samples_forward"],
             "busy_s": round(self.compute.busy_s, 3),
+            "work_cpu_s": round(self._work_cpu_s(), 3),
             "moved": self.move_cost,
         }
         self.records.publish_metrics(self.peer_id, metrics, ttl_s=3 * self.options.metrics_period_s)

@@ -45,7 +45,14 @@ logger = get_logger(__name__)
 GradSender = Callable[[str, int, int, list[torch.Tensor]], Awaitable[bool]]
 OnStep = Callable[[int, list[float] | None], None]  # (epoch, parameter fingerprint or None)
 KEEP_STEPS_AHEAD = 4  # closes/grads this far ahead are kept; a replica further behind resyncs
-KEPT_STEP_MEANS = 3  # a replica this many steps behind or fewer replays them (`replay`) instead of resyncing
+# The mean gradients of recent steps are kept for replicas that missed them (`replay`): at least
+# `KEPT_STEP_MEANS` steps, more while they fit in `KEPT_MEANS_BYTES`. Three were too few for a moved
+# server: its state download took long enough that `tiny` stepped 4-7 times meanwhile, so it downloaded
+# the whole state again, fell behind again and served little for 10-20 s (bench/rebalance_live.py). A
+# big stage steps slowly, so its three steps cover a download's duration too.
+KEPT_STEP_MEANS = 3
+KEPT_MEANS_BYTES = 64 * 2**20
+MAX_REPLAY_STEPS = 64  # a replica further behind downloads the state instead
 
 
 @dataclass
@@ -206,7 +213,9 @@ class StepCoordinator:
         if self.worker.outer is not None:
             return  # local steps: every replica stepped on its own gradient, there is no shared mean
         self.recent_means[step] = (samples, means)
-        while len(self.recent_means) > KEPT_STEP_MEANS:
+        step_bytes = sum(m.numel() * m.element_size() for m in means) if means is not None else 0
+        keep = max(KEPT_STEP_MEANS, min(MAX_REPLAY_STEPS, KEPT_MEANS_BYTES // max(step_bytes, 1)))
+        while len(self.recent_means) > keep:
             self.recent_means.popitem(last=False)
 
     async def replay(self, step: int, samples: int, means: list[torch.Tensor] | None) -> bool:

@@ -8,8 +8,8 @@ module runs on its own threads and works from shared state in the DHT:
   optimizer state (`load_state_from_peers`) before serving;
 - a replica that sees a peer more than `KEEP_STEPS_AHEAD` steps ahead, or ahead at all for longer
   than `lag_grace_s` (replicas finish a step's exchange a few milliseconds apart, which is no lag),
-  replays the steps it missed from a peer's mean gradients when it is at most `KEPT_STEP_MEANS` behind
-  and holds no samples of its own; otherwise it stops serving, drops its unapplied buckets (recorded as
+  replays the steps it missed from a peer's mean gradients when it holds no samples of its own and the
+  peer still keeps them (up to `MAX_REPLAY_STEPS`, bounded by the peer's memory); otherwise it stops serving, drops its unapplied buckets (recorded as
   lost) and downloads the state;
 - replicas compare parameter fingerprints taken at the same step; on a mismatch (a member's gradients
   reached one replica but not another, at that step or any before) the one with the larger id resyncs;
@@ -30,7 +30,7 @@ from swarmtrain.net.protocol import ProtocolError
 from swarmtrain.planner.restore import behind_other_stages, choose_start
 from swarmtrain.runtime.ledger import Ledger
 from swarmtrain.runtime.server.compute import PRIORITY_SYNC, ComputeWorker
-from swarmtrain.runtime.server.stage_steps import KEEP_STEPS_AHEAD, KEPT_STEP_MEANS
+from swarmtrain.runtime.server.stage_steps import KEEP_STEPS_AHEAD, MAX_REPLAY_STEPS
 from swarmtrain.runtime.server.stage_worker import StageWorker
 from swarmtrain.utils.logging import get_logger
 
@@ -200,7 +200,7 @@ class StageSynchronizer:
         # a replica that was not a member of a step can trail the members by a step or two while the
         # members' gradients reach it; it catches up from what it was sent
         lagging = ahead >= 1 and now - (self._behind_since_s or now) >= self.settings.lag_grace_s
-        if lagging and self._replayed(others, epoch, ahead):
+        if (lagging or ahead > KEEP_STEPS_AHEAD) and self._replayed(others, epoch, ahead):
             self._behind_since_s = None
         elif ahead > KEEP_STEPS_AHEAD or lagging:
             self.resync(f"peers are {ahead} step(s) ahead (we are at {epoch})")
@@ -217,7 +217,7 @@ class StageSynchronizer:
         """A replica a few steps behind holding no samples of its own (it was no participant of those
         steps) applies them from a peer's mean gradients: the same state as its peers, for one mean per
         step instead of a whole state download."""
-        if ahead > KEPT_STEP_MEANS or self.worker.unapplied_samples:
+        if ahead > MAX_REPLAY_STEPS or self.worker.unapplied_samples:
             return False
         donor = max(others, key=lambda peer: others[peer]["epoch"])
         if not self.replay_missed(donor, epoch, epoch + ahead):
