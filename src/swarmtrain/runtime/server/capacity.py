@@ -41,8 +41,17 @@ class CapacityMeter:
     # the start figure stands until the windows hold this many samples: the first window of a moved
     # server, a few micro-batches, read 5,556 samples per CPU second for a 190 one (bench/rebalance_live.py)
     min_samples: int = 0
+    # samples served before measuring: a fresh stage's first micro-batches cost several times the CPU of
+    # later ones (cold caches and allocator, TorchScript's profiling runs), and figures read in the first
+    # seconds of traffic swung from 380 to 1,100 for one stage-0 server, so a plan's third move was
+    # withdrawn and made 10 s later (bench/rebalance_live.py)
+    warmup_samples: int = 0
+    _warm: bool = False
     _mark: tuple[int, float] | None = None
     _busy: deque = field(default_factory=lambda: deque(maxlen=BUSY_WINDOWS))  # (samples, work CPU s)
+
+    def __post_init__(self) -> None:
+        self._warm = self.warmup_samples <= 0
 
     def restart(self, samples: int, work_cpu_s: float) -> None:
         """Count from here (start-up work is not serving)."""
@@ -53,6 +62,11 @@ class CapacityMeter:
             self.restart(samples, work_cpu_s)
             return self.samples_per_cpu_s
         d_samples, d_cpu_s = samples - self._mark[0], work_cpu_s - self._mark[1]
+        if not self._warm:
+            if d_samples >= self.warmup_samples:
+                self._warm = True
+                self._mark = (samples, work_cpu_s)
+            return self.samples_per_cpu_s
         if d_samples <= 0 or d_cpu_s <= 0:
             return self.samples_per_cpu_s  # nothing served (or a job still running): the figure stands
         self._busy.append((d_samples, d_cpu_s))

@@ -153,6 +153,7 @@ class StageServer:
         self.capacity = CapacityMeter(
             moved.expected_samples_per_s if moved else self._measure_throughput(),
             min_samples=4 * cfg.training.micro_batch_size,
+            warmup_samples=4 * cfg.training.micro_batch_size,
         )
         self.balancer = self._make_balancer()
         self._lease_held = moved is not None and self.balancer is not None
