@@ -52,7 +52,8 @@ MAX_ABS_VALUE = 1e6
 # counters and state for probes and monitors; step_means: a stage replica that missed a step asks a
 # peer for the mean gradients it applied; round_mean: a whole-model replica asks a member of its last
 # outer round for that round's mean (to fill what a partial all-reduce left out)
-MICRO_BATCH_KINDS = ("forward", "backward", "forward_backward", "evaluate")
+TRAINING_KINDS = ("forward", "backward", "forward_backward")  # micro-batch requests that train
+MICRO_BATCH_KINDS = (*TRAINING_KINDS, "evaluate")
 KINDS = (*MICRO_BATCH_KINDS, "close", "grads", "info", "step_means", "round_mean", "result", "error")
 MAX_STEP = 2**53
 _LEN = struct.Struct("<I")

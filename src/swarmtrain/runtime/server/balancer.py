@@ -80,8 +80,12 @@ def with_leases(loads: list[PeerLoad], leases: dict[str, dict]) -> list[PeerLoad
     ]
 
 
-def lease_record(move: Move, state: str) -> dict:
-    return {"from": move.from_stage, "to": move.to_stage, "rate": move.rate_samples_per_s, "state": state}
+def lease_record(from_stage: int, to_stage: int, rate_samples_per_s: float, state: str) -> dict:
+    return {"from": from_stage, "to": to_stage, "rate": rate_samples_per_s, "state": state}
+
+
+def move_lease(move: Move, state: str) -> dict:
+    return lease_record(move.from_stage, move.to_stage, move.rate_samples_per_s, state)
 
 
 @dataclass(frozen=True)
@@ -139,7 +143,7 @@ class Balancer:
             self._logged_plan = self.last_plan
             logger.info("rebalancing: the plan is %s", self.last_plan or "no move")
         if move is None or not records.publish_move(
-            self.peer_id, lease_record(move, PROPOSED), self.lease_ttl_s
+            self.peer_id, move_lease(move, PROPOSED), self.lease_ttl_s
         ):
             return None  # a proposal that was not stored protects nothing: decide next time
         logger.info("rebalancing: proposed a move to stage %d", move.to_stage)
@@ -151,9 +155,9 @@ class Balancer:
             if (
                 check is None
                 or check.to_stage != move.to_stage
-                or not records.publish_move(self.peer_id, lease_record(move, MOVING), self.lease_ttl_s)
+                or not records.publish_move(self.peer_id, move_lease(move, MOVING), self.lease_ttl_s)
             ):
-                records.publish_move(self.peer_id, lease_record(move, DONE), self.lease_ttl_s)
+                records.publish_move(self.peer_id, move_lease(move, DONE), self.lease_ttl_s)
                 logger.info(
                     "rebalancing: withdrew the move at check %d (the plan now: %s)",
                     check_index,
@@ -190,10 +194,8 @@ class Balancer:
         """The moved server's lease: renewed while it joins (a long download outlived the lease and the
         plan sent another peer for the same gap), released once it serves (its own records count it
         then). False if the store failed: the caller tries again."""
-        lease = {"from": moved.stage, "to": to_stage, "rate": moved.expected_samples_per_s}
-        return records.publish_move(
-            self.peer_id, dict(lease, state=DONE if done else MOVING), self.lease_ttl_s
-        )
+        lease = lease_record(moved.stage, to_stage, moved.expected_samples_per_s, DONE if done else MOVING)
+        return records.publish_move(self.peer_id, lease, self.lease_ttl_s)
 
     def announce_intent(self, records, announcement, ttl_s: float) -> None:
         """Count this server at its target stage (as joining), so others see the move before its new

@@ -35,6 +35,7 @@ from swarmtrain.net.engine import (
     visible_addresses,
 )
 from swarmtrain.net.protocol import (
+    TRAINING_KINDS,
     Message,
     ProtocolError,
     StageIO,
@@ -73,7 +74,6 @@ from swarmtrain.runtime.server.stage_worker import StageWorker, all_finite
 from swarmtrain.utils.logging import get_logger
 
 logger = get_logger(__name__)
-MICRO_BATCH_KINDS = ("forward", "backward", "forward_backward")  # the requests whose work makes capacity
 LEASE_POLL_S = 1.0  # how often the balancer looks for another server's new or changed move lease
 
 # a record lives this many announce periods: one missed announcement does not drop a live server
@@ -270,7 +270,7 @@ class StageServer:
 
     def _measure_throughput(self) -> float:
         """A first throughput estimate (fwd+bwd ~ 3x a forward) in samples per CPU second, like the
-        capacity meter's, which replaces it after the first busy announce period. Timed in CPU, not wall
+        capacity meter's, which replaces it once it has measured enough samples. Timed in CPU, not wall
         time: under a CPU quota beside other starting servers, wall time read identical stage-0 servers
         at 33 to 506 samples/s (bench/rebalance_live.py)."""
         t, m = self.cfg.training, self.cfg.model
@@ -610,7 +610,8 @@ class StageServer:
             return error_message(str(exc), "timeout")
         except ProtocolError as exc:
             return error_message(str(exc), exc.code)
-        if request.kind in ("backward", "forward_backward"):  # the samples' work is done here
+        # a backward or a fused forward-backward ran: the samples' work is done (and its CPU counted)
+        if request.kind != "forward" and not request.evaluate:
             self._samples_done += request.num_samples
         # queue wait + compute: the caller subtracts it from its round trip to see the transport's share
         reply.header["server_s"] = round(time.monotonic() - arrived_s, 6)
@@ -665,7 +666,7 @@ class StageServer:
         cheaper than it was) and their requests' parsing and replies' packing (runtime/server/capacity.py)."""
         by_priority = self.compute.cpu_s_by_priority
         compute_s = by_priority.get(PRIORITY_FORWARD, 0.0) + by_priority.get(PRIORITY_BACKWARD, 0.0)
-        transport_s = self.stats.cpu_s(MICRO_BATCH_KINDS) if self.stats is not None else 0.0
+        transport_s = self.stats.cpu_s(TRAINING_KINDS) if self.stats is not None else 0.0
         return compute_s + transport_s
 
     @property

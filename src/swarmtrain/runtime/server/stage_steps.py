@@ -213,7 +213,8 @@ class StepCoordinator:
         if self.worker.outer is not None:
             return  # local steps: every replica stepped on its own gradient, there is no shared mean
         self.recent_means[step] = (samples, means)
-        step_bytes = sum(m.numel() * m.element_size() for m in means) if means is not None else 0
+        # the means have the parameters' shapes and dtypes
+        step_bytes = sum(p.numel() * p.element_size() for p in self.worker.params)
         keep = max(KEPT_STEP_MEANS, min(MAX_REPLAY_STEPS, KEPT_MEANS_BYTES // max(step_bytes, 1)))
         while len(self.recent_means) > keep:
             self.recent_means.popitem(last=False)

@@ -9,8 +9,8 @@ module runs on its own threads and works from shared state in the DHT:
 - a replica that sees a peer more than `KEEP_STEPS_AHEAD` steps ahead, or ahead at all for longer
   than `lag_grace_s` (replicas finish a step's exchange a few milliseconds apart, which is no lag),
   replays the steps it missed from a peer's mean gradients when it holds no samples of its own and the
-  peer still keeps them (up to `MAX_REPLAY_STEPS`, bounded by the peer's memory); otherwise it stops serving, drops its unapplied buckets (recorded as
-  lost) and downloads the state;
+  peer still keeps them (up to `MAX_REPLAY_STEPS`, bounded by the peer's memory); otherwise it stops
+  serving, drops its unapplied buckets (recorded as lost) and downloads the state;
 - replicas compare parameter fingerprints taken at the same step; on a mismatch (a member's gradients
   reached one replica but not another, at that step or any before) the one with the larger id resyncs;
 - at start, the state comes from live replicas, else the stage's newest checkpoint, else initial
