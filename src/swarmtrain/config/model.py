@@ -6,10 +6,20 @@ from dataclasses import dataclass
 
 from swarmtrain.config.errors import ConfigError
 
+ARCH_CHOICES = ("gpt", "llama")
+
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A GPT-style decoder: learned positions, pre-norm blocks, untied LM head (stages may differ)."""
+    """A pre-norm decoder of one of two families:
+
+    - `gpt`: learned positions, LayerNorm, GELU MLP, fused QKV with biases, untied LM head;
+    - `llama`: rotary positions, RMSNorm, SwiGLU MLP, grouped-query attention without biases, optional
+      tied input/output embeddings; parameter names are Hugging Face's `LlamaForCausalLM` names.
+
+    `shared_layer_repeats = k` applies each layer k times in a row (SWARM's and ALBERT's layer sharing):
+    parameters and activations on the wire stay those of the unique layers, compute grows k-fold.
+    """
 
     vocab_size: int = 256
     d_model: int = 64
@@ -20,6 +30,11 @@ class ModelConfig:
     norm_eps: float = 1e-5
     init_std: float = 0.02
     pad_token_id: int = -100  # label value ignored by the loss
+    arch: str = "gpt"
+    num_kv_heads: int = 0  # llama: key/value heads of grouped-query attention; 0 = num_heads
+    rope_theta: float = 10000.0  # llama: base of the rotary frequencies
+    tie_embeddings: bool = False  # llama: the LM head reuses the token embedding matrix
+    shared_layer_repeats: int = 1
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "seq_len"):
@@ -31,10 +46,45 @@ class ModelConfig:
             )
         if self.norm_eps <= 0 or self.init_std <= 0:
             raise ConfigError("model.norm_eps and model.init_std must be positive")
+        if self.arch not in ARCH_CHOICES:
+            raise ConfigError(f"model.arch must be one of {', '.join(ARCH_CHOICES)}, got {self.arch!r}")
+        if self.shared_layer_repeats < 1:
+            raise ConfigError(f"model.shared_layer_repeats must be >= 1, got {self.shared_layer_repeats}")
+        self._check_llama_fields()
+
+    def _check_llama_fields(self) -> None:
+        if self.arch != "llama":
+            changed = [
+                name
+                for name in ("num_kv_heads", "tie_embeddings")
+                if getattr(self, name) != getattr(ModelConfig, name)
+            ]
+            if changed:
+                raise ConfigError(f"model.{changed[0]} needs model.arch = \"llama\"")
+            return
+        if self.num_kv_heads < 0 or self.num_heads % self.kv_heads:
+            raise ConfigError(
+                f"model.num_heads ({self.num_heads}) must be a multiple of model.num_kv_heads "
+                f"({self.num_kv_heads})"
+            )
+        if self.head_dim % 2:
+            raise ConfigError(f"rotary positions need an even head size, got {self.head_dim}")
+        if self.rope_theta <= 0:
+            raise ConfigError("model.rope_theta must be positive")
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.num_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: `num_kv_heads`, or one per query head when it is 0."""
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def applied_layers(self) -> int:
+        """Layers a token passes through: the unique layers times `shared_layer_repeats`."""
+        return self.num_layers * self.shared_layer_repeats
 
 
 @dataclass(frozen=True)

@@ -61,9 +61,15 @@ class TrainingConfig:
 class DataConfig:
     """Where text comes from. `stdlib` = this Python's standard library sources (always present)."""
 
-    source: str = "stdlib"  # "stdlib", a file or folder path, or "hf:NAME[:CONFIG]"
+    # "stdlib"; a file or folder of text; a directory of token shards written by `swarmtrain tokenize`
+    # (recognised by its shards' header, read by memory map); or "hf:NAME[:CONFIG]"
+    source: str = "stdlib"
     validation_fraction: float = 0.05
-    max_corpus_bytes: int = 16_000_000
+    max_corpus_bytes: int = 16_000_000  # text sources are read into memory up to this size
+    # "" = bytes (token id = byte value); a tokenizer.json, a local Hugging Face model directory, or
+    # "swarmtrain:NAME" for one shipped with the package (swarmtrain/data/tokenizers/NAME.json)
+    tokenizer: str = ""
+    text_field: str = "text"  # the text column of .jsonl / .parquet / Hugging Face dataset sources
 
     def __post_init__(self) -> None:
         if not 0 < self.validation_fraction < 0.5:
@@ -167,6 +173,16 @@ class RunConfig:
     def __post_init__(self) -> None:
         self.stages()  # validates that the layer cut is possible
 
+    def require_swarm_model(self) -> None:
+        """Refuse a model the swarm cannot train correctly: tied embeddings need the embedding and the
+        LM head on one stage, since combining their gradients across stages every step is not built."""
+        if self.model.tie_embeddings and self.swarm.num_stages > 1:
+            raise ConfigError(
+                f"model.tie_embeddings = true needs the token embedding and the LM head on one stage, but "
+                f"swarm.num_stages = {self.swarm.num_stages}: set tie_embeddings = false for a swarm run "
+                f"(train-local and replica runs, which hold the whole model, can keep it)"
+            )
+
     def stages(self) -> list[StageSpec]:
         return partition_layers(self.model.num_layers, self.swarm.num_stages, self.swarm.layers_per_stage)
 
@@ -194,13 +210,23 @@ class RunConfig:
         }
         if self.swarm.local_steps != 1:
             swarm["local_steps"] = self.swarm.local_steps
-        payload = {"model": dataclasses.asdict(self.model), "training": training, "swarm": swarm}
+        payload = {"model": _model_settings(self.model), "training": training, "swarm": swarm}
         diloco = _outer_step_settings(self.diloco)
         if diloco != _outer_step_settings(DilocoConfig()) or self.swarm.local_steps != 1:
             # only runs that change the outer step get a new digest (older digests stay valid)
             payload["diloco"] = diloco
         text = json.dumps(payload, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _model_settings(model: ModelConfig) -> dict:
+    """The model's fields, less the ones added with the llama family while they hold their defaults, so
+    the digest of a GPT run stays what it was."""
+    settings = dataclasses.asdict(model)
+    for name in ("arch", "num_kv_heads", "rope_theta", "tie_embeddings", "shared_layer_repeats"):
+        if settings[name] == getattr(ModelConfig, name):
+            settings.pop(name)
+    return settings
 
 
 def _outer_step_settings(diloco: DilocoConfig) -> dict:

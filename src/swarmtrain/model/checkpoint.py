@@ -10,14 +10,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from swarmtrain.config.errors import UserError
-from swarmtrain.model.gpt import GPTStage
+from swarmtrain.model.stage import DecoderStage
 
 
 class CheckpointError(UserError):
     """A checkpoint is missing, unreadable or does not contain what a stage needs."""
 
 
-def save_stage_checkpoint(stage: GPTStage, path: str | Path, metadata: dict | None = None) -> None:
+def save_stage_checkpoint(stage: DecoderStage, path: str | Path, metadata: dict | None = None) -> None:
     """Write one stage's parameters; tensors are cloned contiguous so shared storage cannot bite."""
     tensors = {k: v.detach().cpu().contiguous().clone() for k, v in stage.state_dict().items()}
     meta = {"layer_start": str(stage.spec.layer_start), "layer_end": str(stage.spec.layer_end)}
@@ -47,7 +47,7 @@ def assemble_state_dict(paths: list[str | Path]) -> dict[str, torch.Tensor]:
     return merged
 
 
-def load_stage_from_checkpoint(stage: GPTStage, paths: str | Path | list[str | Path]) -> GPTStage:
+def load_stage_from_checkpoint(stage: DecoderStage, paths: str | Path | list[str | Path]) -> DecoderStage:
     """Fill `stage` with the parameters it owns from one or more checkpoint files."""
     paths = [paths] if isinstance(paths, (str, Path)) else paths
     available = assemble_state_dict(paths)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from swarmtrain.model.gpt import GPTStage
+from swarmtrain.model.stage import DecoderStage
 from swarmtrain.offload.plan import SwapPlan, plan_swap_groups
 from swarmtrain.offload.swapper import LayerSwapper
 
@@ -24,9 +24,11 @@ def _module_bytes(module: torch.nn.Module) -> int:
 
 
 class SwappedGPT:
-    def __init__(self, model: GPTStage, budget_bytes: float, device: str | torch.device = "cpu") -> None:
+    def __init__(self, model: DecoderStage, budget_bytes: float, device: str | torch.device = "cpu") -> None:
         if not (model.spec.is_first and model.spec.is_last):
             raise ValueError("SwappedGPT trains a whole model (first and last stage in one)")
+        if model.cfg.shared_layer_repeats != 1:
+            raise ValueError("the layer swapper streams unique layers once: shared_layer_repeats must be 1")
         self.model = model
         self.device = torch.device(device)
         blocks = list(model.layers.values())
@@ -39,7 +41,7 @@ class SwappedGPT:
         x = m.embed(inputs)
         hidden = self.swapper.forward(x.detach().to(self.device)).to(host)
         leaf = hidden.detach().requires_grad_(True)
-        logits = m.lm_head(m.ln_f(leaf))
+        logits = m.head(leaf)
         loss = F.cross_entropy(
             logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), ignore_index=m.cfg.pad_token_id
         )

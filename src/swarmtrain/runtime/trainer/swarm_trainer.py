@@ -71,6 +71,9 @@ class TrainerResult:
     start_step: int = 0
     data_start_sample: int = 0  # of this trainer's shard: where its data stream resumed
     steps_closed: int = 0
+    # time spent getting micro-batches from the data stream (memory-mapped shards or packed text): the
+    # data path must never be what limits a trainer
+    data_wait_s: float = 0.0
 
     def summary(self, window: int = 8) -> dict:
         first = [loss for _, loss in self.losses[:window]]
@@ -87,6 +90,9 @@ class TrainerResult:
             "data_start_sample": self.data_start_sample,
             "steps": self.steps_closed,
             "val_loss": self.val_loss,
+            "data_wait_s": self.data_wait_s,
+            "data_wait_ms_per_step": 1e3 * self.data_wait_s / self.steps_closed if self.steps_closed else None,
+            "data_wait_share": self.data_wait_s / self.elapsed_s if self.elapsed_s else 0.0,
         }
 
 
@@ -157,7 +163,9 @@ class SwarmTrainer:
                 if self._done(start):
                     slots.release()
                     break
+                data_start_s = time.perf_counter()
                 inputs, labels = next(batches)
+                res.data_wait_s += time.perf_counter() - data_start_s
                 step = self.tracker.begin()
                 mb = f"{opts.trainer_id}.{opts.incarnation}-{res.started}"
                 res.started += 1
@@ -410,7 +418,7 @@ async def train_async(cfg: RunConfig, options: TrainerOptions, dht, batches_from
     if result.val_loss is not None:
         from swarmtrain.data import unigram_entropy_nats
 
-        # the loss of predicting the corpus's byte frequencies: a model must beat it to have learned
+        # the loss of predicting the corpus's token frequencies: a model must beat it to have learned
         summary["byte_frequency_val_loss"] = unigram_entropy_nats(val_set)
     summary.update(
         codec=trainer.codec,

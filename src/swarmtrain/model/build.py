@@ -1,0 +1,32 @@
+"""Building a stage of the configured architecture (`[model] arch`), deterministically from a seed."""
+
+from __future__ import annotations
+
+from swarmtrain.config.model import ModelConfig, StageSpec, partition_layers
+from swarmtrain.model import gpt, llama
+from swarmtrain.model.stage import DecoderStage
+
+# arch -> (stage class, its initializer)
+_FAMILIES = {"gpt": (gpt.GPTStage, gpt.init_weights), "llama": (llama.LlamaStage, llama.init_weights)}
+
+
+def build_stage(cfg: ModelConfig, spec: StageSpec, seed: int | None = 0) -> DecoderStage:
+    """The module for one stage, initialized deterministically from `seed` (None: torch's default RNG)."""
+    stage_class, init_weights = _FAMILIES[cfg.arch]
+    stage = stage_class(cfg, spec)
+    init_weights(stage, cfg, seed)
+    return stage
+
+
+def build_model(cfg: ModelConfig, seed: int | None = 0) -> DecoderStage:
+    """The whole model as one stage holding every layer."""
+    return build_stage(cfg, StageSpec(0, 1, 0, cfg.num_layers), seed)
+
+
+def build_stages(
+    cfg: ModelConfig, num_stages: int, layers_per_stage: list[int] | None = None, seed: int | None = 0
+) -> list[DecoderStage]:
+    return [
+        build_stage(cfg, spec, seed)
+        for spec in partition_layers(cfg.num_layers, num_stages, layers_per_stage)
+    ]

@@ -1,0 +1,78 @@
+"""What every architecture's stage shares: the pass through its layers (repeated when layers are shared),
+the head and the loss, and deterministic per-parameter initialization.
+
+A stage holds global layers [a, b) of the model. The first stage also embeds tokens; the last stage also
+holds the final norm, the LM head and the loss. A whole model is the single stage covering every layer,
+so the local reference and the swarm run exactly the same code.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from swarmtrain.config.model import ModelConfig, StageSpec
+
+
+class DecoderStage(nn.Module):
+    """forward(inputs, labels=None):
+      - first stage: `inputs` are token ids (batch, seq) int64; other stages: hidden states (batch, seq, d).
+      - last stage with labels: the mean next-token loss over labels != cfg.pad_token_id;
+        last stage without labels: logits; other stages: hidden states.
+
+    Subclasses build their modules and provide `layers` (a ModuleDict keyed by global layer index),
+    `embed(token_ids)` and `head(hidden) -> logits`.
+    """
+
+    layers: nn.ModuleDict
+
+    def __init__(self, cfg: ModelConfig, spec: StageSpec) -> None:
+        super().__init__()
+        self.cfg, self.spec = cfg, spec
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, inputs: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.embed(inputs) if self.spec.is_first else inputs
+        for block in self.layers.values():
+            # shared layers (SWARM, ALBERT): each unique layer applied `shared_layer_repeats` times in a
+            # row, so the function does not depend on where the stages are cut (a whole model in one
+            # process computes what the swarm's stages do) and unrolls to a plain deep model
+            for _ in range(self.cfg.shared_layer_repeats):
+                x = block(x)
+        if not self.spec.is_last:
+            return x
+        logits = self.head(x)
+        if labels is None:
+            return logits
+        return F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]).float(),
+            labels.reshape(-1),
+            ignore_index=self.cfg.pad_token_id,
+        )
+
+
+def init_parameters(module: nn.Module, seed: int | None, std_of: Callable[[str], float | None]) -> None:
+    """Fill each parameter deterministically from (seed, its global name), so stages built separately
+    from one seed equal the corresponding slice of a whole model built from it. `std_of(name)` gives a
+    normal's standard deviation, or None for a norm weight (ones) or a bias (zeros)."""
+    for name, param in module.named_parameters():
+        generator = torch.Generator().manual_seed(_name_seed(seed, name)) if seed is not None else None
+        std = std_of(name)
+        with torch.no_grad():
+            if std is None:
+                param.zero_() if name.endswith("bias") else param.fill_(1.0)
+            else:
+                param.copy_(torch.randn(param.shape, generator=generator) * std)
+
+
+def _name_seed(seed: int | None, name: str) -> int:
+    return (int(seed or 0) * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
