@@ -4,6 +4,9 @@ Sizes come from a model preset (`--model`, evenly cut stages, `--macro-batch-sam
 from `--activation-gb/--gradient-gb`. `--evaluate` scores a given layout instead of searching;
 `--compute` also chooses layers per stage from device speed and memory and compares the result with the
 communication-only plan. `--json` prints one JSON object, `--plot` draws best cost vs evaluations.
+
+`--sizes` needs no fleet: it prints the model's GPU memory per stage of a cut (weights, gradients, AdamW
+state, activations; planner/memory.py) and the fewest even stages that fit 16 and 24 GB GPUs.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from pathlib import Path
 
 from swarmtrain.cli.common import non_negative_float, positive_float, positive_int
 from swarmtrain.config.errors import UserError
+from swarmtrain.config.presets import preset_names
 
 DEFAULT_BUDGET_EVALS = 20_000
 DEFAULT_BUDGET_S = 10.0
@@ -38,7 +42,20 @@ The older form (--scenario-file), one JSON object; links are symmetric, latency 
                                           being the link between two devices of one site)
    "latency_ms": [[1, 30], [30, 1]], "bandwidth_gbps": [[100, 1], [1, 100]]}
 A layout (--evaluate) is a JSON list with one list of device indices per stage group.
+
+Memory table (--sizes, no fleet): swarmtrain plan --sizes --model llama-8b [--num-stages N |
+--layers-per-stage a,b,...] [--micro-batch B] [--dtype fp32|bf16|fp16] [--gpu-gb 16,24] [--json].
+Per stage: parameters, weights, gradients, optimizer state (AdamW's two fp32 moments, plus fp32 master
+weights with bf16/fp16 compute: 16 B per parameter in all) and the activations autograd keeps for one
+micro-batch; then, for each GPU size, the fewest evenly cut stages whose largest stage fits in it after
+a headroom (default 10%) for the CUDA context, allocator and transient buffers.
 """
+
+SIZES_ONLY = ("micro_batch", "dtype", "layers_per_stage", "gpu_gb", "headroom")
+NOT_WITH_SIZES = (
+    "scenario", "fleet", "scenario_file", "shuffle_seed", "macro_batch_samples", "activation_gb",
+    "gradient_gb", "evaluate", "compute", "plot",
+)  # fmt: skip
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -46,21 +63,31 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "plan", help="place devices into pipeline stages (DT-FM cost model, evolutionary search)",
         description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip
-    source = parser.add_mutually_exclusive_group(required=True)
+    # one source is needed, except with --sizes (checked in `run`, which names the missing flags)
+    source = parser.add_mutually_exclusive_group()
     source.add_argument("--scenario", metavar="NAME", help="a built-in fleet (see above)")
     source.add_argument("--fleet", metavar="FILE.toml", help="a fleet file, the one `simulate --fleet` reads")
     source.add_argument(
         "--scenario-file", metavar="PATH", help="a fleet as JSON (devices, sites, latency_ms, bandwidth_gbps)"
     )
     parser.add_argument(
-        "--num-stages", type=positive_int, default=None, metavar="N", help="stages for --fleet (default 8)"
+        "--num-stages",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="stages for --fleet (default 8); with --sizes, the cut to tabulate (default: the preset's)",
     )
     parser.add_argument(
         "--shuffle-seed", type=int, default=None, metavar="N", help="relabel the devices randomly first"
     )
     sizes = parser.add_argument_group("sizes")
     sizes.add_argument(
-        "--model", default="gpt3-xl", metavar="PRESET", help="model preset for sizes (default: gpt3-xl)"
+        "--model",
+        "--preset",
+        dest="model",
+        default="gpt3-xl",
+        metavar="PRESET",
+        help=f"model preset for sizes: {', '.join(preset_names())} (default: gpt3-xl)",
     )
     sizes.add_argument(
         "--macro-batch-samples",
@@ -82,6 +109,40 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         metavar="Y",
         help="override: GB of one stage's gradient",
+    )
+    table = parser.add_argument_group("memory table (no fleet needed)")
+    table.add_argument(
+        "--sizes",
+        action="store_true",
+        help="print GPU memory per stage of --model (cut by --num-stages or --layers-per-stage) and the "
+        "fewest even stages that fit each --gpu-gb",
+    )
+    table.add_argument(
+        "--layers-per-stage", default=None, metavar="A,B,...", help="an uneven cut: layers of each stage"
+    )
+    table.add_argument(
+        "--micro-batch",
+        type=positive_int,
+        default=None,
+        metavar="B",
+        help="samples whose activations a stage holds (default: the preset's micro_batch_size)",
+    )
+    table.add_argument(
+        "--dtype",
+        default=None,
+        metavar="fp32|bf16|fp16",
+        help="compute dtype of weights, gradients and activations (default bf16; the optimizer keeps fp32)",
+    )
+    table.add_argument(
+        "--gpu-gb", default=None, metavar="G,G,...", help="GPU sizes in GB (1e9 bytes) to fit (default 16,24)"
+    )
+    table.add_argument(
+        "--headroom",
+        type=non_negative_float,
+        default=None,
+        metavar="F",
+        help="fraction of each GPU left free for the CUDA context, allocator and transient buffers "
+        "(default 0.1)",
     )
     search = parser.add_argument_group("search")
     search.add_argument("--seed", type=int, default=0)
@@ -135,6 +196,15 @@ def run(args: argparse.Namespace) -> int:
     from swarmtrain.planner.cost import CostModel
     from swarmtrain.planner.search import SearchConfig
 
+    if args.sizes:
+        return run_sizes(args)
+    given = [name for name in SIZES_ONLY if getattr(args, name) is not None]
+    if given:
+        raise UserError(f"{_flag(given[0])} applies to --sizes")
+    if not (args.scenario or args.fleet or args.scenario_file):
+        raise UserError(
+            "give a fleet (--scenario, --fleet or --scenario-file), or --sizes for the memory table"
+        )
     scenario = _load_scenario(args)
     workload, model = _workload(args, scenario)
     cost_model = CostModel(scenario, workload)
@@ -378,3 +448,139 @@ def run_compute(args: argparse.Namespace, cost_model, model, config, layout) -> 
         print(f"{k:5d} {plan.layers_per_stage[k]:6d} {plan.compute_s[k]:9.3f} {plan.stage_times_s[k]:8.3f}  "
               f"{gpu_summary(sc, group)}  [{site_summary(sc, group)}]")  # fmt: skip
     return 0
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise UserError(f"{flag} takes comma-separated integers like 4,4,3, got {text!r}") from None
+    if any(v < 0 for v in values):
+        raise UserError(f"{flag} takes non-negative counts, got {text!r}")
+    return values
+
+
+def _gpu_sizes(text: str | None) -> list[float]:
+    from swarmtrain.planner.memory import DEFAULT_GPU_GB
+
+    if text is None:
+        return list(DEFAULT_GPU_GB)
+    try:
+        values = [float(part) for part in text.split(",")]
+    except ValueError:
+        raise UserError(f"--gpu-gb takes comma-separated sizes in GB like 16,24, got {text!r}") from None
+    if not all(v > 0 for v in values):  # also rejects nan
+        raise UserError(f"--gpu-gb sizes must be positive, got {text!r}")
+    return values
+
+
+def _sizes_cut(args: argparse.Namespace, model, default_stages: int):
+    from swarmtrain.config.model import partition_layers
+
+    if args.layers_per_stage is None:
+        num_stages = args.num_stages or min(default_stages, model.num_layers)
+        if model.tie_embeddings and args.num_stages is None:
+            num_stages = 1
+        return partition_layers(model.num_layers, num_stages)
+    counts = _int_list(args.layers_per_stage, "--layers-per-stage")
+    if args.num_stages is not None and args.num_stages != len(counts):
+        raise UserError(
+            f"--num-stages {args.num_stages} disagrees with --layers-per-stage ({len(counts)} stages)"
+        )
+    return partition_layers(model.num_layers, len(counts), counts)
+
+
+def run_sizes(args: argparse.Namespace) -> int:
+    """`plan --sizes`: the memory table of a model's cut and the fewest even stages per GPU size."""
+    from swarmtrain.config import get_preset, sizes
+    from swarmtrain.planner.memory import DEFAULT_HEADROOM, fewest_even_stages, get_precision, memory_table
+
+    extra = [name for name in NOT_WITH_SIZES if getattr(args, name) not in (None, False)]
+    if extra:
+        raise UserError(f"--sizes needs no fleet or search: drop {_flag(extra[0])}")
+    preset = get_preset(args.model)
+    model = preset.model
+    precision = get_precision(args.dtype or "bf16")
+    micro_batch = args.micro_batch or preset.training.micro_batch_size
+    headroom = DEFAULT_HEADROOM if args.headroom is None else args.headroom
+    gpus = _gpu_sizes(args.gpu_gb)
+    stages = _sizes_cut(args, model, preset.swarm.num_stages)
+    table = memory_table(model, stages, micro_batch, precision)
+    fits = [fewest_even_stages(model, gb, micro_batch, precision, headroom) for gb in gpus]
+    largest = max(m.total_bytes for m in table)
+    if args.json:
+        print(json.dumps({
+            "model": args.model, "arch": model.arch, "total_params": sizes.total_params(model),
+            "num_layers": model.num_layers, "shared_layer_repeats": model.shared_layer_repeats,
+            "micro_batch": micro_batch, "dtype": precision.name,
+            "bytes_per_param": {"weights": precision.compute_bytes, "gradients": precision.compute_bytes,
+                                "optimizer": precision.optimizer_bytes_per_param},
+            "headroom": headroom, "stages": [m.as_dict() for m in table],
+            "total_bytes": sum(m.total_bytes for m in table),
+            "fits": [{**f.as_dict(), "this_cut_fits": largest <= f.usable_bytes} for f in fits],
+        }))  # fmt: skip
+        return 0
+    _print_sizes(args.model, model, precision, micro_batch, headroom, table, fits)
+    return 0
+
+
+def _gb(value: float) -> str:
+    return f"{value / 1e9:.2f} GB"
+
+
+def _count(value: int) -> str:
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if value >= scale:
+            return f"{value / scale:.2f}{suffix}"
+    return str(value)
+
+
+def _print_sizes(name, model, precision, micro_batch, headroom, table, fits) -> None:
+    from swarmtrain.config import sizes
+
+    kv = f" over {model.kv_heads} kv" if model.arch == "llama" and model.kv_heads != model.num_heads else ""
+    shared = f", each applied {model.shared_layer_repeats}x" if model.shared_layer_repeats > 1 else ""
+    tied = ", tied head" if model.tie_embeddings else ""
+    print(
+        f"{name}: {model.arch}, {_count(sizes.total_params(model))} parameters; {model.num_layers} layers{shared}, "
+        f"d {model.d_model}, {model.num_heads} heads{kv}, d_ff {model.d_ff}, vocab {model.vocab_size}, "
+        f"seq {model.seq_len}{tied}"
+    )
+    p = precision
+    master = f" + fp32 master {p.master_bytes}" if p.master_bytes else ""
+    print(
+        f"cut into {len(table)} stages, micro-batch {micro_batch}, {p.name}: weights {p.compute_bytes} + gradients "
+        f"{p.compute_bytes} + AdamW moments 8{master} = {p.bytes_per_param} B per parameter"
+    )
+    header = ("stage", "layers", "params", "weights", "grads", "optimizer", "activations", "total")
+    widths = (5, 9, 9, 10, 10, 10, 12, 10)
+    print()
+    print(" ".join(h.rjust(w) for h, w in zip(header, widths, strict=True)))
+    for m in table:
+        cells = (
+            str(m.index), f"{m.layer_start}-{m.layer_end - 1}" if m.layer_end > m.layer_start else "-",
+            _count(m.params), _gb(m.weight_bytes), _gb(m.gradient_bytes), _gb(m.optimizer_bytes),
+            _gb(m.activation_bytes), _gb(m.total_bytes),
+        )  # fmt: skip
+        print(" ".join(c.rjust(w) for c, w in zip(cells, widths, strict=True)))
+    total = sum(m.total_bytes for m in table)
+    largest = max(table, key=lambda m: m.total_bytes)
+    print(f"\nall stages {_gb(total)}; largest stage {largest.index} {_gb(largest.total_bytes)}")
+    print(f"per GPU size, leaving {headroom:.0%} free for the CUDA context, allocator and transient buffers: "
+          "does this cut fit, and the fewest even stages that do")  # fmt: skip
+    for f in fits:
+        this_cut = "fits" if largest.total_bytes <= f.usable_bytes else "does not fit"
+        where = f"{f.gpu_gb:g} GB GPU ({_gb(f.usable_bytes)} usable): this cut {this_cut};"
+        if f.num_stages is None:
+            if model.tie_embeddings:
+                print(f"  {where} tied embeddings need one stage, of {_gb(f.largest_stage_bytes)}")
+            else:
+                print(f"  {where} no even cut fits (at one layer per stage the largest is "
+                      f"{_gb(f.largest_stage_bytes)}; try --layers-per-stage)")  # fmt: skip
+        else:
+            stages = "stage" if f.num_stages == 1 else "stages"
+            print(f"  {where} fewest even: {f.num_stages} {stages} (largest {_gb(f.largest_stage_bytes)})")
