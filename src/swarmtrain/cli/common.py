@@ -1,4 +1,10 @@
-"""Arguments shared by several subcommands and the one way to turn them into a `RunConfig`."""
+"""Arguments shared by several subcommands and the one way to turn them into a `RunConfig`.
+
+`--init-from-hf DIR` is one of them: every command that computes the run's config digest (server, trainer,
+replica, train-local, status, monitor, export) derives the model from DIR's config.json the same way
+here, so peers started from the same DIR agree on the digest and a peer started without it is refused
+by the digest checks. Commands that hold weights also fill them from DIR (`args.init_from_hf`).
+"""
 
 from __future__ import annotations
 
@@ -7,7 +13,8 @@ import json
 from pathlib import Path
 
 from swarmtrain.config import RunConfig, get_preset, load_run_config, preset_names
-from swarmtrain.config.errors import UserError
+from swarmtrain.config.errors import ConfigError, UserError
+from swarmtrain.config.hf_config import model_config_from_hf, read_hf_config
 
 
 def add_run_config_args(parser: argparse.ArgumentParser, default_preset: str = "tiny") -> None:
@@ -23,13 +30,45 @@ def add_run_config_args(parser: argparse.ArgumentParser, default_preset: str = "
         metavar="FILE",
         help="TOML run file: `preset = ...` plus [model], [training], [data], [swarm] overrides",
     )
+    parser.add_argument(
+        "--init-from-hf",
+        default=None,
+        metavar="DIR",
+        help="a local Hugging Face model directory (config.json + model.safetensors or shards; Llama or "
+        "GPT-2): its config.json replaces the run's [model], and peers that hold weights start from "
+        "its weights (a server still takes a trained stage's state from its replicas or checkpoints "
+        "first). Every peer of the run passes the same DIR",
+    )
     parser.set_defaults(default_preset=default_preset)
 
 
 def run_config_from_args(args: argparse.Namespace) -> RunConfig:
     if args.config:
-        return load_run_config(args.config, preset=args.preset)
-    return get_preset(args.preset or args.default_preset)
+        cfg = load_run_config(args.config, preset=args.preset)
+    else:
+        cfg = get_preset(args.preset or args.default_preset)
+    model_dir = getattr(args, "init_from_hf", None)
+    return with_hf_model(cfg, model_dir) if model_dir else cfg
+
+
+def require_swarm_model(cfg: RunConfig, args: argparse.Namespace) -> None:
+    """The swarm commands' check of the model (`RunConfig.require_swarm_model`), saying where a tied
+    model came from when it came from --init-from-hf (its [model] cannot be edited in the run file)."""
+    model_dir = getattr(args, "init_from_hf", None)
+    if model_dir and cfg.model.tie_embeddings and cfg.swarm.num_stages > 1:
+        raise ConfigError(
+            f"--init-from-hf {model_dir}: this model ties its LM head to its token embedding "
+            f"(tie_word_embeddings = true), which a swarm of {cfg.swarm.num_stages} stages cannot train "
+            f"(they sit on different stages); train it with train-local or replica, which hold the whole model"
+        )
+    cfg.require_swarm_model()
+
+
+def with_hf_model(cfg: RunConfig, model_dir: str) -> RunConfig:
+    """`cfg` with the model a Hugging Face directory's config.json describes; fields it does not carry
+    (the padding label, the sequence length when the model allows longer) come from `cfg.model`."""
+    raw = read_hf_config(model_dir)
+    return cfg.replace(model=model_config_from_hf(raw, cfg.model, source=f"{model_dir}/config.json"))
 
 
 def positive_int(text: str) -> int:

@@ -62,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.replicas < 2 and not args.no_kill:
         raise UserError("killing a replica needs --replicas >= 2 (or pass --no-kill)")
+    _swarm_config(args).require_swarm_model()  # one line before any process starts
     options = DemoOptions(
         preset=args.preset,
         duration_s=args.duration_s,
@@ -76,3 +77,10 @@ def run(args: argparse.Namespace) -> int:
     summary = run_demo(options)
     write_summary_json(args.summary_json, summary)
     return 0 if summary["microbatches_completed"] else 1
+
+
+def _swarm_config(args: argparse.Namespace):
+    """The run config the demo's peers will use (its swarm timings aside, which change no model)."""
+    from swarmtrain.config import get_preset, load_run_config
+
+    return load_run_config(args.config) if args.config else get_preset(args.preset)

@@ -22,6 +22,8 @@ SUBCOMMANDS = (
     ("keygen", "swarmtrain.cli.keygen"),
     ("monitor", "swarmtrain.cli.monitor"),
     ("export", "swarmtrain.cli.export"),
+    ("tokenizer", "swarmtrain.cli.tokenizer"),
+    ("tokenize", "swarmtrain.cli.tokenize"),
     ("plan", "swarmtrain.cli.plan"),
     ("simulate", "swarmtrain.cli.simulate"),
 )

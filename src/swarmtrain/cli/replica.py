@@ -118,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
         threads=args.threads,
         swap_budget_bytes=args.offload_budget_mb * 2**20 if args.offload_budget_mb else None,
         device=args.device,
+        init_from_hf=args.init_from_hf,
     )
     peers = validate_initial_peers(args.initial_peers)
     summary = run_replica(cfg, options, peers, network_from_args(args))

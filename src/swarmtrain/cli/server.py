@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import argparse
 
-from swarmtrain.cli.common import add_run_config_args, non_negative_float, positive_int, run_config_from_args
+from swarmtrain.cli.common import (
+    add_run_config_args,
+    non_negative_float,
+    positive_int,
+    require_swarm_model,
+    run_config_from_args,
+)
 from swarmtrain.cli.net_args import add_identity_arg, add_network_args, network_from_args, prepare_process
 
 HELP = "serve one pipeline stage (forward/backward RPCs, intra-stage averaging)"
@@ -110,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
         cfg, stage = _from_plan(cfg, args)
     elif args.device_index is not None:
         raise UserError("--device-index needs --plan")
+    require_swarm_model(cfg, args)
     if stage == "auto":
         from swarmtrain.runtime.server.stage_choice import choose_stage_live
 
@@ -126,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
         min_matchmaking_time_s=args.matchmaking_time_s,
         checkpoint_dir=args.checkpoint_dir,
         fresh_start=args.fresh_start,
+        init_from_hf=args.init_from_hf,
     )
     dht = runner = None
     while True:

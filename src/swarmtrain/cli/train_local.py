@@ -47,6 +47,10 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     import dataclasses
 
+    if args.init_from and args.init_from_hf:
+        from swarmtrain.config.errors import UserError
+
+        raise UserError("start from one set of weights: --init-from or --init-from-hf, not both")
     cfg = run_config_from_args(args)
     if args.max_samples:
         training = dataclasses.replace(cfg.training, max_samples=args.max_samples)
@@ -70,7 +74,11 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     trainer = LocalTrainer(
-        cfg, checkpoint_dir=args.checkpoint_dir, progress=not args.no_progress, init_from=args.init_from
+        cfg,
+        checkpoint_dir=args.checkpoint_dir,
+        progress=not args.no_progress,
+        init_from=args.init_from,
+        init_from_hf=args.init_from_hf,
     )
     result = trainer.train()
     summary = result.summary()

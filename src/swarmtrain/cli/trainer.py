@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import argparse
 
-from swarmtrain.cli.common import add_run_config_args, positive_int, run_config_from_args, write_summary_json
+from swarmtrain.cli.common import (
+    add_run_config_args,
+    positive_int,
+    require_swarm_model,
+    run_config_from_args,
+    write_summary_json,
+)
 from swarmtrain.cli.net_args import add_identity_arg, add_network_args, network_from_args, prepare_process
 
 HELP = "drive micro-batches through the swarm (stochastic wiring, retries, compression)"
@@ -54,20 +60,22 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    prepare_process()
     from swarmtrain.config.errors import UserError
-    from swarmtrain.net.engine import validate_initial_peers
-    from swarmtrain.runtime.trainer.swarm_trainer import TrainerOptions, run_trainer
 
     try:
         shard_index, shard_count = (int(x) for x in args.shard.split("/"))
     except ValueError:
         raise UserError(f"--shard must look like K/N, got {args.shard!r}") from None
-    cfg = run_config_from_args(args)
+    cfg = run_config_from_args(args)  # the trainer holds no weights: --init-from-hf only sets the model
     if args.plan:
         from swarmtrain.planner.plan_file import config_from_plan, load_plan
 
         cfg = config_from_plan(cfg, load_plan(args.plan))
+    require_swarm_model(cfg, args)  # a config mistake is one line before any process starts
+    prepare_process()
+    from swarmtrain.net.engine import validate_initial_peers
+    from swarmtrain.runtime.trainer.swarm_trainer import TrainerOptions, run_trainer
+
     options = TrainerOptions(
         codec=args.compression,
         max_in_flight=args.in_flight,

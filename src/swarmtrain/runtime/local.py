@@ -20,6 +20,7 @@ from swarmtrain.config import RunConfig, TrainingConfig
 from swarmtrain.config.errors import UserError
 from swarmtrain.data import PackedDataset, build_datasets, iterate_batches
 from swarmtrain.model import build_model, load_model_checkpoint, save_model_checkpoint
+from swarmtrain.model.hf_checkpoint import load_stage_from_hf
 from swarmtrain.model.optim import build_optimizer, lr_at, set_lr
 from swarmtrain.utils.logging import get_logger
 
@@ -63,16 +64,22 @@ class LocalTrainer:
         checkpoint_dir: str | Path | None = None,
         progress: bool = True,
         init_from: str | Path | None = None,
+        init_from_hf: str | Path | None = None,
     ) -> None:
         """`init_from`: a whole-model safetensors file (`swarmtrain export`'s output) whose weights
-        replace the initial ones; the optimizer and schedule start fresh. A checkpoint in
-        `checkpoint_dir`, when there is one, is resumed instead."""
+        replace the initial ones; `init_from_hf`: likewise from a Hugging Face model directory (whose
+        config.json `cfg.model` was derived from). The optimizer and schedule start fresh. A checkpoint
+        in `checkpoint_dir`, when there is one, is resumed instead."""
+        if init_from is not None and init_from_hf is not None:
+            raise UserError("start from one set of weights: --init-from or --init-from-hf, not both")
         self.cfg = cfg
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
         self.progress = progress
         self.model = build_model(cfg.model, seed=cfg.training.seed)
         if init_from is not None:
             load_model_checkpoint(self.model, init_from)
+        if init_from_hf is not None:
+            load_stage_from_hf(self.model, init_from_hf)
         self.optimizer = build_optimizer(self.model, cfg.training)
         self.samples_seen = 0
         self.train_set, self.val_set = build_datasets(cfg)

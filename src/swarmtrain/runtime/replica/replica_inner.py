@@ -18,6 +18,7 @@ from swarmtrain.config.errors import ConfigError
 from swarmtrain.data import build_datasets, iterate_batches
 from swarmtrain.model import build_model
 from swarmtrain.model.diloco import OuterOptimizer
+from swarmtrain.model.hf_checkpoint import load_stage_from_hf
 from swarmtrain.model.optim import build_optimizer, lr_at
 from swarmtrain.offload.whole_model import SwappedGPT
 from swarmtrain.runtime.local import optimizer_step, validation_loss
@@ -47,13 +48,17 @@ class InnerTrainer:
         datasets=None,
         swap_budget_bytes: float | None = None,
         device: str = "cpu",
+        init_from_hf: str | None = None,
     ) -> None:
         """`swap_budget_bytes`: stream the blocks through `device` in groups that fit this budget
-        (offload/whole_model.py) instead of holding the model resident."""
+        (offload/whole_model.py) instead of holding the model resident. `init_from_hf`: a Hugging Face
+        model directory whose weights replace the seed's (a joiner still downloads the swarm's state)."""
         self.cfg = cfg
         self.batch_samples = replica_batch_samples(cfg, shard_count)
         self.shard_index, self.shard_count = shard_index, shard_count
         self.model = build_model(cfg.model, seed=cfg.training.seed)
+        if init_from_hf is not None:  # before the optimizer and the outer step's anchor copy them
+            load_stage_from_hf(self.model, init_from_hf)
         self.optimizer = build_optimizer(self.model, cfg.training)
         self.train_set, self.val_set = datasets or build_datasets(cfg)
         self.step = 0

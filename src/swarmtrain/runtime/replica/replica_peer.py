@@ -67,6 +67,7 @@ class ReplicaOptions:
     threads: int | None = None
     swap_budget_bytes: float | None = None  # stream the blocks through `device` within this budget
     device: str = "cpu"
+    init_from_hf: str | None = None  # initial weights from this Hugging Face model directory (--init-from-hf)
 
 
 @dataclass
@@ -119,6 +120,7 @@ class ReplicaPeer:
             options.shard_count,
             swap_budget_bytes=options.swap_budget_bytes,
             device=options.device,
+            init_from_hf=options.init_from_hf,
         )
         if self.inner.swapped is not None:
             plan = self.inner.swapped.plan

@@ -248,6 +248,7 @@ def export_model(directory: str | Path, step: int | None = None) -> tuple[dict[s
         "stages": len(per_stage),
     }
     meta["samples_seen"] = first.get("samples_seen")
+    meta["preset"] = first.get("preset")  # the run's preset name (its --config overrides are not recorded)
     return named, meta
 
 

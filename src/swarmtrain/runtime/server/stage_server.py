@@ -97,6 +97,9 @@ class ServerOptions:
     sync_tick_s: float = 0.5
     checkpoint_dir: str | None = None  # default: the run config's swarm.checkpoint_dir (empty: none)
     fresh_start: bool = False  # initial weights even when the swarm has stepped (said loudly)
+    # initial weights from this Hugging Face model directory instead of the seed (--init-from-hf); the
+    # stage's live replicas and checkpoints still come first (stage_sync.py's join)
+    init_from_hf: str | None = None
     moved_from: MovedFrom | None = None  # set for the server a move builds
 
 
@@ -144,7 +147,14 @@ class StageServer:
         self.peer_id = self.dht.peer_id.to_base58()
         self.addresses = visible_addresses(self.dht)  # fixed for our lifetime; asking a dead DHT would hang
         self.records = RunRecords(self.dht, cfg.swarm.run_id)
-        self.worker = StageWorker(cfg, self.spec, options.cache_size, self.ledger, options.cache_max_bytes)
+        self.worker = StageWorker(
+            cfg,
+            self.spec,
+            options.cache_size,
+            self.ledger,
+            options.cache_max_bytes,
+            init_from_hf=options.init_from_hf,
+        )
         self._param_shapes = [tuple(p.shape) for p in self.worker.params]
         self.compute = ComputeWorker()
         moved = options.moved_from

@@ -21,6 +21,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch.func import functional_call
@@ -29,6 +30,7 @@ from swarmtrain.config import RunConfig, StageSpec
 from swarmtrain.config.sizes import saved_activation_bytes_per_sample
 from swarmtrain.model import build_stage
 from swarmtrain.model.diloco import OuterOptimizer
+from swarmtrain.model.hf_checkpoint import load_stage_from_hf
 from swarmtrain.model.optim import build_optimizer, lr_at, set_lr
 from swarmtrain.net.protocol import Message, ProtocolError, StageRequest, make_message
 from swarmtrain.runtime import byzantine
@@ -63,9 +65,15 @@ class StageWorker:
         cache_size: int = 64,
         ledger: Ledger | None = None,
         cache_max_bytes: int = 512 << 20,
+        init_from_hf: str | Path | None = None,
     ) -> None:
+        """`init_from_hf`: a Hugging Face model directory whose weights replace the seed's initial ones
+        (only this stage's tensors are read); they are what a stage with no trained replica or
+        checkpoint starts from, like the seed's weights would be."""
         self.cfg, self.spec = cfg, spec
         self.module = build_stage(cfg.model, spec, seed=cfg.training.seed)
+        if init_from_hf is not None:  # before the optimizer and the live copy are made from the parameters
+            load_stage_from_hf(self.module, init_from_hf)
         self.module.train()
         self.optimizer = build_optimizer(self.module, cfg.training)
         self.names = [name for name, _ in self.module.named_parameters()]
