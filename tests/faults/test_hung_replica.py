@@ -65,9 +65,14 @@ def test_a_hung_replica_times_out_and_the_trainer_goes_around_it(make_swarm):
 
     os.kill(hung.pid, signal.SIGCONT)
     completed = {e["mb"] for e in _events(swarm, "trainer", "done")}
-    # awake, it is behind the survivor: it must download the state before serving again
-    # (once in ~45 runs it took over 60 s: long enough for a state download to time out and be retried)
-    _wait_for(lambda: _events(swarm, "s0b", "resync"), 150, lambda: _sync_lines(hung.log_text()))
+    # awake, it is behind the survivor: it must catch up before serving again, by replaying the steps it
+    # missed from the survivor's means or by downloading the state (once in ~45 runs a download took
+    # over 60 s: long enough to time out and be retried)
+    _wait_for(
+        lambda: _events(swarm, "s0b", "resync") or _events(swarm, "s0b", "replay"),
+        150,
+        lambda: _sync_lines(hung.log_text()),
+    )
     # each backward the hung replica held (0-4, by timing) was retried input-gradient-only; a server
     # that already had the micro-batch (a cut-off reply) records it as a duplicate instead
     answered = sum(len(_events(swarm, n, "noacc")) + len(_events(swarm, n, "dup")) for n in servers)

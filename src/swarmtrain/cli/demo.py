@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from swarmtrain.cli.common import positive_float, positive_int, write_summary_json
+from swarmtrain.cli.common import positive_float, positive_int, with_hf_model, write_summary_json
 from swarmtrain.config import preset_names
 
 HELP = "run a complete swarm on this machine: DHT, stage servers (2 replicas of stage 0), a trainer"
@@ -46,6 +46,18 @@ def register(subparsers) -> None:
     )
     parser.add_argument("--no-monitor", action="store_true", help="do not start the live web page")
     parser.add_argument(
+        "--checkpoint-dir",
+        metavar="DIR",
+        help="the servers write stage checkpoints into DIR (every 50 steps and when they stop); "
+        "`swarmtrain export --checkpoint-dir DIR --hf-out OUT` then writes a Hugging Face model",
+    )
+    parser.add_argument(
+        "--init-from-hf",
+        metavar="DIR",
+        help="a local Hugging Face model directory (Llama or GPT-2): the run's model is DIR's config.json "
+        "and the servers (and the one-process reference) start from its weights",
+    )
+    parser.add_argument(
         "--summary-json",
         metavar="PATH",
         help='write {"initial_loss", "final_loss", "samples", "microbatches_started", "microbatches_completed", '
@@ -73,6 +85,8 @@ def run(args: argparse.Namespace) -> int:
         config_path=args.config,
         reference=not args.no_reference,
         monitor_port=None if args.no_monitor else args.monitor_port,
+        checkpoint_dir=args.checkpoint_dir,
+        init_from_hf=args.init_from_hf,
     )
     summary = run_demo(options)
     write_summary_json(args.summary_json, summary)
@@ -83,4 +97,5 @@ def _swarm_config(args: argparse.Namespace):
     """The run config the demo's peers will use (its swarm timings aside, which change no model)."""
     from swarmtrain.config import get_preset, load_run_config
 
-    return load_run_config(args.config) if args.config else get_preset(args.preset)
+    cfg = load_run_config(args.config) if args.config else get_preset(args.preset)
+    return with_hf_model(cfg, args.init_from_hf) if args.init_from_hf else cfg

@@ -39,6 +39,14 @@ def register(subparsers) -> None:
         "--in-flight", type=positive_int, default=4, help="micro-batches in flight (default: 4)"
     )
     parser.add_argument(
+        "--hand-off",
+        choices=("direct", "relay"),
+        default="direct",
+        help="direct (default): each micro-batch goes to a stage-0 server with its route and the servers "
+        "pass activations and gradients to each other, so this trainer's link carries token ids, labels "
+        "and small reports; relay: every activation and gradient goes through this trainer",
+    )
+    parser.add_argument(
         "--eval-samples",
         type=int,
         default=0,
@@ -87,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
         shard_count=shard_count,
         log_period_s=args.log_period_s,
         network=network_from_args(args),
+        hand_off=args.hand_off,
     )
     if args.trainer_id:
         options.trainer_id = args.trainer_id

@@ -32,8 +32,8 @@ def namespace(cfg: RunConfig) -> str:
 
 
 # 2: training requests carry the global step they belong to; 3: forward_backward and evaluate are
-# message kinds of their own (were flags on forward)
-PROTOCOL_VERSION = 3
+# message kinds of their own (were flags on forward); 4: chain (direct hand-off, net/hand_off.py)
+PROTOCOL_VERSION = 4
 MAGIC = b"SWT1"
 MAX_HEADER_BYTES = 64 * 1024
 MAX_ID_CHARS = 128
@@ -52,9 +52,10 @@ MAX_ABS_VALUE = 1e6
 # counters and state for probes and monitors; step_means: a stage replica that missed a step asks a
 # peer for the mean gradients it applied; round_mean: a whole-model replica asks a member of its last
 # outer round for that round's mean (to fill what a partial all-reduce left out)
-TRAINING_KINDS = ("forward", "backward", "forward_backward")  # micro-batch requests that train
-MICRO_BATCH_KINDS = (*TRAINING_KINDS, "evaluate")
-KINDS = (*MICRO_BATCH_KINDS, "close", "grads", "info", "step_means", "round_mean", "result", "error")
+# chain: a micro-batch handed from server to server along a route (net/hand_off.py)
+MICRO_BATCH_KINDS = ("forward", "backward", "forward_backward", "evaluate")
+TRAINING_KINDS = ("forward", "backward", "forward_backward", "chain")  # micro-batch requests that train
+KINDS = (*MICRO_BATCH_KINDS, "chain", "close", "grads", "info", "step_means", "round_mean", "result", "error")
 MAX_STEP = 2**53
 _LEN = struct.Struct("<I")
 
@@ -354,6 +355,13 @@ def _checked_float(message: Message, name: str, shape: tuple[int, ...]) -> torch
     if largest > MAX_ABS_VALUE:
         raise ProtocolError(f"{name} has |value| up to {largest:.3g}, beyond the bound of {MAX_ABS_VALUE:g}")
     return tensor
+
+
+def checked_grad_reply(reply: Message, batch_seq: tuple[int, int], d_model: int) -> torch.Tensor:
+    """The gradient of a stage's outputs, as the next stage's reply carries it (a direct hand-off)."""
+    if "grad_inputs" not in reply.tensors:
+        raise ProtocolError("the next stage's reply carries no grad_inputs")
+    return _checked_float(reply, "grad_inputs", (*batch_seq, d_model))
 
 
 def _checked_labels(message: Message, io: StageIO, batch: int, seq: int) -> torch.Tensor:

@@ -29,7 +29,9 @@ from swarmtrain.utils.logging import get_logger
 logger = get_logger(__name__)
 
 CHUNK_BYTES = 512 * 1024
-STREAM_KINDS = ("forward", "backward", "forward_backward", "evaluate", "grads", "step_means", "round_mean")
+STREAM_KINDS = (
+    "forward", "backward", "forward_backward", "evaluate", "chain", "grads", "step_means", "round_mean"
+)
 UNARY_KINDS = ("info", "close")
 MAX_REPLY_BYTES = 1 << 30
 MAX_DRAIN_S = 30.0  # how long an oversized upload is read (and dropped) so its sender gets the answer
@@ -147,7 +149,7 @@ def _is_complete(data: bytes) -> bool:
 
 
 class StageServicer(ServicerBase):
-    """Registers `rpc_forward`, `rpc_backward`, `rpc_forward_backward`, `rpc_evaluate`, `rpc_grads`,
+    """Registers `rpc_forward`, `rpc_backward`, `rpc_forward_backward`, `rpc_evaluate`, `rpc_chain`, `rpc_grads`,
     `rpc_step_means`, `rpc_round_mean` (streams) and `rpc_info`, `rpc_close` (unary: small messages) under a namespace; one RPC per
     message kind, and a message of another kind sent to it is refused."""
 
@@ -185,6 +187,12 @@ class StageServicer(ServicerBase):
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         async for response in self._serve("evaluate", requests, context):
+            yield response
+
+    async def rpc_chain(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        async for response in self._serve("chain", requests, context):
             yield response
 
     async def rpc_grads(

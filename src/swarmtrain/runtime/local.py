@@ -205,7 +205,11 @@ def optimizer_step(
 
 
 def local_reference_val_loss(
-    cfg: RunConfig, samples: int, progress: bool = False, eval_samples: int | None = None
+    cfg: RunConfig,
+    samples: int,
+    progress: bool = False,
+    eval_samples: int | None = None,
+    init_from_hf: str | Path | None = None,
 ) -> float:
     """Validation loss of one process after the first `samples` training samples, as `train-local`
     trains them: same initial weights (seed), same data order, AdamW, accumulation to the global batch,
@@ -213,6 +217,7 @@ def local_reference_val_loss(
     servers use, whatever `samples` is). `samples` is rounded down to whole global batches, since
     optimizer steps are; evaluated on the first `eval_samples` validation samples (default:
     training.eval_samples), like the swarm trainer's own evaluation. Uses torch's threads as set.
+    `init_from_hf`: the swarm's servers started from that Hugging Face model directory, so does this.
     """
     t = cfg.training
     stop = samples // t.global_batch_size * t.global_batch_size
@@ -222,7 +227,8 @@ def local_reference_val_loss(
         t, eval_every_samples=stop + t.global_batch_size, eval_samples=eval_samples or t.eval_samples
     )
     cfg = cfg.replace(training=training)
-    return LocalTrainer(cfg, progress=progress).train(stop_samples=stop).final_val_loss
+    trainer = LocalTrainer(cfg, progress=progress, init_from_hf=init_from_hf)
+    return trainer.train(stop_samples=stop).final_val_loss
 
 
 def _resume_digest(cfg: RunConfig) -> str:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from swarmtrain.config import load_run_config
+from swarmtrain.config.hf_config import model_config_from_hf, read_hf_config
 from swarmtrain.runtime.harness.accounting import account_stage
 from swarmtrain.runtime.harness.local_swarm import LocalSwarm, write_run_toml
 from swarmtrain.runtime.ledger import read_ledger
@@ -52,6 +53,15 @@ class DemoOptions:
     config_path: str | None = None  # a TOML run file instead of the preset
     reference: bool = True  # train one process on the same samples afterwards, for comparison
     monitor_port: int | None = 0  # the live web page (`swarmtrain monitor`); 0: any free port; None: none
+    checkpoint_dir: str | None = None  # servers write stage checkpoints here (`swarmtrain export` reads them)
+    init_from_hf: str | None = None  # every peer's model (and servers' weights) from this HF directory
+
+    def server_args(self) -> list[str]:
+        args = ["--checkpoint-dir", self.checkpoint_dir] if self.checkpoint_dir else []
+        return args + self.trainer_args()
+
+    def trainer_args(self) -> list[str]:
+        return ["--init-from-hf", self.init_from_hf] if self.init_from_hf else []
 
 
 class Interrupted(Exception):
@@ -69,6 +79,9 @@ def run_demo(options: DemoOptions, out=sys.stdout) -> dict:
         workdir / "run.toml", options.preset, {"swarm": DEMO_SWARM}
     )
     cfg = load_run_config(config)
+    if options.init_from_hf:  # what the peers derive from the same directory
+        raw = read_hf_config(options.init_from_hf)
+        cfg = cfg.replace(model=model_config_from_hf(raw, cfg.model, source=options.init_from_hf))
     previous = {sig: signal.signal(sig, _on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     swarm = LocalSwarm(workdir / "peers", config)
     killed: list[str] = []
@@ -86,8 +99,9 @@ def run_demo(options: DemoOptions, out=sys.stdout) -> dict:
     summary = _summary(swarm, cfg, servers if "servers" in locals() else {}, killed)
     # after stop_all: the reference gets the CPU to itself, and a Ctrl-C'd demo skips it
     run_reference = options.reference and not interrupted and summary["val_loss"] is not None
-    summary.update(_reference(cfg, summary, out) if run_reference else dict.fromkeys(REFERENCE_KEYS))
-    _print_summary(summary, cfg, workdir, interrupted, out)
+    reference = _reference(cfg, summary, options.init_from_hf, out) if run_reference else None
+    summary.update(reference or dict.fromkeys(REFERENCE_KEYS))
+    _print_summary(summary, cfg, workdir, options, interrupted, out)
     return summary
 
 
@@ -104,7 +118,7 @@ def _start(swarm: LocalSwarm, cfg, options: DemoOptions, out) -> dict[str, int]:
     address = swarm.start_dht()
     print(f"  DHT bootstrap node: {address}", file=out, flush=True)
     for name, stage in servers.items():
-        swarm.start_server(name, stage)
+        swarm.start_server(name, stage, *options.server_args())
     if options.monitor_port is not None:  # started while the servers build their stages
         url = swarm.start_monitor(options.monitor_port, "--interval-s", "1")
         print(f"  monitor: {url} (open it in a browser; JSON at {url}api/swarm)", file=out, flush=True)
@@ -124,6 +138,7 @@ def _train(swarm: LocalSwarm, cfg, servers, options: DemoOptions, killed: list[s
         "1",
         "--eval-samples",
         str(EVAL_SAMPLES),
+        *options.trainer_args(),
     )
     trainer = swarm.processes["trainer"]
     victim = next((n for n in reversed(list(servers)) if servers[n] == 0), None) if options.kill else None
@@ -206,7 +221,7 @@ def _reference_samples(cfg, samples: int) -> int:
     return samples // cfg.training.global_batch_size * cfg.training.global_batch_size
 
 
-def _reference(cfg, summary: dict, out) -> dict:
+def _reference(cfg, summary: dict, init_from_hf: str | None, out) -> dict:
     """Validation loss of one process trained on the swarm's samples, and the swarm's relative gap."""
     from swarmtrain.runtime.local import local_reference_val_loss  # torch: only once it is needed
 
@@ -215,14 +230,14 @@ def _reference(cfg, summary: dict, out) -> dict:
         return dict.fromkeys(REFERENCE_KEYS)
     print(f"computing the one-process reference on the same {samples:,} samples...", file=out, flush=True)
     try:
-        local = local_reference_val_loss(cfg, samples, eval_samples=EVAL_SAMPLES)
+        local = local_reference_val_loss(cfg, samples, eval_samples=EVAL_SAMPLES, init_from_hf=init_from_hf)
     except KeyboardInterrupt:  # the swarm's results are in; a Ctrl-C only drops the comparison
         print("  reference interrupted; skipped", file=out, flush=True)
         return dict.fromkeys(REFERENCE_KEYS)
     return {"local_val_loss": local, "val_loss_gap": summary["val_loss"] / local - 1}
 
 
-def _print_summary(summary: dict, cfg, workdir: Path, interrupted: bool, out) -> None:
+def _print_summary(summary: dict, cfg, workdir: Path, options: DemoOptions, interrupted: bool, out) -> None:
     print(("interrupted; " if interrupted else "") + "summary:", file=out)
     for key in (*SUMMARY_KEYS, *EXTRA_KEYS, *REFERENCE_KEYS):
         value = summary[key]
@@ -232,7 +247,9 @@ def _print_summary(summary: dict, cfg, workdir: Path, interrupted: bool, out) ->
         print(
             f"  val loss {summary['val_loss']:.3f} (swarm) vs {summary['local_val_loss']:.3f} (one process, "
             f"same {samples:,} samples; swarm {summary['val_loss_gap']:+.1%}) vs "
-            f"{summary['byte_frequency_val_loss']:.3f} (byte frequencies)",
+            f"{summary['byte_frequency_val_loss']:.3f} (token frequencies)",
             file=out,
         )
     print(f"  logs and ledgers: {workdir}", file=out, flush=True)
+    if options.checkpoint_dir:
+        print(f"  stage checkpoints: {options.checkpoint_dir} (swarmtrain export --checkpoint-dir ...)", file=out)

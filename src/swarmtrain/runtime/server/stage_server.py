@@ -34,11 +34,13 @@ from swarmtrain.net.engine import (
     start_dht,
     visible_addresses,
 )
+from swarmtrain.net.hand_off import validate_chain
 from swarmtrain.net.protocol import (
     TRAINING_KINDS,
     Message,
     ProtocolError,
     StageIO,
+    StageRequest,
     error_message,
     make_message,
     max_grads_message_bytes,
@@ -59,6 +61,7 @@ from swarmtrain.runtime.procs import (
 )
 from swarmtrain.runtime.server.balancer import Balancer, MovedFrom, move_record
 from swarmtrain.runtime.server.capacity import CapacityMeter
+from swarmtrain.runtime.server.chain_hop import Admitted, ChainHop, NextStage
 from swarmtrain.runtime.server.compute import (
     PRIORITY_BACKWARD,
     PRIORITY_EVAL,
@@ -129,6 +132,7 @@ class StageServer:
         self.move: MovedFrom | None = None  # where this server comes from when it moves on
         self.move_cost: dict | None = None
         self._client = self.stats = None  # the transport, while serving
+        self.hop: ChainHop | None = None  # this stage's part of direct hand-offs, while serving
         forked_children_die_with_me()  # before the DHT and the averager fork
         torch.set_num_threads(options.threads)
         with ExitStack() as undo:  # a failure half-way stops what was started, in reverse order
@@ -352,12 +356,14 @@ class StageServer:
         p2p = await self.dht.replicate_p2p()
         remember_group_sockets()
         run_key = self.options.network.run_key
-        self._client = StageClient(p2p, namespace(self.cfg), run_key=run_key)
         params = self.worker.params
         grads_bytes = max_grads_message_bytes(sum(p.numel() for p in params), len(params))
         limit = max(self.io.max_message_bytes(), grads_bytes)
         servicer = StageServicer(self._handle, limit, run_key=run_key)
         self.stats = servicer.stats
+        # one byte and CPU count for what this server receives and what it hands to the next stage
+        self._client = StageClient(p2p, namespace(self.cfg), stats=self.stats, run_key=run_key)
+        self.hop = self._make_chain_hop(self._client)
         await servicer.add_p2p_handlers(p2p, namespace=namespace(self.cfg))
         self.sync.start()
         step_task = asyncio.create_task(self.steps.run())
@@ -371,6 +377,7 @@ class StageServer:
         self.capacity.restart(self._samples_done, self._work_cpu_s())
         tasks = [
             asyncio.create_task(self._every(self.cfg.swarm.announce_period_s, self._announce)),
+            asyncio.create_task(self._every_async(self.cfg.swarm.announce_period_s, self._refresh_next_stage)),
             asyncio.create_task(self._every(self.options.metrics_period_s, self._publish_metrics)),
         ]
         if self.balancer is not None:
@@ -473,6 +480,25 @@ class StageServer:
         if self.balancer is not None and moved is not None:  # as `_lease_held` implies
             self._lease_held = not self.balancer.hold(self.records, moved, self.spec.index, done=True)
 
+    def _make_chain_hop(self, client) -> ChainHop | None:
+        if self.spec.is_last:
+            return None
+        next_stage = NextStage(self.records, self.spec.index + 1, self.digest, client)
+        num_stages = self.cfg.swarm.num_stages
+        return ChainHop(self.worker, self.compute, client, next_stage, self.io, self.digest, num_stages, self.peer_id)
+
+    async def _refresh_next_stage(self) -> None:
+        if self.hop is not None:
+            await self.hop.next_stage.refresh()
+
+    async def _every_async(self, period_s: float, fn) -> None:
+        while True:
+            try:
+                await fn()
+            except Exception:
+                logger.exception("periodic task %s failed", getattr(fn, "__name__", fn))
+            await asyncio.sleep(period_s)
+
     async def _every(self, period_s: float, fn) -> None:
         loop = asyncio.get_running_loop()
         while True:
@@ -520,6 +546,7 @@ class StageServer:
             "backward": self._on_micro_batch,
             "forward_backward": self._on_micro_batch,
             "evaluate": self._on_micro_batch,
+            "chain": self._on_micro_batch,
         }
         if message.kind not in handlers:
             return error_message(f"a stage server does not answer {message.kind!r}", "bad_request")
@@ -584,32 +611,56 @@ class StageServer:
             return _leaving_answer()
         self._running_requests += 1
         try:
+            if message.kind == "chain":
+                return await self._handle_chain(message)
             return await self._handle_micro_batch(message)
         finally:
             self._running_requests -= 1
 
-    async def _handle_micro_batch(self, message: Message) -> Message:
-        request = validate_request(message, self.io, self.digest)
-        timeout_s = self.cfg.swarm.request_timeout_s
-        requested = message.header.get("timeout_s")
+    async def _handle_chain(self, message: Message) -> Message:
+        assert self.hop is not None  # validate_chain refuses chains at the last stage
+        chain = validate_chain(message, self.io, self.digest, self.cfg.swarm.num_stages)
+        # the chain's time includes every later stage's: each may take up to a request timeout
+        later_stages = self.cfg.swarm.num_stages - self.spec.index
+        admitted = await self._admit(chain.forward, message.header, later_stages)
+        if isinstance(admitted, Message):
+            return admitted
+        try:
+            reply = await self.hop.run(chain, admitted)
+        except DeadlineExpired as exc:
+            return error_message(str(exc), "timeout")
+        if reply.kind == "result":
+            self._samples_done += chain.forward.num_samples
+        return reply
+
+    async def _admit(self, request: StageRequest, header: dict, timeouts: int = 1) -> Admitted | Message:
+        """The request's deadline once it may run (the parameters of its step are here), or the answer
+        that refuses it (already applied, not ready in time, leaving)."""
+        timeout_s = self.cfg.swarm.request_timeout_s * timeouts
+        requested = header.get("timeout_s")
         if isinstance(requested, (int, float)) and 0 < requested < timeout_s:
             timeout_s = float(requested)
         arrived_s = time.monotonic()
         deadline_s = arrived_s + timeout_s
-        step_wait_s = 0.0
-        if request.step is not None:
-            # a training micro-batch of step k runs on the parameters after step k - max_staleness
-            # (synchronous by default: after step k - 1); an evaluation names the step it must see
-            need = request.step if request.evaluate else request.step - self.cfg.training.max_staleness
-            if not request.evaluate and self.worker.epoch > request.step:
-                return error_message(
-                    f"step {request.step} is already applied here (at {self.worker.epoch})", "stale"
-                )
-            if not await self.steps.wait_for_version(need, deadline_s, abandon=self._leaving):
-                if self._leaving():
-                    return _leaving_answer()
-                return error_message(f"parameters of step {need} not ready in time", "timeout")
-            step_wait_s = time.monotonic() - arrived_s
+        if request.step is None:
+            return Admitted(arrived_s, deadline_s, 0.0)
+        # a training micro-batch of step k runs on the parameters after step k - max_staleness
+        # (synchronous by default: after step k - 1); an evaluation names the step it must see
+        need = request.step if request.evaluate else request.step - self.cfg.training.max_staleness
+        if not request.evaluate and self.worker.epoch > request.step:
+            return error_message(f"step {request.step} is already applied here (at {self.worker.epoch})", "stale")
+        if not await self.steps.wait_for_version(need, deadline_s, abandon=self._leaving):
+            if self._leaving():
+                return _leaving_answer()
+            return error_message(f"parameters of step {need} not ready in time", "timeout")
+        return Admitted(arrived_s, deadline_s, time.monotonic() - arrived_s)
+
+    async def _handle_micro_batch(self, message: Message) -> Message:
+        request = validate_request(message, self.io, self.digest)
+        admitted = await self._admit(request, message.header)
+        if isinstance(admitted, Message):
+            return admitted
+        arrived_s, deadline_s, step_wait_s = admitted.arrived_s, admitted.deadline_s, admitted.step_wait_s
         if request.kind == "backward":
             fn, priority = self.worker.backward, PRIORITY_BACKWARD
         else:

@@ -32,6 +32,7 @@ from swarmtrain.net.transport import StageClient
 from swarmtrain.planner.routing import BACKWARD_WEIGHT, FORWARD_CHARGE, FORWARD_WEIGHT
 from swarmtrain.runtime.ledger import Ledger
 from swarmtrain.runtime.procs import remember_group_sockets
+from swarmtrain.runtime.trainer.chain_calls import ChainCaller
 from swarmtrain.runtime.trainer.peer_table import PeerTable
 from swarmtrain.runtime.trainer.stage_calls import StageCaller
 from swarmtrain.runtime.trainer.step_tracker import StepTracker
@@ -56,6 +57,9 @@ class TrainerOptions:
     network: PeerNetwork = field(default_factory=PeerNetwork)
     log_period_s: float = 5.0
     refresh_period_s: float | None = None  # default: the announce period
+    # direct: servers hand activations and gradients to each other (net/hand_off.py); relay: every
+    # tensor goes through the trainer (each stage called in turn, as before direct hand-off existed)
+    hand_off: str = "direct"
 
 
 @dataclass
@@ -112,6 +116,7 @@ class SwarmTrainer:
         self.client: StageClient | None = None
         self.caller: StageCaller | None = None
         self.tracker: StepTracker | None = None
+        self.chain: ChainCaller | None = None  # direct hand-off, once set up
         self._close_tasks: set[asyncio.Task] = set()
         self._start_s = time.monotonic()
         t = cfg.training
@@ -129,6 +134,8 @@ class SwarmTrainer:
         self.caller = StageCaller(
             self.client, self.table, self.cfg.swarm, self.digest, self.codec, self.stopping
         )
+        if self.options.hand_off == "direct" and self.num_stages > 1:
+            self.chain = ChainCaller(self.caller, self.num_stages, self.digest, self.codec)
         await self.caller.refresh()
 
     # training -----------------------------------------------------------------------------------
@@ -269,6 +276,8 @@ class SwarmTrainer:
         call, last, n = self.caller.call_peer, self.num_stages - 1, int(input_ids.shape[0])
         done: set[int] = set()
         try:
+            if self.chain is not None:
+                return await self._hand_off(mb, step, input_ids, labels, done)
             x = encode(input_ids, self.codec)
             stage_inputs, forward_peers = [], []
             for stage in range(last):
@@ -304,6 +313,16 @@ class SwarmTrainer:
             for stage in range(self.num_stages):
                 if stage not in done and self.tracker is not None:
                     self.tracker.finished(step, stage)
+
+    async def _hand_off(self, mb: str, step: int, input_ids, labels, done: set[int]) -> float:
+        assert self.chain is not None
+        n = int(input_ids.shape[0])
+        loss, hops = await self.chain.run(mb, step, n, encode(input_ids, "none"), encode(labels, "none"))
+        for hop in hops:
+            if self.tracker is not None:
+                self.tracker.finished(step, hop.stage, hop.peer, hop.acc)
+            done.add(hop.stage)
+        return loss
 
     def _finished(self, step: int, stage: int, peer: str, reply, done: set[int]) -> None:
         """Tell the step tracker (absent when a probe drives single micro-batches)."""

@@ -1,0 +1,805 @@
+"""The swarm against PyTorch's own pipelining (GPipe) over rate-limited links, and how the swarm's data
+paths and codecs change what a sample costs on the wire.
+
+    python bench/wan.py [--preset small | --config RUN.toml] [--rates 10,50,inf] [--duration-s 40]
+                        [--configs gpipe-fp32,relay-fp32,relay-8bit,direct-fp32,direct-8bit]
+                        [--time-to-target [--target-loss L] [--ttt-eval-every 4]]
+                        [--summary-json PATH] [--keep-logs DIR]
+
+Needs root and the WAN test bed (`runtime/harness/netbed.py`); otherwise it prints one line saying why
+and exits 0 ("skipped"). At each link rate (Mbit/s per peer, the same up and down; `inf`: no limit), the
+configurations run one after the other, each from scratch, every process in its own network namespace
+behind `tc tbf` at that rate:
+- gpipe-fp32: `bench/gpipe_rank.py`, `torch.distributed.pipelining.ScheduleGPipe` over gloo, one rank per
+  stage (fp32, the run's global batch as global / micro_batch_size micro-batches, 1 torch thread, one
+  untimed warm-up step); it trains exactly as `swarmtrain train-local` does;
+- relay-fp32, relay-8bit, direct-fp32, direct-8bit: a DHT, `swarmtrain server --stage S --threads 1` per
+  stage and one `swarmtrain trainer --hand-off H --compression C` (trainer defaults otherwise). relay:
+  every activation and gradient goes through the trainer; direct: the servers hand them to each other.
+Each runs --duration-s seconds of training (after the servers are ready; GPipe: after its warm-up step),
+then to the end of the step in progress. Configurations are a registry (`REGISTRY`) that more codecs
+and model boundary layers plug into; `--configs` selects.
+
+Printed per rate (rows; configurations of a rate run back to back):
+- samples/s of every configuration (columns): the trainer's summary (`samples_per_s`: its samples over
+  its training loop, first step included), GPipe's timed steps (after its warm-up step);
+- ratios measured in the same run: direct-8bit / relay-8bit and direct-fp32 / gpipe-fp32 (samples/s),
+  and, per direct configuration, the trainer's bytes per sample / a stage server's (the servers' mean);
+- bytes per sample of every role (trainer, stage-S server or GPipe rank, DHT): sent + received on the
+  namespace's interfaces (/proc/net/dev inside it: payloads, RPC and DHT traffic, TCP/IP headers), from
+  the moment the servers are ready (GPipe: before its ranks start) to the trainer's exit, / the samples
+  trained meanwhile (the trainer's own start-up and GPipe's warm-up step included). The summary JSON has
+  both directions.
+
+--time-to-target (optional: ~30-40 minutes on `small` on 2 cores) scores each configuration as Protocol NanoGPT
+scores compressed pipelines: steps to a target validation loss x time per step at 10 Mbit/s (--ttt-rate).
+- target: --target-loss, or the validation loss train-local reaches at 60% of training.max_samples;
+- steps to target, per math: GPipe's is train-local's (the same model, data order and optimizer:
+  `runtime/local.py`'s LocalTrainer, evaluated every --ttt-eval-every steps); the swarm's is measured
+  once per codec on loopback without rate limits (relay and direct compute the same thing, so one swarm
+  per codec serves both): a DHT, one server per stage and a trainer started again for every evaluation
+  (`--max-samples` of --ttt-eval-every steps and `--eval-samples`; a restarted trainer continues at the
+  swarm's step), evaluations from 75% of train-local's steps to target on. The swarm's fp32 math is not
+  exactly train-local's: each stage clips its own gradient norm (train-local and GPipe: the whole
+  model's), and its evaluation goes through the codec. The crossing is interpolated
+  linearly between the last evaluation above the target and the first at or below it (`<=`: the first
+  evaluation was already below it);
+- time per step: global batch / samples/s of that configuration at --ttt-rate in the sweep above.
+
+Not measured: latency, jitter and loss (the kernel has no netem: a link here is narrow but answers as
+fast as loopback), so these are bandwidth-bound results; machines of different speeds (every process
+shares this machine's cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+from swarmtrain.config import get_preset, load_run_config
+from swarmtrain.runtime.harness import netbed
+from swarmtrain.runtime.harness.local_swarm import LocalSwarm, SwarmStartError, write_run_toml
+from swarmtrain.runtime.procs import ManagedProcess
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from replicas_vs_swarm import (  # noqa: E402
+    TRAINER_PROGRESS,
+    fmt_bw,
+    machine_info,
+    namespace_bytes,
+    parse_bandwidths,
+)
+
+BENCH = Path(__file__).resolve().parent
+GPIPE_RANK = BENCH / "gpipe_rank.py"
+DEFAULT_RATES = "10,50,inf"
+DEFAULT_DURATION_S = 40.0
+GPIPE_PORT = 29500  # every GPipe run has fresh namespaces: no other process holds it there
+GPIPE_WARMUP_STEPS = 1
+GPIPE_MAX_STEPS = 100_000  # --duration-s ends the run
+SERVER_READY_TIMEOUT_S = 180.0
+PROGRESS_EVERY_S = 10.0
+POLL_S = 0.5
+TTT_RATE_MBIT_S = 10.0
+TTT_TARGET_FRACTION = 0.6  # of training.max_samples: where train-local's loss is the default target
+TTT_SWARM_FROM = 0.75  # of train-local's steps to target: the swarm's first evaluation
+RATIO_PAIRS = (("direct-8bit", "relay-8bit"), ("direct-fp32", "gpipe-fp32"))
+
+
+class RunFailed(RuntimeError):
+    pass
+
+
+# configurations ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Setup:
+    """What every run of this invocation shares."""
+
+    config_path: Path
+    num_stages: int
+    global_batch: int
+    duration_s: float
+    run_timeout_s: float
+    eval_samples: int
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One column of the table. `runner(config, setup, mbit_s, workdir) -> result` runs it at one rate
+    (inf: no limit). `math`: configurations with the same one train identically (one
+    steps-to-target measurement serves them all)."""
+
+    name: str
+    runner: Callable[[BenchConfig, Setup, float, Path], dict]
+    description: str
+    math: str
+    hand_off: str | None = None
+    codec: str | None = None
+    server_args: tuple[str, ...] = ()
+    trainer_args: tuple[str, ...] = ()
+
+
+# counters and processes ----------------------------------------------------------------------------
+def all_counters(bed, peers: int) -> list[tuple[int, int]]:
+    """(sent, received) bytes of every peer's namespace."""
+    return [namespace_bytes(bed, i) for i in range(peers)]
+
+
+def bytes_by_role(roles: list[str], before, after) -> dict[str, dict[str, int]]:
+    return {
+        role: {"sent": a[0] - b[0], "received": a[1] - b[1]}
+        for role, b, a in zip(roles, before, after, strict=True)
+    }
+
+
+def per_sample(by_role: dict[str, dict[str, int]], samples: int) -> dict[str, float | None]:
+    """Sent + received bytes per sample of every role."""
+    return {role: (v["sent"] + v["received"]) / samples if samples else None for role, v in by_role.items()}
+
+
+def namespace_ifname(bed, i: int) -> str:
+    """The veth inside peer i's namespace (gloo must use it, not loopback)."""
+    text = subprocess.run(
+        ["ip", "-n", bed.namespace(i), "-o", "link", "show"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=20,
+    ).stdout
+    names = [line.split(":")[1].strip().split("@")[0] for line in text.splitlines() if line.count(":") >= 2]
+    links = [name for name in names if name != "lo"]
+    if len(links) != 1:
+        raise RunFailed(f"namespace {bed.namespace(i)} has links {names}: expected lo and one veth")
+    return links[0]
+
+
+def wait_workers(workers: dict, keep_alive: dict, timeout_s: float, label: str, progress) -> None:
+    """Until every process of `workers` exited 0; RunFailed when one fails, one of `keep_alive` exits
+    first, or after `timeout_s`. A progress line every PROGRESS_EVERY_S."""
+    start = time.monotonic()
+    next_print = start + PROGRESS_EVERY_S
+    while True:
+        codes = {name: proc.proc.poll() for name, proc in workers.items()}
+        gone = {name: proc.proc.poll() for name, proc in keep_alive.items() if not proc.alive}
+        bad = {n: c for n, c in codes.items() if c not in (None, 0)} | gone
+        if bad:
+            name = next(iter(bad))
+            proc = workers.get(name) or keep_alive[name]
+            raise RunFailed(f"{name} exited with {bad[name]}:\n{proc.log_text()[-3000:]}")
+        if all(code == 0 for code in codes.values()):
+            return
+        elapsed = time.monotonic() - start
+        if elapsed > timeout_s:
+            raise RunFailed(f"{label}: still running after {timeout_s:.0f}s")
+        if time.monotonic() >= next_print:
+            next_print += PROGRESS_EVERY_S
+            print(f"      {label} {elapsed:5.0f}s  {progress()}", flush=True)
+        time.sleep(POLL_S)
+
+
+def trainer_progress(log_text: str) -> str:
+    found = TRAINER_PROGRESS.findall(log_text[-4000:])
+    if not found:
+        return "(trainer: no progress line yet)"
+    done, loss, rate = found[-1]
+    return f"{int(done)} samples, loss {float(loss):.3f}, {float(rate):.1f} samples/s"
+
+
+def gpipe_progress(log_text: str) -> str:
+    lines = [line for line in log_text.splitlines() if line.startswith("step ")]
+    return lines[-1] if lines else "(gpipe: no step yet)"
+
+
+# one run -------------------------------------------------------------------------------------------
+def _rate(mbit_s: float) -> float | None:
+    """The test bed's limit: None for `inf`."""
+    return None if math.isinf(mbit_s) else mbit_s
+
+
+def run_swarm(config: BenchConfig, setup: Setup, mbit_s: float, workdir: Path) -> dict:
+    """A DHT, a server per stage and a trainer, each in its own namespace at `mbit_s`."""
+    servers = [f"stage{s}" for s in range(setup.num_stages)]
+    roles = ["dht", *servers, "trainer"]
+    index = {name: i for i, name in enumerate(roles)}
+    label = f"{config.name} @ {fmt_bw(mbit_s)}"
+    with ExitStack() as stack:
+        rate = _rate(mbit_s)
+        bed = stack.enter_context(netbed.WanTestbed(len(roles), up_mbit_s=rate, down_mbit_s=rate))
+        # entered after the test bed: every process is stopped before the test bed goes
+        swarm = stack.enter_context(LocalSwarm(workdir, setup.config_path, netbed=bed, netbed_peers=index))
+        try:
+            swarm.start_dht()
+            for stage, name in enumerate(servers):
+                swarm.start_server(name, stage, "--threads", "1", *config.server_args)
+            swarm.wait_ready(servers, timeout_s=SERVER_READY_TIMEOUT_S)
+        except SwarmStartError as exc:
+            raise RunFailed(f"start-up failed: {exc}") from None
+        before = all_counters(bed, len(roles))
+        swarm.start_trainer(
+            "trainer",
+            *("--duration-s", f"{setup.duration_s:g}", "--hand-off", config.hand_off),
+            *("--compression", config.codec, "--log-period-s", "5", *config.trainer_args),
+        )
+        procs = swarm.processes
+        wait_workers(
+            {"trainer": procs["trainer"]},
+            {n: procs[n] for n in ["dht", *servers]},
+            setup.duration_s + setup.run_timeout_s,
+            label,
+            lambda: trainer_progress(procs["trainer"].log_text()),
+        )
+        after = all_counters(bed, len(roles))
+        summary = json.loads(swarm.summary_path("trainer").read_text())
+    return _result(summary["samples"], summary["samples_per_s"], bytes_by_role(roles, before, after))
+
+
+def _gpipe_argv(setup: Setup, bed, rank: int, ifname: str, summary: Path) -> list[str]:
+    return bed.wrap(
+        rank,
+        [
+            sys.executable,
+            str(GPIPE_RANK),
+            *("--rank", str(rank), "--world-size", str(setup.num_stages)),
+            *("--master-addr", bed.host(0), "--master-port", str(GPIPE_PORT), "--ifname", ifname),
+            *("--config", str(setup.config_path), "--threads", "1"),
+            *("--warmup-steps", str(GPIPE_WARMUP_STEPS), "--steps", str(GPIPE_MAX_STEPS)),
+            *("--duration-s", f"{setup.duration_s:g}", "--summary-json", str(summary)),
+        ],
+    )
+
+
+def run_gpipe(config: BenchConfig, setup: Setup, mbit_s: float, workdir: Path) -> dict:
+    """One gpipe_rank.py per stage, each in its own namespace at `mbit_s`."""
+    roles = [f"stage{r}" for r in range(setup.num_stages)]
+    summary_path = workdir / "gpipe.summary.json"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    with ExitStack() as stack:
+        rate = _rate(mbit_s)
+        bed = stack.enter_context(netbed.WanTestbed(len(roles), up_mbit_s=rate, down_mbit_s=rate))
+        workdir.mkdir(parents=True, exist_ok=True)
+        before = all_counters(bed, len(roles))
+        ranks: dict[str, ManagedProcess] = {}
+        for r in range(len(roles)):
+            argv = _gpipe_argv(setup, bed, r, namespace_ifname(bed, r), summary_path)
+            ranks[f"rank{r}"] = ManagedProcess(f"rank{r}", argv, workdir / f"rank{r}.log", env=env)
+            stack.callback(ranks[f"rank{r}"].stop)  # before the test bed goes (LIFO)
+        wait_workers(
+            ranks,
+            {},
+            setup.duration_s + setup.run_timeout_s,
+            f"{config.name} @ {fmt_bw(mbit_s)}",
+            lambda: gpipe_progress(ranks["rank0"].log_text()),
+        )
+        after = all_counters(bed, len(roles))
+    summary = json.loads(summary_path.read_text())
+    result = _result(summary["samples"], summary["samples_per_s"], bytes_by_role(roles, before, after))
+    result.update(timed_steps=summary["timed_steps"], mean_loss=summary["mean_loss"])
+    return result
+
+
+def _result(samples: int, samples_per_s: float, by_role: dict) -> dict:
+    return {
+        "samples": samples,
+        "samples_per_s": samples_per_s,
+        "bytes": by_role,
+        "bytes_per_sample": per_sample(by_role, samples),
+    }
+
+
+# the registry: more codecs and model boundary layers plug in here
+def _swarm_config(hand_off: str, codec: str) -> BenchConfig:
+    label = "fp32" if codec == "none" else codec
+    return BenchConfig(
+        name=f"{hand_off}-{label}",
+        runner=run_swarm,
+        description=f"swarm, --hand-off {hand_off} --compression {codec}",
+        math=f"swarm-{label}",
+        hand_off=hand_off,
+        codec=codec,
+    )
+
+
+REGISTRY: list[BenchConfig] = [
+    BenchConfig("gpipe-fp32", run_gpipe, "torch.distributed.pipelining ScheduleGPipe over gloo", "local"),
+    _swarm_config("relay", "none"),
+    _swarm_config("relay", "8bit"),
+    _swarm_config("direct", "none"),
+    _swarm_config("direct", "8bit"),
+]
+
+
+def config_names() -> list[str]:
+    return [c.name for c in REGISTRY]
+
+
+def parse_configs(text: str) -> list[BenchConfig]:
+    """Comma-separated registry names, returned in registry order."""
+    wanted = [part.strip() for part in text.split(",") if part.strip()]
+    unknown = [name for name in wanted if name not in config_names()]
+    if unknown or not wanted:
+        raise argparse.ArgumentTypeError(
+            f"unknown configuration(s) {', '.join(unknown) or '(none given)'}: choose from {', '.join(config_names())}"
+        )
+    return [c for c in REGISTRY if c.name in wanted]
+
+
+def run_config(config: BenchConfig, setup: Setup, mbit_s: float, workdir: Path) -> dict:
+    """A run, its failure recorded instead of raised."""
+    began = time.monotonic()
+    try:
+        result = config.runner(config, setup, mbit_s, workdir)
+    except (RunFailed, netbed.NetbedError, OSError, ValueError, KeyError) as exc:
+        result = {"error": f"{type(exc).__name__}: {exc}"}
+    result["wall_s"] = time.monotonic() - began
+    return result
+
+
+# ratios and tables ---------------------------------------------------------------------------------
+def _samples_per_s(runs: dict, name: str) -> float | None:
+    run = runs.get(name) or {}
+    return None if run.get("error") else run.get("samples_per_s")
+
+
+def trainer_to_server_bytes(run: dict) -> float | None:
+    """The trainer's bytes per sample / the stage servers' mean bytes per sample."""
+    bps = run.get("bytes_per_sample") or {}
+    servers = [v for role, v in bps.items() if role.startswith("stage") and v]
+    if run.get("error") or not servers or bps.get("trainer") is None:
+        return None
+    return bps["trainer"] / (sum(servers) / len(servers))
+
+
+def ratios(runs: dict) -> dict[str, float | None]:
+    out: dict[str, float | None] = {}
+    for a, b in RATIO_PAIRS:
+        if a in runs and b in runs:
+            sa, sb = _samples_per_s(runs, a), _samples_per_s(runs, b)
+            out[f"{a} / {b}"] = sa / sb if sa and sb else None
+    for name in ("direct-fp32", "direct-8bit"):
+        if name in runs:
+            out[f"trainer / server bytes, {name}"] = trainer_to_server_bytes(runs[name])
+    return out
+
+
+def _f(value, spec: str, width: int) -> str:
+    return ("-" if value is None else format(value, spec)).rjust(width)
+
+
+def _table(header: list[str], rows: list[list[str]], first_width: int = 10) -> list[str]:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+    widths[0] = max(widths[0], first_width)
+    line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths, strict=True))  # noqa: E731
+    return [line(header), "-" * len(line(header)), *(line(r) for r in rows)]
+
+
+def _cell(run: dict | None, value: str) -> str:
+    if run is None:
+        return "-"
+    return "FAILED" if run.get("error") else value
+
+
+def throughput_lines(report: dict) -> list[str]:
+    names = report["configs"]
+    rows = [
+        [point["rate"]]
+        + [_cell(point["runs"].get(n), _f(_samples_per_s(point["runs"], n), ".1f", 0)) for n in names]
+        for point in report["points"]
+    ]
+    return ["samples/s (rows: Mbit/s per peer, up and down)", *_table(["Mbit/s", *names], rows)]
+
+
+def ratio_lines(report: dict) -> list[str]:
+    labels = list(dict.fromkeys(k for p in report["points"] for k in p.get("ratios", {})))
+    if not labels:
+        return []
+    rows = [
+        [p["rate"]] + [_f(p.get("ratios", {}).get(k), ".2f", 0) for k in labels] for p in report["points"]
+    ]
+    return ["ratios, measured in the same run", *_table(["Mbit/s", *labels], rows)]
+
+
+def bytes_lines(report: dict) -> list[str]:
+    roles = report["roles"]
+    rows = []
+    for point in report["points"]:
+        for name in report["configs"]:
+            run = point["runs"].get(name)
+            if run is None:
+                continue
+            bps = run.get("bytes_per_sample") or {}
+            cells = [
+                _cell(run, _f(bps[r] / 1e3 if bps.get(r) is not None else None, ",.1f", 0)) for r in roles
+            ]
+            rows.append([point["rate"], name, *cells])
+    title = "kB per sample, sent + received, per role (gpipe: rank S in the stageS column)"
+    return [title, *_table(["Mbit/s", "config", *roles], rows)]
+
+
+def ttt_lines(ttt: dict) -> list[str]:
+    if not ttt:
+        return []
+    lines = [
+        f"time to validation loss {ttt['target_loss']:.4f} ({ttt['target_source']}) at {fmt_bw(ttt['rate_mbit_s'])} "
+        "Mbit/s = steps to target x s/step",
+        "steps to target: " + "; ".join(f"{m}: {describe_steps(s)}" for m, s in ttt["steps"].items()),
+        f"({ttt['note']})",
+    ]
+    rows = [
+        [name, describe_steps(row["steps"]), _f(row["s_per_step"], ".2f", 0), _f(row["minutes"], ".1f", 0)]
+        for name, row in ttt["configs"].items()
+    ]
+    return lines + _table(["config", "steps", "s/step", "minutes"], rows)
+
+
+def describe_steps(steps: dict) -> str:
+    if steps.get("steps") is None:
+        return steps.get("note") or "not reached"
+    return ("<=" if steps.get("bound") else "") + f"{steps['steps']:.1f}"
+
+
+def report_lines(report: dict) -> list[str]:
+    blocks = [
+        throughput_lines(report),
+        ratio_lines(report),
+        bytes_lines(report),
+        ttt_lines(report.get("ttt")),
+    ]
+    lines: list[str] = []
+    for block in blocks:
+        if block:
+            lines += ["", *block]
+    return lines
+
+
+# time to target -------------------------------------------------------------------------------------
+def steps_to_target(history: list[tuple[int, float]], target: float) -> dict:
+    """The first crossing of `target` in (step, val loss) evaluations: interpolated linearly between the
+    last evaluation above it and the first at or below it; `bound` when the first evaluation is already
+    at or below (the crossing is at most that step)."""
+    previous = None
+    for step, loss in history:
+        if loss <= target:
+            if previous is None:
+                return {"steps": float(step), "bound": True}
+            s0, l0 = previous
+            return {"steps": s0 + (l0 - target) / (l0 - loss) * (step - s0), "bound": False}
+        previous = (step, loss)
+    last = history[-1][0] if history else 0
+    return {"steps": None, "bound": False, "note": f"not reached in {last} steps"}
+
+
+def local_history(cfg, stop_step: int, every: int, target: float | None = None) -> list[tuple[int, float]]:
+    """train-local's validation loss at step 0, then every `every` steps up to `stop_step` (and at it),
+    or until at or below `target`."""
+    from swarmtrain.data import iterate_batches
+    from swarmtrain.runtime.local import LocalTrainer
+
+    trainer = LocalTrainer(cfg, progress=False)
+    t = cfg.training
+    batches = iterate_batches(trainer.train_set, t.micro_batch_size, seed=t.seed)
+    history = [(0, trainer.val_loss())]
+    start = time.monotonic()
+    for step in range(1, stop_step + 1):
+        trainer.step(batches)
+        if step % every and step != stop_step:
+            continue
+        history.append((step, trainer.val_loss()))
+        print(
+            f"      train-local: step {step}/{stop_step}, val {history[-1][1]:.4f}, "
+            f"{time.monotonic() - start:.0f}s",
+            flush=True,
+        )
+        if target is not None and history[-1][1] <= target:
+            break
+    return history
+
+
+def _wait_for_announce(cfg) -> None:
+    """Servers announce their step periodically: a new trainer must see the step just closed."""
+    time.sleep(2.5 * cfg.swarm.announce_period_s)
+
+
+def _trainer_chunk(swarm: LocalSwarm, codec: str, steps: int, setup: Setup, expected_step: int) -> dict:
+    """One trainer invocation: `steps` steps, then the validation loss through the swarm."""
+    swarm.start_trainer(
+        "trainer",
+        *("--max-samples", str(steps * setup.global_batch), "--eval-samples", str(setup.eval_samples)),
+        *("--compression", codec, "--log-period-s", "10"),
+    )
+    procs = swarm.processes
+    servers = {n: p for n, p in procs.items() if n.startswith("stage")}
+    timeout = steps * 60.0 + setup.run_timeout_s
+    label, log = f"time to target, {codec}", procs["trainer"].log_text
+    wait_workers({"trainer": procs["trainer"]}, servers, timeout, label, lambda: trainer_progress(log()))
+    procs["trainer"].kill()  # exited: closes its log
+    summary = json.loads(swarm.summary_path("trainer").read_text())
+    if summary["start_step"] != expected_step:
+        raise RunFailed(f"the trainer started at step {summary['start_step']}, expected {expected_step}")
+    if summary.get("val_loss") is None:
+        raise RunFailed(f"the trainer evaluated nothing after step {expected_step + summary['steps']}")
+    return summary
+
+
+def swarm_history(
+    codec: str, setup: Setup, cfg, first: int, every: int, max_steps: int, target: float, workdir
+):
+    """(step, val loss) of a loopback swarm with `codec`, evaluated at `first`, then every `every` steps
+    until at or below `target` or `max_steps`."""
+    servers = [f"stage{s}" for s in range(setup.num_stages)]
+    history: list[tuple[int, float]] = []
+    start = time.monotonic()
+    with LocalSwarm(workdir, setup.config_path) as swarm:
+        swarm.start_dht()
+        for stage, name in enumerate(servers):
+            swarm.start_server(name, stage, "--threads", "1")
+        swarm.wait_ready(servers, timeout_s=SERVER_READY_TIMEOUT_S)
+        step = 0
+        while step < max_steps and not (history and history[-1][1] <= target):
+            chunk = min(first if step == 0 else every, max_steps - step)
+            summary = _trainer_chunk(swarm, codec, chunk, setup, step)
+            step += summary["steps"]
+            history.append((step, summary["val_loss"]))
+            print(
+                f"      swarm {codec}: step {step}, val {summary['val_loss']:.4f} (target {target:.4f}), "
+                f"{time.monotonic() - start:.0f}s",
+                flush=True,
+            )
+            _wait_for_announce(cfg)
+    return history
+
+
+def time_to_target(args, setup: Setup, cfg, configs: list[BenchConfig], report: dict, root: Path) -> dict:
+    t = cfg.training
+    max_steps = t.max_samples // t.global_batch_size
+    target_step = max(1, round(TTT_TARGET_FRACTION * max_steps))
+    given = args.target_loss
+    stop_step = max_steps if given is not None else target_step  # a given target: until reached
+    print(f"time to target: train-local to step {stop_step} of {max_steps} ...", flush=True)
+    local = local_history(cfg, stop_step, args.ttt_eval_every, given)
+    target = given if given is not None else local[-1][1]
+    source = "--target-loss" if given is not None else f"train-local at step {target_step}"
+    steps = {"local": steps_to_target(local, target)}
+    histories = {"local": local}
+    reference = steps["local"]["steps"] or target_step
+    first = max(1, int(TTT_SWARM_FROM * reference))
+    for config in configs:
+        if config.math in steps:
+            continue
+        print(
+            f"time to target: swarm, {config.codec} (loopback), evaluations from step {first} ...", flush=True
+        )
+        histories[config.math] = swarm_history(
+            config.codec,
+            setup,
+            cfg,
+            first,
+            args.ttt_eval_every,
+            max_steps,
+            target,
+            root / f"ttt-{config.math}",
+        )
+        steps[config.math] = steps_to_target(histories[config.math], target)
+    return ttt_summary(target, source, args.ttt_rate, steps, histories, configs, report)
+
+
+def ttt_summary(target, source, rate, steps, histories, configs, report) -> dict:
+    point = next((p for p in report["points"] if p["mbit_s"] == rate), None)
+    rows = {}
+    for config in configs:
+        sps = _samples_per_s(point["runs"], config.name) if point else None
+        s_per_step = report["global_batch"] / sps if sps else None
+        n = steps[config.math].get("steps")
+        rows[config.name] = {
+            "steps": steps[config.math],
+            "s_per_step": s_per_step,
+            "minutes": n * s_per_step / 60 if n is not None and s_per_step else None,
+        }
+    note = (
+        "GPipe's steps are train-local's (same math); the swarm's measured once per codec on loopback, "
+        "relay and direct computing the same thing"
+        + ("" if point else f"; no s/step: {fmt_bw(rate)} Mbit/s not in --rates")
+    )
+    return {
+        "target_loss": target,
+        "target_source": source,
+        "rate_mbit_s": rate,
+        "steps": steps,
+        "histories": histories,
+        "configs": rows,
+        "note": note,
+    }
+
+
+# main -------------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--preset", help="named preset (default small)")
+    parser.add_argument("--config", metavar="FILE", help="TOML run file instead of a preset")
+    parser.add_argument(
+        "--rates",
+        type=parse_bandwidths,
+        default=parse_bandwidths(DEFAULT_RATES),
+        help=f"Mbit/s per peer, up and down, comma-separated; `inf`: no limit (default {DEFAULT_RATES})",
+    )
+    parser.add_argument(
+        "--configs",
+        type=parse_configs,
+        default=list(REGISTRY),
+        help=f"comma-separated, from {', '.join(config_names())} (default: all)",
+    )
+    parser.add_argument(
+        "--duration-s", type=float, default=DEFAULT_DURATION_S, help="training time per run (default 40)"
+    )
+    parser.add_argument(
+        "--run-timeout-s", type=float, default=600.0, help="give up on a run this long after --duration-s"
+    )
+    parser.add_argument("--time-to-target", action="store_true", help="also score time to a target loss")
+    parser.add_argument("--target-loss", type=float, help="default: train-local's at 60%% of max_samples")
+    parser.add_argument(
+        "--ttt-eval-every",
+        type=int,
+        default=4,
+        help="steps between evaluations for time to target (default 4)",
+    )
+    parser.add_argument(
+        "--ttt-rate", type=float, default=TTT_RATE_MBIT_S, help="rate of the time per step (default 10)"
+    )
+    parser.add_argument("--summary-json", metavar="PATH", help="every run's figures, both directions' bytes")
+    parser.add_argument("--keep-logs", metavar="DIR", help="keep the runs' logs and summaries in DIR")
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.duration_s <= 0 or args.ttt_eval_every < 1:
+        parser.error("--duration-s must be > 0 and --ttt-eval-every >= 1")
+    if args.preset and args.config:
+        parser.error("--preset or --config, not both (every process reads the same run file)")
+    return args
+
+
+def load_setup(args: argparse.Namespace, root: Path) -> tuple[Setup, object]:
+    if args.config:
+        config_path = Path(args.config).resolve()
+        cfg = load_run_config(config_path)
+    else:
+        config_path = write_run_toml(root / "run.toml", args.preset or "small")
+        cfg = get_preset(args.preset or "small")
+    t = cfg.training
+    setup = Setup(
+        config_path=config_path,
+        num_stages=cfg.swarm.num_stages,
+        global_batch=t.global_batch_size,
+        duration_s=args.duration_s,
+        run_timeout_s=args.run_timeout_s,
+        eval_samples=t.eval_samples,
+    )
+    return setup, cfg
+
+
+def new_report(args, setup: Setup, cfg) -> dict:
+    roles = ["trainer", *(f"stage{s}" for s in range(setup.num_stages)), "dht"]
+    return {
+        "preset": cfg.preset,
+        "config_path": str(setup.config_path),
+        "global_batch": setup.global_batch,
+        "micro_batch": cfg.training.micro_batch_size,
+        "duration_s": setup.duration_s,
+        "configs": [c.name for c in args.configs],
+        "roles": roles,
+        "rates_mbit_s": [None if math.isinf(r) else r for r in args.rates],
+        "machine": machine_info(),
+        "points": [],
+    }
+
+
+def sweep(args, setup: Setup, report: dict, root: Path, save) -> None:
+    total = len(args.rates) * len(args.configs)
+    n = 0
+    for mbit_s in args.rates:
+        point = {"rate": fmt_bw(mbit_s), "mbit_s": mbit_s, "runs": {}}
+        report["points"].append(point)
+        for config in args.configs:
+            n += 1
+            print(f"[{n}/{total}] {config.name} @ {fmt_bw(mbit_s)} Mbit/s ...", flush=True)
+            run = run_config(config, setup, mbit_s, root / f"{fmt_bw(mbit_s)}-{config.name}")
+            point["runs"][config.name] = run
+            point["ratios"] = ratios(point["runs"])
+            print(f"      {describe_run(run)}", flush=True)
+            save()
+
+
+def describe_run(run: dict) -> str:
+    if run.get("error"):
+        return f"FAILED after {run['wall_s']:.0f}s: {run['error'][:2000]}"
+    bps = run["bytes_per_sample"]
+    sizes = ", ".join(f"{role} {v / 1e3:,.1f}" for role, v in bps.items() if v is not None)
+    return f"done in {run['wall_s']:.0f}s: {run['samples_per_s']:.1f} samples/s; kB/sample {sizes}"
+
+
+def _json_ready(report: dict) -> dict:
+    """Infinite rates as null (JSON has no infinity)."""
+    points = [dict(p, mbit_s=None if math.isinf(p["mbit_s"]) else p["mbit_s"]) for p in report["points"]]
+    out = dict(report, points=points)
+    if out.get("ttt"):
+        out["ttt"] = dict(out["ttt"], rate_mbit_s=_finite(out["ttt"]["rate_mbit_s"]))
+    return out
+
+
+def _finite(value: float) -> float | None:
+    return None if math.isinf(value) else value
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    ok, why = netbed.available()
+    if not ok:
+        print(f"skipped: {why}")
+        return 0
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        with ExitStack() as stack:
+            if args.keep_logs:
+                root = Path(args.keep_logs)
+                root.mkdir(parents=True, exist_ok=True)
+            else:
+                root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="wan-bench-")))
+            setup, cfg = load_setup(args, root)
+            report = new_report(args, setup, cfg)
+            return run_all(args, setup, cfg, report, root)
+    except KeyboardInterrupt:  # before the first run (run_all reports the others)
+        print("\ninterrupted", flush=True)
+        return 130
+
+
+def run_all(args, setup: Setup, cfg, report: dict, root: Path) -> int:
+    def save() -> None:
+        if args.summary_json:
+            Path(args.summary_json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.summary_json).write_text(json.dumps(_json_ready(report), indent=2, default=str) + "\n")
+
+    print(
+        f"preset {cfg.preset}: {setup.num_stages} stages, global batch {setup.global_batch}, "
+        f"{args.duration_s:g} s per run; configurations {', '.join(report['configs'])}; rates "
+        f"{', '.join(fmt_bw(r) for r in args.rates)} Mbit/s (tc tbf up and down per peer, no added latency)",
+        flush=True,
+    )
+    interrupted = False
+    try:
+        sweep(args, setup, report, root, save)
+        if args.time_to_target:
+            report["ttt"] = time_to_target(args, setup, cfg, args.configs, report, root)
+    except KeyboardInterrupt:
+        interrupted = report["interrupted"] = True
+        print("\ninterrupted: processes stopped, test bed removed", flush=True)
+    except (RunFailed, SwarmStartError) as exc:
+        report["ttt_error"] = str(exc)
+        print(f"time to target FAILED: {exc}", flush=True)
+    save()
+    print("\n".join(report_lines(report)))
+    if interrupted:
+        return 130
+    failed = any(run.get("error") for p in report["points"] for run in p["runs"].values())
+    return 1 if failed or report.get("ttt_error") else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

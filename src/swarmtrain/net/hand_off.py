@@ -1,0 +1,222 @@
+"""Direct hand-off between stage servers: the `chain` message, the report a chain returns, and what a
+failed call means for accumulation (a pure classification every retry loop shares).
+
+A trainer sends a micro-batch (token ids, labels, the route: candidate peers for every later stage) to
+a stage server as one `chain` request. The server runs its forward, calls the next stage of the route
+itself (`chain` again, or `forward_backward` at the last stage) with its outputs and the labels, and
+gets the gradient of its outputs back as that call's reply; it runs its backward on the inputs it kept
+and answers its caller with its own input gradient (none at stage 0) and one report per stage it
+reached (`hops`: the peer, the samples it accumulated, its timings). So activations and gradients cross
+each boundary once, server to server; the trainer's link carries ids, labels, the route and reports.
+
+Calls go strictly to higher stages and a handler awaits the next hop on the event loop (its compute
+thread stays free), so chains cannot deadlock. Every hop keeps one accumulate flag per stage from
+itself to the last: a failed call clears the flags of the stages that may have applied the micro-batch
+(`flags_after`), so a stage applies each micro-batch at most once, whoever retries.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+
+from swarmtrain.net import codec
+from swarmtrain.net.protocol import (
+    MAX_ID_CHARS,
+    Message,
+    ProtocolError,
+    StageIO,
+    StageRequest,
+    validate_request,
+)
+from swarmtrain.net.transport import RemoteError, TruncatedReply, is_connection_error
+
+CHAIN_KIND = "chain"
+MAX_CANDIDATES = 4  # per stage of a route: the chosen peer and its alternates
+# answers that say the request never ran there (nothing applied): another peer may take it as it is
+NEVER_RAN_CODES = ("unavailable", "timeout", "stale", "digest_mismatch")
+# a hop's answer when no candidate of the next stage completed: the hop applied nothing, later stages may
+NEXT_HOP_FAILED = "next_hop_failed"
+FATAL_CODES = ("bad_request", "too_large", "version", "unauthorized")
+
+
+@dataclass
+class ChainRequest:
+    """A validated `chain`: this hop's forward, the labels for the last stage (relayed as received),
+    the candidates of every later stage and one accumulate flag per later stage."""
+
+    forward: StageRequest
+    labels: codec.EncodedTensor
+    route: list[list[str]]
+    accumulate_after: list[bool]
+
+
+def chain_message(
+    mb: str,
+    stage: int,
+    digest: str,
+    codec_name: str,
+    inputs: codec.EncodedTensor,
+    labels: codec.EncodedTensor,
+    route: list[list[str]],
+    accumulate: list[bool],
+    **header,
+) -> Message:
+    """`accumulate[0]` is the receiving stage's flag, the rest belong to the stages of `route`."""
+    body = {
+        "mb": mb,
+        "stage": stage,
+        "digest": digest,
+        "codec": codec_name,
+        "route": route,
+        "accumulate": accumulate[0],
+        "accumulate_after": list(accumulate[1:]),
+        **header,
+    }
+    return Message(CHAIN_KIND, body, {"inputs": inputs, "labels": labels})
+
+
+def validate_chain(message: Message, io: StageIO, digest: str, num_stages: int) -> ChainRequest:
+    """Check a `chain` against this stage (never the last: it takes `forward_backward`)."""
+    if io.is_last:
+        raise ProtocolError("the last stage takes forward_backward, not chain")
+    header = message.header
+    if set(message.tensors) != {"inputs", "labels"}:
+        raise ProtocolError(f"chain carries inputs and labels, got {sorted(message.tensors)}")
+    forward = validate_request(Message("forward", header, {"inputs": message.tensors["inputs"]}), io, digest)
+    labels = message.tensors["labels"]
+    if labels.dtype != "int64" or tuple(labels.shape) != tuple(forward.inputs.shape[:2]):
+        raise ProtocolError(f"labels must be int64 of shape {list(forward.inputs.shape[:2])}")
+    later = num_stages - io.stage - 1
+    route, flags = header.get("route"), header.get("accumulate_after")
+    if not (isinstance(route, list) and len(route) == later):
+        raise ProtocolError(f"route must list candidates for the {later} later stage(s)")
+    for candidates in route:
+        if not (isinstance(candidates, list) and 1 <= len(candidates) <= MAX_CANDIDATES):
+            raise ProtocolError(f"each route entry lists 1 to {MAX_CANDIDATES} peers")
+        if not all(isinstance(p, str) and 0 < len(p) <= MAX_ID_CHARS for p in candidates):
+            raise ProtocolError("route entries are peer ids")
+        if len(set(candidates)) != len(candidates):
+            raise ProtocolError("a route entry names a peer twice")
+    if not (isinstance(flags, list) and len(flags) == later and all(isinstance(f, bool) for f in flags)):
+        raise ProtocolError(f"accumulate_after must be {later} true/false value(s)")
+    return ChainRequest(forward, labels, route, flags)
+
+
+# reports --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class HopReport:
+    """One stage of a chain as the stage itself reports it: the peer, the samples it accumulated
+    (0 or the micro-batch's), its time from request to reply (`server_s`), of which `compute_s` on its
+    compute thread, `step_wait_s` waiting for the previous step and `child_s` in the call to the next
+    stage (its caller measured the call to it the same way)."""
+
+    stage: int
+    peer: str
+    acc: int
+    server_s: float
+    compute_s: float
+    step_wait_s: float
+    child_s: float = 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "stage": self.stage,
+            "peer": self.peer,
+            "acc": self.acc,
+            "server_s": round(self.server_s, 6),
+            "compute_s": round(self.compute_s, 6),
+            "step_wait_s": round(self.step_wait_s, 6),
+            "child_s": round(self.child_s, 6),
+        }
+
+    def own_s(self) -> float:
+        """Time this stage itself took: queue and compute, without the previous step and the next stage."""
+        return max(0.0, self.server_s - self.step_wait_s - self.child_s)
+
+
+def last_hop(stage: int, peer: str, reply: Message) -> HopReport:
+    """The report of a last stage, read from its `forward_backward` reply."""
+    header = reply.header
+    return HopReport(
+        stage,
+        peer,
+        _count(header.get("acc")),
+        _seconds(header.get("server_s")),
+        _seconds(header.get("compute_s")),
+        _seconds(header.get("step_wait_s")),
+    )
+
+
+def validate_hops(
+    header: dict, first_stage: int, num_stages: int, candidates: list[list[str]], num_samples: int
+) -> list[HopReport]:
+    """The `hops` of a chain reply: one per stage from `first_stage` to the last, in order, each peer
+    one of that stage's candidates, each accumulation 0 or the whole micro-batch."""
+    hops = header.get("hops")
+    if not (isinstance(hops, list) and len(hops) == num_stages - first_stage):
+        raise ProtocolError(f"a chain reply reports {num_stages - first_stage} hop(s)")
+    reports = []
+    for offset, hop in enumerate(hops):
+        stage = first_stage + offset
+        if not isinstance(hop, dict) or hop.get("stage") != stage or hop.get("peer") not in candidates[offset]:
+            raise ProtocolError(f"hop {offset} of a chain reply is not a candidate of stage {stage}")
+        acc = hop.get("acc")
+        if acc not in (0, num_samples) or isinstance(acc, bool):
+            raise ProtocolError(f"stage {stage} reports {acc!r} samples accumulated of {num_samples}")
+        timings = [_seconds(hop.get(k)) for k in ("server_s", "compute_s", "step_wait_s", "child_s")]
+        reports.append(HopReport(stage, hop["peer"], acc, *timings))
+    return reports
+
+
+def _seconds(value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        return 0.0
+    return float(value)
+
+
+def _count(value) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+
+
+# failures -------------------------------------------------------------------------------------------
+class Outcome(Enum):
+    """What a failed call says about the called stage and the stages after it."""
+
+    NEVER_RAN = "never_ran"  # refused before any work (busy, leaving, stale, wrong run): nothing applied
+    GONE = "gone"  # the peer is unreachable: whatever it accumulated died with it; later stages may have
+    NEXT_FAILED = "next_failed"  # the peer applied nothing, the stages after it may have
+    MAYBE_APPLIED = "maybe_applied"  # silent or cut off: the peer and every later stage may have applied
+    FATAL = "fatal"  # our request is wrong (or we may not ask): no retry can help
+
+
+def classify_failure(exc: BaseException) -> Outcome:
+    if isinstance(exc, RemoteError):
+        if exc.code in FATAL_CODES:
+            return Outcome.FATAL
+        if exc.code == NEXT_HOP_FAILED:
+            return Outcome.NEXT_FAILED
+        return Outcome.NEVER_RAN if exc.code in NEVER_RAN_CODES else Outcome.MAYBE_APPLIED
+    if isinstance(exc, (TimeoutError, TruncatedReply)):
+        return Outcome.MAYBE_APPLIED
+    if is_connection_error(exc):
+        return Outcome.GONE
+    raise exc  # a bug, not a failure of the peer
+
+
+def flags_after(flags: list[bool], outcome: Outcome) -> list[bool]:
+    """Accumulate flags for the retry of a call that failed with `outcome`: `flags[0]` is the called
+    stage's, the rest are the later stages'. A flag that is False stays False."""
+    if outcome is Outcome.NEVER_RAN:
+        return list(flags)
+    if outcome in (Outcome.GONE, Outcome.NEXT_FAILED):
+        return [flags[0]] + [False] * (len(flags) - 1)
+    return [False] * len(flags)
+
+
+def hop_service_times(call_s: float, hops: list[HopReport]) -> list[float]:
+    """Each hop's share of a chain's time, as a router charges a peer for a micro-batch: its own queue
+    and compute plus the transfer into it (the caller's wait for it less the time it reported)."""
+    waits = [call_s] + [hop.child_s for hop in hops[:-1]]
+    return [hop.own_s() + max(0.0, wait - hop.server_s) for hop, wait in zip(hops, waits, strict=True)]

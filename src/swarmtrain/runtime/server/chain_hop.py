@@ -1,0 +1,213 @@
+"""A stage server's part of a direct hand-off (net/hand_off.py): forward, call the next stage of the
+route with the outputs, backward on the gradient its reply brings, report.
+
+`NextStage` is the server's view of the stage after it: the peers announced there with this run's
+digest, connected once. A route may name only those, so a caller cannot make a server stream
+activations to an arbitrary peer. `ChainHop.run` holds the forward's inputs while it awaits the next
+hop (on the event loop: the compute thread serves other requests meanwhile); the backward finds the
+graph in the worker's cache, or recomputes it when the cache dropped it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+from hivemind.p2p import PeerID
+from torch import Tensor
+
+from swarmtrain.net.dht_records import RunRecords
+from swarmtrain.net.hand_off import (
+    NEXT_HOP_FAILED,
+    ChainRequest,
+    HopReport,
+    Outcome,
+    chain_message,
+    classify_failure,
+    flags_after,
+    last_hop,
+    validate_hops,
+)
+from swarmtrain.net.protocol import (
+    Message,
+    ProtocolError,
+    StageIO,
+    StageRequest,
+    checked_grad_reply,
+    error_message,
+    request_message,
+)
+from swarmtrain.net.transport import StageClient
+from swarmtrain.runtime.server.compute import PRIORITY_BACKWARD, PRIORITY_FORWARD, ComputeWorker
+from swarmtrain.runtime.server.stage_worker import StageWorker
+from swarmtrain.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+
+class NextStage:
+    """Peers of stage `stage` announced with our digest; refreshed by the server every announce period."""
+
+    def __init__(self, records: RunRecords, stage: int, digest: str, client: StageClient) -> None:
+        self.records, self.stage, self.digest, self.client = records, stage, digest, client
+        self.peers: set[str] = set()
+        self._connected: set[str] = set()
+
+    async def refresh(self) -> None:
+        loop = asyncio.get_running_loop()
+        found = await loop.run_in_executor(None, self.records.stage_peers, self.stage)
+        live = {p: a for p, a in found.items() if a.config_digest == self.digest and a.state != "offline"}
+        for peer, ann in live.items():
+            if peer not in self._connected:
+                await self.client.connect(PeerID.from_base58(peer), ann.addresses, timeout_s=2.0)
+                self._connected.add(peer)
+        self.peers = set(live)
+
+    async def usable(self, candidates: list[str]) -> list[str]:
+        """The candidates announced at the next stage (reading the DHT again if one is not known yet)."""
+        if any(p not in self.peers for p in candidates):
+            await self.refresh()
+        return [p for p in candidates if p in self.peers]
+
+
+class NextHopFailed(Exception):
+    """No candidate of the next stage completed the micro-batch; `code` goes back to the caller."""
+
+    def __init__(self, text: str, code: str = NEXT_HOP_FAILED) -> None:
+        super().__init__(text)
+        self.code = code
+
+
+@dataclass
+class Admitted:
+    """When the request arrived, until when it may run, how long it waited for the previous step."""
+
+    arrived_s: float
+    deadline_s: float
+    step_wait_s: float
+
+
+class ChainHop:
+    def __init__(
+        self,
+        worker: StageWorker,
+        compute: ComputeWorker,
+        client: StageClient,
+        next_stage: NextStage,
+        io: StageIO,
+        digest: str,
+        num_stages: int,
+        peer_id: str,
+    ) -> None:
+        self.worker, self.compute, self.client, self.next_stage = worker, compute, client, next_stage
+        self.io, self.digest, self.num_stages, self.peer_id = io, digest, num_stages, peer_id
+        self.retries = 0  # calls to the next stage that failed and went to another candidate
+
+    async def run(self, chain: ChainRequest, admitted: Admitted) -> Message:
+        forward = chain.forward
+        reply, forward_s = await self.compute.run(
+            lambda: _timed(self.worker.forward, forward), PRIORITY_FORWARD, admitted.deadline_s
+        )
+        child_start_s = time.monotonic()
+        try:
+            child, hops, grad = await self._call_next(chain, reply.tensors["outputs"], admitted.deadline_s)
+        except NextHopFailed as exc:
+            return error_message(str(exc), exc.code)
+        child_s = time.monotonic() - child_start_s
+        backward = StageRequest(
+            "backward",
+            forward.micro_batch_id,
+            forward.codec,
+            forward.inputs,
+            grad_outputs=grad,
+            accumulate=forward.accumulate,
+            step=forward.step,
+        )
+        # no deadline: the later stages have run their backward, so this stage runs its own whatever
+        # the time, or the stages would disagree on the step's batch
+        result, backward_s = await self.compute.run(
+            lambda: _timed(self.worker.backward, backward), PRIORITY_BACKWARD
+        )
+        own = HopReport(
+            self.io.stage,
+            self.peer_id,
+            int(result.header.get("acc", 0)),
+            time.monotonic() - admitted.arrived_s,
+            forward_s + backward_s,
+            admitted.step_wait_s,
+            child_s,
+        )
+        header = {"mb": forward.micro_batch_id, "loss": child.header.get("loss"), "hops": [own.to_dict()]}
+        header["hops"] += [hop.to_dict() for hop in hops]
+        return Message("result", header, dict(result.tensors))
+
+    async def _call_next(self, chain: ChainRequest, outputs, deadline_s: float) -> tuple[Message, list, Tensor]:
+        """The next stage's reply, its hop reports and the gradient of our outputs, trying the route's
+        candidates in order."""
+        forward, stage = chain.forward, self.io.stage + 1
+        candidates = await self.next_stage.usable(chain.route[0])
+        if not candidates:
+            raise NextHopFailed(f"no candidate of stage {stage} in the route is a live peer of it")
+        flags = list(chain.accumulate_after)
+        last_reason = ""
+        for peer in candidates:
+            # the next stage gets what is left but a share for our own backward (one per stage from here)
+            timeout_s = (deadline_s - time.monotonic()) * (1 - 1 / (self.num_stages - self.io.stage))
+            if timeout_s <= 0:
+                break
+            message = self._next_message(chain, outputs, flags, timeout_s)
+            try:
+                reply = await self.client.call(PeerID.from_base58(peer), message.kind, message, timeout_s)
+                grad = checked_grad_reply(reply, tuple(forward.inputs.shape[:2]), self.io.d_model)
+                return reply, self._hops(chain, peer, reply), grad
+            except ProtocolError as exc:  # a malformed reply: it may have applied, like a cut-off one
+                outcome, last_reason = Outcome.MAYBE_APPLIED, str(exc)
+            except Exception as exc:
+                outcome, last_reason = classify_failure(exc), f"{exc!r:.200}"
+            if outcome is Outcome.FATAL:
+                raise NextHopFailed(f"stage {stage} peer {peer} refused: {last_reason}", "bad_request")
+            flags = flags_after(flags, outcome)
+            self.retries += 1
+            logger.info("chain %s: stage %d peer %s failed (%s)", forward.micro_batch_id, stage, peer[-8:], last_reason)
+        raise NextHopFailed(f"stage {stage}: every candidate failed, last: {last_reason}")
+
+    def _next_message(self, chain: ChainRequest, outputs, flags: list[bool], timeout_s: float) -> Message:
+        forward, stage = chain.forward, self.io.stage + 1
+        if stage == self.num_stages - 1:
+            return request_message(
+                "forward_backward",
+                forward.micro_batch_id,
+                stage,
+                self.digest,
+                forward.codec,
+                {"inputs": outputs, "labels": chain.labels},
+                timeout_s=timeout_s,
+                accumulate=flags[0],
+                step=forward.step,
+            )
+        return chain_message(
+            forward.micro_batch_id,
+            stage,
+            self.digest,
+            forward.codec,
+            outputs,
+            chain.labels,
+            chain.route[1:],
+            flags,
+            timeout_s=timeout_s,
+            step=forward.step,
+        )
+
+    def _hops(self, chain: ChainRequest, peer: str, reply: Message) -> list[HopReport]:
+        stage, n = self.io.stage + 1, chain.forward.num_samples
+        if stage == self.num_stages - 1:
+            return [last_hop(stage, peer, reply)]
+        candidates = [[peer], *chain.route[1:]]
+        return validate_hops(reply.header, stage, self.num_stages, candidates, n)
+
+
+def _timed(fn, request):
+    start_s = time.perf_counter()
+    reply = fn(request)
+    return reply, time.perf_counter() - start_s

@@ -1,0 +1,122 @@
+"""A micro-batch through every stage by direct hand-off (net/hand_off.py): the trainer picks the route
+(one peer per later stage by the routers' IWRR, plus untouched alternates), sends token ids, labels and
+the route to a stage-0 peer, and gets back the loss and one report per stage.
+
+Retries are a short loop around `classify_failure`: the failed call's outcome says which stages may
+have applied the micro-batch (`flags_after`), the retry asks those not to accumulate again, and while
+any stage may hold it the retry is persistent (giving up would leave the stages disagreeing on the
+step's batch), as the relayed path's backward is. A stage-0 peer that is gone is banned; a chain whose
+later hop failed is retried on a new route.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import time
+
+from hivemind.p2p import PeerID
+
+from swarmtrain.net.codec import EncodedTensor
+from swarmtrain.net.hand_off import (
+    HopReport,
+    Outcome,
+    chain_message,
+    classify_failure,
+    flags_after,
+    hop_service_times,
+    validate_hops,
+)
+from swarmtrain.net.protocol import ProtocolError
+from swarmtrain.planner.routing import BACKWARD_WEIGHT, FORWARD_CHARGE, FORWARD_WEIGHT
+from swarmtrain.runtime.trainer.stage_calls import (
+    BACKOFF_BASE_S,
+    BACKOFF_MAX_S,
+    PERSISTENT_ATTEMPTS,
+    MicroBatchFailed,
+    StageCaller,
+)
+from swarmtrain.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+ALTERNATES = 2  # peers after the chosen one in a route entry: a hop tries them when its next hop fails
+HOP_WEIGHT = FORWARD_WEIGHT + BACKWARD_WEIGHT  # a hop's report covers its forward and its backward
+
+
+class ChainCaller:
+    def __init__(self, caller: StageCaller, num_stages: int, digest: str, codec: str) -> None:
+        self.caller, self.num_stages, self.digest, self.codec = caller, num_stages, digest, codec
+        self.table = caller.table
+
+    async def run(
+        self, mb: str, step: int, n: int, inputs: EncodedTensor, labels: EncodedTensor
+    ) -> tuple[float, list[HopReport]]:
+        """The micro-batch's loss and every stage's report (the stage-0 peer's first)."""
+        caller, flags = self.caller, [True] * self.num_stages
+        budget_s = caller.swarm.request_timeout_s * self.num_stages  # every hop waits on the next
+        attempt, excluded = 0, set()
+        while True:
+            route = await self._route(n)
+            peer = await caller._pick(0, n, FORWARD_CHARGE, excluded)
+            message = chain_message(
+                mb, 0, self.digest, self.codec, inputs, labels, route, flags, step=step, timeout_s=budget_s
+            )
+            start_s = time.monotonic()
+            try:
+                reply = await caller.client.call(PeerID.from_base58(peer), "chain", message, budget_s)
+                return self._finished(reply, [[peer], *route], n, time.monotonic() - start_s)
+            except ProtocolError as exc:  # a malformed report: the chain may have run
+                outcome, reason, timed_out = Outcome.MAYBE_APPLIED, str(exc), False
+            except Exception as exc:
+                outcome, reason, timed_out = classify_failure(exc), f"{exc!r:.160}", isinstance(exc, TimeoutError)
+            self._count(outcome, peer, n, budget_s if timed_out else None)
+            if outcome is Outcome.FATAL:
+                raise MicroBatchFailed(f"stage 0 peer {peer} refused the chain of {mb}: {reason}")
+            if outcome is not Outcome.NEXT_FAILED:
+                excluded.add(peer)
+            new_flags = flags_after(flags, outcome)
+            caller.not_accumulated += sum(a and not b for a, b in zip(flags, new_flags, strict=True))
+            flags, attempt = new_flags, attempt + 1
+            # while a stage may hold the micro-batch, stopping would leave the stages disagreeing
+            if attempt > (PERSISTENT_ATTEMPTS if not all(flags) else caller.swarm.max_retries):
+                raise MicroBatchFailed(f"chain of {mb}: {attempt} attempts failed, last: {reason}")
+            caller.retries += 1
+            logger.info("chain of %s via %s failed (%s); retry %d", mb, peer[-8:], reason, attempt)
+            await asyncio.sleep(min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2**attempt) * (0.5 + random.random()))
+
+    async def _route(self, n: int) -> list[list[str]]:
+        """For every stage after the first: the peer IWRR picks (charged for the micro-batch), then
+        alternates in the order IWRR would pick them next (not charged)."""
+        route = []
+        for stage in range(1, self.num_stages):
+            chosen = [await self.caller._pick(stage, n, FORWARD_CHARGE, set())]
+            while len(chosen) <= ALTERNATES:
+                other = self.table.choose(stage, n, 0.0, exclude=set(chosen))
+                if other is None:
+                    break
+                chosen.append(other)
+            route.append(chosen)
+        return route
+
+    def _finished(self, reply, candidates: list[list[str]], n: int, call_s: float):
+        hops = validate_hops(reply.header, 0, self.num_stages, candidates, n)
+        loss = reply.header.get("loss")
+        if isinstance(loss, bool) or not isinstance(loss, (int, float)) or not math.isfinite(loss):
+            raise ProtocolError(f"a chain reply carries a bad loss {loss!r:.40}")
+        for hop, service_s in zip(hops, hop_service_times(call_s, hops), strict=True):
+            self.table.report(hop.stage, hop.peer, n, service_s, HOP_WEIGHT)
+        head = hops[0]
+        self.caller._time(0, "chain", call_s, {"server_s": head.server_s, "compute_s": head.compute_s})
+        return float(loss), hops
+
+    def _count(self, outcome: Outcome, peer: str, n: int, timed_out_after_s: float | None) -> None:
+        """A gone stage-0 peer is banned; a silent one is charged the time it kept us waiting."""
+        caller = self.caller
+        if outcome is Outcome.GONE:
+            caller.connection_errors += 1
+            self.table.ban(0, peer)
+        elif timed_out_after_s is not None:
+            caller.timeouts += 1
+            self.table.report(0, peer, n, timed_out_after_s, HOP_WEIGHT)

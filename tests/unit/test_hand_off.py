@@ -1,0 +1,147 @@
+"""Direct hand-off's pure parts (net/hand_off.py): the `chain` message and its checks, hop reports, the
+classification of failures and what each does to the accumulate flags (at most once per stage)."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from swarmtrain.config import get_preset
+from swarmtrain.net import codec
+from swarmtrain.net.hand_off import (
+    NEXT_HOP_FAILED,
+    HopReport,
+    Outcome,
+    chain_message,
+    classify_failure,
+    flags_after,
+    hop_service_times,
+    validate_chain,
+    validate_hops,
+)
+from swarmtrain.net.protocol import ProtocolError, StageIO, pack, unpack
+from swarmtrain.net.transport import RemoteError, TruncatedReply
+
+pytestmark = pytest.mark.unit
+
+DIGEST = "d1"
+
+
+@pytest.fixture
+def three_stages():
+    cfg = get_preset("tiny")
+    return cfg.replace(swarm=dataclasses.replace(cfg.swarm, num_stages=3))
+
+
+def _io(cfg, stage):
+    return StageIO.from_config(cfg.model, cfg.stages()[stage], max_batch=16)
+
+
+def _chain(cfg, stage=0, route=None, flags=None, n=2, **header):
+    seq = cfg.model.seq_len
+    inputs = torch.randint(0, 256, (n, seq)) if stage == 0 else torch.randn(n, seq, cfg.model.d_model)
+    route = route if route is not None else [["p1", "p1b"], ["p2"]][stage:]
+    flags = flags if flags is not None else [True] * (1 + len(route))
+    message = chain_message(
+        "mb-1", stage, DIGEST, "none", codec.encode(inputs, "none"),
+        codec.encode(torch.randint(0, 256, (n, seq)), "none"), route, flags, step=3, **header,
+    )
+    return unpack(pack(message), 10**8)  # as a server receives it
+
+
+def test_a_chain_survives_the_wire_and_validates(three_stages):
+    chain = validate_chain(_chain(three_stages, flags=[True, False, True]), _io(three_stages, 0), DIGEST, 3)
+    assert chain.route == [["p1", "p1b"], ["p2"]] and chain.accumulate_after == [False, True]
+    assert chain.forward.accumulate is True and chain.forward.step == 3 and chain.forward.num_samples == 2
+    assert chain.labels.dtype == "int64"
+    middle = validate_chain(_chain(three_stages, stage=1), _io(three_stages, 1), DIGEST, 3)
+    assert middle.route == [["p2"]] and middle.forward.inputs.dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    "route,flags,match",
+    [
+        ([["p1"]], [True, True], "route must list"),  # one later stage too few
+        ([["p1", "p1"], ["p2"]], None, "twice"),
+        ([["a", "b", "c", "d", "e"], ["p2"]], None, "1 to 4"),
+        ([[], ["p2"]], None, "1 to 4"),
+        ([["p1"], [7]], None, "peer ids"),
+        ([["p1"], ["p2"]], [True, True], "accumulate_after"),
+    ],
+)
+def test_bad_routes_and_flags_are_refused(three_stages, route, flags, match):
+    with pytest.raises(ProtocolError, match=match):
+        validate_chain(_chain(three_stages, route=route, flags=flags), _io(three_stages, 0), DIGEST, 3)
+
+
+def test_the_last_stage_and_a_wrong_digest_refuse_a_chain(three_stages):
+    with pytest.raises(ProtocolError, match="last stage"):
+        validate_chain(_chain(three_stages, stage=2, route=[]), _io(three_stages, 2), DIGEST, 3)
+    with pytest.raises(ProtocolError) as info:
+        validate_chain(_chain(three_stages), _io(three_stages, 0), "other", 3)
+    assert info.value.code == "digest_mismatch"
+
+
+def _hop(stage, peer, acc=2, server_s=1.0, compute_s=0.3, step_wait_s=0.1, child_s=0.5):
+    return HopReport(stage, peer, acc, server_s, compute_s, step_wait_s, child_s).to_dict()
+
+
+def test_hop_reports_must_follow_the_route():
+    candidates = [["a"], ["b", "b2"], ["c"]]
+    good = {"hops": [_hop(0, "a"), _hop(1, "b2", acc=0), _hop(2, "c", child_s=0.0)]}
+    hops = validate_hops(good, 0, 3, candidates, 2)
+    assert [(h.stage, h.peer, h.acc) for h in hops] == [(0, "a", 2), (1, "b2", 0), (2, "c", 2)]
+    for bad in (
+        {"hops": good["hops"][:2]},  # a stage missing
+        {"hops": [_hop(0, "a"), _hop(1, "x"), _hop(2, "c")]},  # not a candidate of stage 1
+        {"hops": [_hop(0, "a"), _hop(2, "c"), _hop(1, "b")]},  # out of order
+        {"hops": [_hop(0, "a", acc=1), _hop(1, "b"), _hop(2, "c")]},  # part of a micro-batch
+        {"hops": [_hop(0, "a", acc=True), _hop(1, "b"), _hop(2, "c")]},
+    ):
+        with pytest.raises(ProtocolError):
+            validate_hops(bad, 0, 3, candidates, 2)
+
+
+def test_service_time_of_a_hop_is_its_own_work_plus_the_transfer_into_it():
+    # trainer waited 2.0 s for stage 0, which reported 1.8 s (0.2 s transfer in) of which 1.0 s in its
+    # call to stage 1 (which reported 0.7 s: 0.3 s transfer in) and 0.1 s waiting for the previous step
+    hops = [
+        HopReport(0, "a", 2, server_s=1.8, compute_s=0.5, step_wait_s=0.1, child_s=1.0),
+        HopReport(1, "b", 2, server_s=0.7, compute_s=0.6, step_wait_s=0.0, child_s=0.0),
+    ]
+    assert hop_service_times(2.0, hops) == pytest.approx([0.7 + 0.2, 0.7 + 0.3])
+
+
+@pytest.mark.parametrize(
+    "exc,outcome",
+    [
+        (RemoteError("unavailable", "leaving"), Outcome.NEVER_RAN),
+        (RemoteError("stale", "applied"), Outcome.NEVER_RAN),
+        (RemoteError("timeout", "queue"), Outcome.NEVER_RAN),
+        (RemoteError("digest_mismatch", "x"), Outcome.NEVER_RAN),
+        (RemoteError("internal", "bug"), Outcome.MAYBE_APPLIED),
+        (RemoteError(NEXT_HOP_FAILED, "stage 1 gone"), Outcome.NEXT_FAILED),
+        (RemoteError("bad_request", "x"), Outcome.FATAL),
+        (RemoteError("unauthorized", "x"), Outcome.FATAL),
+        (TimeoutError(), Outcome.MAYBE_APPLIED),
+        (TruncatedReply("cut"), Outcome.MAYBE_APPLIED),
+        (ConnectionResetError(), Outcome.GONE),
+    ],
+)
+def test_failures_are_classified(exc, outcome):
+    assert classify_failure(exc) is outcome
+
+
+def test_a_bug_is_not_a_failure_of_the_peer():
+    with pytest.raises(KeyError):
+        classify_failure(KeyError("x"))
+
+
+def test_flags_after_a_failure_never_let_a_stage_apply_twice():
+    flags = [True, True, True]
+    assert flags_after(flags, Outcome.NEVER_RAN) == flags
+    # the called peer is gone with its accumulator; later stages may hold the micro-batch
+    assert flags_after(flags, Outcome.GONE) == [True, False, False]
+    assert flags_after(flags, Outcome.NEXT_FAILED) == [True, False, False]
+    assert flags_after(flags, Outcome.MAYBE_APPLIED) == [False, False, False]
+    assert flags_after([False, True], Outcome.NEVER_RAN) == [False, True]  # False stays False
