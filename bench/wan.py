@@ -112,6 +112,7 @@ class Setup:
     duration_s: float
     run_timeout_s: float
     eval_samples: int
+    in_flight: int | None = None  # the trainer's --in-flight; None: its default
 
 
 @dataclass(frozen=True)
@@ -230,6 +231,7 @@ def run_swarm(config: BenchConfig, setup: Setup, mbit_s: float, workdir: Path) -
             "trainer",
             *("--duration-s", f"{setup.duration_s:g}", "--hand-off", config.hand_off),
             *("--compression", config.codec, "--log-period-s", "5", *config.trainer_args),
+            *(("--in-flight", str(setup.in_flight)) if setup.in_flight else ()),
         )
         procs = swarm.processes
         wait_workers(
@@ -644,6 +646,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--duration-s", type=float, default=DEFAULT_DURATION_S, help="training time per run (default 40)"
     )
     parser.add_argument(
+        "--in-flight",
+        type=int,
+        help="the swarm trainer's micro-batches in flight (default: the trainer's own default)",
+    )
+    parser.add_argument(
         "--run-timeout-s", type=float, default=600.0, help="give up on a run this long after --duration-s"
     )
     parser.add_argument("--time-to-target", action="store_true", help="also score time to a target loss")
@@ -687,6 +694,7 @@ def load_setup(args: argparse.Namespace, root: Path) -> tuple[Setup, object]:
         duration_s=args.duration_s,
         run_timeout_s=args.run_timeout_s,
         eval_samples=t.eval_samples,
+        in_flight=args.in_flight,
     )
     return setup, cfg
 

@@ -81,16 +81,7 @@ def _byte_datasets(cfg: RunConfig) -> tuple[PackedDataset, PackedDataset]:
     stream = np.frombuffer(bytes([SEPARATOR]).join(docs), dtype=np.uint8)
     if cfg.model.vocab_size < 256:
         raise DataError(f"byte-level data needs model.vocab_size >= 256, got {cfg.model.vocab_size}")
-    window = cfg.model.seq_len + 1
-    num_windows = len(stream) // window
-    num_val = max(1, int(round(num_windows * cfg.data.validation_fraction)))
-    if num_windows - num_val < 1:
-        raise DataError(
-            f"data source {cfg.data.source!r} is too small: {len(stream)} bytes make {num_windows} samples of "
-            f"{window} tokens; need at least 2"
-        )
-    windows = torch.from_numpy(stream[: num_windows * window].reshape(num_windows, window).copy())
-    return PackedDataset(windows[: num_windows - num_val]), PackedDataset(windows[num_windows - num_val :])
+    return _split_windows(stream, cfg, "bytes")
 
 
 def _shard_datasets(cfg: RunConfig) -> tuple[ShardDataset, ShardDataset]:
@@ -136,16 +127,7 @@ def _tokenized_datasets(cfg: RunConfig) -> tuple[PackedDataset, PackedDataset]:
             f"{cfg.model.vocab_size}: the model cannot embed its ids (set model.vocab_size >= {vocab})"
         )
     stream = cached_token_stream(cfg.data, tok)
-    window = cfg.model.seq_len + 1
-    num_windows = len(stream) // window
-    num_val = max(1, int(round(num_windows * cfg.data.validation_fraction)))
-    if num_windows - num_val < 1:
-        raise DataError(
-            f"data source {cfg.data.source!r} is too small: {len(stream)} tokens make {num_windows} samples of "
-            f"{window} tokens; need at least 2"
-        )
-    windows = torch.from_numpy(stream[: num_windows * window].reshape(num_windows, window).copy())
-    return PackedDataset(windows[: num_windows - num_val]), PackedDataset(windows[num_windows - num_val :])
+    return _split_windows(stream, cfg, "tokens")
 
 
 def token_cache_dir() -> Path:
@@ -306,3 +288,17 @@ def unigram_entropy_nats(dataset: TokenDataset) -> float:
     probs = counts / counts.sum()
     nonzero = probs[probs > 0]
     return float(-(nonzero * nonzero.log()).sum())
+
+
+def _split_windows(stream: np.ndarray, cfg: RunConfig, unit: str) -> tuple[PackedDataset, PackedDataset]:
+    """Windows of seq_len + 1 tokens; the tail `validation_fraction` of them is the validation split."""
+    window = cfg.model.seq_len + 1
+    num_windows = len(stream) // window
+    num_val = max(1, int(round(num_windows * cfg.data.validation_fraction)))
+    if num_windows - num_val < 1:
+        raise DataError(
+            f"data source {cfg.data.source!r} is too small: {len(stream)} {unit} make {num_windows} samples of "
+            f"{window} tokens; need at least 2"
+        )
+    windows = torch.from_numpy(stream[: num_windows * window].reshape(num_windows, window).copy())
+    return PackedDataset(windows[: num_windows - num_val]), PackedDataset(windows[num_windows - num_val :])

@@ -120,14 +120,17 @@ async def _collect(stream: AsyncIterator, max_bytes: int, drain_s: float = 0.0) 
     return b"".join(parts)
 
 
-async def _collect_reply(stream: AsyncIterator) -> bytes:
+async def _collect_reply(stream: AsyncIterator, received: asyncio.Event | None = None) -> bytes:
     """A reply stream. A server that refuses a request before reading all of it (too large) answers
     and closes the stream; our upload then fails with a broken pipe after the answer arrived, and
-    hivemind raises that at the stream's end: the complete answer is what counts."""
+    hivemind raises that at the stream's end: the complete answer is what counts. The first chunk
+    (empty when the server acknowledges the request before working on it) sets `received`."""
     parts: list[bytes] = []
     size = 0
     try:
         async for item in stream:
+            if received is not None:
+                received.set()
             parts.append(item.metadata)
             size += len(item.metadata)
             if size > MAX_REPLY_BYTES:
@@ -231,6 +234,11 @@ class StageServicer(ServicerBase):
         except ProtocolError as exc:
             reply = error_message(str(exc), exc.code)
         else:
+            # an empty first chunk says "your request is here" before the work starts: a sender that
+            # hands off several micro-batches to us sends them one after the other (`StageClient.call`'s
+            # `received`) instead of all at once at a fair share of its link, which delivered them
+            # together and left this stage idle meanwhile (bench/wan.py)
+            yield runtime_pb2.ExpertResponse(metadata=b"")
             reply = await self._answer(kind, data, context)
         start_cpu_s = time.thread_time()
         chunks = _chunks(pack(reply))
@@ -280,14 +288,23 @@ class StageClient:
         # a private run: every request carries our membership token (a keyed hash of our peer id)
         self._token = run_key.token(p2p.peer_id.to_base58()) if run_key is not None else None
 
-    async def call(self, peer_id: PeerID, kind: str, message: Message, timeout_s: float) -> Message:
+    async def call(
+        self,
+        peer_id: PeerID,
+        kind: str,
+        message: Message,
+        timeout_s: float,
+        received: asyncio.Event | None = None,
+    ) -> Message:
         """Send `message` to the `kind` handler of `peer_id`; raise RemoteError on an error answer,
-        asyncio.TimeoutError on timeout and hivemind's P2P errors on connection failures."""
+        asyncio.TimeoutError on timeout and hivemind's P2P errors on connection failures. `received`
+        is set once the server has the whole request (a stream's first reply chunk), before it works."""
         if self._token is not None:
             message = Message(message.kind, {**message.header, "auth": self._token}, message.tensors)
         data = pack(message)
         stage = message.header.get("stage", -1)
-        reply_bytes = await asyncio.wait_for(self._exchange(peer_id, kind, data), timeout=timeout_s)
+        exchange = self._exchange(peer_id, kind, data, received)
+        reply_bytes = await asyncio.wait_for(exchange, timeout=timeout_s)
         try:
             reply = unpack(reply_bytes, MAX_REPLY_BYTES)
         except ProtocolError as exc:
@@ -308,7 +325,9 @@ class StageClient:
         except ProtocolError as exc:
             raise TruncatedReply(f"{len(reply_bytes)}-byte reply from {peer_id}: {exc}") from None
 
-    async def _exchange(self, peer_id: PeerID, kind: str, data: bytes) -> bytes:
+    async def _exchange(
+        self, peer_id: PeerID, kind: str, data: bytes, received: asyncio.Event | None = None
+    ) -> bytes:
         stub = StageServicer.get_stub(self.p2p, peer_id, namespace=self.namespace)
         if kind in UNARY_KINDS:
             response = await getattr(stub, f"rpc_{kind}")(runtime_pb2.ExpertRequest(metadata=data))
@@ -321,7 +340,7 @@ class StageClient:
         if kind not in STREAM_KINDS:
             raise ValueError(f"no handler for message kind {kind!r}")
         stream = await getattr(stub, f"rpc_{kind}")(requests())
-        return await _collect_reply(stream)
+        return await _collect_reply(stream, received)
 
     async def connect(self, peer_id: PeerID, addresses: list[str], timeout_s: float) -> bool:
         """Best effort: tell our p2pd where a peer listens (its DHT may not know it yet)."""

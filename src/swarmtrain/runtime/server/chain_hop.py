@@ -103,6 +103,7 @@ class ChainHop:
         self.worker, self.compute, self.client, self.next_stage = worker, compute, client, next_stage
         self.io, self.digest, self.num_stages, self.peer_id = io, digest, num_stages, peer_id
         self.retries = 0  # calls to the next stage that failed and went to another candidate
+        self._lanes: dict[str, asyncio.Lock] = {}  # per next-stage peer: one upload at a time
 
     async def run(self, chain: ChainRequest, admitted: Admitted) -> Message:
         forward = chain.forward
@@ -158,7 +159,7 @@ class ChainHop:
                 break
             message = self._next_message(chain, outputs, flags, timeout_s)
             try:
-                reply = await self.client.call(PeerID.from_base58(peer), message.kind, message, timeout_s)
+                reply = await self._call_in_lane(peer, message, timeout_s)
                 grad = checked_grad_reply(reply, tuple(forward.inputs.shape[:2]), self.io.d_model)
                 return reply, self._hops(chain, peer, reply), grad
             except ProtocolError as exc:  # a malformed reply: it may have applied, like a cut-off one
@@ -171,6 +172,22 @@ class ChainHop:
             self.retries += 1
             logger.info("chain %s: stage %d peer %s failed (%s)", forward.micro_batch_id, stage, peer[-8:], last_reason)
         raise NextHopFailed(f"stage {stage}: every candidate failed, last: {last_reason}")
+
+    async def _call_in_lane(self, peer: str, message: Message, timeout_s: float) -> Message:
+        """Call `peer`, one upload at a time per peer: the lane is held until the peer has the whole
+        request. Uploads sent together share the link fairly and all arrive at the end, so the next
+        stage computed nothing while the link was busy and the link idled while it computed; one at a
+        time, it computes one micro-batch while the next arrives."""
+        lane = self._lanes.setdefault(peer, asyncio.Lock())
+        received = asyncio.Event()
+        async with lane:
+            call = asyncio.ensure_future(
+                self.client.call(PeerID.from_base58(peer), message.kind, message, timeout_s, received)
+            )
+            arrived = asyncio.ensure_future(received.wait())
+            await asyncio.wait({call, arrived}, return_when=asyncio.FIRST_COMPLETED)
+            arrived.cancel()
+        return await call
 
     def _next_message(self, chain: ChainRequest, outputs, flags: list[bool], timeout_s: float) -> Message:
         forward, stage = chain.forward, self.io.stage + 1
