@@ -46,14 +46,12 @@ from swarmtrain.config import load_run_config
 from swarmtrain.runtime.harness.cpu_quota import CpuQuota, CpuQuotaError
 from swarmtrain.runtime.harness.local_swarm import LocalSwarm, write_run_toml
 from swarmtrain.runtime.ledger import read_ledger
+from swarmtrain.runtime.server.server_metrics import metrics_from_log
 from swarmtrain.sim.base import SimConfig
 from swarmtrain.sim.entities import DEVICE_TYPES, Fleet, PeerSpec, single_location
 from swarmtrain.sim.report import format_table
 from swarmtrain.sim.runner import run_simulation
 
-METRICS = re.compile(
-    r"metrics stage=(\d+) step=(\d+) .*?samples_forward=(\d+) busy_s=([\d.]+) work_cpu_s=([\d.]+)"
-)
 LOOPBACK_BYTES_PER_S = 10e9 / 8
 WARMUP_S = 8.0
 IDLE_WINDOW_S = 6.0  # servers ready, no trainer yet: their idle CPU baseline
@@ -76,10 +74,9 @@ def cpu_snapshot(swarm: LocalSwarm, names: list[str]) -> dict[str, tuple[float, 
     measures it: compute-thread and transport thread time, runtime/server/capacity.py)."""
     out = {}
     for name in names:
-        points = METRICS.findall(swarm.processes[name].log_text())
-        samples, step, work = (
-            (int(points[-1][2]), int(points[-1][1]), float(points[-1][4])) if points else (0, 0, 0.0)
-        )
+        points = metrics_from_log(swarm.processes[name].log_text())
+        last = points[-1] if points else None
+        samples, step, work = (last.samples_forward, last.step, last.work_cpu_s) if last else (0, 0, 0.0)
         out[name] = (swarm.quotas[name].cpu_s(), samples, step, time.monotonic(), work)
     return out
 

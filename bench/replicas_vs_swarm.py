@@ -78,6 +78,7 @@ from swarmtrain.config import RunConfig, get_preset, load_run_config
 from swarmtrain.runtime.harness import netbed
 from swarmtrain.runtime.harness.local_swarm import LocalSwarm, SwarmStartError, write_run_toml
 from swarmtrain.runtime.ledger import read_ledger
+from swarmtrain.runtime.server.server_metrics import metrics_from_log
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_BANDWIDTHS = "4,8,16,32,inf"
@@ -94,7 +95,6 @@ POLL_S = 0.5
 
 TRAINER_PROGRESS = re.compile(r"samples (\d+) loss ([\d.]+) samples/s ([\d.]+)")
 REPLICA_PROGRESS = re.compile(r"run at ~(\d+) samples\), outer step \d+, loss ([\d.]+), ([\d.]+) samples/s")
-SERVER_METRICS = re.compile(r"metrics .*?samples_forward=(\d+) busy_s=([\d.]+)")
 
 
 @dataclass(frozen=True)
@@ -253,7 +253,7 @@ def wait_workers(mode: str, swarm: LocalSwarm, workers: list[str], timeout_s: fl
 def stage_compute_s_per_sample(log_text: str, samples: int) -> float | None:
     """A server's busy seconds per sample forwarded (forward + backward), from its metrics lines: from
     the first with traffic to the last before the final evaluation's forwards (samples <= the run's)."""
-    points = [(int(s), float(b)) for s, b in SERVER_METRICS.findall(log_text) if int(s) > 0]
+    points = [(m.samples_forward, m.busy_s) for m in metrics_from_log(log_text) if m.samples_forward > 0]
     points = [p for p in points if p[0] <= samples] or points
     if len(points) < 2 or points[-1][0] == points[0][0]:
         return None

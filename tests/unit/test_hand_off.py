@@ -1,5 +1,5 @@
-"""Direct hand-off's pure parts (net/hand_off.py): the `chain` message and its checks, hop reports, the
-classification of failures and what each does to the accumulate flags (at most once per stage)."""
+"""Direct hand-off's pure parts (net/hand_off.py): the `chain` message and its checks, hop reports and hop
+service times (the failure table is tests/unit/test_failures.py)."""
 
 import dataclasses
 
@@ -9,18 +9,13 @@ import torch
 from swarmtrain.config import get_preset
 from swarmtrain.net import codec
 from swarmtrain.net.hand_off import (
-    NEXT_HOP_FAILED,
     HopReport,
-    Outcome,
     chain_message,
-    classify_failure,
-    flags_after,
     hop_service_times,
     validate_chain,
     validate_hops,
 )
 from swarmtrain.net.protocol import ProtocolError, StageIO, pack, unpack
-from swarmtrain.net.transport import RemoteError, TruncatedReply
 
 pytestmark = pytest.mark.unit
 
@@ -43,8 +38,16 @@ def _chain(cfg, stage=0, route=None, flags=None, n=2, **header):
     route = route if route is not None else [["p1", "p1b"], ["p2"]][stage:]
     flags = flags if flags is not None else [True] * (1 + len(route))
     message = chain_message(
-        "mb-1", stage, DIGEST, "none", codec.encode(inputs, "none"),
-        codec.encode(torch.randint(0, 256, (n, seq)), "none"), route, flags, step=3, **header,
+        "mb-1",
+        stage,
+        DIGEST,
+        "none",
+        codec.encode(inputs, "none"),
+        codec.encode(torch.randint(0, 256, (n, seq)), "none"),
+        route,
+        flags,
+        step=3,
+        **header,
     )
     return unpack(pack(message), 10**8)  # as a server receives it
 
@@ -110,38 +113,3 @@ def test_service_time_of_a_hop_is_its_own_work_plus_the_transfer_into_it():
         HopReport(1, "b", 2, server_s=0.7, compute_s=0.6, step_wait_s=0.0, child_s=0.0),
     ]
     assert hop_service_times(2.0, hops) == pytest.approx([0.7 + 0.2, 0.7 + 0.3])
-
-
-@pytest.mark.parametrize(
-    "exc,outcome",
-    [
-        (RemoteError("unavailable", "leaving"), Outcome.NEVER_RAN),
-        (RemoteError("stale", "applied"), Outcome.NEVER_RAN),
-        (RemoteError("timeout", "queue"), Outcome.NEVER_RAN),
-        (RemoteError("digest_mismatch", "x"), Outcome.NEVER_RAN),
-        (RemoteError("internal", "bug"), Outcome.MAYBE_APPLIED),
-        (RemoteError(NEXT_HOP_FAILED, "stage 1 gone"), Outcome.NEXT_FAILED),
-        (RemoteError("bad_request", "x"), Outcome.FATAL),
-        (RemoteError("unauthorized", "x"), Outcome.FATAL),
-        (TimeoutError(), Outcome.MAYBE_APPLIED),
-        (TruncatedReply("cut"), Outcome.MAYBE_APPLIED),
-        (ConnectionResetError(), Outcome.GONE),
-    ],
-)
-def test_failures_are_classified(exc, outcome):
-    assert classify_failure(exc) is outcome
-
-
-def test_a_bug_is_not_a_failure_of_the_peer():
-    with pytest.raises(KeyError):
-        classify_failure(KeyError("x"))
-
-
-def test_flags_after_a_failure_never_let_a_stage_apply_twice():
-    flags = [True, True, True]
-    assert flags_after(flags, Outcome.NEVER_RAN) == flags
-    # the called peer is gone with its accumulator; later stages may hold the micro-batch
-    assert flags_after(flags, Outcome.GONE) == [True, False, False]
-    assert flags_after(flags, Outcome.NEXT_FAILED) == [True, False, False]
-    assert flags_after(flags, Outcome.MAYBE_APPLIED) == [False, False, False]
-    assert flags_after([False, True], Outcome.NEVER_RAN) == [False, True]  # False stays False

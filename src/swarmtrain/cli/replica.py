@@ -105,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
     replica_batch_samples(cfg, shard_count)  # a bad split is a config error before any process starts
     prepare_process()
     from swarmtrain.net.engine import validate_initial_peers
+    from swarmtrain.runtime.faults import FaultHooks
     from swarmtrain.runtime.replica.replica_peer import ReplicaOptions, run_replica
 
     options = ReplicaOptions(
@@ -119,6 +120,7 @@ def run(args: argparse.Namespace) -> int:
         swap_budget_bytes=args.offload_budget_mb * 2**20 if args.offload_budget_mb else None,
         device=args.device,
         init_from_hf=args.init_from_hf,
+        faults=FaultHooks.from_environ(),  # tests make one replica faulty through its environment
     )
     peers = validate_initial_peers(args.initial_peers)
     summary = run_replica(cfg, options, peers, network_from_args(args))

@@ -103,10 +103,10 @@ def run(args: argparse.Namespace) -> int:
     from swarmtrain.config.errors import UserError
 
     prepare_process()
-    import dataclasses
-
     from swarmtrain.net.engine import validate_initial_peers
-    from swarmtrain.runtime.server.stage_server import ServerOptions, StageServer
+    from swarmtrain.runtime.faults import FaultHooks
+    from swarmtrain.runtime.server.server_process import ServerOptions, ServerProcess
+    from swarmtrain.runtime.server.stage_service import StageOptions
 
     cfg = _with_checkpoint_overrides(run_config_from_args(args), args)
     initial_peers = validate_initial_peers(args.initial_peers)
@@ -121,32 +121,26 @@ def run(args: argparse.Namespace) -> int:
         from swarmtrain.runtime.server.stage_choice import choose_stage_live
 
         stage = choose_stage_live(cfg, initial_peers, network)
-    options = ServerOptions(
-        stage=stage,
-        initial_peers=initial_peers,
-        network=network,
-        threads=args.threads,
+    stage_options = StageOptions(
         cache_size=args.cache_size,
         cache_max_bytes=args.cache_mb << 20,
-        ledger_path=args.ledger,
-        metrics_period_s=args.metrics_period_s,
         min_matchmaking_time_s=args.matchmaking_time_s,
         checkpoint_dir=args.checkpoint_dir,
         fresh_start=args.fresh_start,
         init_from_hf=args.init_from_hf,
     )
-    dht = runner = None
-    while True:
-        server = StageServer(cfg, options, dht, runner)
-        code = server.run()
-        if not server.moving:
-            return code
-        # the old stage is shut down (offline, checkpointed, its averager gone): join the new stage
-        # in this process, on the same DHT node and loop (same peer id, connections, process group)
-        assert server.move_to is not None  # `moving` says so
-        options = dataclasses.replace(options, stage=server.move_to, moved_from=server.move)
-        dht, runner = server.dht, server.runner
-        del server  # released before the next stage's server is built and downloads its state
+    options = ServerOptions(
+        stage=stage,
+        initial_peers=initial_peers,
+        network=network,
+        threads=args.threads,
+        ledger_path=args.ledger,
+        metrics_period_s=args.metrics_period_s,
+        stage_options=stage_options,
+        faults=FaultHooks.from_environ(),  # tests make one server faulty through its environment
+    )
+    # one process for its whole life: a move to another stage happens inside `run()`
+    return ServerProcess(cfg, options).run()
 
 
 def _with_checkpoint_overrides(cfg, args: argparse.Namespace):

@@ -13,7 +13,7 @@ import time
 
 from swarmtrain.config import RunConfig
 
-# what servers publish in their metrics record (runtime/server/stage_server.py) that the monitor shows
+# what servers publish in their metrics record (runtime/server/server_metrics.py) that the monitor shows
 SERVER_KEYS = ("stage", "step", "resyncs", "lost_samples", "duplicates", "recomputed", "late", "moved")
 # trainer counters beyond `swarm_snapshot`'s, shown when a trainer publishes them (None otherwise)
 TRAINER_EXTRA_KEYS = ("retries", "timeouts")

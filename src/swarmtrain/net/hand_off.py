@@ -1,5 +1,5 @@
-"""Direct hand-off between stage servers: the `chain` message, the report a chain returns, and what a
-failed call means for accumulation (a pure classification every retry loop shares).
+"""Direct hand-off between stage servers: the `chain` message and the report a chain returns (what a
+failed call means for accumulation is net/failures.py, which every retry loop shares).
 
 A trainer sends a micro-batch (token ids, labels, the route: candidate peers for every later stage) to
 a stage server as one `chain` request. The server runs its forward, calls the next stage of the route
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from enum import Enum
 
 from swarmtrain.net import codec
 from swarmtrain.net.protocol import (
@@ -30,15 +29,9 @@ from swarmtrain.net.protocol import (
     StageRequest,
     validate_request,
 )
-from swarmtrain.net.transport import RemoteError, TruncatedReply, is_connection_error
 
 CHAIN_KIND = "chain"
 MAX_CANDIDATES = 4  # per stage of a route: the chosen peer and its alternates
-# answers that say the request never ran there (nothing applied): another peer may take it as it is
-NEVER_RAN_CODES = ("unavailable", "timeout", "stale", "digest_mismatch")
-# a hop's answer when no candidate of the next stage completed: the hop applied nothing, later stages may
-NEXT_HOP_FAILED = "next_hop_failed"
-FATAL_CODES = ("bad_request", "too_large", "version", "unauthorized")
 
 
 @dataclass
@@ -160,7 +153,11 @@ def validate_hops(
     reports = []
     for offset, hop in enumerate(hops):
         stage = first_stage + offset
-        if not isinstance(hop, dict) or hop.get("stage") != stage or hop.get("peer") not in candidates[offset]:
+        if (
+            not isinstance(hop, dict)
+            or hop.get("stage") != stage
+            or hop.get("peer") not in candidates[offset]
+        ):
             raise ProtocolError(f"hop {offset} of a chain reply is not a candidate of stage {stage}")
         acc = hop.get("acc")
         if acc not in (0, num_samples) or isinstance(acc, bool):
@@ -171,48 +168,18 @@ def validate_hops(
 
 
 def _seconds(value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < 0
+    ):
         return 0.0
     return float(value)
 
 
 def _count(value) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
-
-
-# failures -------------------------------------------------------------------------------------------
-class Outcome(Enum):
-    """What a failed call says about the called stage and the stages after it."""
-
-    NEVER_RAN = "never_ran"  # refused before any work (busy, leaving, stale, wrong run): nothing applied
-    GONE = "gone"  # the peer is unreachable: whatever it accumulated died with it; later stages may have
-    NEXT_FAILED = "next_failed"  # the peer applied nothing, the stages after it may have
-    MAYBE_APPLIED = "maybe_applied"  # silent or cut off: the peer and every later stage may have applied
-    FATAL = "fatal"  # our request is wrong (or we may not ask): no retry can help
-
-
-def classify_failure(exc: BaseException) -> Outcome:
-    if isinstance(exc, RemoteError):
-        if exc.code in FATAL_CODES:
-            return Outcome.FATAL
-        if exc.code == NEXT_HOP_FAILED:
-            return Outcome.NEXT_FAILED
-        return Outcome.NEVER_RAN if exc.code in NEVER_RAN_CODES else Outcome.MAYBE_APPLIED
-    if isinstance(exc, (TimeoutError, TruncatedReply)):
-        return Outcome.MAYBE_APPLIED
-    if is_connection_error(exc):
-        return Outcome.GONE
-    raise exc  # a bug, not a failure of the peer
-
-
-def flags_after(flags: list[bool], outcome: Outcome) -> list[bool]:
-    """Accumulate flags for the retry of a call that failed with `outcome`: `flags[0]` is the called
-    stage's, the rest are the later stages'. A flag that is False stays False."""
-    if outcome is Outcome.NEVER_RAN:
-        return list(flags)
-    if outcome in (Outcome.GONE, Outcome.NEXT_FAILED):
-        return [flags[0]] + [False] * (len(flags) - 1)
-    return [False] * len(flags)
 
 
 def hop_service_times(call_s: float, hops: list[HopReport]) -> list[float]:

@@ -30,7 +30,14 @@ logger = get_logger(__name__)
 
 CHUNK_BYTES = 512 * 1024
 STREAM_KINDS = (
-    "forward", "backward", "forward_backward", "evaluate", "chain", "grads", "step_means", "round_mean"
+    "forward",
+    "backward",
+    "forward_backward",
+    "evaluate",
+    "chain",
+    "grads",
+    "step_means",
+    "round_mean",
 )
 UNARY_KINDS = ("info", "close")
 MAX_REPLY_BYTES = 1 << 30

@@ -39,7 +39,7 @@ from swarmtrain.net.engine import PeerNetwork
 from swarmtrain.net.outer_averaging import WIRE_BYTES_PER_ELEMENT, RoundResult
 from swarmtrain.net.robust import norm_of
 from swarmtrain.planner.outer_rounds import INITIAL_LINEAGE, RoundState, next_lineage, started_from_reference
-from swarmtrain.runtime import byzantine
+from swarmtrain.runtime.faults import NO_FAULTS, FaultHooks
 from swarmtrain.runtime.replica.replica_inner import InnerTrainer
 from swarmtrain.runtime.replica.round_repair import RoundRepair
 from swarmtrain.utils.logging import get_logger
@@ -68,6 +68,7 @@ class ReplicaOptions:
     swap_budget_bytes: float | None = None  # stream the blocks through `device` within this budget
     device: str = "cpu"
     init_from_hf: str | None = None  # initial weights from this Hugging Face model directory (--init-from-hf)
+    faults: FaultHooks = NO_FAULTS  # a faulty replica, for tests (runtime/faults.py)
 
 
 @dataclass
@@ -311,7 +312,7 @@ class ReplicaPeer:
             "fp": fingerprint(self.outer.anchor),
             "samples": self.round_samples,
         }
-        self._sent = byzantine.corrupted(self.outer.pseudo_gradients(), k)
+        self._sent = self.options.faults.corrupted(self.outer.pseudo_gradients(), k)
         result = self.averager.average(
             self._sent,
             weight=self.round_samples or 1e-3,  # a joiner at the round's end trained nothing in it
@@ -487,7 +488,7 @@ def run_replica(
             allreduce_timeout_s=d.averaging_timeout_s,
             members_keys=(replicas_key(cfg.swarm.run_id),) if network and network.run_key else (),
             client_mode=bool(network and network.client_mode),
-            drop_results_in=byzantine.drop_results_in(),
+            drop_results_in=options.faults.drop_results_in,
         )
         return averager
 

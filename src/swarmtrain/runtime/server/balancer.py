@@ -18,7 +18,7 @@ its next announce period instead of waiting for its period: the rest of a plan f
 within seconds. (Before, a single lease blocked every other move for max(30 s, 5 periods), and going
 from 4+1 to 1+4 servers took three leases, 67 s at a 4 s period: bench/rebalance_live.py.)
 
-How a server moves (runtime/server/stage_server.py, cli/server.py): it stops announcing (offline), finishes and
+How a server moves (runtime/server/server_process.py): it stops announcing (offline), finishes and
 shuts down its stage like a graceful stop but keeps its DHT node; the same process then builds a server
 for the target stage on that node, which joins like any joiner (downloads parameters and optimizer
 state from that stage's peers) and logs and publishes what the move cost. hivemind's averager holds a

@@ -18,17 +18,8 @@ from hivemind.p2p import PeerID
 from torch import Tensor
 
 from swarmtrain.net.dht_records import RunRecords
-from swarmtrain.net.hand_off import (
-    NEXT_HOP_FAILED,
-    ChainRequest,
-    HopReport,
-    Outcome,
-    chain_message,
-    classify_failure,
-    flags_after,
-    last_hop,
-    validate_hops,
-)
+from swarmtrain.net.failures import NEXT_HOP_FAILED, Outcome, classify_failure, flags_after
+from swarmtrain.net.hand_off import ChainRequest, HopReport, chain_message, last_hop, validate_hops
 from swarmtrain.net.protocol import (
     Message,
     ProtocolError,
@@ -143,7 +134,9 @@ class ChainHop:
         header["hops"] += [hop.to_dict() for hop in hops]
         return Message("result", header, dict(result.tensors))
 
-    async def _call_next(self, chain: ChainRequest, outputs, deadline_s: float) -> tuple[Message, list, Tensor]:
+    async def _call_next(
+        self, chain: ChainRequest, outputs, deadline_s: float
+    ) -> tuple[Message, list, Tensor]:
         """The next stage's reply, its hop reports and the gradient of our outputs, trying the route's
         candidates in order."""
         forward, stage = chain.forward, self.io.stage + 1
@@ -170,7 +163,13 @@ class ChainHop:
                 raise NextHopFailed(f"stage {stage} peer {peer} refused: {last_reason}", "bad_request")
             flags = flags_after(flags, outcome)
             self.retries += 1
-            logger.info("chain %s: stage %d peer %s failed (%s)", forward.micro_batch_id, stage, peer[-8:], last_reason)
+            logger.info(
+                "chain %s: stage %d peer %s failed (%s)",
+                forward.micro_batch_id,
+                stage,
+                peer[-8:],
+                last_reason,
+            )
         raise NextHopFailed(f"stage {stage}: every candidate failed, last: {last_reason}")
 
     async def _call_in_lane(self, peer: str, message: Message, timeout_s: float) -> Message:

@@ -33,7 +33,6 @@ from swarmtrain.model.diloco import OuterOptimizer
 from swarmtrain.model.hf_checkpoint import load_stage_from_hf
 from swarmtrain.model.optim import build_optimizer, lr_at, set_lr
 from swarmtrain.net.protocol import Message, ProtocolError, StageRequest, make_message
-from swarmtrain.runtime import byzantine
 from swarmtrain.runtime.ledger import Ledger
 
 
@@ -66,10 +65,12 @@ class StageWorker:
         ledger: Ledger | None = None,
         cache_max_bytes: int = 512 << 20,
         init_from_hf: str | Path | None = None,
+        fault_grad_scale: float = 1.0,
     ) -> None:
         """`init_from_hf`: a Hugging Face model directory whose weights replace the seed's initial ones
         (only this stage's tensors are read); they are what a stage with no trained replica or
-        checkpoint starts from, like the seed's weights would be."""
+        checkpoint starts from, like the seed's weights would be. `fault_grad_scale`: a byzantine
+        replica's factor on its gradient sums (tests; runtime/faults.py)."""
         self.cfg, self.spec = cfg, spec
         self.module = build_stage(cfg.model, spec, seed=cfg.training.seed)
         if init_from_hf is not None:  # before the optimizer and the live copy are made from the parameters
@@ -94,8 +95,8 @@ class StageWorker:
         self.state_lock = threading.Lock()  # parameters/optimizer vs. export to joining peers
         self.epoch = 0  # optimizer steps applied = the global step whose micro-batches come next
         self.samples_seen = 0
-        # a byzantine replica for tests (runtime/byzantine.py): its gradient sums come out scaled
-        self.fault_grad_scale = byzantine.grad_scale()
+        # a byzantine replica for tests (runtime/faults.py): its gradient sums come out scaled
+        self.fault_grad_scale = fault_grad_scale
         self.buckets: dict[int, Bucket] = {}
         self.counters = dict(
             forward=0,

@@ -2,10 +2,11 @@
 (one peer per later stage by the routers' IWRR, plus untouched alternates), sends token ids, labels and
 the route to a stage-0 peer, and gets back the loss and one report per stage.
 
-Retries are a short loop around `classify_failure`: the failed call's outcome says which stages may
-have applied the micro-batch (`flags_after`), the retry asks those not to accumulate again, and while
-any stage may hold it the retry is persistent (giving up would leave the stages disagreeing on the
-step's batch), as the relayed path's backward is. A stage-0 peer that is gone is banned; a chain whose
+Retries are a short loop around `on_request_failure` (net/failures.py, the table the relayed path
+uses too): the failed call's outcome says which stages may have applied the micro-batch
+(`flags_after`), the retry asks those not to accumulate again, and while any stage may hold it the
+retry is persistent (giving up would leave the stages disagreeing on the step's batch), as the relayed
+path's backward is. A stage-0 peer that is gone (or answers `digest_mismatch`) is banned; a chain whose
 later hop failed is retried on a new route.
 """
 
@@ -13,29 +14,20 @@ from __future__ import annotations
 
 import asyncio
 import math
-import random
 import time
 
 from hivemind.p2p import PeerID
 
 from swarmtrain.net.codec import EncodedTensor
-from swarmtrain.net.hand_off import (
-    HopReport,
-    Outcome,
-    chain_message,
-    classify_failure,
-    flags_after,
-    hop_service_times,
-    validate_hops,
-)
+from swarmtrain.net.failures import FailureAction, Outcome, flags_after, on_request_failure
+from swarmtrain.net.hand_off import HopReport, chain_message, hop_service_times, validate_hops
 from swarmtrain.net.protocol import ProtocolError
 from swarmtrain.planner.routing import BACKWARD_WEIGHT, FORWARD_CHARGE, FORWARD_WEIGHT
 from swarmtrain.runtime.trainer.stage_calls import (
-    BACKOFF_BASE_S,
-    BACKOFF_MAX_S,
     PERSISTENT_ATTEMPTS,
     MicroBatchFailed,
     StageCaller,
+    retry_delay_s,
 )
 from swarmtrain.utils.logging import get_logger
 
@@ -56,7 +48,7 @@ class ChainCaller:
         """The micro-batch's loss and every stage's report (the stage-0 peer's first)."""
         caller, flags = self.caller, [True] * self.num_stages
         budget_s = caller.swarm.request_timeout_s * self.num_stages  # every hop waits on the next
-        attempt, excluded = 0, set()
+        attempt, excluded = 0, set[str]()
         while True:
             route = await self._route(n)
             peer = await caller._pick(0, n, FORWARD_CHARGE, excluded)
@@ -68,10 +60,11 @@ class ChainCaller:
                 reply = await caller.client.call(PeerID.from_base58(peer), "chain", message, budget_s)
                 return self._finished(reply, [[peer], *route], n, time.monotonic() - start_s)
             except ProtocolError as exc:  # a malformed report: the chain may have run
-                outcome, reason, timed_out = Outcome.MAYBE_APPLIED, str(exc), False
+                failure, reason = FailureAction(Outcome.MAYBE_APPLIED), str(exc)
             except Exception as exc:
-                outcome, reason, timed_out = classify_failure(exc), f"{exc!r:.160}", isinstance(exc, TimeoutError)
-            self._count(outcome, peer, n, budget_s if timed_out else None)
+                failure, reason = on_request_failure(exc), f"{exc!r:.160}"
+            self._count(failure, peer, n, budget_s)
+            outcome = failure.outcome
             if outcome is Outcome.FATAL:
                 raise MicroBatchFailed(f"stage 0 peer {peer} refused the chain of {mb}: {reason}")
             if outcome is not Outcome.NEXT_FAILED:
@@ -84,7 +77,7 @@ class ChainCaller:
                 raise MicroBatchFailed(f"chain of {mb}: {attempt} attempts failed, last: {reason}")
             caller.retries += 1
             logger.info("chain of %s via %s failed (%s); retry %d", mb, peer[-8:], reason, attempt)
-            await asyncio.sleep(min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2**attempt) * (0.5 + random.random()))
+            await asyncio.sleep(retry_delay_s(attempt))
 
     async def _route(self, n: int) -> list[list[str]]:
         """For every stage after the first: the peer IWRR picks (charged for the micro-batch), then
@@ -111,12 +104,14 @@ class ChainCaller:
         self.caller._time(0, "chain", call_s, {"server_s": head.server_s, "compute_s": head.compute_s})
         return float(loss), hops
 
-    def _count(self, outcome: Outcome, peer: str, n: int, timed_out_after_s: float | None) -> None:
-        """A gone stage-0 peer is banned; a silent one is charged the time it kept us waiting."""
+    def _count(self, failure: FailureAction, peer: str, n: int, budget_s: float) -> None:
+        """A gone stage-0 peer (or one serving another run) is banned; a silent one is charged the
+        time it kept us waiting."""
         caller = self.caller
-        if outcome is Outcome.GONE:
+        if failure.outcome is Outcome.GONE:
             caller.connection_errors += 1
+        if failure.ban:
             self.table.ban(0, peer)
-        elif timed_out_after_s is not None:
+        if failure.timed_out:
             caller.timeouts += 1
-            self.table.report(0, peer, n, timed_out_after_s, HOP_WEIGHT)
+            self.table.report(0, peer, n, budget_s, HOP_WEIGHT)

@@ -1,11 +1,11 @@
 """One call to "some peer of stage s", with peer choice, timeouts, retries, bans and waiting.
 
-Failure policy (DESIGN.md section 5):
+Failure policy (docs/ARCHITECTURE.md; the table is net/failures.py, shared with the chain path):
 - timeout -> the peer is slow or hung: retry on another peer (and fold the timeout into its EMA);
 - connection error -> the peer is gone: ban it until its record expires or it re-announces;
 - error answer -> `unavailable`/`timeout`/`internal`: try another peer; `digest_mismatch`: ban;
-  `bad_request`/`too_large`: our request is wrong, retrying cannot help; `unauthorized`: a private
-  run and we hold no (or another) run key;
+  `bad_request`/`too_large`/`version`: our request is wrong, retrying cannot help; `unauthorized`: a
+  private run and we hold no (or another) run key;
 - retries are bounded (`swarm.max_retries`) with exponential backoff; a backward whose micro-batch a
   later stage has already accumulated is `persistent`: it keeps trying (up to `PERSISTENT_ATTEMPTS`,
   waiting for live peers) because giving up would leave the stages disagreeing on the step's batch;
@@ -13,7 +13,9 @@ Failure policy (DESIGN.md section 5):
 - a backward (or fused forward+backward) retried after a timeout, a cut-off reply or an internal error
   may already be accumulated by the silent peer, which may wake up and average it: the retry asks for
   the input gradient only (`accumulate=False`). A stage applies each micro-batch at most once; what the
-  silent peer then drops is counted as lost, never doubled;
+  silent peer then drops is counted as lost, never doubled. A peer gone with a connection error took
+  its accumulator with it: the retry still accumulates;
+- any other exception is a bug, not a failure of the peer: it is raised;
 - no live peer at all -> wait (not counted as a retry) with one clear log line every few seconds.
 """
 
@@ -26,8 +28,9 @@ import time
 from hivemind.p2p import PeerID
 
 from swarmtrain.config import SwarmConfig
+from swarmtrain.net.failures import FailureAction, Outcome, flags_after, on_request_failure
 from swarmtrain.net.protocol import Message, request_message
-from swarmtrain.net.transport import RemoteError, StageClient, TruncatedReply, is_connection_error
+from swarmtrain.net.transport import StageClient
 from swarmtrain.runtime.trainer.peer_table import PeerTable
 from swarmtrain.utils.logging import get_logger
 
@@ -36,8 +39,13 @@ logger = get_logger(__name__)
 NO_PEER_LOG_PERIOD_S = 5.0
 BACKOFF_BASE_S = 0.05
 BACKOFF_MAX_S = 2.0
-FATAL_CODES = ("bad_request", "too_large", "version", "unauthorized")
 PERSISTENT_ATTEMPTS = 60
+ACCUMULATING_KINDS = ("backward", "forward_backward")  # calls a stage accumulates gradients of
+
+
+def retry_delay_s(attempt: int) -> float:
+    """How long to wait before retry `attempt` (1, 2, ...): exponential backoff with jitter."""
+    return min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2**attempt) * (0.5 + random.random())
 
 
 class MicroBatchFailed(RuntimeError):
@@ -136,52 +144,25 @@ class StageCaller:
         message = request_message(
             kind, mb, stage, self.digest, self.codec, tensors, timeout_s=timeout_s, **header
         )
-        accumulates = kind in ("backward", "forward_backward")
         max_attempts = PERSISTENT_ATTEMPTS if persistent else self.swarm.max_retries
-        attempt, excluded = 0, set()
+        cost = weight if charge is None else charge
+        attempt, excluded = 0, set[str]()
         while True:
-            peer = None
-            if prefer is not None and attempt == 0:
-                others = set(self.table.routers[stage].peers) - {prefer}
-                peer = self.table.choose(stage, num_samples, 0.0, exclude=others)
-            if peer is None:
-                peer = await self._pick(stage, num_samples, weight if charge is None else charge, excluded)
+            peer = await self._choose(stage, num_samples, cost, excluded, prefer if attempt == 0 else None)
             start = time.monotonic()
             try:
-                reply = await self.client.call(
-                    PeerID.from_base58(peer), "info" if kind == "info" else kind, message, timeout_s
-                )
+                reply = await self.client.call(PeerID.from_base58(peer), kind, message, timeout_s)
+            except Exception as exc:
+                failure = on_request_failure(exc)  # raises what is no failure of the peer (a bug)
+                if failure.outcome is Outcome.FATAL:
+                    raise MicroBatchFailed(f"stage {stage} peer {peer} refused {kind}: {exc}") from None
+                message = self._after_failure(failure, message, stage, peer, num_samples, weight)
+                reason = f"timeout after {timeout_s:.1f}s" if failure.timed_out else f"{exc!r:.160}"
+            else:
                 elapsed_s = time.monotonic() - start
                 self.table.report(stage, peer, num_samples, _service_s(elapsed_s, reply.header), weight)
                 self._time(stage, kind, elapsed_s, reply.header)
                 return reply, peer
-            except TimeoutError:
-                self.timeouts += 1
-                self.table.report(stage, peer, num_samples, timeout_s, weight)
-                reason = f"timeout after {timeout_s:.1f}s"
-                maybe_applied = True
-            except RemoteError as exc:
-                if exc.code in FATAL_CODES:
-                    raise MicroBatchFailed(f"stage {stage} peer {peer} refused {kind}: {exc}") from None
-                if exc.code == "digest_mismatch":
-                    self.table.ban(stage, peer)
-                reason = str(exc)
-                maybe_applied = exc.code == "internal"  # "timeout"/"unavailable"/"stale": it never ran
-            except TruncatedReply as exc:
-                reason = str(exc)  # the peer answered before: retry, but do not ban it
-                maybe_applied = True
-            except Exception as exc:
-                if not is_connection_error(exc):
-                    raise
-                self.connection_errors += 1
-                self.table.ban(stage, peer)
-                reason = f"connection error {exc!r:.120}"
-                maybe_applied = False  # the peer is gone, and its accumulator with it
-            if accumulates and maybe_applied and message.header.get("accumulate", True):
-                # the silent peer may still apply this gradient: the retry returns the input gradient
-                # without accumulating, so the stage applies it at most once (or loses it, counted)
-                message = Message(message.kind, {**message.header, "accumulate": False}, message.tensors)
-                self.not_accumulated += 1
             excluded.add(peer)
             attempt += 1
             if attempt > max_attempts:
@@ -192,7 +173,42 @@ class StageCaller:
             logger.info(
                 "stage %d %s of %s on %s failed (%s); retry %d", stage, kind, mb, peer[-8:], reason, attempt
             )
-            await asyncio.sleep(min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2**attempt) * (0.5 + random.random()))
+            await asyncio.sleep(retry_delay_s(attempt))
+
+    async def _choose(
+        self, stage: int, num_samples: int, charge: float, excluded: set, prefer: str | None
+    ) -> str:
+        """`prefer` if it is usable now, charged nothing (its forward already paid for this call);
+        else the router's pick, charged `charge` (waiting while the stage has no usable peer)."""
+        if prefer is not None:
+            others = set(self.table.routers[stage].peers) - {prefer}
+            peer = self.table.choose(stage, num_samples, 0.0, exclude=others)
+            if peer is not None:
+                return peer
+        return await self._pick(stage, num_samples, charge, excluded)
+
+    def _after_failure(
+        self, failure: FailureAction, message: Message, stage: int, peer: str, num_samples: int, weight: float
+    ) -> Message:
+        """Count a failed call, ban or charge its peer, and return the message to retry with: a
+        gradient the failed peer may still apply is asked for without accumulating, so the stage
+        applies it at most once (or loses it, counted in `not_accumulated`)."""
+        if failure.timed_out:
+            self.timeouts += 1
+            self.table.report(stage, peer, num_samples, self.swarm.request_timeout_s, weight)
+        if failure.outcome is Outcome.GONE:
+            self.connection_errors += 1
+        if failure.ban:
+            self.table.ban(stage, peer)
+        accumulate = message.header.get("accumulate", True)
+        if (
+            message.kind in ACCUMULATING_KINDS
+            and accumulate
+            and not flags_after([accumulate], failure.outcome)[0]
+        ):
+            self.not_accumulated += 1
+            return Message(message.kind, {**message.header, "accumulate": False}, message.tensors)
+        return message
 
     def _time(self, stage: int, kind: str, elapsed_s: float, header: dict) -> None:
         server_s, compute_s = header.get("server_s"), header.get("compute_s")

@@ -1,0 +1,67 @@
+"""What a stage server publishes about itself: one typed object, sent as JSON.
+
+Every `metrics_period_s` a server puts `ServerMetrics.to_dict()` in its DHT metrics record (read by
+`swarmtrain status` and `monitor`, monitor/snapshot.py) and logs it as one line, `metrics {json}`.
+Benchmarks and tests read the log with `metrics_from_log` instead of matching text with regular
+expressions, so adding a field breaks nobody.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+
+LOG_PREFIX = "metrics "
+
+
+@dataclass(frozen=True)
+class ServerMetrics:
+    stage: int
+    step: int  # optimizer steps applied (the global step whose micro-batches come next)
+    samples_seen: int
+    samples_per_s: float  # announced capacity: samples per CPU second of their work
+    queue_len: int  # jobs waiting for the compute thread
+    pending_samples: int  # accumulated, not yet applied
+    forward: int  # forward jobs (incl. fused forward-backward)
+    backward: int  # backward jobs (incl. fused)
+    recomputed: int  # backwards whose graph had been dropped and was recomputed
+    duplicates: int  # micro-batches refused because they were already accumulated
+    late: int  # micro-batches that came after their step was closed
+    partial_exchanges: int  # steps applied without some member's gradients
+    solo_steps: int  # steps applied alone (no other replica)
+    resyncs: int  # state downloads after the joining one
+    lost_samples: int  # accumulated samples dropped by resyncs
+    group_size: int  # replicas in the last step's exchange
+    exchange_s: float  # duration of the last step's exchange
+    bytes_in: int  # wire bytes received by the transport
+    samples_forward: int  # samples whose forward ran here
+    busy_s: float  # compute thread busy time (wall)
+    work_cpu_s: float  # CPU seconds of micro-batch work (what capacity is measured from)
+    moved: dict | None = None  # the cost of the move that brought this server here, if any
+    role: str = "server"
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def log_line(self) -> str:
+        return LOG_PREFIX + json.dumps(self.to_dict(), separators=(",", ":"))
+
+    @classmethod
+    def from_dict(cls, data: dict) -> ServerMetrics:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+def metrics_from_log(text: str) -> list[ServerMetrics]:
+    """Every metrics line of a server's log, oldest first (lines of other kinds are skipped)."""
+    found = []
+    for line in text.splitlines():
+        start = line.find(LOG_PREFIX + "{")
+        if start < 0:
+            continue
+        try:
+            found.append(ServerMetrics.from_dict(json.loads(line[start + len(LOG_PREFIX) :])))
+        except (ValueError, TypeError):
+            continue  # a line cut off by a kill
+    return found

@@ -1,0 +1,685 @@
+"""One replica of one pipeline stage: its parameters, optimizer, step exchange and the handlers that
+serve its micro-batches. It knows nothing of moves: the server process (runtime/server/server_process.py)
+builds one, serves it, drains it and closes it, and builds another when the balancer moves the peer.
+
+Life cycle:
+- `StageService(...)` builds the stage from the run config, starts the averager (a forked process:
+  nothing of the transport may exist yet, see `release_p2p_replica`) and the compute thread, and takes
+  the stage's state from its live replicas, else its newest checkpoint, else initial weights (refused
+  once the swarm has stepped). A constructed service is complete; one that fails half-way stops what it
+  had started.
+- `start_serving(transport)` gives it the process's transport: the chain hop to the next stage, the
+  step exchange and the sync thread start, and `handlers` answer.
+- `drain()` stops taking micro-batches, says so in the DHT and waits for the running ones and for the
+  exchange of every step it holds samples of; `stop_serving()` stops its tasks; `close()` writes the
+  last checkpoint and stops the averager and the threads. The DHT node, the transport and the event
+  loop belong to the process and outlive the service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from swarmtrain.config import RunConfig
+from swarmtrain.config.errors import UserError
+from swarmtrain.net.dht_records import RunRecords, StageAnnouncement, progress_key, stage_key
+from swarmtrain.net.engine import shutdown_quietly
+from swarmtrain.net.hand_off import validate_chain
+from swarmtrain.net.protocol import (
+    TRAINING_KINDS,
+    Message,
+    ProtocolError,
+    StageIO,
+    StageRequest,
+    error_message,
+    make_message,
+    max_grads_message_bytes,
+    namespace,
+    validate_close,
+    validate_grads,
+    validate_request,
+    validate_step_means,
+    validate_step_means_request,
+)
+from swarmtrain.runtime.faults import FaultHooks
+from swarmtrain.runtime.ledger import Ledger
+from swarmtrain.runtime.server.capacity import CapacityMeter
+from swarmtrain.runtime.server.chain_hop import Admitted, ChainHop, NextStage
+from swarmtrain.runtime.server.compute import (
+    PRIORITY_BACKWARD,
+    PRIORITY_EVAL,
+    PRIORITY_FORWARD,
+    PRIORITY_SYNC,
+    ComputeWorker,
+    DeadlineExpired,
+)
+from swarmtrain.runtime.server.server_metrics import ServerMetrics
+from swarmtrain.runtime.server.stage_checkpoint import CheckpointSettings, StageCheckpointer
+from swarmtrain.runtime.server.stage_steps import StepCoordinator, StepSettings
+from swarmtrain.runtime.server.stage_sync import StageSynchronizer, SyncSettings
+from swarmtrain.runtime.server.stage_worker import StageWorker, all_finite
+from swarmtrain.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+DRAIN_POLL_S = 0.05
+Handler = Callable[[Message, object], Awaitable[Message]]
+
+
+@dataclass(frozen=True)
+class StageOptions:
+    """How the process builds every stage it serves (the command line's settings)."""
+
+    cache_size: int = 64
+    cache_max_bytes: int = 512 << 20
+    max_batch: int | None = None  # default: 4 micro-batches
+    sync_tick_s: float = 0.5
+    min_matchmaking_time_s: float = 1.0
+    checkpoint_dir: str | None = None  # default: the run config's swarm.checkpoint_dir (empty: none)
+    fresh_start: bool = False  # initial weights even when the swarm has stepped (said loudly)
+    init_from_hf: str | None = None  # initial weights from this Hugging Face model directory
+
+
+@dataclass(frozen=True)
+class Node:
+    """What the process lends a service: its DHT node and identity, the run's records, its ledger and
+    its event loop (the step exchange runs on it; it exists before it runs)."""
+
+    dht: object
+    peer_id: str
+    addresses: list[str]
+    records: RunRecords
+    ledger: Ledger
+    loop: asyncio.AbstractEventLoop
+    private: bool  # a run key: the stage's state goes only to peers announced (signed) at the stage
+
+
+@dataclass(frozen=True)
+class Transport:
+    """The process's RPC endpoints while it serves (net/transport.py)."""
+
+    client: object  # StageClient
+    stats: object  # TransportStats
+
+
+class StageService:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        stage: int,
+        options: StageOptions,
+        node: Node,
+        faults: FaultHooks,
+        on_fatal: Callable[[str], None],
+        start_samples_per_s: float | None = None,
+    ) -> None:
+        """`on_fatal(reason)`: the sync thread found the stage unusable (the process stops serving);
+        `start_samples_per_s`: the capacity to announce until measured (None: a short forward-only
+        measurement now)."""
+        specs = cfg.stages()
+        if not 0 <= stage < len(specs):
+            raise UserError(f"--stage {stage} outside 0..{len(specs) - 1} for this run config")
+        self.cfg, self.options, self.spec, self.node = cfg, options, specs[stage], node
+        self._start_samples_per_s = start_samples_per_s
+        self.faults, self._on_fatal = faults, on_fatal
+        self.digest = cfg.digest()
+        self.peer_id = node.peer_id
+        max_batch = options.max_batch or 4 * cfg.training.micro_batch_size
+        self.io = StageIO.from_config(cfg.model, self.spec, max_batch)
+        self.draining = False  # no new micro-batch is taken
+        self._running_requests = 0  # micro-batches being served (a drain waits for them)
+        self._samples_done = 0  # samples whose backward ran here (counted with their CPU for capacity)
+        self._transport: Transport | None = None
+        self.hop: ChainHop | None = None  # this stage's part of direct hand-offs, while serving
+        self._tasks: list[asyncio.Task] = []
+        with ExitStack() as undo:  # a failure half-way stops what was started, in reverse order
+            self._build(undo)
+            undo.pop_all()  # complete: from here `close()` stops it all
+
+    def _build(self, undo: ExitStack) -> None:
+        from swarmtrain.net.averaging import StageAverager
+
+        options, cfg, node = self.options, self.cfg, self.node
+        self.worker = StageWorker(
+            cfg,
+            self.spec,
+            options.cache_size,
+            node.ledger,
+            options.cache_max_bytes,
+            init_from_hf=options.init_from_hf,
+            fault_grad_scale=self.faults.grad_scale,
+        )
+        self._param_shapes = [tuple(p.shape) for p in self.worker.params]
+        self.compute = ComputeWorker()
+        self.capacity = CapacityMeter(
+            self._start_samples_per_s or self._measure_throughput(),
+            min_samples=4 * cfg.training.micro_batch_size,
+            warmup_samples=4 * cfg.training.micro_batch_size,
+        )
+        self.averager = StageAverager(
+            self.worker.params,
+            node.dht,
+            prefix=f"{namespace(cfg)}_s{self.spec.index}",
+            state_provider=self.worker.export_state,
+            min_matchmaking_time_s=options.min_matchmaking_time_s,
+            request_timeout_s=min(0.5, options.min_matchmaking_time_s / 2),
+            allreduce_timeout_s=cfg.swarm.averaging_timeout_s,
+            members_keys=self._stage_keys() if node.private else (),
+        )
+        undo.callback(shutdown_quietly, self.averager)
+        self.compute.start()
+        undo.callback(self.compute.stop)
+        self.checkpointer = self._make_checkpointer()
+        if self.checkpointer is not None:
+            undo.callback(self.checkpointer.close)
+        self.steps = StepCoordinator(
+            self.worker,
+            self.compute,
+            self.peer_id,
+            self._send_grads,
+            StepSettings(
+                close_timeout_s=cfg.swarm.request_timeout_s, exchange_timeout_s=cfg.swarm.averaging_timeout_s
+            ),
+            node.ledger,
+            on_step=self._step_applied,
+            loop=node.loop,
+        )
+        self.sync = self._make_synchronizer()
+        undo.callback(self.sync.stop)
+        node.ledger.write("start", peer=self.peer_id, stage=self.spec.index)
+        self._warn_about_foreign_peers()
+        self.sync.join()
+        self.handlers: dict[str, Handler] = {
+            "info": self._on_info,
+            "close": self._on_close,
+            "grads": self._on_grads,
+            "step_means": self._on_step_means,
+            "forward": self._on_forward,
+            "backward": self._on_backward,
+            "forward_backward": self._on_forward_backward,
+            "evaluate": self._on_evaluate,
+            "chain": self._on_chain,
+        }
+
+    def _make_synchronizer(self) -> StageSynchronizer:
+        swarm = self.cfg.swarm
+        settings = SyncSettings(
+            tick_s=self.options.sync_tick_s,
+            heartbeat_s=max(0.5, swarm.announce_period_s / 2),
+            progress_ttl_s=max(3.0, 2 * swarm.announce_period_s),
+            num_stages=swarm.num_stages,
+            allow_fresh=self.options.fresh_start,
+        )
+        return StageSynchronizer(
+            self.worker,
+            self.compute,
+            self.averager,
+            self.node.records,
+            self.peer_id,
+            self.digest,
+            settings,
+            self.node.ledger,
+            checkpoints=self.checkpointer,
+            on_fatal=self._on_fatal,
+            closing=self._closing,
+            on_epoch_moved=self.steps.version_changed_threadsafe,
+            replay_missed=self._replay_missed,
+        )
+
+    def _make_checkpointer(self) -> StageCheckpointer | None:
+        directory = self.options.checkpoint_dir or self.cfg.swarm.checkpoint_dir
+        if not directory:
+            return None
+        swarm = self.cfg.swarm
+        settings = CheckpointSettings(
+            directory=Path(directory),
+            every_steps=swarm.checkpoint_every_steps,
+            every_s=swarm.checkpoint_every_s,
+            keep=swarm.checkpoint_keep,
+        )
+        identity = {
+            "run_id": swarm.run_id,
+            "digest": self.digest,
+            "preset": self.cfg.preset,
+            "layer_start": self.spec.layer_start,
+            "layer_end": self.spec.layer_end,
+            "num_stages": swarm.num_stages,
+        }
+        return StageCheckpointer(settings, self.spec.index, identity, self.worker.export_state)
+
+    def _closing(self) -> bool:
+        """The step this replica is at has a close or gradients pending (read from the sync thread)."""
+        return self.worker.epoch in self.steps.pending
+
+    def _step_applied(self, epoch: int, fingerprint: list[float] | None) -> None:
+        self.sync.step_applied(epoch, fingerprint)
+        if self.checkpointer is not None:
+            self.checkpointer.after_step(self.worker.epoch)
+
+    def _measure_throughput(self) -> float:
+        """A first throughput estimate (fwd+bwd ~ 3x a forward) in samples per CPU second, like the
+        capacity meter's, which replaces it once it has measured enough samples. Timed in CPU, not wall
+        time: under a CPU quota beside other starting servers, wall time read identical stage-0 servers
+        at 33 to 506 samples/s (bench/rebalance_live.py)."""
+        t, m = self.cfg.training, self.cfg.model
+        shape = (
+            (t.micro_batch_size, m.seq_len)
+            if self.spec.is_first
+            else (t.micro_batch_size, m.seq_len, m.d_model)
+        )
+        sample = torch.zeros(shape, dtype=torch.long) if self.spec.is_first else torch.randn(shape)
+        repeats = 3
+        with torch.no_grad():
+            self.worker.module(sample)
+            start = time.process_time()
+            for _ in range(repeats):
+                self.worker.module(sample)
+        return t.micro_batch_size * repeats / max(3 * (time.process_time() - start), 1e-6)
+
+    def _warn_about_foreign_peers(self) -> None:
+        for peer, ann in self.node.records.stage_peers(self.spec.index).items():
+            if ann.config_digest != self.digest:
+                logger.warning(
+                    "peer %s serves stage %d with config digest %s, ours is %s: it is ignored "
+                    "(different model, stage cut or optimizer settings)",
+                    peer,
+                    self.spec.index,
+                    ann.config_digest,
+                    self.digest,
+                )
+
+    def _stage_keys(self) -> tuple[str, ...]:
+        run, i = self.cfg.swarm.run_id, self.spec.index
+        return (stage_key(run, i), progress_key(run, i))
+
+    # serving ------------------------------------------------------------------------------------
+    @property
+    def max_message_bytes(self) -> int:
+        """The largest request this stage accepts: a micro-batch, or a replica's gradient sums."""
+        params = self.worker.params
+        grads_bytes = max_grads_message_bytes(sum(p.numel() for p in params), len(params))
+        return max(self.io.max_message_bytes(), grads_bytes)
+
+    @property
+    def serving(self) -> bool:
+        return self.sync.serving.is_set()
+
+    def start_serving(self, transport: Transport) -> None:
+        """(on the process's event loop) Take requests through `transport` from now on."""
+        self._transport = transport
+        if not self.spec.is_last:
+            next_stage = NextStage(self.node.records, self.spec.index + 1, self.digest, transport.client)
+            self.hop = ChainHop(
+                self.worker,
+                self.compute,
+                transport.client,
+                next_stage,
+                self.io,
+                self.digest,
+                self.cfg.swarm.num_stages,
+                self.peer_id,
+            )
+        self.sync.start()
+        self._tasks.append(asyncio.create_task(self.steps.run()))
+        self.capacity.restart(self._samples_done, self._work_cpu_s())
+
+    async def refresh_next_stage(self) -> None:
+        if self.hop is not None:
+            await self.hop.next_stage.refresh()
+
+    async def drain(self, timeout_s: float) -> None:
+        """Serve no new micro-batch and leave without losing work: trainers are told at once (an offline
+        record; new micro-batches and parked forwards are answered `unavailable`, which they retry on
+        another replica without waiting), micro-batches already computing finish, and we stay for the
+        exchange of every step we hold samples of. Stopping with requests unanswered stalled the whole
+        swarm for the trainer's request timeout (30 s, bench/rebalance_live.py)."""
+        loop = asyncio.get_running_loop()
+        self.draining = True
+        self.steps.version_changed()  # parked forwards see that we are leaving
+        await loop.run_in_executor(None, lambda: self.announce(state="offline"))
+        deadline_s = time.monotonic() + timeout_s
+        while self._running_requests or self.worker.unapplied_samples:
+            if time.monotonic() > deadline_s:
+                logger.warning(
+                    "left the stage with %d request(s) running and %d sample(s) unapplied",
+                    self._running_requests,
+                    self.worker.unapplied_samples,
+                )
+                return
+            await asyncio.sleep(DRAIN_POLL_S)
+
+    async def stop_serving(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+
+    def close(self) -> None:
+        """Stop the sync thread, write the last checkpoint, stop the compute thread and the averager."""
+        self.sync.stop()
+        self._final_checkpoint()
+        self.compute.stop()
+        shutdown_quietly(self.averager)
+
+    def _final_checkpoint(self) -> None:
+        """On a graceful stop, the state as it is (a whole-swarm restart then loses nothing); never
+        the initial weights, which are no checkpoint of anything."""
+        if self.checkpointer is None:
+            return
+        try:
+            if not self.sync.untrained:
+                self.checkpointer.save_and_wait(self.worker.epoch)
+        except Exception:
+            logger.exception("final checkpoint failed")
+        finally:
+            self.checkpointer.close()
+
+    # the step exchange's messages ---------------------------------------------------------------
+    async def _on_info(self, message: Message, _context) -> Message:
+        return await self.compute.run(lambda: self._info(message), PRIORITY_SYNC)
+
+    async def _on_close(self, message: Message, _context) -> Message:
+        self.steps.on_close(**validate_close(message, self.spec.index, self.digest))
+        return Message("result", {"ok": True})
+
+    async def _on_grads(self, message: Message, context) -> Message:
+        step, samples, sums = validate_grads(
+            message, self.spec.index, self.digest, self.worker.names, self._param_shapes
+        )
+        self.steps.on_grads(context.remote_id.to_base58(), step, samples, sums)
+        return Message("result", {"ok": True})
+
+    async def _on_step_means(self, message: Message, _context) -> Message:
+        step = validate_step_means_request(message, self.spec.index, self.digest)
+        kept = self.steps.means_of(step)
+        if kept is None:
+            return error_message(f"the means of step {step} are not kept here", "unavailable")
+        samples, means = kept
+        header = {"step": step, "samples": samples}
+        if means is None or not all_finite(means):
+            return Message("result", {**header, "empty": True})  # skipped alike on every replica
+        return make_message("result", header, dict(zip(self.worker.names, means, strict=True)), "none")
+
+    async def _send_grads(self, peer: str, step: int, samples: int, sums: list[torch.Tensor]) -> bool:
+        """One replica's gradient sums of a step to a stage peer; False if the peer is gone."""
+        from hivemind.p2p import PeerID
+
+        from swarmtrain.net.transport import RemoteError, TruncatedReply, is_connection_error
+
+        assert self._transport is not None  # steps run only while serving
+        header = {"step": step, "samples": samples, "stage": self.spec.index, "digest": self.digest}
+        if self.faults.sends_nan(step):  # a faulty replica (tests); its scaling is in the accumulation
+            sums = self.faults.corrupted(sums, step)
+        message = make_message("grads", header, dict(zip(self.worker.names, sums, strict=True)), "none")
+        client = self._transport.client
+        for attempt in range(3):  # a cut-off stream is retried; a dead peer is not waited for
+            try:
+                timeout_s = self.cfg.swarm.averaging_timeout_s
+                await client.call(PeerID.from_base58(peer), "grads", message, timeout_s=timeout_s)
+                return True
+            except RemoteError as exc:  # alive but refusing (digest, shape): retrying cannot help
+                logger.warning("step %d: stage peer %s refused our gradients: %s", step, peer[-8:], exc)
+                return False
+            except Exception as exc:
+                if is_connection_error(exc) and not isinstance(exc, TruncatedReply):
+                    logger.warning("step %d: stage peer %s unreachable: %r", step, peer[-8:], exc)
+                    return False
+                logger.info(
+                    "step %d: sending gradients to %s failed (%r), attempt %d", step, peer, exc, attempt
+                )
+        return False
+
+    def _replay_missed(self, peer: str, start: int, end: int) -> bool:
+        """(sync thread) Apply steps start..end-1, which this replica missed, from `peer`'s mean
+        gradients; False when that failed (the caller resyncs)."""
+        if self._transport is None:
+            return False
+        future = asyncio.run_coroutine_threadsafe(self._replay_from(peer, start, end), self.node.loop)
+        try:
+            return future.result(timeout=self.cfg.swarm.request_timeout_s * (end - start) + 5.0)
+        except Exception as exc:  # unreachable donor, a step it no longer keeps, a malformed answer
+            future.cancel()
+            logger.info("replaying steps %d-%d from %s failed: %r", start, end - 1, peer[-8:], exc)
+            return False
+
+    async def _replay_from(self, peer: str, start: int, end: int) -> bool:
+        from hivemind.p2p import PeerID
+
+        assert self._transport is not None
+        for step in range(start, end):
+            header = {"step": step, "stage": self.spec.index, "digest": self.digest}
+            request = Message("step_means", header)
+            timeout_s = self.cfg.swarm.request_timeout_s
+            reply = await self._transport.client.call(
+                PeerID.from_base58(peer), "step_means", request, timeout_s
+            )
+            samples, means = validate_step_means(reply, self.worker.names, self._param_shapes)
+            if not await self.steps.replay(step, samples, means):
+                return False
+        return True
+
+    # micro-batches: one handler per kind -------------------------------------------------------
+    async def _on_forward(self, message: Message, _context) -> Message:
+        return await self._serve(message, self._compute_forward)
+
+    async def _on_backward(self, message: Message, _context) -> Message:
+        return await self._serve(message, self._compute_backward)
+
+    async def _on_forward_backward(self, message: Message, _context) -> Message:
+        return await self._serve(message, self._compute_forward_backward)
+
+    async def _on_evaluate(self, message: Message, _context) -> Message:
+        return await self._serve(message, self._compute_evaluation)
+
+    async def _on_chain(self, message: Message, _context) -> Message:
+        return await self._serve(message, self._run_chain)
+
+    async def _serve(self, message: Message, run: Callable[[Message], Awaitable[Message]]) -> Message:
+        """Admission common to every micro-batch: refused while downloading or draining; counted while
+        it runs, so a drain waits for it."""
+        if not self.serving:
+            return error_message("this replica is downloading the stage state; try another", "unavailable")
+        if self.draining:
+            return _leaving_answer()
+        self._running_requests += 1
+        try:
+            return await run(message)
+        finally:
+            self._running_requests -= 1
+
+    async def _compute_forward(self, message: Message) -> Message:
+        request = validate_request(message, self.io, self.digest)
+        return await self._compute(request, message.header, self.worker.forward, PRIORITY_FORWARD)
+
+    async def _compute_evaluation(self, message: Message) -> Message:
+        request = validate_request(message, self.io, self.digest)
+        return await self._compute(request, message.header, self.worker.forward, PRIORITY_EVAL)
+
+    async def _compute_backward(self, message: Message) -> Message:
+        request = validate_request(message, self.io, self.digest)
+        reply = await self._compute(request, message.header, self.worker.backward, PRIORITY_BACKWARD)
+        self._count_done(request, reply)
+        return reply
+
+    async def _compute_forward_backward(self, message: Message) -> Message:
+        request = validate_request(message, self.io, self.digest)
+        # the last stage's fused forward and backward: the worker's forward runs both
+        reply = await self._compute(request, message.header, self.worker.forward, PRIORITY_FORWARD)
+        self._count_done(request, reply)
+        return reply
+
+    def _count_done(self, request: StageRequest, reply: Message) -> None:
+        """A backward ran: the samples' work is done (and its CPU counted)."""
+        if reply.kind == "result":
+            self._samples_done += request.num_samples
+
+    async def _run_chain(self, message: Message) -> Message:
+        assert self.hop is not None  # validate_chain refuses chains at the last stage
+        chain = validate_chain(message, self.io, self.digest, self.cfg.swarm.num_stages)
+        # the chain's time includes every later stage's: each may take up to a request timeout
+        later_stages = self.cfg.swarm.num_stages - self.spec.index
+        admitted = await self._admit(chain.forward, message.header, later_stages)
+        if isinstance(admitted, Message):
+            return admitted
+        try:
+            reply = await self.hop.run(chain, admitted)
+        except DeadlineExpired as exc:
+            return error_message(str(exc), "timeout")
+        self._count_done(chain.forward, reply)
+        return reply
+
+    async def _compute(self, request: StageRequest, header: dict, fn, priority: int) -> Message:
+        admitted = await self._admit(request, header)
+        if isinstance(admitted, Message):
+            return admitted
+        try:
+            reply, compute_s = await self.compute.run(
+                lambda: _timed(fn, request), priority, admitted.deadline_s
+            )
+        except DeadlineExpired as exc:
+            return error_message(str(exc), "timeout")
+        except ProtocolError as exc:
+            return error_message(str(exc), exc.code)
+        # queue wait + compute: the caller subtracts it from its round trip to see the transport's share
+        reply.header["server_s"] = round(time.monotonic() - admitted.arrived_s, 6)
+        reply.header["compute_s"] = round(compute_s, 6)
+        # waiting for the previous step is the step's pace, not this peer's speed: routers leave it out
+        reply.header["step_wait_s"] = round(admitted.step_wait_s, 6)
+        return reply
+
+    async def _admit(self, request: StageRequest, header: dict, timeouts: int = 1) -> Admitted | Message:
+        """The request's deadline once it may run (the parameters of its step are here), or the answer
+        that refuses it (already applied, not ready in time, leaving)."""
+        timeout_s = self.cfg.swarm.request_timeout_s * timeouts
+        requested = header.get("timeout_s")
+        if isinstance(requested, (int, float)) and 0 < requested < timeout_s:
+            timeout_s = float(requested)
+        arrived_s = time.monotonic()
+        deadline_s = arrived_s + timeout_s
+        if request.step is None:
+            return Admitted(arrived_s, deadline_s, 0.0)
+        # a training micro-batch of step k runs on the parameters after step k - max_staleness
+        # (synchronous by default: after step k - 1); an evaluation names the step it must see
+        need = request.step if request.evaluate else request.step - self.cfg.training.max_staleness
+        if not request.evaluate and self.worker.epoch > request.step:
+            return error_message(
+                f"step {request.step} is already applied here (at {self.worker.epoch})", "stale"
+            )
+        if not await self.steps.wait_for_version(need, deadline_s, abandon=lambda: self.draining):
+            if self.draining:
+                return _leaving_answer()
+            return error_message(f"parameters of step {need} not ready in time", "timeout")
+        return Admitted(arrived_s, deadline_s, time.monotonic() - arrived_s)
+
+    def _info(self, message: Message) -> Message:
+        """Counters, and on request the parameters or the pending gradient sums (tests, monitor)."""
+        w = self.worker
+        header = {
+            "stage": self.spec.index,
+            "digest": self.digest,
+            "peer": self.peer_id,
+            "epoch": w.epoch,
+            "samples_seen": w.samples_seen,
+            "pending_samples": w.unapplied_samples,
+            "serving": self.serving,
+            "fingerprint": self.sync.fingerprint,  # [step, [sum |p|, sum p]] as compared between replicas
+            "counters": dict(w.counters),
+            "cache": {"entries": len(w.cache), "bytes": w.cache_bytes},
+            "sync": vars(self.sync.counters),
+            "steps": vars(self.steps.counters),
+            "names": w.names,
+        }
+        want = message.header.get("want")
+        tensors = {}
+        if want == "params":
+            tensors = {name: p.detach() for name, p in zip(w.names, w.params, strict=True)}
+        elif want == "grads":
+            tensors = dict(zip(w.names, w.unapplied_grad_sums(), strict=True))  # sums over pending_samples
+        return make_message("result", header, tensors, "none")
+
+    # announcements and metrics ------------------------------------------------------------------
+    def announce(self, state: str | None = None, ttl_s: float | None = None) -> StageAnnouncement:
+        """Publish this replica's record (online, joining or offline) and return it."""
+        self.capacity.update(self._samples_done, self._work_cpu_s())
+        announcement = self.announcement(state)
+        # an offline record too: the DHT replaces a record only by one that expires later, so a short-lived
+        # offline record was refused and trainers kept routing to a stopped server until it expired
+        self.node.records.announce(self.peer_id, announcement, ttl_s or self.announce_ttl_s)
+        return announcement
+
+    @property
+    def announce_ttl_s(self) -> float:
+        # a record lives this many announce periods: one missed announcement does not drop a live server
+        return ANNOUNCE_TTL_PERIODS * self.cfg.swarm.announce_period_s
+
+    def announcement(self, state: str | None = None) -> StageAnnouncement:
+        state = state or ("offline" if self.draining else "online" if self.serving else "joining")
+        return StageAnnouncement(
+            stage=self.spec.index,
+            addresses=self.node.addresses,
+            throughput_samples_per_s=self.capacity.samples_per_cpu_s,
+            queue_len=self.compute.queue_len,
+            config_digest=self.digest,
+            state_version=self.worker.epoch,
+            state=state,
+        )
+
+    @property
+    def downloaded_bytes(self) -> int:
+        return self.sync.counters.downloaded_bytes
+
+    def _work_cpu_s(self) -> float:
+        """CPU seconds spent on micro-batches so far: their forward and backward jobs on the compute thread
+        (stage 0's backward is a call of its own: its wall-clock busy time alone made stage 0 look 2x
+        cheaper than it was) and their requests' parsing and replies' packing (runtime/server/capacity.py)."""
+        by_priority = self.compute.cpu_s_by_priority
+        compute_s = by_priority.get(PRIORITY_FORWARD, 0.0) + by_priority.get(PRIORITY_BACKWARD, 0.0)
+        stats = self._transport.stats if self._transport is not None else None
+        return compute_s + (stats.cpu_s(TRAINING_KINDS) if stats is not None else 0.0)
+
+    def metrics(self) -> ServerMetrics:
+        c, s, st = self.worker.counters, self.sync.counters, self.steps.counters
+        stats = self._transport.stats if self._transport is not None else None
+        return ServerMetrics(
+            stage=self.spec.index,
+            step=self.worker.epoch,
+            samples_seen=self.worker.samples_seen,
+            samples_per_s=round(self.capacity.samples_per_cpu_s, 2),
+            queue_len=self.compute.queue_len,
+            pending_samples=self.worker.unapplied_samples,
+            forward=c["forward"] + c["fused"],
+            backward=c["backward"] + c["fused"],
+            recomputed=c["recomputed"],
+            duplicates=c["duplicates"],
+            late=c["late"],
+            partial_exchanges=st.partial_exchanges,
+            solo_steps=st.solo_steps,
+            resyncs=s.resyncs,
+            lost_samples=s.lost_samples,
+            group_size=st.last_group_size,
+            exchange_s=round(st.last_exchange_s, 4),
+            bytes_in=stats.totals().wire_bytes if stats is not None else 0,
+            samples_forward=c["samples_forward"],
+            busy_s=round(self.compute.busy_s, 3),
+            work_cpu_s=round(self._work_cpu_s(), 3),
+        )
+
+
+ANNOUNCE_TTL_PERIODS = 3
+
+
+def _leaving_answer() -> Message:
+    return error_message("this replica is leaving the stage; try another", "unavailable")
+
+
+def _timed(fn, request):
+    start_s = time.perf_counter()
+    reply = fn(request)
+    return reply, time.perf_counter() - start_s

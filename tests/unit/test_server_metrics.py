@@ -1,0 +1,80 @@
+"""The server's metrics object: one JSON line in the log that benches read back, the DHT record's keys
+that the monitor reads, and the fault hooks the command line builds from a test's environment."""
+
+import math
+
+import pytest
+import torch
+
+from swarmtrain.monitor.snapshot import SERVER_KEYS
+from swarmtrain.runtime.faults import NO_FAULTS, FaultHooks
+from swarmtrain.runtime.server.server_metrics import ServerMetrics, metrics_from_log
+
+pytestmark = pytest.mark.unit
+
+
+def _metrics(**overrides) -> ServerMetrics:
+    fields = dict(
+        stage=1,
+        step=7,
+        samples_seen=448,
+        samples_per_s=512.5,
+        queue_len=0,
+        pending_samples=32,
+        forward=60,
+        backward=58,
+        recomputed=1,
+        duplicates=0,
+        late=0,
+        partial_exchanges=0,
+        solo_steps=7,
+        resyncs=0,
+        lost_samples=0,
+        group_size=1,
+        exchange_s=0.0123,
+        bytes_in=123456,
+        samples_forward=480,
+        busy_s=3.25,
+        work_cpu_s=2.5,
+    )
+    return ServerMetrics(**{**fields, **overrides})
+
+
+def test_a_log_of_metrics_lines_reads_back_as_the_objects_logged():
+    first, second = _metrics(), _metrics(step=8, moved={"from": 0, "to": 1, "seconds": 4.2, "bytes": 10})
+    log = "\n".join(
+        [
+            "2026-11-23 12:00:00 INFO stage 1 replica Qm... ready",
+            "2026-11-23 12:00:05 INFO " + first.log_line(),
+            "2026-11-23 12:00:07 INFO metrics {cut off by a kill",
+            "2026-11-23 12:00:10 INFO " + second.log_line(),
+        ]
+    )
+    assert metrics_from_log(log) == [first, second]
+
+
+def test_the_dht_record_carries_every_key_the_monitor_reads():
+    record = _metrics().to_dict()
+    assert record["role"] == "server"
+    assert set(SERVER_KEYS) <= set(record)
+
+
+def test_a_record_from_a_newer_server_with_extra_keys_still_reads():
+    record = {**_metrics().to_dict(), "a_field_added_later": 3}
+    assert ServerMetrics.from_dict(record) == _metrics()
+
+
+def test_fault_hooks_come_only_from_the_environment_they_are_given():
+    assert FaultHooks.from_environ({}) == NO_FAULTS
+    hooks = FaultHooks.from_environ(
+        {
+            "SWARMTRAIN_FAULT_GRAD_SCALE": "1e6",
+            "SWARMTRAIN_FAULT_NAN_GRADS_EVERY": "3",
+            "SWARMTRAIN_FAULT_DROP_RESULTS_IN": "2",
+        }
+    )
+    assert hooks == FaultHooks(grad_scale=1e6, nan_every=3, drop_results_in=2)
+    tensors = [torch.ones(2)]
+    assert NO_FAULTS.corrupted(tensors, 3) is tensors
+    assert all(math.isnan(v) for v in hooks.corrupted(tensors, 3)[0].tolist())
+    assert hooks.corrupted(tensors, 4)[0].tolist() == [1e6, 1e6]

@@ -1,0 +1,269 @@
+"""The trainer's retry loops around the shared failure table (net/failures.py): the relayed call
+(`StageCaller.call_peer`) and the chain (`ChainCaller.run`), against a scripted client and a real peer
+table: which peers are tried, with which accumulate flags, what is banned, charged and counted."""
+
+import asyncio
+
+import pytest
+import torch
+from hivemind.p2p import PeerID
+
+from swarmtrain.config import SwarmConfig
+from swarmtrain.net import codec
+from swarmtrain.net.dht_records import StageAnnouncement
+from swarmtrain.net.failures import NEXT_HOP_FAILED
+from swarmtrain.net.protocol import Message
+from swarmtrain.net.transport import RemoteError, TruncatedReply
+from swarmtrain.runtime.trainer import stage_calls
+from swarmtrain.runtime.trainer.chain_calls import ChainCaller
+from swarmtrain.runtime.trainer.peer_table import PeerTable
+
+pytestmark = pytest.mark.unit
+
+A, B, C = (PeerID(bytes([0x12, 0x20]) + bytes([i]) * 32).to_base58() for i in (1, 2, 3))
+TIMEOUT_S = 3.0
+
+
+def _ann(stage):
+    return StageAnnouncement(stage, ["/ip4/127.0.0.1/tcp/1/p2p/X"], 10.0, 0, "d", 0, "online", 0.0)
+
+
+class SpyTable(PeerTable):
+    """A real peer table that records the reports, bans and choices made on it."""
+
+    def __init__(self, peers_per_stage):
+        super().__init__(records=None, num_stages=len(peers_per_stage), digest="d")
+        self.apply([{p: _ann(stage) for p in peers} for stage, peers in enumerate(peers_per_stage)])
+        self.reports, self.bans, self.choices = [], [], []
+
+    def report(self, stage, peer, num_samples, duration_s, weight):
+        self.reports.append((stage, peer, duration_s))
+        super().report(stage, peer, num_samples, duration_s, weight)
+
+    def ban(self, stage, peer):
+        self.bans.append((stage, peer))
+        super().ban(stage, peer)
+
+    def choose(self, stage, num_samples, weight, exclude=()):
+        peer = super().choose(stage, num_samples, weight, exclude)
+        self.choices.append((stage, weight, peer))
+        return peer
+
+
+class ScriptedClient:
+    """Raises the scripted exceptions one per call, then answers; records (peer, kind, accumulate)."""
+
+    def __init__(self, *failures, reply=None):
+        self.failures, self.calls, self.messages = list(failures), [], []
+        self.reply = reply or (lambda peer, message: Message("result", {"acc": 8}))
+
+    async def call(self, peer_id, kind, message, timeout_s):
+        assert timeout_s > 0
+        self.calls.append((str(peer_id), kind, message.header.get("accumulate")))
+        self.messages.append(message)
+        if self.failures:
+            raise self.failures.pop(0)
+        return self.reply(str(peer_id), message)
+
+
+@pytest.fixture(autouse=True)
+def no_backoff(monkeypatch):
+    monkeypatch.setattr(stage_calls, "BACKOFF_MAX_S", 0.0)
+
+
+def _caller(client, table, **swarm):
+    config = SwarmConfig(request_timeout_s=TIMEOUT_S, **swarm)
+    return stage_calls.StageCaller(client, table, config, "d", "none", asyncio.Event())
+
+
+def _call(caller, kind="backward", prefer=A, **header):
+    return asyncio.run(caller.call_peer(0, kind, "t.0-1", 8, {}, 1.0, prefer=prefer, step=0, **header))
+
+
+# relayed calls ----------------------------------------------------------------------------------------
+# failure of the first call (to A) -> accumulate flag of the retry (to B), A banned, counters
+#   (timeouts, connection_errors, not_accumulated)
+ONE_FAILURE = [
+    (TimeoutError(), False, False, (1, 0, 1)),
+    (TruncatedReply("cut"), False, False, (0, 0, 1)),
+    (RemoteError("internal", "bug"), False, False, (0, 0, 1)),
+    (RemoteError("something_new", "x"), False, False, (0, 0, 1)),
+    (ConnectionResetError("gone"), None, True, (0, 1, 0)),  # its accumulator died with it
+    (RemoteError("digest_mismatch", "another run"), None, True, (0, 0, 0)),
+    (RemoteError("unavailable", "leaving"), None, False, (0, 0, 0)),
+    (RemoteError("timeout", "queue"), None, False, (0, 0, 0)),
+    (RemoteError("stale", "resynced past it"), None, False, (0, 0, 0)),
+    (RemoteError(NEXT_HOP_FAILED, "x"), None, False, (0, 0, 0)),
+]
+
+
+@pytest.mark.parametrize("kind", ["backward", "forward_backward"])
+@pytest.mark.parametrize("exc,accumulate,banned,counters", ONE_FAILURE, ids=lambda v: repr(v)[:30])
+def test_an_accumulating_call_is_retried_elsewhere_without_accumulating_only_if_it_may_have_applied(
+    kind, exc, accumulate, banned, counters
+):
+    table, client = SpyTable([[A, B]]), ScriptedClient(exc)
+    caller = _caller(client, table)
+    reply, answered_by = _call(caller, kind)
+    assert answered_by == B and reply.header["acc"] == 8
+    assert client.calls == [(A, kind, None), (B, kind, accumulate)]
+    assert (table.is_banned(A), table.bans) == (banned, [(0, A)] if banned else [])
+    assert (caller.timeouts, caller.connection_errors, caller.not_accumulated) == counters
+    assert caller.retries == 1
+    # a timeout is charged to the silent peer's throughput; the answer to the one that answered
+    charged = [(0, A, TIMEOUT_S)] if isinstance(exc, TimeoutError) else []
+    assert table.reports[:-1] == charged and table.reports[-1][:2] == (0, B)
+
+
+@pytest.mark.parametrize("exc,accumulate,banned,counters", ONE_FAILURE, ids=lambda v: repr(v)[:30])
+def test_a_forward_never_carries_an_accumulate_flag(exc, accumulate, banned, counters):
+    table, client = SpyTable([[A, B]]), ScriptedClient(exc)
+    caller = _caller(client, table)
+    _, answered_by = _call(caller, "forward")
+    assert answered_by == B and client.calls == [(A, "forward", None), (B, "forward", None)]
+    assert table.is_banned(A) == banned
+    assert (caller.timeouts, caller.connection_errors, caller.not_accumulated) == counters[:2] + (0,)
+
+
+def test_a_call_sent_without_accumulating_is_not_counted_again():
+    table, client = SpyTable([[A, B]]), ScriptedClient(TimeoutError())
+    caller = _caller(client, table)
+    _call(caller, accumulate=False)
+    assert client.calls == [(A, "backward", False), (B, "backward", False)] and caller.not_accumulated == 0
+
+
+def test_the_flag_is_cleared_once_and_stays_cleared():
+    # A times out (flag cleared), B is refused before any work, either (both allowed again) answers
+    table = SpyTable([[A, B]])
+    client = ScriptedClient(TimeoutError(), RemoteError("unavailable", "busy"))
+    caller = _caller(client, table, max_retries=5)
+    _, answered_by = _call(caller)
+    assert client.calls[:2] == [(A, "backward", None), (B, "backward", False)]
+    assert client.calls[2] == (answered_by, "backward", False) and len(client.calls) == 3
+    assert (caller.not_accumulated, caller.retries, caller.timeouts) == (1, 2, 1)
+
+
+@pytest.mark.parametrize("code", ["bad_request", "too_large", "version", "unauthorized"])
+def test_a_fatal_answer_fails_at_once(code):
+    table, client = SpyTable([[A, B]]), ScriptedClient(RemoteError(code, "no"))
+    caller = _caller(client, table)
+    with pytest.raises(stage_calls.MicroBatchFailed, match=f"refused backward: {code}"):
+        _call(caller)
+    assert client.calls == [(A, "backward", None)] and caller.retries == 0 and table.bans == []
+
+
+@pytest.mark.parametrize("exc", [KeyError("bug"), ValueError("bug")])
+def test_a_bug_is_raised_not_retried(exc):
+    table, client = SpyTable([[A, B]]), ScriptedClient(exc)
+    caller = _caller(client, table)
+    with pytest.raises(type(exc)):
+        _call(caller)
+    assert len(client.calls) == 1 and caller.retries == 0 and table.bans == []
+
+
+def test_retries_are_bounded_and_every_peer_is_tried_again_once_all_failed():
+    table = SpyTable([[A, B]])
+    client = ScriptedClient(*(RemoteError("unavailable", "busy") for _ in range(10)))
+    caller = _caller(client, table, max_retries=2)
+    with pytest.raises(stage_calls.MicroBatchFailed, match="3 attempts failed, last: .*unavailable"):
+        _call(caller)
+    peers = [peer for peer, _, _ in client.calls]
+    assert peers[:2] == [A, B] and peers[2] in (A, B) and len(peers) == 3 and caller.retries == 2
+
+
+def test_a_persistent_call_keeps_trying_up_to_its_own_budget(monkeypatch):
+    monkeypatch.setattr(stage_calls, "PERSISTENT_ATTEMPTS", 6)
+    table = SpyTable([[A, B]])
+    client = ScriptedClient(*(TimeoutError() for _ in range(10)))
+    caller = _caller(client, table, max_retries=1)
+    with pytest.raises(stage_calls.MicroBatchFailed, match="7 attempts failed, last: timeout after 3.0s"):
+        _call(caller, persistent=True)
+    assert len(client.calls) == 7 and (caller.retries, caller.timeouts, caller.not_accumulated) == (6, 7, 1)
+
+
+def test_the_preferred_peer_gets_the_first_attempt_charged_nothing():
+    table, client = SpyTable([[A, B]]), ScriptedClient()
+    caller = _caller(client, table)
+    for _ in range(3):
+        assert _call(caller, prefer=B)[1] == B
+    assert table.choices == [(0, 0.0, B)] * 3
+    _call(caller, prefer=None)
+    assert table.choices[-1][1] == 1.0  # no preference: the router's pick, charged the call's weight
+
+
+def test_a_banned_preferred_peer_is_skipped():
+    table, client = SpyTable([[A, B]]), ScriptedClient()
+    table.ban(0, A)
+    caller = _caller(client, table)
+    assert _call(caller, prefer=A)[1] == B and client.calls == [(B, "backward", None)]
+
+
+def test_the_retry_delay_backs_off_with_jitter(monkeypatch):
+    monkeypatch.setattr(stage_calls, "BACKOFF_BASE_S", 0.05)
+    monkeypatch.setattr(stage_calls, "BACKOFF_MAX_S", 2.0)
+    for attempt, bound in ((1, 0.1), (2, 0.2), (3, 0.4), (10, 2.0), (30, 2.0)):
+        delays = [stage_calls.retry_delay_s(attempt) for _ in range(50)]
+        assert all(0.5 * bound <= d <= 1.5 * bound for d in delays)
+
+
+# chains -----------------------------------------------------------------------------------------------
+def _chain_reply(peer, message):
+    """Stage 0 (`peer`) and stage 1 (C) each accumulated the micro-batch if their flag asked it to."""
+    flags = [message.header["accumulate"], *message.header["accumulate_after"]]
+    hops = [
+        {
+            "stage": stage,
+            "peer": p,
+            "acc": 8 if flag else 0,
+            "server_s": 0.1,
+            "compute_s": 0.1,
+            "step_wait_s": 0,
+        }
+        for stage, (p, flag) in enumerate(zip((peer, C), flags, strict=True))
+    ]
+    return Message("result", {"loss": 1.5, "hops": hops})
+
+
+def _chain(client, table, **swarm):
+    caller = _caller(client, table, **swarm)
+    tokens = codec.encode(torch.zeros(2, 4, dtype=torch.int64), "none")
+    chains = ChainCaller(caller, num_stages=2, digest="d", codec="none")
+    loss, hops = asyncio.run(chains.run("t.0-1", 0, 8, tokens, tokens))
+    flags = [(m.header["accumulate"], *m.header["accumulate_after"]) for m in client.messages]
+    return caller, loss, hops, flags
+
+
+# failure of the chain's first stage-0 peer -> flags of the retry, that peer banned, counters
+#   (timeouts, connection_errors, not_accumulated)
+CHAIN_FAILURE = [
+    (TimeoutError(), (False, False), False, (1, 0, 2)),
+    (TruncatedReply("cut"), (False, False), False, (0, 0, 2)),
+    (RemoteError("internal", "bug"), (False, False), False, (0, 0, 2)),
+    (ConnectionResetError("gone"), (True, False), True, (0, 1, 1)),
+    (RemoteError(NEXT_HOP_FAILED, "stage 1 gone"), (True, False), False, (0, 0, 1)),
+    (RemoteError("digest_mismatch", "another run"), (True, True), True, (0, 0, 0)),
+    (RemoteError("unavailable", "busy"), (True, True), False, (0, 0, 0)),
+]
+
+
+@pytest.mark.parametrize("exc,retry_flags,banned,counters", CHAIN_FAILURE, ids=lambda v: repr(v)[:30])
+def test_a_chain_retry_clears_the_flags_of_the_stages_that_may_hold_the_micro_batch(
+    exc, retry_flags, banned, counters
+):
+    table, client = SpyTable([[A, B], [C]]), ScriptedClient(exc, reply=_chain_reply)
+    caller, loss, hops, flags = _chain(client, table)
+    assert loss == 1.5 and flags == [(True, True), retry_flags]
+    assert [hop.acc for hop in hops] == [8 if f else 0 for f in retry_flags]
+    first = client.calls[0][0]
+    assert table.is_banned(first) == banned and ((0, first) in table.bans) == banned
+    assert (caller.timeouts, caller.connection_errors, caller.not_accumulated) == counters
+    assert caller.retries == 1
+    assert ((0, first, TIMEOUT_S * 2) in table.reports) == isinstance(exc, TimeoutError)
+
+
+def test_a_fatal_answer_fails_a_chain_at_once():
+    table = SpyTable([[A, B], [C]])
+    client = ScriptedClient(RemoteError("unauthorized", "no key"), reply=_chain_reply)
+    with pytest.raises(stage_calls.MicroBatchFailed, match="refused the chain"):
+        _chain(client, table)
+    assert len(client.calls) == 1
