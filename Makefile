@@ -2,8 +2,14 @@
 VENV ?= .venv
 PYTHON ?= python3
 BIN := $(VENV)/bin
-# CPU build of torch from the local wheel cache: an unpinned torch pulls a multi-GB CUDA build.
-TORCH_CPU ?= torch==2.13.0
+# torch, CPU build. On Linux x86_64 PyPI's torch (pinned or not) is the CUDA build with several GB of
+# nvidia-* wheels, so setup first asks PyTorch's CPU index (TORCH_INDEX; PyPI for the dependencies) for
+# torch==$(TORCH_VERSION)+cpu. If that fails (the index is unreachable: --timeout 5 --retries 0 keep
+# this quick; or it has no +cpu wheel for this platform, e.g. macOS, whose PyPI wheel is CPU-only)
+# it installs torch==$(TORCH_VERSION) from the default index instead, and prints which build it got.
+TORCH_VERSION ?= 2.13.0
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+TORCH_INDEX_ARGS = --timeout 5 --retries 0 --index-url $(TORCH_INDEX) --extra-index-url https://pypi.org/simple
 QUICKSTART_ARGS ?=
 PYTEST_ARGS ?=
 
@@ -14,8 +20,11 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q $(TORCH_CPU)
+	$(BIN)/pip install -q $(TORCH_INDEX_ARGS) 'torch==$(TORCH_VERSION)+cpu' \
+	    || { echo "setup: no torch $(TORCH_VERSION)+cpu from $(TORCH_INDEX); installing torch==$(TORCH_VERSION) from the default index"; \
+	         $(BIN)/pip install -q 'torch==$(TORCH_VERSION)'; }
 	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/python -c "import torch; print('setup: torch', torch.__version__, '(CUDA ' + torch.version.cuda + ')' if torch.version.cuda else '(CPU build)')"
 	touch $@
 
 quickstart: setup

@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+from swarmtrain.cli.main import main
 from swarmtrain.config.errors import UserError
 from swarmtrain.planner.fleets import ALL_SCENARIOS, MIXED_SCENARIOS, builtin_scenario
-from swarmtrain.planner.scenario_file import load_scenario_file, scenario_from_dict, scenario_to_dict
+from swarmtrain.planner.scenario_file import load_scenario_file, scenario_from_dict
 from swarmtrain.planner.scenarios import ScenarioError, relabel
 
 pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("name", list(ALL_SCENARIOS))
@@ -75,9 +80,26 @@ def test_site_based_file_expands_to_devices(tmp_path):
     )
     assert scenario.bandwidth_gbps[0, 1] == 10 and scenario.bandwidth_gbps[0, 3] == 1
     assert list(scenario.tflops) == [100, 100, 50, 50]
-    roundtrip = scenario_from_dict(json.loads(json.dumps(scenario_to_dict(scenario))))
-    assert np.array_equal(roundtrip.latency_ms, scenario.latency_ms)
-    assert list(roundtrip.memory_gb) == [40, 40, 16, 16]
+    assert list(scenario.memory_gb) == [40, 40, 16, 16]
+
+
+def test_the_documented_example_file_loads_and_plans(capsys):
+    """examples/scenario.json, shown and documented in the README, through the real parser and `plan`."""
+    path = ROOT / "examples" / "scenario.json"
+    scenario = load_scenario_file(path)
+    assert (scenario.name, scenario.num_devices, scenario.num_stages) == ("two-labs", 4, 2)
+    assert scenario.sites == ("lab-a", "lab-a", "lab-b", "lab-b")
+    assert scenario.latency_ms[0, 1] == 0.5 and scenario.latency_ms[1, 2] == 30
+    assert scenario.bandwidth_gbps[2, 3] == 10 and scenario.bandwidth_gbps[0, 3] == 1
+    # a100 and rtx3090 from the device table; the last device gives its own numbers
+    assert scenario.tflops.tolist() == [312.0, 312.0, 71.0, 71.0]
+    assert scenario.memory_gb.tolist() == [40.0, 40.0, 24.0, 24.0]
+    readme_blocks = re.findall(r"```json\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    assert json.loads(path.read_text()) in [json.loads(block) for block in readme_blocks]
+    argv = ["plan", "--scenario-file", str(path), "--model", "tiny", "--compute", "--budget-evals", "100"]
+    assert main([*argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert sorted(d for group in out["groups"] for d in group) == [0, 1, 2, 3] and out["fits_memory"]
 
 
 def device_fleet(**changes) -> dict:

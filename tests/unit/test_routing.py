@@ -62,12 +62,13 @@ def test_no_available_peer_returns_none():
     assert router.choose(0.0) is None
 
 
-def test_backward_weight_and_set_peers():
+def test_backward_weight_and_remove_peer():
     router = StageRouter()
-    router.set_peers({"a": 10.0, "b": 10.0})
+    router.add_peer("a", 10.0)
+    router.add_peer("b", 10.0)
     router.choose(0.0, num_samples=10, weight=BACKWARD_WEIGHT)
     assert max(router.virtual_finish_s(p) for p in router.peers) == pytest.approx(2.0)
-    router.set_peers(["b"])
+    router.remove_peer("a")
     assert router.peers == ["b"]
     assert _dispatch(router, 3) == Counter({"b": 3})
 

@@ -93,15 +93,6 @@ def head_forward_flops_per_token(cfg: ModelConfig) -> int:
     return 2 * cfg.d_model * cfg.vocab_size
 
 
-def forward_flops_per_token(cfg: ModelConfig) -> int:
-    return cfg.num_layers * layer_forward_flops_per_token(cfg) + head_forward_flops_per_token(cfg)
-
-
-def training_flops_per_token(cfg: ModelConfig) -> int:
-    """Forward + backward is about 3x the forward."""
-    return 3 * forward_flops_per_token(cfg)
-
-
 def stage_training_flops_per_sample(cfg: ModelConfig, stage: StageSpec) -> int:
     flops = stage.num_layers * layer_forward_flops_per_token(cfg)
     if stage.is_last:
@@ -162,11 +153,6 @@ def saved_activation_bytes_per_sample(
             total += FP32_BYTES * (t * d + t) + 2 * b * t * d  # final RMSNorm: fp32 input, normed, output
         total += 2 * FP32_BYTES * t * cfg.vocab_size
     return total
-
-
-def stage_gradient_bytes(cfg: ModelConfig, stage: StageSpec, bytes_per_value: float = FP32_BYTES) -> float:
-    """Bytes of one stage's parameter gradients (what its replicas all-reduce each step)."""
-    return params_per_stage(cfg, stage) * bytes_per_value
 
 
 def stage_state_bytes(cfg: ModelConfig, stage: StageSpec) -> float:

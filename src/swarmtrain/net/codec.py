@@ -8,7 +8,7 @@ blockwise quantization). Payload: 1 byte per value + 4 bytes per block (~1.016 b
 
 Integer and bool tensors are never compressed (token ids, labels): any codec sends them raw.
 Everything is vectorized torch on the calling thread; no numpy round trips, no Python loops over
-blocks. hivemind's own 8-bit codecs fail under numpy 2 and are ~10x slower (notes/hivemind-engine.md).
+blocks. hivemind's own 8-bit codecs fail under numpy 2 and are ~10x slower (docs/DESIGN.md section 4).
 """
 
 from __future__ import annotations

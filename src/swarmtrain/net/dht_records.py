@@ -1,6 +1,6 @@
 """DHT records of a run: stage announcements, per-stage training progress and peer metrics.
 
-Keys (DESIGN.md section 4), one subkey per peer (its base58 peer id), every subkey with its own
+Keys (docs/DESIGN.md section 4), one subkey per peer (its base58 peer id), every subkey with its own
 expiration so that dead peers disappear by themselves:
 - `{run}.stage{i}`          -> StageAnnouncement (addresses, throughput, queue, digest, state version)
 - `{run}.stage{i}.progress` -> {epoch, samples, ready, params_digest, time}: drives intra-stage steps

@@ -2,7 +2,7 @@
 
 hivemind changes process-wide state when imported (torch sharing strategy, log handlers) and its
 components fork; these helpers are called by entry points only, before any thread is started.
-See notes/hivemind-engine.md sections 1 and 3.3 for the traps they avoid.
+See docs/DESIGN.md section 4 for the traps they avoid.
 """
 
 from __future__ import annotations

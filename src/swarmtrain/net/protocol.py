@@ -3,7 +3,7 @@
 A message is one byte string: magic, a length-prefixed JSON header, then the tensor payloads.
 The header names the message kind, the micro-batch id, the stage, the config digest, the protocol
 version and one descriptor per tensor (name, codec, dtype, shape, payload bytes). The trainer and
-the server share only this module (DESIGN.md section 3).
+the server share only this module (docs/DESIGN.md section 3).
 
 Validation never trusts the sender: sizes are checked against the descriptors before anything is
 allocated, shapes and dtypes against what the stage expects, token ids against the vocabulary and

@@ -3,7 +3,7 @@ times out, and byte counting at the transport.
 
 Messages (net/protocol.py) travel as a stream of `ExpertRequest`/`ExpertResponse` protobufs whose
 `metadata` field carries consecutive chunks of the packed message: streams have no 4 MiB limit and
-are faster than unary calls above ~100 KB (notes/hivemind-engine.md 2.2). The server side reads at
+are faster than unary calls above ~100 KB (docs/DESIGN.md section 4). The server side reads at
 most `max_message_bytes` and answers anything malformed with an error message instead of failing;
 the client wraps the whole exchange in `asyncio.wait_for`, since hivemind's stubs cannot time out
 streaming calls and a hung server would otherwise hang the trainer forever.

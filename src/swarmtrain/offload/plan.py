@@ -1,6 +1,6 @@
 """The swap plan: which consecutive layers form each group streamed through the accelerator.
 
-Invariant (DESIGN.md section 5): while group i computes, group i+1 is being prefetched, so for every i
+Invariant (docs/DESIGN.md section 5): while group i computes, group i+1 is being prefetched, so for every i
     bytes(group i) + bytes(group i+1) + working_bytes <= budget_bytes,
 and the last group stays resident from the end of the forward into the start of the backward.
 Fewer groups mean fewer, larger transfers that overlap compute better, so the planner minimizes the

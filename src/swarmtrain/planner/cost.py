@@ -139,9 +139,6 @@ class CostModel:
     def group_dp_cost(self, group: Group) -> float:
         return self._group(group)[0]
 
-    def edge_cost(self, a: Group, b: Group) -> float:
-        return self._edge(a, b)[0]
-
     def edge_matrices(self, groups: Sequence[Group]) -> tuple[np.ndarray, np.ndarray]:
         """Group x group (bottleneck edge, mean min-sum matched link) matrices."""
         count = len(groups)

@@ -1,7 +1,7 @@
 """Adaptive rebalancing: which peer (if any) should move to which stage, and where a new peer should go.
 
 Pure functions on plain data, called the same way by the live balancer loop and by the simulator
-(DESIGN.md section 5). A stage's *capacity* is the sum of its peers' throughput (samples/s measured at
+(docs/DESIGN.md section 5). A stage's *capacity* is the sum of its peers' throughput (samples/s measured at
 that stage); a SWARM pipeline runs at the capacity of its weakest stage, the *bottleneck*.
 
 The rule for one move (`choose_move`):

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 PeerId = Hashable
 
 FORWARD_WEIGHT = 1.0
-BACKWARD_WEIGHT = 2.0  # backward costs ~2x forward (DESIGN.md section 5)
+BACKWARD_WEIGHT = 2.0  # backward costs ~2x forward (docs/DESIGN.md section 5)
 # A forward on a stage that is not the last commits its peer to the micro-batch's backward as well
 # (the peer keeps the activations), so choosing it charges both, and the backward sent back to it is
 # charged nothing. Charging the backward only when it was sent made a step's forwards, sent together,
@@ -64,15 +64,6 @@ class StageRouter:
 
     def remove_peer(self, peer: PeerId) -> None:
         self._peers.pop(peer, None)  # stale heap entries are skipped lazily
-
-    def set_peers(self, peers: Iterable[PeerId] | dict[PeerId, float]) -> None:
-        """Make membership equal `peers` (optionally a mapping to announced throughput)."""
-        announced = dict(peers) if isinstance(peers, dict) else dict.fromkeys(peers)
-        for peer in list(self._peers):
-            if peer not in announced:
-                self.remove_peer(peer)
-        for peer, tput in announced.items():
-            self.add_peer(peer, tput)
 
     @property
     def peers(self) -> list[PeerId]:

@@ -1,8 +1,9 @@
-"""Reading and writing fleets as JSON (`plan --scenario-file`), with errors that say what is wrong and where.
+"""Reading fleets from JSON (`plan --scenario-file`), with errors that say what is wrong and where.
 
-This is the planner's older fleet format, kept for existing files and `plan --json` round trips; the
-TOML fleet file (`planner.fleet_spec`, `plan --fleet`) is the one the simulator reads too, and takes
-device speed and memory from the shared table (`config.devices`) instead of numbers per device.
+This is the planner's older fleet format, kept for existing files (documented in the README, *The JSON
+scenario file*, with `examples/scenario.json`); the TOML fleet file (`planner.fleet_spec`, `plan --fleet`)
+is the one the simulator reads too, and takes device speed and memory from the shared table
+(`config.devices`) instead of numbers per device.
 
 A scenario file is one JSON object:
 
@@ -205,25 +206,3 @@ def _parse_compute(devices: list[dict]) -> tuple[np.ndarray | None, np.ndarray |
                 raise ScenarioError(f"devices[{i}].{key} must be a positive number, got {v!r}")
         arrays.append(np.array(values, dtype=float))
     return arrays[0], arrays[1]
-
-
-def scenario_to_dict(scenario: Scenario) -> dict:
-    """The device x device form of a scenario (loadable by `scenario_from_dict`)."""
-    devices: list[dict] = [{} for _ in range(scenario.num_devices)]
-    for i, device in enumerate(devices):
-        if scenario.sites:
-            device["site"] = scenario.sites[i]
-        if scenario.gpu_names:
-            device["gpu"] = scenario.gpu_names[i]
-        if scenario.has_compute:
-            device["tflops"] = float(scenario.tflops[i])  # type: ignore[index]
-            device["memory_gb"] = float(scenario.memory_gb[i])  # type: ignore[index]
-    bandwidth = scenario.bandwidth_gbps.copy()
-    np.fill_diagonal(bandwidth, 1.0)  # unused; JSON has no infinity
-    return {
-        "name": scenario.name,
-        "num_stages": scenario.num_stages,
-        "devices": devices if any(devices) else scenario.num_devices,
-        "latency_ms": scenario.latency_ms.tolist(),
-        "bandwidth_gbps": bandwidth.tolist(),
-    }

@@ -2,7 +2,7 @@
 with their parent, kill whole trees (python + DHT fork + averager fork + p2pd), remove leftovers.
 
 hivemind leaves `p2pd` and forked children running when a peer is SIGKILLed, and sockets in
-/tmp/hivemind-*.sock (notes/hivemind-engine.md 3.3). Every peer we spawn is therefore the leader of
+/tmp/hivemind-*.sock (docs/DESIGN.md section 4). Every peer we spawn is therefore the leader of
 its own process group (hivemind starts p2pd without a new session, so it stays in that group):
 killing the group kills the whole peer. Peers also get SIGTERM when their parent dies (Linux
 PR_SET_PDEATHSIG), and their own forks get SIGKILL when the peer dies.

@@ -1,4 +1,4 @@
-"""Discrete-event simulator of a swarm on a virtual clock (DESIGN.md section 6).
+"""Discrete-event simulator of a swarm on a virtual clock (docs/DESIGN.md section 6).
 
 It answers "what would this fleet do?" for fleets no test machine has: thousands of heterogeneous,
 preemptible peers on several continents. It drives the same pure planner code as the runtime

@@ -19,7 +19,7 @@ from swarmtrain.sim.engine import EventQueue
 from swarmtrain.sim.entities import Fleet, PeerSpec
 from swarmtrain.sim.metrics import Metrics, SimResult
 from swarmtrain.sim.network import Endpoint, Network
-from swarmtrain.sim.optimal import Allocation, optimal_allocation
+from swarmtrain.sim.optimal import optimal_allocation
 from swarmtrain.utils.rng import make_rng
 
 MODES = ("swarm", "swarm-no-rebalance", "gpipe", "async-replicas")
@@ -126,8 +126,6 @@ class PeerState(Endpoint):
 
 
 class Simulation:
-    mode_name = "base"
-
     def __init__(
         self,
         fleet: Fleet,
@@ -152,7 +150,6 @@ class Simulation:
         self.metrics = Metrics(self.metrics_stages())
         self._membership_changed = True
         self._optimum = 0.0
-        self.initial_allocation: Allocation | None = None
 
     # to implement ------------------------------------------------------------------------------
     def metrics_stages(self) -> int:

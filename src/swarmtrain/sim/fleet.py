@@ -29,12 +29,6 @@ SYNTHETIC_MIX = {"a100": 0.05, "v100": 0.15, "t4": 0.30, "rtx3090": 0.25, "rtx20
 GBIT_S = 1e9 / 8
 
 
-def scenario_names() -> list[str]:
-    from swarmtrain.planner.scenarios import COMMUNICATION_SCENARIOS
-
-    return list(COMMUNICATION_SCENARIOS)
-
-
 def _site_locations(scenario) -> tuple[Locations, list[int]]:
     """Collapse a device x device scenario to its sites: the link between two sites is the link between
     any device of one and any other device of the other (scenarios are built that way)."""

@@ -50,16 +50,12 @@ class Metrics:
             "utilization": [],
         }
         self._optimal_integral = 0.0
-        self._achieved_integral = 0.0
 
     # membership --------------------------------------------------------------------------------
     def serving_changed(self, now_s: float, stage: int, delta: int) -> None:
         self._serving_acc_s[stage] += self._serving[stage] * (now_s - self._serving_since_s[stage])
         self._serving_since_s[stage] = now_s
         self._serving[stage] += delta
-
-    def serving_count(self, stage: int) -> int:
-        return self._serving[stage]
 
     # sampling ----------------------------------------------------------------------------------
     def sample(self, now_s: float, optimal_samples_per_s: float, live_peers: int) -> None:
@@ -83,7 +79,6 @@ class Metrics:
         series["bytes_moved"].append(sum(self.bytes_by_kind.values()))
         series["utilization"].append(utilization)
         self._optimal_integral += optimal_samples_per_s * dt
-        self._achieved_integral += rate * dt
         self._last_sample_s, self._last_samples = now_s, self.samples_completed
 
     # summary -----------------------------------------------------------------------------------

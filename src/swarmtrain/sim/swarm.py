@@ -79,7 +79,6 @@ class SwarmSimulation(PipelineSimulation):
         peer's home stage (where it returns without rebalancing) is its place in the given placement or
         in the best allocation of the whole fleet."""
         alloc = optimal_allocation(self.table, self.costs, [p.index for p in live])
-        self.initial_allocation = alloc
         if len(live) == len(self.peers):
             whole = {p.index: int(s) for p, s in zip(live, alloc.stage_of.tolist(), strict=True)}
         else:

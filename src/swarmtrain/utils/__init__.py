@@ -1,1 +1,1 @@
-"""Small shared helpers: logging factory, clocks, seeded RNG. Imports only stdlib and numpy."""
+"""Small shared helpers: logging factory, seeded RNG. Imports only stdlib and numpy."""

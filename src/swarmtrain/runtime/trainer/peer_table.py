@@ -2,7 +2,7 @@
 
 DHT reads happen off the event loop (`fetch`, blocking); `apply` folds them into the per-stage IWRR
 routers (planner/routing.py) on the loop thread, so routers are only ever touched by one thread.
-Bans follow DESIGN.md section 5: a peer that failed with a connection error stays banned until its
+Bans follow docs/DESIGN.md section 5: a peer that failed with a connection error stays banned until its
 record expires (it disappears) or it re-announces after the ban.
 """
 
