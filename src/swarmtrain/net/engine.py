@@ -7,6 +7,7 @@ See docs/DESIGN.md section 4 for the traps they avoid.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import glob
 import os
@@ -18,6 +19,9 @@ from pathlib import Path
 
 from swarmtrain.config.errors import UserError
 from swarmtrain.net.auth import RunKey, record_validator
+from swarmtrain.utils.logging import get_logger
+
+logger = get_logger(__name__)
 
 
 class NetworkError(UserError):
@@ -31,6 +35,39 @@ def prepare_environment(log_level: str = "WARNING") -> None:
     os.environ.setdefault("HIVEMIND_LOGLEVEL", log_level)
     os.environ.setdefault("GOLOG_LOG_LEVEL", "fatal")
     os.environ.setdefault("USE_LEGACY_BFLOAT16", "0")  # send bf16 as 2 bytes, not as fp32
+    asyncio.set_event_loop_policy(StopTolerantLoopPolicy())
+
+
+class StopTolerantLoopPolicy(asyncio.DefaultEventLoopPolicy):
+    """Event loops that stay quiet when the libp2p daemon is gone. A Ctrl-C or SIGTERM to a peer's
+    process group stops its `p2pd` at once; hivemind's daemon bindings then fail in background tasks
+    nobody awaits (writing to the daemon's socket: `ConnectionResetError`, the socket file removed:
+    `FileNotFoundError`), and asyncio printed each as "Task exception was never retrieved" with a
+    traceback, 3-7 per stopped server. Those failures are expected on a stop and logged at debug;
+    every other unhandled exception goes to asyncio's default handler as before."""
+
+    def new_event_loop(self) -> asyncio.AbstractEventLoop:
+        loop = super().new_event_loop()
+        loop.set_exception_handler(_daemon_gone_or_default)
+        return loop
+
+
+DAEMON_GONE_ERRORS = (ConnectionError, FileNotFoundError, asyncio.IncompleteReadError, EOFError)
+
+
+def _daemon_gone_or_default(loop: asyncio.AbstractEventLoop, context: dict) -> None:
+    if isinstance(context.get("exception"), DAEMON_GONE_ERRORS) and _in_daemon_bindings(context):
+        logger.debug("libp2p daemon gone: %s", context.get("message"))
+        return
+    loop.default_exception_handler(context)
+
+
+def _in_daemon_bindings(context: dict) -> bool:
+    """Whether the failed task or future ran hivemind's P2P code (its daemon bindings)."""
+    future = context.get("future") or context.get("task")
+    coro = future.get_coro() if isinstance(future, asyncio.Task) else None
+    code = getattr(coro, "cr_code", None)
+    return code is not None and f"hivemind{os.sep}p2p" in code.co_filename
 
 
 def restore_sigint() -> None:
@@ -162,6 +199,9 @@ def shutdown_quietly(*components) -> None:
     for component in components:
         if component is None:
             continue
+        is_alive = getattr(component, "is_alive", None)
+        if is_alive is not None and not is_alive():
+            continue  # already gone (a stop signal to the process group reached it first)
         try:
             component.shutdown()
         except Exception as exc:  # exit path: report, never raise

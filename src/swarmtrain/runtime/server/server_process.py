@@ -229,7 +229,8 @@ class ServerProcess:
             for task in [*tasks, stopped, *([deciding] if deciding is not None else [])]:
                 task.cancel()
             logger.info("stage %d replica %s stopping", service.spec.index, self.node.peer_id)
-            await loop.run_in_executor(None, lambda: service.announce(state="offline"))
+            if self.dht.is_alive():  # a stop signal to our process group may have ended it already
+                await loop.run_in_executor(None, lambda: service.announce(state="offline"))
             await service.stop_serving()
             await self._close_transport(p2p, servicer)
             for sig in (signal.SIGTERM, signal.SIGINT):
