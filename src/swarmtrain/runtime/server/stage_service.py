@@ -62,7 +62,7 @@ from swarmtrain.runtime.server.compute import (
 )
 from swarmtrain.runtime.server.server_metrics import ServerMetrics
 from swarmtrain.runtime.server.stage_checkpoint import CheckpointSettings, StageCheckpointer
-from swarmtrain.runtime.server.stage_steps import LiveReplicas, StepCoordinator, StepSettings
+from swarmtrain.runtime.server.stage_steps import StepCoordinator, StepSettings
 from swarmtrain.runtime.server.stage_sync import StageSynchronizer, SyncSettings
 from swarmtrain.runtime.server.stage_worker import StageWorker, all_finite
 from swarmtrain.utils.logging import get_logger
@@ -179,8 +179,6 @@ class StageService:
         self.checkpointer = self._make_checkpointer()
         if self.checkpointer is not None:
             undo.callback(self.checkpointer.close)
-        # who may be named in a close or send us gradients: read from the DHT off the event loop
-        self.live_replicas = LiveReplicas(keep_s=(ANNOUNCE_TTL_PERIODS + 1) * cfg.swarm.announce_period_s)
         self.steps = StepCoordinator(
             self.worker,
             self.compute,
@@ -192,15 +190,12 @@ class StageService:
             node.ledger,
             on_step=self._step_applied,
             loop=node.loop,
-            live_replicas=self.live_replicas.current,
-            close_window=1 + cfg.training.max_staleness,
         )
         self.sync = self._make_synchronizer()
         undo.callback(self.sync.stop)
         node.ledger.write("start", peer=self.peer_id, stage=self.spec.index)
         self._warn_about_foreign_peers()
         self.sync.join()
-        self.live_replicas.update(self._read_live_replicas())
         self.handlers: dict[str, Handler] = {
             "info": self._on_info,
             "close": self._on_close,
@@ -333,7 +328,6 @@ class StageService:
             )
         self.sync.start()
         self._tasks.append(asyncio.create_task(self.steps.run()))
-        self._tasks.append(asyncio.create_task(self._refresh_live_replicas()))
         self.capacity.restart(self._samples_done, self._work_cpu_s())
 
     async def refresh_next_stage(self) -> None:
@@ -391,36 +385,16 @@ class StageService:
     async def _on_info(self, message: Message, _context) -> Message:
         return await self.compute.run(lambda: self._info(message), PRIORITY_SYNC)
 
-    async def _on_close(self, message: Message, context) -> Message:
-        """Kept as a candidate or ignored (runtime/server/stage_steps.py checks it against this replica's
-        state and the stage's live replicas); either way the sender is only told it arrived."""
-        close = validate_close(message, self.spec.index, self.digest)
-        self.steps.on_close(**close, sender=_sender(context))
+    async def _on_close(self, message: Message, _context) -> Message:
+        self.steps.on_close(**validate_close(message, self.spec.index, self.digest))
         return Message("result", {"ok": True})
 
     async def _on_grads(self, message: Message, context) -> Message:
         step, samples, sums = validate_grads(
             message, self.spec.index, self.digest, self.worker.names, self._param_shapes
         )
-        self.steps.on_grads(_sender(context), step, samples, sums)
+        self.steps.on_grads(context.remote_id.to_base58(), step, samples, sums)
         return Message("result", {"ok": True})
-
-    def _read_live_replicas(self) -> set[str]:
-        """(blocking: DHT reads) The stage's replicas with our digest: announced (joining or online) or
-        publishing progress (a draining replica still exchanges the steps it holds samples of)."""
-        stage, records = self.spec.index, self.node.records
-        peers = {p for p, a in records.stage_peers(stage).items() if a.config_digest == self.digest}
-        peers |= {p for p, v in records.stage_progress(stage).items() if v.get("digest") == self.digest}
-        return peers
-
-    async def _refresh_live_replicas(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            await asyncio.sleep(self.cfg.swarm.announce_period_s)
-            try:
-                self.live_replicas.update(await loop.run_in_executor(None, self._read_live_replicas))
-            except Exception:  # keep the last view; a bug here must not stop the refreshes
-                logger.exception("reading the stage's live replicas failed")
 
     async def _on_step_means(self, message: Message, _context) -> Message:
         step = validate_step_means_request(message, self.spec.index, self.digest)
@@ -699,11 +673,6 @@ class StageService:
 
 
 ANNOUNCE_TTL_PERIODS = 3
-
-
-def _sender(context) -> str:
-    """The authenticated peer id a message came from (libp2p)."""
-    return context.remote_id.to_base58()
 
 
 def _leaving_answer() -> Message:

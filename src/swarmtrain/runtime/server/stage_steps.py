@@ -20,32 +20,15 @@ than a global batch of `tiny` takes, so rounds merged several global batches int
 replicas of a stage are few and known here (trainers name them), so a direct exchange takes one
 RPC (~10 ms on loopback). hivemind's averager is still what serves and downloads the stage state.
 
-A step is decided by what the stage knows, not by one message: in an open run (no run key) anyone can
-send a `close` or `grads`, so each is checked against this replica's own state and the DHT's list of the
-stage's live replicas (`decide_step`, `close_refusal`, pure functions): a close is kept only for this
-replica's next step to apply or the one after (`close_window`: 1 + max_staleness), and acted on only
-at its own step; its members must be live replicas of this stage (or this replica); the samples it
-attributes to this replica must equal what this replica accumulated for the step, unless another
-member's gradients confirm the close exactly (then this replica's samples are left out as
-`unconfirmed`); a replica the close does not name, or a close naming nobody, needs such a confirmation.
-`grads` come only from live replicas and count only from a member of the decided close whose sample
-count equals the close's. A close that fails these checks is logged and not acted on, and the honest
-close, when it comes, decides. Only when no close passes for `close_timeout_s` after one became due (a
-trainer died mid-step, or all of a step's micro-batches failed) does the replica act on the best
-remaining one as before these checks (`lenient`): a stage must not stall.
-
 Everything here runs on the server's asyncio loop; tensor work goes to the compute thread.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import itertools
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
-from collections.abc import Set as AbstractSet
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -70,10 +53,6 @@ KEEP_STEPS_AHEAD = 4  # closes/grads this far ahead are kept; a replica further 
 KEPT_STEP_MEANS = 3
 KEPT_MEANS_BYTES = 64 * 2**20
 MAX_REPLAY_STEPS = 64  # a replica further behind downloads the state instead
-MAX_CLOSES_PER_STEP = 64  # distinct senders of closes kept per step (an honest run has one per trainer)
-MAX_COMBINATIONS = 1024  # sets of closes (at most one per shard) a decision looks at
-MAX_HELD_GRADS = 4  # per step: sums from peers the DHT view does not show yet, named by a kept close
-LiveReplicasFn = Callable[[], AbstractSet[str] | None]  # the stage's live replicas; None: unknown, unchecked
 
 
 @dataclass
@@ -83,218 +62,22 @@ class StepSettings:
     poll_s: float = 0.5  # how often a waiting step re-checks for a resync that moved the epoch
 
 
-# checking closes and gradients against this replica's own state (pure) -----------------------------
-@dataclass(frozen=True)
-class Close:
-    """One trainer's close of a step, as this replica received it."""
-
-    sender: str  # the authenticated peer id it came from ("" in tests that do not say)
-    shard: int
-    shards: int
-    members: Mapping[str, int]  # peer -> samples the trainer saw it accumulate (> 0 only)
-    participants: frozenset[str]
-    arrived_s: float
-
-
-@dataclass(frozen=True)
-class StepDecision:
-    """A candidate for a step: the closes of a set of trainers (at most one per shard) merged, whose
-    members are all live replicas of the stage."""
-
-    members: Mapping[str, int]  # peer -> samples it must contribute
-    participants: frozenset[str]  # live peers to send our sums to (never this replica)
-    closes: int  # how many trainers' closes it merges
-    complete: bool  # every trainer closed the step (else it became due at the close timeout)
-    first_s: float  # when its first close arrived
-    due_s: float  # when it can be acted on: complete, or the close timeout after its first close
-    lenient: bool = False  # no candidate passed the checks in time: acted on as before them
-
-
-def close_refusal(step: int, epoch: int, window: int) -> str | None:
-    """Why a close of `step` arriving at a replica at `epoch` is not kept (None: kept). `window`: how
-    many steps past its epoch a replica keeps closes of: an honest trainer closes a step at a stage once
-    its micro-batches are done there, which needs the parameters of step - max_staleness on the replica
-    that ran them, so at most 1 + max_staleness steps past a replica still exchanging the step before.
-    A kept close is acted on only at its own step, so none makes a replica skip one. A close naming a
-    peer that is not a live replica of the stage is kept but never acted on while that peer is unknown
-    (`unknown_members`): the DHT view may lag a joining replica by a refresh."""
-    if step < epoch:
-        return f"step {step} is already applied here (at {epoch})"
-    if step > epoch + window:
-        return f"step {step} is more than {window} step(s) past this replica's next step {epoch}"
-    return None
-
-
-def unknown_members(members: Iterable[str], peer_id: str, live: AbstractSet[str] | None) -> list[str]:
-    """Members that are neither this replica nor a live replica of its stage (none when `live` is unknown)."""
-    if live is None:
-        return []
-    return sorted(p for p in members if p != peer_id and p not in live)
-
-
-def step_candidates(
-    closes: Iterable[Close], peer_id: str, live: AbstractSet[str] | None, close_timeout_s: float
-) -> list[StepDecision]:
-    """Every set of at most one close per shard (several closes of one shard: a trainer's and forged
-    ones), merged, whose members are all live replicas of the stage (or this replica)."""
-    out = []
-    for combo in _combinations(closes):
-        members: dict[str, int] = {}
-        for close in combo:
-            for peer, samples in close.members.items():
-                members[peer] = members.get(peer, 0) + samples
-        if unknown_members(members, peer_id, live):
-            continue
-        shards = max(c.shards for c in combo)
-        complete = {c.shard for c in combo} >= set(range(shards))
-        first_s = min(c.arrived_s for c in combo)
-        due_s = max(c.arrived_s for c in combo) if complete else first_s + close_timeout_s
-        participants = frozenset().union(*(c.participants for c in combo)) | set(members)
-        if live is not None:
-            participants = frozenset(p for p in participants if p in live or p in members)
-        out.append(StepDecision(members, participants - {peer_id}, len(combo), complete, first_s, due_s))
-    return out
-
-
-def decide_step(
-    candidates: Iterable[StepDecision],
-    peer_id: str,
-    own_samples: int,
-    received: Mapping[str, int],
-    now_s: float,
-    close_timeout_s: float,
-    confirm: bool = True,
-    reached_s: float = float("-inf"),
-) -> StepDecision | None:
-    """Whether this replica closes its step now (seals its sums and sends them): the candidate it starts
-    with, or None (wait). `own_samples`: what it accumulated for the step; `received`: the sample counts
-    of the `grads` it holds for the step, by sender. A due candidate is acted on when
-        - it names this replica with exactly `own_samples`, or
-        - another member's gradients arrived with exactly the samples it attributes to that member
-          (the exchange confirms it; a replica whose own count differs then leaves its samples out), or
-        - `confirm` is False (local steps: nothing is exchanged to confirm with) and it agrees with
-          `own_samples`.
-    A replica the candidate does not name, or a candidate naming nobody, thus needs a confirmation: a
-    forged close does not make a replica close its step before the trainer's data is there. When no
-    candidate passes for `close_timeout_s` after one became due and this replica reached the step
-    (`reached_s`: a close sent long before starts no clock), the best one is returned `lenient`: a stage
-    must not stall when a trainer died mid-step or every micro-batch of a step failed."""
-    best: tuple[tuple, StepDecision] | None = None
-    fallback: tuple[tuple, StepDecision] | None = None
-    for candidate in candidates:
-        if now_s < candidate.due_s:
-            continue
-        score, _, _ = _evidence(candidate, peer_id, own_samples, received, frozenset())
-        consistent, mine = score[0], candidate.members.get(peer_id, 0)
-        confirmed = any(p != peer_id and received.get(p) == n for p, n in candidate.members.items())
-        if (consistent and (mine > 0 or not confirm)) or confirmed:
-            if best is None or score > best[0]:
-                best = (score, candidate)
-        elif now_s >= max(candidate.due_s, reached_s) + close_timeout_s:
-            if fallback is None or score > fallback[0]:
-                fallback = (score, dataclasses.replace(candidate, lenient=True))
-    if best is not None:
-        return best[1]
-    return None if fallback is None else fallback[1]
-
-
-def settle_step(
-    candidates: Iterable[StepDecision],
-    peer_id: str,
-    own_samples: int,
-    received: Mapping[str, int],
-    unreachable: AbstractSet[str],
-    timed_out: bool = False,
-) -> StepDecision | None:
-    """The candidate a replica applies once it has closed its step (its sums sealed: `own_samples`), or
-    None (wait for more gradients). The exchange decides: a candidate scores by whether it agrees with
-    this replica's own count, then by how many of its members the gradients confirm (the same count),
-    then by how few it names wrongly (another count, or unreachable), then complete, then the most
-    closes, then the earliest. The best candidate all of whose members answered is applied once no
-    candidate still waiting for gradients could beat it; at `timed_out`, the best as it stands. In an
-    honest step there is one candidate, applied when its members' sums are in, as before these checks."""
-    candidates = list(candidates)
-    if timed_out:  # a member not heard from by now counts as gone
-        unreachable = frozenset().union(*(c.members for c in candidates))
-    rated = [(_evidence(c, peer_id, own_samples, received, unreachable), c) for c in candidates]
-    if not rated:
-        return None
-    if timed_out:
-        return max(rated, key=lambda r: r[0][0])[1]
-    answered = [(evidence[0], c) for evidence, c in rated if evidence[2] == 0]
-    if not answered:
-        return None
-    best_score, best = max(answered, key=lambda r: r[0])
-    if any(unanswered and potential > best_score for (_, potential, unanswered), _ in rated):
-        return None
-    return best
-
-
-def _evidence(
-    candidate: StepDecision,
-    peer_id: str,
-    own_samples: int,
-    received: Mapping[str, int],
-    unreachable: AbstractSet[str],
-) -> tuple[tuple, tuple, int]:
-    """(score as the gradients stand, score if every member not heard from confirms, members not heard
-    from) of a candidate (see `settle_step`)."""
-    members = candidate.members
-    consistent = members.get(peer_id, 0) == own_samples
-    confirmed = (peer_id in members and consistent) + sum(
-        1 for p, n in members.items() if p != peer_id and received.get(p) == n
-    )
-    unanswered = sum(1 for p in members if p != peer_id and p not in received and p not in unreachable)
-    wrong = len(members) - confirmed - unanswered
-    rest = (candidate.complete, candidate.closes, -candidate.first_s)
-    return (
-        (consistent, confirmed, -wrong, *rest),
-        (consistent, confirmed + unanswered, -wrong, *rest),
-        unanswered,
-    )
-
-
-def _combinations(closes: Iterable[Close]) -> Iterator[list[Close]]:
-    """Every non-empty set of at most one close per shard, in a fixed order, at most MAX_COMBINATIONS."""
-    by_shard: dict[int, list[Close | None]] = {}
-    for close in sorted(closes, key=lambda c: (c.arrived_s, c.sender)):
-        by_shard.setdefault(close.shard, []).append(close)
-    choices = [[*by_shard[shard], None] for shard in sorted(by_shard)]
-    for picked in itertools.islice(itertools.product(*choices), MAX_COMBINATIONS):
-        combo = [c for c in picked if c is not None]
-        if combo:
-            yield combo
-
-
-class LiveReplicas:
-    """The stage's live replicas (this run's config digest) as the DHT last showed them; the server
-    refreshes it off the event loop (`update`), the step coordinator reads it per message. A peer stays
-    `keep_s` after it was last seen, so one failed or partial DHT read drops nobody."""
-
-    def __init__(self, keep_s: float) -> None:
-        self.keep_s = keep_s
-        self._seen: dict[str, float] = {}
-
-    def update(self, peers: Iterable[str], now_s: float | None = None) -> None:
-        now_s = time.monotonic() if now_s is None else now_s
-        for peer in peers:
-            self._seen[peer] = now_s
-        self._seen = {p: t for p, t in self._seen.items() if now_s - t <= self.keep_s}
-
-    def current(self, now_s: float | None = None) -> frozenset[str]:
-        now_s = time.monotonic() if now_s is None else now_s
-        return frozenset(p for p, t in self._seen.items() if now_s - t <= self.keep_s)
-
-
 @dataclass
 class PendingStep:
     step: int
-    closes: dict[str, Close] = field(default_factory=dict)  # by sender: its latest close of the step
-    decision: StepDecision | None = None  # set once the step is closed
-    reached_s: float | None = None  # when this replica's step loop reached this step
+    shard_count: int = 1
+    shards: set[int] = field(default_factory=set)
+    members: dict[str, int] = field(default_factory=dict)  # peer -> samples trainers saw it accumulate
+    participants: set[str] = field(default_factory=set)
+    first_close_s: float | None = None
     received: dict[str, tuple[int, list[torch.Tensor]]] = field(default_factory=dict)
     unreachable: set[str] = field(default_factory=set)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def closed(self, now_s: float, close_timeout_s: float) -> bool:
+        if self.first_close_s is None:
+            return False
+        return len(self.shards) >= self.shard_count or now_s - self.first_close_s >= close_timeout_s
 
 
 @dataclass
@@ -308,11 +91,6 @@ class StepCounters:
     last_exchange_s: float = 0.0
     clipped_contributions: int = 0  # a replica's sums far above the others' (net/robust.py)
     replayed_steps: int = 0  # steps this replica missed and applied from a peer's mean gradients
-    refused_closes: int = 0  # closes not kept: an applied step, too far ahead, or too many senders
-    unknown_member_closes: int = 0  # closes naming peers that are not live replicas of the stage
-    ignored_grads: int = 0  # gradients from a peer that is no live replica, no member, or a wrong count
-    disagreeing_closes: int = 0  # steps decided by a close whose count for this replica was not its own
-    lenient_steps: int = 0  # no close passed the checks in time: acted on one as before them
 
 
 class StepCoordinator:
@@ -326,13 +104,8 @@ class StepCoordinator:
         ledger: Ledger | None = None,
         on_step: OnStep | None = None,
         loop: asyncio.AbstractEventLoop | None = None,
-        live_replicas: LiveReplicasFn | None = None,
-        close_window: int = 1,
     ) -> None:
-        """`live_replicas()`: the stage's live replicas from the DHT (None: not checked, tests);
-        `close_window`: 1 + max_staleness (see `close_refusal`)."""
         self.worker, self.compute, self.peer_id = worker, compute, peer_id
-        self.live_replicas, self.close_window = live_replicas, close_window
         self.send_grads, self.settings = send_grads, settings
         self.ledger = ledger or Ledger(None)
         self.on_step = on_step  # after every step (applied or skipped) with the new parameters' fingerprint
@@ -347,65 +120,29 @@ class StepCoordinator:
         self._loop = loop or asyncio.get_running_loop()
 
     # messages -----------------------------------------------------------------------------------
-    def on_close(
-        self, step: int, shard: int, shard_count: int, members: dict, participants: list, sender: str = ""
-    ) -> bool:
-        """A trainer's close (fields checked by net/protocol.py's `validate_close`); False if not kept.
-        Kept closes are only candidates: the step loop decides which one, if any, it acts on."""
-        refusal = close_refusal(step, self.worker.epoch, self.close_window)
-        state = self._pending(step) if refusal is None else None
-        if state is not None and sender not in state.closes and len(state.closes) >= MAX_CLOSES_PER_STEP:
-            refusal = f"already {len(state.closes)} senders closed step {step}"
-        if state is None or refusal is not None:
-            self.counters.refused_closes += 1
-            log = logger.debug if step < self.worker.epoch else logger.warning
-            log("close of step %d from %s ignored: %s", step, _short(sender), refusal)
-            return False
-        kept = {peer: int(n) for peer, n in members.items() if int(n) > 0}
-        unknown = unknown_members(kept, self.peer_id, self._live())
-        if unknown:
-            self.counters.unknown_member_closes += 1
-            logger.warning(
-                "close of step %d from %s names %s, not live replicas of this stage: not acted on",
-                step,
-                _short(sender),
-                [_short(p) for p in unknown[:4]],
-            )
-        state.closes[sender] = Close(
-            sender, shard, shard_count, kept, frozenset(participants), time.monotonic()
-        )
-        state.changed.set()
-        return True
-
-    def on_grads(self, peer: str, step: int, samples: int, sums: list[torch.Tensor]) -> bool:
-        """A stage peer's gradient sums of a step; kept only from a live replica of the stage, or (a few)
-        from a peer a kept close of the step names (a replica that joined before our DHT view shows it).
-        They count only if the step's decided close names `peer` with exactly `samples`. False if not kept."""
-        live, state = self._live(), self._pending(step)
+    def on_close(self, step: int, shard: int, shard_count: int, members: dict, participants: list) -> None:
+        state = self._pending(step)
         if state is None:
-            return False
-        if live is not None and peer not in live and peer not in state.received:
-            named = any(peer in close.members for close in state.closes.values())
-            held = sum(1 for p in state.received if p not in live)
-            if not named or held >= MAX_HELD_GRADS:
-                self.counters.ignored_grads += 1
-                logger.warning(
-                    "gradients of step %d from %s ignored: not a live replica of this stage",
-                    step,
-                    _short(peer),
-                )
-                return False
-        state.received[peer] = (samples, sums)
+            return
+        state.shard_count = max(state.shard_count, shard_count)
+        state.shards.add(shard)
+        for peer, samples in members.items():
+            state.members[peer] = state.members.get(peer, 0) + int(samples)
+        state.participants.update(participants)
+        if state.first_close_s is None:
+            state.first_close_s = time.monotonic()
         state.changed.set()
-        return True
+
+    def on_grads(self, peer: str, step: int, samples: int, sums: list[torch.Tensor]) -> None:
+        state = self._pending(step)
+        if state is not None:
+            state.received[peer] = (samples, sums)
+            state.changed.set()
 
     def _pending(self, step: int) -> PendingStep | None:
         if not self.worker.epoch <= step <= self.worker.epoch + KEEP_STEPS_AHEAD:
             return None  # already applied, or so far ahead that this replica will resync anyway
         return self.pending.setdefault(step, PendingStep(step))
-
-    def _live(self) -> AbstractSet[str] | None:
-        return None if self.live_replicas is None else self.live_replicas()
 
     # waiting for a parameter version ------------------------------------------------------------
     async def wait_for_version(self, version: int, deadline_s: float, abandon=lambda: False) -> bool:
@@ -436,10 +173,8 @@ class StepCoordinator:
     async def run(self) -> None:
         while True:
             step = self.worker.epoch
-            for old in [s for s in self.pending if s < step]:  # applied, replayed or skipped by a resync
-                del self.pending[old]
             try:
-                if await self._wait(step, self._decided):
+                if await self._wait(step, self._is_closed):
                     await self._finish(step)
             except asyncio.CancelledError:
                 raise
@@ -466,31 +201,8 @@ class StepCoordinator:
                 pass
         return False
 
-    def _decided(self, state: PendingStep) -> bool:
-        """Whether this replica closes its step now (`decide_step`); keeps the candidate it starts with."""
-        if state.reached_s is None:
-            state.reached_s = time.monotonic()
-        if self._replaying or not state.closes:
-            return False
-        bucket = self.worker.buckets.get(state.step)
-        state.decision = decide_step(
-            self._candidates(state),
-            self.peer_id,
-            bucket.samples if bucket is not None else 0,
-            _counts(state),
-            time.monotonic(),
-            self.settings.close_timeout_s,
-            confirm=self.worker.outer is None,
-            reached_s=state.reached_s,
-        )
-        return state.decision is not None
-
-    def _candidates(self, state: PendingStep, due: bool = False) -> list[StepDecision]:
-        candidates = step_candidates(
-            state.closes.values(), self.peer_id, self._live(), self.settings.close_timeout_s
-        )
-        now_s = time.monotonic()
-        return [c for c in candidates if c.due_s <= now_s] if due else candidates
+    def _is_closed(self, state: PendingStep) -> bool:
+        return not self._replaying and state.closed(time.monotonic(), self.settings.close_timeout_s)
 
     # steps missed: replayed from a peer's means ---------------------------------------------------
     def means_of(self, step: int) -> tuple[int, list[torch.Tensor] | None] | None:
@@ -536,108 +248,40 @@ class StepCoordinator:
 
     async def _finish(self, step: int) -> None:
         state, start_s = self.pending[step], time.monotonic()
-        start = state.decision
-        assert start is not None  # set by `_decided`
-        if start.lenient:
-            self.counters.lenient_steps += 1
-            logger.warning(
-                "step %d: no close agreed with this replica's samples or was confirmed by a member's within "
-                "%.0f s; acting on %s as before the checks",
-                step,
-                self.settings.close_timeout_s,
-                {_short(p): n for p, n in start.members.items()},
-            )
+        if len(state.shards) < state.shard_count:
+            self.counters.timed_out_closes += 1
+            logger.warning("step %d: %d of %d trainers closed it", step, len(state.shards), state.shard_count)
         bucket = await self._on_compute(lambda: self.worker.seal(step))
         if self.worker.outer is not None:
-            await self._finish_local(state, start, bucket, start_s)
+            await self._finish_local(state, bucket, start_s)
             return
-        own = bucket.samples
-        if start.lenient:  # as before the checks: named members count with whatever they send
-            if own and self.peer_id in start.members:
-                self._send(state, start.participants | set(start.members), own, bucket.grad_sums)
-            others = set(start.members) - {self.peer_id}
-            answered = await self._wait(
-                step, lambda s: others <= set(s.received) | s.unreachable, self.settings.exchange_timeout_s
-            )
-            final = start
-        else:  # the exchange decides which close is applied (`settle_step`)
-            sent: set[str] = set()
-
-            def settled(s: PendingStep) -> bool:
-                self._send_where_named(s, own, bucket.grad_sums, sent)
-                s.decision = settle_step(
-                    self._candidates(s, due=True), self.peer_id, own, _counts(s), s.unreachable
-                )
-                return s.decision is not None
-
-            answered = await self._wait(step, settled, self.settings.exchange_timeout_s)
-            if self.worker.epoch == step and not answered:
-                candidates = self._candidates(state, due=True)
-                state.decision = settle_step(candidates, self.peer_id, own, _counts(state), set(), True)
-            final = state.decision or start
+        listed = {p for p, n in state.members.items() if n > 0}
+        if bucket.samples and self.peer_id in listed:
+            await self._send(state, bucket.samples, bucket.grad_sums)
+        elif bucket.samples:  # no trainer saw us accumulate these: the others cannot count them
+            self.counters.unconfirmed_samples += bucket.samples
+            self.ledger.write("lost", mbs=bucket.micro_batch_ids, n=bucket.samples, reason="unconfirmed")
+        others = listed - {self.peer_id}
+        complete = await self._wait(
+            step,
+            lambda s: others <= set(s.received) | s.unreachable,
+            self.settings.exchange_timeout_s,
+        )
         if self.worker.epoch != step:
             return  # a resync moved us on meanwhile
-        if not final.complete:
-            self.counters.timed_out_closes += 1
-            logger.warning("step %d: the closes of %d trainer(s) came, not of all", step, final.closes)
-        members = final.members
-        mine = members.get(self.peer_id, 0)
-        # our sums count when the close attributes exactly them to us (lenient: when it names us at all)
-        counted = own > 0 and (mine > 0 if final.lenient else own == mine)
-        if own and not counted:  # the trainers do not confirm these: the others cannot count them
-            if mine:
-                self.counters.disagreeing_closes += 1
-                logger.warning(
-                    "step %d: this replica holds %d samples, the close says %d: its samples are left out",
-                    step,
-                    own,
-                    mine,
-                )
-            self.counters.unconfirmed_samples += own
-            self.ledger.write("lost", mbs=bucket.micro_batch_ids, n=own, reason="unconfirmed")
-        contributions = {}
-        for peer in (set(members) - {self.peer_id}) & set(state.received):
-            samples, sums = state.received[peer]
-            if final.lenient or samples == members[peer]:
-                contributions[peer] = (samples, sums)
-            else:
-                self.counters.ignored_grads += 1
-                logger.warning(
-                    "step %d: %s sent gradients of %d samples, the close says %d: left out",
-                    step,
-                    _short(peer),
-                    samples,
-                    members[peer],
-                )
-        if counted:
-            contributions[self.peer_id] = (own, bucket.grad_sums)
+        contributions = {p: state.received[p] for p in others if p in state.received}
+        if self.peer_id in listed and bucket.samples:
+            contributions[self.peer_id] = (bucket.samples, bucket.grad_sums)
         # fp32 addition is not associative: every replica must add the same sums in the same order
         # (with our own sums appended last, 3 replicas drifted apart by rounding, ~1e-9 per run)
         contributions = dict(sorted(contributions.items()))
-        if not answered or len(contributions) < len(members):
+        if not complete or len(contributions) < len(listed):
             self.counters.partial_exchanges += 1
-            missing = sorted(set(members) - set(contributions))
+            missing = sorted(listed - set(contributions))
             logger.warning("step %d: no gradients from %s; stepping without them", step, missing)
         await self._apply(step, contributions, bucket.micro_batch_ids, start_s)
 
-    def _send_where_named(
-        self, state: PendingStep, own: int, sums: list[torch.Tensor], sent: set[str]
-    ) -> None:
-        """Our sealed sums, with their real count, to the participants of every due candidate naming us:
-        where the count is what the candidate says they confirm it, elsewhere they tell its members at
-        once to leave us out (instead of waiting for the exchange timeout)."""
-        if not own:
-            return
-        peers: set[str] = set()
-        for candidate in self._candidates(state, due=True):
-            if self.peer_id in candidate.members:
-                peers |= candidate.participants | set(candidate.members)
-        peers -= sent | {self.peer_id}
-        if peers:
-            sent |= peers
-            self._send(state, peers, own, sums)
-
-    async def _finish_local(self, state: PendingStep, decision: StepDecision, bucket, start_s: float) -> None:
+    async def _finish_local(self, state: PendingStep, bucket, start_s: float) -> None:
         """swarm.local_steps > 1: step on this replica's own gradient; at every H-th step, average the
         pseudo-gradients (weighted by samples since the last round) with the step's participants in
         peer order and take the outer step, so all end the round with the same parameters."""
@@ -648,8 +292,8 @@ class StepCoordinator:
         if not sync or self.worker.epoch != step:
             return
         samples, delta = await self._on_compute(self.worker.pseudo_gradient)
-        others = (decision.participants | set(decision.members)) - {self.peer_id}
-        self._send(state, others, samples, delta)
+        await self._send(state, samples, delta)
+        others = (state.participants | set(state.members)) - {self.peer_id}
         complete = await self._wait(
             step, lambda s: others <= set(s.received) | s.unreachable, self.settings.exchange_timeout_s
         )
@@ -677,12 +321,10 @@ class StepCoordinator:
         if self.on_step is not None:
             self.on_step(step + 1, fingerprint)
 
-    def _send(
-        self, state: PendingStep, peers: AbstractSet[str], samples: int, sums: list[torch.Tensor]
-    ) -> None:
-        """Send our sums to `peers` in the background: the step waits for the other members' sums, never
-        for a send (a hung participant must not stall the stage)."""
-        for peer in sorted(set(peers) - {self.peer_id}):
+    async def _send(self, state: PendingStep, samples: int, sums: list[torch.Tensor]) -> None:
+        """Send our sums to every other participant in the background: the step waits for the other
+        members' sums, never for a send (a hung participant must not stall the stage)."""
+        for peer in sorted((state.participants | set(state.members)) - {self.peer_id}):
             task = asyncio.create_task(self.send_grads(peer, state.step, samples, sums))
             self._sending.add(task)
             task.add_done_callback(lambda t, p=peer: self._sent(state, p, t))
@@ -742,11 +384,3 @@ class StepCoordinator:
 
     async def _on_compute(self, fn):
         return await self.compute.run(fn, PRIORITY_SYNC)
-
-
-def _counts(state: PendingStep) -> dict[str, int]:
-    return {peer: samples for peer, (samples, _) in state.received.items()}
-
-
-def _short(peer: str) -> str:
-    return peer[-8:] if peer else "?"
