@@ -24,6 +24,7 @@ from collections.abc import Awaitable, Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -48,7 +49,7 @@ from swarmtrain.net.protocol import (
     validate_step_means,
     validate_step_means_request,
 )
-from swarmtrain.runtime.faults import FaultHooks
+from swarmtrain.runtime.faults import FaultHooks, nan_like
 from swarmtrain.runtime.ledger import Ledger
 from swarmtrain.runtime.server.capacity import CapacityMeter
 from swarmtrain.runtime.server.chain_hop import Admitted, ChainHop, NextStage
@@ -67,9 +68,14 @@ from swarmtrain.runtime.server.stage_sync import StageSynchronizer, SyncSettings
 from swarmtrain.runtime.server.stage_worker import StageWorker, all_finite
 from swarmtrain.utils.logging import get_logger
 
+if TYPE_CHECKING:  # hivemind is imported only once the process has prepared its environment
+    from swarmtrain.net.transport import StageClient, TransportStats
+
 logger = get_logger(__name__)
 
 DRAIN_POLL_S = 0.05
+# a record lives this many announce periods: one missed announcement does not drop a live server
+ANNOUNCE_TTL_PERIODS = 3
 Handler = Callable[[Message, object], Awaitable[Message]]
 
 
@@ -103,10 +109,10 @@ class Node:
 
 @dataclass(frozen=True)
 class Transport:
-    """The process's RPC endpoints while it serves (net/transport.py)."""
+    """The process's RPC endpoints while it serves."""
 
-    client: object  # StageClient
-    stats: object  # TransportStats
+    client: StageClient
+    stats: TransportStats
 
 
 class StageService:
@@ -416,7 +422,7 @@ class StageService:
         assert self._transport is not None  # steps run only while serving
         header = {"step": step, "samples": samples, "stage": self.spec.index, "digest": self.digest}
         if self.faults.sends_nan(step):  # a faulty replica (tests); its scaling is in the accumulation
-            sums = self.faults.corrupted(sums, step)
+            sums = nan_like(sums)
         message = make_message("grads", header, dict(zip(self.worker.names, sums, strict=True)), "none")
         client = self._transport.client
         for attempt in range(3):  # a cut-off stream is retried; a dead peer is not waited for
@@ -605,18 +611,17 @@ class StageService:
         return make_message("result", header, tensors, "none")
 
     # announcements and metrics ------------------------------------------------------------------
-    def announce(self, state: str | None = None, ttl_s: float | None = None) -> StageAnnouncement:
+    def announce(self, state: str | None = None) -> StageAnnouncement:
         """Publish this replica's record (online, joining or offline) and return it."""
         self.capacity.update(self._samples_done, self._work_cpu_s())
         announcement = self.announcement(state)
         # an offline record too: the DHT replaces a record only by one that expires later, so a short-lived
         # offline record was refused and trainers kept routing to a stopped server until it expired
-        self.node.records.announce(self.peer_id, announcement, ttl_s or self.announce_ttl_s)
+        self.node.records.announce(self.peer_id, announcement, self.announce_ttl_s)
         return announcement
 
     @property
     def announce_ttl_s(self) -> float:
-        # a record lives this many announce periods: one missed announcement does not drop a live server
         return ANNOUNCE_TTL_PERIODS * self.cfg.swarm.announce_period_s
 
     def announcement(self, state: str | None = None) -> StageAnnouncement:
@@ -670,9 +675,6 @@ class StageService:
             busy_s=round(self.compute.busy_s, 3),
             work_cpu_s=round(self._work_cpu_s(), 3),
         )
-
-
-ANNOUNCE_TTL_PERIODS = 3
 
 
 def _leaving_answer() -> Message:
