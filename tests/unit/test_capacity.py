@@ -74,8 +74,8 @@ def test_the_compute_thread_counts_its_cpu_per_job_priority():
         worker.submit(spin, PRIORITY_BACKWARD).result(5)
     finally:
         worker.stop()
-    assert worker.cpu_s_by_priority[PRIORITY_SYNC] < 0.05
-    assert 0.1 <= worker.cpu_s_by_priority[PRIORITY_BACKWARD] < 0.5
+    assert worker.work_s_by_priority[PRIORITY_SYNC] < 0.05
+    assert 0.1 <= worker.work_s_by_priority[PRIORITY_BACKWARD] < 0.5
     assert worker.busy_s >= 0.3
 
 

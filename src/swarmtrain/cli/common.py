@@ -111,3 +111,28 @@ def write_summary_json(path: str | None, summary: dict) -> None:
         target.write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
     except OSError as exc:
         raise UserError(f"cannot write summary to {target}: {exc.strerror}") from None
+
+
+def add_device_args(parser: argparse.ArgumentParser, what: str = "the model") -> None:
+    """`--device` and `--dtype`, the same on every command that computes (model/device.py)."""
+    parser.add_argument(
+        "--device",
+        default="auto",
+        metavar="DEVICE",
+        help=f"where {what} computes: auto (CUDA when torch sees a GPU, else CPU), cpu, cuda or cuda:N; "
+        "asking for CUDA where there is none is an error (default: auto)",
+    )
+    parser.add_argument(
+        "--dtype",
+        default="fp32",
+        choices=("fp32", "bf16", "fp16"),
+        help="compute precision: parameters and optimizer state stay fp32 and the compute runs under "
+        "autocast in this dtype (fp16 adds a loss scaler; bf16 also runs on CPU) (default: fp32)",
+    )
+
+
+def compute_device_from_args(args: argparse.Namespace):
+    """The `ComputeDevice` of `--device`/`--dtype` (a one-line error for a device this machine lacks)."""
+    from swarmtrain.model.device import ComputeDevice
+
+    return ComputeDevice.from_names(args.device, args.dtype)

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import argparse
 
-from swarmtrain.cli.common import add_run_config_args, positive_int, run_config_from_args, write_summary_json
+from swarmtrain.cli.common import (
+    add_device_args,
+    add_run_config_args,
+    compute_device_from_args,
+    positive_int,
+    run_config_from_args,
+    write_summary_json,
+)
 from swarmtrain.cli.net_args import (
     add_client_mode_arg,
     add_identity_arg,
@@ -71,9 +78,7 @@ def register(subparsers) -> None:
         help="keep the model in host memory and stream its blocks through --device in groups that fit "
         "MB of device memory (ATOM's model swapping; default: the model is resident)",
     )
-    parser.add_argument(
-        "--device", choices=("cpu", "cuda"), default="cpu", help="where the blocks compute (default: cpu)"
-    )
+    add_device_args(parser, what="the model (or, with --offload-budget-mb, its streamed blocks)")
     parser.add_argument("--log-period-s", type=float, default=5.0, help="progress line period (default 5)")
     parser.add_argument("--summary-json", metavar="PATH", help="write the run summary here")
     parser.set_defaults(func=run)
@@ -94,11 +99,9 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--log-period-s must be positive")
     if args.offload_budget_mb is not None and args.offload_budget_mb <= 0:
         raise UserError("--offload-budget-mb must be positive")
-    if args.device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise UserError("--device cuda: no CUDA device is visible to torch")
+    if args.offload_budget_mb is not None and args.dtype != "fp32":
+        raise UserError("--offload-budget-mb: the layer swapper computes in fp32 (use --dtype fp32)")
+    compute = compute_device_from_args(args)
     cfg = run_config_from_args(args)
     from swarmtrain.runtime.replica.replica_inner import replica_batch_samples
 
@@ -118,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
         log_period_s=args.log_period_s,
         threads=args.threads,
         swap_budget_bytes=args.offload_budget_mb * 2**20 if args.offload_budget_mb else None,
-        device=args.device,
+        compute=compute,
         init_from_hf=args.init_from_hf,
         faults=FaultHooks.from_environ(),  # tests make one replica faulty through its environment
     )

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 
 from swarmtrain.cli.common import (
+    add_device_args,
     add_run_config_args,
+    compute_device_from_args,
     non_negative_float,
     positive_int,
     require_swarm_model,
@@ -96,6 +98,7 @@ def register(subparsers) -> None:
         default=1.0,
         help="how long a replica waits for its stage peers to join an averaging round",
     )
+    add_device_args(parser, what="the stage")
     parser.set_defaults(func=run)
 
 
@@ -108,6 +111,11 @@ def run(args: argparse.Namespace) -> int:
     from swarmtrain.runtime.server.server_process import ServerOptions, ServerProcess
     from swarmtrain.runtime.server.stage_service import StageOptions
 
+    if args.dtype == "fp16":
+        # a loss scale must be one for the whole pipeline (the last stage scales, every stage unscales
+        # and all skip an overflowing step together); the swarm has no such agreement
+        raise UserError("--dtype fp16 is for whole-model commands; a stage server computes in fp32 or bf16")
+    compute = compute_device_from_args(args)
     cfg = _with_checkpoint_overrides(run_config_from_args(args), args)
     initial_peers = validate_initial_peers(args.initial_peers)
     network = network_from_args(args)
@@ -128,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
         checkpoint_dir=args.checkpoint_dir,
         fresh_start=args.fresh_start,
         init_from_hf=args.init_from_hf,
+        compute=compute,
     )
     options = ServerOptions(
         stage=stage,

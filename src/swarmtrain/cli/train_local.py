@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import argparse
 
-from swarmtrain.cli.common import add_run_config_args, positive_int, run_config_from_args, write_summary_json
+from swarmtrain.cli.common import (
+    add_device_args,
+    add_run_config_args,
+    compute_device_from_args,
+    positive_int,
+    run_config_from_args,
+    write_summary_json,
+)
 
 HELP = "train on one process (the baseline every distributed mode is compared against)"
 
@@ -35,6 +42,7 @@ def register(subparsers) -> None:
     parser.add_argument(
         "--threads", type=positive_int, metavar="N", help="torch CPU threads (default: torch's choice)"
     )
+    add_device_args(parser)
     parser.add_argument(
         "--summary-json",
         metavar="PATH",
@@ -64,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
             f"max samples ({cfg.training.max_samples}) is less than one global batch ({cfg.training.global_batch_size})"
         )
 
+    compute = compute_device_from_args(args)
     import torch
 
     from swarmtrain.data import unigram_entropy_nats
@@ -79,13 +88,14 @@ def run(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         init_from=args.init_from,
         init_from_hf=args.init_from_hf,
+        compute=compute,
     )
     result = trainer.train()
     summary = result.summary()
     # The loss of predicting bytes by their frequency alone: a model must beat it to have learned context.
     summary["unigram_val_loss"] = unigram_entropy_nats(trainer.val_set)
     print(
-        f"preset {cfg.preset}: val loss {result.initial_val_loss:.4f} -> {result.final_val_loss:.4f} "
+        f"preset {cfg.preset} on {compute.describe()}: val loss {result.initial_val_loss:.4f} -> {result.final_val_loss:.4f} "
         f"after {result.samples} samples ({result.samples_per_s:.1f} samples/s); "
         f"byte-frequency baseline {summary['unigram_val_loss']:.4f}"
     )

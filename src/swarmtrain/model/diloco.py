@@ -7,6 +7,10 @@ local steps inside SWARM; it knows nothing about the network: the caller average
 (weighted by samples) and hands the mean back. Every replica that applies the same mean to the same
 anchor with the same momentum ends with bitwise-equal weights, which is what lets replicas compare
 fingerprints and a joiner copy the outer state of any peer.
+
+The anchor and the momentum live in host memory whatever device the live weights are on: the averagers
+(hivemind's all-reduce, the stage exchange) and state downloads work on host tensors, and the outer step
+runs once per round, so its copies cost little next to H inner steps.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ class OuterOptimizer:
 
     def __init__(self, params: Sequence[torch.Tensor], learning_rate: float, momentum: float) -> None:
         self.params = list(params)
-        self.anchor = [p.detach().clone() for p in self.params]
+        self.anchor = [p.detach().to("cpu", copy=True) for p in self.params]
         self.optimizer = torch.optim.SGD(
             self.anchor, lr=learning_rate, momentum=momentum, nesterov=momentum > 0
         )
@@ -31,7 +35,7 @@ class OuterOptimizer:
     @torch.no_grad()
     def pseudo_gradients(self) -> list[torch.Tensor]:
         """anchor - params: the direction the inner steps moved against, per parameter."""
-        return [a - p.detach() for a, p in zip(self.anchor, self.params, strict=True)]
+        return [a - p.detach().to(a.device) for a, p in zip(self.anchor, self.params, strict=True)]
 
     @torch.no_grad()
     def apply(self, averaged: Sequence[torch.Tensor]) -> None:
@@ -43,7 +47,7 @@ class OuterOptimizer:
             self.outer_step += 1
             return
         for anchor, grad in zip(self.anchor, averaged, strict=True):
-            anchor.grad = grad.to(anchor.dtype).clone()
+            anchor.grad = grad.to(device=anchor.device, dtype=anchor.dtype, copy=True)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.reset_params()

@@ -45,12 +45,15 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 
 def adam_state_tensors(optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> list[torch.Tensor]:
     """AdamW's moments and step counts as plain tensors (exp_avg of every param, exp_avg_sq, step), for a
-    joining replica; zeros for a parameter that has not been stepped yet."""
+    joining replica (on the host, whatever device the parameters are on); zeros for a parameter that has
+    not been stepped yet."""
     out: list[torch.Tensor] = []
     for key in ("exp_avg", "exp_avg_sq"):
         for p in params:
             value = optimizer.state.get(p, {}).get(key)
-            out.append(value.detach().clone() if value is not None else torch.zeros_like(p))
+            out.append(
+                value.detach().to("cpu", copy=True) if value is not None else torch.zeros_like(p, device="cpu")
+            )
     for p in params:
         step = optimizer.state.get(p, {}).get("step")
         out.append(torch.tensor([float(step) if step is not None else 0.0]))
@@ -70,6 +73,6 @@ def load_adam_state(
             raise ValueError(f"AdamW state shape {tuple(tensors[i].shape)} != {tuple(p.shape)}")
         optimizer.state[p] = {
             "step": torch.tensor(float(tensors[2 * n + i].reshape(-1)[0])),
-            "exp_avg": tensors[i].detach().clone().to(p.dtype),
-            "exp_avg_sq": tensors[n + i].detach().clone().to(p.dtype),
+            "exp_avg": tensors[i].detach().to(device=p.device, dtype=p.dtype, copy=True),
+            "exp_avg_sq": tensors[n + i].detach().to(device=p.device, dtype=p.dtype, copy=True),
         }

@@ -71,7 +71,12 @@ class StageAverager(DecentralizedAverager):
         )
         options.update(averager_kwargs)
         super().__init__(
-            [t.detach().clone() for t in tensors], dht, start=True, prefix=prefix.replace(".", "_"), **options
+            # host copies: the averager runs in its own process and shares host memory only
+            [t.detach().to("cpu", copy=True) for t in tensors],
+            dht,
+            start=True,
+            prefix=prefix.replace(".", "_"),
+            **options,
         )
         restore_sigint()
 

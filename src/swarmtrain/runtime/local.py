@@ -20,6 +20,7 @@ from swarmtrain.config import RunConfig, TrainingConfig
 from swarmtrain.config.errors import UserError
 from swarmtrain.data import PackedDataset, build_datasets, iterate_batches
 from swarmtrain.model import build_model, load_model_checkpoint, save_model_checkpoint
+from swarmtrain.model.device import CPU_FP32, ComputeDevice
 from swarmtrain.model.hf_checkpoint import load_stage_from_hf
 from swarmtrain.model.optim import build_optimizer, lr_at, set_lr
 from swarmtrain.utils.logging import get_logger
@@ -45,13 +46,22 @@ class LocalResult:
 
 
 @torch.no_grad()
-def validation_loss(model: torch.nn.Module, val: PackedDataset, batch_size: int, max_samples: int) -> float:
-    """Mean next-token loss over the first `max_samples` validation samples (weighted by batch size)."""
+def validation_loss(
+    model: torch.nn.Module,
+    val: PackedDataset,
+    batch_size: int,
+    max_samples: int,
+    compute: ComputeDevice = CPU_FP32,
+) -> float:
+    """Mean next-token loss over the first `max_samples` validation samples (weighted by batch size),
+    computed as training computes (`compute`: the model's device and autocast dtype)."""
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
     for inputs, labels in val.ordered_batches(batch_size, max_samples):
-        total += model(inputs, labels).item() * inputs.shape[0]
+        with compute.autocast():
+            loss = model(compute.to_device(inputs), compute.to_device(labels))
+        total += loss.item() * inputs.shape[0]
         count += inputs.shape[0]
     model.train(was_training)
     return total / count
@@ -65,11 +75,13 @@ class LocalTrainer:
         progress: bool = True,
         init_from: str | Path | None = None,
         init_from_hf: str | Path | None = None,
+        compute: ComputeDevice = CPU_FP32,
     ) -> None:
         """`init_from`: a whole-model safetensors file (`swarmtrain export`'s output) whose weights
         replace the initial ones; `init_from_hf`: likewise from a Hugging Face model directory (whose
         config.json `cfg.model` was derived from). The optimizer and schedule start fresh. A checkpoint
-        in `checkpoint_dir`, when there is one, is resumed instead."""
+        in `checkpoint_dir`, when there is one, is resumed instead. `compute`: the device the model
+        lives on (fp32 parameters and optimizer state) and the dtype its compute runs in."""
         if init_from is not None and init_from_hf is not None:
             raise UserError("start from one set of weights: --init-from or --init-from-hf, not both")
         self.cfg = cfg
@@ -80,7 +92,10 @@ class LocalTrainer:
             load_model_checkpoint(self.model, init_from)
         if init_from_hf is not None:
             load_stage_from_hf(self.model, init_from_hf)
+        self.compute = compute
+        self.model.to(compute.device)  # before the optimizer: its state is made where the parameters are
         self.optimizer = build_optimizer(self.model, cfg.training)
+        self.scaler = compute.grad_scaler()
         self.samples_seen = 0
         self.train_set, self.val_set = build_datasets(cfg)
 
@@ -91,6 +106,8 @@ class LocalTrainer:
         self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         save_model_checkpoint(self.model, self.checkpoint_dir / "model.safetensors")
         torch.save(self.optimizer.state_dict(), self.checkpoint_dir / "optimizer.pt")
+        if self.scaler is not None:  # fp16: the loss scale it has found, so a resume does not search again
+            torch.save(self.scaler.state_dict(), self.checkpoint_dir / "grad_scaler.pt")
         meta = {
             "samples_seen": self.samples_seen,
             "digest": _resume_digest(self.cfg),
@@ -110,6 +127,9 @@ class LocalTrainer:
             )
         load_model_checkpoint(self.model, self.checkpoint_dir / "model.safetensors")
         self.optimizer.load_state_dict(torch.load(self.checkpoint_dir / "optimizer.pt", weights_only=True))
+        scaler_path = self.checkpoint_dir / "grad_scaler.pt"
+        if self.scaler is not None and scaler_path.is_file():
+            self.scaler.load_state_dict(torch.load(scaler_path, weights_only=True))
         self.samples_seen = int(meta["samples_seen"])
         logger.info("resumed from %s at %d samples", self.checkpoint_dir, self.samples_seen)
         return True
@@ -117,14 +137,21 @@ class LocalTrainer:
     # training -----------------------------------------------------------------------------------
     def val_loss(self) -> float:
         t = self.cfg.training
-        return validation_loss(self.model, self.val_set, t.micro_batch_size, t.eval_samples)
+        return validation_loss(self.model, self.val_set, t.micro_batch_size, t.eval_samples, self.compute)
 
     def step(self, batches) -> float:
         """One optimizer step over the global batch; returns the mean training loss."""
         t = self.cfg.training
         accumulation = t.global_batch_size // t.micro_batch_size
         loss = optimizer_step(
-            self.model, self.optimizer, batches, accumulation, lr_at(self.samples_seen, t), t
+            self.model,
+            self.optimizer,
+            batches,
+            accumulation,
+            lr_at(self.samples_seen, t),
+            t,
+            compute=self.compute,
+            scaler=self.scaler,
         )
         self.samples_seen += t.global_batch_size
         return loss
@@ -182,26 +209,39 @@ def optimizer_step(
     lr: float,
     t: TrainingConfig,
     loss_and_backward=None,
+    compute: ComputeDevice = CPU_FP32,
+    scaler: torch.amp.GradScaler | None = None,
 ) -> float:
     """Accumulate `accumulation` micro-batches' mean gradient, clip it to the global norm, step at `lr`;
     returns the mean training loss. The one training step of every whole-model mode (local, replicas).
     `loss_and_backward(inputs, labels, scale) -> loss` replaces the resident forward and backward (the
-    layer swapper's streamed pass)."""
+    layer swapper's streamed pass). `compute`: where the model is and the autocast dtype; `scaler`:
+    fp16's loss scaler (the gradients are unscaled before clipping; a step with non-finite gradients is
+    skipped by the scaler and the scale lowered)."""
     set_lr(optimizer, lr)
-    total = 0.0
+    # summed on the device (one synchronize per step) in float64, as a sum of Python floats would be
+    total = torch.zeros((), dtype=torch.float64, device=compute.device)
     for _ in range(accumulation):
         inputs, labels = next(batches)
         if loss_and_backward is None:
-            loss = model(inputs, labels)
-            (loss / accumulation).backward()
-            total += loss.item()
+            with compute.autocast():
+                loss = model(compute.to_device(inputs), compute.to_device(labels))
+            scaled = loss / accumulation
+            (scaled if scaler is None else scaler.scale(scaled)).backward()
+            total += loss.detach()
         else:
             total += loss_and_backward(inputs, labels, 1.0 / accumulation)
+    if scaler is not None:
+        scaler.unscale_(optimizer)
     if t.grad_clip_norm > 0:
         torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip_norm)
-    optimizer.step()
+    if scaler is None:
+        optimizer.step()
+    else:
+        scaler.step(optimizer)
+        scaler.update()
     optimizer.zero_grad(set_to_none=True)
-    return total / accumulation
+    return float(total) / accumulation
 
 
 def local_reference_val_loss(
@@ -210,6 +250,7 @@ def local_reference_val_loss(
     progress: bool = False,
     eval_samples: int | None = None,
     init_from_hf: str | Path | None = None,
+    compute: ComputeDevice = CPU_FP32,
 ) -> float:
     """Validation loss of one process after the first `samples` training samples, as `train-local`
     trains them: same initial weights (seed), same data order, AdamW, accumulation to the global batch,
@@ -218,6 +259,7 @@ def local_reference_val_loss(
     optimizer steps are; evaluated on the first `eval_samples` validation samples (default:
     training.eval_samples), like the swarm trainer's own evaluation. Uses torch's threads as set.
     `init_from_hf`: the swarm's servers started from that Hugging Face model directory, so does this.
+    `compute`: the device and dtype to train on.
     """
     t = cfg.training
     stop = samples // t.global_batch_size * t.global_batch_size
@@ -227,7 +269,7 @@ def local_reference_val_loss(
         t, eval_every_samples=stop + t.global_batch_size, eval_samples=eval_samples or t.eval_samples
     )
     cfg = cfg.replace(training=training)
-    trainer = LocalTrainer(cfg, progress=progress, init_from_hf=init_from_hf)
+    trainer = LocalTrainer(cfg, progress=progress, init_from_hf=init_from_hf, compute=compute)
     return trainer.train(stop_samples=stop).final_val_loss
 
 

@@ -17,6 +17,7 @@ from swarmtrain.config import RunConfig
 from swarmtrain.config.errors import ConfigError
 from swarmtrain.data import build_datasets, iterate_batches
 from swarmtrain.model import build_model
+from swarmtrain.model.device import CPU_FP32, ComputeDevice
 from swarmtrain.model.diloco import OuterOptimizer
 from swarmtrain.model.hf_checkpoint import load_stage_from_hf
 from swarmtrain.model.optim import build_optimizer, lr_at
@@ -47,11 +48,12 @@ class InnerTrainer:
         shard_count: int = 1,
         datasets=None,
         swap_budget_bytes: float | None = None,
-        device: str = "cpu",
+        compute: ComputeDevice = CPU_FP32,
         init_from_hf: str | None = None,
     ) -> None:
-        """`swap_budget_bytes`: stream the blocks through `device` in groups that fit this budget
-        (offload/whole_model.py) instead of holding the model resident. `init_from_hf`: a Hugging Face
+        """`compute`: the device the model trains on and the autocast dtype. `swap_budget_bytes`: keep
+        the model in host memory and stream the blocks through `compute.device` in groups that fit this
+        budget (offload/whole_model.py; fp32 only) instead of holding the model resident there. `init_from_hf`: a Hugging Face
         model directory whose weights replace the seed's (a joiner still downloads the swarm's state)."""
         self.cfg = cfg
         self.batch_samples = replica_batch_samples(cfg, shard_count)
@@ -59,11 +61,17 @@ class InnerTrainer:
         self.model = build_model(cfg.model, seed=cfg.training.seed)
         if init_from_hf is not None:  # before the optimizer and the outer step's anchor copy them
             load_stage_from_hf(self.model, init_from_hf)
+        if swap_budget_bytes and compute.mixed:
+            raise ConfigError("the layer swapper computes in fp32: use --dtype fp32 with --offload-budget-mb")
+        # swapped: the model stays in host memory and only the blocks visit the device
+        self.compute = ComputeDevice(torch.device("cpu"), compute.dtype) if swap_budget_bytes else compute
+        self.model.to(self.compute.device)  # before the optimizer makes its state beside the parameters
+        self.scaler = self.compute.grad_scaler()
         self.optimizer = build_optimizer(self.model, cfg.training)
         self.train_set, self.val_set = datasets or build_datasets(cfg)
         self.step = 0
         self._batches = self._stream(0)
-        self.swapped = SwappedGPT(self.model, swap_budget_bytes, device) if swap_budget_bytes else None
+        self.swapped = SwappedGPT(self.model, swap_budget_bytes, compute.device) if swap_budget_bytes else None
 
     def params(self) -> list[torch.Tensor]:
         return [p for p in self.model.parameters() if p.requires_grad]
@@ -89,13 +97,25 @@ class InnerTrainer:
         accumulation = self.batch_samples // t.micro_batch_size
         lr = lr_at(self.step * t.global_batch_size, t)
         swapped = self.swapped.loss_and_backward if self.swapped is not None else None
-        loss = optimizer_step(self.model, self.optimizer, self._batches, accumulation, lr, t, swapped)
+        loss = optimizer_step(
+            self.model,
+            self.optimizer,
+            self._batches,
+            accumulation,
+            lr,
+            t,
+            swapped,
+            compute=self.compute,
+            scaler=self.scaler,
+        )
         self.step += 1
         return loss
 
     def val_loss(self, max_samples: int | None = None) -> float:
         t = self.cfg.training
-        return validation_loss(self.model, self.val_set, t.micro_batch_size, max_samples or t.eval_samples)
+        return validation_loss(
+            self.model, self.val_set, t.micro_batch_size, max_samples or t.eval_samples, self.compute
+        )
 
 
 @dataclass(frozen=True)

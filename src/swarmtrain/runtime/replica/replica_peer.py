@@ -33,6 +33,7 @@ import torch
 
 from swarmtrain.config import RunConfig
 from swarmtrain.config.errors import UserError
+from swarmtrain.model.device import CPU_FP32, ComputeDevice
 from swarmtrain.model.diloco import OuterOptimizer
 from swarmtrain.model.optim import adam_state_tensors, load_adam_state
 from swarmtrain.net.engine import PeerNetwork
@@ -65,8 +66,8 @@ class ReplicaOptions:
     eval_samples: int = 0
     log_period_s: float = 5.0
     threads: int | None = None
-    swap_budget_bytes: float | None = None  # stream the blocks through `device` within this budget
-    device: str = "cpu"
+    swap_budget_bytes: float | None = None  # stream the blocks through `compute.device` within this budget
+    compute: ComputeDevice = CPU_FP32
     init_from_hf: str | None = None  # initial weights from this Hugging Face model directory (--init-from-hf)
     faults: FaultHooks = NO_FAULTS  # a faulty replica, for tests (runtime/faults.py)
 
@@ -120,7 +121,7 @@ class ReplicaPeer:
             options.shard_index,
             options.shard_count,
             swap_budget_bytes=options.swap_budget_bytes,
-            device=options.device,
+            compute=options.compute,
             init_from_hf=options.init_from_hf,
         )
         if self.inner.swapped is not None:
@@ -128,7 +129,7 @@ class ReplicaPeer:
             logger.info(
                 "model swapping: %d blocks stream through %s in %d groups %s (peak %.1f MB of the budget)",
                 cfg.model.num_layers,
-                options.device,
+                options.compute.device,
                 plan.num_groups,
                 list(plan.groups),
                 plan.peak_bytes / 2**20,

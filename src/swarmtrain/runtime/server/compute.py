@@ -32,15 +32,19 @@ class DeadlineExpired(RuntimeError):
 
 
 class ComputeWorker:
-    def __init__(self, name: str = "stage-compute") -> None:
+    def __init__(self, name: str = "stage-compute", busy_clock: Callable[[], float] = time.thread_time) -> None:
+        """`busy_clock`: differences around a job are the device's time on it (`model.device.busy_clock_s`:
+        this thread's CPU time on CPU, wall time after a synchronize on CUDA)."""
         self._queue: queue.PriorityQueue = queue.PriorityQueue()
         self._order = itertools.count()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._stopped = threading.Event()
         self.busy_s = 0.0
         self.tasks_done = 0
-        # CPU seconds of this thread per job priority (thread time: exact whatever else the machine does)
-        self.cpu_s_by_priority: dict[int, float] = {}
+        # the device's seconds of work per job priority (on CPU, thread time: exact whatever else the
+        # machine does); what capacity is measured from (runtime/server/capacity.py)
+        self.work_s_by_priority: dict[int, float] = {}
+        self._busy_clock = busy_clock
 
     def start(self) -> None:
         self._thread.start()
@@ -79,7 +83,7 @@ class ComputeWorker:
             if deadline_s is not None and time.monotonic() > deadline_s:
                 future.set_exception(DeadlineExpired("request expired in the queue"))
                 continue
-            start, start_cpu_s = time.perf_counter(), time.thread_time()
+            start, start_work_s = time.perf_counter(), self._busy_clock()
             try:
                 result, error = fn(), None
             except BaseException as exc:  # the caller decides; the thread must survive
@@ -88,8 +92,8 @@ class ComputeWorker:
             # their CPU counted too (a window with samples and not their CPU read 5,556 samples per
             # CPU second for a 190 one, and the balancer planned a move back)
             self.busy_s += time.perf_counter() - start
-            cpu_s = time.thread_time() - start_cpu_s
-            self.cpu_s_by_priority[priority] = self.cpu_s_by_priority.get(priority, 0.0) + cpu_s
+            work_s = self._busy_clock() - start_work_s
+            self.work_s_by_priority[priority] = self.work_s_by_priority.get(priority, 0.0) + work_s
             self.tasks_done += 1
             if error is None:
                 future.set_result(result)

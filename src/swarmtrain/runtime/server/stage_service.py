@@ -23,6 +23,7 @@ import time
 from collections.abc import Awaitable, Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -30,6 +31,7 @@ import torch
 
 from swarmtrain.config import RunConfig
 from swarmtrain.config.errors import UserError
+from swarmtrain.model.device import CPU_FP32, ComputeDevice, busy_clock_s
 from swarmtrain.net.dht_records import RunRecords, StageAnnouncement, progress_key, stage_key
 from swarmtrain.net.engine import shutdown_quietly
 from swarmtrain.net.hand_off import validate_chain
@@ -91,6 +93,7 @@ class StageOptions:
     checkpoint_dir: str | None = None  # default: the run config's swarm.checkpoint_dir (empty: none)
     fresh_start: bool = False  # initial weights even when the swarm has stepped (said loudly)
     init_from_hf: str | None = None  # initial weights from this Hugging Face model directory
+    compute: ComputeDevice = CPU_FP32  # where the stage computes and in what dtype (--device, --dtype)
 
 
 @dataclass(frozen=True)
@@ -161,9 +164,10 @@ class StageService:
             options.cache_max_bytes,
             init_from_hf=options.init_from_hf,
             fault_grad_scale=self.faults.grad_scale,
+            compute=options.compute,
         )
         self._param_shapes = [tuple(p.shape) for p in self.worker.params]
-        self.compute = ComputeWorker()
+        self.compute = ComputeWorker(busy_clock=partial(busy_clock_s, options.compute.device))
         self.capacity = CapacityMeter(
             self._start_samples_per_s or self._measure_throughput(),
             min_samples=4 * cfg.training.micro_batch_size,
@@ -280,14 +284,17 @@ class StageService:
             if self.spec.is_first
             else (t.micro_batch_size, m.seq_len, m.d_model)
         )
+        compute = self.options.compute
         sample = torch.zeros(shape, dtype=torch.long) if self.spec.is_first else torch.randn(shape)
+        sample = compute.to_device(sample)
         repeats = 3
-        with torch.no_grad():
+        with torch.no_grad(), compute.autocast():
             self.worker.module(sample)
-            start = time.process_time()
+            start_s = busy_clock_s(compute.device)  # the capacity meter's clock (model/device.py)
             for _ in range(repeats):
                 self.worker.module(sample)
-        return t.micro_batch_size * repeats / max(3 * (time.process_time() - start), 1e-6)
+            elapsed_s = busy_clock_s(compute.device) - start_s
+        return t.micro_batch_size * repeats / max(3 * elapsed_s, 1e-6)
 
     def _warn_about_foreign_peers(self) -> None:
         for peer, ann in self.node.records.stage_peers(self.spec.index).items():
@@ -605,7 +612,7 @@ class StageService:
         want = message.header.get("want")
         tensors = {}
         if want == "params":
-            tensors = {name: p.detach() for name, p in zip(w.names, w.params, strict=True)}
+            tensors = {name: p.detach().cpu() for name, p in zip(w.names, w.params, strict=True)}
         elif want == "grads":
             tensors = dict(zip(w.names, w.unapplied_grad_sums(), strict=True))  # sums over pending_samples
         return make_message("result", header, tensors, "none")
@@ -644,7 +651,7 @@ class StageService:
         """CPU seconds spent on micro-batches so far: their forward and backward jobs on the compute thread
         (stage 0's backward is a call of its own: its wall-clock busy time alone made stage 0 look 2x
         cheaper than it was) and their requests' parsing and replies' packing (runtime/server/capacity.py)."""
-        by_priority = self.compute.cpu_s_by_priority
+        by_priority = self.compute.work_s_by_priority
         compute_s = by_priority.get(PRIORITY_FORWARD, 0.0) + by_priority.get(PRIORITY_BACKWARD, 0.0)
         stats = self._transport.stats if self._transport is not None else None
         return compute_s + (stats.cpu_s(TRAINING_KINDS) if stats is not None else 0.0)

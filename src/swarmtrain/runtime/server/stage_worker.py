@@ -4,6 +4,10 @@ state export/import.
 
 Every method except `export_state` runs on the server's single compute thread (runtime/server/compute.py).
 
+Device: the stage's parameters, optimizer state, cached graphs and open gradient buckets live on the
+`ComputeDevice` (model/device.py), forwards run under its autocast; what crosses to the network or to the
+other replicas is on the host: results in fp32, a sealed bucket's sums, exported state.
+
 Gradient bookkeeping: every training request names the global step it belongs to, and its gradient
 goes into that step's bucket. The last stage back-propagates `loss * batch_size`, so buckets hold
 the *sum* of per-sample gradients; the stage's replicas add their sums and divide by the step's
@@ -29,6 +33,7 @@ from torch.func import functional_call
 from swarmtrain.config import RunConfig, StageSpec
 from swarmtrain.config.sizes import saved_activation_bytes_per_sample
 from swarmtrain.model import build_stage
+from swarmtrain.model.device import CPU_FP32, ComputeDevice
 from swarmtrain.model.diloco import OuterOptimizer
 from swarmtrain.model.hf_checkpoint import load_stage_from_hf
 from swarmtrain.model.optim import build_optimizer, lr_at, set_lr
@@ -66,15 +71,18 @@ class StageWorker:
         cache_max_bytes: int = 512 << 20,
         init_from_hf: str | Path | None = None,
         fault_grad_scale: float = 1.0,
+        compute: ComputeDevice = CPU_FP32,
     ) -> None:
         """`init_from_hf`: a Hugging Face model directory whose weights replace the seed's initial ones
         (only this stage's tensors are read); they are what a stage with no trained replica or
         checkpoint starts from, like the seed's weights would be. `fault_grad_scale`: a byzantine
-        replica's factor on its gradient sums (tests; runtime/faults.py)."""
-        self.cfg, self.spec = cfg, spec
+        replica's factor on its gradient sums (tests; runtime/faults.py). `compute`: the device and the
+        autocast dtype."""
+        self.cfg, self.spec, self.compute = cfg, spec, compute
         self.module = build_stage(cfg.model, spec, seed=cfg.training.seed)
         if init_from_hf is not None:  # before the optimizer and the live copy are made from the parameters
             load_stage_from_hf(self.module, init_from_hf)
+        self.module.to(compute.device)  # before the optimizer makes its state beside the parameters
         self.module.train()
         self.optimizer = build_optimizer(self.module, cfg.training)
         self.names = [name for name, _ in self.module.named_parameters()]
@@ -116,56 +124,62 @@ class StageWorker:
     def forward(self, request: StageRequest) -> Message:
         if self.spec.is_last:
             return self._forward_last(request)
+        inputs = self.compute.to_device(request.inputs)
         if request.evaluate:
             with torch.no_grad():
-                outputs = self._run(self.live, request.inputs)
+                outputs = self._run(self.live, inputs)
             self.counters["eval"] += 1
         else:
-            entry = self._compute(request)
+            entry = self._compute(inputs)
             self._cache_put(request.micro_batch_id, entry)
             outputs = entry.outputs
             self.counters["forward"] += 1
             self.counters["samples_forward"] += request.num_samples
         return make_message(
-            "result", {"mb": request.micro_batch_id}, {"outputs": outputs.detach()}, request.codec
+            "result", {"mb": request.micro_batch_id}, {"outputs": self.compute.to_host(outputs)}, request.codec
         )
 
     def backward(self, request: StageRequest) -> Message:
         mb = request.micro_batch_id
+        inputs = self.compute.to_device(request.inputs)
         entry = self._cache_pop(mb)
         stale = entry is not None and entry.epoch < self.epoch - 1
-        if entry is None or stale or not torch.equal(entry.inputs.detach(), request.inputs):
-            entry = self._compute(request)  # another replica did the forward (or long ago): recompute
+        if entry is None or stale or not torch.equal(entry.inputs.detach(), inputs):
+            entry = self._compute(inputs)  # another replica did the forward (or long ago): recompute
             self.counters["recomputed"] += 1
         self.counters["backward"] += 1
+        grad_outputs = self.compute.to_device(request.grad_outputs)
         grad_inputs, accumulated = self._backpropagate(
-            request, entry.outputs, request.grad_outputs, entry.inputs, entry.params
+            request, entry.outputs, grad_outputs, entry.inputs, entry.params
         )
-        tensors = {} if grad_inputs is None else {"grad_inputs": grad_inputs}
+        tensors = {} if grad_inputs is None else {"grad_inputs": self.compute.to_host(grad_inputs)}
         return make_message("result", {"mb": mb, "acc": accumulated}, tensors, request.codec)
 
     def _forward_last(self, request: StageRequest) -> Message:
         mb, n = request.micro_batch_id, request.num_samples
+        inputs, labels = self.compute.to_device(request.inputs), self.compute.to_device(request.labels)
         if request.evaluate:  # loss only, nothing kept
             with torch.no_grad():
-                loss = self._run(self.live, request.inputs, request.labels)
+                loss = self._run(self.live, inputs, labels)
             self.counters["eval"] += 1
             return make_message("result", {"mb": mb, "loss": float(loss)}, {}, request.codec)
-        inputs = request.inputs.detach().requires_grad_(not self.spec.is_first)
+        inputs = inputs.detach().requires_grad_(not self.spec.is_first)
         params = self.live
-        loss = self._run(params, inputs, request.labels)
+        loss = self._run(params, inputs, labels)
         self.counters["fused"] += 1
         self.counters["samples_forward"] += n
         grad_inputs, accumulated = self._backpropagate(request, loss * n, None, inputs, params)
-        tensors = {} if grad_inputs is None else {"grad_inputs": grad_inputs}
+        tensors = {} if grad_inputs is None else {"grad_inputs": self.compute.to_host(grad_inputs)}
         header = {"mb": mb, "loss": float(loss.detach()), "acc": accumulated}
         return make_message("result", header, tensors, request.codec)
 
     def _run(self, params: list[torch.Tensor], *args) -> torch.Tensor:
-        return functional_call(self.module, dict(zip(self.names, params, strict=True)), args)
+        with self.compute.autocast():  # the backward runs outside, in the dtypes the forward chose
+            return functional_call(self.module, dict(zip(self.names, params, strict=True)), args)
 
-    def _compute(self, request: StageRequest) -> CacheEntry:
-        inputs = request.inputs if self.spec.is_first else request.inputs.detach().requires_grad_(True)
+    def _compute(self, inputs: torch.Tensor) -> CacheEntry:
+        """The forward of one micro-batch's (device) inputs, with the graph its backward needs."""
+        inputs = inputs if self.spec.is_first else inputs.detach().requires_grad_(True)
         params = self.live
         return CacheEntry(self.epoch, inputs, self._run(params, inputs), params)
 
@@ -234,9 +248,11 @@ class StageWorker:
         return self.buckets[step]
 
     def seal(self, step: int) -> Bucket:
-        """Close a step's accumulation (its gradient sums go to the stage peers as they are)."""
+        """Close a step's accumulation; its gradient sums go to the stage peers as they are, from the host
+        (nothing is added to a sealed bucket again)."""
         bucket = self.bucket(step)
         bucket.sealed = True
+        bucket.grad_sums = [g.cpu() for g in bucket.grad_sums]
         return bucket
 
     @property
@@ -244,10 +260,11 @@ class StageWorker:
         return sum(b.samples for b in list(self.buckets.values()))  # also read by the publisher thread
 
     def unapplied_grad_sums(self) -> list[torch.Tensor]:
-        sums = [torch.zeros_like(p) for p in self.params]
+        """The open buckets' sums added up, on the host."""
+        sums = [torch.zeros_like(p, device="cpu") for p in self.params]
         for bucket in self.buckets.values():
             for acc, g in zip(sums, bucket.grad_sums, strict=True):
-                acc.add_(g)
+                acc.add_(g.cpu())
         return sums
 
     def apply_step(
@@ -267,7 +284,7 @@ class StageWorker:
         with self.state_lock:
             if applied and mean_grads is not None:
                 for p, g in zip(self.params, mean_grads, strict=True):
-                    p.grad = g
+                    p.grad = g.to(p.device)
                 if t.grad_clip_norm > 0:
                     torch.nn.utils.clip_grad_norm_(self.params, t.grad_clip_norm)
                 set_lr(self.optimizer, lr_at(step * t.global_batch_size, t))
@@ -331,12 +348,12 @@ class StageWorker:
     def export_state(self) -> tuple[dict, list[torch.Tensor]]:
         """Parameters and AdamW state for a joining replica (called from hivemind's thread)."""
         with self.state_lock:
-            tensors = [p.detach().clone() for p in self.params]
+            tensors = [_host_copy(p) for p in self.params]
             for key in ("exp_avg", "exp_avg_sq", "step"):
                 tensors += [
-                    self.optimizer.state[p][key].detach().clone().float().reshape(-1)
+                    _host_copy(self.optimizer.state[p][key]).float().reshape(-1)
                     if key == "step"
-                    else self.optimizer.state[p][key].detach().clone()
+                    else _host_copy(self.optimizer.state[p][key])
                     for p in self.params
                 ]
             if self.outer is not None:  # the round's anchor and momentum: a joiner syncs like its peers
@@ -404,6 +421,11 @@ class StageWorker:
             absolute = sum(float(torch.linalg.vector_norm(p, 1, dtype=torch.float64)) for p in self.params)
             total = sum(float(p.sum(dtype=torch.float64)) for p in self.params)
         return [absolute, total]
+
+
+def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy in host memory, wherever `tensor` is (state for a peer must not alias the live one)."""
+    return tensor.detach().to("cpu", copy=True)
 
 
 _LEDGER_EVENT = {"duplicates": "dup", "late": "late", "not_accumulated": "noacc"}

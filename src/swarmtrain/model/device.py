@@ -1,0 +1,113 @@
+"""Where a peer computes and in what precision: the one device abstraction of `server`, `replica`,
+`train-local` and `demo` (`--device auto|cpu|cuda[:N]`, `--dtype fp32|bf16|fp16`).
+
+Mixed precision keeps "master weights": parameters, gradients and optimizer state stay fp32 on the
+device, and only the compute runs under `torch.autocast` in the chosen dtype, so the optimizer's updates
+are not rounded to 8 mantissa bits (bf16) and a replica's state is the same kind of tensor whatever its
+peers compute in. fp16's narrow range needs a loss scaler (`grad_scaler`); bf16 has fp32's range and
+needs none. bf16 autocast runs on CPU too, which is how the mixed-precision path is tested here.
+
+The CUDA-only code is the two branches marked "CUDA" below (a pinned staging copy, a synchronize before
+reading the clock). This project has no GPU machine: those branches have never run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+
+import torch
+
+from swarmtrain.config.errors import UserError
+
+DEVICE_CHOICES_HELP = "auto (CUDA when torch sees one, else CPU), cpu, cuda or cuda:N"
+DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class DeviceError(UserError):
+    """A device or dtype this machine cannot compute on (a user's choice, reported in one line)."""
+
+
+def resolve_device(name: str) -> torch.device:
+    """`auto`, `cpu`, `cuda` or `cuda:N` as a torch device; asking for CUDA where torch sees none is an
+    error, never a silent CPU run."""
+    text = name.strip().lower()
+    if text == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if text == "cpu":
+        return torch.device("cpu")
+    if text == "cuda" or text.startswith("cuda:"):
+        index_text = text.partition(":")[2]
+        if index_text and not index_text.isdigit():
+            raise DeviceError(f"--device {name}: expected cuda:N with N a device index")
+        if not torch.cuda.is_available():
+            raise DeviceError(f"--device {name}: torch sees no CUDA device on this machine (use --device cpu)")
+        index = int(index_text) if index_text else torch.cuda.current_device()
+        if index >= torch.cuda.device_count():
+            raise DeviceError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+        return torch.device("cuda", index)
+    raise DeviceError(f"--device {name}: expected {DEVICE_CHOICES_HELP}")
+
+
+@dataclass(frozen=True)
+class ComputeDevice:
+    """A device and the dtype its compute runs in (parameters stay fp32: see the module docstring)."""
+
+    device: torch.device
+    dtype: str = "fp32"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise DeviceError(f"--dtype {self.dtype}: expected one of {', '.join(DTYPES)}")
+
+    @classmethod
+    def from_names(cls, device: str = "auto", dtype: str = "fp32") -> ComputeDevice:
+        return cls(resolve_device(device), dtype)
+
+    @property
+    def mixed(self) -> bool:
+        return self.dtype != "fp32"
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The context every forward (and its recompute) runs in; fp32 runs as written."""
+        if not self.mixed:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=DTYPES[self.dtype])
+
+    def grad_scaler(self) -> torch.amp.GradScaler | None:
+        """fp16's dynamic loss scaler (None for fp32 and bf16, which need none)."""
+        return torch.amp.GradScaler(self.device.type) if self.dtype == "fp16" else None
+
+    def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A received (host) tensor on the compute device."""
+        if self.device.type != "cuda":
+            return tensor.to(self.device)
+        # CUDA: through a pinned host buffer, so the copy is a DMA that does not block this thread; the
+        # caching host allocator keeps the buffer until the copy on the current stream has run
+        return tensor.pin_memory().to(self.device, non_blocking=True)
+
+    def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A result for the wire: fp32 (the codecs' input; autocast's bf16/fp16 outputs are cast back) on
+        the host (blocking on CUDA: the bytes must exist before they are serialized)."""
+        out = tensor.detach()
+        if out.is_floating_point() and out.dtype != torch.float32:
+            out = out.float()
+        return out.cpu()
+
+    def describe(self) -> str:
+        return f"{self.device} {self.dtype}"
+
+
+CPU_FP32 = ComputeDevice(torch.device("cpu"), "fp32")  # the default of every API that takes a ComputeDevice
+
+
+def busy_clock_s(device: torch.device) -> float:
+    """A clock whose differences around one job are the time the device spent on it: this thread's CPU
+    time on CPU (exact however busy the machine is); on CUDA, wall time read after a synchronize,
+    because kernels run asynchronously and the launching thread's CPU time would read near zero. The
+    compute thread runs one job at a time, so the synchronize at a job's start waits for nothing of it."""
+    if device.type == "cuda":  # CUDA
+        torch.cuda.synchronize(device)
+        return time.perf_counter()
+    return time.thread_time()
