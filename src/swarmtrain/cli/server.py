@@ -99,6 +99,15 @@ def register(subparsers) -> None:
         help="how long a replica waits for its stage peers to join an averaging round",
     )
     add_device_args(parser, what="the stage")
+    parser.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=0,
+        metavar="N",
+        help="request batching: queued micro-batches of one kind and step (several trainers' forwards, "
+        "backwards, evaluations) run as one call of up to N tokens, their results split back (default 0: "
+        "off; it pays with several trainers and small micro-batches, e.g. 4 micro-batches' worth)",
+    )
     parser.set_defaults(func=run)
 
 
@@ -115,6 +124,8 @@ def run(args: argparse.Namespace) -> int:
         # a loss scale must be one for the whole pipeline (the last stage scales, every stage unscales
         # and all skip an overflowing step together); the swarm has no such agreement
         raise UserError("--dtype fp16 is for whole-model commands; a stage server computes in fp32 or bf16")
+    if args.max_batch_tokens < 0:
+        raise UserError("--max-batch-tokens must be >= 0 (0 turns batching off)")
     compute = compute_device_from_args(args)
     cfg = _with_checkpoint_overrides(run_config_from_args(args), args)
     initial_peers = validate_initial_peers(args.initial_peers)
@@ -137,6 +148,7 @@ def run(args: argparse.Namespace) -> int:
         fresh_start=args.fresh_start,
         init_from_hf=args.init_from_hf,
         compute=compute,
+        max_batch_tokens=args.max_batch_tokens,
     )
     options = ServerOptions(
         stage=stage,

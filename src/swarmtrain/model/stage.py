@@ -51,8 +51,10 @@ class DecoderStage(nn.Module):
         if not self.spec.is_last:
             return x
         logits = self.head(x)
-        if labels is None:
-            return logits
+        return logits if labels is None else self.loss(logits, labels)
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The mean next-token loss of `logits` over labels != cfg.pad_token_id (computed in fp32)."""
         return F.cross_entropy(
             logits.reshape(-1, logits.shape[-1]).float(),
             labels.reshape(-1),

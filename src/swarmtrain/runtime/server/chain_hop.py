@@ -31,6 +31,7 @@ from swarmtrain.net.protocol import (
 )
 from swarmtrain.net.transport import StageClient
 from swarmtrain.runtime.server.compute import PRIORITY_BACKWARD, PRIORITY_FORWARD, ComputeWorker
+from swarmtrain.runtime.server.stage_batches import BACKWARD, FORWARD, batch_item
 from swarmtrain.runtime.server.stage_worker import StageWorker
 from swarmtrain.utils.logging import get_logger
 
@@ -98,8 +99,8 @@ class ChainHop:
 
     async def run(self, chain: ChainRequest, admitted: Admitted) -> Message:
         forward = chain.forward
-        reply, forward_s = await self.compute.run(
-            lambda: _timed(self.worker.forward, forward), PRIORITY_FORWARD, admitted.deadline_s
+        reply, forward_s = await self.compute.run_batchable(
+            batch_item(self.worker, forward, FORWARD), PRIORITY_FORWARD, admitted.deadline_s
         )
         child_start_s = time.monotonic()
         try:
@@ -118,8 +119,8 @@ class ChainHop:
         )
         # no deadline: the later stages have run their backward, so this stage runs its own whatever
         # the time, or the stages would disagree on the step's batch
-        result, backward_s = await self.compute.run(
-            lambda: _timed(self.worker.backward, backward), PRIORITY_BACKWARD
+        result, backward_s = await self.compute.run_batchable(
+            batch_item(self.worker, backward, BACKWARD), PRIORITY_BACKWARD
         )
         own = HopReport(
             self.io.stage,
@@ -221,9 +222,3 @@ class ChainHop:
             return [last_hop(stage, peer, reply)]
         candidates = [[peer], *chain.route[1:]]
         return validate_hops(reply.header, stage, self.num_stages, candidates, n)
-
-
-def _timed(fn, request):
-    start_s = time.perf_counter()
-    reply = fn(request)
-    return reply, time.perf_counter() - start_s

@@ -64,6 +64,7 @@ from swarmtrain.runtime.server.compute import (
     DeadlineExpired,
 )
 from swarmtrain.runtime.server.server_metrics import ServerMetrics
+from swarmtrain.runtime.server.stage_batches import BACKWARD, FORWARD, batch_item
 from swarmtrain.runtime.server.stage_checkpoint import CheckpointSettings, StageCheckpointer
 from swarmtrain.runtime.server.stage_steps import StepCoordinator, StepSettings
 from swarmtrain.runtime.server.stage_sync import StageSynchronizer, SyncSettings
@@ -94,6 +95,7 @@ class StageOptions:
     fresh_start: bool = False  # initial weights even when the swarm has stepped (said loudly)
     init_from_hf: str | None = None  # initial weights from this Hugging Face model directory
     compute: ComputeDevice = CPU_FP32  # where the stage computes and in what dtype (--device, --dtype)
+    max_batch_tokens: int = 0  # queued requests of one kind and step share a call up to this (0: off)
 
 
 @dataclass(frozen=True)
@@ -167,7 +169,9 @@ class StageService:
             compute=options.compute,
         )
         self._param_shapes = [tuple(p.shape) for p in self.worker.params]
-        self.compute = ComputeWorker(busy_clock=partial(busy_clock_s, options.compute.device))
+        self.compute = ComputeWorker(
+            busy_clock=partial(busy_clock_s, options.compute.device), max_batch_tokens=options.max_batch_tokens
+        )
         self.capacity = CapacityMeter(
             self._start_samples_per_s or self._measure_throughput(),
             min_samples=4 * cfg.training.micro_batch_size,
@@ -509,22 +513,22 @@ class StageService:
 
     async def _compute_forward(self, message: Message) -> Message:
         request = validate_request(message, self.io, self.digest)
-        return await self._compute(request, message.header, self.worker.forward, PRIORITY_FORWARD)
+        return await self._compute(request, message.header, FORWARD, PRIORITY_FORWARD)
 
     async def _compute_evaluation(self, message: Message) -> Message:
         request = validate_request(message, self.io, self.digest)
-        return await self._compute(request, message.header, self.worker.forward, PRIORITY_EVAL)
+        return await self._compute(request, message.header, FORWARD, PRIORITY_EVAL)
 
     async def _compute_backward(self, message: Message) -> Message:
         request = validate_request(message, self.io, self.digest)
-        reply = await self._compute(request, message.header, self.worker.backward, PRIORITY_BACKWARD)
+        reply = await self._compute(request, message.header, BACKWARD, PRIORITY_BACKWARD)
         self._count_done(request, reply)
         return reply
 
     async def _compute_forward_backward(self, message: Message) -> Message:
         request = validate_request(message, self.io, self.digest)
         # the last stage's fused forward and backward: the worker's forward runs both
-        reply = await self._compute(request, message.header, self.worker.forward, PRIORITY_FORWARD)
+        reply = await self._compute(request, message.header, FORWARD, PRIORITY_FORWARD)
         self._count_done(request, reply)
         return reply
 
@@ -548,13 +552,14 @@ class StageService:
         self._count_done(chain.forward, reply)
         return reply
 
-    async def _compute(self, request: StageRequest, header: dict, fn, priority: int) -> Message:
+    async def _compute(self, request: StageRequest, header: dict, op: str, priority: int) -> Message:
+        """`op`: FORWARD or BACKWARD of the worker (stage_batches.py), alone or batched with others."""
         admitted = await self._admit(request, header)
         if isinstance(admitted, Message):
             return admitted
         try:
-            reply, compute_s = await self.compute.run(
-                lambda: _timed(fn, request), priority, admitted.deadline_s
+            reply, compute_s = await self.compute.run_batchable(
+                batch_item(self.worker, request, op), priority, admitted.deadline_s
             )
         except DeadlineExpired as exc:
             return error_message(str(exc), "timeout")
@@ -687,8 +692,3 @@ class StageService:
 def _leaving_answer() -> Message:
     return error_message("this replica is leaving the stage; try another", "unavailable")
 
-
-def _timed(fn, request):
-    start_s = time.perf_counter()
-    reply = fn(request)
-    return reply, time.perf_counter() - start_s

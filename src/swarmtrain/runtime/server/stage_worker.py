@@ -48,6 +48,13 @@ class CacheEntry:
     outputs: torch.Tensor  # graph attached
     params: list[torch.Tensor]  # the live parameter leaves this graph was built on
     nbytes: int = 0  # estimated memory of the saved activations
+    # a batched forward's graph, shared by its micro-batches (runtime/server/stage_batches.py); a backward
+    # that cannot use the whole group recomputes its micro-batch instead
+    group: object | None = None
+
+    @property
+    def shared(self) -> bool:
+        return self.group is not None
 
 
 @dataclass
@@ -127,11 +134,11 @@ class StageWorker:
         inputs = self.compute.to_device(request.inputs)
         if request.evaluate:
             with torch.no_grad():
-                outputs = self._run(self.live, inputs)
+                outputs = self.run_module(self.live, inputs)
             self.counters["eval"] += 1
         else:
             entry = self._compute(inputs)
-            self._cache_put(request.micro_batch_id, entry)
+            self.cache_put(request.micro_batch_id, entry)
             outputs = entry.outputs
             self.counters["forward"] += 1
             self.counters["samples_forward"] += request.num_samples
@@ -140,11 +147,13 @@ class StageWorker:
         )
 
     def backward(self, request: StageRequest) -> Message:
+        return self.backward_from(request, self.cache_pop(request.micro_batch_id))
+
+    def backward_from(self, request: StageRequest, entry: CacheEntry | None) -> Message:
+        """The backward of one micro-batch whose cache entry (if any) was already taken."""
         mb = request.micro_batch_id
         inputs = self.compute.to_device(request.inputs)
-        entry = self._cache_pop(mb)
-        stale = entry is not None and entry.epoch < self.epoch - 1
-        if entry is None or stale or not torch.equal(entry.inputs.detach(), inputs):
+        if entry is None or not self.entry_usable(entry, inputs) or entry.shared:
             entry = self._compute(inputs)  # another replica did the forward (or long ago): recompute
             self.counters["recomputed"] += 1
         self.counters["backward"] += 1
@@ -160,12 +169,12 @@ class StageWorker:
         inputs, labels = self.compute.to_device(request.inputs), self.compute.to_device(request.labels)
         if request.evaluate:  # loss only, nothing kept
             with torch.no_grad():
-                loss = self._run(self.live, inputs, labels)
+                loss = self.run_module(self.live, inputs, labels)
             self.counters["eval"] += 1
             return make_message("result", {"mb": mb, "loss": float(loss)}, {}, request.codec)
         inputs = inputs.detach().requires_grad_(not self.spec.is_first)
         params = self.live
-        loss = self._run(params, inputs, labels)
+        loss = self.run_module(params, inputs, labels)
         self.counters["fused"] += 1
         self.counters["samples_forward"] += n
         grad_inputs, accumulated = self._backpropagate(request, loss * n, None, inputs, params)
@@ -173,7 +182,11 @@ class StageWorker:
         header = {"mb": mb, "loss": float(loss.detach()), "acc": accumulated}
         return make_message("result", header, tensors, request.codec)
 
-    def _run(self, params: list[torch.Tensor], *args) -> torch.Tensor:
+    def entry_usable(self, entry: CacheEntry, inputs: torch.Tensor) -> bool:
+        """A cached graph serves a backward if it is recent and was built on the same inputs."""
+        return entry.epoch >= self.epoch - 1 and torch.equal(entry.inputs.detach(), inputs)
+
+    def run_module(self, params: list[torch.Tensor], *args) -> torch.Tensor:
         with self.compute.autocast():  # the backward runs outside, in the dtypes the forward chose
             return functional_call(self.module, dict(zip(self.names, params, strict=True)), args)
 
@@ -181,7 +194,7 @@ class StageWorker:
         """The forward of one micro-batch's (device) inputs, with the graph its backward needs."""
         inputs = inputs if self.spec.is_first else inputs.detach().requires_grad_(True)
         params = self.live
-        return CacheEntry(self.epoch, inputs, self._run(params, inputs), params)
+        return CacheEntry(self.epoch, inputs, self.run_module(params, inputs), params)
 
     def _backpropagate(
         self, request: StageRequest, outputs, grad_outputs, inputs, params
@@ -191,7 +204,7 @@ class StageWorker:
         mb, n = request.micro_batch_id, request.num_samples
         wants_input_grad = inputs.requires_grad
         extra = [inputs] if wants_input_grad else []
-        skip = self._skip_reason(request)
+        skip = self.skip_reason(request)
         if skip is not None:
             # a retry (we have it, or a silent replica may have it), or a step already closed: the
             # caller still needs the input gradient, the stage must not apply the micro-batch twice
@@ -204,16 +217,24 @@ class StageWorker:
         if not all_finite(param_grads):
             self.counters["rejected_nonfinite"] += 1
             raise ProtocolError(f"micro-batch {mb} gives non-finite parameter gradients; not accumulated")
-        bucket = self.bucket(request.step)
+        self.accumulate([request], param_grads)
+        return (grads[-1] if wants_input_grad else None), n
+
+    def accumulate(self, requests: list[StageRequest], param_grads) -> None:
+        """Add the (finite) parameter gradient sum of `requests`, micro-batches of one step that may all
+        accumulate (`skip_reason` None), to their step's bucket, each recorded once."""
+        step = requests[0].step
+        assert step is not None and all(r.step == step for r in requests)
+        bucket = self.bucket(step)
         for acc, grad in zip(bucket.grad_sums, param_grads, strict=True):
             if grad is not None:
                 acc.add_(grad, alpha=self.fault_grad_scale)
-        bucket.micro_batch_ids.append(mb)
-        bucket.samples += n
-        self.ledger.write("acc", mb=mb, n=n, step=request.step)
-        return (grads[-1] if wants_input_grad else None), n
+        for request in requests:
+            bucket.micro_batch_ids.append(request.micro_batch_id)
+            bucket.samples += request.num_samples
+            self.ledger.write("acc", mb=request.micro_batch_id, n=request.num_samples, step=step)
 
-    def _skip_reason(self, request: StageRequest) -> str | None:
+    def skip_reason(self, request: StageRequest) -> str | None:
         step = request.step
         bucket = self.buckets.get(step) if step is not None else None
         if bucket is not None and request.micro_batch_id in bucket.micro_batch_ids:
@@ -224,8 +245,8 @@ class StageWorker:
             return "not_accumulated"
         return None
 
-    def _cache_put(self, mb: str, entry: CacheEntry) -> None:
-        self._cache_pop(mb)
+    def cache_put(self, mb: str, entry: CacheEntry) -> None:
+        self.cache_pop(mb)
         entry.nbytes = int(entry.inputs.shape[0]) * self._entry_bytes_per_sample
         self.cache[mb] = entry
         self.cache_bytes += entry.nbytes
@@ -233,9 +254,9 @@ class StageWorker:
         while len(self.cache) > self.cache_size or (
             self.cache_bytes > self.cache_max_bytes and len(self.cache) > 1
         ):
-            self._cache_pop(next(iter(self.cache)))
+            self.cache_pop(next(iter(self.cache)))
 
-    def _cache_pop(self, mb: str) -> CacheEntry | None:
+    def cache_pop(self, mb: str) -> CacheEntry | None:
         entry = self.cache.pop(mb, None)
         if entry is not None:
             self.cache_bytes -= entry.nbytes

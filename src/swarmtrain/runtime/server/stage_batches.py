@@ -1,0 +1,212 @@
+"""Request batching on a stage: queued micro-batches of one kind and step computed as one call.
+
+The compute thread (runtime/server/compute.py) hands `run_forwards` or `run_backwards` the requests it
+took together; each returns one outcome per request, equal to what `StageWorker.forward`/`backward`
+would return for it alone:
+
+- outputs, losses and input gradients are computed per sample, so a micro-batch's rows of a
+  concatenated call are its own (bitwise in fp32 on CPU: tests/unit/test_stage_batches.py);
+- the parameter gradients of a call are one sum over its micro-batches, added to their step's bucket
+  once, and every micro-batch is recorded in the bucket and the ledger as if it ran alone. Only requests
+  that may all accumulate share a call (a retry, a late or a not-accumulated micro-batch runs alone), so
+  at-most-once accumulation is decided per micro-batch exactly as before. The sum differs from adding the
+  micro-batches one by one in floating-point rounding only;
+- a call whose parameter gradients are not finite is run again one request at a time, so only the
+  micro-batch that caused it is refused;
+- a batched training forward keeps one graph for its micro-batches (`Group`); their backwards use it when
+  they come back together in one call (the next stage computed them together too), and otherwise each
+  recomputes its micro-batch, as a backward that finds no cached graph always has.
+
+On a small micro-batch most of a call's cost does not grow with its size (Python, dispatch, one kernel
+launch per operation), which is what batching saves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from swarmtrain.net.protocol import Message, ProtocolError, StageRequest, make_message
+from swarmtrain.runtime.server.compute import BatchItem
+from swarmtrain.runtime.server.stage_worker import CacheEntry, StageWorker, all_finite
+
+FORWARD, BACKWARD = "forward", "backward"
+
+
+@dataclass(eq=False)
+class Group:
+    """The graph of one batched training forward: its micro-batches in order and their row offsets."""
+
+    members: tuple[str, ...]
+    offsets: tuple[int, ...]  # len(members) + 1 row boundaries
+    inputs: torch.Tensor  # the concatenated inputs (a leaf with requires_grad for hidden states)
+    outputs: torch.Tensor
+    params: list[torch.Tensor]
+
+
+def batch_item(worker: StageWorker, request: StageRequest, op: str) -> BatchItem:
+    """The compute queue's view of a request: requests with equal keys may share a call."""
+    inputs = request.inputs
+    key: Hashable = (op, request.step, request.evaluate, tuple(inputs.shape[1:]), inputs.dtype)
+    tokens = int(inputs.shape[0]) * (int(inputs.shape[1]) if inputs.dim() > 1 else 1)
+    run_many = (
+        (lambda rs: run_forwards(worker, rs)) if op == FORWARD else (lambda rs: run_backwards(worker, rs))
+    )
+    return BatchItem(key, tokens, request, run_many)
+
+
+def run_forwards(worker: StageWorker, requests: list[StageRequest]) -> Sequence[Message | Exception]:
+    """`worker.forward` of each request (the last stage's fused forward and backward included)."""
+    if len(requests) == 1:
+        return _one_by_one(worker.forward, requests)
+    if requests[0].evaluate:
+        return _evaluate(worker, requests)
+    if not _may_share_accumulation(worker, requests):
+        return _one_by_one(worker.forward, requests)
+    if worker.spec.is_last:
+        return _fused(worker, requests)
+    return _forward_group(worker, requests)
+
+
+def run_backwards(worker: StageWorker, requests: list[StageRequest]) -> Sequence[Message | Exception]:
+    """`worker.backward` of each request; a group whose every member is here back-propagates as one."""
+    entries = {r.micro_batch_id: worker.cache_pop(r.micro_batch_id) for r in requests}
+    by_mb = {r.micro_batch_id: r for r in requests}
+    outcomes: dict[str, Message | Exception] = {}
+    if len(by_mb) == len(requests) and _may_share_accumulation(worker, requests):
+        for group in {id(e.group): e.group for e in entries.values() if e is not None and e.group}.values():
+            assert isinstance(group, Group)
+            if set(group.members) <= by_mb.keys() and _group_usable(worker, group, entries, by_mb):
+                outcomes.update(_group_backward(worker, group, [by_mb[mb] for mb in group.members]))
+    for request in requests:
+        mb = request.micro_batch_id
+        if mb not in outcomes:
+            outcomes[mb] = _guarded(lambda r=request, e=entries.get(mb): worker.backward_from(r, e))
+    return [outcomes[r.micro_batch_id] for r in requests]
+
+
+# forwards ---------------------------------------------------------------------------------------------
+def _evaluate(worker: StageWorker, requests: list[StageRequest]) -> list[Message | Exception]:
+    inputs, offsets = _concat(worker, [r.inputs for r in requests])
+    with torch.no_grad():
+        outputs = worker.run_module(worker.live, inputs)
+        replies = []
+        for request, (a, b) in zip(requests, _spans(offsets), strict=True):
+            worker.counters["eval"] += 1
+            mb = request.micro_batch_id
+            if worker.spec.is_last:
+                loss = worker.module.loss(outputs[a:b], worker.compute.to_device(request.labels))
+                replies.append(make_message("result", {"mb": mb, "loss": float(loss)}, {}, request.codec))
+            else:
+                tensors = {"outputs": worker.compute.to_host(outputs[a:b])}
+                replies.append(make_message("result", {"mb": mb}, tensors, request.codec))
+    return replies
+
+
+def _forward_group(worker: StageWorker, requests: list[StageRequest]) -> list[Message | Exception]:
+    inputs, offsets = _concat(worker, [r.inputs for r in requests])
+    inputs = inputs if worker.spec.is_first else inputs.detach().requires_grad_(True)
+    params = worker.live
+    outputs = worker.run_module(params, inputs)
+    members = tuple(r.micro_batch_id for r in requests)
+    group = Group(members, offsets, inputs, outputs, params)
+    replies: list[Message | Exception] = []
+    for request, (a, b) in zip(requests, _spans(offsets), strict=True):
+        entry = CacheEntry(worker.epoch, inputs[a:b].detach(), outputs[a:b], params, group=group)
+        worker.cache_put(request.micro_batch_id, entry)
+        worker.counters["forward"] += 1
+        worker.counters["samples_forward"] += request.num_samples
+        tensors = {"outputs": worker.compute.to_host(outputs[a:b])}
+        replies.append(make_message("result", {"mb": request.micro_batch_id}, tensors, request.codec))
+    return replies
+
+
+def _fused(worker: StageWorker, requests: list[StageRequest]) -> list[Message | Exception]:
+    """The last stage's forward, loss and backward of several micro-batches in one graph."""
+    inputs, offsets = _concat(worker, [r.inputs for r in requests])
+    inputs = inputs.detach().requires_grad_(not worker.spec.is_first)
+    params = worker.live
+    logits = worker.run_module(params, inputs)
+    spans = _spans(offsets)
+    losses = [
+        worker.module.loss(logits[a:b], worker.compute.to_device(r.labels))
+        for r, (a, b) in zip(requests, spans, strict=True)
+    ]
+    # each micro-batch back-propagates loss * its samples, as alone (the stage's buckets hold sums)
+    total = torch.stack([loss * r.num_samples for loss, r in zip(losses, requests, strict=True)]).sum()
+    wants_input_grad = inputs.requires_grad
+    grads = torch.autograd.grad(total, params + ([inputs] if wants_input_grad else []), allow_unused=True)
+    param_grads = grads[: len(params)]
+    if not all_finite(param_grads):
+        return _one_by_one(worker.forward, requests)  # find the micro-batch at fault, keep the others
+    worker.accumulate(requests, param_grads)
+    replies: list[Message | Exception] = []
+    for request, loss, (a, b) in zip(requests, losses, spans, strict=True):
+        worker.counters["fused"] += 1
+        worker.counters["samples_forward"] += request.num_samples
+        tensors = {"grad_inputs": worker.compute.to_host(grads[-1][a:b])} if wants_input_grad else {}
+        header = {"mb": request.micro_batch_id, "loss": float(loss.detach()), "acc": request.num_samples}
+        replies.append(make_message("result", header, tensors, request.codec))
+    return replies
+
+
+# backwards --------------------------------------------------------------------------------------------
+def _group_usable(worker: StageWorker, group: Group, entries: dict, by_mb: dict) -> bool:
+    """Every member's entry is this group's, still usable, for the inputs its backward brings."""
+    for mb in group.members:
+        entry = entries.get(mb)
+        if entry is None or entry.group is not group:
+            return False
+        if not worker.entry_usable(entry, worker.compute.to_device(by_mb[mb].inputs)):
+            return False
+    return True
+
+
+def _group_backward(worker: StageWorker, group: Group, requests: list[StageRequest]) -> dict:
+    grad_outputs = torch.cat([worker.compute.to_device(r.grad_outputs) for r in requests])
+    wants_input_grad = group.inputs.requires_grad
+    extra = [group.inputs] if wants_input_grad else []
+    grads = torch.autograd.grad(group.outputs, group.params + extra, grad_outputs, allow_unused=True)
+    param_grads = grads[: len(group.params)]
+    if not all_finite(param_grads):  # each recomputes alone, so only the one at fault is refused
+        return {r.micro_batch_id: _guarded(lambda r=r: worker.backward_from(r, None)) for r in requests}
+    worker.accumulate(requests, param_grads)
+    outcomes: dict[str, Message | Exception] = {}
+    for request, (a, b) in zip(requests, _spans(group.offsets), strict=True):
+        worker.counters["backward"] += 1
+        tensors = {"grad_inputs": worker.compute.to_host(grads[-1][a:b])} if wants_input_grad else {}
+        header = {"mb": request.micro_batch_id, "acc": request.num_samples}
+        outcomes[request.micro_batch_id] = make_message("result", header, tensors, request.codec)
+    return outcomes
+
+
+# helpers ----------------------------------------------------------------------------------------------
+def _may_share_accumulation(worker: StageWorker, requests: list[StageRequest]) -> bool:
+    """Distinct micro-batches that all accumulate now: their gradients may be summed in one call."""
+    ids = {r.micro_batch_id for r in requests}
+    return len(ids) == len(requests) and all(worker.skip_reason(r) is None for r in requests)
+
+
+def _concat(worker: StageWorker, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, tuple[int, ...]]:
+    offsets = [0]
+    for t in tensors:
+        offsets.append(offsets[-1] + int(t.shape[0]))
+    return worker.compute.to_device(torch.cat(tensors)), tuple(offsets)
+
+
+def _spans(offsets: tuple[int, ...]) -> list[tuple[int, int]]:
+    return list(zip(offsets[:-1], offsets[1:], strict=True))
+
+
+def _one_by_one(fn, requests: list[StageRequest]) -> list[Message | Exception]:
+    return [_guarded(lambda r=r: fn(r)) for r in requests]
+
+
+def _guarded(call) -> Message | Exception:
+    """A request's outcome: its reply, or the protocol error its caller gets (others in the call go on)."""
+    try:
+        return call()
+    except ProtocolError as exc:
+        return exc
