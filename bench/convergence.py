@@ -2,6 +2,7 @@
 vs. `swarmtrain train-local`, over a matrix of replicas per stage x codec x micro-batches in flight.
 
     python bench/convergence.py [--rows 0,2,5 | --rows 2x1/8bit/4] [--samples 8192] [--preset tiny]
+                                [--server-dtype fp32|bf16] [--max-batch-tokens N]
                                 [--summary-json PATH] [--keep-logs DIR]
 
 Every row is one swarm on this machine, started from scratch and stopped before the next row (rows
@@ -11,6 +12,8 @@ never overlap): a DHT, `swarmtrain server --stage N` per replica (default thread
 reference. The reference is `LocalTrainer` (= train-local, 1 torch thread) on the same config and
 the same S samples, computed once per run (it is deterministic). Both losses are on the same first
 E validation samples (E = the preset's training.eval_samples; 256 on tiny).
+`--server-dtype` and `--max-batch-tokens` go to every server (`swarmtrain server --dtype`, request
+batching); the local reference is always fp32, so a bf16 row is measured against fp32 train-local.
 
 Columns:
 - servers: replicas per stage (stage0xstage1); codec: activations/gradients on the wire; in flight: K;
@@ -269,6 +272,7 @@ def run_row(
     workdir: Path,
     timeout_s: float,
     cpus_per_server: float | None,
+    server_args: tuple[str, ...] = (),
 ) -> dict:
     t = cfg.training
     names = server_names(row.servers)
@@ -276,7 +280,7 @@ def run_row(
         try:
             swarm.start_dht()
             for name, stage in names:
-                swarm.start_server(name, stage)
+                swarm.start_server(name, stage, *server_args)
             swarm.wait_ready([n for n, _ in names], timeout_s=180)
         except Exception as exc:
             raise RowFailed(f"swarm start-up failed: {exc}") from None
@@ -454,6 +458,19 @@ def main() -> int:
         help="the model's blocks per stage (model.num_layers becomes their sum), e.g. 3,1 to make stage 0 "
         "the bottleneck, where a second stage-0 replica should add throughput; default: the preset's cut",
     )
+    parser.add_argument(
+        "--server-dtype",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="every server's --dtype (the local reference stays fp32: the bound is against fp32 train-local)",
+    )
+    parser.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=0,
+        metavar="N",
+        help="every server's --max-batch-tokens (request batching; default 0: off)",
+    )
     parser.add_argument("--summary-json", metavar="PATH", help="all rows, the local reference, machine info")
     parser.add_argument(
         "--keep-logs",
@@ -477,6 +494,9 @@ def main() -> int:
         for r in args.rows
     ]
     timeout_s = args.row_timeout_s or 180.0 + 0.1 * args.samples
+    if args.max_batch_tokens < 0:
+        parser.error("--max-batch-tokens must be >= 0")
+    server_args = ("--dtype", args.server_dtype, "--max-batch-tokens", str(args.max_batch_tokens))
     if args.cpus_per_server is not None:
         try:  # fail now, not in every row
             CpuQuota("check", args.cpus_per_server).remove()
@@ -514,6 +534,8 @@ def main() -> int:
         "micro_batch_size": t.micro_batch_size,
         "tolerance_pct": args.tolerance_pct,
         "cpus_per_server": args.cpus_per_server,
+        "server_dtype": args.server_dtype,
+        "max_batch_tokens": args.max_batch_tokens,
         "run_toml": config_path.read_text(),
         "machine": machine_info(),
         "local": None,
@@ -567,7 +589,9 @@ def main() -> int:
             }
             start = time.monotonic()
             try:
-                entry.update(run_row(row, config_path, cfg, workdir, timeout_s, args.cpus_per_server))
+                entry.update(
+                    run_row(row, config_path, cfg, workdir, timeout_s, args.cpus_per_server, server_args)
+                )
                 entry["gap_pct"] = gap_pct(entry["val_loss"], local["final_val_loss"])
                 entry["within_tolerance"] = (
                     entry["gap_pct"] is not None and entry["gap_pct"] <= args.tolerance_pct

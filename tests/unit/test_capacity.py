@@ -79,6 +79,20 @@ def test_the_compute_thread_counts_its_cpu_per_job_priority():
     assert worker.busy_s >= 0.3
 
 
+def test_the_compute_thread_measures_work_with_the_devices_clock():
+    """The work per job is read from the clock it is given (`model.device.busy_clock_s` of the serving
+    device: on CUDA, wall time after a synchronize), not from the thread's CPU time."""
+    ticks = iter(range(100))
+    worker = ComputeWorker(busy_clock=lambda: float(next(ticks)))
+    worker.start()
+    try:
+        worker.submit(lambda: None, PRIORITY_BACKWARD).result(5)
+        worker.submit(lambda: None, PRIORITY_BACKWARD).result(5)
+    finally:
+        worker.stop()
+    assert worker.work_s_by_priority[PRIORITY_BACKWARD] == 2.0  # one tick per job, whatever the CPU
+
+
 def test_the_start_figure_stands_until_enough_samples_were_measured():
     """A moved server's first window held a micro-batch or two and read 5,556 samples per CPU second for
     a 190 one; the balancer planned moves back on it."""

@@ -42,7 +42,9 @@ def resolve_device(name: str) -> torch.device:
         if index_text and not index_text.isdigit():
             raise DeviceError(f"--device {name}: expected cuda:N with N a device index")
         if not torch.cuda.is_available():
-            raise DeviceError(f"--device {name}: torch sees no CUDA device on this machine (use --device cpu)")
+            raise DeviceError(
+                f"--device {name}: torch sees no CUDA device on this machine (use --device cpu)"
+            )
         index = int(index_text) if index_text else torch.cuda.current_device()
         if index >= torch.cuda.device_count():
             raise DeviceError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
