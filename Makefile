@@ -36,7 +36,7 @@ lint: setup
 	$(BIN)/mypy
 
 test: lint
-	$(BIN)/pytest -m "not slow and not gpu" $(PYTEST_ARGS)
+	$(BIN)/pytest -m "not slow" $(PYTEST_ARGS)
 
 bench: setup
 	$(BIN)/python bench/local_baseline.py

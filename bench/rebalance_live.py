@@ -76,7 +76,7 @@ def cpu_snapshot(swarm: LocalSwarm, names: list[str]) -> dict[str, tuple[float, 
     for name in names:
         points = metrics_from_log(swarm.processes[name].log_text())
         last = points[-1] if points else None
-        samples, step, work = (last.samples_forward, last.step, last.work_cpu_s) if last else (0, 0, 0.0)
+        samples, step, work = (last.samples_forward, last.step, last.work_s) if last else (0, 0, 0.0)
         out[name] = (swarm.quotas[name].cpu_s(), samples, step, time.monotonic(), work)
     return out
 
@@ -242,7 +242,7 @@ def run_imbalanced(args, config_path: Path, workdir: Path) -> dict:
         ]
         return {
             "windows": [
-                {"stage_of": stage_of, "work_cpu_s_samples_steps": work} for stage_of, work in windows
+                {"stage_of": stage_of, "work_s_samples_steps": work} for stage_of, work in windows
             ],
             "moves": costs_of_moves,
             "stages_after": sorted(final.values()),
@@ -289,7 +289,7 @@ def run_auto(args, config_path: Path, workdir: Path) -> dict:
             "stages": stages,
             "samples_per_s": rate,
             "windows": [
-                {"stage_of": dict(zip(names, stages, strict=True)), "work_cpu_s_samples_steps": work}
+                {"stage_of": dict(zip(names, stages, strict=True)), "work_s_samples_steps": work}
             ],
             "idle_cpu_per_s": idle,
         }
@@ -371,7 +371,7 @@ def main() -> int:
     latency = imbalanced["hop_latency_s"]
     fits = fit_stage_costs(
         [
-            (w["stage_of"], w["work_cpu_s_samples_steps"])
+            (w["stage_of"], w["work_s_samples_steps"])
             for run in (imbalanced, auto)
             for w in run["windows"]
         ],

@@ -1,4 +1,5 @@
-"""Shared fixtures: small configs and a guard that no test leaves child processes behind."""
+"""Shared fixtures: small configs and a guard that no test leaves child processes behind; `gpu`-marked
+tests are skipped, and listed as skipped (`-ra`), where torch sees no CUDA device."""
 
 from __future__ import annotations
 
@@ -7,6 +8,23 @@ import dataclasses
 import pytest
 
 from swarmtrain.config import get_preset
+
+GPU_SKIP_REASON = "needs a CUDA device; torch sees none"
+
+
+def pytest_collection_modifyitems(config, items):
+    """The default test command deselects only `slow`: `gpu` tests are collected and, without CUDA,
+    skipped with a reason, so a run says how many GPU tests it did not run (never silently none)."""
+    gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not gpu_items:
+        return
+    import torch  # only when gpu tests were collected: a torch-free selection stays torch-free
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason=GPU_SKIP_REASON)
+    for item in gpu_items:
+        item.add_marker(skip)
 
 
 @pytest.fixture

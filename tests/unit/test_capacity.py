@@ -20,16 +20,16 @@ def _feed(meter: CapacityMeter, load_samples_per_s: float, windows: int, totals:
         totals[0] += served
         totals[1] += served * WORK_CPU_PER_SAMPLE_S
         meter.update(*totals)
-    return meter.samples_per_cpu_s
+    return meter.samples_per_work_s
 
 
 def test_a_lightly_and_a_heavily_loaded_server_announce_the_same_capacity():
     estimates = []
     for load in (4.0, 80.0):  # a replica among many on its stage, and the only one on its stage
-        meter, totals = CapacityMeter(samples_per_cpu_s=50.0), [0, 0.0]
+        meter, totals = CapacityMeter(samples_per_work_s=50.0), [0, 0.0]
         meter.restart(*totals)
         _feed(meter, 0.0, 2, totals)  # before the trainer comes: the start figure stands
-        assert meter.samples_per_cpu_s == 50.0
+        assert meter.samples_per_work_s == 50.0
         estimates.append(_feed(meter, load, 30, totals))
     assert estimates == pytest.approx([100.0, 100.0], rel=1e-9)
 
@@ -38,20 +38,20 @@ def test_a_start_figure_off_by_10x_is_gone_after_the_first_busy_window():
     """Found live: start-up figures of identical servers read 33 to 506 samples/s; an EMA of weight 0.3
     still read half the truth after 6 windows, and the balancer's plan changed while it settled."""
     for start in (10.0, 1000.0):
-        meter, totals = CapacityMeter(samples_per_cpu_s=start), [0, 0.0]
+        meter, totals = CapacityMeter(samples_per_work_s=start), [0, 0.0]
         meter.restart(*totals)
         assert _feed(meter, 40.0, 1, totals) == pytest.approx(100.0)
 
 
 def test_windows_weigh_by_their_samples_and_old_ones_are_forgotten():
-    meter, totals = CapacityMeter(samples_per_cpu_s=50.0), [0, 0.0]
+    meter, totals = CapacityMeter(samples_per_work_s=50.0), [0, 0.0]
     meter.restart(*totals)
     totals[:] = [1, 0.1]  # a window of one slow sample (a cold cache, a recomputation)
     meter.update(*totals)
     _feed(meter, 50.0, 1, totals)  # 100 samples at 100 per CPU second
-    assert meter.samples_per_cpu_s == pytest.approx(101 / 1.1)
+    assert meter.samples_per_work_s == pytest.approx(101 / 1.1)
     _feed(meter, 50.0, BUSY_WINDOWS, totals)
-    assert meter.samples_per_cpu_s == pytest.approx(100.0)
+    assert meter.samples_per_work_s == pytest.approx(100.0)
     # samples counted before their job's CPU (a job still running at the announcement): kept for later
     totals[0] += 10
     assert meter.update(*totals) == pytest.approx(100.0)
@@ -96,7 +96,7 @@ def test_the_compute_thread_measures_work_with_the_devices_clock():
 def test_the_start_figure_stands_until_enough_samples_were_measured():
     """A moved server's first window held a micro-batch or two and read 5,556 samples per CPU second for
     a 190 one; the balancer planned moves back on it."""
-    meter, totals = CapacityMeter(samples_per_cpu_s=190.0, min_samples=32), [0, 0.0]
+    meter, totals = CapacityMeter(samples_per_work_s=190.0, min_samples=32), [0, 0.0]
     meter.restart(*totals)
     totals[:] = [8, 0.0014]
     assert meter.update(*totals) == 190.0
@@ -107,7 +107,7 @@ def test_the_start_figure_stands_until_enough_samples_were_measured():
 def test_the_first_micro_batches_are_a_warm_up_and_not_measured():
     """A fresh stage's first micro-batches cost several times the CPU of later ones; counted, one
     stage-0 server's figure swung from 380 to 1,100 in the first seconds of traffic."""
-    meter, totals = CapacityMeter(samples_per_cpu_s=50.0, warmup_samples=32), [0, 0.0]
+    meter, totals = CapacityMeter(samples_per_work_s=50.0, warmup_samples=32), [0, 0.0]
     meter.restart(*totals)
     totals[:] = [16, 16 * 5 * WORK_CPU_PER_SAMPLE_S]  # slow, and not yet 32 samples: still warming up
     assert meter.update(*totals) == 50.0

@@ -35,7 +35,7 @@ def _metrics(**overrides) -> ServerMetrics:
         bytes_in=123456,
         samples_forward=480,
         busy_s=3.25,
-        work_cpu_s=2.5,
+        work_s=2.5,
     )
     return ServerMetrics(**{**fields, **overrides})
 

@@ -202,3 +202,24 @@ def test_backward_items_key_on_their_kind(cfg, data):
     forward = batch_item(w0, _req("forward", "m0", x), FORWARD)
     backward = batch_item(w0, _req("backward", "m0", x, grad_outputs=torch.zeros(1)), BACKWARD)
     assert forward.key != backward.key and forward.tokens == backward.tokens == x.numel()
+
+
+def test_backwards_of_broken_groups_are_recomputed_together(cfg, data):
+    """Backwards of two batched forwards' micro-batches that come back mixed (one of each group) are
+    recomputed in one call; each is accumulated once and returns what it returns alone."""
+    w0 = StageWorker(cfg, cfg.stages()[0])
+    alone = StageWorker(cfg, cfg.stages()[0])
+    run_forwards(w0, [_req("forward", f"m{i}", x) for i, (x, _) in enumerate(data[:2])])
+    run_forwards(w0, [_req("forward", f"m{i + 2}", x) for i, (x, _) in enumerate(data[2:4])])
+    grad = torch.randn(2, cfg.model.seq_len, cfg.model.d_model, generator=torch.Generator().manual_seed(3))
+    mixed = [
+        _req("backward", "m0", data[0][0], grad_outputs=grad),
+        _req("backward", "m2", data[2][0], grad_outputs=grad),
+    ]
+    replies = run_backwards(w0, mixed)
+    reference = [alone.backward(r) for r in mixed]
+    assert [r.header["acc"] for r in replies] == [r.header["acc"] for r in reference] == [2, 2]
+    assert w0.counters["recomputed"] == 2 and set(w0.cache) == {"m1", "m3"}
+    assert sorted(w0.buckets[0].micro_batch_ids) == ["m0", "m2"] and w0.buckets[0].samples == 4
+    for g_b, g_s in zip(w0.buckets[0].grad_sums, alone.buckets[0].grad_sums, strict=True):
+        torch.testing.assert_close(g_b, g_s, rtol=1e-5, atol=1e-6)

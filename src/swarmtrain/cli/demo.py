@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import argparse
 
-from swarmtrain.cli.common import positive_float, positive_int, with_hf_model, write_summary_json
+from swarmtrain.cli.common import (
+    add_device_args,
+    compute_device_from_args,
+    positive_float,
+    positive_int,
+    with_hf_model,
+    write_summary_json,
+)
 from swarmtrain.config import preset_names
 
 HELP = "run a complete swarm on this machine: DHT, stage servers (2 replicas of stage 0), a trainer"
@@ -57,6 +64,7 @@ def register(subparsers) -> None:
         help="a local Hugging Face model directory (Llama or GPT-2): the run's model is DIR's config.json "
         "and the servers (and the one-process reference) start from its weights",
     )
+    add_device_args(parser, what="the stage servers and the one-process reference")
     parser.add_argument(
         "--summary-json",
         metavar="PATH",
@@ -74,7 +82,13 @@ def run(args: argparse.Namespace) -> int:
 
     if args.replicas < 2 and not args.no_kill:
         raise UserError("killing a replica needs --replicas >= 2 (or pass --no-kill)")
+    if args.dtype == "fp16":  # the servers would refuse it (one loss scale for a whole pipeline: none)
+        raise UserError(
+            "--dtype fp16 is for whole-model commands (train-local, replica); the demo's stage servers "
+            "compute in fp32 or bf16"
+        )
     _swarm_config(args).require_swarm_model()  # one line before any process starts
+    compute = compute_device_from_args(args)  # likewise: --device cuda where torch sees none
     options = DemoOptions(
         preset=args.preset,
         duration_s=args.duration_s,
@@ -87,6 +101,8 @@ def run(args: argparse.Namespace) -> int:
         monitor_port=None if args.no_monitor else args.monitor_port,
         checkpoint_dir=args.checkpoint_dir,
         init_from_hf=args.init_from_hf,
+        device=str(compute.device),  # resolved once: every server and the reference on the same device
+        dtype=compute.dtype,
     )
     summary = run_demo(options)
     write_summary_json(args.summary_json, summary)

@@ -55,10 +55,14 @@ class DemoOptions:
     monitor_port: int | None = 0  # the live web page (`swarmtrain monitor`); 0: any free port; None: none
     checkpoint_dir: str | None = None  # servers write stage checkpoints here (`swarmtrain export` reads them)
     init_from_hf: str | None = None  # every peer's model (and servers' weights) from this HF directory
+    # where the stage servers and the one-process reference compute (`--device`, `--dtype` of
+    # model/device.py); fp16 is refused by the servers (whole-model commands only)
+    device: str = "auto"
+    dtype: str = "fp32"
 
     def server_args(self) -> list[str]:
         args = ["--checkpoint-dir", self.checkpoint_dir] if self.checkpoint_dir else []
-        return args + self.trainer_args()
+        return [*args, "--device", self.device, "--dtype", self.dtype, *self.trainer_args()]
 
     def trainer_args(self) -> list[str]:
         return ["--init-from-hf", self.init_from_hf] if self.init_from_hf else []
@@ -99,7 +103,7 @@ def run_demo(options: DemoOptions, out=sys.stdout) -> dict:
     summary = _summary(swarm, cfg, servers if "servers" in locals() else {}, killed)
     # after stop_all: the reference gets the CPU to itself, and a Ctrl-C'd demo skips it
     run_reference = options.reference and not interrupted and summary["val_loss"] is not None
-    reference = _reference(cfg, summary, options.init_from_hf, out) if run_reference else None
+    reference = _reference(cfg, summary, options, out) if run_reference else None
     summary.update(reference or dict.fromkeys(REFERENCE_KEYS))
     _print_summary(summary, cfg, workdir, options, interrupted, out)
     return summary
@@ -110,8 +114,8 @@ def _start(swarm: LocalSwarm, cfg, options: DemoOptions, out) -> dict[str, int]:
     servers = {f"stage0-r{i}": 0 for i in range(options.replicas)}
     servers.update({f"stage{s}-r0": s for s in range(1, stages)})
     print(
-        f"swarmtrain demo: preset {cfg.preset}, {stages} stages, servers {sorted(servers)}, logs in "
-        f"{swarm.workdir}",
+        f"swarmtrain demo: preset {cfg.preset}, {stages} stages, servers {sorted(servers)} on "
+        f"{options.device} {options.dtype}, logs in {swarm.workdir}",
         file=out,
         flush=True,
     )
@@ -221,16 +225,25 @@ def _reference_samples(cfg, samples: int) -> int:
     return samples // cfg.training.global_batch_size * cfg.training.global_batch_size
 
 
-def _reference(cfg, summary: dict, init_from_hf: str | None, out) -> dict:
-    """Validation loss of one process trained on the swarm's samples, and the swarm's relative gap."""
-    from swarmtrain.runtime.local import local_reference_val_loss  # torch: only once it is needed
+def _reference(cfg, summary: dict, options: DemoOptions, out) -> dict:
+    """Validation loss of one process trained on the swarm's samples, and the swarm's relative gap; on
+    the servers' device and dtype (`options.device`, `options.dtype`)."""
+    from swarmtrain.model.device import ComputeDevice  # torch: only once it is needed
+    from swarmtrain.runtime.local import local_reference_val_loss
 
     samples = _reference_samples(cfg, summary["samples"] or 0)
     if not samples:
         return dict.fromkeys(REFERENCE_KEYS)
-    print(f"computing the one-process reference on the same {samples:,} samples...", file=out, flush=True)
+    compute = ComputeDevice.from_names(options.device, options.dtype)
+    print(
+        f"computing the one-process reference on the same {samples:,} samples ({compute.describe()})...",
+        file=out,
+        flush=True,
+    )
     try:
-        local = local_reference_val_loss(cfg, samples, eval_samples=EVAL_SAMPLES, init_from_hf=init_from_hf)
+        local = local_reference_val_loss(
+            cfg, samples, eval_samples=EVAL_SAMPLES, init_from_hf=options.init_from_hf, compute=compute
+        )
     except KeyboardInterrupt:  # the swarm's results are in; a Ctrl-C only drops the comparison
         print("  reference interrupted; skipped", file=out, flush=True)
         return dict.fromkeys(REFERENCE_KEYS)
@@ -252,4 +265,7 @@ def _print_summary(summary: dict, cfg, workdir: Path, options: DemoOptions, inte
         )
     print(f"  logs and ledgers: {workdir}", file=out, flush=True)
     if options.checkpoint_dir:
-        print(f"  stage checkpoints: {options.checkpoint_dir} (swarmtrain export --checkpoint-dir ...)", file=out)
+        print(
+            f"  stage checkpoints: {options.checkpoint_dir} (swarmtrain export --checkpoint-dir ...)",
+            file=out,
+        )

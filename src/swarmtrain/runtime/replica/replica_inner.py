@@ -71,7 +71,13 @@ class InnerTrainer:
         self.train_set, self.val_set = datasets or build_datasets(cfg)
         self.step = 0
         self._batches = self._stream(0)
-        self.swapped = SwappedGPT(self.model, swap_budget_bytes, compute.device) if swap_budget_bytes else None
+        self.swapped = (
+            SwappedGPT(
+                self.model, swap_budget_bytes, compute.device, micro_batch_size=cfg.training.micro_batch_size
+            )
+            if swap_budget_bytes
+            else None
+        )
 
     def params(self) -> list[torch.Tensor]:
         return [p for p in self.model.parameters() if p.requires_grad]

@@ -1,4 +1,5 @@
-"""What a server announces as its throughput: samples per CPU second of the work each sample costs.
+"""What a server announces as its throughput: samples per second of the work each sample costs on its
+compute device (CPU seconds on a CPU).
 
 The balancer sums its stages' announcements into capacities and plans moves on them, so the figure must
 say what a server could serve, whatever its share of the traffic now: a figure that depends on the share
@@ -16,8 +17,10 @@ transport's (de)serialization of those requests (net/transport.py). Both are the
 share (stage 0: 0.7-0.9 ms compute at 8 and at 50 samples/s). What every replica pays whatever its share
 is left out, so a plan slightly overrates what one more replica adds: with 4 replicas the per-step work
 was ~6% of a 0.25-CPU server's usable CPU here, inside the policy's 10% hysteresis margin. On a GPU the
-compute thread's CPU is not its work (kernels run on the device): a GPU server will need the device's
-busy time per sample instead.
+compute thread's CPU is not its work (kernels run asynchronously on the device), so the compute thread
+reads the device's busy time instead (`model.device.busy_clock_s`: wall time after a synchronize; never
+run here, no GPU). With request batching on (`--max-batch-tokens`), a call of several micro-batches
+costs less per sample than one alone, so the figure then rises with the load that queues together.
 
 Samples count once their backward ran here, after the job's CPU was counted (runtime/server/compute.py),
 so a window never holds samples without their CPU. The estimate is the ratio of sums over the last `BUSY_WINDOWS` windows with samples, not an EMA: from a
@@ -37,7 +40,7 @@ BUSY_WINDOWS = 8  # announce windows with samples in the estimate (16 s at the d
 class CapacityMeter:
     """Fed the running totals (samples computed, CPU seconds of their work) at every announcement."""
 
-    samples_per_cpu_s: float  # the start: a compute-only measurement, replaced once samples come
+    samples_per_work_s: float  # the start: a compute-only measurement, replaced once samples come
     # the start figure stands until the windows hold this many samples: the first window of a moved
     # server, a few micro-batches, read 5,556 samples per CPU second for a 190 one (bench/rebalance_live.py)
     min_samples: int = 0
@@ -53,25 +56,25 @@ class CapacityMeter:
     def __post_init__(self) -> None:
         self._warm = self.warmup_samples <= 0
 
-    def restart(self, samples: int, work_cpu_s: float) -> None:
+    def restart(self, samples: int, work_s: float) -> None:
         """Count from here (start-up work is not serving)."""
-        self._mark = (samples, work_cpu_s)
+        self._mark = (samples, work_s)
 
-    def update(self, samples: int, work_cpu_s: float) -> float:
+    def update(self, samples: int, work_s: float) -> float:
         if self._mark is None:
-            self.restart(samples, work_cpu_s)
-            return self.samples_per_cpu_s
-        d_samples, d_cpu_s = samples - self._mark[0], work_cpu_s - self._mark[1]
+            self.restart(samples, work_s)
+            return self.samples_per_work_s
+        d_samples, d_work_s = samples - self._mark[0], work_s - self._mark[1]
         if not self._warm:
             if d_samples >= self.warmup_samples:
                 self._warm = True
-                self._mark = (samples, work_cpu_s)
-            return self.samples_per_cpu_s
-        if d_samples <= 0 or d_cpu_s <= 0:
-            return self.samples_per_cpu_s  # nothing served (or a job still running): the figure stands
-        self._busy.append((d_samples, d_cpu_s))
-        self._mark = (samples, work_cpu_s)
+                self._mark = (samples, work_s)
+            return self.samples_per_work_s
+        if d_samples <= 0 or d_work_s <= 0:
+            return self.samples_per_work_s  # nothing served (or a job still running): the figure stands
+        self._busy.append((d_samples, d_work_s))
+        self._mark = (samples, work_s)
         total_samples = sum(n for n, _ in self._busy)
         if total_samples >= self.min_samples:
-            self.samples_per_cpu_s = total_samples / sum(w for _, w in self._busy)
-        return self.samples_per_cpu_s
+            self.samples_per_work_s = total_samples / sum(w for _, w in self._busy)
+        return self.samples_per_work_s

@@ -20,7 +20,7 @@ class ServerMetrics:
     stage: int
     step: int  # optimizer steps applied (the global step whose micro-batches come next)
     samples_seen: int
-    samples_per_s: float  # announced capacity: samples per CPU second of their work
+    samples_per_s: float  # announced capacity: samples per second of their work on the compute device
     queue_len: int  # jobs waiting for the compute thread
     pending_samples: int  # accumulated, not yet applied
     forward: int  # forward jobs (incl. fused forward-backward)
@@ -37,7 +37,8 @@ class ServerMetrics:
     bytes_in: int  # wire bytes received by the transport
     samples_forward: int  # samples whose forward ran here
     busy_s: float  # compute thread busy time (wall)
-    work_cpu_s: float  # CPU seconds of micro-batch work (what capacity is measured from)
+    work_s: float  # the device's seconds of micro-batch work (what capacity is measured from)
+    batched_requests: int = 0  # requests that shared a compute call with another (--max-batch-tokens)
     moved: dict | None = None  # the cost of the move that brought this server here, if any
     role: str = "server"
 

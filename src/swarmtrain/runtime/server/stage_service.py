@@ -345,7 +345,7 @@ class StageService:
             )
         self.sync.start()
         self._tasks.append(asyncio.create_task(self.steps.run()))
-        self.capacity.restart(self._samples_done, self._work_cpu_s())
+        self.capacity.restart(self._samples_done, self._work_s())
 
     async def refresh_next_stage(self) -> None:
         if self.hop is not None:
@@ -610,6 +610,8 @@ class StageService:
             "fingerprint": self.sync.fingerprint,  # [step, [sum |p|, sum p]] as compared between replicas
             "counters": dict(w.counters),
             "cache": {"entries": len(w.cache), "bytes": w.cache_bytes},
+            "compute": {"requests": self.compute.tasks_done, "calls": self.compute.calls},
+            "device": self.options.compute.describe(),
             "sync": vars(self.sync.counters),
             "steps": vars(self.steps.counters),
             "names": w.names,
@@ -625,7 +627,7 @@ class StageService:
     # announcements and metrics ------------------------------------------------------------------
     def announce(self, state: str | None = None) -> StageAnnouncement:
         """Publish this replica's record (online, joining or offline) and return it."""
-        self.capacity.update(self._samples_done, self._work_cpu_s())
+        self.capacity.update(self._samples_done, self._work_s())
         announcement = self.announcement(state)
         # an offline record too: the DHT replaces a record only by one that expires later, so a short-lived
         # offline record was refused and trainers kept routing to a stopped server until it expired
@@ -641,7 +643,7 @@ class StageService:
         return StageAnnouncement(
             stage=self.spec.index,
             addresses=self.node.addresses,
-            throughput_samples_per_s=self.capacity.samples_per_cpu_s,
+            throughput_samples_per_s=self.capacity.samples_per_work_s,
             queue_len=self.compute.queue_len,
             config_digest=self.digest,
             state_version=self.worker.epoch,
@@ -652,7 +654,7 @@ class StageService:
     def downloaded_bytes(self) -> int:
         return self.sync.counters.downloaded_bytes
 
-    def _work_cpu_s(self) -> float:
+    def _work_s(self) -> float:
         """CPU seconds spent on micro-batches so far: their forward and backward jobs on the compute thread
         (stage 0's backward is a call of its own: its wall-clock busy time alone made stage 0 look 2x
         cheaper than it was) and their requests' parsing and replies' packing (runtime/server/capacity.py)."""
@@ -668,7 +670,7 @@ class StageService:
             stage=self.spec.index,
             step=self.worker.epoch,
             samples_seen=self.worker.samples_seen,
-            samples_per_s=round(self.capacity.samples_per_cpu_s, 2),
+            samples_per_s=round(self.capacity.samples_per_work_s, 2),
             queue_len=self.compute.queue_len,
             pending_samples=self.worker.unapplied_samples,
             forward=c["forward"] + c["fused"],
@@ -685,7 +687,8 @@ class StageService:
             bytes_in=stats.totals().wire_bytes if stats is not None else 0,
             samples_forward=c["samples_forward"],
             busy_s=round(self.compute.busy_s, 3),
-            work_cpu_s=round(self._work_cpu_s(), 3),
+            work_s=round(self._work_s(), 3),
+            batched_requests=self.compute.tasks_done - self.compute.calls,
         )
 
 
