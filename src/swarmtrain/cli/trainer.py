@@ -31,7 +31,13 @@ def register(subparsers) -> None:
         choices=("none", "float16", "8bit"),
         help="codec for activations and gradients (default: the run config's swarm.compression)",
     )
-    parser.add_argument("--max-samples", type=positive_int, help="stop after starting this many samples")
+    parser.add_argument(
+        "--max-samples",
+        type=positive_int,
+        help="stop after starting this many samples of this trainer's own (with --shard K/N each trainer "
+        "contributes 1/N of every step, so a run of S samples is S/N per trainer); default, without "
+        "--duration-s: until the run reaches training.max_samples, wherever this trainer joined it",
+    )
     parser.add_argument(
         "--duration-s", type=float, help="stop starting micro-batches after this many seconds"
     )
@@ -100,7 +106,10 @@ def run(args: argparse.Namespace) -> int:
     if args.trainer_id:
         options.trainer_id = args.trainer_id
     if options.max_samples is None and options.duration_s is None:
-        options.max_samples = cfg.training.max_samples
+        # the run's horizon, not this trainer's: N shards each running max_samples trained N times the
+        # schedule's samples (3 trainers of a 2,040-sample run stopped at step 255 of 85)
+        t = cfg.training
+        options.until_step = -(-t.max_samples // t.global_batch_size)
     summary = run_trainer(cfg, options, validate_initial_peers(args.initial_peers))
     print(
         f"trainer {options.trainer_id}: {summary['microbatches_completed']} micro-batches, "

@@ -45,7 +45,8 @@ logger = get_logger(__name__)
 class TrainerOptions:
     codec: str | None = None  # default: the run config's swarm.compression
     max_in_flight: int = 4
-    max_samples: int | None = None
+    max_samples: int | None = None  # this trainer's own samples (with N shards, a run of S is S/N each)
+    until_step: int | None = None  # stop once the run reaches this global step (the CLI's default)
     duration_s: float | None = None
     eval_samples: int = 0
     ledger_path: str | None = None
@@ -201,6 +202,8 @@ class SwarmTrainer:
         if self.tracker.step_in_progress:
             return False
         per_step = self.micro_batches_per_step
+        if opts.until_step is not None and self.tracker.next_step >= opts.until_step:
+            return True
         if opts.max_samples is not None:
             steps = -(-opts.max_samples // (per_step * self.cfg.training.micro_batch_size))
             if self.result.started >= steps * per_step:
