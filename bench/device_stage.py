@@ -34,7 +34,8 @@ Every swarm row also reports the cores each role used in its window (CPU seconds
 the role's process groups, p2pd daemons included, / window seconds), the micro-batches that failed, and
 from the servers' last metrics log line (totals since their start) the requests that shared a call and
 the backwards that recomputed their forward: a batched forward keeps one graph for its micro-batches,
-which only serves their backwards if those come back together, so batching can add forward work.
+which only serves their backwards if those come back together (the others are recomputed, together
+when they share a call), so batching can add forward work.
 The trainers are not given cores of their own: on a small machine (2 cores here) they compete with the
 servers, each trainer being a Python process and a p2pd daemon (~70 MB, some CPU for its RPCs), so with
 many trainers the servers get less than their threads and a lower on/off ratio can be the trainers' CPU

@@ -70,3 +70,15 @@ def start_compute():
     for compute in started:
         compute.stop()
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Torch on one thread for a module (`pytest.mark.usefixtures("one_torch_thread")`): on tiny tensors
+    thread start-up and contention on a shared 2-core machine cost more than they save."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

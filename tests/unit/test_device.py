@@ -26,7 +26,7 @@ from swarmtrain.net.protocol import StageRequest
 from swarmtrain.runtime.local import LocalTrainer
 from swarmtrain.runtime.server.stage_worker import StageWorker
 
-pytestmark = pytest.mark.unit
+pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_torch_thread")]
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 HAS_CUDA = torch.cuda.is_available()
@@ -36,15 +36,6 @@ VAL_LOSS_RTOL = 0.03
 STAGE_LOSS_RTOL = 0.01
 STAGE_OUTPUT_RTOL = 0.02
 STAGE_GRAD_RTOL = 0.05
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny tensors: thread start-up and contention on a shared machine cost more than they save."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _one_line_error(capsys) -> str:

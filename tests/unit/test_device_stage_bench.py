@@ -263,23 +263,15 @@ def test_the_swap_row_prints_its_step_times_or_its_error():
     assert "swapper vs resident: FAILED: SwapPlanError: nothing fits" in text
 
 
-@pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_local_stages_train_on_cpu(dtype, one_thread):
+def test_local_stages_train_on_cpu(dtype, one_torch_thread):
     cfg = get_preset("tiny")
     compute = ComputeDevice(torch.device("cpu"), dtype)
     by_stage = bench.measure_local_stages(cfg, compute, micro_batch=2, duration_s=0.05)
     assert set(by_stage) == {"0", "1"} and all(v > 0 for v in by_stage.values())
 
 
-def test_the_swap_row_runs_its_code_path_on_cpu(one_thread):
+def test_the_swap_row_runs_its_code_path_on_cpu(one_torch_thread):
     """The bench skips this row on CPU; its code (resident vs SwappedGPT) still runs here, on the host."""
     cfg = get_preset("tiny")
     swap = bench.measure_swap(cfg, torch.device("cpu"), micro_batch=2, steps=1, budget_bytes=float(1 << 30))

@@ -23,20 +23,11 @@ from swarmtrain.model import build_model, build_stage
 from swarmtrain.model import hf_checkpoint as hf
 from swarmtrain.model.checkpoint import CheckpointError
 
-pytestmark = pytest.mark.unit
+pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_torch_thread")]
 transformers = pytest.importorskip("transformers")
 
 TOL = 1e-4
 SEQ = 16
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny tensors: thread start-up on a shared 2-core machine costs more than it saves."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _llama_hf(tied: bool, vocab: int = 97, seed: int = 1, layers: int = 3):

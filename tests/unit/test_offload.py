@@ -277,21 +277,13 @@ def measured_peak_bytes(step) -> int:
     return peak
 
 
-@pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # one allocation order, and a shared machine
-    yield
-    torch.set_num_threads(threads)
-
-
 def _check(predicted: float, measured: int, what: str) -> None:
     print(f"\n{what}: predicted {predicted:.0f} B, measured {measured} B, ratio {predicted / measured:.2f}")
     assert measured <= predicted
     assert predicted <= MAX_OVERESTIMATE * measured
 
 
-@pytest.mark.usefixtures("one_thread")
+@pytest.mark.usefixtures("one_torch_thread")
 @pytest.mark.parametrize(("layers_per_group", "overlapped"), [(1, True), (2, True), (1, False)])
 def test_layer_swapper_peak_is_within_its_plan(layers_per_group, overlapped):
     """Blocks alone: the plan gets the measured per-block costs, three hidden states of working set (those
@@ -326,7 +318,7 @@ def test_layer_swapper_peak_is_within_its_plan(layers_per_group, overlapped):
     _check(plan.peak_bytes, measured_peak_bytes(step), f"{plan.num_groups} groups, {plan.peak.moment}")
 
 
-@pytest.mark.usefixtures("one_thread")
+@pytest.mark.usefixtures("one_torch_thread")
 def test_swapped_model_peak_is_within_its_prediction():
     """A whole tiny GPT with a budget that leaves at least 3 groups and the embeddings and head on the
     device: a full micro-batch (embedding, blocks, head and loss, backward) against the prediction."""

@@ -15,16 +15,8 @@ from swarmtrain.runtime.server.compute import PRIORITY_FORWARD, ComputeWorker
 from swarmtrain.runtime.server.stage_batches import BACKWARD, FORWARD, batch_item, run_backwards, run_forwards
 from swarmtrain.runtime.server.stage_worker import StageWorker
 
-pytestmark = pytest.mark.unit
+pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_torch_thread")]
 TRAINERS = 4
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture

@@ -11,16 +11,7 @@ from swarmtrain.model.optim import build_optimizer, lr_at, set_lr
 from swarmtrain.net.protocol import ProtocolError, StageRequest
 from swarmtrain.runtime.server.stage_worker import StageWorker
 
-pytestmark = pytest.mark.unit
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny tensors: thread start-up and contention on a shared machine cost more than they save."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_torch_thread")]
 
 
 @pytest.fixture(scope="module")
