@@ -54,11 +54,12 @@ class ScriptedClient:
     """Raises the scripted exceptions one per call, then answers; records (peer, kind, accumulate)."""
 
     def __init__(self, *failures, reply=None):
-        self.failures, self.calls, self.messages = list(failures), [], []
+        self.failures, self.calls, self.messages, self.timeouts_s = list(failures), [], [], []
         self.reply = reply or (lambda peer, message: Message("result", {"acc": 8}))
 
     async def call(self, peer_id, kind, message, timeout_s):
         assert timeout_s > 0
+        self.timeouts_s.append(timeout_s)
         self.calls.append((str(peer_id), kind, message.header.get("accumulate")))
         self.messages.append(message)
         if self.failures:
@@ -84,7 +85,7 @@ def _call(caller, kind="backward", prefer=A, **header):
 # failure of the first call (to A) -> accumulate flag of the retry (to B), A banned, counters
 #   (timeouts, connection_errors, not_accumulated)
 ONE_FAILURE = [
-    (TimeoutError(), False, False, (1, 0, 1)),
+    (TimeoutError(), False, True, (1, 0, 1)),  # frozen: banned until it announces itself again
     (TruncatedReply("cut"), False, False, (0, 0, 1)),
     (RemoteError("internal", "bug"), False, False, (0, 0, 1)),
     (RemoteError("something_new", "x"), False, False, (0, 0, 1)),
@@ -174,11 +175,11 @@ def test_retries_are_bounded_and_every_peer_is_tried_again_once_all_failed():
 def test_a_persistent_call_keeps_trying_up_to_its_own_budget(monkeypatch):
     monkeypatch.setattr(stage_calls, "PERSISTENT_ATTEMPTS", 6)
     table = SpyTable([[A, B]])
-    client = ScriptedClient(*(TimeoutError() for _ in range(10)))
+    client = ScriptedClient(*(RemoteError("internal", "bug") for _ in range(10)))  # maybe applied, no ban
     caller = _caller(client, table, max_retries=1)
-    with pytest.raises(stage_calls.MicroBatchFailed, match="7 attempts failed, last: timeout after 3.0s"):
+    with pytest.raises(stage_calls.MicroBatchFailed, match="7 attempts failed, last: .*internal"):
         _call(caller, persistent=True)
-    assert len(client.calls) == 7 and (caller.retries, caller.timeouts, caller.not_accumulated) == (6, 7, 1)
+    assert len(client.calls) == 7 and (caller.retries, caller.not_accumulated) == (6, 1)
 
 
 def test_the_preferred_peer_gets_the_first_attempt_charged_nothing():
@@ -236,7 +237,7 @@ def _chain(client, table, **swarm):
 # failure of the chain's first stage-0 peer -> flags of the retry, that peer banned, counters
 #   (timeouts, connection_errors, not_accumulated)
 CHAIN_FAILURE = [
-    (TimeoutError(), (False, False), False, (1, 0, 2)),
+    (TimeoutError(), (False, False), True, (1, 0, 2)),
     (TruncatedReply("cut"), (False, False), False, (0, 0, 2)),
     (RemoteError("internal", "bug"), (False, False), False, (0, 0, 2)),
     (ConnectionResetError("gone"), (True, False), True, (0, 1, 1)),
@@ -267,3 +268,18 @@ def test_a_fatal_answer_fails_a_chain_at_once():
     with pytest.raises(stage_calls.MicroBatchFailed, match="refused the chain"):
         _chain(client, table)
     assert len(client.calls) == 1
+
+
+def test_a_peer_is_waited_for_by_its_own_deadline_once_its_usual_time_is_known(monkeypatch):
+    """The first calls wait the request timeout; once MIN_CALLS answered, a peer's wait is its deadline
+    (planner/deadlines.py), here the floor since it answers at once: capped by the request timeout."""
+    from swarmtrain.planner import deadlines
+
+    monkeypatch.setattr(deadlines, "DEADLINE_FLOOR_S", 1.5)
+    table, client = SpyTable([[A, B]]), ScriptedClient()
+    caller = _caller(client, table)
+    for _ in range(deadlines.MIN_CALLS + 1):
+        _call(caller, prefer=A)
+    assert client.timeouts_s[: deadlines.MIN_CALLS] == [TIMEOUT_S] * deadlines.MIN_CALLS
+    assert client.timeouts_s[-1] == 1.5 < TIMEOUT_S
+    assert caller.deadline_s(0, "backward", B, TIMEOUT_S) == TIMEOUT_S  # B's time is not known yet

@@ -56,8 +56,9 @@ class ChainCaller:
                 mb, 0, self.digest, self.codec, inputs, labels, route, flags, step=step, timeout_s=budget_s
             )
             start_s = time.monotonic()
+            wait_s = caller.deadline_s(0, "chain", peer, budget_s)  # a frozen peer is given up on early
             try:
-                reply = await caller.client.call(PeerID.from_base58(peer), "chain", message, budget_s)
+                reply = await caller.client.call(PeerID.from_base58(peer), "chain", message, wait_s)
                 return self._finished(reply, [[peer], *route], n, time.monotonic() - start_s)
             except ProtocolError as exc:  # a malformed report: the chain may have run
                 failure, reason = FailureAction(Outcome.MAYBE_APPLIED), str(exc)
@@ -101,6 +102,7 @@ class ChainCaller:
         for hop, service_s in zip(hops, hop_service_times(call_s, hops), strict=True):
             self.table.report(hop.stage, hop.peer, n, service_s, HOP_WEIGHT)
         head = hops[0]
+        self.caller.observe(0, "chain", head.peer, call_s)
         self.caller._time(0, "chain", call_s, {"server_s": head.server_s, "compute_s": head.compute_s})
         return float(loss), hops
 

@@ -1,7 +1,9 @@
 """One call to "some peer of stage s", with peer choice, timeouts, retries, bans and waiting.
 
 Failure policy (docs/ARCHITECTURE.md; the table is net/failures.py, shared with the chain path):
-- timeout -> the peer is slow or hung: retry on another peer (and fold the timeout into its EMA);
+- timeout -> the peer is frozen (or far slower than its usual): retry on another peer, fold the timeout
+  into its EMA, and ban it until it announces itself again. The timeout is the peer's own deadline
+  (planner/deadlines.py: a multiple of its usual call time, 5 s at least, the request timeout at most);
 - connection error -> the peer is gone: ban it until its record expires or it re-announces;
 - error answer -> `unavailable`/`timeout`/`internal`: try another peer; `digest_mismatch`: ban;
   `bad_request`/`too_large`/`version`: our request is wrong, retrying cannot help; `unauthorized`: a
@@ -31,6 +33,7 @@ from swarmtrain.config import SwarmConfig
 from swarmtrain.net.failures import FailureAction, Outcome, flags_after, on_request_failure
 from swarmtrain.net.protocol import Message, request_message
 from swarmtrain.net.transport import StageClient
+from swarmtrain.planner.deadlines import CallTimes, deadline_s
 from swarmtrain.runtime.trainer.peer_table import PeerTable
 from swarmtrain.utils.logging import get_logger
 
@@ -105,6 +108,7 @@ class StageCaller:
         self.connection_errors = 0
         self.not_accumulated = 0  # retries sent with accumulate=False
         self.timing: dict[tuple[int, str], CallTiming] = {}
+        self.call_times: dict[tuple[int, str, str], CallTimes] = {}  # (stage, kind, peer): its deadline
         self._last_no_peer_log = [0.0] * table.num_stages
         self._refresh_lock = asyncio.Lock()
 
@@ -150,18 +154,20 @@ class StageCaller:
         while True:
             peer = await self._choose(stage, num_samples, cost, excluded, prefer if attempt == 0 else None)
             start = time.monotonic()
+            wait_s = self.deadline_s(stage, kind, peer, timeout_s)
             try:
-                reply = await self.client.call(PeerID.from_base58(peer), kind, message, timeout_s)
+                reply = await self.client.call(PeerID.from_base58(peer), kind, message, wait_s)
             except Exception as exc:
                 failure = on_request_failure(exc)  # raises what is no failure of the peer (a bug)
                 if failure.outcome is Outcome.FATAL:
                     raise MicroBatchFailed(f"stage {stage} peer {peer} refused {kind}: {exc}") from None
                 message = self._after_failure(failure, message, stage, peer, num_samples, weight)
-                reason = f"timeout after {timeout_s:.1f}s" if failure.timed_out else f"{exc!r:.160}"
+                reason = f"no answer in {wait_s:.1f}s" if failure.timed_out else f"{exc!r:.160}"
             else:
                 elapsed_s = time.monotonic() - start
                 self.table.report(stage, peer, num_samples, _service_s(elapsed_s, reply.header), weight)
                 self._time(stage, kind, elapsed_s, reply.header)
+                self.observe(stage, kind, peer, elapsed_s)
                 return reply, peer
             excluded.add(peer)
             attempt += 1
@@ -209,6 +215,14 @@ class StageCaller:
             self.not_accumulated += 1
             return Message(message.kind, {**message.header, "accumulate": False}, message.tensors)
         return message
+
+    def deadline_s(self, stage: int, kind: str, peer: str, cap_s: float) -> float:
+        """How long to wait for `peer`'s answer to a call of `kind` (planner/deadlines.py)."""
+        return deadline_s(self.call_times.get((stage, kind, peer)), cap_s)
+
+    def observe(self, stage: int, kind: str, peer: str, call_s: float) -> None:
+        key = (stage, kind, peer)
+        self.call_times[key] = self.call_times.get(key, CallTimes()).observed(call_s)
 
     def _time(self, stage: int, kind: str, elapsed_s: float, header: dict) -> None:
         server_s, compute_s = header.get("server_s"), header.get("compute_s")

@@ -1,0 +1,51 @@
+"""How long a trainer waits for one peer before treating it as frozen: a deadline from that peer's own
+call times, not the run's fixed request timeout.
+
+A frozen peer (SIGSTOP, a laptop lid, a partition: its sockets stay open and nothing answers) is only
+noticed when a call to it times out. With the fixed `swarm.request_timeout_s` (30 s) every micro-batch
+sent to it waited 30 s, its step could not close meanwhile, and the whole swarm completed nothing for
+as long (issue 23: a 20 s SIGSTOP of one stage-0 replica gave 20.0 s without a completed micro-batch).
+A peer's usual time is known: every completed call measures it. The deadline is a generous multiple of
+it, so a healthy peer on a noisy machine almost never exceeds it, and a silent one is given up on in a
+few seconds (never less than `DEADLINE_FLOOR_S`, never more than the request timeout).
+
+The estimate is an exponentially weighted mean and variance of the whole call time (queueing for the
+previous step's parameters included: it is part of what a call normally takes). Until `MIN_CALLS`
+calls were measured the request timeout applies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+EWMA_WEIGHT = 0.1  # ~the last 20 calls
+MIN_CALLS = 8
+DEADLINE_FLOOR_S = 5.0  # a short hiccup (GC, a busy core, a step's exchange) is never taken for a freeze
+DEADLINE_RATIO = 4.0  # x the mean call time
+DEADLINE_SPREAD = 6.0  # standard deviations above the mean
+
+
+@dataclass(frozen=True)
+class CallTimes:
+    """One peer's call times for one kind of call: an exponentially weighted mean and variance."""
+
+    mean_s: float = 0.0
+    var_s2: float = 0.0
+    calls: int = 0
+
+    def observed(self, call_s: float) -> CallTimes:
+        if self.calls == 0:
+            return CallTimes(call_s, 0.0, 1)
+        delta = call_s - self.mean_s
+        mean = self.mean_s + EWMA_WEIGHT * delta
+        var = (1 - EWMA_WEIGHT) * (self.var_s2 + EWMA_WEIGHT * delta * delta)
+        return CallTimes(mean, var, self.calls + 1)
+
+
+def deadline_s(times: CallTimes | None, cap_s: float) -> float:
+    """How long to wait for the next call to this peer: `cap_s` (the request timeout) until enough calls
+    were measured, else max(floor, ratio x mean, mean + spread x std), at most `cap_s`."""
+    if times is None or times.calls < MIN_CALLS:
+        return cap_s
+    usual_s = max(DEADLINE_RATIO * times.mean_s, times.mean_s + DEADLINE_SPREAD * times.var_s2**0.5)
+    return min(cap_s, max(DEADLINE_FLOOR_S, usual_s))

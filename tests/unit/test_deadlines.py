@@ -1,0 +1,52 @@
+"""A peer's deadline (planner/deadlines.py): the request timeout until its usual time is known, then a
+generous multiple of it, never below the floor nor above the request timeout."""
+
+import pytest
+
+from swarmtrain.planner.deadlines import (
+    DEADLINE_FLOOR_S,
+    DEADLINE_RATIO,
+    MIN_CALLS,
+    CallTimes,
+    deadline_s,
+)
+
+pytestmark = pytest.mark.unit
+CAP_S = 30.0
+
+
+def _times(*calls_s: float) -> CallTimes:
+    times = CallTimes()
+    for call_s in calls_s:
+        times = times.observed(call_s)
+    return times
+
+
+def test_unknown_or_barely_known_peers_get_the_request_timeout():
+    assert deadline_s(None, CAP_S) == CAP_S
+    assert deadline_s(_times(*[0.1] * (MIN_CALLS - 1)), CAP_S) == CAP_S
+
+
+def test_a_fast_steady_peer_gets_the_floor():
+    assert deadline_s(_times(*[0.1] * MIN_CALLS), CAP_S) == DEADLINE_FLOOR_S
+
+
+def test_a_slow_peer_gets_a_multiple_of_its_usual_time_within_the_cap():
+    times = _times(*[2.0] * 50)
+    assert times.mean_s == pytest.approx(2.0) and times.var_s2 == pytest.approx(0.0, abs=1e-12)
+    assert deadline_s(times, CAP_S) == pytest.approx(DEADLINE_RATIO * 2.0)
+    assert deadline_s(times, 5.0) == 5.0  # never more than the request timeout
+
+
+def test_a_peer_with_a_wide_spread_gets_room_for_it():
+    """Calls of 0.5 s and 4 s alternating (a step's exchange now and then): mean + 6 std, not 4 x mean."""
+    times = _times(*[0.5, 4.0] * 40)
+    std_s = times.var_s2**0.5
+    assert std_s > 1.0
+    assert deadline_s(times, CAP_S) == pytest.approx(times.mean_s + 6 * std_s)
+    assert deadline_s(times, CAP_S) > 4.0 * 2  # far beyond the slowest usual call
+
+
+def test_the_estimate_follows_a_peer_that_slows_down():
+    times = _times(*[0.1] * 20, *[3.0] * 30)
+    assert times.mean_s > 2.5 and deadline_s(times, CAP_S) > 10.0
