@@ -15,8 +15,8 @@ would return for it alone:
   micro-batch that caused it is refused;
 - a batched training forward keeps one graph for its micro-batches (`Group`); their backwards use it when
   they come back together in one call. Backwards that cannot use a graph (none kept, or a group not all
-  back) are recomputed together: one forward and one backward of their concatenated inputs, which on a
-  small micro-batch costs less than a backward each through their own cached graphs.
+  back) are recomputed together: one forward and one backward of their concatenated inputs (extra
+  forward work a run without batching does not have: bench/device_stage.py counts these recomputes).
 
 On a small micro-batch most of a call's cost does not grow with its size (Python, dispatch, one kernel
 launch per operation), which is what batching saves.
