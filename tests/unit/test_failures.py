@@ -44,7 +44,7 @@ TABLE = [
     (RemoteError("error", "no code in the answer"), FailureAction(MAYBE)),
     (RemoteError("something_new", "x"), FailureAction(MAYBE)),
     # silent, or cut off after answering (a TimeoutError is an OSError, a TruncatedReply a ConnectionError)
-    (TimeoutError(), FailureAction(MAYBE, ban=True, timed_out=True)),
+    (TimeoutError(), FailureAction(MAYBE, timed_out=True)),
     (TruncatedReply("cut"), FailureAction(MAYBE)),
     # gone
     (ConnectionResetError(), FailureAction(GONE, ban=True)),

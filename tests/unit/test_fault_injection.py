@@ -3,7 +3,6 @@ trainer (StageCaller) and the real gradient exchange of a stage (StepCoordinator
 fault, no sockets, no SIGKILL; each outcome is asserted."""
 
 import asyncio
-import time
 
 import pytest
 import torch
@@ -58,15 +57,10 @@ def test_a_backward_that_times_out_is_retried_elsewhere_without_accumulating(cal
     # A may still apply its copy: B returns the input gradient but must not accumulate it too
     assert answered_by == B and reply.header["acc"] == 0
     assert client.calls == [(B, "backward", "t.0-3", False)]
-    # silent past its deadline: treated as frozen, banned until it announces itself again
-    assert (caller.timeouts, caller.not_accumulated, table.is_banned(A)) == (1, 1, True)
+    assert (caller.timeouts, caller.not_accumulated, table.is_banned(A)) == (1, 1, False)
     assert faults.fired == [("fail_call", "backward", A, "t.0-3", "timeout")]
-    _, answered_by = _backward(caller, "t.0-4")
-    assert answered_by == B
-    table.apply([{A: _ann(0, at=time.time() + 1), B: _ann(0)}])  # A awake: its next announcement
-    assert not table.is_banned(A)
-    _, answered_by = _backward(caller, "t.0-5")  # the rule fired once: A serves again
-    assert answered_by == A and client.calls[-1] == (A, "backward", "t.0-5", True)
+    _, answered_by = _backward(caller, "t.0-4")  # the rule fired once: A serves the next one
+    assert answered_by == A and client.calls[-1] == (A, "backward", "t.0-4", True)
 
 
 def test_a_backward_to_a_dead_peer_is_accumulated_by_the_next_and_the_dead_one_banned(caller):

@@ -85,7 +85,7 @@ def _call(caller, kind="backward", prefer=A, **header):
 # failure of the first call (to A) -> accumulate flag of the retry (to B), A banned, counters
 #   (timeouts, connection_errors, not_accumulated)
 ONE_FAILURE = [
-    (TimeoutError(), False, True, (1, 0, 1)),  # frozen: banned until it announces itself again
+    (TimeoutError(), False, False, (1, 0, 1)),  # at the request timeout: not banned (no deadline known)
     (TruncatedReply("cut"), False, False, (0, 0, 1)),
     (RemoteError("internal", "bug"), False, False, (0, 0, 1)),
     (RemoteError("something_new", "x"), False, False, (0, 0, 1)),
@@ -237,7 +237,7 @@ def _chain(client, table, **swarm):
 # failure of the chain's first stage-0 peer -> flags of the retry, that peer banned, counters
 #   (timeouts, connection_errors, not_accumulated)
 CHAIN_FAILURE = [
-    (TimeoutError(), (False, False), True, (1, 0, 2)),
+    (TimeoutError(), (False, False), False, (1, 0, 2)),
     (TruncatedReply("cut"), (False, False), False, (0, 0, 2)),
     (RemoteError("internal", "bug"), (False, False), False, (0, 0, 2)),
     (ConnectionResetError("gone"), (True, False), True, (0, 1, 1)),
@@ -283,3 +283,17 @@ def test_a_peer_is_waited_for_by_its_own_deadline_once_its_usual_time_is_known(m
     assert client.timeouts_s[: deadlines.MIN_CALLS] == [TIMEOUT_S] * deadlines.MIN_CALLS
     assert client.timeouts_s[-1] == 1.5 < TIMEOUT_S
     assert caller.deadline_s(0, "backward", B, TIMEOUT_S) == TIMEOUT_S  # B's time is not known yet
+
+
+def test_a_timeout_at_a_peers_own_deadline_bans_it_as_frozen(monkeypatch):
+    """Silent past its own deadline, before the request timeout: banned until it announces again."""
+    from swarmtrain.planner import deadlines
+
+    monkeypatch.setattr(deadlines, "DEADLINE_FLOOR_S", 1.5)
+    table, client = SpyTable([[A, B]]), ScriptedClient()
+    caller = _caller(client, table)
+    for _ in range(deadlines.MIN_CALLS):
+        _call(caller, prefer=A)
+    client.failures.append(TimeoutError())
+    assert _call(caller, prefer=A)[1] == B
+    assert client.timeouts_s[-2] == 1.5 and table.is_banned(A) and caller.timeouts == 1

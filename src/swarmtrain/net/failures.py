@@ -2,11 +2,10 @@
 relayed calls, its chains, a chain hop's call to the next stage).
 
 `on_request_failure(exc)` says what the failure tells about the called stage and the stages after it
-(`Outcome`) and what the caller does about the peer: ban it (gone, silent past its deadline, or serving
-another run), and whether it kept us waiting the whole timeout (charged to its throughput). A peer that
-timed out is treated as frozen: banned until it announces itself again (runtime/trainer/peer_table.py),
-so the micro-batches it would have held go to its replicas (planner/deadlines.py sets how long a peer
-may be silent). `flags_after` turns the outcome into
+(`Outcome`) and what the caller does about the peer: ban it (gone, or serving another run), and whether
+it kept us waiting the whole timeout (charged to its throughput). The trainer also bans a peer that was
+silent past its own deadline (planner/deadlines.py), shorter than the request timeout: it is treated as
+frozen until it announces itself again. `flags_after` turns the outcome into
 the accumulate flags of the retry, so a stage applies each micro-batch at most once, whoever retries.
 
 | failure                                                        | outcome       | ban | timed out |
@@ -16,7 +15,7 @@ the accumulate flags of the retry, so a stage applies each micro-batch at most o
 | RemoteError `digest_mismatch`                                  | NEVER_RAN     | yes | no        |
 | RemoteError `next_hop_failed`                                  | NEXT_FAILED   | no  | no        |
 | RemoteError `internal` (or a code not above)                   | MAYBE_APPLIED | no  | no        |
-| TimeoutError                                                   | MAYBE_APPLIED | yes | yes       |
+| TimeoutError                                                   | MAYBE_APPLIED | no  | yes       |
 | TruncatedReply (the peer answered before)                      | MAYBE_APPLIED | no  | no        |
 | connection error (`is_connection_error`)                       | GONE          | yes | no        |
 | anything else: a bug, not a failure of the peer                | re-raised     |     |           |
@@ -64,7 +63,7 @@ def on_request_failure(exc: BaseException) -> FailureAction:
     if isinstance(exc, RemoteError):
         return FailureAction(_remote_outcome(exc.code), ban=exc.code in BAN_CODES)
     if isinstance(exc, TimeoutError):  # before the connection errors: a TimeoutError is an OSError
-        return FailureAction(Outcome.MAYBE_APPLIED, ban=True, timed_out=True)
+        return FailureAction(Outcome.MAYBE_APPLIED, timed_out=True)
     if isinstance(exc, TruncatedReply):  # a ConnectionError, but the peer answered: no ban
         return FailureAction(Outcome.MAYBE_APPLIED)
     if is_connection_error(exc):

@@ -27,6 +27,7 @@ from swarmtrain.runtime.trainer.stage_calls import (
     PERSISTENT_ATTEMPTS,
     MicroBatchFailed,
     StageCaller,
+    frozen_or,
     retry_delay_s,
 )
 from swarmtrain.utils.logging import get_logger
@@ -63,7 +64,7 @@ class ChainCaller:
             except ProtocolError as exc:  # a malformed report: the chain may have run
                 failure, reason = FailureAction(Outcome.MAYBE_APPLIED), str(exc)
             except Exception as exc:
-                failure, reason = on_request_failure(exc), f"{exc!r:.160}"
+                failure, reason = frozen_or(on_request_failure(exc), wait_s < budget_s), f"{exc!r:.160}"
             self._count(failure, peer, n, budget_s)
             outcome = failure.outcome
             if outcome is Outcome.FATAL:

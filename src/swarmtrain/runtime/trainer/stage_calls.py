@@ -1,9 +1,10 @@
 """One call to "some peer of stage s", with peer choice, timeouts, retries, bans and waiting.
 
 Failure policy (docs/ARCHITECTURE.md; the table is net/failures.py, shared with the chain path):
-- timeout -> the peer is frozen (or far slower than its usual): retry on another peer, fold the timeout
-  into its EMA, and ban it until it announces itself again. The timeout is the peer's own deadline
-  (planner/deadlines.py: a multiple of its usual call time, 5 s at least, the request timeout at most);
+- timeout -> the peer is frozen (or far slower than its usual): retry on another peer and fold the
+  timeout into its EMA. The timeout is the peer's own deadline (planner/deadlines.py: a multiple of its
+  usual call time, 5 s at least, the request timeout at most); when that came before the request
+  timeout, the peer is also banned until it announces itself again (`frozen_or`);
 - connection error -> the peer is gone: ban it until its record expires or it re-announces;
 - error answer -> `unavailable`/`timeout`/`internal`: try another peer; `digest_mismatch`: ban;
   `bad_request`/`too_large`/`version`: our request is wrong, retrying cannot help; `unauthorized`: a
@@ -44,6 +45,14 @@ BACKOFF_BASE_S = 0.05
 BACKOFF_MAX_S = 2.0
 PERSISTENT_ATTEMPTS = 60
 ACCUMULATING_KINDS = ("backward", "forward_backward")  # calls a stage accumulates gradients of
+
+
+def frozen_or(failure: FailureAction, early_deadline: bool) -> FailureAction:
+    """A timeout at the peer's own deadline, before the request timeout: the peer is taken for frozen and
+    banned until it announces itself again (at the request timeout itself, as before: not banned)."""
+    if failure.timed_out and early_deadline and not failure.ban:
+        return FailureAction(failure.outcome, ban=True, timed_out=True)
+    return failure
 
 
 def retry_delay_s(attempt: int) -> float:
@@ -158,7 +167,7 @@ class StageCaller:
             try:
                 reply = await self.client.call(PeerID.from_base58(peer), kind, message, wait_s)
             except Exception as exc:
-                failure = on_request_failure(exc)  # raises what is no failure of the peer (a bug)
+                failure = frozen_or(on_request_failure(exc), wait_s < timeout_s)  # raises bugs
                 if failure.outcome is Outcome.FATAL:
                     raise MicroBatchFailed(f"stage {stage} peer {peer} refused {kind}: {exc}") from None
                 message = self._after_failure(failure, message, stage, peer, num_samples, weight)
