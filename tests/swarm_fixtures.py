@@ -9,6 +9,8 @@ from swarmtrain.runtime.harness.local_swarm import LocalSwarm, write_run_toml
 
 # short timeouts so that a failure shows up in seconds, not minutes
 FAST_SWARM = {"request_timeout_s": 10.0, "averaging_timeout_s": 10.0, "announce_period_s": 1.0}
+STALL_DUMP_AFTER_S = 10.0  # no micro-batch completed for this long: every process's stacks are dumped
+DUMP_PRINT_CHARS = 30_000
 
 
 TWO_REPLICAS_OF_STAGE_0 = {"s0a": 0, "s0b": 0, "s1": 1}
@@ -33,6 +35,7 @@ def make_swarm(tmp_path):
             sections.setdefault(section, {}).update(values)
         path = write_run_toml(tmp_path / f"run{len(swarms)}.toml", preset, sections)
         swarm = LocalSwarm(tmp_path / f"swarm{len(swarms)}", path)
+        swarm.watch_stalls(STALL_DUMP_AFTER_S, on_dump=_print_dump)
         swarms.append(swarm)
         return swarm, load_run_config(path)
 
@@ -49,3 +52,8 @@ def make_swarm(tmp_path):
         client.close()
     for swarm in swarms:
         swarm.stop_all(grace_s=5.0)
+
+
+def _print_dump(path) -> None:
+    """A stall's stacks go to the test's captured output, which pytest shows when the test fails."""
+    print(f"\n{path}:\n{path.read_text()[:DUMP_PRINT_CHARS]}", flush=True)

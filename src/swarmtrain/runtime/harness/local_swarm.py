@@ -9,10 +9,12 @@ import os
 import re
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from swarmtrain.config.errors import UserError
 from swarmtrain.runtime.harness.cpu_quota import CpuQuota
+from swarmtrain.runtime.harness.stall_watchdog import StallWatchdog
 from swarmtrain.runtime.procs import ManagedProcess
 
 READY_MARKER = "ready (epoch"
@@ -75,6 +77,7 @@ class LocalSwarm:
         self.quotas: dict[str, CpuQuota] = {}
         self.netbed = netbed
         self.netbed_peers = dict(netbed_peers or {})
+        self.watchdog: StallWatchdog | None = None
 
     def __enter__(self) -> LocalSwarm:
         return self
@@ -197,10 +200,29 @@ class LocalSwarm:
     def kill(self, name: str) -> None:
         self.processes[name].kill()
 
+    def watch_stalls(self, quiet_s: float = 10.0, on_dump: Callable[[Path], None] | None = None) -> StallWatchdog:
+        """Dump every process's stacks into the work directory whenever the trainers complete nothing
+        for `quiet_s` (runtime/harness/stall_watchdog.py); stopped by `stop_all`."""
+        if self.watchdog is None:
+            self.watchdog = StallWatchdog(
+                ledgers=lambda: [self.ledger_path(n) for n in self._trainers()],
+                pids=lambda: {n: p.pid for n, p in list(self.processes.items()) if p.alive},
+                alive=lambda: any(self.processes[n].alive for n in self._trainers()),
+                out_dir=self.workdir,
+                quiet_s=quiet_s,
+                on_dump=on_dump,
+            ).start()
+        return self.watchdog
+
+    def _trainers(self) -> list[str]:
+        return [n for n in list(self.processes) if n.startswith("trainer")]
+
     def stop_all(self, grace_s: float = 10.0) -> None:
         """Graceful stop: trainers first (their in-flight micro-batches still find servers), then
         servers and the DHT; whole process groups are SIGKILLed after `grace_s`."""
-        trainers = [n for n in self.processes if n.startswith("trainer")]
+        if self.watchdog is not None:
+            self.watchdog.stop()
+        trainers = self._trainers()
         self._terminate([self.processes[n] for n in trainers], grace_s)
         self._terminate([p for n, p in self.processes.items() if n not in trainers], grace_s)
         for proc in self.processes.values():
