@@ -1,27 +1,37 @@
-"""Does a swarm survive churn and a full restart without losing or double-applying work?
+"""Does a swarm survive churn, frozen peers and a whole-swarm crash without losing or double-applying
+work, and how long does it stall?
 
-    python bench/chaos.py [--minutes 10] [--seed 0] [--summary-json PATH] [--keep-logs DIR]
+    python bench/chaos.py [--minutes 10] [--seed 0] [--restart kill|term] [--summary-json PATH]
+                          [--keep-logs DIR]
 
 A local swarm (3 replicas of stage 0, 2 of stage 1, 2 trainer shards, `tiny`, stage checkpoints every
-20 steps in a directory all replicas share) trains for --minutes. During the run, a seeded schedule
-SIGKILLs a random server every ~--kill-every-s (never the last live replica of its stage) and starts a
-new server for that stage --restart-after-s later. Halfway, the whole swarm is stopped (SIGTERM: servers
-write a final checkpoint) and started again: the bootstrap DHT on the same port with the same
---identity-path (so the same address), every server restoring its stage from the checkpoints, new
-trainer processes continuing at the swarm's step.
+20 steps in a directory all replicas share) trains for --minutes. A seeded schedule strikes every
+~--fault-every-s, each time one of (--faults):
+- kill: SIGKILL a random server; a new server for its stage starts --restart-after-s later;
+- stop: SIGSTOP a random server's process for 5-30 s, then SIGCONT (its sockets stay open and its
+  p2pd keeps accepting streams: a host that lost power, a closed laptop lid, a partition).
+A victim is never the last live, awake replica of its stage. Halfway, the whole swarm crashes
+(--restart kill, the default: every process SIGKILLed at once, trainers included, so each server loses
+what it applied since its last checkpoint) or is stopped (--restart term: servers write a last
+checkpoint), and is started again: the bootstrap DHT on the same port with the same --identity-path
+(the same address), every server restoring its stage from the checkpoints, new trainer processes
+continuing at the swarm's step.
 
 At the end it prints, and writes to --summary-json:
 - micro-batches started / completed / failed (all trainers, both halves);
-- per stage: micro-batches applied, pending, lost with dead peers, lost to resyncs, not accumulated,
+- stalls: per half, the longest time with no completed micro-batch anywhere in the swarm (the
+  crash-and-restart itself excluded), and the fault schedule it fell in;
+- per stage: micro-batches applied, pending, lost with dead peers (killed servers' unapplied work, and
+  after a crash the steps applied since the last checkpoint), lost to resyncs, not accumulated,
   applied twice, unaccounted (runtime/harness/accounting.py over every server incarnation's ledger);
-- validation loss through the swarm (256 samples) at the start, before the stop, right after the
+- validation loss through the swarm (256 samples) at the start, before the crash, right after the
   restart, at the end;
 - whether the replicas of each stage hold identical parameters at the end (after the swarm settled for
-  a close timeout + 5 s), and whether any process
-  or hivemind socket of the run is left behind after it is stopped.
-Verdict PASS when: every trainer exited 0, every stage is balanced with nothing applied twice, the loss
-after the restart is within 3% of the loss before it, the final loss is below the initial one, the
-replicas agree, and nothing is left behind. Exit status 0 on PASS, 1 otherwise.
+  a close timeout + 5 s), and whether any process or hivemind socket of the run is left behind.
+Verdict PASS when: every trainer exited 0 (but those a crash killed), every stage is balanced with
+nothing applied twice, the loss after the restart is within 3% of the loss before it, the final loss
+is below the initial one, no stall exceeds --max-stall-s, the replicas agree, the bootstrap address
+survived the restart and nothing is left behind. Exit status 0 on PASS, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -29,7 +39,9 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import random
+import signal
 import socket
 import sys
 import tempfile
@@ -46,23 +58,29 @@ from swarmtrain.runtime.procs import forked_children_die_with_me, group_members
 
 REPLICAS = {0: 3, 1: 2}
 RESTART_TOLERANCE = 0.03
+FAULTS = ("kill", "stop")
+STOP_S = (5.0, 30.0)  # how long a stopped server stays frozen (uniform)
 
 
 @dataclass
 class Chaos:
-    """The seeded kill/restart schedule applied to a live swarm."""
+    """The seeded fault schedule applied to a live swarm."""
 
     swarm: LocalSwarm
     rng: random.Random
-    kill_every_s: float
+    fault_every_s: float
     restart_after_s: float
+    faults: tuple[str, ...] = FAULTS
     servers: dict[str, int] = field(default_factory=dict)  # every server incarnation -> stage
     killed: list[str] = field(default_factory=list)
+    stopped: list[str] = field(default_factory=list)  # every SIGSTOP, in order
     events: list[str] = field(default_factory=list)
-    _next_kill_s: float = 0.0
+    _next_fault_s: float = 0.0
     _restarts: list[tuple[float, int]] = field(default_factory=list)
+    _frozen: dict[str, float] = field(default_factory=dict)  # server -> when it is resumed
     _count: int = 0
     _start_s: float = field(default_factory=time.monotonic)
+    start_wall_s: float = field(default_factory=time.time)
 
     def start_server(self, stage: int) -> str:
         self._count += 1
@@ -90,35 +108,68 @@ class Chaos:
     def ready(self, name: str) -> bool:
         return READY_MARKER in self.swarm.processes[name].log_text()
 
+    def serving(self, stage: int) -> list[str]:
+        """Live, ready and awake replicas of `stage`."""
+        return [n for n in self.live(stage) if n not in self._frozen and self.ready(n)]
+
     def arm(self) -> None:
-        self._next_kill_s = time.monotonic() + self.kill_every_s * self.rng.uniform(0.5, 1.5)
+        self._next_fault_s = time.monotonic() + self.fault_every_s * self.rng.uniform(0.5, 1.5)
 
     def tick(self) -> None:
         now = time.monotonic()
+        for name in [n for n, at in self._frozen.items() if at <= now]:
+            self._resume(name)
         for due in [r for r in self._restarts if r[0] <= now]:
             self._restarts.remove(due)
             name = self.start_server(due[1])
             self._log(f"started {name} (stage {due[1]})")
-        if now < self._next_kill_s:
+        if now < self._next_fault_s:
             return
         self.arm()
-        candidates = [
-            n
-            for n in self.live()
-            if self.ready(n) and sum(self.ready(m) for m in self.live(self.servers[n])) >= 2
-        ]
+        candidates = [n for stage in REPLICAS if len(self.serving(stage)) >= 2 for n in self.serving(stage)]
         if not candidates:
             return
-        victim = self.rng.choice(sorted(candidates))
-        self.swarm.kill(victim)
-        self.killed.append(victim)
-        self._restarts.append((now + self.restart_after_s, self.servers[victim]))
-        self._log(f"SIGKILL {victim} (stage {self.servers[victim]})")
+        victim, fault = self.rng.choice(sorted(candidates)), self.rng.choice(self.faults)
+        stage = self.servers[victim]
+        if fault == "kill":
+            self.swarm.kill(victim)
+            self.killed.append(victim)
+            self._restarts.append((now + self.restart_after_s, stage))
+            self._log(f"SIGKILL {victim} (stage {stage})")
+        else:
+            frozen_s = self.rng.uniform(*STOP_S)
+            os.kill(self.swarm.processes[victim].pid, signal.SIGSTOP)
+            self._frozen[victim] = now + frozen_s
+            self.stopped.append(victim)
+            self._log(f"SIGSTOP {victim} (stage {stage}) for {frozen_s:.1f}s")
+
+    def resume_all(self) -> None:
+        for name in list(self._frozen):
+            self._resume(name)
+
+    def _resume(self, name: str) -> None:
+        del self._frozen[name]
+        try:
+            os.kill(self.swarm.processes[name].pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        self._log(f"SIGCONT {name}")
+
+    def crash(self) -> None:
+        """Every process of the swarm SIGKILLed, as fast as one loop can (a power cut, an OOM killer)."""
+        self._frozen.clear()  # SIGKILL ends a stopped process too
+        self._restarts.clear()
+        for proc in list(self.swarm.processes.values()):
+            proc.kill()
+        self._log("SIGKILL every process (crash)")
+
+    def elapsed_s(self) -> float:
+        return time.monotonic() - self._start_s
 
     def _log(self, what: str) -> None:
-        line = f"{time.monotonic() - self._start_s:7.1f}s  {what}"
+        line = f"{self.elapsed_s():7.1f}s  {what}"
         self.events.append(line)
-        print("  " + line, flush=True)
+        print(line, flush=True)
 
 
 def free_port() -> int:
@@ -156,20 +207,44 @@ def probe_state(cfg, swarm: LocalSwarm, val_set, want_params: bool) -> dict:
         probe.close()
 
 
-def run_half(chaos: Chaos, cfg, args, half: str, duration_s: float) -> list[int | None]:
-    """Trainers for `duration_s` under the kill schedule; returns their exit codes."""
+def run_half(chaos: Chaos, args, half: str, duration_s: float, crash: bool) -> dict[str, int | str | None]:
+    """Trainers for `duration_s` under the fault schedule; their exit codes ("crashed": killed with
+    the swarm at the end of this half, still training)."""
     swarm, names = chaos.swarm, []
+    # a crash must find them training: they would run well past it
+    trainer_s = duration_s + 600 if crash else duration_s
     for shard in range(args.trainers):
         name = f"t{shard}{half}"
         extra = ["--shard", f"{shard}/{args.trainers}", "--in-flight", str(args.in_flight)]
-        swarm.start_trainer(name, *extra, "--duration-s", str(duration_s), "--log-period-s", "10")
+        swarm.start_trainer(name, *extra, "--duration-s", str(trainer_s), "--log-period-s", "10")
         names.append(name)
     chaos.arm()
-    deadline = time.monotonic() + duration_s + 300
-    while any(swarm.processes[n].alive for n in names) and time.monotonic() < deadline:
+    end_s = time.monotonic() + (duration_s if crash else duration_s + 300)
+    while any(swarm.processes[n].alive for n in names) and time.monotonic() < end_s:
         chaos.tick()
         time.sleep(0.5)
-    return [swarm.wait_exit(n, 5) for n in names]
+    chaos.resume_all()
+    if crash:
+        return {n: "crashed" if swarm.processes[n].alive else swarm.processes[n].proc.poll() for n in names}
+    return {n: swarm.wait_exit(n, 5) for n in names}
+
+
+def longest_stall(chaos: Chaos, half: str, until_wall_s: float | None) -> dict:
+    """The longest time in a half with no completed micro-batch anywhere, from its first completion to
+    its last (or to `until_wall_s`, the crash); seconds since the bench started, to match the events."""
+    times = sorted(
+        e["t"]
+        for p in chaos.swarm.workdir.glob(f"t*{half}.ledger.jsonl")
+        for e in read_ledger(p)
+        if e["e"] == "done"
+    )
+    if until_wall_s is not None and times:
+        times.append(until_wall_s)
+    gaps = [(b - a, a) for a, b in zip(times, times[1:], strict=False)]
+    if not gaps:
+        return {"longest_s": None, "from_s": None}
+    gap_s, from_wall_s = max(gaps)
+    return {"longest_s": round(gap_s, 1), "from_s": round(from_wall_s - chaos.start_wall_s, 1)}
 
 
 def leftovers(swarm: LocalSwarm) -> dict:
@@ -199,20 +274,37 @@ def trainer_counts(workdir: Path) -> dict:
     }
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--minutes", type=float, default=10.0, help="training time, both halves (default 10)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the kill schedule (default 0)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the fault schedule (default 0)")
     parser.add_argument(
-        "--kill-every-s", type=float, default=30.0, help="mean seconds between kills (default 30)"
+        "--fault-every-s", type=float, default=30.0, help="mean seconds between faults (default 30)"
+    )
+    parser.add_argument(
+        "--faults",
+        default=",".join(FAULTS),
+        help=f"comma-separated kinds of fault to draw from (default {','.join(FAULTS)})",
     )
     parser.add_argument(
         "--restart-after-s",
         type=float,
         default=10.0,
-        help="a killed server's replacement starts this much later",
+        help="a killed server's replacement starts this much later (default 10)",
+    )
+    parser.add_argument(
+        "--restart",
+        choices=("kill", "term"),
+        default="kill",
+        help="halfway: crash every process with SIGKILL (default) or stop the swarm with SIGTERM",
+    )
+    parser.add_argument(
+        "--max-stall-s",
+        type=float,
+        default=30.0,
+        help="the verdict fails on a longer time without a completed micro-batch (default 30)",
     )
     parser.add_argument(
         "--trainers", type=int, default=2, choices=(1, 2, 4), help="trainer shards (default 2)"
@@ -221,11 +313,20 @@ def main() -> int:
         "--in-flight", type=int, default=2, help="micro-batches in flight per trainer (default 2)"
     )
     parser.add_argument("--summary-json", metavar="PATH", help="write the results here")
-    parser.add_argument("--keep-logs", metavar="DIR", help="keep peer logs, ledgers and checkpoints in DIR")
+    parser.add_argument(
+        "--keep-logs", metavar="DIR", help="keep peer logs, ledgers, checkpoints and stall stacks in DIR"
+    )
     args = parser.parse_args()
-    if args.minutes <= 0 or args.kill_every_s <= 0 or args.restart_after_s < 0:
-        parser.error("--minutes and --kill-every-s must be positive, --restart-after-s >= 0")
+    if args.minutes <= 0 or args.fault_every_s <= 0 or args.restart_after_s < 0:
+        parser.error("--minutes and --fault-every-s must be positive, --restart-after-s >= 0")
+    args.faults = tuple(f.strip() for f in args.faults.split(",") if f.strip())
+    if not args.faults or set(args.faults) - set(FAULTS):
+        parser.error(f"--faults: choose from {', '.join(FAULTS)}")
+    return args
 
+
+def main() -> int:
+    args = parse_args()
     forked_children_die_with_me()
     tmp = None if args.keep_logs else tempfile.TemporaryDirectory(prefix="chaos-")
     workdir = Path(args.keep_logs or tmp.name)
@@ -243,27 +344,37 @@ def main() -> int:
     cfg = load_run_config(write_run_toml(workdir / "run.toml", "tiny", overrides))
     _, val_set = build_datasets(cfg)
     half_s = args.minutes * 60 / 2
+    crash = args.restart == "kill"
     dht_args = ["--identity-path", str(workdir / "dht.key"), "--port", str(free_port())]
-    report: dict = {"args": vars(args), "losses": {}}
+    report: dict = {"args": vars(args), "losses": {}, "stalls": {}}
     swarm = LocalSwarm(workdir / "peers", workdir / "run.toml")
-    chaos = Chaos(swarm, random.Random(args.seed), args.kill_every_s, args.restart_after_s)
+    watchdog = swarm.watch_stalls(args.max_stall_s)
+    chaos = Chaos(swarm, random.Random(args.seed), args.fault_every_s, args.restart_after_s, args.faults)
+    codes: dict[str, int | str | None] = {}
     try:
         print(
-            f"chaos: {args.minutes} min, seed {args.seed}, servers {REPLICAS}, {args.trainers} trainers",
+            f"chaos: {args.minutes} min, seed {args.seed}, faults {','.join(args.faults)} every "
+            f"~{args.fault_every_s:.0f}s, servers {REPLICAS}, {args.trainers} trainers, restart by {args.restart}",
             flush=True,
         )
         first_address = chaos.start_swarm(dht_args)
         report["losses"]["start"] = probe_state(cfg, swarm, val_set, False)["val_loss"]
         print(f"first half ({half_s:.0f}s) ...", flush=True)
-        codes = run_half(chaos, cfg, args, "a", half_s)
+        codes.update(run_half(chaos, args, "a", half_s, crash))
         report["losses"]["before_restart"] = probe_state(cfg, swarm, val_set, False)["val_loss"]
-
-        print("stopping the whole swarm and starting it again ...", flush=True)
-        swarm.stop_all()
+        if crash:
+            print("crashing the whole swarm (SIGKILL) and starting it again ...", flush=True)
+            chaos.crash()
+        else:
+            print("stopping the whole swarm (SIGTERM) and starting it again ...", flush=True)
+            swarm.stop_all()
+        report["stalls"]["first_half"] = longest_stall(chaos, "a", time.time() if crash else None)
+        watchdog.rearm()
         report["same_dht_address"] = chaos.start_swarm(dht_args) == first_address
         report["losses"]["after_restart"] = probe_state(cfg, swarm, val_set, False)["val_loss"]
         print(f"second half ({half_s:.0f}s) ...", flush=True)
-        codes += run_half(chaos, cfg, args, "b", half_s)
+        codes.update(run_half(chaos, args, "b", half_s, crash=False))
+        report["stalls"]["second_half"] = longest_stall(chaos, "b", None)
         # a last step some trainer shard did not join closes after the close timeout; resyncs settle
         time.sleep(cfg.swarm.request_timeout_s + 5)
         final = probe_state(cfg, swarm, val_set, True)
@@ -275,12 +386,14 @@ def main() -> int:
         trainer_exit_codes=codes,
         events=chaos.events,
         kills=len(chaos.killed),
+        stops=len(chaos.stopped),
+        stall_dumps=[str(p) for p in watchdog.dumps],
         micro_batches=trainer_counts(swarm.workdir),
         stages=account(chaos, survivors),
         replicas=final["replicas"],
         leftovers=leftovers(swarm),
     )
-    report["verdict"] = verdict(report)
+    report["verdict"] = verdict(report, args.max_stall_s)
     print_report(report)
     if args.summary_json:
         Path(args.summary_json).parent.mkdir(parents=True, exist_ok=True)
@@ -288,13 +401,17 @@ def main() -> int:
     return 0 if report["verdict"]["pass"] else 1
 
 
-def verdict(report: dict) -> dict:
+def verdict(report: dict, max_stall_s: float) -> dict:
     losses = report["losses"]
+    stalls = [s["longest_s"] for s in report["stalls"].values()]
     by_stage: dict[int, set[str]] = {}
     for replica in report["replicas"].values():
         by_stage.setdefault(replica["stage"], set()).add((replica["epoch"], replica["params"]))
     checks = {
-        "trainers exited 0": all(code == 0 for code in report["trainer_exit_codes"]),
+        "trainers exited 0 (but those the crash killed)": all(
+            code in (0, "crashed") for code in report["trainer_exit_codes"].values()
+        ),
+        f"no stall longer than {max_stall_s:.0f}s": all(s is not None and s <= max_stall_s for s in stalls),
         "every stage balanced, nothing applied twice": all(
             s["balanced"] and s["double_applied"] == 0 for s in report["stages"]
         ),
@@ -313,10 +430,14 @@ def verdict(report: dict) -> dict:
 def print_report(report: dict) -> None:
     mb, losses = report["micro_batches"], report["losses"]
     print(
-        f"\nkills: {report['kills']}; micro-batches started {mb['started']}, completed {mb['completed']}, "
+        f"\nkills: {report['kills']}, stops: {report['stops']}; micro-batches started {mb['started']}, completed {mb['completed']}, "
         f"failed {mb['failed']}"
     )
     print("val loss: " + ", ".join(f"{k} {v:.4f}" for k, v in losses.items()))
+    for half, stall in report["stalls"].items():
+        print(f"longest stall, {half.replace('_', ' ')}: {stall['longest_s']}s from {stall['from_s']}s")
+    for path in report["stall_dumps"]:
+        print(f"stacks of a stall: {path}")
     columns = (
         "completed",
         "applied",

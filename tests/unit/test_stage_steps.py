@@ -124,6 +124,25 @@ def test_an_unreachable_member_is_not_waited_for(tiny_cfg, micro_batches, start_
     asyncio.run(scenario())
 
 
+def test_a_step_is_closing_only_once_a_close_or_gradients_arrived(tiny_cfg, start_compute):
+    """The step loop waits on an empty entry for the current step; that alone is not "closing" (a
+    restored replica held back by it never adopted the other stages' step after a whole-swarm crash)."""
+
+    async def scenario():
+        net = Net()
+        nodes = await _replicas(tiny_cfg, ["A", "B"], net, start_compute)
+        task = asyncio.create_task(nodes["A"].run())
+        await _until(lambda: 0 in nodes["A"].pending)
+        assert not nodes["A"].closing(0)
+        nodes["A"].on_grads("B", 0, 8, [])
+        assert nodes["A"].closing(0)
+        nodes["B"].on_close(0, 0, 1, {"B": 8}, ["B"])
+        assert nodes["B"].closing(0) and not nodes["B"].closing(1)
+        task.cancel()
+
+    asyncio.run(scenario())
+
+
 def test_a_step_waits_for_every_trainer_or_the_close_timeout(tiny_cfg, micro_batches, start_compute):
     async def scenario():
         net = Net()

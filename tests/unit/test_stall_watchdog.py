@@ -37,7 +37,9 @@ def test_a_ledger_tail_counts_new_completions_and_waits_for_a_line_being_written
 
 @pytest.fixture
 def sleeper():
-    proc = subprocess.Popen([sys.executable, "-c", "import time\ndef waiting_here():\n    time.sleep(600)\nwaiting_here()"])
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import time\ndef waiting_here():\n    time.sleep(600)\nwaiting_here()"]
+    )
     time.sleep(1.0)  # let it reach the sleep
     yield proc
     proc.kill()
@@ -76,6 +78,11 @@ def test_one_dump_per_stall_with_every_processs_stacks(tmp_path, sleeper):
     dog.poll(300.0)
     running["trainer"] = False
     assert dog.poll(400.0) is None  # no trainer running: nobody is waiting for completions
+    running["trainer"] = True
+    assert dog.poll(500.0) is None  # a new trainer starting up: armed again by its first completion
+    _done(ledger, 4)
+    dog.poll(501.0)
+    assert dog.poll(512.0) is not None and len(dog.dumps) == 3
 
 
 def test_without_py_spy_the_dump_says_so(tmp_path, monkeypatch):

@@ -78,6 +78,7 @@ class LocalSwarm:
         self.netbed = netbed
         self.netbed_peers = dict(netbed_peers or {})
         self.watchdog: StallWatchdog | None = None
+        self.trainer_names: list[str] = []  # started with start_trainer: stopped first, watched for stalls
 
     def __enter__(self) -> LocalSwarm:
         return self
@@ -140,6 +141,7 @@ class LocalSwarm:
             str(self.workdir / f"{name}.summary.json"),
             *extra,
         ]
+        self.trainer_names.append(name)
         return self._spawn(name, args)
 
     def start_replica(self, name: str, shard: str, *extra: str) -> ManagedProcess:
@@ -215,7 +217,7 @@ class LocalSwarm:
         return self.watchdog
 
     def _trainers(self) -> list[str]:
-        return [n for n in list(self.processes) if n.startswith("trainer")]
+        return list(self.trainer_names)
 
     def stop_all(self, grace_s: float = 10.0) -> None:
         """Graceful stop: trainers first (their in-flight micro-batches still find servers), then

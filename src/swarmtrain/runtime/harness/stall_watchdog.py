@@ -75,7 +75,8 @@ def dump_stacks(pids: dict[str, int], timeout_s: float = DUMP_TIMEOUT_S) -> str:
 class StallWatchdog:
     """Watches `ledgers()` (trainer ledger paths, re-read each poll: trainers start late) and, while
     `alive()` says a trainer runs, dumps `pids()`'s stacks to `out_dir/stall-N.txt` after `quiet_s`
-    without a completion. Armed by the first completion: start-up is not a stall."""
+    without a completion. Armed by the first completion, and again after a time with no trainer
+    running: start-up is not a stall."""
 
     ledgers: Callable[[], list[Path]]
     pids: Callable[[], dict[str, int]]
@@ -101,6 +102,10 @@ class StallWatchdog:
         if self._thread is not None:
             self._thread.join(DUMP_TIMEOUT_S * 4)
 
+    def rearm(self) -> None:
+        """Wait for a first completion again (a swarm restarted on purpose is not stalled)."""
+        self._last_completion, self._dumped_this_stall = None, False
+
     def poll(self, now: float) -> Path | None:
         """One look at the ledgers; the dump written, if this poll found a stall."""
         for path in self.ledgers():
@@ -108,7 +113,10 @@ class StallWatchdog:
         if sum(tail.new_completions() for tail in self._tails.values()):
             self._last_completion, self._dumped_this_stall = now, False
             return None
-        if self._last_completion is None or self._dumped_this_stall or not self.alive():
+        if not self.alive():
+            self.rearm()  # the next trainers' start-up is not a stall either
+            return None
+        if self._last_completion is None or self._dumped_this_stall:
             return None
         quiet_s = now - self._last_completion
         if quiet_s < self.quiet_s:
@@ -121,7 +129,9 @@ class StallWatchdog:
         header = f"no micro-batch completed for {quiet_s:.1f} s (at {time.strftime('%H:%M:%S')})\n\n"
         path.write_text(header + dump_stacks(self.pids()))
         self.dumps.append(path)
-        logger.warning("stall: no micro-batch completed for %.1f s; stacks of every process in %s", quiet_s, path)
+        logger.warning(
+            "stall: no micro-batch completed for %.1f s; stacks of every process in %s", quiet_s, path
+        )
         if self.on_dump is not None:
             self.on_dump(path)
         return path

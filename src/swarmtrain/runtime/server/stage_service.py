@@ -270,7 +270,7 @@ class StageService:
 
     def _closing(self) -> bool:
         """The step this replica is at has a close or gradients pending (read from the sync thread)."""
-        return self.worker.epoch in self.steps.pending
+        return self.steps.closing(self.worker.epoch)
 
     def _step_applied(self, epoch: int, fingerprint: list[float] | None) -> None:
         self.sync.step_applied(epoch, fingerprint)

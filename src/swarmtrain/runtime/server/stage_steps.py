@@ -144,6 +144,13 @@ class StepCoordinator:
             return None  # already applied, or so far ahead that this replica will resync anyway
         return self.pending.setdefault(step, PendingStep(step))
 
+    def closing(self, step: int) -> bool:
+        """A trainer's close or a peer's gradients for `step` arrived. The step loop keeps an empty
+        entry for the step it waits on, so being in `pending` says nothing (a restored replica held
+        back by that entry never adopted the other stages' step after a whole-swarm crash)."""
+        state = self.pending.get(step)
+        return state is not None and (state.first_close_s is not None or bool(state.received))
+
     # waiting for a parameter version ------------------------------------------------------------
     async def wait_for_version(self, version: int, deadline_s: float, abandon=lambda: False) -> bool:
         """Until the parameters have reached `version` (a step's forwards wait for the previous
