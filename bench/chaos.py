@@ -60,6 +60,7 @@ REPLICAS = {0: 3, 1: 2}
 RESTART_TOLERANCE = 0.03
 FAULTS = ("kill", "stop")
 STOP_S = (5.0, 30.0)  # how long a stopped server stays frozen (uniform)
+STALL_DUMP_AFTER_S = 10.0  # every process's stacks are dumped (--keep-logs keeps them) after this long
 
 
 @dataclass
@@ -348,7 +349,7 @@ def main() -> int:
     dht_args = ["--identity-path", str(workdir / "dht.key"), "--port", str(free_port())]
     report: dict = {"args": vars(args), "losses": {}, "stalls": {}}
     swarm = LocalSwarm(workdir / "peers", workdir / "run.toml")
-    watchdog = swarm.watch_stalls(args.max_stall_s)
+    watchdog = swarm.watch_stalls(STALL_DUMP_AFTER_S)
     chaos = Chaos(swarm, random.Random(args.seed), args.fault_every_s, args.restart_after_s, args.faults)
     codes: dict[str, int | str | None] = {}
     try:
