@@ -1,6 +1,8 @@
 """A private run: peers holding the run key train together (a joiner downloads the state); a peer
 without it, or with another key, is refused as trainer, server, averaging member and state downloader,
-and its records (a forged stage announcement) and control messages (a forged close) are ignored."""
+and its records (a forged stage announcement) and control messages (a forged close) are ignored; at
+each of hivemind's averaging RPCs (download the state, join a group, send a part) a stranger is
+refused."""
 
 import asyncio
 
@@ -54,7 +56,11 @@ def test_private_run_refuses_strangers(make_swarm, tmp_path):
     # hivemind's averaging RPCs: no state for a stranger, no place in a group
     prefix = f"{namespace(cfg)}_s1".replace(".", "_")
     assert stranger.run(_download_state(stranger_client.p2p, _peer_id, prefix)) == "refused"
-    assert "download our state: not a peer of this private run" in swarm.processes["s1"].log_text()
+    assert stranger.run(_join_group(stranger_client.p2p, _peer_id, prefix)) == "PROTOCOL_VIOLATION"
+    assert stranger.run(_send_part(stranger_client.p2p, _peer_id, prefix)) == "PROTOCOL_VIOLATION"
+    log = swarm.processes["s1"].log_text()
+    for action in ("download our state", "join our averaging group", "send an averaging part"):
+        assert f"{action}: not a peer of this private run" in log, action
 
     # a member joining stage 1 downloads the state from s1 (the guard lets members through)
     swarm.start_server("s1b", 1, *key)
@@ -82,6 +88,38 @@ async def _download_state(p2p, peer_id, prefix: str) -> str:
     stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
     chunks = await asyncio.wait_for(_count(stream), 20)
     return "refused" if chunks == 0 else f"{chunks} chunks"
+
+
+async def _join_group(p2p, peer_id, prefix: str) -> str:
+    """A stranger asks to join the stage's averaging group: the first answer's code."""
+    from hivemind.proto import averaging_pb2
+    from hivemind.utils import get_dht_time
+
+    from swarmtrain.net.averaging import StageAverager
+
+    stub = StageAverager.get_stub(p2p, peer_id, namespace=prefix)
+    request = averaging_pb2.JoinRequest(schema_hash=b"forged", expiration=get_dht_time() + 15, gather=b"")
+    stream = await stub.rpc_join_group(request)
+    first = await asyncio.wait_for(anext(stream), 20)
+    return averaging_pb2.MessageCode.Name(first.code)
+
+
+async def _send_part(p2p, peer_id, prefix: str) -> str:
+    """A stranger sends an averaging part (a forged group id): the answer's code."""
+    from hivemind.proto import averaging_pb2, runtime_pb2
+
+    from swarmtrain.net.averaging import StageAverager
+
+    async def parts():
+        part = runtime_pb2.Tensor(buffer=b"\0" * 8, size=[2], dtype="float32")
+        yield averaging_pb2.AveragingData(
+            code=averaging_pb2.PART_FOR_AVERAGING, group_id=b"forged", tensor_part=part
+        )
+
+    stub = StageAverager.get_stub(p2p, peer_id, namespace=prefix)
+    stream = await stub.rpc_aggregate_part(parts())
+    first = await asyncio.wait_for(anext(stream), 20)
+    return averaging_pb2.MessageCode.Name(first.code)
 
 
 async def _count(stream) -> int:
