@@ -51,53 +51,78 @@ from pathlib import Path
 
 from swarmtrain.config import load_run_config
 from swarmtrain.data import build_datasets
+from swarmtrain.runtime.harness import netbed
 from swarmtrain.runtime.harness.accounting import account_stage
 from swarmtrain.runtime.harness.local_swarm import READY_MARKER, LocalSwarm, write_run_toml
+from swarmtrain.runtime.harness.netbed import WanTestbed
 from swarmtrain.runtime.ledger import read_ledger
 from swarmtrain.runtime.procs import forked_children_die_with_me, group_members
 
 REPLICAS = {0: 3, 1: 2}
 RESTART_TOLERANCE = 0.03
-FAULTS = ("kill", "stop")
-STOP_S = (5.0, 30.0)  # how long a stopped server stays frozen (uniform)
+FAULTS = ("kill", "stop")  # "cut" too with --netbed
+STRIKE_S = (5.0, 30.0)  # how long a stopped server stays frozen, or a cut link down (uniform)
 STALL_DUMP_AFTER_S = 10.0  # every process's stacks are dumped (--keep-logs keeps them) after this long
 
 
 @dataclass
 class Chaos:
-    """The seeded fault schedule applied to a live swarm."""
+    """The seeded fault schedule applied to a live swarm. With a WAN test bed (`netbed`), every peer
+    runs in a namespace slot of its own (the DHT in slot 0, servers next, trainers last; a killed
+    server's replacement takes its slot) and a "cut" takes a server's link down."""
 
     swarm: LocalSwarm
     rng: random.Random
     fault_every_s: float
     restart_after_s: float
     faults: tuple[str, ...] = FAULTS
+    netbed: WanTestbed | None = None
     servers: dict[str, int] = field(default_factory=dict)  # every server incarnation -> stage
     killed: list[str] = field(default_factory=list)
     stopped: list[str] = field(default_factory=list)  # every SIGSTOP, in order
+    cuts: list[str] = field(default_factory=list)  # every link cut, in order
     events: list[str] = field(default_factory=list)
     _next_fault_s: float = 0.0
-    _restarts: list[tuple[float, int]] = field(default_factory=list)
-    _frozen: dict[str, float] = field(default_factory=dict)  # server -> when it is resumed
+    _restarts: list[tuple[float, int, int | None]] = field(default_factory=list)  # (when, stage, slot)
+    _struck: dict[str, tuple[float, str]] = field(default_factory=dict)  # server -> (undone at, kind)
     _count: int = 0
     _start_s: float = field(default_factory=time.monotonic)
     start_wall_s: float = field(default_factory=time.time)
 
-    def start_server(self, stage: int) -> str:
+    # namespace slots (a WAN test bed only)
+    def trainer_slot(self, shard: int) -> int:
+        return 1 + sum(REPLICAS.values()) + shard
+
+    def _place(self, name: str, slot: int | None) -> None:
+        if self.netbed is not None and slot is not None:
+            self.swarm.netbed_peers[name] = slot
+
+    def _slot(self, name: str) -> int | None:
+        return self.swarm.netbed_peers.get(name)
+
+    def start_server(self, stage: int, slot: int | None = None) -> str:
         self._count += 1
         name = f"s{stage}-{self._count}"
+        self._place(name, slot)
         self.swarm.start_server(name, stage)
         self.servers[name] = stage
         return name
 
     def start_swarm(self, dht_args: list[str]) -> str:
         """The bootstrap DHT and every stage's replicas, ready; returns the DHT's address."""
+        self._place("dht", 0)
         address = self.swarm.start_dht(*dht_args)
+        slot = 1
         for stage, count in REPLICAS.items():
             for _ in range(count):
-                self.start_server(stage)
+                self.start_server(stage, slot)
+                slot += 1
         self.swarm.wait_ready(self.live())
         return address
+
+    def start_trainer(self, name: str, shard: int, *args: str) -> None:
+        self._place(name, self.trainer_slot(shard))
+        self.swarm.start_trainer(name, *args)
 
     def live(self, stage: int | None = None) -> list[str]:
         return [
@@ -110,19 +135,19 @@ class Chaos:
         return READY_MARKER in self.swarm.processes[name].log_text()
 
     def serving(self, stage: int) -> list[str]:
-        """Live, ready and awake replicas of `stage`."""
-        return [n for n in self.live(stage) if n not in self._frozen and self.ready(n)]
+        """Live, ready, awake and connected replicas of `stage`."""
+        return [n for n in self.live(stage) if n not in self._struck and self.ready(n)]
 
     def arm(self) -> None:
         self._next_fault_s = time.monotonic() + self.fault_every_s * self.rng.uniform(0.5, 1.5)
 
     def tick(self) -> None:
         now = time.monotonic()
-        for name in [n for n, at in self._frozen.items() if at <= now]:
-            self._resume(name)
+        for name in [n for n, (at, _) in self._struck.items() if at <= now]:
+            self._undo(name)
         for due in [r for r in self._restarts if r[0] <= now]:
             self._restarts.remove(due)
-            name = self.start_server(due[1])
+            name = self.start_server(due[1], due[2])
             self._log(f"started {name} (stage {due[1]})")
         if now < self._next_fault_s:
             return
@@ -135,21 +160,32 @@ class Chaos:
         if fault == "kill":
             self.swarm.kill(victim)
             self.killed.append(victim)
-            self._restarts.append((now + self.restart_after_s, stage))
+            self._restarts.append((now + self.restart_after_s, stage, self._slot(victim)))
             self._log(f"SIGKILL {victim} (stage {stage})")
-        else:
-            frozen_s = self.rng.uniform(*STOP_S)
+            return
+        struck_s = self.rng.uniform(*STRIKE_S)
+        self._struck[victim] = (now + struck_s, fault)
+        if fault == "stop":
             os.kill(self.swarm.processes[victim].pid, signal.SIGSTOP)
-            self._frozen[victim] = now + frozen_s
             self.stopped.append(victim)
-            self._log(f"SIGSTOP {victim} (stage {stage}) for {frozen_s:.1f}s")
+            self._log(f"SIGSTOP {victim} (stage {stage}) for {struck_s:.1f}s")
+        else:
+            assert self.netbed is not None
+            self.netbed.cut(self._slot(victim))
+            self.cuts.append(victim)
+            self._log(f"cut {victim}'s link (stage {stage}) for {struck_s:.1f}s")
 
     def resume_all(self) -> None:
-        for name in list(self._frozen):
-            self._resume(name)
+        for name in list(self._struck):
+            self._undo(name)
 
-    def _resume(self, name: str) -> None:
-        del self._frozen[name]
+    def _undo(self, name: str) -> None:
+        _, kind = self._struck.pop(name)
+        if kind == "cut":
+            assert self.netbed is not None
+            self.netbed.reconnect(self._slot(name))
+            self._log(f"reconnected {name}")
+            return
         try:
             os.kill(self.swarm.processes[name].pid, signal.SIGCONT)
         except ProcessLookupError:
@@ -157,8 +193,9 @@ class Chaos:
         self._log(f"SIGCONT {name}")
 
     def crash(self) -> None:
-        """Every process of the swarm SIGKILLed, as fast as one loop can (a power cut, an OOM killer)."""
-        self._frozen.clear()  # SIGKILL ends a stopped process too
+        """Every process of the swarm SIGKILLed, as fast as one loop can (a power cut, an OOM killer);
+        cut links come back for the restart."""
+        self.resume_all()
         self._restarts.clear()
         for proc in list(self.swarm.processes.values()):
             proc.kill()
@@ -217,7 +254,7 @@ def run_half(chaos: Chaos, args, half: str, duration_s: float, crash: bool) -> d
     for shard in range(args.trainers):
         name = f"t{shard}{half}"
         extra = ["--shard", f"{shard}/{args.trainers}", "--in-flight", str(args.in_flight)]
-        swarm.start_trainer(name, *extra, "--duration-s", str(trainer_s), "--log-period-s", "10")
+        chaos.start_trainer(name, shard, *extra, "--duration-s", str(trainer_s), "--log-period-s", "10")
         names.append(name)
     chaos.arm()
     end_s = time.monotonic() + (duration_s if crash else duration_s + 300)
@@ -286,8 +323,14 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument(
         "--faults",
-        default=",".join(FAULTS),
-        help=f"comma-separated kinds of fault to draw from (default {','.join(FAULTS)})",
+        default=None,
+        help=f"comma-separated kinds of fault to draw from: kill, stop, cut (default {','.join(FAULTS)}, "
+        "and cut with --netbed)",
+    )
+    parser.add_argument(
+        "--netbed",
+        action="store_true",
+        help="run every peer in a namespace of the WAN test bed (root), which makes link cuts possible",
     )
     parser.add_argument(
         "--restart-after-s",
@@ -320,9 +363,14 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     if args.minutes <= 0 or args.fault_every_s <= 0 or args.restart_after_s < 0:
         parser.error("--minutes and --fault-every-s must be positive, --restart-after-s >= 0")
-    args.faults = tuple(f.strip() for f in args.faults.split(",") if f.strip())
-    if not args.faults or set(args.faults) - set(FAULTS):
-        parser.error(f"--faults: choose from {', '.join(FAULTS)}")
+    kinds = (*FAULTS, "cut") if args.netbed else FAULTS
+    args.faults = tuple(f.strip() for f in (args.faults or ",".join(kinds)).split(",") if f.strip())
+    if not args.faults or set(args.faults) - set(kinds):
+        parser.error(
+            f"--faults: choose from {', '.join(kinds)}" + ("" if args.netbed else " (cut needs --netbed)")
+        )
+    if args.netbed and not (ready := netbed.available())[0]:
+        parser.error(f"--netbed: the WAN test bed is not available here: {ready[1]}")
     return args
 
 
@@ -348,9 +396,10 @@ def main() -> int:
     crash = args.restart == "kill"
     dht_args = ["--identity-path", str(workdir / "dht.key"), "--port", str(free_port())]
     report: dict = {"args": vars(args), "losses": {}, "stalls": {}}
-    swarm = LocalSwarm(workdir / "peers", workdir / "run.toml")
+    bed = WanTestbed(1 + sum(REPLICAS.values()) + args.trainers).start() if args.netbed else None
+    swarm = LocalSwarm(workdir / "peers", workdir / "run.toml", netbed=bed)
     watchdog = swarm.watch_stalls(STALL_DUMP_AFTER_S)
-    chaos = Chaos(swarm, random.Random(args.seed), args.fault_every_s, args.restart_after_s, args.faults)
+    chaos = Chaos(swarm, random.Random(args.seed), args.fault_every_s, args.restart_after_s, args.faults, bed)
     codes: dict[str, int | str | None] = {}
     try:
         print(
@@ -382,12 +431,16 @@ def main() -> int:
         report["losses"]["end"] = final["val_loss"]
         survivors = set(chaos.live())
     finally:
+        chaos.resume_all()
         swarm.stop_all()
+        if bed is not None:
+            bed.close()
     report.update(
         trainer_exit_codes=codes,
         events=chaos.events,
         kills=len(chaos.killed),
         stops=len(chaos.stopped),
+        cuts=len(chaos.cuts),
         stall_dumps=[str(p) for p in watchdog.dumps],
         micro_batches=trainer_counts(swarm.workdir),
         stages=account(chaos, survivors),
@@ -431,7 +484,7 @@ def verdict(report: dict, max_stall_s: float) -> dict:
 def print_report(report: dict) -> None:
     mb, losses = report["micro_batches"], report["losses"]
     print(
-        f"\nkills: {report['kills']}, stops: {report['stops']}; micro-batches started {mb['started']}, completed {mb['completed']}, "
+        f"\nkills: {report['kills']}, stops: {report['stops']}, link cuts: {report['cuts']}; micro-batches started {mb['started']}, completed {mb['completed']}, "
         f"failed {mb['failed']}"
     )
     print("val loss: " + ", ".join(f"{k} {v:.4f}" for k, v in losses.items()))

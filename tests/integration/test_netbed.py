@@ -146,6 +146,26 @@ def test_upload_and_download_limits_hold(spawn):
         assert send_seconds(spawn, bed, 0, bed.host(1), port, size_bytes) >= 1.2  # peer 1's download
 
 
+def test_a_cut_link_drops_traffic_and_reconnect_restores_it(spawn):
+    import socket
+
+    with WanTestbed(1, up_mbit_s=None, down_mbit_s=None) as bed:
+        server, port = start_server(spawn, bed, 0, connections=1)
+        with socket.create_connection((bed.host(0), port), timeout=10) as sock:
+            bed.cut(0)
+            sock.settimeout(2.0)
+            sock.sendall(b"hello")  # into the socket buffer; it cannot reach the peer
+            sock.shutdown(socket.SHUT_WR)
+            with pytest.raises(TimeoutError):  # no answer and no reset: a hang, like a pulled cable
+                sock.recv(64)
+            with pytest.raises(OSError):
+                socket.create_connection((bed.host(0), port), timeout=2)
+            bed.reconnect(0)
+            sock.settimeout(20.0)
+            assert sock.recv(64) == b"5"  # the same connection resumes (TCP retransmits)
+        finished_output(server, timeout_s=30)
+
+
 def test_set_rate_replaces_and_removes_the_qdisc():
     with WanTestbed(1, up_mbit_s=4, down_mbit_s=None) as bed:
         ns = bed.namespace(0)

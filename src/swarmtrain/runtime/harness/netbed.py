@@ -6,8 +6,8 @@ the bridge's end limits its download. A launcher runs peer i's command inside it
 `wrap(i, argv)` and points the other peers at `host(i)`; the bridge has an address too, so the root
 namespace reaches every peer.
 
-What it emulates: per-peer upload and download bandwidth, changeable while running (`set_rate`), and
-peers on distinct IP addresses. What it cannot: latency, jitter or loss (this kernel has no `netem`),
+What it emulates: per-peer upload and download bandwidth, changeable while running (`set_rate`), a
+peer's link cut and restored (`cut`, `reconnect`), and peers on distinct IP addresses. What it cannot: latency, jitter or loss (this kernel has no `netem`),
 so a link here is narrow but as fast to answer as loopback. Needs root, `ip` and `tc` (iproute2) and
 the kernel's netns, bridge, veth and tbf support; `available()` says what is missing.
 
@@ -421,6 +421,17 @@ class WanTestbed:
         _set_egress_limit(self.namespace(i), self._peer_veth(i), up_mbit_s)
         _set_egress_limit(None, self._host_veth(i), down_mbit_s)
         self.up_mbit_s[i], self.down_mbit_s[i] = up_mbit_s, down_mbit_s
+
+    def cut(self, i: int) -> None:
+        """Cut peer i's link (its bridge-side veth down): packets to and from it are dropped, open
+        connections hang rather than reset, like a cable pulled or a partition."""
+        self._started_subnet()
+        _run(["ip", "link", "set", self._host_veth(self._index(i)), "down"])
+
+    def reconnect(self, i: int) -> None:
+        """Undo `cut(i)`: the link comes back with its limits, open connections resume if still alive."""
+        self._started_subnet()
+        _run(["ip", "link", "set", self._host_veth(self._index(i)), "up"])
 
     def names(self) -> set[str]:
         """Every namespace and root-namespace link this test bed creates."""
