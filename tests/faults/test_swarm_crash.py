@@ -13,21 +13,14 @@ from swarmtrain.data import build_datasets
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(400)]
 
 
-def _probe(make_swarm, cfg, swarm, val_set):
+def _epochs(make_swarm, cfg, swarm, val_set=None):
+    """Each stage's replicas' steps, and the validation loss through the swarm when `val_set` is given."""
     probe = make_swarm.probe(cfg, swarm)
     probe.wait_for_peers([1, 1])
-    loss = probe.run(probe.trainer.evaluate(val_set, 256), timeout_s=120)
+    loss = None if val_set is None else probe.run(probe.trainer.evaluate(val_set, 256), timeout_s=120)
     epochs = {s: [probe.info(p).header["epoch"] for p in probe.peers(s)] for s in (0, 1)}
     probe.close()
-    return loss, epochs
-
-
-def _epochs(make_swarm, cfg, swarm):
-    probe = make_swarm.probe(cfg, swarm)
-    probe.wait_for_peers([1, 1])
-    epochs = {s: [probe.info(p).header["epoch"] for p in probe.peers(s)] for s in (0, 1)}
-    probe.close()
-    return epochs
+    return epochs, loss
 
 
 def test_a_crashed_swarm_restarts_at_one_step_when_its_checkpoints_differ(make_swarm, tmp_path):
@@ -44,7 +37,7 @@ def test_a_crashed_swarm_restarts_at_one_step_when_its_checkpoints_differ(make_s
     swarm.start_trainer("trainer", "--max-samples", "1024", "--in-flight", "4")
     assert swarm.wait_exit("trainer", 300) == 0, swarm.processes["trainer"].log_text()[-3000:]
     _, val_set = build_datasets(cfg)
-    loss_before, epochs = _probe(make_swarm, cfg, swarm, val_set)
+    epochs, loss_before = _epochs(make_swarm, cfg, swarm, val_set)
     assert epochs == {0: [32], 1: [32]}
 
     for proc in list(swarm.processes.values()):
@@ -58,13 +51,13 @@ def test_a_crashed_swarm_restarts_at_one_step_when_its_checkpoints_differ(make_s
     swarm.start_server("s1new", 1)
     swarm.wait_ready(["s1new"])
     deadline = time.monotonic() + 60
-    while (epochs := _epochs(make_swarm, cfg, swarm)) != {0: [30], 1: [30]}:
+    while (epochs := _epochs(make_swarm, cfg, swarm)[0]) != {0: [30], 1: [30]}:
         assert time.monotonic() < deadline, f"the stages did not agree on a step: {epochs}"
         time.sleep(1.0)
-    loss_after, _ = _probe(make_swarm, cfg, swarm, val_set)
+    _, loss_after = _epochs(make_swarm, cfg, swarm, val_set)
     print(f"val loss {loss_before:.4f} before the crash, {loss_after:.4f} after (stage 0 lost 10 steps)")
     assert loss_after < 1.1 * loss_before  # stage 0's updates of steps 20-29 are lost, nothing else
 
     swarm.start_trainer("trainer2", "--max-samples", "256", "--in-flight", "4")
     assert swarm.wait_exit("trainer2", 300) == 0, swarm.processes["trainer2"].log_text()[-3000:]
-    assert _epochs(make_swarm, cfg, swarm) == {0: [38], 1: [38]}
+    assert _epochs(make_swarm, cfg, swarm)[0] == {0: [38], 1: [38]}
