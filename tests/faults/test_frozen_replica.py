@@ -1,9 +1,10 @@
 """A frozen replica must not stall the swarm (issue 23). SIGSTOP one of two stage-0 replicas for 20 s
-with the default request timeout (30 s): before, the whole swarm completed nothing for the 20 s. Now the
-trainer waits for a peer only as long as its usual call time allows (planner/deadlines.py, 5 s at
-least), bans it until it announces itself again, and routes the step's micro-batches to the other
-replica, so micro-batches keep completing while the replica is frozen. What the frozen replica may
-hold is retried without accumulating: every stage still applies each micro-batch at most once."""
+with the default request timeout (30 s): before any of this, the whole swarm completed nothing for the
+20 s. Now a chain that runs past its stage-0 peer's usual time makes the trainer ping the route's peers
+(answered by their event loops at once, however busy); the silent one is banned and the chain is hedged
+on the other replica, first answer wins (runtime/trainer/hedging.py). The hedge accumulates nothing, so
+every stage still applies each micro-batch at most once; the thawed replica catches up and ends with the
+same parameters as the other."""
 
 import json
 import os
@@ -11,6 +12,7 @@ import signal
 import time
 
 import pytest
+import torch
 
 from swarm_fixtures import TWO_REPLICAS_OF_STAGE_0, start_servers
 from swarmtrain.runtime.harness.accounting import account_stage
@@ -18,16 +20,17 @@ from swarmtrain.runtime.ledger import read_ledger
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(400)]
 
-MICRO_BATCHES = 400
+MICRO_BATCHES = 100_000  # more than the test runs: the trainer is stopped after the thaw
 FROZEN_S = 20.0
+AFTER_THAW_S = 5.0
 
 
 def _done_times(swarm) -> list[float]:
     return [e["t"] for e in read_ledger(swarm.ledger_path("trainer")) if e["e"] == "done"]
 
 
-def test_a_frozen_replica_is_given_up_on_and_the_swarm_keeps_completing_micro_batches(make_swarm):
-    swarm, cfg = make_swarm("tiny", {"swarm": {"request_timeout_s": 30.0, "averaging_timeout_s": 5.0}})
+def test_a_frozen_replica_is_hedged_around_and_the_swarm_keeps_completing_micro_batches(make_swarm):
+    swarm, cfg = make_swarm("tiny", {"swarm": {"request_timeout_s": 30.0, "averaging_timeout_s": 30.0}})
     servers = TWO_REPLICAS_OF_STAGE_0
     start_servers(swarm, servers)
     samples = MICRO_BATCHES * cfg.training.micro_batch_size
@@ -44,22 +47,31 @@ def test_a_frozen_replica_is_given_up_on_and_the_swarm_keeps_completing_micro_ba
         time.sleep(FROZEN_S)
     finally:
         os.kill(frozen.pid, signal.SIGCONT)
-    during = [t for t in _done_times(swarm) if frozen_at <= t <= frozen_at + FROZEN_S]
-    per_step = cfg.training.global_batch_size // cfg.training.micro_batch_size
+    thawed_at = time.time()
+    time.sleep(AFTER_THAW_S)
+    assert trainer.alive, trainer.log_text()[-3000:]
+    os.kill(trainer.pid, signal.SIGTERM)  # stops at once; the step in progress is closed short
+    assert swarm.wait_exit("trainer", 120) == 0, trainer.log_text()[-3000:]
 
-    assert swarm.wait_exit("trainer", 300) == 0, trainer.log_text()[-3000:]
+    during = [t for t in _done_times(swarm) if frozen_at <= t <= thawed_at]
+    edges = [frozen_at, *during, thawed_at]
+    longest_gap_s = max(b - a for a, b in zip(edges, edges[1:], strict=False))
     summary = json.loads((swarm.workdir / "trainer.summary.json").read_text())
-    edges = [frozen_at, *during, frozen_at + FROZEN_S]
-    gaps = [b - a for a, b in zip(edges, edges[1:], strict=False)]
     print(
         f"{len(during)} micro-batches completed while s0b was frozen for {FROZEN_S:.0f} s; longest gap "
-        f"without a completion then {max(gaps):.1f} s; timeouts {summary['timeouts']}, "
+        f"without a completion then {longest_gap_s:.1f} s; frozen peers found {summary['frozen_peers']}, "
+        f"hedges {summary['hedges']} (won {summary['hedges_won']}), timeouts {summary['timeouts']}, "
         f"retries without accumulating {summary['retries_not_accumulated']}"
     )
-    # the swarm made progress while a replica was frozen: at least 3 steps' worth of micro-batches
-    assert len(during) >= 3 * per_step, (len(during), trainer.log_text()[-3000:])
-    assert summary["timeouts"] >= 1 and summary["microbatches_failed"] == 0
-    assert summary["microbatches_completed"] == MICRO_BATCHES
+    # the frozen replica was found by a ping and its micro-batches finished on the other one, long
+    # before any deadline: no call waited for a timeout
+    assert summary["frozen_peers"] >= 1 and summary["hedges_won"] >= 1, summary
+    assert summary["timeouts"] == 0 and summary["microbatches_failed"] == 0, summary
+    assert summary["microbatches_completed"] == summary["microbatches_started"], summary
+    # the swarm did not wait out the freeze (the figure itself is in the printed line: no timing
+    # bound is asserted on this shared machine beyond half the freeze)
+    assert longest_gap_s < FROZEN_S / 2, longest_gap_s
+
     completed = {e["mb"] for e in read_ledger(swarm.ledger_path("trainer")) if e["e"] == "done"}
     for stage in (0, 1):
         ledgers = {n: read_ledger(swarm.ledger_path(n)) for n, s in servers.items() if s == stage}
@@ -67,3 +79,19 @@ def test_a_frozen_replica_is_given_up_on_and_the_swarm_keeps_completing_micro_ba
         print(f"stage {stage}: {account.summary()}")
         assert not account.double_applied, account.summary()
         assert account.balanced, account.summary()
+    _assert_replicas_equal(make_swarm.probe(cfg, swarm))
+
+
+def _assert_replicas_equal(probe, timeout_s: float = 60.0) -> None:
+    """The thawed replica caught up: both stage-0 replicas at the same step with the same parameters."""
+    probe.wait_for_peers([2, 1])
+    deadline = time.monotonic() + timeout_s
+    while True:
+        a, b = (probe.info(peer, want="params") for peer in probe.peers(0))
+        if a.header["epoch"] == b.header["epoch"] or time.monotonic() > deadline:
+            break
+        time.sleep(1.0)
+    print(f"stage-0 replicas at steps {a.header['epoch']} and {b.header['epoch']}")
+    assert a.header["epoch"] == b.header["epoch"], (a.header, b.header)
+    for name in a.tensors:
+        torch.testing.assert_close(a.tensor(name), b.tensor(name), rtol=1e-5, atol=1e-6, msg=name)

@@ -4,11 +4,17 @@ generous multiple of it, never below the floor nor above the request timeout."""
 import pytest
 
 from swarmtrain.planner.deadlines import (
+    CHECK_FLOOR_S,
+    CHECK_RATIO,
     DEADLINE_FLOOR_S,
     DEADLINE_RATIO,
     MIN_CALLS,
+    PING_TIMEOUT_FLOOR_S,
+    UNMEASURED_CHECK_S,
     CallTimes,
+    check_after_s,
     deadline_s,
+    ping_timeout_s,
 )
 
 pytestmark = pytest.mark.unit
@@ -50,3 +56,23 @@ def test_a_peer_with_a_wide_spread_gets_room_for_it():
 def test_the_estimate_follows_a_peer_that_slows_down():
     times = _times(*[0.1] * 20, *[3.0] * 30)
     assert times.mean_s > 2.5 and deadline_s(times, CAP_S) > 10.0
+
+
+def test_a_silent_call_is_checked_on_long_before_its_deadline():
+    assert check_after_s(None, CAP_S) == UNMEASURED_CHECK_S
+    fast, slow = _times(*[0.1] * MIN_CALLS), _times(*[2.0] * 50)
+    assert check_after_s(fast, CAP_S) == CHECK_FLOOR_S < deadline_s(fast, CAP_S)
+    assert check_after_s(slow, CAP_S) == pytest.approx(CHECK_RATIO * 2.0)
+    assert check_after_s(slow, CAP_S) < deadline_s(slow, CAP_S)
+    assert check_after_s(slow, 1.0) == 1.0  # never more than the request timeout
+
+
+def test_a_noisy_peer_is_checked_on_later():
+    noisy = _times(*[0.1, 1.1] * 20)
+    assert check_after_s(noisy, CAP_S) > CHECK_RATIO * noisy.mean_s
+
+
+def test_a_ping_gets_at_least_as_long_as_the_peers_usual_call():
+    assert ping_timeout_s(None) == PING_TIMEOUT_FLOOR_S
+    assert ping_timeout_s(_times(*[0.1] * 10)) == PING_TIMEOUT_FLOOR_S
+    assert ping_timeout_s(_times(*[3.0] * 10)) == pytest.approx(3.0)

@@ -297,3 +297,116 @@ def test_a_timeout_at_a_peers_own_deadline_bans_it_as_frozen(monkeypatch):
     client.failures.append(TimeoutError())
     assert _call(caller, prefer=A)[1] == B
     assert client.timeouts_s[-2] == 1.5 and table.is_banned(A) and caller.timeouts == 1
+
+
+# frozen peers: pinged, banned, hedged (runtime/trainer/hedging.py) --------------------------------------
+D = PeerID(bytes([0x12, 0x20]) + bytes([4]) * 32).to_base58()
+
+
+class FreezableClient(ScriptedClient):
+    """Peers in `frozen` answer nothing (calls and pings wait out their timeout), nor does a chain whose
+    next hop is frozen; `slow` peers answer calls after `slow_s`, pings at once."""
+
+    def __init__(self, frozen=(), slow=(), slow_s=0.0, reply=None):
+        super().__init__(reply=reply)
+        self.frozen, self.slow, self.slow_s = set(frozen), set(slow), slow_s
+
+    async def call(self, peer_id, kind, message, timeout_s):
+        peer = str(peer_id)
+        self.calls.append((peer, kind, message.header.get("accumulate")))
+        self.messages.append(message)
+        waits_on_frozen = kind == "chain" and message.header["route"][0][0] in self.frozen
+        if peer in self.frozen or waits_on_frozen:
+            await asyncio.sleep(timeout_s)
+            raise TimeoutError()
+        if kind == "ping":
+            return Message("result", {"epoch": 0})
+        if peer in self.slow:
+            await asyncio.sleep(self.slow_s)
+        return self.reply(peer, message)
+
+
+def _acc_reply(peer, message):
+    return Message("result", {"acc": 8 if message.header.get("accumulate", True) else 0})
+
+
+def _routed_chain_reply(peer, message):
+    """Stage 0 (`peer`) and the route's first stage-1 peer accumulated if their flags asked."""
+    flags = [message.header["accumulate"], *message.header["accumulate_after"]]
+    peers = (peer, message.header["route"][0][0])
+    hops = [
+        {"stage": s, "peer": p, "acc": 8 if f else 0, "server_s": 0.1, "compute_s": 0.1, "step_wait_s": 0}
+        for s, (p, f) in enumerate(zip(peers, flags, strict=True))
+    ]
+    return Message("result", {"loss": 1.5, "hops": hops})
+
+
+@pytest.fixture
+def quick_checks(monkeypatch):
+    """Ping a silent call's peers after 50 ms, and give a ping 50 ms."""
+    from swarmtrain.planner import deadlines
+
+    monkeypatch.setattr(deadlines, "UNMEASURED_CHECK_S", 0.05)
+    monkeypatch.setattr(deadlines, "PING_TIMEOUT_FLOOR_S", 0.05)
+
+
+def test_a_frozen_peer_is_banned_and_its_call_hedged_on_another_replica_without_accumulating(quick_checks):
+    table, client = SpyTable([[A, B]]), FreezableClient(frozen={A}, reply=_acc_reply)
+    caller = _caller(client, table)
+    reply, answered_by = _call(caller, "backward", prefer=A)
+    assert answered_by == B and reply.header["acc"] == 0  # the copy accumulated nothing
+    assert client.calls == [(A, "backward", None), (A, "ping", None), (B, "backward", False)]
+    assert table.is_banned(A) and table.bans == [(0, A)]
+    assert (caller.frozen, caller.hedges, caller.hedges_won, caller.timeouts, caller.retries) == (1, 1, 1, 0, 0)
+    assert table.reports == []  # a hedge's time measures nobody's usual time
+
+
+def test_a_hedged_forward_is_an_ordinary_copy(quick_checks):
+    table, client = SpyTable([[A, B]]), FreezableClient(frozen={A}, reply=_acc_reply)
+    _, answered_by = _call(_caller(client, table), "forward", prefer=A)
+    assert answered_by == B and client.calls[-1] == (B, "forward", None)
+
+
+def test_a_busy_peer_that_answers_pings_is_waited_for_and_never_hedged(quick_checks):
+    table, client = SpyTable([[A, B]]), FreezableClient(slow={A}, slow_s=0.3, reply=_acc_reply)
+    caller = _caller(client, table)
+    reply, answered_by = _call(caller, "backward", prefer=A)
+    assert answered_by == A and reply.header["acc"] == 8
+    pings = [c for c in client.calls if c[1] == "ping"]
+    assert len(pings) >= 2 and {c[0] for c in pings} == {A}
+    assert not table.bans and (caller.frozen, caller.hedges) == (0, 0)
+
+
+def _hedged_chain(client, table):
+    caller = _caller(client, table)
+    tokens = codec.encode(torch.zeros(2, 4, dtype=torch.int64), "none")
+    chains = ChainCaller(caller, num_stages=2, digest="d", codec="none")
+    loss, hops = asyncio.run(chains.run("t.0-1", 0, 8, tokens, tokens))
+    return caller, loss, hops
+
+
+def _chain_flags(client):
+    return [
+        (m.header["accumulate"], *m.header["accumulate_after"]) for m in client.messages if m.kind == "chain"
+    ]
+
+
+def test_a_chain_whose_stage_0_peer_is_frozen_is_hedged_on_the_other_accumulating_nothing(quick_checks):
+    table, client = SpyTable([[A, B], [C]]), FreezableClient(frozen={A}, reply=_routed_chain_reply)
+    caller, loss, hops = _hedged_chain(client, table)
+    assert loss == 1.5 and [(h.peer, h.acc) for h in hops] == [(B, 0), (C, 0)]
+    assert _chain_flags(client) == [(True, True), (False, False)]
+    pinged = {c[0] for c in client.calls if c[1] == "ping"}
+    assert pinged == {A, C} and table.bans == [(0, A)]
+    assert (caller.frozen, caller.hedges, caller.hedges_won, caller.timeouts) == (1, 1, 1, 0)
+
+
+def test_a_chain_waiting_on_a_frozen_later_stage_is_hedged_on_a_route_around_it(quick_checks):
+    table = SpyTable([[A], [C, D]])
+    client = FreezableClient(frozen={C}, reply=_routed_chain_reply)
+    table.choose(1, 8, 1e6, exclude={C})  # D charged a lot: the first route goes through C
+    _, loss, hops = _hedged_chain(client, table)
+    first, copy = [m for m in client.messages if m.kind == "chain"]
+    assert first.header["route"][0][0] == C and copy.header["route"] == [[D]]
+    assert [(h.peer, h.acc) for h in hops] == [(A, 0), (D, 0)]  # the live stage-0 peer carried the copy
+    assert table.bans == [(1, C)] and not table.is_banned(A)

@@ -124,6 +124,57 @@ def test_an_unreachable_member_is_not_waited_for(tiny_cfg, micro_batches, start_
     asyncio.run(scenario())
 
 
+def _pinged(frozen: set[str], pings: list[str]):
+    async def alive(peer: str) -> bool:
+        pings.append(peer)
+        return peer not in frozen
+
+    return alive
+
+
+def test_a_frozen_member_is_pinged_and_left_out(tiny_cfg, micro_batches, start_compute):
+    """B is named in the close but frozen (no sums, no connection error): A pings it once its sums are
+    late and steps without it, long before the 60 s exchange timeout (the test's wait is 10 s)."""
+
+    async def scenario():
+        net, pings = Net(), []
+        settings = StepSettings(close_timeout_s=5.0, exchange_timeout_s=60.0, poll_s=0.05, probe_after_s=0.05)
+        nodes = await _replicas(tiny_cfg, ["A", "B"], net, start_compute, settings)
+        nodes["A"].alive = _pinged({"B"}, pings)
+        _train(nodes["A"].worker, micro_batches[:2])
+        task = asyncio.create_task(nodes["A"].run())
+        _close(nodes, 0, {"A": 16, "B": 16}, to=["A"])
+        await _until(lambda: nodes["A"].counters.steps == 1)
+        task.cancel()
+        assert pings == ["B"]
+        assert nodes["A"].counters.partial_exchanges == 1 and nodes["A"].worker.samples_seen == 16
+
+    asyncio.run(scenario())
+
+
+def test_a_slow_member_that_answers_pings_is_waited_for(tiny_cfg, micro_batches, start_compute):
+    async def scenario():
+        net, pings = Net(), []
+        settings = StepSettings(close_timeout_s=5.0, exchange_timeout_s=60.0, poll_s=0.05, probe_after_s=0.05)
+        nodes = await _replicas(tiny_cfg, ["A", "B"], net, start_compute, settings)
+        nodes["A"].alive = _pinged(set(), pings)
+        _train(nodes["A"].worker, micro_batches[:2])
+        _train(nodes["B"].worker, micro_batches[2:], prefix="b")
+        task = asyncio.create_task(nodes["A"].run())
+        _close(nodes, 0, {"A": 16, "B": 16}, to=["A"])
+        await _until(lambda: len(pings) >= 3)  # B is late and keeps answering
+        assert nodes["A"].counters.steps == 0
+        _close(nodes, 0, {"A": 16, "B": 16}, to=["B"])
+        b = asyncio.create_task(nodes["B"].run())
+        await _until(lambda: nodes["A"].counters.steps == 1)
+        task.cancel()
+        b.cancel()
+        assert nodes["A"].counters.partial_exchanges == 0 and nodes["A"].worker.samples_seen == 32
+        assert set(pings) == {"B"}
+
+    asyncio.run(scenario())
+
+
 def test_a_step_is_closing_only_once_a_close_or_gradients_arrived(tiny_cfg, start_compute):
     """The step loop waits on an empty entry for the current step; that alone is not "closing" (a
     restored replica held back by it never adopted the other stages' step after a whole-swarm crash)."""

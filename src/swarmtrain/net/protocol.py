@@ -52,10 +52,23 @@ MAX_ABS_VALUE = 1e6
 # counters and state for probes and monitors; step_means: a stage replica that missed a step asks a
 # peer for the mean gradients it applied; round_mean: a whole-model replica asks a member of its last
 # outer round for that round's mean (to fill what a partial all-reduce left out)
-# chain: a micro-batch handed from server to server along a route (net/hand_off.py)
+# chain: a micro-batch handed from server to server along a route (net/hand_off.py); ping: is the
+# server's event loop alive (answered there at once, never queued behind the compute thread), which tells
+# a frozen peer (SIGSTOP, a partition: its sockets stay open, nothing answers) from a busy one
 MICRO_BATCH_KINDS = ("forward", "backward", "forward_backward", "evaluate")
 TRAINING_KINDS = ("forward", "backward", "forward_backward", "chain")  # micro-batch requests that train
-KINDS = (*MICRO_BATCH_KINDS, "chain", "close", "grads", "info", "step_means", "round_mean", "result", "error")
+KINDS = (
+    *MICRO_BATCH_KINDS,
+    "chain",
+    "close",
+    "grads",
+    "info",
+    "ping",
+    "step_means",
+    "round_mean",
+    "result",
+    "error",
+)
 MAX_STEP = 2**53
 _LEN = struct.Struct("<I")
 
@@ -111,6 +124,10 @@ def request_message(
     }
     header = {"mb": micro_batch_id, "stage": stage, "digest": digest, "codec": codec_name, **extra}
     return Message(kind, header, encoded)
+
+
+def ping_message(stage: int, digest: str) -> Message:
+    return Message("ping", {"stage": stage, "digest": digest})
 
 
 def error_message(text: str, code: str = "bad_request") -> Message:

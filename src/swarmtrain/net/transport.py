@@ -39,7 +39,7 @@ STREAM_KINDS = (
     "step_means",
     "round_mean",
 )
-UNARY_KINDS = ("info", "close")
+UNARY_KINDS = ("info", "ping", "close")
 MAX_REPLY_BYTES = 1 << 30
 MAX_DRAIN_S = 30.0  # how long an oversized upload is read (and dropped) so its sender gets the answer
 
@@ -159,9 +159,10 @@ def _is_complete(data: bytes) -> bool:
 
 
 class StageServicer(ServicerBase):
-    """Registers `rpc_forward`, `rpc_backward`, `rpc_forward_backward`, `rpc_evaluate`, `rpc_chain`, `rpc_grads`,
-    `rpc_step_means`, `rpc_round_mean` (streams) and `rpc_info`, `rpc_close` (unary: small messages) under a namespace; one RPC per
-    message kind, and a message of another kind sent to it is refused."""
+    """Registers `rpc_forward`, `rpc_backward`, `rpc_forward_backward`, `rpc_evaluate`, `rpc_chain`,
+    `rpc_grads`, `rpc_step_means`, `rpc_round_mean` (streams) and `rpc_info`, `rpc_ping`, `rpc_close`
+    (unary: small messages) under a namespace; one RPC per message kind, and a message of another kind
+    sent to it is refused."""
 
     def __init__(
         self,
@@ -227,6 +228,12 @@ class StageServicer(ServicerBase):
         self, request: runtime_pb2.ExpertRequest, context: P2PContext
     ) -> runtime_pb2.ExpertResponse:
         reply = await self._answer("info", request.metadata, context)
+        return runtime_pb2.ExpertResponse(metadata=pack(reply))
+
+    async def rpc_ping(
+        self, request: runtime_pb2.ExpertRequest, context: P2PContext
+    ) -> runtime_pb2.ExpertResponse:
+        reply = await self._answer("ping", request.metadata, context)
         return runtime_pb2.ExpertResponse(metadata=pack(reply))
 
     async def rpc_close(

@@ -12,6 +12,13 @@ few seconds (never less than `DEADLINE_FLOOR_S`, never more than the request tim
 The estimate is an exponentially weighted mean and variance of the whole call time (queueing for the
 previous step's parameters included: it is part of what a call normally takes). Until `MIN_CALLS`
 calls were measured the request timeout applies.
+
+Long before that deadline a caller asks a peer that is past its usual time whether it is alive
+(`check_after_s`): a `ping` its event loop answers at once however busy its compute thread is
+(`ping_timeout_s`). A silent peer is frozen: the call is hedged on another replica
+(runtime/trainer/hedging.py). A peer that answers the ping is only slow (a long step wait, a busy
+core) and is waited for, so a noisy machine costs no work; that is why the check can come this early
+while the deadline keeps its generous floor.
 """
 
 from __future__ import annotations
@@ -23,6 +30,13 @@ MIN_CALLS = 8
 DEADLINE_FLOOR_S = 5.0  # a short hiccup (GC, a busy core, a step's exchange) is never taken for a freeze
 DEADLINE_RATIO = 4.0  # x the mean call time
 DEADLINE_SPREAD = 6.0  # standard deviations above the mean
+CHECK_FLOOR_S = 0.5  # the earliest a silent call makes us ping its peer
+CHECK_RATIO = 2.0  # x the mean call time
+CHECK_SPREAD = 3.0  # standard deviations above the mean
+UNMEASURED_CHECK_S = 1.0  # before MIN_CALLS calls were measured
+# a ping is a few milliseconds on a LAN; on a slow link it may queue behind a transfer on the same
+# connection, so it is given at least as long as the peer's usual call
+PING_TIMEOUT_FLOOR_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -49,3 +63,17 @@ def deadline_s(times: CallTimes | None, cap_s: float) -> float:
         return cap_s
     usual_s = max(DEADLINE_RATIO * times.mean_s, times.mean_s + DEADLINE_SPREAD * times.var_s2**0.5)
     return min(cap_s, max(DEADLINE_FLOOR_S, usual_s))
+
+
+def check_after_s(times: CallTimes | None, cap_s: float) -> float:
+    """How long a call to this peer runs before we ask whether the peer is alive (and again every as
+    long while it runs): max(floor, ratio x mean, mean + spread x std), at most `cap_s`."""
+    if times is None or times.calls < MIN_CALLS:
+        return min(cap_s, UNMEASURED_CHECK_S)
+    usual_s = max(CHECK_RATIO * times.mean_s, times.mean_s + CHECK_SPREAD * times.var_s2**0.5)
+    return min(cap_s, max(CHECK_FLOOR_S, usual_s))
+
+
+def ping_timeout_s(times: CallTimes | None) -> float:
+    """How long a peer's event loop may take to answer a ping before the peer is taken for frozen."""
+    return max(PING_TIMEOUT_FLOOR_S, times.mean_s if times is not None else 0.0)

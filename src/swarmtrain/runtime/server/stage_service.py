@@ -170,7 +170,8 @@ class StageService:
         )
         self._param_shapes = [tuple(p.shape) for p in self.worker.params]
         self.compute = ComputeWorker(
-            busy_clock=partial(busy_clock_s, options.compute.device), max_batch_tokens=options.max_batch_tokens
+            busy_clock=partial(busy_clock_s, options.compute.device),
+            max_batch_tokens=options.max_batch_tokens,
         )
         self.capacity = CapacityMeter(
             self._start_samples_per_s or self._measure_throughput(),
@@ -204,6 +205,7 @@ class StageService:
             node.ledger,
             on_step=self._step_applied,
             loop=node.loop,
+            alive=self._answers_ping,
         )
         self.sync = self._make_synchronizer()
         undo.callback(self.sync.stop)
@@ -212,6 +214,7 @@ class StageService:
         self.sync.join()
         self.handlers: dict[str, Handler] = {
             "info": self._on_info,
+            "ping": self._on_ping,
             "close": self._on_close,
             "grads": self._on_grads,
             "step_means": self._on_step_means,
@@ -402,6 +405,11 @@ class StageService:
     async def _on_info(self, message: Message, _context) -> Message:
         return await self.compute.run(lambda: self._info(message), PRIORITY_SYNC)
 
+    async def _on_ping(self, _message: Message, _context) -> Message:
+        """Answered on the event loop, never behind the compute thread: a busy server answers at once,
+        a frozen one not at all (callers tell the two apart with it)."""
+        return Message("result", {"epoch": self.worker.epoch})
+
     async def _on_close(self, message: Message, _context) -> Message:
         self.steps.on_close(**validate_close(message, self.spec.index, self.digest))
         return Message("result", {"ok": True})
@@ -423,6 +431,26 @@ class StageService:
         if means is None or not all_finite(means):
             return Message("result", {**header, "empty": True})  # skipped alike on every replica
         return make_message("result", header, dict(zip(self.worker.names, means, strict=True)), "none")
+
+    async def _answers_ping(self, peer: str) -> bool:
+        """Does a stage peer's event loop answer at once (planner/deadlines.py's ping floor)? A frozen
+        peer does not; a busy one does."""
+        from hivemind.p2p import PeerID
+
+        from swarmtrain.net.protocol import ping_message
+        from swarmtrain.net.transport import RemoteError
+        from swarmtrain.planner.deadlines import PING_TIMEOUT_FLOOR_S
+
+        if self._transport is None:
+            return True  # not serving yet: nobody to ask with, wait as before
+        message = ping_message(self.spec.index, self.digest)
+        try:
+            await self._transport.client.call(PeerID.from_base58(peer), "ping", message, PING_TIMEOUT_FLOOR_S)
+        except RemoteError:
+            return True  # an error answer is an answer
+        except Exception:
+            return False
+        return True
 
     async def _send_grads(self, peer: str, step: int, samples: int, sums: list[torch.Tensor]) -> bool:
         """One replica's gradient sums of a step to a stage peer; False if the peer is gone."""
@@ -694,4 +722,3 @@ class StageService:
 
 def _leaving_answer() -> Message:
     return error_message("this replica is leaving the stage; try another", "unavailable")
-

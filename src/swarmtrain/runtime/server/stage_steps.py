@@ -12,7 +12,10 @@ divides by their samples and applies the optimizer step. All replicas therefore 
 gradient of exactly the step's samples. Only the listed members count, so every replica sums the
 same set; a member that cannot be reached (connection error) or whose sums do not come within
 `exchange_timeout_s` is left out, which can make replicas differ: the fingerprint check in
-runtime/server/stage_sync.py then resyncs the one with the larger id.
+runtime/server/stage_sync.py then resyncs the one with the larger id. A member that is frozen (SIGSTOP, a
+partition: nothing answers, no connection error) is not waited for that long: once its sums are
+`probe_after_s` late, a ping its event loop would answer at once (`alive`) tells it from a slow one, and
+a silent member is left out like an unreachable one.
 
 Why not hivemind's `DecentralizedAverager` for this: its matchmaking took 0.2-1.2 s per round on
 this machine (DHT-based group formation with a minimum matchmaking time), several times longer
@@ -44,6 +47,7 @@ logger = get_logger(__name__)
 # (peer, step, samples, gradient sums) -> False when the peer is unreachable (gone)
 GradSender = Callable[[str, int, int, list[torch.Tensor]], Awaitable[bool]]
 OnStep = Callable[[int, list[float] | None], None]  # (epoch, parameter fingerprint or None)
+Alive = Callable[[str], Awaitable[bool]]  # does this peer's event loop answer a ping?
 KEEP_STEPS_AHEAD = 4  # closes/grads this far ahead are kept; a replica further behind resyncs
 # The mean gradients of recent steps are kept for replicas that missed them (`replay`): at least
 # `KEPT_STEP_MEANS` steps, more while they fit in `KEPT_MEANS_BYTES`. Three were too few for a moved
@@ -60,6 +64,10 @@ class StepSettings:
     close_timeout_s: float = 10.0
     exchange_timeout_s: float = 30.0
     poll_s: float = 0.5  # how often a waiting step re-checks for a resync that moved the epoch
+    # a member's sums this late: ping it (a frozen member is left out instead of waited for); an honest
+    # exchange takes ~10 ms on a LAN and a few seconds for a big stage over a slow link, but a slow
+    # member still answers a ping, so this only decides how soon a frozen one is noticed
+    probe_after_s: float = 1.0
 
 
 @dataclass
@@ -104,11 +112,13 @@ class StepCoordinator:
         ledger: Ledger | None = None,
         on_step: OnStep | None = None,
         loop: asyncio.AbstractEventLoop | None = None,
+        alive: Alive | None = None,
     ) -> None:
         self.worker, self.compute, self.peer_id = worker, compute, peer_id
         self.send_grads, self.settings = send_grads, settings
         self.ledger = ledger or Ledger(None)
         self.on_step = on_step  # after every step (applied or skipped) with the new parameters' fingerprint
+        self.alive = alive  # None: late members are waited for until exchange_timeout_s
         self.counters = StepCounters()
         self.pending: dict[int, PendingStep] = {}
         # the mean gradients of the last steps applied here, for replicas that missed them (`replay`)
@@ -269,11 +279,7 @@ class StepCoordinator:
             self.counters.unconfirmed_samples += bucket.samples
             self.ledger.write("lost", mbs=bucket.micro_batch_ids, n=bucket.samples, reason="unconfirmed")
         others = listed - {self.peer_id}
-        complete = await self._wait(
-            step,
-            lambda s: others <= set(s.received) | s.unreachable,
-            self.settings.exchange_timeout_s,
-        )
+        complete = await self._wait_for_sums(state, others)
         if self.worker.epoch != step:
             return  # a resync moved us on meanwhile
         contributions = {p: state.received[p] for p in others if p in state.received}
@@ -301,9 +307,7 @@ class StepCoordinator:
         samples, delta = await self._on_compute(self.worker.pseudo_gradient)
         await self._send(state, samples, delta)
         others = (state.participants | set(state.members)) - {self.peer_id}
-        complete = await self._wait(
-            step, lambda s: others <= set(s.received) | s.unreachable, self.settings.exchange_timeout_s
-        )
+        complete = await self._wait_for_sums(state, others)
         if self.worker.epoch != step:
             return  # a resync moved us on meanwhile
         contributions = {p: state.received[p] for p in sorted(others) if p in state.received}
@@ -327,6 +331,33 @@ class StepCoordinator:
         self.ledger.write("sync", step=step, group={p: n for p, (n, _) in contributions.items()})
         if self.on_step is not None:
             self.on_step(step + 1, fingerprint)
+
+    async def _wait_for_sums(self, state: PendingStep, others: set[str]) -> bool:
+        """Until every one of `others` sent its sums or is left out (unreachable, or silent when pinged);
+        False if the epoch moved or `exchange_timeout_s` passed."""
+        prober = asyncio.create_task(self._probe_late(state, others)) if self.alive is not None else None
+        try:
+            return await self._wait(
+                state.step,
+                lambda s: others <= set(s.received) | s.unreachable,
+                self.settings.exchange_timeout_s,
+            )
+        finally:
+            if prober is not None:
+                prober.cancel()
+
+    async def _probe_late(self, state: PendingStep, others: set[str]) -> None:
+        """Every `probe_after_s`, ping the members whose sums have not come: a silent one is left out."""
+        assert self.alive is not None
+        while True:
+            await asyncio.sleep(self.settings.probe_after_s)
+            late = sorted(others - set(state.received) - state.unreachable)
+            answers = await asyncio.gather(*(self.alive(peer) for peer in late))
+            silent = [peer for peer, ok in zip(late, answers, strict=True) if not ok]
+            if silent:
+                logger.warning("step %d: %s do not answer a ping; stepping without them", state.step, silent)
+                state.unreachable.update(silent)
+                state.changed.set()
 
     async def _send(self, state: PendingStep, samples: int, sums: list[torch.Tensor]) -> None:
         """Send our sums to every other participant in the background: the step waits for the other

@@ -7,7 +7,9 @@ uses too): the failed call's outcome says which stages may have applied the micr
 (`flags_after`), the retry asks those not to accumulate again, and while any stage may hold it the
 retry is persistent (giving up would leave the stages disagreeing on the step's batch), as the relayed
 path's backward is. A stage-0 peer that is gone (or answers `digest_mismatch`) is banned; a chain whose
-later hop failed is retried on a new route.
+later hop failed is retried on a new route. A chain that runs past its stage-0 peer's usual time makes
+the trainer ping every first-choice peer of its route; when one is silent (frozen), it is banned and the
+chain is hedged on a new route that accumulates nothing, first answer wins (runtime/trainer/hedging.py).
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ from hivemind.p2p import PeerID
 from swarmtrain.net.codec import EncodedTensor
 from swarmtrain.net.failures import FailureAction, Outcome, flags_after, on_request_failure
 from swarmtrain.net.hand_off import HopReport, chain_message, hop_service_times, validate_hops
-from swarmtrain.net.protocol import ProtocolError
+from swarmtrain.net.protocol import Message, ProtocolError
+from swarmtrain.planner.deadlines import check_after_s, ping_timeout_s
 from swarmtrain.planner.routing import BACKWARD_WEIGHT, FORWARD_CHARGE, FORWARD_WEIGHT
+from swarmtrain.runtime.trainer.hedging import first_success, silent_while
 from swarmtrain.runtime.trainer.stage_calls import (
     PERSISTENT_ATTEMPTS,
     MicroBatchFailed,
@@ -56,11 +60,9 @@ class ChainCaller:
             message = chain_message(
                 mb, 0, self.digest, self.codec, inputs, labels, route, flags, step=step, timeout_s=budget_s
             )
-            start_s = time.monotonic()
             wait_s = caller.deadline_s(0, "chain", peer, budget_s)  # a frozen peer is given up on early
             try:
-                reply = await caller.client.call(PeerID.from_base58(peer), "chain", message, wait_s)
-                return self._finished(reply, [[peer], *route], n, time.monotonic() - start_s)
+                return await self._attempt(message, peer, route, wait_s, n)
             except ProtocolError as exc:  # a malformed report: the chain may have run
                 failure, reason = FailureAction(Outcome.MAYBE_APPLIED), str(exc)
             except Exception as exc:
@@ -81,6 +83,64 @@ class ChainCaller:
             logger.info("chain of %s via %s failed (%s); retry %d", mb, peer[-8:], reason, attempt)
             await asyncio.sleep(retry_delay_s(attempt))
 
+    async def _attempt(self, message: Message, peer: str, route: list[list[str]], wait_s: float, n: int):
+        """One chain from `peer` along `route`, hedged on a new route when a peer of it is silent:
+        (loss, hop reports) of whichever answers first."""
+        caller, start_s = self.caller, time.monotonic()
+        call = asyncio.ensure_future(caller.client.call(PeerID.from_base58(peer), "chain", message, wait_s))
+        times = caller.call_times.get((0, "chain", peer))
+        waited_on = [(0, peer)] + [(stage, c[0]) for stage, c in enumerate(route, start=1)]
+
+        async def probe() -> list[tuple[int, str]]:
+            return await caller.silent_peers(waited_on, ping_timeout_s(times))
+
+        hedge = None
+        silent = await silent_while(call, check_after_s(times, wait_s), probe)
+        if silent:
+            hedge = self._hedge(message, n, wait_s, silent)
+        if hedge is None:
+            return self._finished(await call, [[peer], *route], n, time.monotonic() - start_s)
+        copy, candidates, hedge_start_s = hedge
+        hedge_won, reply = await first_success(call, copy)
+        caller.hedges_won += hedge_won
+        logger.info(
+            "chain of %s: hedged after a silent peer; %s won",
+            message.header["mb"],
+            "the copy" if hedge_won else "the original",
+        )
+        if hedge_won:
+            return self._finished(reply, candidates, n, time.monotonic() - hedge_start_s, observe=False)
+        return self._finished(reply, [[peer], *route], n, time.monotonic() - start_s)
+
+    def _hedge(self, message: Message, n: int, wait_s: float, silent: list[tuple[int, str]]):
+        """A copy of the chain that accumulates nothing, on a route around the silent peers (then
+        treated as frozen); None when some stage has no other live peer (the original is waited for)."""
+        route = [
+            self.table.choose(stage, n, 0.0, exclude={p for s, p in silent if s == stage})
+            for stage in range(self.num_stages)
+        ]
+        if any(peer is None for peer in route):
+            return None
+        self.caller.treat_as_frozen(silent)
+        head, rest = route[0], [[peer] for peer in route[1:]]
+        copy_message = chain_message(
+            message.header["mb"],
+            0,
+            self.digest,
+            self.codec,
+            message.tensors["inputs"],
+            message.tensors["labels"],
+            rest,
+            [False] * self.num_stages,
+            step=message.header.get("step"),
+            timeout_s=message.header.get("timeout_s"),
+        )
+        self.caller.hedges += 1
+        copy = asyncio.ensure_future(
+            self.caller.client.call(PeerID.from_base58(head), "chain", copy_message, wait_s)
+        )
+        return copy, [[head], *rest], time.monotonic()
+
     async def _route(self, n: int) -> list[list[str]]:
         """For every stage after the first: the peer IWRR picks (charged for the micro-batch), then
         alternates in the order IWRR would pick them next (not charged)."""
@@ -95,7 +155,7 @@ class ChainCaller:
             route.append(chosen)
         return route
 
-    def _finished(self, reply, candidates: list[list[str]], n: int, call_s: float):
+    def _finished(self, reply, candidates: list[list[str]], n: int, call_s: float, observe: bool = True):
         hops = validate_hops(reply.header, 0, self.num_stages, candidates, n)
         loss = reply.header.get("loss")
         if isinstance(loss, bool) or not isinstance(loss, (int, float)) or not math.isfinite(loss):
@@ -103,7 +163,8 @@ class ChainCaller:
         for hop, service_s in zip(hops, hop_service_times(call_s, hops), strict=True):
             self.table.report(hop.stage, hop.peer, n, service_s, HOP_WEIGHT)
         head = hops[0]
-        self.caller.observe(0, "chain", head.peer, call_s)
+        if observe:  # a hedge started late: its time is nobody's usual time
+            self.caller.observe(0, "chain", head.peer, call_s)
         self.caller._time(0, "chain", call_s, {"server_s": head.server_s, "compute_s": head.compute_s})
         return float(loss), hops
 

@@ -1,6 +1,8 @@
 """One call to "some peer of stage s", with peer choice, timeouts, retries, bans and waiting.
 
 Failure policy (docs/ARCHITECTURE.md; the table is net/failures.py, shared with the chain path):
+- silent past its usual time and not answering a ping -> frozen: ban it until it announces itself
+  again and hedge the call on another peer, first answer wins (runtime/trainer/hedging.py);
 - timeout -> the peer is frozen (or far slower than its usual): retry on another peer and fold the
   timeout into its EMA. The timeout is the peer's own deadline (planner/deadlines.py: a multiple of its
   usual call time, 5 s at least, the request timeout at most); when that came before the request
@@ -32,9 +34,10 @@ from hivemind.p2p import PeerID
 
 from swarmtrain.config import SwarmConfig
 from swarmtrain.net.failures import FailureAction, Outcome, flags_after, on_request_failure
-from swarmtrain.net.protocol import Message, request_message
-from swarmtrain.net.transport import StageClient
-from swarmtrain.planner.deadlines import CallTimes, deadline_s
+from swarmtrain.net.protocol import Message, ping_message, request_message
+from swarmtrain.net.transport import RemoteError, StageClient
+from swarmtrain.planner.deadlines import CallTimes, check_after_s, deadline_s, ping_timeout_s
+from swarmtrain.runtime.trainer.hedging import first_success, silent_while
 from swarmtrain.runtime.trainer.peer_table import PeerTable
 from swarmtrain.utils.logging import get_logger
 
@@ -58,6 +61,13 @@ def frozen_or(failure: FailureAction, early_deadline: bool) -> FailureAction:
 def retry_delay_s(attempt: int) -> float:
     """How long to wait before retry `attempt` (1, 2, ...): exponential backoff with jitter."""
     return min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2**attempt) * (0.5 + random.random())
+
+
+def _accumulating_nothing(message: Message) -> Message:
+    """A hedged copy of a micro-batch request: it must not accumulate what the silent original may."""
+    if message.kind not in ACCUMULATING_KINDS:
+        return message
+    return Message(message.kind, {**message.header, "accumulate": False}, message.tensors)
 
 
 class MicroBatchFailed(RuntimeError):
@@ -116,6 +126,9 @@ class StageCaller:
         self.timeouts = 0
         self.connection_errors = 0
         self.not_accumulated = 0  # retries sent with accumulate=False
+        self.frozen = 0  # peers found silent (no answer to a ping) while a call waited on them
+        self.hedges = 0  # copies of a call sent to another peer because its peer was frozen
+        self.hedges_won = 0  # ... that answered first
         self.timing: dict[tuple[int, str], CallTiming] = {}
         self.call_times: dict[tuple[int, str, str], CallTimes] = {}  # (stage, kind, peer): its deadline
         self._last_no_peer_log = [0.0] * table.num_stages
@@ -165,7 +178,7 @@ class StageCaller:
             start = time.monotonic()
             wait_s = self.deadline_s(stage, kind, peer, timeout_s)
             try:
-                reply = await self.client.call(PeerID.from_base58(peer), kind, message, wait_s)
+                reply, answered_by = await self._hedged(stage, kind, peer, message, wait_s, num_samples, cost)
             except Exception as exc:
                 failure = frozen_or(on_request_failure(exc), wait_s < timeout_s)  # raises bugs
                 if failure.outcome is Outcome.FATAL:
@@ -173,11 +186,12 @@ class StageCaller:
                 message = self._after_failure(failure, message, stage, peer, num_samples, weight)
                 reason = f"no answer in {wait_s:.1f}s" if failure.timed_out else f"{exc!r:.160}"
             else:
-                elapsed_s = time.monotonic() - start
-                self.table.report(stage, peer, num_samples, _service_s(elapsed_s, reply.header), weight)
-                self._time(stage, kind, elapsed_s, reply.header)
-                self.observe(stage, kind, peer, elapsed_s)
-                return reply, peer
+                if answered_by == peer:  # a hedge's time (started late) measures nobody's usual time
+                    elapsed_s = time.monotonic() - start
+                    self.table.report(stage, peer, num_samples, _service_s(elapsed_s, reply.header), weight)
+                    self._time(stage, kind, elapsed_s, reply.header)
+                    self.observe(stage, kind, peer, elapsed_s)
+                return reply, answered_by
             excluded.add(peer)
             attempt += 1
             if attempt > max_attempts:
@@ -189,6 +203,73 @@ class StageCaller:
                 "stage %d %s of %s on %s failed (%s); retry %d", stage, kind, mb, peer[-8:], reason, attempt
             )
             await asyncio.sleep(retry_delay_s(attempt))
+
+    async def _hedged(
+        self,
+        stage: int,
+        kind: str,
+        peer: str,
+        message: Message,
+        wait_s: float,
+        num_samples: int,
+        charge: float,
+    ) -> tuple[Message, str]:
+        """The reply to `message` and the peer that gave it: `peer`, or, when `peer` went silent, another
+        peer of the stage sent a copy that accumulates nothing (runtime/trainer/hedging.py)."""
+        call = asyncio.ensure_future(self.client.call(PeerID.from_base58(peer), kind, message, wait_s))
+        times = self.call_times.get((stage, kind, peer))
+
+        async def probe() -> list[tuple[int, str]]:
+            return await self.silent_peers([(stage, peer)], ping_timeout_s(times))
+
+        if not await silent_while(call, check_after_s(times, wait_s), probe):
+            return await call, peer
+        other = self.table.choose(stage, num_samples, charge, exclude={peer})
+        if other is None:  # nobody to hedge on: wait for the silent peer until its deadline
+            return await call, peer
+        self.treat_as_frozen([(stage, peer)])
+        self.hedges += 1
+        copy = asyncio.ensure_future(
+            self.client.call(PeerID.from_base58(other), kind, _accumulating_nothing(message), wait_s)
+        )
+        hedge_won, reply = await first_success(call, copy)
+        self.hedges_won += hedge_won
+        logger.info(
+            "stage %d %s of %s: %s was silent; hedged on %s, %s won",
+            stage,
+            kind,
+            message.header.get("mb"),
+            peer[-8:],
+            other[-8:],
+            other[-8:] if hedge_won else peer[-8:],
+        )
+        return reply, other if hedge_won else peer
+
+    async def silent_peers(self, peers: list[tuple[int, str]], timeout_s: float) -> list[tuple[int, str]]:
+        """Those of `peers` ((stage, peer) pairs) whose event loop does not answer a ping within
+        `timeout_s`."""
+        answered = await asyncio.gather(*(self._answers_ping(s, p, timeout_s) for s, p in peers))
+        return [pair for pair, ok in zip(peers, answered, strict=True) if not ok]
+
+    def treat_as_frozen(self, silent: list[tuple[int, str]]) -> None:
+        """Silent peers that a call is hedged around are banned until they announce themselves again
+        (a frozen peer cannot): no new work goes to them, and the step's close does not wait for them."""
+        for stage, peer in silent:
+            self.frozen += 1
+            self.table.ban(stage, peer)
+            logger.warning("stage %d peer %s does not answer a ping: treated as frozen", stage, peer[-8:])
+
+    async def _answers_ping(self, stage: int, peer: str, timeout_s: float) -> bool:
+        try:
+            await self.client.call(
+                PeerID.from_base58(peer), "ping", ping_message(stage, self.digest), timeout_s
+            )
+        except RemoteError:
+            return True  # an error answer is an answer
+        except Exception as exc:
+            on_request_failure(exc)  # raises what is a bug rather than a failure of the peer
+            return False
+        return True
 
     async def _choose(
         self, stage: int, num_samples: int, charge: float, excluded: set, prefer: str | None

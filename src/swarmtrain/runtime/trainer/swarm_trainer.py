@@ -96,7 +96,9 @@ class TrainerResult:
             "steps": self.steps_closed,
             "val_loss": self.val_loss,
             "data_wait_s": self.data_wait_s,
-            "data_wait_ms_per_step": 1e3 * self.data_wait_s / self.steps_closed if self.steps_closed else None,
+            "data_wait_ms_per_step": 1e3 * self.data_wait_s / self.steps_closed
+            if self.steps_closed
+            else None,
             "data_wait_share": self.data_wait_s / self.elapsed_s if self.elapsed_s else 0.0,
         }
 
@@ -222,9 +224,10 @@ class SwarmTrainer:
 
     def _close(self, step: int, stage: int, members: dict[str, int]) -> None:
         """Tell every replica of `stage` we know of that `step` is over there (and who has it)."""
-        # a banned (unreachable) member's samples are gone with it: nobody should wait for them
-        members = {p: n for p, n in members.items() if not self.table.is_banned(p)}
+        # a banned member (gone, or frozen) is waited for by nobody: its samples are not counted. It is
+        # still told: a frozen one that wakes up applies the step with the others instead of resyncing
         participants = set(self.table.available(stage)) | set(members)
+        members = {p: n for p, n in members.items() if not self.table.is_banned(p)}
         message = close_message(
             step,
             stage,
@@ -450,6 +453,9 @@ async def train_async(cfg: RunConfig, options: TrainerOptions, dht, batches_from
         timeouts=trainer.caller.timeouts,
         connection_errors=trainer.caller.connection_errors,
         retries_not_accumulated=trainer.caller.not_accumulated,
+        frozen_peers=trainer.caller.frozen,
+        hedges=trainer.caller.hedges,
+        hedges_won=trainer.caller.hedges_won,
         rpc=trainer.caller.timing_summary(),
     )
     trainer.ledger.close()
