@@ -39,7 +39,11 @@ def register(subparsers) -> None:
         "--duration-s: until the run reaches training.max_samples, wherever this trainer joined it",
     )
     parser.add_argument(
-        "--duration-s", type=float, help="stop starting micro-batches after this many seconds"
+        "--duration-s",
+        type=float,
+        help="stop starting micro-batches after this many seconds, at a step boundary; with --shard K/N, "
+        "every shard stops at the same step once the first one's time is up (the run's last step is "
+        "then a whole global batch)",
     )
     parser.add_argument(
         "--in-flight", type=positive_int, default=4, help="micro-batches in flight (default: 4)"

@@ -8,6 +8,8 @@ expiration so that dead peers disappear by themselves:
 - `{run}.replicas`          -> {digest, outer_step, inner_step, samples_per_s, fp, time}: whole-model
                                replicas (`swarmtrain replica`)
 - `{run}.moves`             -> {from, to, rate, state, time}: rebalancing leases (proposed, moving, done)
+- `{run}.stops`             -> {step, shards, time}, subkey `shard{i}`: where a trainer shard on a time
+                               limit proposes that every shard stops (planner/stop_step.py)
 
 Every call is bounded by a timeout (a dead DHT process would otherwise hang callers forever) and
 tolerates malformed values from other peers (skipped, never raised).
@@ -54,6 +56,10 @@ def replicas_key(run_id: str) -> str:
 
 def moves_key(run_id: str) -> str:
     return f"{run_id}.moves"
+
+
+def stops_key(run_id: str) -> str:
+    return f"{run_id}.stops"
 
 
 @dataclass
@@ -175,3 +181,22 @@ class RunRecords:
 
     def moves(self) -> dict[str, dict]:
         return {k: v for k, v in self._get_dict(moves_key(self.run_id)).items() if isinstance(v, dict)}
+
+    # where trainers on a time limit stop ----------------------------------------------------------
+    def publish_stop(self, shard: int, shard_count: int, step: int, ttl_s: float) -> bool:
+        record = {"step": step, "shards": shard_count, "time": time.time()}
+        return self._store(stops_key(self.run_id), f"shard{shard}", record, ttl_s)
+
+    def stops(self, shard_count: int, since: float) -> dict[int, int]:
+        """shard -> proposed stop step, of records made at or after `since` (a time.time() value) by
+        shards of a run with `shard_count` shards (an earlier launch's records are not this stop's)."""
+        out = {}
+        for subkey, value in self._get_dict(stops_key(self.run_id)).items():
+            shard = subkey.removeprefix("shard")
+            if not (isinstance(value, dict) and shard.isdigit() and int(shard) < shard_count):
+                continue
+            step, shards, made = value.get("step"), value.get("shards"), value.get("time")
+            fresh = isinstance(made, (int, float)) and made >= since
+            if type(step) is int and shards == shard_count and fresh:
+                out[int(shard)] = step
+        return out
