@@ -410,3 +410,21 @@ def test_a_chain_waiting_on_a_frozen_later_stage_is_hedged_on_a_route_around_it(
     assert first.header["route"][0][0] == C and copy.header["route"] == [[D]]
     assert [(h.peer, h.acc) for h in hops] == [(A, 0), (D, 0)]  # the live stage-0 peer carried the copy
     assert table.bans == [(1, C)] and not table.is_banned(A)
+
+
+# a step every replica already applied ------------------------------------------------------------------
+def test_a_call_every_live_peer_answers_stale_fails_at_once():
+    """Every replica of the stage is past the micro-batch's step: no retry can run it for that step."""
+    stale = [RemoteError("stale", "step 3 is already applied here (at 4)") for _ in range(2)]
+    table, client = SpyTable([[A, B]]), ScriptedClient(*stale)
+    with pytest.raises(stage_calls.MicroBatchFailed, match="applied the step of t.0-1 without it"):
+        _call(_caller(client, table, max_retries=10), "backward")
+    assert [c[0] for c in client.calls] == [A, B]
+
+
+def test_a_chain_every_stage_0_peer_answers_stale_fails_at_once():
+    stale = [RemoteError("stale", "step 3 is already applied here (at 4)") for _ in range(2)]
+    table, client = SpyTable([[A, B], [C]]), ScriptedClient(*stale, reply=_chain_reply)
+    with pytest.raises(stage_calls.MicroBatchFailed, match="without it"):
+        _chain(client, table, max_retries=10)
+    assert sorted(c[0] for c in client.calls) == sorted([A, B])

@@ -53,7 +53,7 @@ class ChainCaller:
         """The micro-batch's loss and every stage's report (the stage-0 peer's first)."""
         caller, flags = self.caller, [True] * self.num_stages
         budget_s = caller.swarm.request_timeout_s * self.num_stages  # every hop waits on the next
-        attempt, excluded = 0, set[str]()
+        attempt, excluded, stale_from = 0, set[str](), set[str]()
         while True:
             route = await self._route(n)
             peer = await caller._pick(0, n, FORWARD_CHARGE, excluded)
@@ -64,13 +64,16 @@ class ChainCaller:
             try:
                 return await self._attempt(message, peer, route, wait_s, n)
             except ProtocolError as exc:  # a malformed report: the chain may have run
-                failure, reason = FailureAction(Outcome.MAYBE_APPLIED), str(exc)
+                failure, reason, error = FailureAction(Outcome.MAYBE_APPLIED), str(exc), exc
             except Exception as exc:
                 failure, reason = frozen_or(on_request_failure(exc), wait_s < budget_s), f"{exc!r:.160}"
+                error = exc
             self._count(failure, peer, n, budget_s)
             outcome = failure.outcome
             if outcome is Outcome.FATAL:
                 raise MicroBatchFailed(f"stage 0 peer {peer} refused the chain of {mb}: {reason}")
+            if caller.stale_everywhere(0, peer, error, stale_from):
+                raise MicroBatchFailed(f"stage 0 applied the step of {mb} without it: {reason}")
             if outcome is not Outcome.NEXT_FAILED:
                 excluded.add(peer)
             new_flags = flags_after(flags, outcome)

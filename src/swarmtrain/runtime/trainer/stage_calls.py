@@ -14,7 +14,9 @@ Failure policy (docs/ARCHITECTURE.md; the table is net/failures.py, shared with 
 - retries are bounded (`swarm.max_retries`) with exponential backoff; a backward whose micro-batch a
   later stage has already accumulated is `persistent`: it keeps trying (up to `PERSISTENT_ATTEMPTS`,
   waiting for live peers) because giving up would leave the stages disagreeing on the step's batch;
-- `stale` (the peer already applied the step: it resynced past it) -> another peer;
+- `stale` (the peer already applied the step: it resynced past it) -> another peer; once every live
+  peer of the stage answered `stale`, the stage applied the step without this micro-batch and no retry
+  can help: it fails at once (it used to be retried with backoff until `max_retries`);
 - a backward (or fused forward+backward) retried after a timeout, a cut-off reply or an internal error
   may already be accumulated by the silent peer, which may wake up and average it: the retry asks for
   the input gradient only (`accumulate=False`). A stage applies each micro-batch at most once; what the
@@ -172,7 +174,7 @@ class StageCaller:
         )
         max_attempts = PERSISTENT_ATTEMPTS if persistent else self.swarm.max_retries
         cost = weight if charge is None else charge
-        attempt, excluded = 0, set[str]()
+        attempt, excluded, stale_from = 0, set[str](), set[str]()
         while True:
             peer = await self._choose(stage, num_samples, cost, excluded, prefer if attempt == 0 else None)
             start = time.monotonic()
@@ -185,6 +187,10 @@ class StageCaller:
                     raise MicroBatchFailed(f"stage {stage} peer {peer} refused {kind}: {exc}") from None
                 message = self._after_failure(failure, message, stage, peer, num_samples, weight)
                 reason = f"no answer in {wait_s:.1f}s" if failure.timed_out else f"{exc!r:.160}"
+                if self.stale_everywhere(stage, peer, exc, stale_from):
+                    raise MicroBatchFailed(
+                        f"stage {stage} applied the step of {mb} without it: {reason}"
+                    ) from None
             else:
                 if answered_by == peer:  # a hedge's time (started late) measures nobody's usual time
                     elapsed_s = time.monotonic() - start
@@ -305,6 +311,13 @@ class StageCaller:
             self.not_accumulated += 1
             return Message(message.kind, {**message.header, "accumulate": False}, message.tensors)
         return message
+
+    def stale_everywhere(self, stage: int, peer: str, exc: BaseException, stale_from: set[str]) -> bool:
+        """`peer` answered `stale` (it already applied the micro-batch's step): True once every live
+        peer of the stage did, for this call (`stale_from` collects them)."""
+        if isinstance(exc, RemoteError) and exc.code == "stale":
+            stale_from.add(peer)
+        return bool(stale_from) and set(self.table.available(stage)) <= stale_from
 
     def deadline_s(self, stage: int, kind: str, peer: str, cap_s: float) -> float:
         """How long to wait for `peer`'s answer to a call of `kind` (planner/deadlines.py)."""
