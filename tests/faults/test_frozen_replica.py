@@ -40,15 +40,22 @@ def test_a_frozen_replica_is_hedged_around_and_the_swarm_keeps_completing_micro_
         assert trainer.alive and time.monotonic() < deadline, trainer.log_text()[-3000:]
         time.sleep(0.2)
 
+    probe = make_swarm.probe(cfg, swarm)
+    probe.wait_for_peers([2, 1])
+    stage_0 = probe.peers(0)
+    assert probe.silent(0, stage_0) == []  # busy servers answer a ping at once
     frozen = swarm.processes["s0b"]
     frozen_at = time.time()
     os.kill(frozen.pid, signal.SIGSTOP)  # the server process only: its p2pd keeps accepting streams
     try:
-        time.sleep(FROZEN_S)
+        silent_while_frozen = probe.silent(0, stage_0)
+        time.sleep(max(0.0, frozen_at + FROZEN_S - time.time()))
     finally:
         os.kill(frozen.pid, signal.SIGCONT)
     thawed_at = time.time()
+    assert len(silent_while_frozen) == 1, silent_while_frozen  # s0b, and only s0b
     time.sleep(AFTER_THAW_S)
+    assert probe.silent(0, stage_0) == []
     assert trainer.alive, trainer.log_text()[-3000:]
     os.kill(trainer.pid, signal.SIGTERM)  # stops at once; the step in progress is closed short
     assert swarm.wait_exit("trainer", 120) == 0, trainer.log_text()[-3000:]
@@ -79,7 +86,7 @@ def test_a_frozen_replica_is_hedged_around_and_the_swarm_keeps_completing_micro_
         print(f"stage {stage}: {account.summary()}")
         assert not account.double_applied, account.summary()
         assert account.balanced, account.summary()
-    _assert_replicas_equal(make_swarm.probe(cfg, swarm))
+    _assert_replicas_equal(probe)
 
 
 def _assert_replicas_equal(probe, timeout_s: float = 60.0) -> None:

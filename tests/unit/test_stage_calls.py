@@ -66,6 +66,14 @@ class ScriptedClient:
             raise self.failures.pop(0)
         return self.reply(str(peer_id), message)
 
+    async def answers_ping(self, peer_id, ping, timeout_s):
+        """As `StageClient.answers_ping`: a timeout is no answer."""
+        try:
+            await self.call(peer_id, "ping", ping, timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
 
 @pytest.fixture(autouse=True)
 def no_backoff(monkeypatch):

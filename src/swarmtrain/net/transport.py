@@ -331,6 +331,19 @@ class StageClient:
             raise RemoteError(str(reply.header.get("code", "error")), str(reply.header.get("error", "")))
         return reply
 
+    async def answers_ping(self, peer_id: PeerID, ping: Message, timeout_s: float) -> bool:
+        """Does the peer's event loop answer `ping` within `timeout_s`? Any answer counts (an error
+        answer too: it is alive); a timeout or a connection failure does not; anything else is a bug."""
+        try:
+            await self.call(peer_id, "ping", ping, timeout_s)
+        except RemoteError:
+            return True
+        except Exception as exc:
+            if isinstance(exc, TimeoutError) or is_connection_error(exc):
+                return False
+            raise
+        return True
+
     async def call_raw(self, peer_id: PeerID, kind: str, data: bytes, timeout_s: float) -> Message:
         """Send arbitrary bytes to a handler (tests of a server's input validation)."""
         reply_bytes = await asyncio.wait_for(self._exchange(peer_id, kind, data), timeout=timeout_s)

@@ -62,6 +62,11 @@ class SwarmProbe:
         """One micro-batch of `step`, accumulated but never closed (its sums stay inspectable)."""
         return self.run(self.trainer.forward_backward(mb, step, input_ids, labels))
 
+    def silent(self, stage: int, peers: list[str], timeout_s: float = 2.0) -> list[str]:
+        """Those of `peers` (of `stage`) that do not answer a `ping` within `timeout_s` (frozen)."""
+        pairs = [(stage, peer) for peer in peers]
+        return [peer for _, peer in self.run(self.trainer.caller.silent_peers(pairs, timeout_s))]
+
     def info(self, peer: str, want: str | None = None) -> Message:
         from hivemind.p2p import PeerID
 

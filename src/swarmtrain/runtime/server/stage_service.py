@@ -438,19 +438,14 @@ class StageService:
         from hivemind.p2p import PeerID
 
         from swarmtrain.net.protocol import ping_message
-        from swarmtrain.net.transport import RemoteError
         from swarmtrain.planner.deadlines import PING_TIMEOUT_FLOOR_S
 
         if self._transport is None:
             return True  # not serving yet: nobody to ask with, wait as before
         message = ping_message(self.spec.index, self.digest)
-        try:
-            await self._transport.client.call(PeerID.from_base58(peer), "ping", message, PING_TIMEOUT_FLOOR_S)
-        except RemoteError:
-            return True  # an error answer is an answer
-        except Exception:
-            return False
-        return True
+        return await self._transport.client.answers_ping(
+            PeerID.from_base58(peer), message, PING_TIMEOUT_FLOOR_S
+        )
 
     async def _send_grads(self, peer: str, step: int, samples: int, sums: list[torch.Tensor]) -> bool:
         """One replica's gradient sums of a step to a stage peer; False if the peer is gone."""

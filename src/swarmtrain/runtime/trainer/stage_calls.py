@@ -266,16 +266,8 @@ class StageCaller:
             logger.warning("stage %d peer %s does not answer a ping: treated as frozen", stage, peer[-8:])
 
     async def _answers_ping(self, stage: int, peer: str, timeout_s: float) -> bool:
-        try:
-            await self.client.call(
-                PeerID.from_base58(peer), "ping", ping_message(stage, self.digest), timeout_s
-            )
-        except RemoteError:
-            return True  # an error answer is an answer
-        except Exception as exc:
-            on_request_failure(exc)  # raises what is a bug rather than a failure of the peer
-            return False
-        return True
+        message = ping_message(stage, self.digest)
+        return await self.client.answers_ping(PeerID.from_base58(peer), message, timeout_s)
 
     async def _choose(
         self, stage: int, num_samples: int, charge: float, excluded: set, prefer: str | None
