@@ -140,13 +140,39 @@ def start_dht(
             "Check that the address printed by `swarmtrain dht` is right and reachable."
         ) from None
     restore_sigint()
+    if not (client_mode or network.client_mode):
+        try:
+            _require_reachable(dht, initial_peers or [], network)
+        except NetworkError:
+            shutdown_quietly(dht)
+            _remove_dead_sockets(set(glob.glob("/tmp/hivemind-*.sock")) - sockets_before)
+            raise
     return dht
+
+
+def _require_reachable(dht, initial_peers: list[str], network: PeerNetwork) -> None:
+    """Answer other peers' dial-back checks, and unless relays reach this peer (--auto-relay), check
+    that its initial peers can connect to it: if not, stop now with what to do (net/reachability.py)."""
+    from swarmtrain.net import reachability
+
+    dht.run_coroutine(reachability.serve_dial_backs)
+    if network.use_auto_relay:
+        return
+    reason = reachability.check_reachable(dht, initial_peers, visible_addresses(dht))
+    if reason is not None:
+        raise NetworkError(reason)
 
 
 def _dht_options(network: PeerNetwork) -> dict:
     from hivemind.utils.multiaddr import Multiaddr
 
     options: dict = {"use_relay": network.use_relay, "use_auto_relay": network.use_auto_relay}
+    if network.use_auto_relay:
+        # libp2p looks for relays only once AutoNAT calls this peer private, and AutoNAT never does when
+        # the peers around it have private-range addresses (its servers refuse to dial those back: a
+        # LAN, a cloud VPC, the NAT test bed) and takes minutes elsewhere. --auto-relay says "behind a
+        # NAT": take it at its word, so relays are reserved at start-up (tests/integration/test_nat.py)
+        options["force_reachability"] = "private"
     if network.announce_addrs:
         try:
             options["announce_maddrs"] = [Multiaddr(a) for a in network.announce_addrs]

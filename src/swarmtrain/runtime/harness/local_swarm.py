@@ -108,6 +108,11 @@ class LocalSwarm:
         proc.remember_sockets()
         return self.address
 
+    def start_dht_peer(self, name: str, *extra: str) -> ManagedProcess:
+        """One more `swarmtrain dht` node, joined to the first: a reachable peer that serves nothing but
+        the DHT and, as every reachable peer does by default, relays for peers behind a NAT."""
+        return self._spawn(name, ["dht", "--initial-peers", self.address, *extra])
+
     def start_server(self, name: str, stage: int | str | None, *extra: str) -> ManagedProcess:
         """`stage`: an index, "auto", or None when `extra` says where (--plan)."""
         args = [

@@ -19,6 +19,7 @@ its owner process under /run, so that a cleanup spares the test beds of processe
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import ipaddress
 import logging
@@ -39,6 +40,8 @@ _TAG_HEX_CHARS = 6
 _IFNAME_MAX_CHARS = 15  # Linux IFNAMSIZ minus the terminating NUL
 _MAX_PEERS = 250  # one /24: .1 is the bridge, peers from .2
 _OWNERS_DIR = Path("/run/swarmtrain-netbed")  # tmpfs: records vanish on reboot, as namespaces do
+# files `ip netns exec NS` mounts over /etc (natbed's hosts files); `ip netns del` leaves them behind
+NETNS_ETC = Path("/etc/netns")
 _COMMAND_TIMEOUT_S = 20.0
 _KILL_TIMEOUT_S = 5.0
 _MIN_RATE_MBIT_S = 0.01  # tc rates are whole kbit/s
@@ -207,6 +210,16 @@ def _kill_processes_in(ns: str) -> None:
 def _remove_namespace(ns: str) -> None:
     _kill_processes_in(ns)
     _run_quietly(["ip", "netns", "del", ns])
+    shutil.rmtree(NETNS_ETC / ns, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        NETNS_ETC.rmdir()  # only when empty: ours was the last one
+
+
+def _netns_etc_folders(prefix: str) -> list[Path]:
+    try:
+        return [path for path in NETNS_ETC.iterdir() if path.name.startswith(prefix)]
+    except OSError:
+        return []
 
 
 def _live_tags(prefix: str) -> tuple[str, ...]:
@@ -225,6 +238,9 @@ def cleanup_leftovers(prefix: str = PREFIX, include_live: bool = False) -> list[
     links = [link for link in _links(prefix) if not link.startswith(spared)]
     for link in links:
         _run_quietly(["ip", "link", "del", link])
+    for folder in _netns_etc_folders(prefix):  # a namespace deleted by someone else leaves its folder
+        if not folder.name.startswith(spared):
+            _remove_namespace(folder.name)
     for tag in _recorded_tags(prefix):
         if not tag.startswith(spared):
             _forget_owner(tag)

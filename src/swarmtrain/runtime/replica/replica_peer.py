@@ -289,7 +289,7 @@ class ReplicaPeer:
             self._resync(f"started outer step {k} from other weights than the group")
             return
         self.round_samples = 0
-        self.averager.state_sharing_priority = float(self.outer.outer_step)
+        self._advertise_state()
         self.publish()  # the others must not wait for this replica at a round it has left
 
     def _wait_for_peers(self, k: int) -> dict[str, dict]:
@@ -355,8 +355,14 @@ class ReplicaPeer:
             time.sleep(0.2)  # the donor is still applying the round
         self._adopt_position(self._others())
         self.round_samples = 0
-        self.averager.state_sharing_priority = float(self.outer.outer_step)
+        self._advertise_state()
         self.publish()
+
+    def _advertise_state(self) -> None:
+        """Late joiners download from the replica furthest ahead. A client-mode replica (behind a NAT)
+        cannot be downloaded from, and hivemind raises on a priority for it: it advertises nothing."""
+        if not self.averager.client_mode:
+            self.averager.state_sharing_priority = float(self.outer.outer_step)
 
     def _count_bytes(self, group_size: int) -> None:
         # butterfly all-reduce: each member sends (n-1)/n of the vector to reduce and as much of the

@@ -1,0 +1,272 @@
+"""Peers behind an emulated NAT (runtime/harness/natbed.py): real processes started by the CLI, a
+router namespace that masquerades its LAN and lets nothing in.
+
+- the NAT itself: connections go out, none come in;
+- a stage server behind it with --auto-relay serves a public trainer through a relay (a public
+  `swarmtrain dht` node), with no direct connection between the two;
+- a trainer behind it trains against public servers; a replica behind it with --client-mode averages
+  with a public replica;
+- a server or replica behind it with neither stops at once with a one-line error.
+
+Needs root, iproute2, iptables and the kernel's netns/veth/bridge/nat support; skipped otherwise.
+
+Two test-bed facts the relay test works around, both measured (docs in natbed.py, README: Across the
+internet): libp2p announces relayed addresses only through relays it considers public, and every
+address here is private-range, so the relay peers announce DNS names (`bed.hostname(i)`, resolved by
+each namespace's hosts file); and a peer picks relays only among 4 candidates or after 3 minutes, so
+the test runs three relay peers beside the public server. A third fact it lives with: hivemind's p2pd
+resets a relayed connection after 128 KiB in a direction, so some calls through the relay fail and are
+retried without accumulating (the trainer's summary counts them); the test asserts no number of them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from contextlib import ExitStack
+
+import pytest
+
+from swarm_fixtures import FAST_SWARM
+from swarmtrain.runtime.harness import natbed, netbed
+from swarmtrain.runtime.harness.local_swarm import LocalSwarm, write_run_toml
+from swarmtrain.runtime.harness.natbed import NatTestbed
+from swarmtrain.runtime.ledger import read_ledger
+from swarmtrain.runtime.procs import ManagedProcess
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+RELAY_PORT = 31337  # a fixed port is needed to announce a name; every namespace has its own ports
+TRAINER_SAMPLES = 256
+MICRO_BATCH = 8  # tiny's: 32 micro-batches
+EXIT_TIMEOUT_S = 150.0
+
+
+@pytest.fixture(autouse=True)
+def _needs_natbed():
+    ok, why = natbed.available()
+    if not ok:
+        pytest.skip(why)
+
+
+@pytest.fixture
+def nat_swarm(tmp_path):
+    """nat_swarm(public, private) -> (bed, swarm): peers named `public` on the bridge, `private`
+    behind the NAT, in that order; every process and namespace removed at teardown, failed or not."""
+    with ExitStack() as stack:
+
+        def make(public: list[str], private: list[str]) -> tuple[NatTestbed, LocalSwarm]:
+            bed = stack.enter_context(NatTestbed(len(public), len(private)))
+            config = write_run_toml(tmp_path / "run.toml", "tiny", {"swarm": dict(FAST_SWARM)})
+            peers = {name: i for i, name in enumerate([*public, *private])}
+            swarm = stack.enter_context(
+                LocalSwarm(tmp_path / "swarm", config, netbed=bed, netbed_peers=peers)
+            )
+            return bed, swarm
+
+        yield make
+
+
+def public_name_args(bed: NatTestbed, i: int) -> list[str]:
+    """Listen on a fixed port and announce it under peer i's DNS name (see the module docstring)."""
+    return ["--port", str(RELAY_PORT), "--announce-addr", f"/dns4/{bed.hostname(i)}/tcp/{RELAY_PORT}"]
+
+
+def wait_success(swarm: LocalSwarm, name: str, timeout_s: float = EXIT_TIMEOUT_S) -> None:
+    code = swarm.wait_exit(name, timeout_s)
+    assert code == 0, f"{name} exited with {code}:\n{swarm.processes[name].log_text()[-3000:]}"
+
+
+def trainer_summary(swarm: LocalSwarm, name: str = "trainer") -> dict:
+    summary = json.loads(swarm.summary_path(name).read_text())
+    assert summary["microbatches_completed"] * MICRO_BATCH == TRAINER_SAMPLES, summary
+    return summary
+
+
+# --- the NAT itself ----------------------------------------------------------------------------------
+
+LISTENER = """
+import socket, sys
+server = socket.create_server(("0.0.0.0", 0))
+print("listening", server.getsockname()[1], flush=True)
+conn, (ip, _) = server.accept()
+print("accepted from", ip, flush=True)
+"""
+
+
+def wait_for(proc: ManagedProcess, pattern: str, timeout_s: float = 20.0) -> re.Match:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if match := re.search(pattern, proc.log_text()):
+            return match
+        time.sleep(0.05)
+    raise AssertionError(f"{proc.name}: no {pattern!r} in {timeout_s} s:\n{proc.log_text()[-2000:]}")
+
+
+def connect_from(bed: NatTestbed, i: int, host: str, port: int, timeout_s: float = 3.0) -> str:
+    """Peer i opens a TCP connection to host:port: "ok" or the error's name."""
+    code = (
+        "import socket, sys\n"
+        "try:\n"
+        f"    socket.create_connection(({host!r}, {port}), timeout={timeout_s}).close(); print('ok')\n"
+        "except OSError as exc:\n"
+        "    print(type(exc).__name__)\n"
+    )
+    done = subprocess.run(
+        bed.wrap(i, [sys.executable, "-c", code]), capture_output=True, text=True, timeout=30
+    )
+    return done.stdout.strip()
+
+
+def test_the_nat_lets_connections_out_and_none_in(tmp_path):
+    with ExitStack() as stack:
+        bed = stack.enter_context(NatTestbed(1, 1))
+        spawn = lambda name, i: ManagedProcess(  # noqa: E731
+            name, bed.wrap(i, [sys.executable, "-c", LISTENER]), tmp_path / f"{name}.log"
+        )
+        inside = spawn("inside", 1)
+        stack.callback(inside.kill)
+        port = int(wait_for(inside, r"listening (\d+)").group(1))
+        # no route to the LAN from the public side; the NAT's own address has nothing behind it
+        assert connect_from(bed, 0, bed.host(1), port) in ("OSError", "TimeoutError")
+        assert connect_from(bed, 0, bed.router_host(), port) == "ConnectionRefusedError"
+        # a peer that routes the LAN's subnet through the router still gets nothing in (the firewall)
+        netbed._run(["ip", "-n", bed.namespace(0), "route", "add", str(bed.lan()), "via", bed.router_host()])
+        assert connect_from(bed, 0, bed.host(1), port) == "TimeoutError"
+        assert bed.lan_bytes_to(0) == 0
+
+        outside = spawn("outside", 0)
+        stack.callback(outside.kill)
+        port = int(wait_for(outside, r"listening (\d+)").group(1))
+        assert connect_from(bed, 1, bed.host(0), port) == "ok"  # out it goes, masqueraded
+        assert wait_for(outside, r"accepted from (\S+)").group(1) == bed.router_host()
+        assert bed.lan_bytes_to(0) > 0
+        # every public peer's name resolves in every namespace (the relay test's announcements)
+        resolve = [sys.executable, "-c", f"import socket; print(socket.gethostbyname({bed.hostname(0)!r}))"]
+        for i in (0, 1):
+            assert subprocess.run(
+                bed.wrap(i, resolve), capture_output=True, text=True, timeout=30
+            ).stdout.strip() == bed.host(0)
+        names = bed.names()
+        assert set(netbed.leftovers(bed.tag)) == names
+    assert netbed.leftovers(bed.tag) == []
+    assert not any((netbed.NETNS_ETC / name).exists() for name in names)  # the hosts files went too
+
+
+def test_a_failed_start_or_body_and_a_dead_owner_leave_nothing_behind(monkeypatch):
+    prefix = "stwn"  # this test's own prefix: other test beds on the machine are never touched
+    bed = NatTestbed(1, 2, name_prefix=prefix)
+    real_create = bed._create_private_peer
+
+    def create_private_peer(i: int) -> None:
+        if i == 2:  # the second private peer: one private namespace and the router already exist
+            raise netbed.NetbedError("injected failure")
+        real_create(i)
+
+    monkeypatch.setattr(bed, "_create_private_peer", create_private_peer)
+    with pytest.raises(netbed.NetbedError, match="injected failure"):
+        bed.start()
+    assert netbed.leftovers(bed.tag) == []
+
+    with pytest.raises(RuntimeError, match="body failed"), NatTestbed(1, 1, name_prefix=prefix) as bed:
+        raise RuntimeError("body failed")
+    assert netbed.leftovers(bed.tag) == []
+
+    dead = NatTestbed(1, 1, name_prefix=prefix).start()
+    natbed._open_nat_beds.discard(dead)
+    netbed._open_beds.discard(dead.wan)
+    (netbed._OWNERS_DIR / dead.tag).write_text("999999999 0\n")  # as if its owner had been killed
+    removed = netbed.cleanup_leftovers(prefix)
+    assert dead.namespace(1) in removed and dead.router_namespace in removed
+    assert netbed.leftovers(prefix) == []
+    assert not any((netbed.NETNS_ETC / name).exists() for name in dead.names())
+
+
+# --- reachability through a relay, in client mode, and neither -------------------------------------------
+
+
+def test_a_server_behind_the_nat_serves_a_public_trainer_through_a_relay(nat_swarm):
+    public = ["dht", "relay1", "relay2", "s1", "trainer"]
+    bed, swarm = nat_swarm(public, ["s0"])
+    swarm.start_dht(*public_name_args(bed, 0))
+    for name in ("relay1", "relay2"):  # plain DHT nodes: every reachable peer relays by default
+        swarm.start_dht_peer(name, *public_name_args(bed, public.index(name)))
+    swarm.start_server("s1", 1)
+    swarm.start_server("s0", 0, "--auto-relay")
+    swarm.wait_ready(["s0", "s1"])
+    swarm.start_trainer("trainer", "--max-samples", str(TRAINER_SAMPLES))
+    wait_success(swarm, "trainer")
+    summary = trainer_summary(swarm)
+
+    # stage 0 has one server, behind the NAT: it served the micro-batches it accumulated...
+    started = {e["mb"] for e in read_ledger(swarm.ledger_path("trainer")) if e["e"] == "start"}
+    accumulated = {e["mb"] for e in read_ledger(swarm.ledger_path("s0")) if e["e"] == "acc"}
+    assert accumulated and accumulated <= started, (len(accumulated), summary)
+    # ...and not over a direct connection: nothing went from the NAT's LAN to the trainer; what the
+    # trainer got from s0 came through the relays (s0 dials s1 itself: the direct hand-off)
+    assert bed.lan_bytes_to(public.index("trainer")) == 0
+    assert sum(bed.lan_bytes_to(public.index(name)) for name in ("dht", "relay1", "relay2")) > 0
+    print(
+        f"through a relay: {summary['microbatches_completed']} micro-batches, {len(accumulated)} accumulated "
+        f"on stage 0, {summary['retries_not_accumulated']} retried without accumulating, "
+        f"{summary['samples_per_s']:.1f} samples/s"
+    )
+
+
+def test_a_trainer_behind_the_nat_trains_against_public_servers(nat_swarm):
+    bed, swarm = nat_swarm(["dht", "s0", "s1"], ["trainer"])
+    swarm.start_dht()
+    swarm.start_server("s0", 0)
+    swarm.start_server("s1", 1)
+    swarm.wait_ready(["s0", "s1"])
+    swarm.start_trainer("trainer", "--max-samples", str(TRAINER_SAMPLES))  # a trainer is a client
+    wait_success(swarm, "trainer")
+    summary = trainer_summary(swarm)
+    assert summary["microbatches_failed"] == 0, summary
+    accumulated = sum(e["e"] == "acc" for e in read_ledger(swarm.ledger_path("s0")))
+    assert accumulated == summary["microbatches_completed"], summary
+    assert bed.lan_bytes_to(1) > 0  # the trainer's own connection to s0, out through the NAT
+
+
+@pytest.mark.timeout(300)
+def test_a_client_mode_replica_behind_the_nat_averages_with_a_public_one(nat_swarm):
+    bed, swarm = nat_swarm(["dht", "public"], ["natted"])
+    swarm.start_dht()
+    steps = 40  # 2 rounds of diloco.inner_steps = 20
+    args = ["--threads", "1", "--wait-for-replicas", "2", "--max-samples", str(steps * 32)]
+    swarm.start_replica("public", "0/2", *args)
+    swarm.start_replica("natted", "1/2", *args, "--client-mode")
+    for name in ("public", "natted"):
+        wait_success(swarm, name, timeout_s=240)
+    a, b = (json.loads(swarm.summary_path(name).read_text()) for name in ("public", "natted"))
+    logs = "\n".join(f"--- {n}:\n{swarm.processes[n].log_text()[-2500:]}" for n in ("public", "natted"))
+    for summary in (a, b):
+        assert summary["inner_steps"] == steps and summary["rounds_averaged"] >= 1, (summary, logs)
+    assert a["fingerprint"] == pytest.approx(b["fingerprint"], rel=5e-3), (a, b, logs)  # one model at the end
+    assert bed.lan_bytes_to(1) > 0
+
+
+@pytest.mark.parametrize("role", ["server", "replica"])
+def test_a_peer_behind_the_nat_with_neither_relay_nor_client_mode_stops_with_one_line(nat_swarm, role):
+    bed, swarm = nat_swarm(["dht", "control"], ["natted"])
+    swarm.start_dht()
+    if role == "server":
+        swarm.start_server("control", 1)  # the same command on the public side passes the check
+        natted = swarm.start_server("natted", 1)
+    else:
+        swarm.start_replica("control", "0/1", "--max-samples", "64", "--threads", "1")
+        natted = swarm.start_replica("natted", "0/1", "--max-samples", "64", "--threads", "1")
+    code = swarm.wait_exit("natted", 60)
+    log = natted.log_text()
+    assert code == 2, f"exit {code}:\n{log[-3000:]}"
+    errors = [line for line in log.splitlines() if "error:" in line]
+    assert "Traceback" not in log and len(errors) == 1, log[-3000:]
+    assert errors[0].startswith(f"swarmtrain {role}: error: this peer cannot be reached"), errors
+    assert f"tried {bed.router_host()}:" in errors[0] and "--auto-relay" in errors[0]
+    if role == "server":
+        swarm.wait_ready(["control"])
+    else:
+        wait_success(swarm, "control")  # two local steps alone, then its summary
