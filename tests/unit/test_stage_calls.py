@@ -436,3 +436,14 @@ def test_a_chain_every_stage_0_peer_answers_stale_fails_at_once():
     with pytest.raises(stage_calls.MicroBatchFailed, match="without it"):
         _chain(client, table, max_retries=10)
     assert sorted(c[0] for c in client.calls) == sorted([A, B])
+
+
+def test_a_banned_peer_that_answers_a_ping_again_is_unbanned_a_silent_one_is_not():
+    table, client = SpyTable([[A, B], [C]]), FreezableClient(frozen={B})
+    caller = _caller(client, table)
+    for stage, peer in ((0, A), (0, B), (1, C)):
+        table.ban(stage, peer)
+    asyncio.run(caller.recheck_banned())
+    assert not table.is_banned(A) and not table.is_banned(C) and table.is_banned(B)
+    assert sorted(table.available(0)) == [A] and table.available(1) == [C]
+    assert sorted(c[0] for c in client.calls if c[1] == "ping") == sorted([A, B, C])

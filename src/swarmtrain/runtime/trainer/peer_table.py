@@ -3,7 +3,9 @@
 DHT reads happen off the event loop (`fetch`, blocking); `apply` folds them into the per-stage IWRR
 routers (planner/routing.py) on the loop thread, so routers are only ever touched by one thread.
 Bans follow docs/DESIGN.md section 5: a peer that failed with a connection error stays banned until its
-record expires (it disappears) or it re-announces after the ban.
+record expires (it disappears) or it re-announces after the ban; the trainer also lifts a ban when the
+peer answers a ping again (`StageCaller.recheck_banned`: its announcement may not reach us while the
+DHT's own nodes are cut off or frozen).
 """
 
 from __future__ import annotations
@@ -82,6 +84,13 @@ class PeerTable:
 
     def is_banned(self, peer: str) -> bool:
         return peer in self._banned_at
+
+    def banned(self, stage: int) -> list[str]:
+        return [p for p in self.routers[stage].peers if p in self._banned_at]
+
+    def unban(self, stage: int, peer: str) -> None:
+        self.routers[stage].unban(peer)
+        self._banned_at.pop(peer, None)
 
     def available(self, stage: int) -> list[str]:
         return self.routers[stage].available(time.monotonic())

@@ -38,7 +38,13 @@ from swarmtrain.config import SwarmConfig
 from swarmtrain.net.failures import FailureAction, Outcome, flags_after, on_request_failure
 from swarmtrain.net.protocol import Message, ping_message, request_message
 from swarmtrain.net.transport import RemoteError, StageClient
-from swarmtrain.planner.deadlines import CallTimes, check_after_s, deadline_s, ping_timeout_s
+from swarmtrain.planner.deadlines import (
+    PING_TIMEOUT_FLOOR_S,
+    CallTimes,
+    check_after_s,
+    deadline_s,
+    ping_timeout_s,
+)
 from swarmtrain.runtime.trainer.hedging import first_success, silent_while
 from swarmtrain.runtime.trainer.peer_table import PeerTable
 from swarmtrain.utils.logging import get_logger
@@ -143,6 +149,20 @@ class StageCaller:
                 stage = next(s for s, anns in enumerate(self.table.announcements) if peer in anns)
                 addresses = self.table.announcements[stage][peer].addresses
                 await self.client.connect(PeerID.from_base58(peer), addresses, timeout_s=2.0)
+        await self.recheck_banned()
+
+    async def recheck_banned(self) -> None:
+        """A banned peer that answers a ping again is usable again at once: a frozen server that woke
+        up, or a cut link that came back, without waiting for its next announcement to reach us through
+        the DHT, whose nodes (the servers) may be the ones cut off or frozen."""
+        banned = [(stage, p) for stage in range(self.table.num_stages) for p in self.table.banned(stage)]
+        if not banned:
+            return
+        silent = set(await self.silent_peers(banned, PING_TIMEOUT_FLOOR_S))
+        for stage, peer in banned:
+            if (stage, peer) not in silent and self.table.is_banned(peer):
+                self.table.unban(stage, peer)
+                logger.info("stage %d peer %s answers again: usable", stage, peer[-8:])
 
     async def call(
         self, stage: int, kind: str, mb: str, num_samples: int, tensors: dict, weight: float, **header
