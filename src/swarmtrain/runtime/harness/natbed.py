@@ -196,12 +196,7 @@ class NatTestbed:
         return self.start()
 
     def __exit__(self, exc_type, exc, traceback) -> None:
-        try:
-            self.close()
-        except NetbedError:
-            if exc_type is None:
-                raise
-            log.exception("NAT test bed cleanup failed after an error in its body")  # keep the first error
+        netbed.close_keeping_first_error(self.close, exc_type, "NAT test bed")
 
     def start(self) -> NatTestbed:
         if self._lan is not None:

@@ -313,6 +313,17 @@ def _free_subnet() -> ipaddress.IPv4Network:
 # --- the test bed ---------------------------------------------------------------------------------
 
 
+def close_keeping_first_error(close, exc_type, what: str) -> None:
+    """A test bed's `__exit__`: `close()`; a cleanup failure after an error in the body is logged, so
+    the body's error is the one raised."""
+    try:
+        close()
+    except NetbedError:
+        if exc_type is None:
+            raise
+        log.exception("%s cleanup failed after an error in its body", what)
+
+
 class WanTestbed:
     """`num_peers` network namespaces on one bridge, each behind its own upload and download limit
     (Mbit/s; one value for all peers or one per peer; None or 0 = unlimited).
@@ -390,12 +401,7 @@ class WanTestbed:
         return self.start()
 
     def __exit__(self, exc_type, exc, traceback) -> None:
-        try:
-            self.close()
-        except NetbedError:
-            if exc_type is None:
-                raise
-            log.exception("WAN test bed cleanup failed after an error in its body")  # keep the first error
+        close_keeping_first_error(self.close, exc_type, "WAN test bed")
 
     def start(self) -> WanTestbed:
         if self._owner_pid is not None:
