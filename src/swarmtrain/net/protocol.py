@@ -412,7 +412,9 @@ def close_message(step: int, stage: int, digest: str, shard: int, shard_count: i
 
 
 def validate_close(message: Message, stage: int, digest: str) -> dict:
-    """A trainer's `close` of a step: keyword arguments for `StepCoordinator.on_close`."""
+    """A trainer's `close` of a step: keyword arguments for `StepCoordinator.on_close`. Its fields only:
+    whether the step, the members and their counts agree with the stage is for the step coordinator
+    (runtime/server/stage_steps.py), which knows the stage's state and live replicas."""
     header = _checked_step_header(message, stage, digest)
     shard, shards = header.get("shard"), header.get("shards")
     if not (_is_int(shard) and _is_int(shards) and 0 <= shard < shards <= MAX_REPLICAS):
@@ -420,11 +422,11 @@ def validate_close(message: Message, stage: int, digest: str) -> dict:
     members, participants = header.get("members"), header.get("participants")
     if not isinstance(members, dict) or len(members) > MAX_REPLICAS:
         raise ProtocolError("members must be an object of peer id -> samples")
-    if not all(isinstance(p, str) and _is_int(n) and n >= 0 for p, n in members.items()):
+    if not all(_is_peer_id(p) and _is_int(n) and 0 <= n < MAX_STEP for p, n in members.items()):
         raise ProtocolError("members must map peer ids to sample counts >= 0")
     if not isinstance(participants, list) or len(participants) > MAX_REPLICAS:
         raise ProtocolError("participants must be a list of peer ids")
-    if not all(isinstance(p, str) and 0 < len(p) <= MAX_ID_CHARS for p in participants):
+    if not all(_is_peer_id(p) for p in participants):
         raise ProtocolError("participants must be a list of peer ids")
     return {
         "step": header["step"],
@@ -491,6 +493,10 @@ def _checked_step_header(message: Message, stage: int, digest: str) -> dict:
 def _one_of(value, names) -> bool:
     """`value in names` for a name table, safe for any JSON value (a list is unhashable)."""
     return isinstance(value, str) and value in names
+
+
+def _is_peer_id(value) -> bool:
+    return isinstance(value, str) and 0 < len(value) <= MAX_ID_CHARS
 
 
 def _is_int(value) -> bool:

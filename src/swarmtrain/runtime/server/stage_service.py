@@ -66,7 +66,7 @@ from swarmtrain.runtime.server.compute import (
 from swarmtrain.runtime.server.server_metrics import ServerMetrics
 from swarmtrain.runtime.server.stage_batches import BACKWARD, FORWARD, batch_item
 from swarmtrain.runtime.server.stage_checkpoint import CheckpointSettings, StageCheckpointer
-from swarmtrain.runtime.server.stage_steps import StepCoordinator, StepSettings
+from swarmtrain.runtime.server.stage_steps import LiveReplicas, StepCoordinator, StepSettings
 from swarmtrain.runtime.server.stage_sync import StageSynchronizer, SyncSettings
 from swarmtrain.runtime.server.stage_worker import StageWorker, all_finite
 from swarmtrain.utils.logging import get_logger
@@ -194,6 +194,8 @@ class StageService:
         self.checkpointer = self._make_checkpointer()
         if self.checkpointer is not None:
             undo.callback(self.checkpointer.close)
+        # who may be named in a close or send us gradients: read from the DHT off the event loop
+        self.live_replicas = LiveReplicas(keep_s=(ANNOUNCE_TTL_PERIODS + 1) * cfg.swarm.announce_period_s)
         self.steps = StepCoordinator(
             self.worker,
             self.compute,
@@ -206,12 +208,16 @@ class StageService:
             on_step=self._step_applied,
             loop=node.loop,
             alive=self._answers_ping,
+            live_replicas=self.live_replicas,
+            verify=self._is_stage_replica,
+            close_window=1 + cfg.training.max_staleness,
         )
         self.sync = self._make_synchronizer()
         undo.callback(self.sync.stop)
         node.ledger.write("start", peer=self.peer_id, stage=self.spec.index)
         self._warn_about_foreign_peers()
         self.sync.join()
+        self.live_replicas.update(self._read_live_replicas())
         self.handlers: dict[str, Handler] = {
             "info": self._on_info,
             "ping": self._on_ping,
@@ -348,6 +354,7 @@ class StageService:
             )
         self.sync.start()
         self._tasks.append(asyncio.create_task(self.steps.run()))
+        self._tasks.append(asyncio.create_task(self._refresh_live_replicas()))
         self.capacity.restart(self._samples_done, self._work_s())
 
     async def refresh_next_stage(self) -> None:
@@ -407,19 +414,42 @@ class StageService:
 
     async def _on_ping(self, _message: Message, _context) -> Message:
         """Answered on the event loop, never behind the compute thread: a busy server answers at once,
-        a frozen one not at all (callers tell the two apart with it)."""
-        return Message("result", {"epoch": self.worker.epoch})
+        a frozen one not at all (callers tell the two apart with it). The stage and digest say what it
+        serves (a stage peer checks a replica the DHT has not shown it yet with them)."""
+        return Message(
+            "result", {"epoch": self.worker.epoch, "stage": self.spec.index, "digest": self.digest}
+        )
 
-    async def _on_close(self, message: Message, _context) -> Message:
-        self.steps.on_close(**validate_close(message, self.spec.index, self.digest))
+    async def _on_close(self, message: Message, context) -> Message:
+        """Kept as a candidate or ignored (runtime/server/stage_steps.py checks it against this replica's
+        state and the stage's live replicas); either way the sender is only told it arrived."""
+        close = validate_close(message, self.spec.index, self.digest)
+        self.steps.on_close(**close, sender=_sender(context))
         return Message("result", {"ok": True})
 
     async def _on_grads(self, message: Message, context) -> Message:
         step, samples, sums = validate_grads(
             message, self.spec.index, self.digest, self.worker.names, self._param_shapes
         )
-        self.steps.on_grads(context.remote_id.to_base58(), step, samples, sums)
+        self.steps.on_grads(_sender(context), step, samples, sums)
         return Message("result", {"ok": True})
+
+    def _read_live_replicas(self) -> set[str]:
+        """(blocking: DHT reads) The stage's replicas with our digest: announced (joining or online) or
+        publishing progress (a draining replica still exchanges the steps it holds samples of)."""
+        stage, records = self.spec.index, self.node.records
+        peers = {p for p, a in records.stage_peers(stage).items() if a.config_digest == self.digest}
+        peers |= {p for p, v in records.stage_progress(stage).items() if v.get("digest") == self.digest}
+        return peers
+
+    async def _refresh_live_replicas(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self.cfg.swarm.announce_period_s)
+            try:
+                self.live_replicas.update(await loop.run_in_executor(None, self._read_live_replicas))
+            except Exception:  # keep the last view; a bug here must not stop the refreshes
+                logger.exception("reading the stage's live replicas failed")
 
     async def _on_step_means(self, message: Message, _context) -> Message:
         step = validate_step_means_request(message, self.spec.index, self.digest)
@@ -446,6 +476,32 @@ class StageService:
         return await self._transport.client.answers_ping(
             PeerID.from_base58(peer), message, PING_TIMEOUT_FLOOR_S
         )
+
+    async def _is_stage_replica(self, peer: str) -> bool:
+        """Does `peer` answer a ping as a replica of this stage of this run (same stage, same digest)? A
+        peer that does not answer, answers with an error, or serves something else is not one."""
+        from hivemind.p2p import PeerID
+
+        from swarmtrain.net.protocol import ping_message
+        from swarmtrain.net.transport import RemoteError, is_connection_error
+        from swarmtrain.planner.deadlines import PING_TIMEOUT_FLOOR_S
+
+        if self._transport is None:
+            return False
+        try:
+            peer_id = PeerID.from_base58(peer)
+        except ValueError:
+            return False  # not even a peer id
+        message = ping_message(self.spec.index, self.digest)
+        try:
+            reply = await self._transport.client.call(
+                peer_id, "ping", message, timeout_s=PING_TIMEOUT_FLOOR_S
+            )
+        except Exception as exc:
+            if isinstance(exc, RemoteError | TimeoutError) or is_connection_error(exc):
+                return False
+            raise
+        return reply.header.get("stage") == self.spec.index and reply.header.get("digest") == self.digest
 
     async def _send_grads(self, peer: str, step: int, samples: int, sums: list[torch.Tensor]) -> bool:
         """One replica's gradient sums of a step to a stage peer; False if the peer is gone."""
@@ -713,6 +769,11 @@ class StageService:
             work_s=round(self._work_s(), 3),
             batched_requests=self.compute.tasks_done - self.compute.calls,
         )
+
+
+def _sender(context) -> str:
+    """The authenticated peer id a message came from (libp2p)."""
+    return context.remote_id.to_base58()
 
 
 def _leaving_answer() -> Message:

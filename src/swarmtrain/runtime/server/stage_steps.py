@@ -23,6 +23,26 @@ than a global batch of `tiny` takes, so rounds merged several global batches int
 replicas of a stage are few and known here (trainers name them), so a direct exchange takes one
 RPC (~10 ms on loopback). hivemind's averager is still what serves and downloads the stage state.
 
+A step is decided by what the stage knows, not by one message: in an open run (no run key) anyone can
+send a `close` or `grads`, so each is checked against this replica's own state and the stage's live
+replicas (planner/step_decision.py, pure functions): a close is kept only for this
+replica's next step to apply or the one after (`close_window`: 1 + max_staleness), and acted on only
+at its own step; its members must be live replicas of this stage (or this replica); the samples it
+attributes to this replica must equal what this replica accumulated for the step, unless another
+member's gradients confirm the close exactly (then this replica's samples are left out as
+`unconfirmed`); a replica the close does not name, or a close naming nobody, needs such a confirmation.
+`grads` come only from live replicas and count only from a member of the decided close whose sample
+count equals the close's. A close that fails these checks is logged and not acted on, and the honest
+close, when it comes, decides. Only when no close passes for `close_timeout_s` after one became due (a
+trainer died mid-step, or all of a step's micro-batches failed) does the replica act on the best
+remaining one as before these checks (`lenient`): a stage must not stall.
+
+The live replicas are what the DHT last showed (`LiveReplicas`, refreshed every announce period) plus
+every peer that answered a direct stage ping (`verify`): a close naming a peer the view lacks (a replica
+that just joined or moved here) starts that ping at once, so an honest close waits one round trip, not a
+DHT refresh or the lenient fallback (which made a 2-replica test run 250 s instead of 32 s in an earlier
+version of these checks).
+
 Everything here runs on the server's asyncio loop; tensor work goes to the compute thread.
 """
 
@@ -31,12 +51,22 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 import torch
 
 from swarmtrain.net.robust import robust_mean
+from swarmtrain.planner.step_decision import (
+    Close,
+    StepDecision,
+    close_refusal,
+    decide_step,
+    settle_step,
+    step_candidates,
+    unknown_members,
+)
 from swarmtrain.runtime.ledger import Ledger
 from swarmtrain.runtime.server.compute import PRIORITY_SYNC, ComputeWorker
 from swarmtrain.runtime.server.stage_worker import StageWorker
@@ -57,6 +87,12 @@ KEEP_STEPS_AHEAD = 4  # closes/grads this far ahead are kept; a replica further 
 KEPT_STEP_MEANS = 3
 KEPT_MEANS_BYTES = 64 * 2**20
 MAX_REPLAY_STEPS = 64  # a replica further behind downloads the state instead
+MAX_CLOSES_PER_STEP = 64  # distinct senders of closes kept per step (an honest run has one per trainer)
+MAX_HELD_GRADS = 4  # per step: sums from peers the DHT view does not show yet, named by a kept close
+Verify = Callable[[str], Awaitable[bool]]  # does this peer answer a ping as a replica of this stage?
+MAX_VERIFIED_PER_CLOSE = 4  # unknown members of one close pinged (an honest close names a new one or two)
+REFUTED_KEEP_S = 10.0  # a peer that failed a stage ping is not pinged again for this long
+MAX_REFUTED = 1024
 
 
 @dataclass
@@ -70,22 +106,36 @@ class StepSettings:
     probe_after_s: float = 1.0
 
 
+class LiveReplicas:
+    """The stage's live replicas (this run's config digest) as the DHT last showed them, and peers that
+    answered a stage ping since; the server refreshes it off the event loop (`update`), the step
+    coordinator reads it per message. A peer stays `keep_s` after it was last seen, so one failed or
+    partial DHT read drops nobody."""
+
+    def __init__(self, keep_s: float) -> None:
+        self.keep_s = keep_s
+        self._seen: dict[str, float] = {}
+
+    def update(self, peers: Iterable[str], now_s: float | None = None) -> None:
+        now_s = time.monotonic() if now_s is None else now_s
+        for peer in peers:
+            self._seen[peer] = now_s
+        self._seen = {p: t for p, t in self._seen.items() if now_s - t <= self.keep_s}
+
+    def current(self, now_s: float | None = None) -> frozenset[str]:
+        now_s = time.monotonic() if now_s is None else now_s
+        return frozenset(p for p, t in self._seen.items() if now_s - t <= self.keep_s)
+
+
 @dataclass
 class PendingStep:
     step: int
-    shard_count: int = 1
-    shards: set[int] = field(default_factory=set)
-    members: dict[str, int] = field(default_factory=dict)  # peer -> samples trainers saw it accumulate
-    participants: set[str] = field(default_factory=set)
-    first_close_s: float | None = None
+    closes: dict[str, Close] = field(default_factory=dict)  # by sender: its latest close of the step
+    decision: StepDecision | None = None  # set once the step is closed
+    reached_s: float | None = None  # when this replica's step loop reached this step
     received: dict[str, tuple[int, list[torch.Tensor]]] = field(default_factory=dict)
     unreachable: set[str] = field(default_factory=set)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
-
-    def closed(self, now_s: float, close_timeout_s: float) -> bool:
-        if self.first_close_s is None:
-            return False
-        return len(self.shards) >= self.shard_count or now_s - self.first_close_s >= close_timeout_s
 
 
 @dataclass
@@ -99,6 +149,11 @@ class StepCounters:
     last_exchange_s: float = 0.0
     clipped_contributions: int = 0  # a replica's sums far above the others' (net/robust.py)
     replayed_steps: int = 0  # steps this replica missed and applied from a peer's mean gradients
+    refused_closes: int = 0  # closes not kept: an applied step, too far ahead, or too many senders
+    unknown_member_closes: int = 0  # closes naming peers that are not live replicas of the stage
+    ignored_grads: int = 0  # gradients from a peer that is no live replica, no member, or a wrong count
+    disagreeing_closes: int = 0  # steps decided by a close whose count for this replica was not its own
+    lenient_steps: int = 0  # no close passed the checks in time: acted on one as before them
 
 
 class StepCoordinator:
@@ -113,8 +168,17 @@ class StepCoordinator:
         on_step: OnStep | None = None,
         loop: asyncio.AbstractEventLoop | None = None,
         alive: Alive | None = None,
+        live_replicas: LiveReplicas | None = None,
+        verify: Verify | None = None,
+        close_window: int = 1,
     ) -> None:
+        """`live_replicas`: the stage's live replicas from the DHT (None: not checked, tests); `verify`:
+        a direct check of a peer the view lacks (None: only the view counts); `close_window`:
+        1 + max_staleness (see `close_refusal`)."""
         self.worker, self.compute, self.peer_id = worker, compute, peer_id
+        self.live_replicas, self.verify, self.close_window = live_replicas, verify, close_window
+        self._verifying: dict[str, asyncio.Task] = {}
+        self._refuted: OrderedDict[str, float] = OrderedDict()  # peer -> when its stage ping failed
         self.send_grads, self.settings = send_grads, settings
         self.ledger = ledger or Ledger(None)
         self.on_step = on_step  # after every step (applied or skipped) with the new parameters' fingerprint
@@ -130,24 +194,58 @@ class StepCoordinator:
         self._loop = loop or asyncio.get_running_loop()
 
     # messages -----------------------------------------------------------------------------------
-    def on_close(self, step: int, shard: int, shard_count: int, members: dict, participants: list) -> None:
-        state = self._pending(step)
-        if state is None:
-            return
-        state.shard_count = max(state.shard_count, shard_count)
-        state.shards.add(shard)
-        for peer, samples in members.items():
-            state.members[peer] = state.members.get(peer, 0) + int(samples)
-        state.participants.update(participants)
-        if state.first_close_s is None:
-            state.first_close_s = time.monotonic()
+    def on_close(
+        self, step: int, shard: int, shard_count: int, members: dict, participants: list, sender: str = ""
+    ) -> bool:
+        """A trainer's close (fields checked by net/protocol.py's `validate_close`); False if not kept.
+        Kept closes are only candidates: the step loop decides which one, if any, it acts on."""
+        refusal = close_refusal(step, self.worker.epoch, self.close_window)
+        state = self._pending(step) if refusal is None else None
+        if state is not None and sender not in state.closes and len(state.closes) >= MAX_CLOSES_PER_STEP:
+            refusal = f"already {len(state.closes)} senders closed step {step}"
+        if state is None or refusal is not None:
+            self.counters.refused_closes += 1
+            log = logger.debug if step < self.worker.epoch else logger.warning
+            log("close of step %d from %s ignored: %s", step, _short(sender), refusal)
+            return False
+        kept = {peer: int(n) for peer, n in members.items() if int(n) > 0}
+        unknown = unknown_members(kept, self.peer_id, self._live())
+        if unknown:
+            self.counters.unknown_member_closes += 1
+            logger.info(
+                "close of step %d from %s names %s, not in this replica's view of the stage: pinging them",
+                step,
+                _short(sender),
+                [_short(p) for p in unknown[:4]],
+            )
+            self._check_unknown(unknown)
+        state.closes[sender] = Close(
+            sender, shard, shard_count, kept, frozenset(participants), time.monotonic()
+        )
         state.changed.set()
+        return True
 
-    def on_grads(self, peer: str, step: int, samples: int, sums: list[torch.Tensor]) -> None:
-        state = self._pending(step)
-        if state is not None:
-            state.received[peer] = (samples, sums)
-            state.changed.set()
+    def on_grads(self, peer: str, step: int, samples: int, sums: list[torch.Tensor]) -> bool:
+        """A stage peer's gradient sums of a step; kept only from a live replica of the stage, or (a few)
+        from a peer a kept close of the step names (a replica that joined before our DHT view shows it).
+        They count only if the step's decided close names `peer` with exactly `samples`. False if not kept."""
+        live, state = self._live(), self._pending(step)
+        if state is None:
+            return False
+        if live is not None and peer not in live and peer not in state.received:
+            named = any(peer in close.members for close in state.closes.values())
+            held = sum(1 for p in state.received if p not in live)
+            if not named or held >= MAX_HELD_GRADS:
+                self.counters.ignored_grads += 1
+                logger.warning(
+                    "gradients of step %d from %s ignored: not a live replica of this stage",
+                    step,
+                    _short(peer),
+                )
+                return False
+        state.received[peer] = (samples, sums)
+        state.changed.set()
+        return True
 
     def _pending(self, step: int) -> PendingStep | None:
         if not self.worker.epoch <= step <= self.worker.epoch + KEEP_STEPS_AHEAD:
@@ -159,7 +257,47 @@ class StepCoordinator:
         entry for the step it waits on, so being in `pending` says nothing (a restored replica held
         back by that entry never adopted the other stages' step after a whole-swarm crash)."""
         state = self.pending.get(step)
-        return state is not None and (state.first_close_s is not None or bool(state.received))
+        return state is not None and (bool(state.closes) or bool(state.received))
+
+    def _live(self) -> AbstractSet[str] | None:
+        return None if self.live_replicas is None else self.live_replicas.current()
+
+    def _check_unknown(self, peers: list[str]) -> None:
+        """Ping (`verify`) a few of the peers a close names that the DHT view lacks; one that answers as
+        a replica of this stage joins the view at once, so the close is acted on without waiting for a
+        DHT refresh. A peer that did not answer is not pinged again for `REFUTED_KEEP_S`."""
+        if self.verify is None or self.live_replicas is None:
+            return
+        now_s = time.monotonic()
+        for peer in peers[:MAX_VERIFIED_PER_CLOSE]:
+            if peer in self._verifying or now_s - self._refuted.get(peer, -REFUTED_KEEP_S) < REFUTED_KEEP_S:
+                continue
+            self._verifying[peer] = asyncio.create_task(self._verify_one(peer))
+
+    async def _verify_one(self, peer: str) -> None:
+        assert self.verify is not None and self.live_replicas is not None
+        try:
+            replica = await self.verify(peer)
+        except Exception as exc:  # a bug in the check must not stop the stage; the peer stays unknown
+            logger.warning("checking whether %s is a replica of this stage failed: %r", _short(peer), exc)
+            replica = False
+        finally:
+            self._verifying.pop(peer, None)
+        if replica:
+            self.live_replicas.update([peer])
+            self._refuted.pop(peer, None)
+        else:
+            logger.warning(
+                "%s, named in a close, is not a live replica of this stage: closes naming it are "
+                "not acted on",
+                _short(peer),
+            )
+            self._refuted[peer] = time.monotonic()
+            self._refuted.move_to_end(peer)
+            while len(self._refuted) > MAX_REFUTED:
+                self._refuted.popitem(last=False)
+        for state in self.pending.values():
+            state.changed.set()
 
     # waiting for a parameter version ------------------------------------------------------------
     async def wait_for_version(self, version: int, deadline_s: float, abandon=lambda: False) -> bool:
@@ -190,8 +328,10 @@ class StepCoordinator:
     async def run(self) -> None:
         while True:
             step = self.worker.epoch
+            for old in [s for s in self.pending if s < step]:  # applied, replayed or skipped by a resync
+                del self.pending[old]
             try:
-                if await self._wait(step, self._is_closed):
+                if await self._wait(step, self._decided):
                     await self._finish(step)
             except asyncio.CancelledError:
                 raise
@@ -218,8 +358,31 @@ class StepCoordinator:
                 pass
         return False
 
-    def _is_closed(self, state: PendingStep) -> bool:
-        return not self._replaying and state.closed(time.monotonic(), self.settings.close_timeout_s)
+    def _decided(self, state: PendingStep) -> bool:
+        """Whether this replica closes its step now (`decide_step`); keeps the candidate it starts with."""
+        if state.reached_s is None:
+            state.reached_s = time.monotonic()
+        if self._replaying or not state.closes:
+            return False
+        bucket = self.worker.buckets.get(state.step)
+        state.decision = decide_step(
+            self._candidates(state),
+            self.peer_id,
+            bucket.samples if bucket is not None else 0,
+            _counts(state),
+            time.monotonic(),
+            self.settings.close_timeout_s,
+            confirm=self.worker.outer is None,
+            reached_s=state.reached_s,
+        )
+        return state.decision is not None
+
+    def _candidates(self, state: PendingStep, due: bool = False) -> list[StepDecision]:
+        candidates = step_candidates(
+            state.closes.values(), self.peer_id, self._live(), self.settings.close_timeout_s
+        )
+        now_s = time.monotonic()
+        return [c for c in candidates if c.due_s <= now_s] if due else candidates
 
     # steps missed: replayed from a peer's means ---------------------------------------------------
     def means_of(self, step: int) -> tuple[int, list[torch.Tensor] | None] | None:
@@ -265,36 +428,106 @@ class StepCoordinator:
 
     async def _finish(self, step: int) -> None:
         state, start_s = self.pending[step], time.monotonic()
-        if len(state.shards) < state.shard_count:
-            self.counters.timed_out_closes += 1
-            logger.warning("step %d: %d of %d trainers closed it", step, len(state.shards), state.shard_count)
+        start = state.decision
+        assert start is not None  # set by `_decided`
+        if start.lenient:
+            self.counters.lenient_steps += 1
+            logger.warning(
+                "step %d: no close agreed with this replica's samples or was confirmed by a member's within "
+                "%.0f s; acting on %s as before the checks",
+                step,
+                self.settings.close_timeout_s,
+                {_short(p): n for p, n in start.members.items()},
+            )
         bucket = await self._on_compute(lambda: self.worker.seal(step))
         if self.worker.outer is not None:
-            await self._finish_local(state, bucket, start_s)
+            await self._finish_local(state, start, bucket, start_s)
             return
-        listed = {p for p, n in state.members.items() if n > 0}
-        if bucket.samples and self.peer_id in listed:
-            await self._send(state, bucket.samples, bucket.grad_sums)
-        elif bucket.samples:  # no trainer saw us accumulate these: the others cannot count them
-            self.counters.unconfirmed_samples += bucket.samples
-            self.ledger.write("lost", mbs=bucket.micro_batch_ids, n=bucket.samples, reason="unconfirmed")
-        others = listed - {self.peer_id}
-        complete = await self._wait_for_sums(state, others)
+        own = bucket.samples
+        if start.lenient:  # as before the checks: named members count with whatever they send
+            if own and self.peer_id in start.members:
+                self._send(state, start.participants | set(start.members), own, bucket.grad_sums)
+            others = set(start.members) - {self.peer_id}
+            answered = await self._wait_for_sums(state, others)
+            final = start
+        else:  # the exchange decides which close is applied (`settle_step`)
+            sent: set[str] = set()
+
+            def settled(s: PendingStep) -> bool:
+                self._send_where_named(s, own, bucket.grad_sums, sent)
+                s.decision = settle_step(
+                    self._candidates(s, due=True), self.peer_id, own, _counts(s), s.unreachable
+                )
+                return s.decision is not None
+
+            answered = await self._wait_for_sums(state, set(), settled)
+            if self.worker.epoch == step and not answered:
+                candidates = self._candidates(state, due=True)
+                state.decision = settle_step(candidates, self.peer_id, own, _counts(state), set(), True)
+            final = state.decision or start
         if self.worker.epoch != step:
             return  # a resync moved us on meanwhile
-        contributions = {p: state.received[p] for p in others if p in state.received}
-        if self.peer_id in listed and bucket.samples:
-            contributions[self.peer_id] = (bucket.samples, bucket.grad_sums)
+        if not final.complete:
+            self.counters.timed_out_closes += 1
+            logger.warning("step %d: the closes of %d trainer(s) came, not of all", step, final.closes)
+        members = final.members
+        mine = members.get(self.peer_id, 0)
+        # our sums count when the close attributes exactly them to us (lenient: when it names us at all)
+        counted = own > 0 and (mine > 0 if final.lenient else own == mine)
+        if own and not counted:  # the trainers do not confirm these: the others cannot count them
+            if mine:
+                self.counters.disagreeing_closes += 1
+                logger.warning(
+                    "step %d: this replica holds %d samples, the close says %d: its samples are left out",
+                    step,
+                    own,
+                    mine,
+                )
+            self.counters.unconfirmed_samples += own
+            self.ledger.write("lost", mbs=bucket.micro_batch_ids, n=own, reason="unconfirmed")
+        contributions = {}
+        for peer in (set(members) - {self.peer_id}) & set(state.received):
+            samples, sums = state.received[peer]
+            if final.lenient or samples == members[peer]:
+                contributions[peer] = (samples, sums)
+            else:
+                self.counters.ignored_grads += 1
+                logger.warning(
+                    "step %d: %s sent gradients of %d samples, the close says %d: left out",
+                    step,
+                    _short(peer),
+                    samples,
+                    members[peer],
+                )
+        if counted:
+            contributions[self.peer_id] = (own, bucket.grad_sums)
         # fp32 addition is not associative: every replica must add the same sums in the same order
         # (with our own sums appended last, 3 replicas drifted apart by rounding, ~1e-9 per run)
         contributions = dict(sorted(contributions.items()))
-        if not complete or len(contributions) < len(listed):
+        if not answered or len(contributions) < len(members):
             self.counters.partial_exchanges += 1
-            missing = sorted(listed - set(contributions))
+            missing = sorted(set(members) - set(contributions))
             logger.warning("step %d: no gradients from %s; stepping without them", step, missing)
         await self._apply(step, contributions, bucket.micro_batch_ids, start_s)
 
-    async def _finish_local(self, state: PendingStep, bucket, start_s: float) -> None:
+    def _send_where_named(
+        self, state: PendingStep, own: int, sums: list[torch.Tensor], sent: set[str]
+    ) -> None:
+        """Our sealed sums, with their real count, to the participants of every due candidate naming us:
+        where the count is what the candidate says they confirm it, elsewhere they tell its members at
+        once to leave us out (instead of waiting for the exchange timeout)."""
+        if not own:
+            return
+        peers: set[str] = set()
+        for candidate in self._candidates(state, due=True):
+            if self.peer_id in candidate.members:
+                peers |= candidate.participants | set(candidate.members)
+        peers -= sent | {self.peer_id}
+        if peers:
+            sent |= peers
+            self._send(state, peers, own, sums)
+
+    async def _finish_local(self, state: PendingStep, decision: StepDecision, bucket, start_s: float) -> None:
         """swarm.local_steps > 1: step on this replica's own gradient; at every H-th step, average the
         pseudo-gradients (weighted by samples since the last round) with the step's participants in
         peer order and take the outer step, so all end the round with the same parameters."""
@@ -305,8 +538,8 @@ class StepCoordinator:
         if not sync or self.worker.epoch != step:
             return
         samples, delta = await self._on_compute(self.worker.pseudo_gradient)
-        await self._send(state, samples, delta)
-        others = (state.participants | set(state.members)) - {self.peer_id}
+        others = (decision.participants | set(decision.members)) - {self.peer_id}
+        self._send(state, others, samples, delta)
         complete = await self._wait_for_sums(state, others)
         if self.worker.epoch != step:
             return  # a resync moved us on meanwhile
@@ -332,26 +565,30 @@ class StepCoordinator:
         if self.on_step is not None:
             self.on_step(step + 1, fingerprint)
 
-    async def _wait_for_sums(self, state: PendingStep, others: set[str]) -> bool:
-        """Until every one of `others` sent its sums or is left out (unreachable, or silent when pinged);
+    async def _wait_for_sums(
+        self, state: PendingStep, others: AbstractSet[str], ready: Callable[[PendingStep], bool] | None = None
+    ) -> bool:
+        """Until every one of `others` sent its sums or is left out (unreachable, or silent when pinged),
+        or until `ready(state)` when given (then the members of the due candidates are the ones pinged);
         False if the epoch moved or `exchange_timeout_s` passed."""
-        prober = asyncio.create_task(self._probe_late(state, others)) if self.alive is not None else None
+        if ready is None:
+            ready = lambda s: others <= set(s.received) | s.unreachable  # noqa: E731
+            awaited = lambda: others  # noqa: E731
+        else:
+            awaited = lambda: set().union(*(c.members for c in self._candidates(state, due=True)))  # noqa: E731
+        prober = asyncio.create_task(self._probe_late(state, awaited)) if self.alive is not None else None
         try:
-            return await self._wait(
-                state.step,
-                lambda s: others <= set(s.received) | s.unreachable,
-                self.settings.exchange_timeout_s,
-            )
+            return await self._wait(state.step, ready, self.settings.exchange_timeout_s)
         finally:
             if prober is not None:
                 prober.cancel()
 
-    async def _probe_late(self, state: PendingStep, others: set[str]) -> None:
+    async def _probe_late(self, state: PendingStep, awaited: Callable[[], AbstractSet[str]]) -> None:
         """Every `probe_after_s`, ping the members whose sums have not come: a silent one is left out."""
         assert self.alive is not None
         while True:
             await asyncio.sleep(self.settings.probe_after_s)
-            late = sorted(others - set(state.received) - state.unreachable)
+            late = sorted(awaited() - {self.peer_id} - set(state.received) - state.unreachable)
             answers = await asyncio.gather(*(self.alive(peer) for peer in late))
             silent = [peer for peer, ok in zip(late, answers, strict=True) if not ok]
             if silent:
@@ -359,10 +596,12 @@ class StepCoordinator:
                 state.unreachable.update(silent)
                 state.changed.set()
 
-    async def _send(self, state: PendingStep, samples: int, sums: list[torch.Tensor]) -> None:
-        """Send our sums to every other participant in the background: the step waits for the other
-        members' sums, never for a send (a hung participant must not stall the stage)."""
-        for peer in sorted((state.participants | set(state.members)) - {self.peer_id}):
+    def _send(
+        self, state: PendingStep, peers: AbstractSet[str], samples: int, sums: list[torch.Tensor]
+    ) -> None:
+        """Send our sums to `peers` in the background: the step waits for the other members' sums, never
+        for a send (a hung participant must not stall the stage)."""
+        for peer in sorted(set(peers) - {self.peer_id}):
             task = asyncio.create_task(self.send_grads(peer, state.step, samples, sums))
             self._sending.add(task)
             task.add_done_callback(lambda t, p=peer: self._sent(state, p, t))
@@ -422,3 +661,11 @@ class StepCoordinator:
 
     async def _on_compute(self, fn):
         return await self.compute.run(fn, PRIORITY_SYNC)
+
+
+def _counts(state: PendingStep) -> dict[str, int]:
+    return {peer: samples for peer, (samples, _) in state.received.items()}
+
+
+def _short(peer: str) -> str:
+    return peer[-8:] if peer else "?"

@@ -1,0 +1,200 @@
+"""Which trainer's `close` a stage replica acts on, and which it applies: pure decisions.
+
+In an open run (no run key) anyone can send a replica a `close` or `grads`, so neither is trusted on its
+own: every close is kept as a candidate and checked against what the replica itself knows (its epoch,
+the samples it accumulated, the stage's live replicas, the gradients its peers sent). The step
+coordinator (runtime/server/stage_steps.py) calls these on its event loop; the unit tests call them
+directly (tests/unit/test_step_validation.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass
+
+MAX_COMBINATIONS = 1024  # sets of closes (at most one per shard) a decision looks at
+
+
+@dataclass(frozen=True)
+class Close:
+    """One trainer's close of a step, as this replica received it."""
+
+    sender: str  # the authenticated peer id it came from ("" in tests that do not say)
+    shard: int
+    shards: int
+    members: Mapping[str, int]  # peer -> samples the trainer saw it accumulate (> 0 only)
+    participants: frozenset[str]
+    arrived_s: float
+
+
+@dataclass(frozen=True)
+class StepDecision:
+    """A candidate for a step: the closes of a set of trainers (at most one per shard) merged, whose
+    members are all live replicas of the stage."""
+
+    members: Mapping[str, int]  # peer -> samples it must contribute
+    participants: frozenset[str]  # live peers to send our sums to (never this replica)
+    closes: int  # how many trainers' closes it merges
+    complete: bool  # every trainer closed the step (else it became due at the close timeout)
+    first_s: float  # when its first close arrived
+    due_s: float  # when it can be acted on: complete, or the close timeout after its first close
+    lenient: bool = False  # no candidate passed the checks in time: acted on as before them
+
+
+def close_refusal(step: int, epoch: int, window: int) -> str | None:
+    """Why a close of `step` arriving at a replica at `epoch` is not kept (None: kept). `window`: how
+    many steps past its epoch a replica keeps closes of: an honest trainer closes a step at a stage once
+    its micro-batches are done there, which needs the parameters of step - max_staleness on the replica
+    that ran them, so at most 1 + max_staleness steps past a replica still exchanging the step before.
+    A kept close is acted on only at its own step, so none makes a replica skip one. A close naming a
+    peer that is not a live replica of the stage is kept but never acted on while that peer is unknown
+    (`unknown_members`): the DHT view may lag a joining replica by a refresh."""
+    if step < epoch:
+        return f"step {step} is already applied here (at {epoch})"
+    if step > epoch + window:
+        return f"step {step} is more than {window} step(s) past this replica's next step {epoch}"
+    return None
+
+
+def unknown_members(members: Iterable[str], peer_id: str, live: AbstractSet[str] | None) -> list[str]:
+    """Members that are neither this replica nor a live replica of its stage (none when `live` is unknown)."""
+    if live is None:
+        return []
+    return sorted(p for p in members if p != peer_id and p not in live)
+
+
+def step_candidates(
+    closes: Iterable[Close], peer_id: str, live: AbstractSet[str] | None, close_timeout_s: float
+) -> list[StepDecision]:
+    """Every set of at most one close per shard (several closes of one shard: a trainer's and forged
+    ones), merged, whose members are all live replicas of the stage (or this replica)."""
+    out = []
+    for combo in _combinations(closes):
+        members: dict[str, int] = {}
+        for close in combo:
+            for peer, samples in close.members.items():
+                members[peer] = members.get(peer, 0) + samples
+        if unknown_members(members, peer_id, live):
+            continue
+        shards = max(c.shards for c in combo)
+        complete = {c.shard for c in combo} >= set(range(shards))
+        first_s = min(c.arrived_s for c in combo)
+        due_s = max(c.arrived_s for c in combo) if complete else first_s + close_timeout_s
+        participants = frozenset().union(*(c.participants for c in combo)) | set(members)
+        if live is not None:
+            participants = frozenset(p for p in participants if p in live or p in members)
+        out.append(StepDecision(members, participants - {peer_id}, len(combo), complete, first_s, due_s))
+    return out
+
+
+def decide_step(
+    candidates: Iterable[StepDecision],
+    peer_id: str,
+    own_samples: int,
+    received: Mapping[str, int],
+    now_s: float,
+    close_timeout_s: float,
+    confirm: bool = True,
+    reached_s: float = float("-inf"),
+) -> StepDecision | None:
+    """Whether this replica closes its step now (seals its sums and sends them): the candidate it starts
+    with, or None (wait). `own_samples`: what it accumulated for the step; `received`: the sample counts
+    of the `grads` it holds for the step, by sender. A due candidate is acted on when
+        - it names this replica with exactly `own_samples`, or
+        - another member's gradients arrived with exactly the samples it attributes to that member
+          (the exchange confirms it; a replica whose own count differs then leaves its samples out), or
+        - `confirm` is False (local steps: nothing is exchanged to confirm with) and it agrees with
+          `own_samples`.
+    A replica the candidate does not name, or a candidate naming nobody, thus needs a confirmation: a
+    forged close does not make a replica close its step before the trainer's data is there. When no
+    candidate passes for `close_timeout_s` after one became due and this replica reached the step
+    (`reached_s`: a close sent long before starts no clock), the best one is returned `lenient`: a stage
+    must not stall when a trainer died mid-step or every micro-batch of a step failed."""
+    best: tuple[tuple, StepDecision] | None = None
+    fallback: tuple[tuple, StepDecision] | None = None
+    for candidate in candidates:
+        if now_s < candidate.due_s:
+            continue
+        score, _, _ = _evidence(candidate, peer_id, own_samples, received, frozenset())
+        consistent, mine = score[0], candidate.members.get(peer_id, 0)
+        confirmed = any(p != peer_id and received.get(p) == n for p, n in candidate.members.items())
+        if (consistent and (mine > 0 or not confirm)) or confirmed:
+            if best is None or score > best[0]:
+                best = (score, candidate)
+        elif now_s >= max(candidate.due_s, reached_s) + close_timeout_s:
+            if fallback is None or score > fallback[0]:
+                fallback = (score, dataclasses.replace(candidate, lenient=True))
+    if best is not None:
+        return best[1]
+    return None if fallback is None else fallback[1]
+
+
+def settle_step(
+    candidates: Iterable[StepDecision],
+    peer_id: str,
+    own_samples: int,
+    received: Mapping[str, int],
+    unreachable: AbstractSet[str],
+    timed_out: bool = False,
+) -> StepDecision | None:
+    """The candidate a replica applies once it has closed its step (its sums sealed: `own_samples`), or
+    None (wait for more gradients). The exchange decides: a candidate scores by whether it agrees with
+    this replica's own count, then by how many of its members the gradients confirm (the same count),
+    then by how few it names wrongly (another count, or unreachable), then complete, then the most
+    closes, then the earliest. The best candidate all of whose members answered is applied once no
+    candidate still waiting for gradients could beat it; at `timed_out`, the best as it stands. In an
+    honest step there is one candidate, applied when its members' sums are in, as before these checks."""
+    candidates = list(candidates)
+    if timed_out:  # a member not heard from by now counts as gone
+        unreachable = frozenset().union(*(c.members for c in candidates))
+    rated = [(_evidence(c, peer_id, own_samples, received, unreachable), c) for c in candidates]
+    if not rated:
+        return None
+    if timed_out:
+        return max(rated, key=lambda r: r[0][0])[1]
+    answered = [(evidence[0], c) for evidence, c in rated if evidence[2] == 0]
+    if not answered:
+        return None
+    best_score, best = max(answered, key=lambda r: r[0])
+    if any(unanswered and potential > best_score for (_, potential, unanswered), _ in rated):
+        return None
+    return best
+
+
+def _evidence(
+    candidate: StepDecision,
+    peer_id: str,
+    own_samples: int,
+    received: Mapping[str, int],
+    unreachable: AbstractSet[str],
+) -> tuple[tuple, tuple, int]:
+    """(score as the gradients stand, score if every member not heard from confirms, members not heard
+    from) of a candidate (see `settle_step`)."""
+    members = candidate.members
+    consistent = members.get(peer_id, 0) == own_samples
+    confirmed = (peer_id in members and consistent) + sum(
+        1 for p, n in members.items() if p != peer_id and received.get(p) == n
+    )
+    unanswered = sum(1 for p in members if p != peer_id and p not in received and p not in unreachable)
+    wrong = len(members) - confirmed - unanswered
+    rest = (candidate.complete, candidate.closes, -candidate.first_s)
+    return (
+        (consistent, confirmed, -wrong, *rest),
+        (consistent, confirmed + unanswered, -wrong, *rest),
+        unanswered,
+    )
+
+
+def _combinations(closes: Iterable[Close]) -> Iterator[list[Close]]:
+    """Every non-empty set of at most one close per shard, in a fixed order, at most MAX_COMBINATIONS."""
+    by_shard: dict[int, list[Close | None]] = {}
+    for close in sorted(closes, key=lambda c: (c.arrived_s, c.sender)):
+        by_shard.setdefault(close.shard, []).append(close)
+    choices = [[*by_shard[shard], None] for shard in sorted(by_shard)]
+    for picked in itertools.islice(itertools.product(*choices), MAX_COMBINATIONS):
+        combo = [c for c in picked if c is not None]
+        if combo:
+            yield combo

@@ -1,0 +1,148 @@
+"""Forged `close` and `grads` in an open swarm (no run key): a stranger peer (a probe, neither a trainer
+of the run nor a replica) sends every forged case of the issue to the replicas of both stages while a
+trainer trains (2 replicas of stage 0, 1 of stage 1): closes naming unknown members, closes naming a
+replica that holds nothing, empty closes for the step after next, and `grads` with a close naming the
+stranger. Every replica must step on exactly the trainer's samples: every step applied once, none
+skipped, no resync, no sample left out, nobody but the stage's replicas in any step's group, and the
+replicas of a stage end with equal parameters."""
+
+import json
+import time
+
+import pytest
+import torch
+
+from swarm_fixtures import TWO_REPLICAS_OF_STAGE_0, start_servers
+from swarmtrain.net.protocol import close_message, make_message
+from swarmtrain.runtime.harness.accounting import account_stage
+from swarmtrain.runtime.ledger import read_ledger
+
+pytestmark = [pytest.mark.faults, pytest.mark.timeout(300)]
+
+STEPS = 24
+UNKNOWN = "12D3KooWJ5xuu1c4fNWyN3YSM5pHDB8QfNnJdS1ugXvkFbw6hYjm"  # a peer id nobody in the swarm has
+
+
+def _pid(peer: str):
+    from hivemind.p2p import PeerID
+
+    return PeerID.from_base58(peer)
+
+
+class Forger:
+    """The stranger: reads each replica's step with `info` (public) and sends it forged messages."""
+
+    def __init__(self, probe, cfg):
+        self.probe, self.cfg, self.digest = probe, cfg, cfg.digest()
+        self.me = probe.trainer.client.p2p.peer_id.to_base58()
+        self.peers = {stage: probe.peers(stage) for stage in (0, 1)}
+        self.sent: dict[str, int] = {}
+        self.errors: list[str] = []
+        self.poison = {}  # per stage: finite gradient sums of the stage's parameters, far off
+        for stage, peers in self.peers.items():
+            params = probe.info(peers[0], want="params")
+            self.poison[stage] = {n: torch.full_like(params.tensor(n), 50.0) for n in params.tensors}
+
+    def _call(self, peer: str, kind: str, message, case: str) -> None:
+        try:
+            self.probe.run(self.probe.trainer.client.call(_pid(peer), kind, message, timeout_s=10.0), 15.0)
+            self.sent[case] = self.sent.get(case, 0) + 1
+        except Exception as exc:  # a refusal is fine too; it is counted apart
+            self.errors.append(f"{case}: {exc!r}"[:200])
+
+    def close(self, stage: int, step: int, members: dict, case: str, to=None) -> None:
+        participants = sorted(set(self.peers[stage]) | set(members))
+        message = close_message(step, stage, self.digest, 0, 1, members, participants)
+        for peer in to or self.peers[stage]:
+            self._call(peer, "close", message, case)
+
+    def grads(self, stage: int, step: int, case: str) -> None:
+        header = {"step": step, "samples": 8, "stage": stage, "digest": self.digest}
+        message = make_message("grads", header, self.poison[stage], "none")
+        for peer in self.peers[stage]:
+            self._call(peer, "grads", message, case)
+
+    def round(self) -> None:
+        """Every forged case once, at each stage's current step (as its replicas report it)."""
+        for stage, peers in self.peers.items():
+            infos = {p: self.probe.info(p).header for p in peers}
+            step = min(i["epoch"] for i in infos.values())
+            # unknown members (the step being filled, and the next)
+            self.close(stage, step, {UNKNOWN: 8}, "unknown_members")
+            self.close(stage, step + 1, {UNKNOWN: 8, peers[0]: 8}, "unknown_members")
+            # a replica that holds nothing (of the next step nobody does yet; at the current step, one
+            # that reports no pending samples), named with samples. Counts no replica can hold (micro-
+            # batches of 8): a forger naming a replica with exactly what it holds at that moment, before
+            # the trainer's close, can still decide that replica's step (only a run key prevents that)
+            self.close(stage, step + 1, {peers[-1]: 4}, "holds_nothing")
+            self.close(stage, step, {peers[-1]: 12}, "holds_nothing")
+            idle = [p for p, i in infos.items() if i["pending_samples"] == 0]
+            if idle:
+                self.close(stage, step, {idle[0]: 4}, "holds_nothing")
+            # no members, the step after next (and the next)
+            self.close(stage, step + 2, {}, "empty_after_next")
+            self.close(stage, step + 1, {}, "empty_next")
+            # our own gradients, with a close naming us (and without)
+            self.close(stage, step, {self.me: 8, **{p: 8 for p in peers}}, "grads")
+            self.grads(stage, step, "grads")
+            self.grads(stage, step + 1, "grads")
+
+
+def test_forged_closes_and_grads_change_no_step(make_swarm):
+    swarm, cfg = make_swarm("tiny")
+    start_servers(swarm, TWO_REPLICAS_OF_STAGE_0)
+    stranger = make_swarm.probe(cfg, swarm)
+    stranger.wait_for_peers([2, 1])
+    forger = Forger(stranger, cfg)
+
+    batch = cfg.training.global_batch_size
+    samples = STEPS * batch
+    swarm.start_trainer("trainer", "--max-samples", str(samples), "--in-flight", "4")
+    trainer = swarm.processes["trainer"]
+    rounds, start = 0, time.monotonic()
+    while trainer.alive and time.monotonic() - start < 200:
+        forger.round()
+        rounds += 1
+        time.sleep(0.3)
+    assert swarm.wait_exit("trainer", 60) == 0, trainer.log_text()[-3000:]
+    summary = json.loads(swarm.summary_path("trainer").read_text())
+    print(f"forged rounds {rounds}, messages {forger.sent}, refused {len(forger.errors)}")
+    assert rounds >= 3 and all(forger.sent.get(case, 0) > 0 for case in ("unknown_members", "grads"))
+
+    time.sleep(1.0)  # the last step's exchange and ledger lines
+    infos = {stage: {p: stranger.info(p, want="params") for p in forger.peers[stage]} for stage in (0, 1)}
+    assert summary["microbatches_completed"] == samples // cfg.training.micro_batch_size
+    assert summary["microbatches_failed"] == 0 and summary["steps"] == STEPS
+    # the forged messages arrived and were not acted on
+    counters = {p[-6:]: i.header["steps"] for s in infos.values() for p, i in s.items()}
+    print(json.dumps(counters))
+    for c in counters.values():
+        assert c["refused_closes"] > 0 and c["unknown_member_closes"] > 0
+        assert c["lenient_steps"] == 0 and c["unconfirmed_samples"] == 0 and c["disagreeing_closes"] == 0
+    completed = {e["mb"] for e in read_ledger(swarm.ledger_path("trainer")) if e["e"] == "done"}
+    not_accumulated = summary["retries_not_accumulated"]
+    for stage, stage_infos in infos.items():
+        names = [n for n, s in TWO_REPLICAS_OF_STAGE_0.items() if s == stage]
+        replicas = set(stage_infos)
+        for name in names:
+            events = read_ledger(swarm.ledger_path(name))
+            assert not [e for e in events if e["e"] in ("resync", "advance", "lost")], name
+            steps = [e for e in events if e["e"] == "step"]
+            assert [e["step"] for e in steps] == list(range(STEPS)), name  # each once, none skipped
+            for e in steps:
+                assert set(e["group"]) <= replicas, (name, e)  # nobody but the stage's replicas
+                assert e["applied"] and sum(e["group"].values()) <= batch, (name, e)
+            short = sum(batch - sum(e["group"].values()) for e in steps)
+            assert short <= cfg.training.micro_batch_size * not_accumulated, (name, short, not_accumulated)
+        for info in stage_infos.values():
+            h = info.header
+            assert h["epoch"] == STEPS and h["counters"]["skipped_steps"] == 0 and h["sync"]["resyncs"] == 0
+        ledgers = {n: read_ledger(swarm.ledger_path(n)) for n in names}
+        account = account_stage(stage, ledgers, dead=set(), completed=completed)
+        print(f"stage {stage}: {account.summary()}")
+        assert account.balanced and not account.lost_to_resync and not account.pending
+        assert len(account.applied) + len(account.not_accumulated) == len(completed)
+        first, *rest = stage_infos.values()
+        for other in rest:
+            for name in first.tensors:
+                assert torch.equal(first.tensor(name), other.tensor(name)), (stage, name)

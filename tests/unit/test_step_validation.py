@@ -1,0 +1,523 @@
+"""Forged `close` and `grads` messages in an open run (no run key): a step is decided by what the stage
+knows, not by one message (runtime/server/stage_steps.py, planner/step_decision.py). Each forged case of the issue against real
+StepCoordinators and stage workers (an in-process network, a fixed view of the stage's live replicas),
+then the pure checks one by one. Every replica must step on exactly the honest samples, skip no step and
+end with the same parameters as one worker that applied those samples."""
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from swarmtrain.net.protocol import StageRequest
+from swarmtrain.planner.step_decision import (
+    Close,
+    close_refusal,
+    decide_step,
+    settle_step,
+    step_candidates,
+)
+from swarmtrain.runtime.server.stage_steps import LiveReplicas, StepCoordinator, StepSettings
+from swarmtrain.runtime.server.stage_worker import StageWorker
+
+pytestmark = pytest.mark.unit
+
+STRANGER = "X"  # neither a trainer of the run nor a replica of the stage
+TRAINER = "T0"
+
+
+@pytest.fixture(scope="module")
+def micro_batches():
+    generator = torch.Generator().manual_seed(7)
+    return [
+        (torch.randn(8, 64, 64, generator=generator), torch.randint(0, 256, (8, 64), generator=generator))
+        for _ in range(6)
+    ]
+
+
+class Net:
+    """Delivers `grads` between coordinators (sender id = the authenticated peer id)."""
+
+    def __init__(self):
+        self.nodes: dict[str, StepCoordinator] = {}
+        self.sent: list[tuple[str, str, int, int]] = []
+
+    def sender(self, me: str):
+        async def send(peer, step, samples, sums):
+            self.sent.append((me, peer, step, samples))
+            if peer not in self.nodes:
+                return False  # a stranger's address: nobody answers
+            self.nodes[peer].on_grads(me, step, samples, [s.clone() for s in sums])
+            return True
+
+        return send
+
+
+def _settings(close_timeout_s=5.0, exchange_timeout_s=5.0):
+    return StepSettings(close_timeout_s=close_timeout_s, exchange_timeout_s=exchange_timeout_s, poll_s=0.02)
+
+
+def _view(peers) -> LiveReplicas:
+    view = LiveReplicas(keep_s=3600.0)
+    view.update(peers)
+    return view
+
+
+def _replicas(cfg, names, net, start_compute, settings=None, live=None):
+    view = _view(names if live is None else live)
+    nodes = {}
+    for name in names:
+        worker = StageWorker(cfg, cfg.stages()[1])
+        nodes[name] = StepCoordinator(
+            worker,
+            start_compute(),
+            name,
+            net.sender(name),
+            settings or _settings(),
+            live_replicas=view,
+        )
+        net.nodes[name] = nodes[name]
+    return nodes
+
+
+def _train(worker, batches, step, prefix):
+    for i, (x, y) in enumerate(batches):
+        worker.forward(
+            StageRequest("forward", f"{prefix}{i}", "none", x, labels=y, fused_backward=True, step=step)
+        )
+
+
+def _close(nodes, step, members, sender=TRAINER, shard=0, shards=1, participants=None, to=None):
+    for name in to or nodes:
+        nodes[name].on_close(step, shard, shards, dict(members), participants or sorted(nodes), sender=sender)
+
+
+async def _until(predicate, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+def _reference(cfg, steps):
+    """One worker applying exactly the honest micro-batches of each step: [(batches, prefix), ...] per step."""
+    single = StageWorker(cfg, cfg.stages()[1])
+    for step, parts in enumerate(steps):
+        for batches, prefix in parts:
+            _train(single, batches, step, prefix)
+        bucket = single.seal(step)
+        single.apply_step(step, [g / bucket.samples for g in bucket.grad_sums], bucket.samples)
+    return single
+
+
+def _assert_same_params(workers):
+    first, *rest = workers
+    for other in rest:
+        for p, q in zip(first.params, other.params, strict=True):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
+
+
+def _assert_honest(nodes, reference, steps):
+    """Every replica applied `steps` steps, none skipped, with exactly the reference's samples and
+    parameters; no partial exchange, nothing left unconfirmed (what would have made a replica resync)."""
+    for name, node in nodes.items():
+        w = node.worker
+        assert w.epoch == steps and node.counters.steps == steps, name
+        assert w.counters["skipped_steps"] == 0, name
+        assert w.samples_seen == reference.samples_seen, (name, w.samples_seen, reference.samples_seen)
+        assert node.counters.partial_exchanges == 0 and node.counters.unconfirmed_samples == 0, name
+        assert node.counters.lenient_steps == 0, name
+    _assert_same_params([reference, *(n.worker for n in nodes.values())])
+
+
+async def _start(nodes):
+    return [asyncio.create_task(n.run()) for n in nodes.values()]
+
+
+async def _stop(tasks):
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+# the issue's forged cases against running coordinators -------------------------------------------------
+def test_a_close_naming_unknown_members_is_not_acted_on(tiny_cfg, micro_batches, start_compute):
+    """Before: A stepped after the exchange timeout with its own 8 samples dropped as unconfirmed."""
+
+    async def scenario():
+        net = Net()
+        nodes = _replicas(tiny_cfg, ["A", "B"], net, start_compute)
+        _train(nodes["A"].worker, micro_batches[:1], 0, "a")
+        _train(nodes["B"].worker, micro_batches[1:2], 0, "b")
+        tasks = await _start(nodes)
+        _close(nodes, 0, {"U1": 8, "U2": 8}, sender=STRANGER)  # unknown members only
+        _close(nodes, 0, {"A": 8, "B": 8, "U1": 8}, sender=STRANGER + "2")  # the right counts, plus one
+        await asyncio.sleep(0.3)
+        assert all(n.worker.epoch == 0 and n.counters.unknown_member_closes == 2 for n in nodes.values())
+        assert not any(b.sealed for n in nodes.values() for b in n.worker.buckets.values())
+        start = time.monotonic()
+        _close(nodes, 0, {"A": 8, "B": 8})  # the trainer's
+        await _until(lambda: all(n.counters.steps == 1 for n in nodes.values()))
+        assert time.monotonic() - start < 2.0  # no exchange timeout
+        await _stop(tasks)
+        reference = _reference(tiny_cfg, [[(micro_batches[:1], "a"), (micro_batches[1:2], "b")]])
+        _assert_honest(nodes, reference, 1)
+        assert {peer for _, peer, _, _ in net.sent} <= {"A", "B"}  # no gradients sent to U1/U2
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("data_first", [True, False], ids=["after-the-data", "before-the-data"])
+def test_a_close_naming_a_replica_that_holds_nothing_is_not_acted_on(
+    tiny_cfg, micro_batches, start_compute, data_first
+):
+    """Before: B (holding nothing) stepped at once, A dropped its 8 samples and resynced. The forged close
+    can come after A accumulated (A's count disagrees) or before (A holds 0 too: it waits for a member's
+    gradients to confirm the close, which never come)."""
+
+    async def scenario():
+        net = Net()
+        nodes = _replicas(tiny_cfg, ["A", "B"], net, start_compute)
+        tasks = await _start(nodes)
+        if data_first:
+            _train(nodes["A"].worker, micro_batches[:1], 0, "a")
+        _close(nodes, 0, {"B": 8}, sender=STRANGER)
+        await asyncio.sleep(0.3)
+        assert all(n.worker.epoch == 0 for n in nodes.values())
+        if not data_first:
+            _train(nodes["A"].worker, micro_batches[:1], 0, "a")
+        _train(nodes["A"].worker, micro_batches[1:2], 0, "a2")  # still accumulated: nothing was sealed
+        assert nodes["A"].worker.buckets[0].samples == 16
+        start = time.monotonic()
+        _close(nodes, 0, {"A": 16})
+        await _until(lambda: all(n.counters.steps == 1 for n in nodes.values()))
+        assert time.monotonic() - start < 2.0
+        await _stop(tasks)
+        reference = _reference(tiny_cfg, [[(micro_batches[:1], "a"), (micro_batches[1:2], "a2")]])
+        _assert_honest(nodes, reference, 1)
+
+    asyncio.run(scenario())
+
+
+def test_an_empty_close_for_a_later_step_skips_no_step(tiny_cfg, micro_batches, start_compute):
+    """Before: an empty close for the step after next made every replica skip it, and the trainer's real
+    micro-batch of that step was refused as stale. Now a close more than one step ahead is refused, and
+    an empty close of the next step is not acted on while the trainer's data flows."""
+
+    async def scenario():
+        net = Net()
+        nodes = _replicas(tiny_cfg, ["A", "B"], net, start_compute)
+        tasks = await _start(nodes)
+        _close(nodes, 2, {}, sender=STRANGER)  # the step after next
+        assert all(n.counters.refused_closes == 1 and 2 not in n.pending for n in nodes.values())
+        _close(nodes, 1, {}, sender=STRANGER)  # the next step: kept, never acted on by itself
+        steps = []
+        for step in range(3):
+            a, b = micro_batches[2 * step : 2 * step + 1], micro_batches[2 * step + 1 : 2 * step + 2]
+            await _until(lambda s=step: all(n.worker.epoch == s for n in nodes.values()))
+            await asyncio.sleep(0.2)  # the forged close of step 1 has had every chance
+            assert all(n.worker.epoch == step for n in nodes.values())
+            _train(nodes["A"].worker, a, step, f"a{step}")  # not stale, not late: accumulated
+            _train(nodes["B"].worker, b, step, f"b{step}")
+            assert nodes["A"].worker.buckets[step].samples == 8 == nodes["B"].worker.buckets[step].samples
+            _close(nodes, step, {"A": 8, "B": 8})
+            steps.append([(a, f"a{step}"), (b, f"b{step}")])
+        await _until(lambda: all(n.counters.steps == 3 for n in nodes.values()))
+        await _stop(tasks)
+        _assert_honest(nodes, _reference(tiny_cfg, steps), 3)
+
+    asyncio.run(scenario())
+
+
+def test_forged_gradients_are_not_averaged(tiny_cfg, micro_batches, start_compute):
+    """Before: a stranger's `grads` with a forged close naming it were averaged into both replicas. Now
+    the close is not acted on (the stranger is no live replica), the stranger's gradients are not even
+    kept, and a live replica's gradients count only as a member of the decided close with its count."""
+
+    async def scenario():
+        net = Net()
+        nodes = _replicas(tiny_cfg, ["A", "B", "C"], net, start_compute)
+        _train(nodes["A"].worker, micro_batches[:1], 0, "a")
+        _train(nodes["B"].worker, micro_batches[1:2], 0, "b")
+        poison = [torch.full_like(p, 1e3) for p in nodes["A"].worker.params]
+        tasks = await _start(nodes)
+        _close(nodes, 0, {"A": 8, "B": 8, STRANGER: 8}, sender=STRANGER)
+        for node in nodes.values():  # held (the forged close names it), never counted
+            node.on_grads(STRANGER, 0, 8, [t.clone() for t in poison])
+            assert not node.on_grads("Y", 0, 8, [t.clone() for t in poison])  # named by nobody: dropped
+        await asyncio.sleep(0.3)
+        assert all(n.worker.epoch == 0 for n in nodes.values())
+        # C is a live replica of the stage but no member of step 0: its sums are kept, never counted
+        for name in "AB":
+            assert nodes[name].on_grads("C", 0, 8, [t.clone() for t in poison])
+        _close(nodes, 0, {"A": 8, "B": 8})
+        await _until(lambda: all(n.counters.steps == 1 for n in nodes.values()))
+        await _stop(tasks)
+        reference = _reference(tiny_cfg, [[(micro_batches[:1], "a"), (micro_batches[1:2], "b")]])
+        _assert_honest(nodes, reference, 1)
+        assert all(n.counters.ignored_grads == 1 for n in nodes.values())  # Y's (C's: kept, not counted)
+        assert all(n.counters.last_group_size == 2 for n in nodes.values())
+
+    asyncio.run(scenario())
+
+
+def test_a_member_sending_another_count_than_the_close_is_left_out(tiny_cfg, micro_batches, start_compute):
+    """A close naming B with 16 while B holds 8: B leaves its samples out and tells A at once (its real
+    count), so A does not wait; both apply A's 8 alone and stay equal."""
+
+    async def scenario():
+        net = Net()
+        nodes = _replicas(tiny_cfg, ["A", "B"], net, start_compute, _settings(exchange_timeout_s=30.0))
+        _train(nodes["A"].worker, micro_batches[:1], 0, "a")
+        _train(nodes["B"].worker, micro_batches[1:2], 0, "b")
+        tasks = await _start(nodes)
+        start = time.monotonic()
+        _close(nodes, 0, {"A": 8, "B": 16})
+        await _until(lambda: all(n.counters.steps == 1 for n in nodes.values()))
+        assert time.monotonic() - start < 5.0
+        await _stop(tasks)
+        reference = _reference(tiny_cfg, [[(micro_batches[:1], "a")]])
+        _assert_same_params([reference, nodes["A"].worker, nodes["B"].worker])
+        assert nodes["B"].counters.unconfirmed_samples == 8 and nodes["A"].counters.ignored_grads == 1
+
+    asyncio.run(scenario())
+
+
+# honest runs keep working -------------------------------------------------------------------------------
+def test_two_trainers_and_three_replicas_with_a_forger_about(tiny_cfg, micro_batches, start_compute):
+    """Two trainers (shards 0 and 1, each its own sender), A and B members, C a replica that got no
+    micro-batch (it waits for a member's gradients), and a stranger's close for shard 0 as well."""
+
+    async def scenario():
+        net = Net()
+        nodes = _replicas(tiny_cfg, ["A", "B", "C"], net, start_compute)
+        _train(nodes["A"].worker, micro_batches[:2], 0, "t0-")  # trainer 0's two micro-batches
+        _train(nodes["A"].worker, micro_batches[2:3], 0, "t1-")  # and one of trainer 1's
+        _train(nodes["B"].worker, micro_batches[3:4], 0, "t1b-")
+        tasks = await _start(nodes)
+        _close(nodes, 0, {"C": 8}, sender=STRANGER, shards=2)
+        _close(nodes, 0, {"A": 16}, sender="T0", shard=0, shards=2)
+        await asyncio.sleep(0.3)
+        assert all(n.worker.epoch == 0 for n in nodes.values())  # waiting for trainer 1
+        _close(nodes, 0, {"A": 8, "B": 8}, sender="T1", shard=1, shards=2)
+        await _until(lambda: all(n.counters.steps == 1 for n in nodes.values()))
+        await _stop(tasks)
+        reference = _reference(
+            tiny_cfg,
+            [[(micro_batches[:2], "t0-"), (micro_batches[2:3], "t1-"), (micro_batches[3:4], "t1b-")]],
+        )
+        _assert_honest(nodes, reference, 1)
+        assert all(n.counters.timed_out_closes == 0 for n in nodes.values())
+
+    asyncio.run(scenario())
+
+
+def test_a_trainer_that_died_mid_step_does_not_stall_a_lone_replica(tiny_cfg, micro_batches, start_compute):
+    """Trainer 1 died after its micro-batch reached A: trainer 0's close (A: 8) disagrees with A's 16 and
+    nobody can confirm it. After the close timeout and another one, A steps as before the checks (all its
+    samples: it is the only member), instead of stalling the stage."""
+
+    async def scenario():
+        net = Net()
+        nodes = _replicas(tiny_cfg, ["A"], net, start_compute, _settings(close_timeout_s=0.3))
+        _train(nodes["A"].worker, micro_batches[:1], 0, "t0-")
+        _train(nodes["A"].worker, micro_batches[1:2], 0, "t1-")
+        tasks = await _start(nodes)
+        _close(nodes, 0, {"A": 8}, sender="T0", shard=0, shards=2)
+        await asyncio.sleep(0.45)
+        assert nodes["A"].worker.epoch == 0  # due at 0.3 s, disagreeing: not before another 0.3 s
+        await _until(lambda: nodes["A"].counters.steps == 1)
+        await _stop(tasks)
+        c = nodes["A"].counters
+        assert c.lenient_steps == 1 and c.timed_out_closes == 1 and nodes["A"].worker.samples_seen == 16
+
+    asyncio.run(scenario())
+
+
+def test_a_replica_joining_mid_run_is_believed_once_the_dht_shows_it(tiny_cfg, micro_batches, start_compute):
+    """The trainer may name a replica that joined before our DHT view shows it: the close waits (it is
+    kept, not dropped) and decides once the view has it."""
+
+    async def scenario():
+        net = Net()
+        view = LiveReplicas(keep_s=60.0)
+        view.update(["A"])
+        nodes = {}
+        for name in "AJ":
+            worker = StageWorker(tiny_cfg, tiny_cfg.stages()[1])
+            nodes[name] = StepCoordinator(
+                worker, start_compute(), name, net.sender(name), _settings(), live_replicas=view
+            )
+            net.nodes[name] = nodes[name]
+        _train(nodes["A"].worker, micro_batches[:1], 0, "a")
+        _train(nodes["J"].worker, micro_batches[1:2], 0, "j")
+        tasks = await _start(nodes)
+        _close(nodes, 0, {"A": 8, "J": 8})
+        await asyncio.sleep(0.3)
+        assert nodes["A"].worker.epoch == 0
+        view.update(["A", "J"])
+        await _until(lambda: all(n.counters.steps == 1 for n in nodes.values()))
+        await _stop(tasks)
+        reference = _reference(tiny_cfg, [[(micro_batches[:1], "a"), (micro_batches[1:2], "j")]])
+        _assert_honest(nodes, reference, 1)
+
+    asyncio.run(scenario())
+
+
+def test_a_replica_the_view_lacks_is_believed_once_it_answers_a_stage_ping(
+    tiny_cfg, micro_batches, start_compute
+):
+    """A replica that just joined (or moved here) and is not in the DHT view yet: the close naming it
+    makes the others ping it, and it decides as soon as the ping says it serves this stage; a named
+    peer that does not answer as a replica keeps its close from being acted on."""
+    pinged: list[str] = []
+
+    async def verify(peer):
+        pinged.append(peer)
+        return peer in ("A", "J")  # J serves this stage; X (a stranger's name) does not answer
+
+    async def scenario():
+        net = Net()
+        view = _view(["A"])
+        nodes = {}
+        for name in "AJ":
+            worker = StageWorker(tiny_cfg, tiny_cfg.stages()[1])
+            nodes[name] = StepCoordinator(
+                worker,
+                start_compute(),
+                name,
+                net.sender(name),
+                _settings(),
+                live_replicas=view if name == "A" else _view(["A", "J"]),
+                verify=verify,
+            )
+            net.nodes[name] = nodes[name]
+        _train(nodes["A"].worker, micro_batches[:1], 0, "a")
+        _train(nodes["J"].worker, micro_batches[1:2], 0, "j")
+        tasks = await _start(nodes)
+        _close(nodes, 0, {"A": 8, "X": 8}, sender=STRANGER)
+        _close(nodes, 0, {"A": 8, "J": 8})
+        await _until(lambda: all(n.counters.steps == 1 for n in nodes.values()), timeout_s=3.0)
+        await _stop(tasks)
+        assert sorted(set(pinged)) == ["J", "X"]  # only A pinged: J's view had everyone
+        assert "J" in view.current() and "X" not in view.current()
+        reference = _reference(tiny_cfg, [[(micro_batches[:1], "a"), (micro_batches[1:2], "j")]])
+        _assert_honest(nodes, reference, 1)
+
+    asyncio.run(scenario())
+
+
+# the pure checks ------------------------------------------------------------------------------------------
+LIVE = frozenset("ABC")
+
+
+def _c(members, sender=TRAINER, shard=0, shards=1, at=0.0, participants=("A", "B", "C")):
+    return Close(sender, shard, shards, dict(members), frozenset(participants), at)
+
+
+def _decide(closes, me="A", own=0, received=None, live=LIVE, now=1.0, **kw):
+    candidates = step_candidates(closes, me, live, 10.0)
+    return decide_step(candidates, me, own, received or {}, now, 10.0, **kw)
+
+
+def _settle(closes, me="A", own=0, received=None, unreachable=(), timed_out=False):
+    candidates = step_candidates(closes, me, LIVE, 10.0)
+    return settle_step(candidates, me, own, received or {}, set(unreachable), timed_out)
+
+
+def test_close_window():
+    assert close_refusal(4, 5, 1) is not None  # applied
+    assert close_refusal(5, 5, 1) is None and close_refusal(6, 5, 1) is None
+    assert close_refusal(7, 5, 1) is not None  # the step after next
+    assert close_refusal(7, 5, 2) is None  # max_staleness = 1
+
+
+def test_a_member_closes_its_step_on_a_close_that_agrees_with_its_own_count():
+    d = _decide([_c({"A": 8, "B": 8})], own=8)
+    assert d is not None and dict(d.members) == {"A": 8, "B": 8} and d.participants == {"B", "C"}
+    assert not d.lenient
+    assert _decide([_c({"A": 16, "B": 8})], own=8) is None  # not what A holds
+    assert _decide([_c({"B": 8})], own=8) is None  # A's samples left out by a close nobody confirmed
+
+
+def test_a_non_member_waits_for_a_members_gradients():
+    closes = [_c({"A": 8, "B": 8})]
+    assert _decide(closes, me="C") is None
+    assert _decide(closes, me="C", received={"A": 4}) is None  # another count: no confirmation
+    assert _decide(closes, me="C", received={"A": 8}) is not None
+    # a replica whose samples no close lists acts once a member confirms it (and leaves them out)
+    assert _decide(closes, me="C", own=8, received={"B": 8}) is not None
+    # local steps exchange nothing per step: agreeing with its own count is enough
+    assert _decide(closes, me="C", confirm=False) is not None
+
+
+def test_unknown_members_are_never_acted_on_not_even_late():
+    closes = [_c({"A": 8, STRANGER: 8})]
+    assert _decide(closes, own=8, now=1e6, reached_s=0.0) is None
+    assert _decide(closes, own=8, live=None) is not None  # no DHT view (unchecked)
+    d = _decide([_c({"A": 8}, participants=("A", "B", STRANGER))], own=8)
+    assert d is not None and d.participants == {"B"}  # never send gradients to a stranger
+
+
+def test_trainers_closes_are_merged_and_waited_for():
+    t0, t1 = _c({"A": 8}, "T0", 0, 2, 0.0), _c({"A": 8, "B": 8}, "T1", 1, 2, 0.5)
+    assert _decide([t0], own=16, now=5.0) is None  # trainer 1 not yet
+    d = _decide([t0, t1], own=16)
+    assert d is not None and dict(d.members) == {"A": 16, "B": 8} and d.complete and d.closes == 2
+    d = _decide([t0], own=8, now=10.0)  # trainer 1 never closes: the close timeout
+    assert d is not None and not d.complete
+
+
+def test_an_empty_or_disagreeing_close_is_acted_on_only_after_a_second_timeout():
+    empty = [_c({}, at=0.0)]
+    assert _decide(empty, now=9.0) is None
+    assert _decide(empty, now=11.0, reached_s=5.0) is None  # counted from reaching the step
+    d = _decide(empty, now=15.0, reached_s=5.0)
+    assert d is not None and d.lenient and not d.members
+    assert _decide(empty, own=8, now=9.0) is None  # A holds samples: the empty close disagrees ...
+    d = _decide([*empty, _c({"A": 8}, sender="T1", at=3.0)], own=8, now=9.0)
+    assert d is not None and not d.lenient  # ... and the trainer's close decides
+
+
+def test_the_exchange_settles_which_close_is_applied():
+    honest = _c({"A": 8, "B": 8}, at=0.5)
+    # the issue's case: a close naming B, which holds nothing; A holds 8 and applies the trainer's close
+    assert dict(_settle([_c({"B": 8}, "X", at=0.0), _c({"A": 8})], own=8).members) == {"A": 8}
+    # a forged subset that happens to agree with B: B waits for A's gradients, which confirm the trainer's
+    subset = _c({"B": 8}, "X", at=0.0)
+    assert _settle([subset, honest], me="B", own=8) is None
+    assert dict(_settle([subset, honest], me="B", own=8, received={"A": 8}).members) == {"A": 8, "B": 8}
+    # a forged superset naming C, which never answers: the trainer's close once the exchange times out
+    superset = _c({"A": 8, "B": 8, "C": 8}, "X", at=0.0)
+    assert _settle([superset, honest], own=8, received={"B": 8}) is None
+    assert dict(_settle([superset, honest], own=8, received={"B": 8}, timed_out=True).members) == {
+        "A": 8,
+        "B": 8,
+    }
+    # a dead member (unreachable) is not waited for
+    assert dict(_settle([honest], own=8, unreachable={"B"}).members) == {"A": 8, "B": 8}
+
+
+def test_a_forged_close_for_a_trainers_shard_loses_to_the_trainers():
+    """Two trainers; a stranger's close claims shard 0 (naming C, which holds nothing). B agrees with both
+    sets; A's gradients (24 samples, what trainer 0's close and trainer 1's say) settle it."""
+    forged, t0, t1 = (
+        _c({"C": 8}, "X", 0, 2, 0.0),
+        _c({"A": 16}, "T0", 0, 2, 0.1),
+        _c({"A": 8, "B": 8}, "T1", 1, 2, 0.2),
+    )
+    closes = [forged, t0, t1]
+    assert _settle(closes, me="B", own=8) is None
+    assert dict(_settle(closes, me="B", own=8, received={"A": 24}).members) == {"A": 24, "B": 8}
+    assert dict(_settle(closes, me="A", own=24, received={"B": 8}).members) == {"A": 24, "B": 8}
+    assert dict(_settle(closes, me="C", received={"A": 24, "B": 8}).members) == {"A": 24, "B": 8}
+
+
+def test_live_replicas_keep_a_peer_for_a_while_after_a_read_misses_it():
+    view = LiveReplicas(keep_s=3.0)
+    view.update(["A", "B"], now_s=0.0)
+    view.update([], now_s=2.0)  # a failed DHT read
+    assert view.current(now_s=2.5) == {"A", "B"}
+    view.update(["A"], now_s=4.0)
+    assert view.current(now_s=4.0) == {"A"}
