@@ -100,15 +100,20 @@ def test_evaluations_batched_equal_alone(cfg, data):
 
 
 def test_a_retry_in_a_batch_is_not_accumulated_twice(cfg, data):
-    """A micro-batch the stage already holds shares no call: it runs alone and accumulates nothing."""
+    """A micro-batch the stage already holds shares no call: it runs alone and accumulates nothing. Its
+    reply still reports the samples this replica holds of it (the first reply was lost), so the trainer's
+    close names what the replica holds; once the step is sealed it reports none."""
     w1 = StageWorker(cfg, cfg.stages()[1])
     hidden = torch.randn(2, cfg.model.seq_len, cfg.model.d_model)
     first = _req("forward", "m0", hidden, labels=data[0][1], fused_backward=True)
     w1.forward(first)
     again = [first, _req("forward", "m1", hidden, labels=data[1][1], fused_backward=True)]
     replies = run_forwards(w1, again)
-    assert [r.header["acc"] for r in replies] == [0, 2]
+    assert [r.header["acc"] for r in replies] == [2, 2]
     assert w1.buckets[0].micro_batch_ids == ["m0", "m1"] and w1.counters["duplicates"] == 1
+    assert w1.buckets[0].samples == 4
+    w1.seal(0)
+    assert w1.forward(first).header["acc"] == 0 and w1.buckets[0].samples == 4
 
 
 def test_a_non_finite_micro_batch_is_refused_alone(cfg, data):

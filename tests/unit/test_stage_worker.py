@@ -85,7 +85,7 @@ def test_a_retried_backward_is_never_applied_twice(tiny_cfg, batches):
     again = workers[0].backward(_req("backward", "m0", x, grad_outputs=grad))
     assert workers[0].unapplied_samples == 8 and workers[0].counters["duplicates"] == 1
     assert all(torch.equal(a, b) for a, b in zip(sums, workers[0].buckets[0].grad_sums, strict=True))
-    assert again.kind == "result" and again.header["acc"] == 0
+    assert again.kind == "result" and again.header["acc"] == 8  # held here once: reported, not re-added
     fused = workers[1].forward(_req("forward", "m0", torch.randn(8, 64, 64), labels=y, fused_backward=True))
     assert workers[1].unapplied_samples == 8 and "grad_inputs" in fused.tensors  # answered, not re-applied
 

@@ -99,6 +99,7 @@ def decide_step(
     close_timeout_s: float,
     confirm: bool = True,
     reached_s: float = float("-inf"),
+    short_grace_s: float | None = None,
 ) -> StepDecision | None:
     """Whether this replica closes its step now (seals its sums and sends them): the candidate it starts
     with, or None (wait). `own_samples`: what it accumulated for the step; `received`: the sample counts
@@ -109,7 +110,11 @@ def decide_step(
         - `confirm` is False (local steps: nothing is exchanged to confirm with) and it agrees with
           `own_samples`.
     A replica the candidate does not name, or a candidate naming nobody, thus needs a confirmation: a
-    forged close does not make a replica close its step before the trainer's data is there. When no
+    forged close does not make a replica close its step before the trainer's data is there. A candidate
+    naming this replica with fewer samples than it holds (a trainer that missed the reply of a
+    micro-batch accumulated here) is acted on `short_grace_s` after it became due and this replica
+    reached the step, when no better one came meanwhile; this replica then leaves its samples out, so
+    that every replica sums the same set (None: only at the lenient fallback). When no
     candidate passes for `close_timeout_s` after one became due and this replica reached the step
     (`reached_s`: a close sent long before starts no clock), the best one is returned `lenient`: a stage
     must not stall when a trainer died mid-step or every micro-batch of a step failed."""
@@ -121,10 +126,12 @@ def decide_step(
         score, _, _ = _evidence(candidate, peer_id, own_samples, received, frozenset())
         consistent, mine = score[0], candidate.members.get(peer_id, 0)
         confirmed = any(p != peer_id and received.get(p) == n for p, n in candidate.members.items())
-        if (consistent and (mine > 0 or not confirm)) or confirmed:
+        since_s = now_s - max(candidate.due_s, reached_s)
+        short = 0 < mine < own_samples and short_grace_s is not None and since_s >= short_grace_s
+        if (consistent and (mine > 0 or not confirm)) or confirmed or short:
             if best is None or score > best[0]:
                 best = (score, candidate)
-        elif now_s >= max(candidate.due_s, reached_s) + close_timeout_s:
+        elif since_s >= close_timeout_s:
             if fallback is None or score > fallback[0]:
                 fallback = (score, dataclasses.replace(candidate, lenient=True))
     if best is not None:

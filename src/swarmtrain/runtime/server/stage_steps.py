@@ -88,7 +88,7 @@ KEPT_STEP_MEANS = 3
 KEPT_MEANS_BYTES = 64 * 2**20
 MAX_REPLAY_STEPS = 64  # a replica further behind downloads the state instead
 MAX_CLOSES_PER_STEP = 64  # distinct senders of closes kept per step (an honest run has one per trainer)
-MAX_HELD_GRADS = 4  # per step: sums from peers the DHT view does not show yet, named by a kept close
+MAX_HELD_GRADS = 4  # per step: sums kept from peers our view of the stage lacks (pinged meanwhile)
 Verify = Callable[[str], Awaitable[bool]]  # does this peer answer a ping as a replica of this stage?
 MAX_VERIFIED_PER_CLOSE = 4  # unknown members of one close pinged (an honest close names a new one or two)
 REFUTED_KEEP_S = 10.0  # a peer that failed a stage ping is not pinged again for this long
@@ -104,6 +104,7 @@ class StepSettings:
     # exchange takes ~10 ms on a LAN and a few seconds for a big stage over a slow link, but a slow
     # member still answers a ping, so this only decides how soon a frozen one is noticed
     probe_after_s: float = 1.0
+    short_close_grace_s: float = 1.0  # at least this long before acting on a close short of our samples
 
 
 class LiveReplicas:
@@ -178,6 +179,7 @@ class StepCoordinator:
         self.worker, self.compute, self.peer_id = worker, compute, peer_id
         self.live_replicas, self.verify, self.close_window = live_replicas, verify, close_window
         self._verifying: dict[str, asyncio.Task] = {}
+        self._close_wait_s: float | None = None  # moving average: reaching a step -> deciding it
         self._refuted: OrderedDict[str, float] = OrderedDict()  # peer -> when its stage ping failed
         self.send_grads, self.settings = send_grads, settings
         self.ledger = ledger or Ledger(None)
@@ -226,16 +228,16 @@ class StepCoordinator:
         return True
 
     def on_grads(self, peer: str, step: int, samples: int, sums: list[torch.Tensor]) -> bool:
-        """A stage peer's gradient sums of a step; kept only from a live replica of the stage, or (a few)
-        from a peer a kept close of the step names (a replica that joined before our DHT view shows it).
-        They count only if the step's decided close names `peer` with exactly `samples`. False if not kept."""
+        """A stage peer's gradient sums of a step; kept from a live replica of the stage, or (a few per
+        step) from a peer our view lacks, which is then pinged (a replica that joined, or our view expired
+        while this replica was frozen). They count only if the step's decided close names `peer`, which
+        must then be a live replica, with exactly `samples`. False if not kept."""
         live, state = self._live(), self._pending(step)
         if state is None:
             return False
         if live is not None and peer not in live and peer not in state.received:
-            named = any(peer in close.members for close in state.closes.values())
             held = sum(1 for p in state.received if p not in live)
-            if not named or held >= MAX_HELD_GRADS:
+            if held >= MAX_HELD_GRADS:
                 self.counters.ignored_grads += 1
                 logger.warning(
                     "gradients of step %d from %s ignored: not a live replica of this stage",
@@ -243,6 +245,7 @@ class StepCoordinator:
                     _short(peer),
                 )
                 return False
+            self._check_unknown([peer])
         state.received[peer] = (samples, sums)
         state.changed.set()
         return True
@@ -374,8 +377,22 @@ class StepCoordinator:
             self.settings.close_timeout_s,
             confirm=self.worker.outer is None,
             reached_s=state.reached_s,
+            short_grace_s=self._short_grace_s(),
         )
+        if state.decision is not None and not state.decision.lenient:
+            took_s = time.monotonic() - state.reached_s
+            self._close_wait_s = (
+                took_s if self._close_wait_s is None else 0.8 * self._close_wait_s + 0.2 * took_s
+            )
         return state.decision is not None
+
+    def _short_grace_s(self) -> float:
+        """How long a close that names this replica with fewer samples than it holds waits for a better
+        one: twice the usual wait from reaching a step to its close (the trainer's close normally comes
+        within one), at least `short_close_grace_s`. A forger's short close sent early thus loses to the
+        trainer's, while a trainer's own short close costs a second or two, not the lenient fallback."""
+        usual_s = 0.0 if self._close_wait_s is None else 2.0 * self._close_wait_s
+        return max(self.settings.short_close_grace_s, usual_s)
 
     def _candidates(self, state: PendingStep, due: bool = False) -> list[StepDecision]:
         candidates = step_candidates(

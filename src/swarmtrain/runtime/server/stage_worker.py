@@ -143,7 +143,10 @@ class StageWorker:
             self.counters["forward"] += 1
             self.counters["samples_forward"] += request.num_samples
         return make_message(
-            "result", {"mb": request.micro_batch_id}, {"outputs": self.compute.to_host(outputs)}, request.codec
+            "result",
+            {"mb": request.micro_batch_id},
+            {"outputs": self.compute.to_host(outputs)},
+            request.codec,
         )
 
     def backward(self, request: StageRequest) -> Message:
@@ -200,7 +203,8 @@ class StageWorker:
         self, request: StageRequest, outputs, grad_outputs, inputs, params
     ) -> tuple[torch.Tensor | None, int]:
         """Accumulate parameter gradients into the request's step, at most once per micro-batch;
-        always return the input gradient (and the number of samples accumulated, 0 or n)."""
+        always return the input gradient (and the number of samples it holds here, 0 or n: a duplicate
+        of one accumulated before counts)."""
         mb, n = request.micro_batch_id, request.num_samples
         wants_input_grad = inputs.requires_grad
         extra = [inputs] if wants_input_grad else []
@@ -211,7 +215,7 @@ class StageWorker:
             self.counters[skip] += 1
             self.ledger.write(_LEDGER_EVENT[skip], mb=mb, n=n, step=request.step)
             grad = torch.autograd.grad(outputs, extra, grad_outputs)[0] if wants_input_grad else None
-            return grad, 0
+            return grad, self._held(request) if skip == "duplicates" else 0
         grads = torch.autograd.grad(outputs, params + extra, grad_outputs, allow_unused=True)
         param_grads = grads[: len(params)]
         if not all_finite(param_grads):
@@ -233,6 +237,13 @@ class StageWorker:
             bucket.micro_batch_ids.append(request.micro_batch_id)
             bucket.samples += request.num_samples
             self.ledger.write("acc", mb=request.micro_batch_id, n=request.num_samples, step=step)
+
+    def _held(self, request: StageRequest) -> int:
+        """A duplicate's samples, when they are in the step's open bucket: its first reply was lost (a cut
+        stream, a hedge whose original got this far), and reporting them lets the trainer's close name
+        what this replica holds instead of a count short of it (which the step coordinator must doubt)."""
+        bucket = self.buckets.get(request.step) if request.step is not None else None
+        return request.num_samples if bucket is not None and not bucket.sealed else 0
 
     def skip_reason(self, request: StageRequest) -> str | None:
         step = request.step
