@@ -483,7 +483,7 @@ def test_an_empty_or_disagreeing_close_is_acted_on_only_after_a_second_timeout()
 
 def test_a_close_short_of_our_samples_waits_a_grace_then_decides_without_them():
     """The trainer missed a reply of a micro-batch accumulated here (its count for A is short): after the
-    grace (not the lenient fallback) A acts on it and, by the count, leaves its own samples out; a close
+    grace (not the lenient fallback) A acts on it (and counts all its samples, as its peers do); a close
     naming A exactly wins whenever it comes within the grace, and none of this applies to a replica the
     close does not name or to a close naming more than A holds."""
     short = [_c({"A": 8, "B": 8}, at=0.0)]
@@ -496,6 +496,18 @@ def test_a_close_short_of_our_samples_waits_a_grace_then_decides_without_them():
     assert _decide([_c({"B": 8}, at=0.0)], own=16, now=5.0, reached_s=0.0, short_grace_s=1.0) is None
     assert _decide([_c({"A": 24}, at=0.0)], own=16, now=5.0, reached_s=0.0, short_grace_s=1.0) is None
     assert _decide(short, own=16, now=5.0, reached_s=0.0) is None  # no grace given: only the fallback
+
+
+def test_an_empty_close_after_reaching_the_step_is_graced_one_sent_before_is_not():
+    """Every micro-batch of a trainer failed at this stage: its close names nobody and comes after the
+    replica reached the step (graced). A forger's empty close for a later step comes before (fallback)."""
+    late = [_c({}, at=2.0)]
+    assert _decide(late, now=2.5, reached_s=1.0, short_grace_s=1.0) is None
+    d = _decide(late, now=3.5, reached_s=1.0, short_grace_s=1.0)
+    assert d is not None and not d.lenient and not d.members
+    early = [_c({}, at=0.5)]
+    assert _decide(early, now=9.0, reached_s=1.0, short_grace_s=1.0) is None
+    assert _decide(late, own=8, now=9.0, reached_s=1.0, short_grace_s=1.0) is None  # we hold samples
 
 
 def test_the_exchange_settles_which_close_is_applied():

@@ -113,8 +113,10 @@ def decide_step(
     forged close does not make a replica close its step before the trainer's data is there. A candidate
     naming this replica with fewer samples than it holds (a trainer that missed the reply of a
     micro-batch accumulated here) is acted on `short_grace_s` after it became due and this replica
-    reached the step, when no better one came meanwhile; this replica then leaves its samples out, so
-    that every replica sums the same set (None: only at the lenient fallback). When no
+    reached the step, when no better one came meanwhile (every replica then counts this one's real
+    samples); so is a candidate naming nobody, when this replica holds nothing and the candidate came
+    after it reached the step (all of a trainer's micro-batches failed at this stage; a forger's empty
+    close for a later step comes before). None: only at the lenient fallback. When no
     candidate passes for `close_timeout_s` after one became due and this replica reached the step
     (`reached_s`: a close sent long before starts no clock), the best one is returned `lenient`: a stage
     must not stall when a trainer died mid-step or every micro-batch of a step failed."""
@@ -127,8 +129,12 @@ def decide_step(
         consistent, mine = score[0], candidate.members.get(peer_id, 0)
         confirmed = any(p != peer_id and received.get(p) == n for p, n in candidate.members.items())
         since_s = now_s - max(candidate.due_s, reached_s)
-        short = 0 < mine < own_samples and short_grace_s is not None and since_s >= short_grace_s
-        if (consistent and (mine > 0 or not confirm)) or confirmed or short:
+        graced = short_grace_s is not None and since_s >= short_grace_s
+        short = 0 < mine < own_samples and graced
+        # a trainer whose micro-batches all failed here closes with nobody; a forger's empty close for a
+        # later step is sent before this replica gets there, so only one that came after may be graced
+        empty = not candidate.members and own_samples == 0 and candidate.first_s >= reached_s and graced
+        if (consistent and (mine > 0 or not confirm)) or confirmed or short or empty:
             if best is None or score > best[0]:
                 best = (score, candidate)
         elif since_s >= close_timeout_s:

@@ -489,23 +489,26 @@ class StepCoordinator:
             logger.warning("step %d: the closes of %d trainer(s) came, not of all", step, final.closes)
         members = final.members
         mine = members.get(self.peer_id, 0)
-        # our sums count when the close attributes exactly them to us (lenient: when it names us at all)
-        counted = own > 0 and (mine > 0 if final.lenient else own == mine)
+        # our sums count when the close names us with at most what we hold: a trainer that missed the reply
+        # of a micro-batch accumulated here counts fewer, and the others count our real sums likewise
+        # (a member's count at least the close's), so every replica sums the same set
+        counted = own > 0 and mine > 0 and (final.lenient or own >= mine)
+        if mine and own != mine:
+            self.counters.disagreeing_closes += 1
+            logger.warning(
+                "step %d: this replica holds %d samples, the close says %d: %s",
+                step,
+                own,
+                mine,
+                "all counted" if counted else "left out",
+            )
         if own and not counted:  # the trainers do not confirm these: the others cannot count them
-            if mine:
-                self.counters.disagreeing_closes += 1
-                logger.warning(
-                    "step %d: this replica holds %d samples, the close says %d: its samples are left out",
-                    step,
-                    own,
-                    mine,
-                )
             self.counters.unconfirmed_samples += own
             self.ledger.write("lost", mbs=bucket.micro_batch_ids, n=own, reason="unconfirmed")
         contributions = {}
         for peer in (set(members) - {self.peer_id}) & set(state.received):
             samples, sums = state.received[peer]
-            if final.lenient or samples == members[peer]:
+            if final.lenient or samples >= members[peer]:
                 contributions[peer] = (samples, sums)
             else:
                 self.counters.ignored_grads += 1
