@@ -64,7 +64,9 @@ def _view(peers) -> LiveReplicas:
     return view
 
 
-def _replicas(cfg, names, net, start_compute, settings=None, live=None):
+def _replicas(cfg, names, net, start_compute, settings=None, live=None, view_of=None, verify=None):
+    """Coordinators of stage 1 on `net`, sharing one view of the live replicas (`live`, default: all of
+    them) unless `view_of(name)` gives each its own."""
     view = _view(names if live is None else live)
     nodes = {}
     for name in names:
@@ -75,7 +77,8 @@ def _replicas(cfg, names, net, start_compute, settings=None, live=None):
             name,
             net.sender(name),
             settings or _settings(),
-            live_replicas=view,
+            live_replicas=view if view_of is None else view_of(name),
+            verify=verify,
         )
         net.nodes[name] = nodes[name]
     return nodes
@@ -342,15 +345,8 @@ def test_a_replica_joining_mid_run_is_believed_once_the_dht_shows_it(tiny_cfg, m
 
     async def scenario():
         net = Net()
-        view = LiveReplicas(keep_s=60.0)
-        view.update(["A"])
-        nodes = {}
-        for name in "AJ":
-            worker = StageWorker(tiny_cfg, tiny_cfg.stages()[1])
-            nodes[name] = StepCoordinator(
-                worker, start_compute(), name, net.sender(name), _settings(), live_replicas=view
-            )
-            net.nodes[name] = nodes[name]
+        view = _view(["A"])
+        nodes = _replicas(tiny_cfg, "AJ", net, start_compute, view_of=lambda _: view)
         _train(nodes["A"].worker, micro_batches[:1], 0, "a")
         _train(nodes["J"].worker, micro_batches[1:2], 0, "j")
         tasks = await _start(nodes)
@@ -381,19 +377,10 @@ def test_a_replica_the_view_lacks_is_believed_once_it_answers_a_stage_ping(
     async def scenario():
         net = Net()
         view = _view(["A"])
-        nodes = {}
-        for name in "AJ":
-            worker = StageWorker(tiny_cfg, tiny_cfg.stages()[1])
-            nodes[name] = StepCoordinator(
-                worker,
-                start_compute(),
-                name,
-                net.sender(name),
-                _settings(),
-                live_replicas=view if name == "A" else _view(["A", "J"]),
-                verify=verify,
-            )
-            net.nodes[name] = nodes[name]
+        others = _view(["A", "J"])
+        nodes = _replicas(
+            tiny_cfg, "AJ", net, start_compute, view_of=lambda n: view if n == "A" else others, verify=verify
+        )
         _train(nodes["A"].worker, micro_batches[:1], 0, "a")
         _train(nodes["J"].worker, micro_batches[1:2], 0, "j")
         tasks = await _start(nodes)
