@@ -177,11 +177,11 @@ def last_metrics(log_text: str) -> dict | None:
 
 
 def server_counts(metrics: Iterable[dict | None]) -> dict:
-    """Backwards, recomputed backwards and requests that shared a call, summed over the servers (each
-    since its start, at its last metrics line); None where no server reports the counter."""
+    """Backwards, recomputed backwards, requests that shared a call and bundled hand-offs, summed over
+    the servers (each since its start, at its last metrics line); None where no server reports it."""
     present = [m for m in metrics if m is not None]
     totals: dict = {}
-    for key in ("backward", "recomputed", "batched_requests"):
+    for key in ("backward", "recomputed", "batched_requests", "bundles_sent"):
         values = [m[key] for m in present if key in m]
         totals[key] = sum(values) if values else None
     return totals
@@ -341,7 +341,7 @@ def batching_lines(report: dict) -> list[str]:
         f"{local_text}",
         f"  {'trainers':>8s} {'max tokens':>10s} {'off':>9s} {'on':>9s} {'on/off':>7s} "
         f"{'cores off srv/trn':>17s} {'cores on srv/trn':>16s} {'fail off/on':>11s} "
-        f"{'shared on':>9s} {'recomp off/on':>13s}",
+        f"{'shared on':>9s} {'bundles on':>10s} {'recomp off/on':>13s}",
     ]
     for entry in report["batching"]:
         off, on = entry["off"], entry["on"]
@@ -349,11 +349,13 @@ def batching_lines(report: dict) -> list[str]:
             f"  {entry['trainers']:8d} {entry['max_batch_tokens']:10d} {_sps(off)} {_sps(on)} "
             f"{_num(entry['on_over_off'], '.2f', 7)} {_cores(off):>17s} {_cores(on):>16s} "
             f"{_failed(off) + '/' + _failed(on).strip():>11s} {_count(on, 'batched_requests'):>9s} "
+            f"{_count(on, 'bundles_sent'):>10s} "
             f"{_count(off, 'recomputed') + '/' + _count(on, 'recomputed'):>13s}"
         )
     lines += [
         "  shared: requests that ran in one call with others; recomp: backwards that recomputed their",
-        "  forward (a batched forward's graph serves only backwards that come back together);",
+        "  forward (a batched forward's graph serves only backwards that come back together); bundles:",
+        "  hand-offs to the next stage that carried several micro-batches in one message;",
         "  both summed over the servers since their start",
     ]
     verdict = batching_verdict(report)

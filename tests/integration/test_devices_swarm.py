@@ -86,6 +86,8 @@ def test_bf16_servers_batching_requests_of_three_trainers_match_local_fp32(make_
     # the last stage serves every micro-batch: with 3 trainers x 4 in flight, calls must be shared
     last = next(i for i in infos.values() if i.header["stage"] == 1).header["compute"]
     assert last["calls"] < last["requests"], last
+    # and stage 0 handed micro-batches of one call to stage 1 together (net/bundle.py)
+    assert sum(i.header["compute"]["bundles_sent"] for i in infos.values() if i.header["stage"] == 0) > 0
     a, b = (infos[peer] for peer in probe.peers(0))
     for name in a.tensors:
         assert a.tensor(name).dtype == torch.float32  # master weights stay fp32 under bf16 compute

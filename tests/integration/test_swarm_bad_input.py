@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from swarmtrain.net import protocol
+from swarmtrain.net.bundle import REPLY_KINDS, bundle_message, split_bundle
 from swarmtrain.net.protocol import Message, pack, request_message
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
@@ -63,6 +64,11 @@ def _bad_requests(cfg, digest):
         ),
         ("absurd declared size", "forward", protocol.MAGIC + struct.pack("<I", len(forged)) + forged),
         ("garbage bytes", "forward", b"\x00garbage" * 1000),
+        (
+            "a bundle of a forward",
+            "bundle",
+            pack(bundle_message([request_message("forward", "b", 1, digest, "none", {"inputs": hidden})], 1)),
+        ),
         ("empty message", "backward", b""),
         ("truncated payload", "forward_backward", req({"inputs": hidden, "labels": labels})[:-100]),
         (
@@ -115,3 +121,31 @@ def test_bad_requests_get_error_answers_and_change_nothing(make_swarm):
     reply = probe.call_raw(peer, "forward_backward", pack(good))
     assert reply.kind == "result" and reply.header["loss"] > 0
     assert reply.tensor("grad_inputs").shape == hidden.shape
+
+
+def test_a_bundle_answers_each_item_as_if_it_came_alone(make_swarm):
+    swarm, cfg = make_swarm("tiny")
+    swarm.start_dht()
+    swarm.start_server("s1", 1)
+    swarm.wait_ready(["s1"])
+    probe = make_swarm.probe(cfg, swarm)
+    probe.wait_for_peers([0, 1])
+    (peer,) = probe.peers(1)
+    m, t = cfg.model, cfg.model.seq_len
+
+    def item(mb: str, digest: str) -> Message:
+        tensors = {"inputs": torch.randn(2, t, m.d_model), "labels": torch.randint(0, m.vocab_size, (2, t))}
+        return request_message("forward_backward", mb, 1, digest, "none", tensors, step=0)
+
+    items = [item("good-1", cfg.digest()), item("bad-1", "0" * 16), item("good-2", cfg.digest())]
+    reply = probe.call_raw(peer, "bundle", pack(bundle_message(items, 1)))
+    answers = split_bundle(reply, REPLY_KINDS)
+    assert [a.kind for a in answers] == ["result", "error", "result"]
+    assert answers[1].header["code"] == "digest_mismatch"
+    assert [answers[0].header["mb"], answers[2].header["mb"]] == ["good-1", "good-2"]
+    assert answers[0].tensor("grad_inputs").shape == (2, t, m.d_model)
+    # the two good micro-batches accumulated once each; sent again, neither accumulates twice
+    assert probe.info(peer).header["pending_samples"] == 4
+    again = split_bundle(probe.call_raw(peer, "bundle", pack(bundle_message(items[::2], 1))), REPLY_KINDS)
+    assert all(a.kind == "result" for a in again)
+    assert probe.info(peer).header["pending_samples"] == 4

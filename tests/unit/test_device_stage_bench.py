@@ -117,21 +117,22 @@ def test_cores_are_cpu_seconds_per_role_over_the_window():
 
 
 def test_server_counters_come_from_the_last_whole_metrics_line():
-    line = 'metrics {"stage":0,"backward":%d,"recomputed":%d,"batched_requests":%d}'
+    line = 'metrics {"stage":0,"backward":%d,"recomputed":%d,"batched_requests":%d,"bundles_sent":%d}'
     log = "\n".join(
         [
-            "02:59:05 I swarmtrain.runtime.server.server_process: " + line % (10, 1, 4),
-            "02:59:10 I swarmtrain.runtime.server.server_process: " + line % (20, 3, 8),
+            "02:59:05 I swarmtrain.runtime.server.server_process: " + line % (10, 1, 4, 1),
+            "02:59:10 I swarmtrain.runtime.server.server_process: " + line % (20, 3, 8, 2),
             '02:59:15 I swarmtrain.runtime.server.server_process: metrics {"stage":0,"backw',  # cut by a stop
             "02:59:16 I swarmtrain.runtime.server.server_process: stage 0 replica x stopping",
         ]
     )
-    assert bench.last_metrics(log) == {"stage": 0, "backward": 20, "recomputed": 3, "batched_requests": 8}
+    last = {"stage": 0, "backward": 20, "recomputed": 3, "batched_requests": 8, "bundles_sent": 2}
+    assert bench.last_metrics(log) == last
     assert bench.last_metrics("no metrics here\n") is None
-    older = {"backward": 5, "recomputed": 0}  # a server without the batching counter
+    older = {"backward": 5, "recomputed": 0}  # a server without the batching counters
     counts = bench.server_counts(m for m in [bench.last_metrics(log), older, None])  # read once
-    assert counts == {"backward": 25, "recomputed": 3, "batched_requests": 8}
-    assert bench.server_counts([None]) == {"backward": None, "recomputed": None, "batched_requests": None}
+    assert counts == {"backward": 25, "recomputed": 3, "batched_requests": 8, "bundles_sent": 2}
+    assert set(bench.server_counts([None]).values()) == {None}
 
 
 def test_local_spread_is_the_largest_relative_change_of_a_stage():
@@ -158,12 +159,13 @@ def _run(
     error: str | None = None,
     shared: int = 0,
     recomputed: int = 0,
+    bundles: int = 0,
 ) -> dict:
     if error:
         return {"error": error, "label": "8 trainer(s), batching on", "wall_s": 3.0}
     totals = {"failed": 0, "retries": 0, "timeouts": 0, "missing": 0}
     cores = {"servers": servers, "trainers": trainers, "dht": 0.01}
-    servers = {"backward": 600, "recomputed": recomputed, "batched_requests": shared}
+    servers = {"backward": 600, "recomputed": recomputed, "batched_requests": shared, "bundles_sent": bundles}
     return {
         "samples_per_s": sps,
         "samples": 300,
@@ -195,7 +197,10 @@ def fake_report(swap: dict) -> dict:
     batching = [
         bench.batching_entry(1, 512, _run(100.0), _run(110.0)),
         bench.batching_entry(
-            4, 512, _run(120.0, trainers=0.6), _run(180.0, trainers=0.6, shared=400, recomputed=250)
+            4,
+            512,
+            _run(120.0, trainers=0.6),
+            _run(180.0, trainers=0.6, shared=400, recomputed=250, bundles=90),
         ),
         bench.batching_entry(8, 1024, _run(100.0), _run(None, error="RunFailed: trainer3 exited with 1")),
     ]
@@ -220,12 +225,12 @@ def test_tables_show_samples_ratios_cores_and_failures():
     # bf16's stage 0 read 200 before and 400 after: the machine was busy, and the table says so
     assert "! bf16: local before and after the swarm differ by up to 67%" in text
     assert "! fp32" not in text
-    one = ["1", "512", "100.0", "110.0", "1.10", "1.60/0.30", "1.60/0.30", "0/0", "0", "0/0"]
+    one = ["1", "512", "100.0", "110.0", "1.10", "1.60/0.30", "1.60/0.30", "0/0", "0", "0", "0/0"]
     assert _row(lines, "1", "512") == one
     assert _row(lines, "4", "512")[2:5] == ["120.0", "180.0", "1.50"]
-    assert _row(lines, "4", "512")[-2:] == ["400", "0/250"]
+    assert _row(lines, "4", "512")[-3:] == ["400", "90", "0/250"]
     eight = _row(lines, "8", "1024")
-    assert eight[2:5] == ["100.0", "FAILED", "-"] and eight[-2:] == ["-", "0/-"]
+    assert eight[2:5] == ["100.0", "FAILED", "-"] and eight[-3:] == ["-", "-", "0/-"]
     assert "trainer3 exited with 1" in text
     assert (
         "on/off >= 1.3 with 4+ trainers of micro-batch 2: NOT met (4: 1.50, 8: -)" in text

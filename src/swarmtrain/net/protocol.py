@@ -33,7 +33,7 @@ def namespace(cfg: RunConfig) -> str:
 
 # 2: training requests carry the global step they belong to; 3: forward_backward and evaluate are
 # message kinds of their own (were flags on forward); 4: chain (direct hand-off, net/hand_off.py)
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 MAGIC = b"SWT1"
 MAX_HEADER_BYTES = 64 * 1024
 MAX_ID_CHARS = 128
@@ -54,12 +54,14 @@ MAX_ABS_VALUE = 1e6
 # outer round for that round's mean (to fill what a partial all-reduce left out)
 # chain: a micro-batch handed from server to server along a route (net/hand_off.py); ping: is the
 # server's event loop alive (answered there at once, never queued behind the compute thread), which tells
-# a frozen peer (SIGSTOP, a partition: its sockets stay open, nothing answers) from a busy one
+# a frozen peer (SIGSTOP, a partition: its sockets stay open, nothing answers) from a busy one;
+# bundle: several hand-off messages to one peer, and their answers, as one message (net/bundle.py)
 MICRO_BATCH_KINDS = ("forward", "backward", "forward_backward", "evaluate")
 TRAINING_KINDS = ("forward", "backward", "forward_backward", "chain")  # micro-batch requests that train
 KINDS = (
     *MICRO_BATCH_KINDS,
     "chain",
+    "bundle",
     "close",
     "grads",
     "info",
@@ -69,6 +71,7 @@ KINDS = (
     "result",
     "error",
 )
+BUNDLE_KIND = "bundle"
 MAX_STEP = 2**53
 _LEN = struct.Struct("<I")
 

@@ -35,6 +35,7 @@ STREAM_KINDS = (
     "forward_backward",
     "evaluate",
     "chain",
+    "bundle",
     "grads",
     "step_means",
     "round_mean",
@@ -170,9 +171,13 @@ class StageServicer(ServicerBase):
         max_message_bytes: int,
         stats: TransportStats | None = None,
         run_key: RunKey | None = None,
+        max_bundle_bytes: int = 0,
     ) -> None:
+        """`max_bundle_bytes`: the largest `bundle` accepted (several micro-batches; 0: the limit of
+        any other message)."""
         self.handler = handler
         self.max_message_bytes = max_message_bytes
+        self.max_bundle_bytes = max_bundle_bytes or max_message_bytes
         self.stats = stats or TransportStats()
         self.run_key = run_key  # a private run: only peers holding it are answered
 
@@ -204,6 +209,12 @@ class StageServicer(ServicerBase):
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         async for response in self._serve("chain", requests, context):
+            yield response
+
+    async def rpc_bundle(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        async for response in self._serve("bundle", requests, context):
             yield response
 
     async def rpc_grads(
@@ -244,7 +255,7 @@ class StageServicer(ServicerBase):
 
     async def _serve(self, kind: str, requests, context: P2PContext):
         try:
-            data = await _collect(requests, self.max_message_bytes, drain_s=MAX_DRAIN_S)
+            data = await _collect(requests, self._limit(kind), drain_s=MAX_DRAIN_S)
         except ProtocolError as exc:
             reply = error_message(str(exc), exc.code)
         else:
@@ -260,10 +271,13 @@ class StageServicer(ServicerBase):
         for chunk in chunks:
             yield runtime_pb2.ExpertResponse(metadata=chunk)
 
+    def _limit(self, kind: str) -> int:
+        return self.max_bundle_bytes if kind == "bundle" else self.max_message_bytes
+
     async def _answer(self, kind: str, data: bytes, context: P2PContext) -> Message:
         start_cpu_s = time.thread_time()
         try:
-            message = unpack(data, self.max_message_bytes)
+            message = unpack(data, self._limit(kind))
             if self.run_key is not None and not self.run_key.verify(
                 context.remote_id.to_base58(), message.header.get("auth")
             ):

@@ -31,6 +31,7 @@ from swarmtrain.net.protocol import (
 )
 from swarmtrain.net.transport import StageClient
 from swarmtrain.runtime.server.compute import PRIORITY_BACKWARD, PRIORITY_FORWARD, ComputeWorker
+from swarmtrain.runtime.server.hop_uploads import PeerUploads
 from swarmtrain.runtime.server.stage_batches import BACKWARD, FORWARD, batch_item
 from swarmtrain.runtime.server.stage_worker import StageWorker
 from swarmtrain.utils.logging import get_logger
@@ -95,7 +96,7 @@ class ChainHop:
         self.worker, self.compute, self.client, self.next_stage = worker, compute, client, next_stage
         self.io, self.digest, self.num_stages, self.peer_id = io, digest, num_stages, peer_id
         self.retries = 0  # calls to the next stage that failed and went to another candidate
-        self._lanes: dict[str, asyncio.Lock] = {}  # per next-stage peer: one upload at a time
+        self._uploads: dict[str, PeerUploads] = {}  # per next-stage peer
 
     async def run(self, chain: ChainRequest, admitted: Admitted) -> Message:
         forward = chain.forward
@@ -153,7 +154,8 @@ class ChainHop:
                 break
             message = self._next_message(chain, outputs, flags, timeout_s)
             try:
-                reply = await self._call_in_lane(peer, message, timeout_s)
+                tokens = int(forward.inputs.shape[0] * forward.inputs.shape[1])
+                reply = await self._uploads_to(peer).call(message, tokens, timeout_s)
                 grad = checked_grad_reply(reply, tuple(forward.inputs.shape[:2]), self.io.d_model)
                 return reply, self._hops(chain, peer, reply), grad
             except ProtocolError as exc:  # a malformed reply: it may have applied, like a cut-off one
@@ -173,21 +175,16 @@ class ChainHop:
             )
         raise NextHopFailed(f"stage {stage}: every candidate failed, last: {last_reason}")
 
-    async def _call_in_lane(self, peer: str, message: Message, timeout_s: float) -> Message:
-        """Call `peer`, one upload at a time per peer: the lane is held until the peer has the whole
-        request. Uploads sent together share the link fairly and all arrive at the end, so the next
-        stage computed nothing while the link was busy and the link idled while it computed; one at a
-        time, it computes one micro-batch while the next arrives."""
-        lane = self._lanes.setdefault(peer, asyncio.Lock())
-        received = asyncio.Event()
-        async with lane:
-            call = asyncio.ensure_future(
-                self.client.call(PeerID.from_base58(peer), message.kind, message, timeout_s, received)
-            )
-            arrived = asyncio.ensure_future(received.wait())
-            await asyncio.wait({call, arrived}, return_when=asyncio.FIRST_COMPLETED)
-            arrived.cancel()
-        return await call
+    def _uploads_to(self, peer: str) -> PeerUploads:
+        if peer not in self._uploads:
+            max_tokens = self.compute.max_batch_tokens
+            self._uploads[peer] = PeerUploads(self.client, peer, self.io.stage + 1, max_tokens)
+        return self._uploads[peer]
+
+    @property
+    def bundles(self) -> int:
+        """Uploads to the next stage that carried several micro-batches."""
+        return sum(u.bundles for u in self._uploads.values())
 
     def _next_message(self, chain: ChainRequest, outputs, flags: list[bool], timeout_s: float) -> Message:
         forward, stage = chain.forward, self.io.stage + 1

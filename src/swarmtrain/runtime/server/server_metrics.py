@@ -39,6 +39,7 @@ class ServerMetrics:
     busy_s: float  # compute thread busy time (wall)
     work_s: float  # the device's seconds of micro-batch work (what capacity is measured from)
     batched_requests: int = 0  # requests that shared a compute call with another (--max-batch-tokens)
+    bundles_sent: int = 0  # hand-offs to the next stage that carried several micro-batches (net/bundle.py)
     moved: dict | None = None  # the cost of the move that brought this server here, if any
     role: str = "server"
 

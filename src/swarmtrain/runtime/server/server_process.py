@@ -253,7 +253,9 @@ class ServerProcess:
                 return error_message(f"a stage server does not answer {message.kind!r}", "bad_request")
             return await handler(message, context)
 
-        servicer = StageServicer(dispatch, service.max_message_bytes, run_key=run_key)
+        servicer = StageServicer(
+            dispatch, service.max_message_bytes, run_key=run_key, max_bundle_bytes=service.max_bundle_bytes
+        )
         # one byte and CPU count for what this server receives and what it hands to the next stage
         client = StageClient(p2p, namespace(self.cfg), stats=servicer.stats, run_key=run_key)
         service.start_serving(Transport(client=client, stats=servicer.stats))

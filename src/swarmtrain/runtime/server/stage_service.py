@@ -32,10 +32,13 @@ import torch
 from swarmtrain.config import RunConfig
 from swarmtrain.config.errors import UserError
 from swarmtrain.model.device import CPU_FP32, ComputeDevice, busy_clock_s
+from swarmtrain.net.bundle import MAX_BUNDLE_ITEMS, bundle_message, split_bundle
+from swarmtrain.net.bundle import REQUEST_KINDS as BUNDLE_REQUEST_KINDS
 from swarmtrain.net.dht_records import RunRecords, StageAnnouncement, progress_key, stage_key
 from swarmtrain.net.engine import shutdown_quietly
 from swarmtrain.net.hand_off import validate_chain
 from swarmtrain.net.protocol import (
+    BUNDLE_KIND,
     TRAINING_KINDS,
     Message,
     ProtocolError,
@@ -229,6 +232,7 @@ class StageService:
             "forward_backward": self._on_forward_backward,
             "evaluate": self._on_evaluate,
             "chain": self._on_chain,
+            BUNDLE_KIND: self._on_bundle,
         }
 
     def _make_synchronizer(self) -> StageSynchronizer:
@@ -332,6 +336,11 @@ class StageService:
         params = self.worker.params
         grads_bytes = max_grads_message_bytes(sum(p.numel() for p in params), len(params))
         return max(self.io.max_message_bytes(), grads_bytes)
+
+    @property
+    def max_bundle_bytes(self) -> int:
+        """The largest `bundle` this stage accepts: as many micro-batches as a bundle may carry."""
+        return self.io.max_message_bytes() * MAX_BUNDLE_ITEMS
 
     @property
     def serving(self) -> bool:
@@ -577,6 +586,15 @@ class StageService:
     async def _on_chain(self, message: Message, _context) -> Message:
         return await self._serve(message, self._run_chain)
 
+    async def _on_bundle(self, message: Message, context) -> Message:
+        """Each item answered by the handler of its kind, all at once (so they may share a compute call),
+        and the answers bundled in order."""
+        items = split_bundle(message, BUNDLE_REQUEST_KINDS)
+        answers = await asyncio.gather(
+            *(self.handlers[item.kind](item, context) for item in items), return_exceptions=True
+        )
+        return bundle_message([_answer_of(a) for a in answers], self.spec.index)
+
     async def _serve(self, message: Message, run: Callable[[Message], Awaitable[Message]]) -> Message:
         """Admission common to every micro-batch: refused while downloading or draining; counted while
         it runs, so a drain waits for it."""
@@ -689,7 +707,11 @@ class StageService:
             "fingerprint": self.sync.fingerprint,  # [step, [sum |p|, sum p]] as compared between replicas
             "counters": dict(w.counters),
             "cache": {"entries": len(w.cache), "bytes": w.cache_bytes},
-            "compute": {"requests": self.compute.tasks_done, "calls": self.compute.calls},
+            "compute": {
+                "requests": self.compute.tasks_done,
+                "calls": self.compute.calls,
+                "bundles_sent": self.hop.bundles if self.hop is not None else 0,
+            },
             "device": self.options.compute.describe(),
             "sync": vars(self.sync.counters),
             "steps": vars(self.steps.counters),
@@ -740,7 +762,7 @@ class StageService:
         by_priority = self.compute.work_s_by_priority
         compute_s = by_priority.get(PRIORITY_FORWARD, 0.0) + by_priority.get(PRIORITY_BACKWARD, 0.0)
         stats = self._transport.stats if self._transport is not None else None
-        return compute_s + (stats.cpu_s(TRAINING_KINDS) if stats is not None else 0.0)
+        return compute_s + (stats.cpu_s((*TRAINING_KINDS, BUNDLE_KIND)) if stats is not None else 0.0)
 
     def metrics(self) -> ServerMetrics:
         c, s, st = self.worker.counters, self.sync.counters, self.steps.counters
@@ -768,12 +790,23 @@ class StageService:
             busy_s=round(self.compute.busy_s, 3),
             work_s=round(self._work_s(), 3),
             batched_requests=self.compute.tasks_done - self.compute.calls,
+            bundles_sent=self.hop.bundles if self.hop is not None else 0,
         )
 
 
 def _sender(context) -> str:
     """The authenticated peer id a message came from (libp2p)."""
     return context.remote_id.to_base58()
+
+
+def _answer_of(outcome: Message | BaseException) -> Message:
+    """A bundle item's answer: its reply, or the error a lone request would have been answered with."""
+    if isinstance(outcome, ProtocolError):
+        return error_message(str(outcome), outcome.code)
+    if isinstance(outcome, BaseException):
+        logger.error("a bundled request failed", exc_info=outcome)
+        return error_message(f"internal error: {outcome!r}", "internal")
+    return outcome
 
 
 def _leaving_answer() -> Message:
