@@ -32,10 +32,10 @@ measurement but the processes it names; the machine itself may be shared, see th
 
 Every swarm row also reports the cores each role used in its window (CPU seconds of every process in
 the role's process groups, p2pd daemons included, / window seconds), the micro-batches that failed, and
-from the servers' last metrics log line (totals since their start) the requests that shared a call and
-the backwards that recomputed their forward: a batched forward keeps one graph for its micro-batches,
-which only serves their backwards if those come back together (the others are recomputed, together
-when they share a call), so batching can add forward work.
+from the servers' last metrics log line (totals since their start) the requests that shared a call, the
+hand-offs that went to the next stage as one bundle of several micro-batches, and the backwards that
+recomputed their forward (no graph kept: evicted, or another replica ran the forward; a batched
+forward's graph serves its members' backwards whenever they come back).
 The trainers are not given cores of their own: on a small machine (2 cores here) they compete with the
 servers, each trainer being a Python process and a p2pd daemon (~70 MB, some CPU for its RPCs), so with
 many trainers the servers get less than their threads and a lower on/off ratio can be the trainers' CPU
@@ -354,8 +354,8 @@ def batching_lines(report: dict) -> list[str]:
         )
     lines += [
         "  shared: requests that ran in one call with others; recomp: backwards that recomputed their",
-        "  forward (a batched forward's graph serves only backwards that come back together); bundles:",
-        "  hand-offs to the next stage that carried several micro-batches in one message;",
+        "  forward (no graph kept); bundles: hand-offs to the next stage that carried several",
+        "  micro-batches in one message;",
         "  both summed over the servers since their start",
     ]
     verdict = batching_verdict(report)

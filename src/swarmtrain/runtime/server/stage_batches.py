@@ -13,10 +13,12 @@ would return for it alone:
   micro-batches one by one in floating-point rounding only;
 - a call whose parameter gradients are not finite is run again one request at a time, so only the
   micro-batch that caused it is refused;
-- a batched training forward keeps one graph for its micro-batches (`Group`); their backwards use it when
-  they come back together in one call. Backwards that cannot use a graph (none kept, or a group not all
-  back) are recomputed together: one forward and one backward of their concatenated inputs (extra
-  forward work a run without batching does not have: bench/device_stage.py counts these recomputes).
+- a batched training forward keeps one graph for its micro-batches (`Group`); the backwards of its
+  members use it whenever they come back, together or not: each call back-propagates the whole group's
+  outputs with zero gradient on the rows of members not in it (exactly zero contribution to the
+  parameter gradients), keeping the graph until its last member is back. Backwards without a graph
+  (none kept: evicted, or another replica ran the forward) are recomputed together: one forward and one
+  backward of their concatenated inputs (bench/device_stage.py counts these recomputes).
 
 On a small micro-batch most of a call's cost does not grow with its size (Python, dispatch, one kernel
 launch per operation), which is what batching saves.
@@ -25,7 +27,7 @@ launch per operation), which is what batching saves.
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -45,6 +47,10 @@ class Group:
     inputs: torch.Tensor  # the concatenated inputs (a leaf with requires_grad for hidden states)
     outputs: torch.Tensor
     params: list[torch.Tensor]
+    pending: set[str] = field(init=False)  # members whose backward has not run through the graph yet
+
+    def __post_init__(self) -> None:
+        self.pending = set(self.members)
 
 
 def batch_item(worker: StageWorker, request: StageRequest, op: str) -> BatchItem:
@@ -72,9 +78,9 @@ def run_forwards(worker: StageWorker, requests: list[StageRequest]) -> Sequence[
 
 
 def run_backwards(worker: StageWorker, requests: list[StageRequest]) -> Sequence[Message | Exception]:
-    """`worker.backward` of each request. A group whose every member is here back-propagates its graph
-    once; a micro-batch with a graph of its own uses it; the others (no graph kept, or part of a group
-    not all here) are recomputed together in one forward and one backward."""
+    """`worker.backward` of each request. The members here of a group back-propagate its graph once
+    (whether or not the whole group is here); a micro-batch with a graph of its own uses it; the others
+    (no graph kept) are recomputed together in one forward and one backward."""
     entries = {r.micro_batch_id: worker.cache_pop(r.micro_batch_id) for r in requests}
     by_mb = {r.micro_batch_id: r for r in requests}
     if len(by_mb) < len(requests) or not _may_share_accumulation(worker, requests):
@@ -82,8 +88,9 @@ def run_backwards(worker: StageWorker, requests: list[StageRequest]) -> Sequence
     outcomes: dict[str, Message | Exception] = {}
     for group in {id(e.group): e.group for e in entries.values() if e is not None and e.group}.values():
         assert isinstance(group, Group)
-        if set(group.members) <= by_mb.keys() and _group_usable(worker, group, entries, by_mb):
-            outcomes.update(_group_backward(worker, group, [by_mb[mb] for mb in group.members]))
+        here = [mb for mb in group.members if mb in by_mb and mb in group.pending]
+        if here and _group_usable(worker, group, entries, by_mb, here):
+            outcomes.update(_group_backward(worker, group, [by_mb[mb] for mb in here]))
     recompute = []
     for request in requests:
         mb, entry = request.micro_batch_id, entries[request.micro_batch_id]
@@ -170,9 +177,9 @@ def _fused(worker: StageWorker, requests: list[StageRequest]) -> list[Message | 
 
 
 # backwards --------------------------------------------------------------------------------------------
-def _group_usable(worker: StageWorker, group: Group, entries: dict, by_mb: dict) -> bool:
-    """Every member's entry is this group's, still usable, for the inputs its backward brings."""
-    for mb in group.members:
+def _group_usable(worker: StageWorker, group: Group, entries: dict, by_mb: dict, members: list[str]) -> bool:
+    """Each of `members` has its entry of this group, still usable, for the inputs its backward brings."""
+    for mb in members:
         entry = entries.get(mb)
         if entry is None or entry.group is not group:
             return False
@@ -194,17 +201,32 @@ def _recompute_backward(worker: StageWorker, requests: list[StageRequest]) -> di
 
 
 def _group_backward(worker: StageWorker, group: Group, requests: list[StageRequest]) -> dict:
-    """One backward through a group's graph with every member's output gradient, in the group's order."""
-    grad_outputs = torch.cat([worker.compute.to_device(r.grad_outputs) for r in requests])
+    """One backward through a group's graph with the output gradients of `requests` (members of the
+    group, in its order) and zero on the other members' rows; the graph is kept while members are left."""
+    grads_by_mb = {r.micro_batch_id: worker.compute.to_device(r.grad_outputs) for r in requests}
+    like = next(iter(grads_by_mb.values()))
+    spans = dict(zip(group.members, _spans(group.offsets), strict=True))
+    parts = [
+        grads_by_mb[mb] if mb in grads_by_mb else like.new_zeros((b - a, *like.shape[1:]))
+        for mb, (a, b) in spans.items()
+    ]
+    group.pending -= grads_by_mb.keys()
     wants_input_grad = group.inputs.requires_grad
     extra = [group.inputs] if wants_input_grad else []
-    grads = torch.autograd.grad(group.outputs, group.params + extra, grad_outputs, allow_unused=True)
+    grads = torch.autograd.grad(
+        group.outputs,
+        group.params + extra,
+        torch.cat(parts),
+        allow_unused=True,
+        retain_graph=bool(group.pending),
+    )
     param_grads = grads[: len(group.params)]
     if not all_finite(param_grads):  # each recomputes alone, so only the one at fault is refused
         return {r.micro_batch_id: _guarded(lambda r=r: worker.backward_from(r, None)) for r in requests}
     worker.accumulate(requests, param_grads)
     outcomes: dict[str, Message | Exception] = {}
-    for request, (a, b) in zip(requests, _spans(group.offsets), strict=True):
+    for request in requests:
+        a, b = spans[request.micro_batch_id]
         worker.counters["backward"] += 1
         tensors = {"grad_inputs": worker.compute.to_host(grads[-1][a:b])} if wants_input_grad else {}
         header = {"mb": request.micro_batch_id, "acc": request.num_samples}

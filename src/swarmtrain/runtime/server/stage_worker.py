@@ -48,8 +48,8 @@ class CacheEntry:
     outputs: torch.Tensor  # graph attached
     params: list[torch.Tensor]  # the live parameter leaves this graph was built on
     nbytes: int = 0  # estimated memory of the saved activations
-    # a batched forward's graph, shared by its micro-batches (runtime/server/stage_batches.py); a backward
-    # that cannot use the whole group recomputes its micro-batch instead
+    # a batched forward's graph, shared by its micro-batches (runtime/server/stage_batches.py, whose
+    # backwards use it); `backward_from` (a retry or late one, decided alone) recomputes instead
     group: object | None = None
 
     @property
