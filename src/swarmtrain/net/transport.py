@@ -345,18 +345,21 @@ class StageClient:
             raise RemoteError(str(reply.header.get("code", "error")), str(reply.header.get("error", "")))
         return reply
 
-    async def answers_ping(self, peer_id: PeerID, ping: Message, timeout_s: float) -> bool:
-        """Does the peer's event loop answer `ping` within `timeout_s`? Any answer counts (an error
-        answer too: it is alive); a timeout or a connection failure does not; anything else is a bug."""
+    async def ping_reply(self, peer_id: PeerID, ping: Message, timeout_s: float) -> Message | None:
+        """The peer's answer to `ping` within `timeout_s` (an error answer too, as an error message: the
+        peer is alive), or None on a timeout or a connection failure; anything else is a bug."""
         try:
-            await self.call(peer_id, "ping", ping, timeout_s)
-        except RemoteError:
-            return True
+            return await self.call(peer_id, "ping", ping, timeout_s)
+        except RemoteError as exc:
+            return error_message(exc.text, exc.code)
         except Exception as exc:
             if isinstance(exc, TimeoutError) or is_connection_error(exc):
-                return False
+                return None
             raise
-        return True
+
+    async def answers_ping(self, peer_id: PeerID, ping: Message, timeout_s: float) -> bool:
+        """Does the peer's event loop answer `ping` within `timeout_s`? Any answer counts."""
+        return await self.ping_reply(peer_id, ping, timeout_s) is not None
 
     async def call_raw(self, peer_id: PeerID, kind: str, data: bytes, timeout_s: float) -> Message:
         """Send arbitrary bytes to a handler (tests of a server's input validation)."""

@@ -471,46 +471,38 @@ class StageService:
             return Message("result", {**header, "empty": True})  # skipped alike on every replica
         return make_message("result", header, dict(zip(self.worker.names, means, strict=True)), "none")
 
-    async def _answers_ping(self, peer: str) -> bool:
-        """Does a stage peer's event loop answer at once (planner/deadlines.py's ping floor)? A frozen
-        peer does not; a busy one does."""
+    async def _ping_reply(self, peer: str) -> Message | None:
+        """A stage peer's answer to our stage ping within planner/deadlines.py's ping floor, or None
+        (no answer, or not a peer id)."""
         from hivemind.p2p import PeerID
 
         from swarmtrain.net.protocol import ping_message
         from swarmtrain.planner.deadlines import PING_TIMEOUT_FLOOR_S
 
+        assert self._transport is not None
+        try:
+            peer_id = PeerID.from_base58(peer)
+        except ValueError:
+            return None
+        message = ping_message(self.spec.index, self.digest)
+        return await self._transport.client.ping_reply(peer_id, message, PING_TIMEOUT_FLOOR_S)
+
+    async def _answers_ping(self, peer: str) -> bool:
+        """Does a stage peer's event loop answer at once? A frozen peer does not; a busy one does."""
         if self._transport is None:
             return True  # not serving yet: nobody to ask with, wait as before
-        message = ping_message(self.spec.index, self.digest)
-        return await self._transport.client.answers_ping(
-            PeerID.from_base58(peer), message, PING_TIMEOUT_FLOOR_S
-        )
+        return await self._ping_reply(peer) is not None
 
     async def _is_stage_replica(self, peer: str) -> bool:
         """Does `peer` answer a ping as a replica of this stage of this run (same stage, same digest)? A
         peer that does not answer, answers with an error, or serves something else is not one."""
-        from hivemind.p2p import PeerID
-
-        from swarmtrain.net.protocol import ping_message
-        from swarmtrain.net.transport import RemoteError, is_connection_error
-        from swarmtrain.planner.deadlines import PING_TIMEOUT_FLOOR_S
-
         if self._transport is None:
             return False
-        try:
-            peer_id = PeerID.from_base58(peer)
-        except ValueError:
-            return False  # not even a peer id
-        message = ping_message(self.spec.index, self.digest)
-        try:
-            reply = await self._transport.client.call(
-                peer_id, "ping", message, timeout_s=PING_TIMEOUT_FLOOR_S
-            )
-        except Exception as exc:
-            if isinstance(exc, RemoteError | TimeoutError) or is_connection_error(exc):
-                return False
-            raise
-        return reply.header.get("stage") == self.spec.index and reply.header.get("digest") == self.digest
+        reply = await self._ping_reply(peer)
+        return reply is not None and (reply.header.get("stage"), reply.header.get("digest")) == (
+            self.spec.index,
+            self.digest,
+        )
 
     async def _send_grads(self, peer: str, step: int, samples: int, sums: list[torch.Tensor]) -> bool:
         """One replica's gradient sums of a step to a stage peer; False if the peer is gone."""

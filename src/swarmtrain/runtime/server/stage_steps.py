@@ -471,10 +471,9 @@ class StepCoordinator:
             sent: set[str] = set()
 
             def settled(s: PendingStep) -> bool:
-                self._send_where_named(s, own, bucket.grad_sums, sent)
-                s.decision = settle_step(
-                    self._candidates(s, due=True), self.peer_id, own, _counts(s), s.unreachable
-                )
+                due = self._candidates(s, due=True)
+                self._send_where_named(s, due, own, bucket.grad_sums, sent)
+                s.decision = settle_step(due, self.peer_id, own, _counts(s), s.unreachable)
                 return s.decision is not None
 
             answered = await self._wait_for_sums(state, set(), settled)
@@ -531,15 +530,15 @@ class StepCoordinator:
         await self._apply(step, contributions, bucket.micro_batch_ids, start_s)
 
     def _send_where_named(
-        self, state: PendingStep, own: int, sums: list[torch.Tensor], sent: set[str]
+        self, state: PendingStep, due: list[StepDecision], own: int, sums: list[torch.Tensor], sent: set[str]
     ) -> None:
-        """Our sealed sums, with their real count, to the participants of every due candidate naming us:
+        """Our sealed sums, with their real count, to the participants of every `due` candidate naming us:
         where the count is what the candidate says they confirm it, elsewhere they tell its members at
         once to leave us out (instead of waiting for the exchange timeout)."""
         if not own:
             return
         peers: set[str] = set()
-        for candidate in self._candidates(state, due=True):
+        for candidate in due:
             if self.peer_id in candidate.members:
                 peers |= candidate.participants | set(candidate.members)
         peers -= sent | {self.peer_id}
