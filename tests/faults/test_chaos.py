@@ -1,4 +1,4 @@
-"""The chaos bench, 90 seconds, in the default tier: random SIGKILLs and SIGSTOPs (5-30 s) of servers,
+"""The chaos bench, 3 minutes, in the default tier: random SIGKILLs and SIGSTOPs (5-30 s) of servers,
 a whole-swarm SIGKILL crash and restart halfway; nothing applied twice, every stage balanced, the
 replicas equal, no stall over 30 s, the loss where it was after the restart (bench/chaos.py decides
 the verdict; this test runs it as a user would and checks its summary)."""
@@ -15,11 +15,9 @@ pytestmark = [pytest.mark.faults, pytest.mark.timeout(1200)]
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "chaos.py"
 
 
-def test_ninety_seconds_of_kills_stops_and_a_crash(tmp_path):
+def test_three_minutes_of_kills_stops_and_a_crash(tmp_path):
     summary_path = tmp_path / "chaos.json"
-    # a fault every 10 s: seed 0 drew 5 kills and 5 stops in 90 s, 175 s of wall time in all (3 minutes
-    # at 15 s took 230 s of the default run's 20 minutes); bench/chaos.py alone runs 10 minutes
-    argv = [sys.executable, str(BENCH), "--minutes", "1.5", "--fault-every-s", "10", "--seed", "0"]
+    argv = [sys.executable, str(BENCH), "--minutes", "3", "--fault-every-s", "15", "--seed", "0"]
     argv += ["--summary-json", str(summary_path), "--keep-logs", str(tmp_path / "logs")]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=1100)
     print(done.stdout[-6000:])
@@ -30,6 +28,6 @@ def test_ninety_seconds_of_kills_stops_and_a_crash(tmp_path):
     for stage in report["stages"]:
         assert stage["double_applied"] == 0 and stage["unaccounted"] == 0 and stage["balanced"]
     # a micro-batch stuck on a frozen peer past the close timeout has its step applied without it and
-    # fails (its samples lost, accounted above): at most a handful (1 of 2,636 seen in CI in 3 minutes)
+    # fails (its samples lost, accounted above): at most a handful in 3 minutes (1 of 2,636 seen in CI)
     micro_batches = report["micro_batches"]
     assert micro_batches["failed"] <= 0.005 * micro_batches["started"], micro_batches
