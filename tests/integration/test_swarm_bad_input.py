@@ -93,7 +93,8 @@ def _bad_requests(cfg, digest):
     ]
 
 
-def test_bad_requests_get_error_answers_and_change_nothing(make_swarm):
+def _last_stage_server(make_swarm):
+    """A swarm of one stage-1 server: (its config, a probe, the server's peer id)."""
     swarm, cfg = make_swarm("tiny")
     swarm.start_dht()
     swarm.start_server("s1", 1)
@@ -101,6 +102,11 @@ def test_bad_requests_get_error_answers_and_change_nothing(make_swarm):
     probe = make_swarm.probe(cfg, swarm)
     probe.wait_for_peers([0, 1])
     (peer,) = probe.peers(1)
+    return cfg, probe, peer
+
+
+def test_bad_requests_get_error_answers_and_change_nothing(make_swarm):
+    cfg, probe, peer = _last_stage_server(make_swarm)
     before = probe.info(peer, want="params")
 
     for description, kind, data in _bad_requests(cfg, cfg.digest()):
@@ -124,13 +130,7 @@ def test_bad_requests_get_error_answers_and_change_nothing(make_swarm):
 
 
 def test_a_bundle_answers_each_item_as_if_it_came_alone(make_swarm):
-    swarm, cfg = make_swarm("tiny")
-    swarm.start_dht()
-    swarm.start_server("s1", 1)
-    swarm.wait_ready(["s1"])
-    probe = make_swarm.probe(cfg, swarm)
-    probe.wait_for_peers([0, 1])
-    (peer,) = probe.peers(1)
+    cfg, probe, peer = _last_stage_server(make_swarm)
     m, t = cfg.model, cfg.model.seq_len
 
     def item(mb: str, digest: str) -> Message:

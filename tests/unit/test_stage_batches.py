@@ -12,7 +12,14 @@ import torch
 
 from swarmtrain.net.protocol import ProtocolError, StageRequest
 from swarmtrain.runtime.server.compute import PRIORITY_FORWARD, ComputeWorker
-from swarmtrain.runtime.server.stage_batches import BACKWARD, FORWARD, batch_item, run_backwards, run_forwards
+from swarmtrain.runtime.server.stage_batches import (
+    BACKWARD,
+    FORWARD,
+    backwards_left,
+    batch_item,
+    run_backwards,
+    run_forwards,
+)
 from swarmtrain.runtime.server.stage_worker import StageWorker
 
 pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_torch_thread")]
@@ -148,7 +155,10 @@ def test_backwards_that_come_back_one_by_one_use_their_groups_graph(cfg, data):
     ]
     backwards = [_req("backward", f"m{i}", data[i][0], grad_outputs=grads[i]) for i in range(3)]
     group = w0.cache["m0"].group
-    replies = [run_backwards(w0, [backwards[i]])[0] for i in (2, 0)] + run_backwards(w0, [backwards[1]])
+    assert backwards_left(w0, "m1") == 3  # what a backward tells the compute queue to wait for
+    replies = [run_backwards(w0, [backwards[i]])[0] for i in (2, 0)]
+    assert backwards_left(w0, "m1") == 1 and backwards_left(w0, "m2") == 1  # m2's entry is gone
+    replies += run_backwards(w0, [backwards[1]])
     reference = [alone.backward(backwards[i]) for i in (2, 0, 1)]
     assert [r.header["acc"] for r in replies] == [r.header["acc"] for r in reference] == [2, 2, 2]
     assert w0.counters["recomputed"] == 0 and not w0.cache and not group.pending

@@ -32,7 +32,13 @@ from swarmtrain.net.protocol import (
 from swarmtrain.net.transport import StageClient
 from swarmtrain.runtime.server.compute import PRIORITY_BACKWARD, PRIORITY_FORWARD, ComputeWorker
 from swarmtrain.runtime.server.hop_uploads import PeerUploads
-from swarmtrain.runtime.server.stage_batches import BACKWARD, FORWARD, batch_item
+from swarmtrain.runtime.server.stage_batches import (
+    BACKWARD,
+    FORWARD,
+    arriving_together,
+    backwards_left,
+    batch_item,
+)
 from swarmtrain.runtime.server.stage_worker import StageWorker
 from swarmtrain.utils.logging import get_logger
 
@@ -101,7 +107,9 @@ class ChainHop:
     async def run(self, chain: ChainRequest, admitted: Admitted) -> Message:
         forward = chain.forward
         reply, forward_s = await self.compute.run_batchable(
-            batch_item(self.worker, forward, FORWARD), PRIORITY_FORWARD, admitted.deadline_s
+            batch_item(self.worker, forward, FORWARD, arriving_together.get()),
+            PRIORITY_FORWARD,
+            admitted.deadline_s,
         )
         child_start_s = time.monotonic()
         try:
@@ -121,7 +129,8 @@ class ChainHop:
         # no deadline: the later stages have run their backward, so this stage runs its own whatever
         # the time, or the stages would disagree on the step's batch
         result, backward_s = await self.compute.run_batchable(
-            batch_item(self.worker, backward, BACKWARD), PRIORITY_BACKWARD
+            batch_item(self.worker, backward, BACKWARD, backwards_left(self.worker, forward.micro_batch_id)),
+            PRIORITY_BACKWARD,
         )
         own = HopReport(
             self.io.stage,

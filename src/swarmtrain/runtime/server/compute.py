@@ -9,7 +9,10 @@ Request batching (`max_batch_tokens` > 0): a job submitted as a `BatchItem` carr
 thread takes one, it also takes the queued items with the same key (same kind and step), oldest first,
 up to `max_batch_tokens` tokens, and runs them as one call of their `run_many`, whose results go back to
 each caller. On a small micro-batch the per-call cost (Python, dispatch, kernel launches) is most of
-the work, so several trainers' micro-batches in one call serve more samples per second.
+the work, so several trainers' micro-batches in one call serve more samples per second. Requests known
+to arrive together (a bundle's items, a batched forward's backwards coming back in one reply) reach the
+queue a few callbacks apart, and an idle thread would start the first alone: an item names how many
+`mates` it expects, and a thread with nothing else queued waits up to `MATES_WAIT_S` for them.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ PRIORITY_SYNC = 0
 PRIORITY_BACKWARD = 1
 PRIORITY_FORWARD = 2
 PRIORITY_EVAL = 3
+MATES_WAIT_S = 0.002  # the longest an idle thread waits for the announced mates of a batch item
 
 
 class DeadlineExpired(RuntimeError):
@@ -49,6 +53,7 @@ class BatchItem:
     tokens: int
     item: Any
     run_many: Callable[[list[Any]], Sequence[Any]]
+    mates: int = 1  # requests of this key (this one included) known to be arriving together
 
 
 @dataclass(order=True)
@@ -138,20 +143,38 @@ class ComputeWorker:
             first = heapq.heappop(self._heap)
             if first.batch is None or self.max_batch_tokens <= 0:
                 return [first]
-            key, tokens = first.batch.key, first.batch.tokens
-            mates = sorted(j for j in self._heap if j.batch is not None and j.batch.key == key)
-            taken = [first]
-            for job in mates:
-                assert job.batch is not None
-                if tokens + job.batch.tokens > self.max_batch_tokens:
-                    break
-                tokens += job.batch.tokens
-                taken.append(job)
+            taken, deadline_s = self._with_mates(first), time.monotonic() + MATES_WAIT_S
+            while self._awaits_mates(first, taken) and (left_s := deadline_s - time.monotonic()) > 0:
+                self._ready.wait(left_s)  # releases the lock: the mates can be pushed meanwhile
+                taken = self._with_mates(first)
             if len(taken) > 1:
                 chosen = {id(j) for j in taken}
                 self._heap = [j for j in self._heap if id(j) not in chosen]
                 heapq.heapify(self._heap)
             return taken
+
+    def _with_mates(self, first: _Job) -> list[_Job]:
+        """`first` and the queued jobs of its key, oldest first, within the token bound."""
+        assert first.batch is not None
+        key, tokens = first.batch.key, first.batch.tokens
+        taken = [first]
+        for job in sorted(j for j in self._heap if j.batch is not None and j.batch.key == key):
+            assert job.batch is not None
+            if tokens + job.batch.tokens > self.max_batch_tokens:
+                break
+            tokens += job.batch.tokens
+            taken.append(job)
+        return taken
+
+    def _awaits_mates(self, first: _Job, taken: list[_Job]) -> bool:
+        """Fewer than `first`'s announced mates are here, another would fit, and nothing else waits."""
+        assert first.batch is not None
+        tokens = sum(j.batch.tokens for j in taken if j.batch is not None)
+        return (
+            len(taken) < first.batch.mates
+            and tokens + first.batch.tokens <= self.max_batch_tokens
+            and len(taken) - 1 == len(self._heap)
+        )
 
     def _loop(self) -> None:
         while not self._stopped.is_set():

@@ -27,6 +27,7 @@ launch per operation), which is what batching saves.
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 import torch
@@ -53,15 +54,27 @@ class Group:
         self.pending = set(self.members)
 
 
-def batch_item(worker: StageWorker, request: StageRequest, op: str) -> BatchItem:
-    """The compute queue's view of a request: requests with equal keys may share a call."""
+# how many requests arrive together with the one being handled: set by a server for a bundle's items
+arriving_together: ContextVar[int] = ContextVar("arriving_together", default=1)
+
+
+def batch_item(worker: StageWorker, request: StageRequest, op: str, mates: int = 1) -> BatchItem:
+    """The compute queue's view of a request: requests with equal keys may share a call; `mates`: how
+    many of them (this one included) are known to be arriving together."""
     inputs = request.inputs
     key: Hashable = (op, request.step, request.evaluate, tuple(inputs.shape[1:]), inputs.dtype)
     tokens = int(inputs.shape[0]) * (int(inputs.shape[1]) if inputs.dim() > 1 else 1)
     run_many = (
         (lambda rs: run_forwards(worker, rs)) if op == FORWARD else (lambda rs: run_backwards(worker, rs))
     )
-    return BatchItem(key, tokens, request, run_many)
+    return BatchItem(key, tokens, request, run_many, mates)
+
+
+def backwards_left(worker: StageWorker, micro_batch_id: str) -> int:
+    """The backwards its batched forward's group still expects (1 for a micro-batch without a group)."""
+    entry = worker.cache.get(micro_batch_id)
+    group = entry.group if entry is not None else None
+    return len(group.pending) if isinstance(group, Group) and group.pending else 1
 
 
 def run_forwards(worker: StageWorker, requests: list[StageRequest]) -> Sequence[Message | Exception]:

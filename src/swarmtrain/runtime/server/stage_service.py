@@ -67,7 +67,7 @@ from swarmtrain.runtime.server.compute import (
     DeadlineExpired,
 )
 from swarmtrain.runtime.server.server_metrics import ServerMetrics
-from swarmtrain.runtime.server.stage_batches import BACKWARD, FORWARD, batch_item
+from swarmtrain.runtime.server.stage_batches import BACKWARD, FORWARD, arriving_together, batch_item
 from swarmtrain.runtime.server.stage_checkpoint import CheckpointSettings, StageCheckpointer
 from swarmtrain.runtime.server.stage_steps import LiveReplicas, StepCoordinator, StepSettings
 from swarmtrain.runtime.server.stage_sync import StageSynchronizer, SyncSettings
@@ -582,9 +582,15 @@ class StageService:
         """Each item answered by the handler of its kind, all at once (so they may share a compute call),
         and the answers bundled in order."""
         items = split_bundle(message, BUNDLE_REQUEST_KINDS)
-        answers = await asyncio.gather(
-            *(self.handlers[item.kind](item, context) for item in items), return_exceptions=True
-        )
+        together = arriving_together.set(
+            len(items)
+        )  # the items' tasks copy it: their compute waits for each other
+        try:
+            answers = await asyncio.gather(
+                *(self.handlers[item.kind](item, context) for item in items), return_exceptions=True
+            )
+        finally:
+            arriving_together.reset(together)
         return bundle_message([_answer_of(a) for a in answers], self.spec.index)
 
     async def _serve(self, message: Message, run: Callable[[Message], Awaitable[Message]]) -> Message:
@@ -648,7 +654,7 @@ class StageService:
             return admitted
         try:
             reply, compute_s = await self.compute.run_batchable(
-                batch_item(self.worker, request, op), priority, admitted.deadline_s
+                batch_item(self.worker, request, op, arriving_together.get()), priority, admitted.deadline_s
             )
         except DeadlineExpired as exc:
             return error_message(str(exc), "timeout")
