@@ -30,18 +30,30 @@ def test_a_partial_round_is_repaired_from_the_other_members_mean(make_swarm):
     for name in ("replica0", "replica1"):
         assert swarm.wait_exit(name, 240) == 0, swarm.processes[name].log_text()[-3000:]
     a, b = (json.loads(swarm.summary_path(f"replica{k}").read_text()) for k in range(2))
+
+    def logs() -> str:
+        return "\n".join(
+            f"--- replica{k}\n{swarm.processes[f'replica{k}'].log_text()[-4000:]}" for k in range(2)
+        )
+
     print(
         {k: a[k] for k in ("rounds_averaged", "rounds_partial", "rounds_repaired", "repair_bytes_received")}
     )
 
     rounds = SAMPLES // cfg.training.global_batch_size // cfg.diloco.inner_steps  # 8
     assert a["outer_steps"] == b["outer_steps"] == rounds
-    # the injected round is repaired. Under CI's load a second, natural partial round was seen once at
-    # outer step 0 (hivemind's reducer got 50% of its inputs: the other replica, at 27 samples/s, sent
-    # its part late) and was not repaired (docs/LOG.md, 2026-11-23); the weights must still agree below
-    assert a["rounds_repaired"] >= 1 and a["rounds_partial"] - a["rounds_repaired"] <= 1, a
-    assert a["rounds_resynced"] == b["rounds_resynced"] == 0 and a["state_bytes_received"] == 0, a
-    assert a["rounds_averaged"] == b["rounds_averaged"] == rounds
+    # the injected round: replica 0 repairs it from replica 1's mean, and replica 1 (which got replica
+    # 0's results) applies it as a full round: neither downloads a state for it
+    repaired = [k for k, outcome in a["round_outcomes"].items() if outcome == "repaired"]
+    assert repaired and all(b["round_outcomes"][k] == "averaged" for k in repaired), (a, b, logs())
+    # Under CI's load a round was also lost naturally, in 3 CI runs of many (hivemind's reducer got 50% of
+    # its inputs; or replica 0 averaged a round alone and replica 1 resynced: docs/LOG.md, 2026-11-23 and
+    # 2026-11-24). That is the designed recovery, not the repair under test: allow one such round, and a
+    # state download only by a replica that resynced a round.
+    natural = {k for r in (a, b) for k, outcome in r["round_outcomes"].items() if outcome != "averaged"}
+    assert len(natural - set(repaired)) <= 1, (a["round_outcomes"], b["round_outcomes"], logs())
+    for r in (a, b):
+        assert (r["state_bytes_received"] > 0) == (r["rounds_resynced"] > 0), r
     # each repair fetched one mean in the run's codec: one round's payload, not the 5x-model state
     elements = sum(p.numel() for p in build_model(cfg.model).parameters())
     one_mean = elements * WIRE_BYTES_PER_ELEMENT[cfg.diloco.compression]

@@ -86,6 +86,9 @@ class ReplicaSummary:
     rounds_partial: int = 0  # rounds whose all-reduce kept some parts local (hivemind)
     rounds_repaired: int = 0  # partial rounds filled from a member's mean (round_repair.py)
     group_sizes: list[int] = field(default_factory=list)
+    # what became of each outer round this replica ended, by outer step: averaged | repaired | partial
+    # (left unlike the group) | alone | resynced (replaced by a download)
+    round_outcomes: dict[str, str] = field(default_factory=dict)
     sync_bytes_sent: float = 0.0  # pseudo-gradient bytes this replica put on the wire (estimated)
     state_bytes_received: int = 0  # state downloads (joining, resyncs)
     repair_bytes_received: int = 0  # round means fetched to repair partial rounds
@@ -259,7 +262,7 @@ class ReplicaPeer:
         self.publish()  # tells the others this replica is at the round's end
         others = self._wait_for_peers(k)
         if any(v["outer_step"] > k for v in others.values()):
-            self._resync(f"the others are past outer step {k}")
+            self._resync(k, f"the others are past outer step {k}")
             return
         arrived = [
             p for p, v in others.items() if v["outer_step"] == k and v["inner_step"] >= self.inner.step
@@ -270,8 +273,10 @@ class ReplicaPeer:
                 self.outer.rebase()
                 self.lineage = next_lineage(k, [self.peer_id], self.lineage)
             self.summary.rounds_alone += 1
+            self.summary.round_outcomes[str(k)] = "alone"
         elif self._is_reference_member(result.gathered, k):
-            if not result.complete:
+            repaired = not result.complete
+            if repaired:
                 result = self._repaired(result, k)
             with self.state_lock:
                 self.outer.apply(result.averaged)
@@ -281,12 +286,13 @@ class ReplicaPeer:
                 self.lineage = next_lineage(k, members, self.lineage)
             if not result.complete:
                 logger.warning("outer step %d: part of the all-reduce never came back; resync next round", k)
+            self.summary.round_outcomes[str(k)] = _averaged_outcome(result, repaired)
             self.summary.rounds_averaged += 1
             self.summary.group_sizes.append(result.group_size)
             self._count_bytes(result.group_size)
         else:
             self._count_bytes(result.group_size)
-            self._resync(f"started outer step {k} from other weights than the group")
+            self._resync(k, f"started outer step {k} from other weights than the group")
             return
         self.round_samples = 0
         self._advertise_state()
@@ -344,9 +350,10 @@ class ReplicaPeer:
         states[self.peer_id] = RoundState(k, self.lineage, fingerprint(self.outer.anchor))
         return started_from_reference(states, self.peer_id)
 
-    def _resync(self, reason: str) -> None:
-        """Replace this round by the state of a replica that has applied it (or a later one)."""
+    def _resync(self, k: int, reason: str) -> None:
+        """Replace round k by the state of a replica that has applied it (or a later one)."""
         self.summary.rounds_resynced += 1
+        self.summary.round_outcomes[str(k)] = "resynced"
         target = self.outer.outer_step + 1
         deadline = time.monotonic() + DOWNLOAD_TIMEOUT_S
         while time.monotonic() < deadline:
@@ -440,6 +447,12 @@ class ReplicaPeer:
             s.rounds_alone,
             s.rounds_resynced,
         )
+
+
+def _averaged_outcome(result: RoundResult, repair_tried: bool) -> str:
+    if not result.complete:
+        return "partial"  # the members' means could not fill it
+    return "repaired" if repair_tried else "averaged"
 
 
 def _round_state(gathered: dict) -> RoundState:
