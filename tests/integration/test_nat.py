@@ -4,6 +4,7 @@ router namespace that masquerades its LAN and lets nothing in.
 - the NAT itself: connections go out, none come in;
 - a stage server behind it with --auto-relay serves a public trainer through a relay (a public
   `swarmtrain dht` node), with no direct connection between the two;
+- a stage-1 server behind it takes fp32 hand-offs from a public stage 0 over a connection it opened;
 - a trainer behind it trains against public servers; a replica behind it with --client-mode averages
   with a public replica;
 - a server or replica behind it with neither stops at once with a one-line error.
@@ -42,6 +43,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 RELAY_PORT = 31337  # a fixed port is needed to announce a name; every namespace has its own ports
 TRAINER_SAMPLES = 256
 MICRO_BATCH = 8  # tiny's: 32 micro-batches
+MICRO_BATCHES_PER_STEP = 4  # tiny's global batch of 32
 EXIT_TIMEOUT_S = 150.0
 
 
@@ -213,6 +215,46 @@ def test_a_server_behind_the_nat_serves_a_public_trainer_through_a_relay(nat_swa
         f"through a relay: {summary['microbatches_completed']} micro-batches, {len(accumulated)} accumulated "
         f"on stage 0, {summary['retries_not_accumulated']} retried without accumulating, "
         f"{summary['samples_per_s']:.1f} samples/s"
+    )
+
+
+def test_a_stage_1_server_behind_the_nat_takes_direct_hand_offs_from_a_public_stage_0(nat_swarm):
+    """The hop from a public server to one behind the NAT: s0 cannot dial s1, yet activations go s0 -> s1
+    and gradients back (direct hand-off, the default) over a connection s1 opened to s0 (its DHT node's,
+    and `StagePeers(redial=True)` keeps one open), not through a relay; the trainer's link carries none
+    of them, and s1 gets the trainer's closes through a relay."""
+    public = ["dht", "relay1", "relay2", "s0", "trainer"]
+    bed, swarm = nat_swarm(public, ["s1"])
+    swarm.start_dht(*public_name_args(bed, 0))
+    for name in ("relay1", "relay2"):
+        swarm.start_dht_peer(name, *public_name_args(bed, public.index(name)))
+    swarm.start_server("s0", 0)
+    swarm.start_server("s1", 1, "--auto-relay")
+    swarm.wait_ready(["s0", "s1"])
+    # fp32 activations: 8 x 64 x 64 x 4 = 128 KiB per hand-off and as much back, more than a relayed
+    # connection carries in all (module docstring): they can only cross on a direct connection
+    swarm.start_trainer("trainer", "--max-samples", str(TRAINER_SAMPLES), "--compression", "none")
+    wait_success(swarm, "trainer")
+    summary = trainer_summary(swarm)
+
+    started = {e["mb"] for e in read_ledger(swarm.ledger_path("trainer")) if e["e"] == "start"}
+    accumulated = {e["mb"] for e in read_ledger(swarm.ledger_path("s1")) if e["e"] == "acc"}
+    assert accumulated <= started
+    # the trainer reaches s1 (its closes) only once s1's relay is reserved, seconds after it announced
+    # itself: step 0's close is retried until then, and the micro-batches of one step that waited for it
+    # at s1 may be retried without accumulating; the steps after are served whole (before the grace's
+    # cap, every later step lost them all: 4 of 32 accumulated)
+    assert len(accumulated) >= len(started) - MICRO_BATCHES_PER_STEP, (len(accumulated), summary)
+    assert "giving up" not in swarm.processes["trainer"].log_text()
+    assert bed.lan_bytes_to(public.index("trainer")) == 0  # s1 never talked to the trainer directly
+    direct = bed.lan_bytes_to(public.index("s0"))
+    relayed = sum(bed.lan_bytes_to(public.index(name)) for name in ("dht", "relay1", "relay2"))
+    # every gradient s1 sent back (128 KiB each) went to s0 directly, over a connection s1 opened
+    assert direct >= len(accumulated) * MICRO_BATCH * 64 * 64 * 4, (direct, relayed)
+    print(
+        f"stage 1 behind the NAT: {summary['microbatches_completed']} micro-batches, {len(accumulated)} "
+        f"accumulated on s1, {summary['retries_not_accumulated']} retried without accumulating; LAN -> s0 "
+        f"{direct} B directly, LAN -> relays {relayed} B"
     )
 
 

@@ -16,6 +16,7 @@ from swarmtrain.planner.step_decision import (
     close_refusal,
     decide_step,
     settle_step,
+    short_close_grace_s,
     step_candidates,
 )
 from swarmtrain.runtime.server.stage_steps import LiveReplicas, StepCoordinator, StepSettings
@@ -538,3 +539,18 @@ def test_live_replicas_keep_a_peer_for_a_while_after_a_read_misses_it():
     assert view.current(now_s=2.5) == {"A", "B"}
     view.update(["A"], now_s=4.0)
     assert view.current(now_s=4.0) == {"A"}
+
+
+def test_the_grace_is_twice_the_usual_wait_but_never_half_the_fallback_or_more():
+    """A close that came 15 s late once (the trainer reached this replica only through a relay reserved
+    later) made the grace 30 s+ for good: every later empty close then waited the whole 10 s fallback."""
+    assert short_close_grace_s(None, 1.0, 10.0) == 1.0  # no step decided yet: the floor
+    assert short_close_grace_s(0.2, 1.0, 10.0) == 1.0
+    assert short_close_grace_s(1.5, 1.0, 10.0) == 3.0
+    assert short_close_grace_s(15.0, 1.0, 10.0) == 5.0  # capped below the fallback
+    # with the cap, an empty close after a late step is acted on before the fallback
+    empty = [_c({}, at=0.0)]
+    grace_s = short_close_grace_s(15.0, 1.0, 10.0)
+    assert _decide(empty, now=4.0, reached_s=0.0, short_grace_s=grace_s) is None
+    d = _decide(empty, now=5.5, reached_s=0.0, short_grace_s=grace_s)
+    assert d is not None and not d.lenient and d.members == {}

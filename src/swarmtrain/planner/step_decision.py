@@ -145,6 +145,19 @@ def decide_step(
     return None if fallback is None else fallback[1]
 
 
+def short_close_grace_s(usual_wait_s: float | None, floor_s: float, close_timeout_s: float) -> float:
+    """How long a close naming this replica short of its samples, or naming nobody, waits for a better
+    one (`decide_step`'s `short_grace_s`): twice the usual wait from reaching a step to its close (the
+    trainer's close normally comes within one), at least `floor_s`. A forger's short close sent early
+    thus loses to the trainer's, while a trainer's own short close costs a second or two, not the
+    lenient fallback. At most half of `close_timeout_s`: one step whose close came late (a trainer that
+    reached this replica only through a relay reserved seconds later) would otherwise make the grace
+    longer than the fallback for good, since a lenient decision does not update the usual wait, and
+    every later empty or short close would cost the whole fallback (tests/integration/test_nat.py)."""
+    usual_s = 0.0 if usual_wait_s is None else 2.0 * usual_wait_s
+    return max(floor_s, min(usual_s, close_timeout_s / 2))
+
+
 def settle_step(
     candidates: Iterable[StepDecision],
     peer_id: str,

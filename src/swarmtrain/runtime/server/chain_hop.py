@@ -1,11 +1,17 @@
 """A stage server's part of a direct hand-off (net/hand_off.py): forward, call the next stage of the
 route with the outputs, backward on the gradient its reply brings, report.
 
-`NextStage` is the server's view of the stage after it: the peers announced there with this run's
-digest, connected once. A route may name only those, so a caller cannot make a server stream
-activations to an arbitrary peer. `ChainHop.run` holds the forward's inputs while it awaits the next
-hop (on the event loop: the compute thread serves other requests meanwhile); the backward finds the
-graph in the worker's cache, or recomputes it when the cache dropped it.
+`StagePeers` is the server's view of a neighbouring stage: the peers announced there with this run's
+digest. For the stage after it, connected once; a route may name only those, so a caller cannot make a
+server stream activations to an arbitrary peer. A server behind a NAT also keeps connections open to
+the stage before it (`redial`): libp2p streams go both ways on a connection whoever opened it, and
+nobody can dial this server except through a circuit relay, which hivemind's p2pd resets after ~128 KiB
+in a direction (docs/LOG.md), far less than a stage's activations. The previous stage's hand-offs
+then come in over the connections this server opened (measured: tests/integration/test_nat.py).
+
+`ChainHop.run` holds the forward's inputs while it awaits the next hop (on the event loop: the compute
+thread serves other requests meanwhile); the backward finds the graph in the worker's cache, or
+recomputes it when the cache dropped it.
 """
 
 from __future__ import annotations
@@ -45,11 +51,16 @@ from swarmtrain.utils.logging import get_logger
 logger = get_logger(__name__)
 
 
-class NextStage:
-    """Peers of stage `stage` announced with our digest; refreshed by the server every announce period."""
+class StagePeers:
+    """Peers of stage `stage` announced with our digest; refreshed by the server every announce period.
+    Each is connected to once, or at every refresh with `redial` (a connection the peer uses to call a
+    server behind a NAT: if it closed, the peer could reach the server only through a relay again)."""
 
-    def __init__(self, records: RunRecords, stage: int, digest: str, client: StageClient) -> None:
+    def __init__(
+        self, records: RunRecords, stage: int, digest: str, client: StageClient, redial: bool = False
+    ) -> None:
         self.records, self.stage, self.digest, self.client = records, stage, digest, client
+        self.redial = redial
         self.peers: set[str] = set()
         self._connected: set[str] = set()
 
@@ -58,7 +69,7 @@ class NextStage:
         found = await loop.run_in_executor(None, self.records.stage_peers, self.stage)
         live = {p: a for p, a in found.items() if a.config_digest == self.digest and a.state != "offline"}
         for peer, ann in live.items():
-            if peer not in self._connected:
+            if self.redial or peer not in self._connected:
                 await self.client.connect(PeerID.from_base58(peer), ann.addresses, timeout_s=2.0)
                 self._connected.add(peer)
         self.peers = set(live)
@@ -93,7 +104,7 @@ class ChainHop:
         worker: StageWorker,
         compute: ComputeWorker,
         client: StageClient,
-        next_stage: NextStage,
+        next_stage: StagePeers,
         io: StageIO,
         digest: str,
         num_stages: int,

@@ -108,6 +108,7 @@ class ServerProcess:
                 ledger=self.ledger,
                 loop=self.runner.get_loop(),
                 private=options.network.run_key is not None,
+                behind_nat=options.network.use_auto_relay,
             )
             self.balancer = self._make_balancer()
             undo.pop_all()
@@ -205,7 +206,7 @@ class ServerProcess:
                 self._every(self.cfg.swarm.announce_period_s, lambda: self._announce(service))
             ),
             asyncio.create_task(
-                self._every_async(self.cfg.swarm.announce_period_s, service.refresh_next_stage)
+                self._every_async(self.cfg.swarm.announce_period_s, service.refresh_neighbours)
             ),
             asyncio.create_task(
                 self._every(self.options.metrics_period_s, lambda: self._publish_metrics(service))

@@ -57,7 +57,7 @@ from swarmtrain.net.protocol import (
 from swarmtrain.runtime.faults import FaultHooks, nan_like
 from swarmtrain.runtime.ledger import Ledger
 from swarmtrain.runtime.server.capacity import CapacityMeter
-from swarmtrain.runtime.server.chain_hop import Admitted, ChainHop, NextStage
+from swarmtrain.runtime.server.chain_hop import Admitted, ChainHop, StagePeers
 from swarmtrain.runtime.server.compute import (
     PRIORITY_BACKWARD,
     PRIORITY_EVAL,
@@ -113,6 +113,7 @@ class Node:
     ledger: Ledger
     loop: asyncio.AbstractEventLoop
     private: bool  # a run key: the stage's state goes only to peers announced (signed) at the stage
+    behind_nat: bool = False  # announced through relays (--auto-relay): it dials the peers that call it
 
 
 @dataclass(frozen=True)
@@ -152,6 +153,7 @@ class StageService:
         self._samples_done = 0  # samples whose backward ran here (counted with their CPU for capacity)
         self._transport: Transport | None = None
         self.hop: ChainHop | None = None  # this stage's part of direct hand-offs, while serving
+        self.callers: StagePeers | None = None  # behind a NAT: the stage before, kept connected
         self._tasks: list[asyncio.Task] = []
         with ExitStack() as undo:  # a failure half-way stops what was started, in reverse order
             self._build(undo)
@@ -350,7 +352,7 @@ class StageService:
         """(on the process's event loop) Take requests through `transport` from now on."""
         self._transport = transport
         if not self.spec.is_last:
-            next_stage = NextStage(self.node.records, self.spec.index + 1, self.digest, transport.client)
+            next_stage = StagePeers(self.node.records, self.spec.index + 1, self.digest, transport.client)
             self.hop = ChainHop(
                 self.worker,
                 self.compute,
@@ -361,14 +363,22 @@ class StageService:
                 self.cfg.swarm.num_stages,
                 self.peer_id,
             )
+        if self.node.behind_nat and self.spec.index > 0:
+            self.callers = StagePeers(
+                self.node.records, self.spec.index - 1, self.digest, transport.client, redial=True
+            )
         self.sync.start()
         self._tasks.append(asyncio.create_task(self.steps.run()))
         self._tasks.append(asyncio.create_task(self._refresh_live_replicas()))
         self.capacity.restart(self._samples_done, self._work_s())
 
-    async def refresh_next_stage(self) -> None:
+    async def refresh_neighbours(self) -> None:
+        """The next stage's peers (where hand-offs may go) and, behind a NAT, connections to the stage
+        before (the peers whose hand-offs come here)."""
         if self.hop is not None:
             await self.hop.next_stage.refresh()
+        if self.callers is not None:
+            await self.callers.refresh()
 
     async def drain(self, timeout_s: float) -> None:
         """Serve no new micro-batch and leave without losing work: trainers are told at once (an offline

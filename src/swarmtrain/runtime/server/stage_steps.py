@@ -64,6 +64,7 @@ from swarmtrain.planner.step_decision import (
     close_refusal,
     decide_step,
     settle_step,
+    short_close_grace_s,
     step_candidates,
     unknown_members,
 )
@@ -387,12 +388,8 @@ class StepCoordinator:
         return state.decision is not None
 
     def _short_grace_s(self) -> float:
-        """How long a close that names this replica with fewer samples than it holds waits for a better
-        one: twice the usual wait from reaching a step to its close (the trainer's close normally comes
-        within one), at least `short_close_grace_s`. A forger's short close sent early thus loses to the
-        trainer's, while a trainer's own short close costs a second or two, not the lenient fallback."""
-        usual_s = 0.0 if self._close_wait_s is None else 2.0 * self._close_wait_s
-        return max(self.settings.short_close_grace_s, usual_s)
+        s = self.settings
+        return short_close_grace_s(self._close_wait_s, s.short_close_grace_s, s.close_timeout_s)
 
     def _candidates(self, state: PendingStep, due: bool = False) -> list[StepDecision]:
         candidates = step_candidates(

@@ -18,8 +18,10 @@ as in one process), so at equal samples the swarm follows local training.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from swarmtrain.config import RunConfig
@@ -28,7 +30,7 @@ from swarmtrain.net.codec import encode
 from swarmtrain.net.dht_records import RunRecords
 from swarmtrain.net.engine import PeerNetwork
 from swarmtrain.net.protocol import close_message, namespace
-from swarmtrain.net.transport import StageClient
+from swarmtrain.net.transport import RemoteError, StageClient
 from swarmtrain.planner.routing import BACKWARD_WEIGHT, FORWARD_CHARGE, FORWARD_WEIGHT
 from swarmtrain.planner.stop_step import StopAction, StopDecision, agreed_stop
 from swarmtrain.runtime.ledger import Ledger
@@ -42,6 +44,12 @@ from swarmtrain.utils.logging import get_logger
 logger = get_logger(__name__)
 
 
+# a close lets a stage's replicas apply the step: one that never gets it waits for good (with one replica
+# there is nobody to resync from), so a close is retried this long; the first tries come fast because a
+# peer behind a NAT is reachable only once its relay is reserved, seconds after it announced itself
+CLOSE_RETRY_S = 30.0
+CLOSE_RETRY_MAX_DELAY_S = 2.0
+CLOSE_EXIT_WAIT_S = 5.0  # at exit, closes still retried after this are dropped (their peers are gone)
 STOP_POLL_S = 0.5  # how often a trainer at its time limit reads the other shards' stop proposals
 STOP_RECORD_FRESH_S = 60.0  # older stop proposals belong to an earlier launch of the run
 
@@ -115,6 +123,34 @@ class TrainerResult:
             else None,
             "data_wait_share": self.data_wait_s / self.elapsed_s if self.elapsed_s else 0.0,
         }
+
+
+async def call_until_delivered(
+    call: Callable[[], Awaitable[object]],
+    on_failure: Callable[[BaseException, int, bool], None],
+    retry_s: float = CLOSE_RETRY_S,
+    max_delay_s: float = CLOSE_RETRY_MAX_DELAY_S,
+) -> int | None:
+    """`call()` until it returns: the number of attempts it took, or None. Transport failures are retried
+    with a backoff from 0.2 s doubling to `max_delay_s`, for up to `retry_s`; an error answer
+    (`RemoteError`) is not, since the peer would answer the same. `on_failure(exc, attempt, last)` hears
+    of each failure (`last`: no retry follows)."""
+    deadline_s, delay_s = time.monotonic() + retry_s, 0.2
+    for attempt in itertools.count():
+        try:
+            await call()
+            return attempt + 1
+        except RemoteError as exc:
+            on_failure(exc, attempt, True)
+            return None
+        except Exception as exc:  # unreachable for now (a relay not reserved yet), or gone
+            last = time.monotonic() + delay_s > deadline_s
+            on_failure(exc, attempt, last)
+            if last:
+                return None
+        await asyncio.sleep(delay_s)
+        delay_s = min(2 * delay_s, max_delay_s)
+    raise AssertionError("unreachable")
 
 
 class SwarmTrainer:
@@ -203,8 +239,7 @@ class SwarmTrainer:
             self.tracker.truncate()  # stopped mid-step (Ctrl-C): the stages close it short
             if in_flight:
                 await asyncio.gather(*in_flight, return_exceptions=True)
-            if self._close_tasks:
-                await asyncio.gather(*self._close_tasks, return_exceptions=True)
+            await self._finish_closes()
         finally:
             res.elapsed_s = time.monotonic() - start
             res.steps_closed = self.tracker.closed_steps
@@ -342,23 +377,44 @@ class SwarmTrainer:
             self._close_tasks.add(task)
             task.add_done_callback(self._close_tasks.discard)
 
+    async def _finish_closes(self) -> None:
+        """At the end, wait a little for closes still being retried (to a peer that died since)."""
+        if not self._close_tasks:
+            return
+        _, pending = await asyncio.wait(set(self._close_tasks), timeout=CLOSE_EXIT_WAIT_S)
+        for task in pending:
+            task.cancel()
+        if pending:
+            logger.info("%d close(s) undelivered at exit (their peers are unreachable)", len(pending))
+
     async def _send_close(self, peer: str, stage: int, step: int, message) -> None:
+        """Deliver a close: a replica that never gets its step's close cannot apply the step, and a stage
+        with one replica has nobody to resync from."""
         from hivemind.p2p import PeerID
 
-        for attempt in range(3):
-            try:
-                await self.client.call(PeerID.from_base58(peer), "close", message, timeout_s=5.0)
-                return
-            except Exception as exc:  # a replica that misses it falls behind and resyncs
+        def failed(exc: BaseException, attempt: int, last: bool) -> None:
+            if attempt == 0 or last:
+                outcome = "refused" if isinstance(exc, RemoteError) else "giving up" if last else "retrying"
                 logger.info(
-                    "close of step %d to stage %d peer %s failed (%r), attempt %d",
+                    "close of step %d to stage %d peer %s failed (%r): %s",
                     step,
                     stage,
                     peer[-8:],
                     exc,
-                    attempt,
+                    outcome,
                 )
-                await asyncio.sleep(0.2 * (attempt + 1))
+
+        attempts = await call_until_delivered(
+            lambda: self.client.call(PeerID.from_base58(peer), "close", message, timeout_s=5.0), failed
+        )
+        if attempts is not None and attempts > 1:
+            logger.info(
+                "close of step %d to stage %d peer %s delivered at attempt %d",
+                step,
+                stage,
+                peer[-8:],
+                attempts,
+            )
 
     async def _micro_batch(self, mb: str, step: int, input_ids, labels) -> None:
         n = int(input_ids.shape[0])
