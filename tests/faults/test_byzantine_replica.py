@@ -90,6 +90,9 @@ def test_byzantine_diloco_replica_is_contained(make_swarm):
         f"(averaged {survivor['rounds_averaged']}, alone {survivor['rounds_alone']}, resynced "
         f"{survivor['rounds_resynced']}); the byzantine one {bad['val_loss']}"
     )
-    assert not math.isfinite(bad["val_loss"]) or bad["val_loss"] > 2 * honest["val_loss"]  # the fault fired
+    # the fault fired: the bad replica sent scaled or NaN pseudo-gradients in its rounds. Its own final
+    # weights are no evidence: when its rounds average (clipped), it applies the same mean as the honest
+    # one (this run once printed 7 rounds averaged, the bad one's val loss 2.80 against 2.66 honest)
+    assert bad["corrupted_rounds_sent"] >= 1 and honest["corrupted_rounds_sent"] == 0, (bad, honest)
     assert math.isfinite(survivor["val_loss"])
     assert survivor["val_loss"] <= 1.05 * honest["val_loss"]

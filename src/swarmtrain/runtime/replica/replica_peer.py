@@ -89,6 +89,7 @@ class ReplicaSummary:
     # what became of each outer round this replica ended, by outer step: averaged | repaired | partial
     # (left unlike the group) | alone | resynced (replaced by a download)
     round_outcomes: dict[str, str] = field(default_factory=dict)
+    corrupted_rounds_sent: int = 0  # rounds a faulty replica (runtime/faults.py) sent scaled or NaN
     sync_bytes_sent: float = 0.0  # pseudo-gradient bytes this replica put on the wire (estimated)
     state_bytes_received: int = 0  # state downloads (joining, resyncs)
     repair_bytes_received: int = 0  # round means fetched to repair partial rounds
@@ -319,7 +320,9 @@ class ReplicaPeer:
             "fp": fingerprint(self.outer.anchor),
             "samples": self.round_samples,
         }
-        self._sent = self.options.faults.corrupted(self.outer.pseudo_gradients(), k)
+        honest = self.outer.pseudo_gradients()
+        self._sent = self.options.faults.corrupted(honest, k)
+        self.summary.corrupted_rounds_sent += self._sent is not honest
         result = self.averager.average(
             self._sent,
             weight=self.round_samples or 1e-3,  # a joiner at the round's end trained nothing in it
