@@ -79,9 +79,13 @@ class Forger:
             idle = [p for p, i in infos.items() if i["pending_samples"] == 0]
             if idle:
                 self.close(stage, step, {idle[0]: 4}, "holds_nothing")
-            # no members, the step after next (and the next)
-            self.close(stage, step + 2, {}, "empty_after_next")
-            self.close(stage, step + 1, {}, "empty_next")
+            # no members, the step after next (and the next), within the run: once the trainer's last
+            # step is applied, an empty close for the step a replica just reached is what a trainer
+            # whose micro-batches all failed sends, and it is acted on (ARCHITECTURE: Limit; CI once)
+            if step + 2 < STEPS:
+                self.close(stage, step + 2, {}, "empty_after_next")
+            if step + 1 < STEPS:
+                self.close(stage, step + 1, {}, "empty_next")
             # our own gradients, with a close naming us (and without)
             self.close(stage, step, {self.me: 8, **{p: 8 for p in peers}}, "grads")
             self.grads(stage, step, "grads")
