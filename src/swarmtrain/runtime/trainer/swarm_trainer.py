@@ -37,7 +37,7 @@ from swarmtrain.runtime.ledger import Ledger
 from swarmtrain.runtime.procs import remember_group_sockets
 from swarmtrain.runtime.trainer.chain_calls import ChainCaller
 from swarmtrain.runtime.trainer.peer_table import PeerTable
-from swarmtrain.runtime.trainer.stage_calls import StageCaller
+from swarmtrain.runtime.trainer.stage_calls import StageCaller, retry_delay_s
 from swarmtrain.runtime.trainer.step_tracker import StepTracker
 from swarmtrain.utils.logging import get_logger
 
@@ -48,7 +48,6 @@ logger = get_logger(__name__)
 # there is nobody to resync from), so a close is retried this long; the first tries come fast because a
 # peer behind a NAT is reachable only once its relay is reserved, seconds after it announced itself
 CLOSE_RETRY_S = 30.0
-CLOSE_RETRY_MAX_DELAY_S = 2.0
 CLOSE_EXIT_WAIT_S = 5.0  # at exit, closes still retried after this are dropped (their peers are gone)
 STOP_POLL_S = 0.5  # how often a trainer at its time limit reads the other shards' stop proposals
 STOP_RECORD_FRESH_S = 60.0  # older stop proposals belong to an earlier launch of the run
@@ -129,14 +128,14 @@ async def call_until_delivered(
     call: Callable[[], Awaitable[object]],
     on_failure: Callable[[BaseException, int, bool], None],
     retry_s: float = CLOSE_RETRY_S,
-    max_delay_s: float = CLOSE_RETRY_MAX_DELAY_S,
 ) -> int | None:
     """`call()` until it returns: the number of attempts it took, or None. Transport failures are retried
-    with a backoff from 0.2 s doubling to `max_delay_s`, for up to `retry_s`; an error answer
+    with the trainer's backoff (`stage_calls.retry_delay_s`) for up to `retry_s`; an error answer
     (`RemoteError`) is not, since the peer would answer the same. `on_failure(exc, attempt, last)` hears
     of each failure (`last`: no retry follows)."""
-    deadline_s, delay_s = time.monotonic() + retry_s, 0.2
+    deadline_s = time.monotonic() + retry_s
     for attempt in itertools.count():
+        delay_s = retry_delay_s(attempt + 1)
         try:
             await call()
             return attempt + 1
@@ -149,7 +148,6 @@ async def call_until_delivered(
             if last:
                 return None
         await asyncio.sleep(delay_s)
-        delay_s = min(2 * delay_s, max_delay_s)
     raise AssertionError("unreachable")
 
 
