@@ -29,7 +29,9 @@ Printed per rate (rows; configurations of a rate run back to back):
   namespace's interfaces (/proc/net/dev inside it: payloads, RPC and DHT traffic, TCP/IP headers), from
   the moment the servers are ready (GPipe: before its ranks start) to the trainer's exit, / the samples
   trained meanwhile (the trainer's own start-up and GPipe's warm-up step included). The summary JSON has
-  both directions.
+  both directions;
+- link use at limited rates: every role's bytes sent and received over the same interval / what its
+  link could carry in that time (rate x seconds; start-up and the last step's drain count as unused).
 
 --time-to-target (optional: ~30-40 minutes on `small` on 2 cores) scores each configuration as Protocol NanoGPT
 scores compressed pipelines: steps to a target validation loss x time per step at 10 Mbit/s (--ttt-rate).
@@ -226,7 +228,7 @@ def run_swarm(config: BenchConfig, setup: Setup, mbit_s: float, workdir: Path) -
             swarm.wait_ready(servers, timeout_s=SERVER_READY_TIMEOUT_S)
         except SwarmStartError as exc:
             raise RunFailed(f"start-up failed: {exc}") from None
-        before = all_counters(bed, len(roles))
+        before, began_s = all_counters(bed, len(roles)), time.monotonic()
         swarm.start_trainer(
             "trainer",
             *("--duration-s", f"{setup.duration_s:g}", "--hand-off", config.hand_off),
@@ -241,9 +243,12 @@ def run_swarm(config: BenchConfig, setup: Setup, mbit_s: float, workdir: Path) -
             label,
             lambda: trainer_progress(procs["trainer"].log_text()),
         )
-        after = all_counters(bed, len(roles))
+        after, elapsed_s = all_counters(bed, len(roles)), time.monotonic() - began_s
         summary = json.loads(swarm.summary_path("trainer").read_text())
-    return _result(summary["samples"], summary["samples_per_s"], bytes_by_role(roles, before, after))
+    by_role = bytes_by_role(roles, before, after)
+    return _result(
+        summary["samples"], summary["samples_per_s"], by_role, link_use(by_role, mbit_s, elapsed_s)
+    )
 
 
 def _gpipe_argv(setup: Setup, bed, rank: int, ifname: str, summary: Path) -> list[str]:
@@ -270,7 +275,7 @@ def run_gpipe(config: BenchConfig, setup: Setup, mbit_s: float, workdir: Path) -
         rate = _rate(mbit_s)
         bed = stack.enter_context(netbed.WanTestbed(len(roles), up_mbit_s=rate, down_mbit_s=rate))
         workdir.mkdir(parents=True, exist_ok=True)
-        before = all_counters(bed, len(roles))
+        before, began_s = all_counters(bed, len(roles)), time.monotonic()
         ranks: dict[str, ManagedProcess] = {}
         for r in range(len(roles)):
             argv = _gpipe_argv(setup, bed, r, namespace_ifname(bed, r), summary_path)
@@ -283,19 +288,33 @@ def run_gpipe(config: BenchConfig, setup: Setup, mbit_s: float, workdir: Path) -
             f"{config.name} @ {fmt_bw(mbit_s)}",
             lambda: gpipe_progress(ranks["rank0"].log_text()),
         )
-        after = all_counters(bed, len(roles))
+        after, elapsed_s = all_counters(bed, len(roles)), time.monotonic() - began_s
     summary = json.loads(summary_path.read_text())
-    result = _result(summary["samples"], summary["samples_per_s"], bytes_by_role(roles, before, after))
+    by_role = bytes_by_role(roles, before, after)
+    use = link_use(by_role, mbit_s, elapsed_s)
+    result = _result(summary["samples"], summary["samples_per_s"], by_role, use)
     result.update(timed_steps=summary["timed_steps"], mean_loss=summary["mean_loss"])
     return result
 
 
-def _result(samples: int, samples_per_s: float, by_role: dict) -> dict:
+def link_use(by_role: dict[str, dict[str, int]], mbit_s: float, elapsed_s: float) -> dict | None:
+    """Each role's bytes sent and received as a fraction of its link's rate over `elapsed_s` (None on
+    unlimited links): how much of the link the run left unused, start-up and the last step included."""
+    if math.isinf(mbit_s) or elapsed_s <= 0:
+        return None
+    capacity = mbit_s * 1e6 / 8 * elapsed_s
+    return {
+        role: {"up": v["sent"] / capacity, "down": v["received"] / capacity} for role, v in by_role.items()
+    }
+
+
+def _result(samples: int, samples_per_s: float, by_role: dict, use: dict | None) -> dict:
     return {
         "samples": samples,
         "samples_per_s": samples_per_s,
         "bytes": by_role,
         "bytes_per_sample": per_sample(by_role, samples),
+        "link_use": use,
     }
 
 
@@ -428,6 +447,26 @@ def bytes_lines(report: dict) -> list[str]:
     return [title, *_table(["Mbit/s", "config", *roles], rows)]
 
 
+def link_use_lines(report: dict) -> list[str]:
+    roles = report["roles"]
+    rows = []
+    for point in report["points"]:
+        for name in report["configs"]:
+            run = point["runs"].get(name)
+            use = (run or {}).get("link_use")
+            if run is None or (use is None and not run.get("error")):
+                continue
+            cells = [
+                _cell(run, f"{use[r]['up']:.0%} / {use[r]['down']:.0%}" if use and r in use else "-")
+                for r in roles
+            ]
+            rows.append([point["rate"], name, *cells])
+    if not rows:
+        return []
+    title = "link use, up / down: bytes on the link / (its rate x the run's time), per role"
+    return [title, *_table(["Mbit/s", "config", *roles], rows)]
+
+
 def ttt_lines(ttt: dict) -> list[str]:
     if not ttt:
         return []
@@ -455,6 +494,7 @@ def report_lines(report: dict) -> list[str]:
         throughput_lines(report),
         ratio_lines(report),
         bytes_lines(report),
+        link_use_lines(report),
         ttt_lines(report.get("ttt")),
     ]
     lines: list[str] = []

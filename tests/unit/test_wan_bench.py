@@ -134,6 +134,22 @@ def test_tables_show_rates_as_rows_and_configurations_as_columns():
     assert relay.split() == ["10", "relay-fp32", "4.0", "1.0", "1.0", "0.0"]
 
 
+def test_link_use_is_bytes_over_what_the_link_carries_in_the_run_and_none_unlimited():
+    by_role = {"stage0": {"sent": 1_000_000, "received": 500_000}, "trainer": {"sent": 0, "received": 0}}
+    use = wan.link_use(by_role, 10.0, 2.0)  # 10 Mbit/s for 2 s: 2.5 MB each way
+    assert use == {"stage0": {"up": 0.4, "down": 0.2}, "trainer": {"up": 0.0, "down": 0.0}}
+    assert wan.link_use(by_role, math.inf, 2.0) is None
+    report = fake_report()
+    report["points"][0]["runs"]["direct-8bit"] = {**run(30.0, trainer=1.0), "link_use": use}
+    lines = wan.report_lines(report)
+    row = next(line for line in lines if line.startswith("link use"))
+    table = lines[lines.index(row) + 1 :]
+    assert table[0].split() == ["Mbit/s", "config", "trainer", "stage0", "stage1", "dht"]
+    # one row: the only run with link use; a role it has no figure for shows "-"
+    assert table[2].split() == ["10", "direct-8bit", "0%", "/", "0%", "40%", "/", "20%", "-", "-"]
+    assert len([line for line in table if line.split()[:1] == ["10"]]) == 1
+
+
 def test_steps_to_target_interpolates_between_evaluations():
     history = [(0, 5.0), (4, 3.0), (8, 2.0), (12, 1.5)]
     assert wan.steps_to_target(history, 2.5) == {"steps": pytest.approx(6.0), "bound": False}
