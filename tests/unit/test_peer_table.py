@@ -92,3 +92,19 @@ def test_a_backward_a_later_stage_holds_is_retried_until_it_lands(monkeypatch, p
         with pytest.raises(stage_calls.MicroBatchFailed):
             asyncio.run(call)
         assert client.calls == 3
+
+
+def test_behind_nat_travels_in_the_announcement_and_an_older_record_means_public():
+    ann = StageAnnouncement(1, ["/ip4/203.0.113.7/tcp/1"], 10.0, 0, "d", 0, behind_nat=True)
+    assert StageAnnouncement.from_value(ann.to_value()).behind_nat is True
+    older = {k: v for k, v in ann.to_value().items() if k != "behind_nat"}
+    assert StageAnnouncement.from_value(older).behind_nat is False
+    assert StageAnnouncement.from_value({**ann.to_value(), "behind_nat": "yes"}).behind_nat is False
+    home_a, home_b = ["/ip4/192.168.1.2/tcp/1"], ["/ip4/192.168.9.2/tcp/1"]
+    table = PeerTable(records=None, num_stages=2, digest="d")
+    natted = lambda stage, addrs: StageAnnouncement(stage, addrs, 10.0, 0, "d", 0, behind_nat=True)  # noqa: E731
+    public = StageAnnouncement(1, ["/ip4/203.0.113.8/tcp/1"], 10.0, 0, "d", 0)
+    table.apply([{"P": natted(0, home_a)}, {"Q": natted(1, home_b), "R": ann, "S": public}])
+    assert not table.can_hand_off(0, "P", "Q")  # two NATs, two LANs
+    assert not table.can_hand_off(0, "P", "R")  # R is behind a NAT too and announces no LAN
+    assert table.can_hand_off(0, "P", "S") and table.can_hand_off(0, "P", "unknown")

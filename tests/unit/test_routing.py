@@ -2,7 +2,7 @@ from collections import Counter
 
 import pytest
 
-from swarmtrain.planner.routing import BACKWARD_WEIGHT, StageRouter
+from swarmtrain.planner.routing import BACKWARD_WEIGHT, StageRouter, can_hand_off, direct_from
 
 pytestmark = pytest.mark.unit
 
@@ -81,3 +81,34 @@ def test_dispatch_is_deterministic():
         return [router.choose(0.0) for _ in range(50)]
 
     assert run() == run()
+
+
+@pytest.mark.parametrize(
+    "direct, first",
+    [
+        ([], 0),
+        ([True, True], 0),
+        ([False], 1),  # the only boundary relayed: stage 1 is the last, so the whole route
+        ([False, True], 1),
+        ([True, False], 2),
+        ([False, True, True, False], 4),  # the last boundary that cannot decides
+    ],
+)
+def test_direct_hand_offs_start_after_the_last_boundary_that_cannot_hand_off(direct, first):
+    assert direct_from(direct) == first
+
+
+HOME_A = ["/ip4/192.168.1.20/tcp/4001", "/ip4/203.0.113.9/tcp/4001/p2p/R/p2p-circuit"]
+HOME_A2 = ["/ip4/192.168.1.31/tcp/4001"]
+HOME_B = ["/ip4/10.0.0.5/tcp/4001", "/ip4/192.168.7.2/tcp/4001"]
+PUBLIC = ["/ip4/203.0.113.7/tcp/31337"]
+
+
+def test_peers_hand_off_directly_unless_both_are_behind_nats_on_different_lans():
+    assert can_hand_off((False, False), (PUBLIC, PUBLIC))
+    assert can_hand_off((True, False), (HOME_A, PUBLIC)) and can_hand_off((False, True), (PUBLIC, HOME_A))
+    assert not can_hand_off((True, True), (HOME_A, HOME_B))  # two homes
+    assert can_hand_off((True, True), (HOME_A, HOME_A2))  # one home: same private /24
+    # relayed, loopback, DNS and malformed addresses tell nothing about a LAN
+    odd = ["/ip4/127.0.0.1/tcp/1", "/dns4/example.org/tcp/1", "/ip4/999.1.1.1/tcp/1", "/ip4"]
+    assert not can_hand_off((True, True), (odd, odd))

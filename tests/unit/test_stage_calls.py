@@ -237,7 +237,7 @@ def _chain(client, table, **swarm):
     caller = _caller(client, table, **swarm)
     tokens = codec.encode(torch.zeros(2, 4, dtype=torch.int64), "none")
     chains = ChainCaller(caller, num_stages=2, digest="d", codec="none")
-    loss, hops = asyncio.run(chains.run("t.0-1", 0, 8, tokens, tokens))
+    loss, hops, grad = asyncio.run(chains.run("t.0-1", 0, 8, tokens, tokens))
     flags = [(m.header["accumulate"], *m.header["accumulate_after"]) for m in client.messages]
     return caller, loss, hops, flags
 
@@ -365,7 +365,13 @@ def test_a_frozen_peer_is_banned_and_its_call_hedged_on_another_replica_without_
     assert answered_by == B and reply.header["acc"] == 0  # the copy accumulated nothing
     assert client.calls == [(A, "backward", None), (A, "ping", None), (B, "backward", False)]
     assert table.is_banned(A) and table.bans == [(0, A)]
-    assert (caller.frozen, caller.hedges, caller.hedges_won, caller.timeouts, caller.retries) == (1, 1, 1, 0, 0)
+    assert (caller.frozen, caller.hedges, caller.hedges_won, caller.timeouts, caller.retries) == (
+        1,
+        1,
+        1,
+        0,
+        0,
+    )
     assert table.reports == []  # a hedge's time measures nobody's usual time
 
 
@@ -389,7 +395,7 @@ def _hedged_chain(client, table):
     caller = _caller(client, table)
     tokens = codec.encode(torch.zeros(2, 4, dtype=torch.int64), "none")
     chains = ChainCaller(caller, num_stages=2, digest="d", codec="none")
-    loss, hops = asyncio.run(chains.run("t.0-1", 0, 8, tokens, tokens))
+    loss, hops, _ = asyncio.run(chains.run("t.0-1", 0, 8, tokens, tokens))
     return caller, loss, hops
 
 
@@ -447,3 +453,57 @@ def test_a_banned_peer_that_answers_a_ping_again_is_unbanned_a_silent_one_is_not
     assert not table.is_banned(A) and not table.is_banned(C) and table.is_banned(B)
     assert sorted(table.available(0)) == [A] and table.available(1) == [C]
     assert sorted(c[0] for c in client.calls if c[1] == "ping") == sorted([A, B, C])
+
+
+# a chain from a later stage: the trainer relayed the stages before it ---------------------------------
+D, E = (PeerID(bytes([0x12, 0x20]) + bytes([i]) * 32).to_base58() for i in (4, 5))
+
+
+def _nat_table(peers_per_stage, natted):
+    table = SpyTable([[] for _ in peers_per_stage])
+    table.apply(
+        [{p: _ann_nat(stage, p in natted) for p in peers} for stage, peers in enumerate(peers_per_stage)]
+    )
+    return table
+
+
+def _ann_nat(stage, behind_nat):
+    ann = _ann(stage)
+    ann.behind_nat = behind_nat
+    return ann
+
+
+def test_a_chain_from_stage_1_reports_stages_1_on_and_returns_the_input_gradient():
+    table = _nat_table([[A], [B], [C]], natted=set())
+    grad = codec.encode(torch.ones(2, 4, 3), "none")
+
+    def reply(peer, message):
+        assert message.header["stage"] == 1 and message.header["route"] == [[C]]
+        hops = [
+            {"stage": s, "peer": p, "acc": 8, "server_s": 0.1, "compute_s": 0.1, "step_wait_s": 0}
+            for s, p in ((1, peer), (2, C))
+        ]
+        return Message("result", {"loss": 2.5, "hops": hops}, {"grad_inputs": grad})
+
+    client = ScriptedClient(reply=reply)
+    chains = ChainCaller(_caller(client, table), num_stages=3, digest="d", codec="none")
+    hidden = codec.encode(torch.zeros(2, 4, 3), "none")
+    labels = codec.encode(torch.zeros(2, 4, dtype=torch.int64), "none")
+    loss, hops, got = asyncio.run(chains.run("t.0-1", 0, 8, hidden, labels, first=1))
+    assert client.calls == [(B, "chain", True)]
+    assert (loss, [(h.stage, h.peer) for h in hops], got) == (2.5, [(1, B), (2, C)], grad)
+    assert len(client.messages[0].header["accumulate_after"]) == 1  # stage 2's flag only
+
+
+def test_a_route_leaves_out_peers_the_previous_one_cannot_hand_off_to_while_others_remain():
+    table = _nat_table([[A], [B, D], [C, E]], natted={A, B, C})
+    chains = ChainCaller(_caller(ScriptedClient(), table), num_stages=3, digest="d", codec="none")
+    # A is behind a NAT: stage 1 must be D (public); after D anyone goes, C first by insertion order
+    route = asyncio.run(chains._route(8, 0, A))
+    assert route[0] == [D] and set(route[1]) == {C, E}
+    # after a public head nothing is left out
+    assert set(asyncio.run(chains._route(8, 0, D))[0]) == {B, D}
+    # no public peer at stage 2: the NAT'd ones stay (the trainer relays that boundary instead)
+    only_natted = _nat_table([[A], [B], [C]], natted={A, B, C})
+    chains = ChainCaller(_caller(ScriptedClient(), only_natted), num_stages=3, digest="d", codec="none")
+    assert asyncio.run(chains._route(8, 0, A)) == [[B], [C]]

@@ -74,6 +74,8 @@ class StageAnnouncement:
     state_version: int
     state: str = "online"  # joining | online | offline
     announced_at: float = field(default_factory=time.time)
+    # reachable only through relays (--auto-relay): it dials out, nobody dials it directly
+    behind_nat: bool = False
 
     def to_value(self) -> dict:
         return asdict(self)
@@ -90,6 +92,7 @@ class StageAnnouncement:
                 state_version=int(value["state_version"]),
                 state=str(value.get("state", "online")),
                 announced_at=float(value.get("announced_at", 0.0)),
+                behind_nat=value.get("behind_nat", False) is True,
             )
         except (KeyError, TypeError, ValueError):
             return None

@@ -12,8 +12,9 @@ Time is passed in by the caller (wall clock in the runtime, virtual clock in the
 from __future__ import annotations
 
 import heapq
+import ipaddress
 import itertools
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 PeerId = Hashable
@@ -146,3 +147,42 @@ class StageRouter:
             return self.default_throughput_samples_per_s
         values = sorted(s.throughput_samples_per_s for s in self._peers.values())
         return values[len(values) // 2]
+
+
+def direct_from(direct: Sequence[bool]) -> int:
+    """Where a route's direct hand-offs can start, given for each boundary (stage k to k+1) whether its
+    two peers can hand off directly (`can_hand_off`): the stage after the last boundary that cannot, 0
+    when all can. The trainer relays the stages before it, as with `--hand-off relay`."""
+    first = 0
+    for boundary, ok in enumerate(direct):
+        if not ok:
+            first = boundary + 1
+    return first
+
+
+def can_hand_off(behind_nat: tuple[bool, bool], addresses: tuple[Sequence[str], Sequence[str]]) -> bool:
+    """Can two peers of neighbouring stages hand off directly? Yes when one of them is public (the one
+    behind a NAT dials out: runtime/server/chain_hop.py). Two peers behind NATs cannot dial each other
+    (a circuit relay carries too little for activations: docs/LOG.md), unless they share a LAN: taken
+    to be so when both announce an address in the same private /24 (a guess: two homes on the same
+    192.168.1.0/24 look alike, and their hop then fails and is retried as before)."""
+    if not all(behind_nat):
+        return True
+    return bool(_private_lans(addresses[0]) & _private_lans(addresses[1]))
+
+
+def _private_lans(addresses: Sequence[str]) -> set[ipaddress.IPv4Network]:
+    """The /24 networks of the private IPv4 addresses in multiaddrs (/ip4/A.B.C.D/...); relayed and
+    other addresses are skipped."""
+    lans = set()
+    for address in addresses:
+        parts = address.split("/")
+        if len(parts) < 3 or parts[1] != "ip4" or "p2p-circuit" in parts:
+            continue
+        try:
+            ip = ipaddress.IPv4Address(parts[2])
+        except ValueError:
+            continue
+        if ip.is_private and not ip.is_loopback:
+            lans.add(ipaddress.IPv4Network(f"{ip}/24", strict=False))
+    return lans

@@ -757,6 +757,7 @@ class StageService:
             config_digest=self.digest,
             state_version=self.worker.epoch,
             state=state,
+            behind_nat=self.node.behind_nat,
         )
 
     @property

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 
 from swarmtrain.net.dht_records import RunRecords, StageAnnouncement
-from swarmtrain.planner.routing import StageRouter
+from swarmtrain.planner.routing import StageRouter, can_hand_off
 from swarmtrain.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -81,6 +81,17 @@ class PeerTable:
     def ban(self, stage: int, peer: str) -> None:
         self.routers[stage].ban(peer, float("inf"))
         self._banned_at[peer] = time.time()
+
+    def any_behind_nat(self) -> bool:
+        return any(a.behind_nat for anns in self.announcements for a in anns.values())
+
+    def can_hand_off(self, stage: int, peer: str, next_peer: str) -> bool:
+        """Can `peer` (of `stage`) hand off directly to `next_peer` (of the next stage)? From their
+        announcements (planner/routing.py `can_hand_off`); an unknown peer counts as public."""
+        a, b = self.announcements[stage].get(peer), self.announcements[stage + 1].get(next_peer)
+        if a is None or b is None:
+            return True
+        return can_hand_off((a.behind_nat, b.behind_nat), (a.addresses, b.addresses))
 
     def is_banned(self, peer: str) -> bool:
         return peer in self._banned_at

@@ -31,7 +31,7 @@ from swarmtrain.net.dht_records import RunRecords
 from swarmtrain.net.engine import PeerNetwork
 from swarmtrain.net.protocol import close_message, namespace
 from swarmtrain.net.transport import RemoteError, StageClient
-from swarmtrain.planner.routing import BACKWARD_WEIGHT, FORWARD_CHARGE, FORWARD_WEIGHT
+from swarmtrain.planner.routing import BACKWARD_WEIGHT, FORWARD_CHARGE, FORWARD_WEIGHT, direct_from
 from swarmtrain.planner.stop_step import StopAction, StopDecision, agreed_stop
 from swarmtrain.runtime.ledger import Ledger
 from swarmtrain.runtime.procs import remember_group_sockets
@@ -431,27 +431,31 @@ class SwarmTrainer:
 
     async def forward_backward(self, mb: str, step: int, input_ids, labels) -> float:
         """One micro-batch of `step` through every stage and back; returns its loss. Every stage's
-        outcome (accumulated where, or not at all) goes to the step tracker exactly once."""
+        outcome (accumulated where, or not at all) goes to the step tracker exactly once. With direct
+        hand-off the trainer relays only the stages before `_direct_from` (none unless two NAT'd peers
+        would have to hand off to each other)."""
         call, last, n = self.caller.call_peer, self.num_stages - 1, int(input_ids.shape[0])
         done: set[int] = set()
         try:
-            if self.chain is not None:
-                return await self._hand_off(mb, step, input_ids, labels, done)
+            first = self._direct_from(n)
             x = encode(input_ids, self.codec)
             stage_inputs, forward_peers = [], []
-            for stage in range(last):
+            for stage in range(first):
                 reply, peer = await call(
                     stage, "forward", mb, n, {"inputs": x}, FORWARD_WEIGHT, charge=FORWARD_CHARGE, step=step
                 )
                 stage_inputs.append(x)
                 forward_peers.append(peer)
                 x = reply.tensors["outputs"]
-            tensors = {"inputs": x, "labels": encode(labels, "none")}
-            weight = FORWARD_WEIGHT + BACKWARD_WEIGHT
-            reply, peer = await call(last, "forward_backward", mb, n, tensors, weight, step=step)
-            self._finished(step, last, peer, reply, done)
-            loss, grad = float(reply.header["loss"]), reply.tensors.get("grad_inputs")
-            for stage in reversed(range(last)):
+            if first < last:
+                loss, grad = await self._hand_off(mb, step, first, x, labels, done)
+            else:
+                tensors = {"inputs": x, "labels": encode(labels, "none")}
+                weight = FORWARD_WEIGHT + BACKWARD_WEIGHT
+                reply, peer = await call(last, "forward_backward", mb, n, tensors, weight, step=step)
+                self._finished(step, last, peer, reply, done)
+                loss, grad = float(reply.header["loss"]), reply.tensors.get("grad_inputs")
+            for stage in reversed(range(first)):
                 # a later stage holds this micro-batch's gradient: giving up here would make the
                 # stages disagree on the step's batch, so the call keeps trying
                 reply, peer = await call(
@@ -473,15 +477,31 @@ class SwarmTrainer:
                 if stage not in done and self.tracker is not None:
                     self.tracker.finished(step, stage)
 
-    async def _hand_off(self, mb: str, step: int, input_ids, labels, done: set[int]) -> float:
+    def _direct_from(self, n: int) -> int:
+        """The first stage of this micro-batch's direct hand-offs (planner/routing.py `direct_from`, on
+        the peers IWRR would pick now); the last stage when every hand-off is relayed."""
+        if self.chain is None:
+            return self.num_stages - 1
+        if not self.table.any_behind_nat():  # the usual case: the routers are left as they are
+            return 0
+        peers = [self.table.choose(stage, n, 0.0) for stage in range(self.num_stages)]
+        return direct_from(
+            [
+                a is None or b is None or self.table.can_hand_off(stage, a, b)
+                for stage, (a, b) in enumerate(zip(peers[:-1], peers[1:], strict=True))
+            ]
+        )
+
+    async def _hand_off(self, mb: str, step: int, first: int, inputs, labels, done: set[int]):
+        """Stages `first` to the last by direct hand-off: (loss, gradient of `first`'s inputs)."""
         assert self.chain is not None
-        n = int(input_ids.shape[0])
-        loss, hops = await self.chain.run(mb, step, n, encode(input_ids, "none"), encode(labels, "none"))
+        n = int(labels.shape[0])
+        loss, hops, grad = await self.chain.run(mb, step, n, inputs, encode(labels, "none"), first)
         for hop in hops:
             if self.tracker is not None:
                 self.tracker.finished(step, hop.stage, hop.peer, hop.acc)
             done.add(hop.stage)
-        return loss
+        return loss, grad
 
     def _finished(self, step: int, stage: int, peer: str, reply, done: set[int]) -> None:
         """Tell the step tracker (absent when a probe drives single micro-batches)."""
