@@ -430,41 +430,39 @@ def ratio_lines(report: dict) -> list[str]:
     return ["ratios, measured in the same run", *_table(["Mbit/s", *labels], rows)]
 
 
-def bytes_lines(report: dict) -> list[str]:
-    roles = report["roles"]
+def _role_rows(report: dict, cell, keep=lambda run: True) -> list[list[str]]:
+    """A row per (rate, configuration) that ran and `keep`s: rate, name, `cell(run, role)` per role."""
     rows = []
     for point in report["points"]:
         for name in report["configs"]:
             run = point["runs"].get(name)
-            if run is None:
-                continue
-            bps = run.get("bytes_per_sample") or {}
-            cells = [
-                _cell(run, _f(bps[r] / 1e3 if bps.get(r) is not None else None, ",.1f", 0)) for r in roles
-            ]
-            rows.append([point["rate"], name, *cells])
+            if run is not None and keep(run):
+                rows.append([point["rate"], name, *(_cell(run, cell(run, r)) for r in report["roles"])])
+    return rows
+
+
+def _kb_per_sample(run: dict, role: str) -> str:
+    value = (run.get("bytes_per_sample") or {}).get(role)
+    return _f(value / 1e3 if value is not None else None, ",.1f", 0)
+
+
+def _use(run: dict, role: str) -> str:
+    use = (run.get("link_use") or {}).get(role)
+    return f"{use['up']:.0%} / {use['down']:.0%}" if use else "-"
+
+
+def bytes_lines(report: dict) -> list[str]:
     title = "kB per sample, sent + received, per role (gpipe: rank S in the stageS column)"
-    return [title, *_table(["Mbit/s", "config", *roles], rows)]
+    rows = _role_rows(report, _kb_per_sample)
+    return [title, *_table(["Mbit/s", "config", *report["roles"]], rows)]
 
 
 def link_use_lines(report: dict) -> list[str]:
-    roles = report["roles"]
-    rows = []
-    for point in report["points"]:
-        for name in report["configs"]:
-            run = point["runs"].get(name)
-            use = (run or {}).get("link_use")
-            if run is None or (use is None and not run.get("error")):
-                continue
-            cells = [
-                _cell(run, f"{use[r]['up']:.0%} / {use[r]['down']:.0%}" if use and r in use else "-")
-                for r in roles
-            ]
-            rows.append([point["rate"], name, *cells])
+    rows = _role_rows(report, _use, keep=lambda run: run.get("link_use") is not None or run.get("error"))
     if not rows:
         return []
     title = "link use, up / down: bytes on the link / (its rate x the run's time), per role"
-    return [title, *_table(["Mbit/s", "config", *roles], rows)]
+    return [title, *_table(["Mbit/s", "config", *report["roles"]], rows)]
 
 
 def ttt_lines(ttt: dict) -> list[str]:
