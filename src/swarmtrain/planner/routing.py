@@ -160,27 +160,25 @@ def direct_from(direct: Sequence[bool]) -> int:
     return first
 
 
-def can_hand_off(behind_nat: tuple[bool, bool], addresses: tuple[Sequence[str], Sequence[str]]) -> bool:
+def can_hand_off(behind_nat: tuple[bool, bool], ips: tuple[Sequence[str], Sequence[str]]) -> bool:
     """Can two peers of neighbouring stages hand off directly? Yes when one of them is public (the one
     behind a NAT dials out: runtime/server/chain_hop.py). Two peers behind NATs cannot dial each other
     (a circuit relay carries too little for activations: docs/LOG.md), unless they share a LAN: taken
-    to be so when both announce an address in the same private /24 (a guess: two homes on the same
-    192.168.1.0/24 look alike, and their hop then fails and is retried as before)."""
+    to be so when both announce an IP in the same private /24 (a guess: two homes on the same
+    192.168.1.0/24 look alike, and their hop then fails and is retried as before). `ips`: the IPs of
+    each peer's announced (not relayed) addresses."""
     if not all(behind_nat):
         return True
-    return bool(_private_lans(addresses[0]) & _private_lans(addresses[1]))
+    return bool(_private_lans(ips[0]) & _private_lans(ips[1]))
 
 
-def _private_lans(addresses: Sequence[str]) -> set[ipaddress.IPv4Network]:
-    """The /24 networks of the private IPv4 addresses in multiaddrs (/ip4/A.B.C.D/...); relayed and
-    other addresses are skipped."""
+def _private_lans(ips: Sequence[str]) -> set[ipaddress.IPv4Network]:
+    """The /24 networks of the private IPv4 addresses among `ips` (loopback, IPv6 and malformed ones
+    tell nothing about a LAN)."""
     lans = set()
-    for address in addresses:
-        parts = address.split("/")
-        if len(parts) < 3 or parts[1] != "ip4" or "p2p-circuit" in parts:
-            continue
+    for text in ips:
         try:
-            ip = ipaddress.IPv4Address(parts[2])
+            ip = ipaddress.IPv4Address(text)
         except ValueError:
             continue
         if ip.is_private and not ip.is_loopback:

@@ -181,6 +181,8 @@ class ChainCaller:
         """The available peers of `stage` that `before` (of the stage ahead) cannot hand off to, while
         some peer of `stage` can be reached; else none (a chain that cannot cross fails and is retried,
         and the trainer relays such boundaries when it plans a route: swarm_trainer `_direct_from`)."""
+        if not self.table.behind_nat(stage - 1, before):  # the usual case: nothing to look up
+            return set()
         available = set(self.table.available(stage))
         unreachable = {p for p in available if not self.table.can_hand_off(stage - 1, before, p)}
         return unreachable if available - unreachable else set()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 
 from swarmtrain.net.dht_records import RunRecords, StageAnnouncement
+from swarmtrain.net.reachability import ip_and_tcp_port
 from swarmtrain.planner.routing import StageRouter, can_hand_off
 from swarmtrain.utils.logging import get_logger
 
@@ -85,13 +86,20 @@ class PeerTable:
     def any_behind_nat(self) -> bool:
         return any(a.behind_nat for anns in self.announcements for a in anns.values())
 
-    def can_hand_off(self, stage: int, peer: str, next_peer: str) -> bool:
+    def behind_nat(self, stage: int, peer: str | None) -> bool:
+        ann = self._announced(stage, peer)
+        return ann is not None and ann.behind_nat
+
+    def can_hand_off(self, stage: int, peer: str | None, next_peer: str | None) -> bool:
         """Can `peer` (of `stage`) hand off directly to `next_peer` (of the next stage)? From their
-        announcements (planner/routing.py `can_hand_off`); an unknown peer counts as public."""
-        a, b = self.announcements[stage].get(peer), self.announcements[stage + 1].get(next_peer)
+        announcements (planner/routing.py `can_hand_off`); an unknown or missing peer counts as public."""
+        a, b = self._announced(stage, peer), self._announced(stage + 1, next_peer)
         if a is None or b is None:
             return True
-        return can_hand_off((a.behind_nat, b.behind_nat), (a.addresses, b.addresses))
+        return can_hand_off((a.behind_nat, b.behind_nat), (_ips(a), _ips(b)))
+
+    def _announced(self, stage: int, peer: str | None) -> StageAnnouncement | None:
+        return self.announcements[stage].get(peer) if peer is not None else None
 
     def is_banned(self, peer: str) -> bool:
         return peer in self._banned_at
@@ -108,3 +116,8 @@ class PeerTable:
 
     def peers_per_stage(self) -> list[int]:
         return [len(self.available(stage)) for stage in range(self.num_stages)]
+
+
+def _ips(ann: StageAnnouncement) -> list[str]:
+    """The IPs of a peer's announced addresses (a relayed address is the relay's: left out)."""
+    return [ip for ip, _ in map(ip_and_tcp_port, ann.addresses) if ip]

@@ -448,7 +448,7 @@ class SwarmTrainer:
                 forward_peers.append(peer)
                 x = reply.tensors["outputs"]
             if first < last:
-                loss, grad = await self._hand_off(mb, step, first, x, labels, done)
+                loss, grad = await self._hand_off(mb, step, n, first, x, labels, done)
             else:
                 tensors = {"inputs": x, "labels": encode(labels, "none")}
                 weight = FORWARD_WEIGHT + BACKWARD_WEIGHT
@@ -485,17 +485,12 @@ class SwarmTrainer:
         if not self.table.any_behind_nat():  # the usual case: the routers are left as they are
             return 0
         peers = [self.table.choose(stage, n, 0.0) for stage in range(self.num_stages)]
-        return direct_from(
-            [
-                a is None or b is None or self.table.can_hand_off(stage, a, b)
-                for stage, (a, b) in enumerate(zip(peers[:-1], peers[1:], strict=True))
-            ]
-        )
+        pairs = zip(peers[:-1], peers[1:], strict=True)
+        return direct_from([self.table.can_hand_off(stage, a, b) for stage, (a, b) in enumerate(pairs)])
 
-    async def _hand_off(self, mb: str, step: int, first: int, inputs, labels, done: set[int]):
+    async def _hand_off(self, mb: str, step: int, n: int, first: int, inputs, labels, done: set[int]):
         """Stages `first` to the last by direct hand-off: (loss, gradient of `first`'s inputs)."""
         assert self.chain is not None
-        n = int(labels.shape[0])
         loss, hops, grad = await self.chain.run(mb, step, n, inputs, encode(labels, "none"), first)
         for hop in hops:
             if self.tracker is not None:
