@@ -42,6 +42,21 @@ def register(subparsers) -> None:
     add_run_config_args(parser)
     add_network_args(parser)
     add_identity_arg(parser)
+    data = parser.add_mutually_exclusive_group()
+    data.add_argument(
+        "--data-port",
+        type=int,
+        default=0,
+        metavar="PORT",
+        help="TCP port of the direct data plane, where the previous stage's servers hand off activations "
+        "(default: any free port; announced in the DHT). Open it like --port when a firewall is in the way",
+    )
+    data.add_argument(
+        "--no-data-plane",
+        action="store_true",
+        help='take hand-offs over libp2p only (slower on slow links: README "Across the internet"); a '
+        "server behind a NAT (--auto-relay) has none anyway",
+    )
     parser.add_argument(
         "--checkpoint-dir",
         metavar="DIR",
@@ -126,6 +141,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--dtype fp16 is for whole-model commands; a stage server computes in fp32 or bf16")
     if args.max_batch_tokens < 0:
         raise UserError("--max-batch-tokens must be >= 0 (0 turns batching off)")
+    if not 0 <= args.data_port < 65536:
+        raise UserError(f"--data-port {args.data_port} is not a TCP port (1-65535, or 0 for any free one)")
     compute = compute_device_from_args(args)
     cfg = _with_checkpoint_overrides(run_config_from_args(args), args)
     initial_peers = validate_initial_peers(args.initial_peers)
@@ -159,6 +176,7 @@ def run(args: argparse.Namespace) -> int:
         metrics_period_s=args.metrics_period_s,
         stage_options=stage_options,
         faults=FaultHooks.from_environ(),  # tests make one server faulty through its environment
+        data_port=None if args.no_data_plane else args.data_port,
     )
     # one process for its whole life: a move to another stage happens inside `run()`
     return ServerProcess(cfg, options).run()

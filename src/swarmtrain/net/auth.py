@@ -3,13 +3,15 @@ on it.
 
 libp2p already authenticates peer ids (each connection proves the private key behind the remote peer
 id) and encrypts traffic; what it does not say is whether that peer belongs to *this run*. The run key
-adds that, three ways:
+adds that, four ways:
 - DHT records are HMAC-signed (`RunKeyValidator`): a record a stranger stores, or a valid one it
   edits, is dropped by every node of the run, so strangers cannot announce a stage, a replica,
   metrics, a move or an averaging group, and nobody routes to them.
 - Every request on the swarm's own protocol carries a membership token, HMAC(key, sender peer id),
   checked against the authenticated sender (`RunKey.verify`): a stranger can neither compute its own
   token nor use another peer's (it cannot speak as that peer id).
+- The direct data plane between stage servers (net/data_plane.py) opens each connection with an HMAC
+  challenge both ways and seals its frames with a key derived from the run key.
 - hivemind's averaging RPCs (join a group, send a part, download state) carry no token; they accept
   only peers whose signed records place them in the same group (net/averaging.py).
 
@@ -80,6 +82,11 @@ class RunKey:
 
     def verify(self, peer_id: str, token: object) -> bool:
         return isinstance(token, str) and hmac.compare_digest(token, self.token(peer_id))
+
+    def mac(self, label: str, *parts: bytes) -> bytes:
+        """A keyed hash of `label` and `parts` (each length-prefixed, so no two lists hash alike)."""
+        message = label.encode() + b"".join(struct.pack("<I", len(p)) + p for p in parts)
+        return hmac.new(self.secret, message, hashlib.sha256).digest()
 
     def sign_record(self, key: bytes, subkey: bytes, value: bytes, expiration_time: float) -> str:
         message = b"record:" + b"".join(struct.pack("<I", len(p)) + p for p in (key, subkey, value))

@@ -76,6 +76,8 @@ class StageAnnouncement:
     announced_at: float = field(default_factory=time.time)
     # reachable only through relays (--auto-relay): it dials out, nobody dials it directly
     behind_nat: bool = False
+    # the TCP port of its direct data plane for hand-offs (net/data_plane.py); 0: none, use libp2p
+    data_port: int = 0
 
     def to_value(self) -> dict:
         return asdict(self)
@@ -93,9 +95,15 @@ class StageAnnouncement:
                 state=str(value.get("state", "online")),
                 announced_at=float(value.get("announced_at", 0.0)),
                 behind_nat=value.get("behind_nat", False) is True,
+                data_port=_port(value.get("data_port", 0)),
             )
         except (KeyError, TypeError, ValueError):
             return None
+
+
+def _port(value) -> int:
+    """A TCP port from a record; anything else reads as none (0), like an older record's."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 < value < 65536 else 0
 
 
 class RunRecords:

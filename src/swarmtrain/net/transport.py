@@ -76,6 +76,7 @@ class TransportStats:
         self._lock = threading.Lock()
         self._counts: dict[tuple[int, str, str], ByteCount] = defaultdict(ByteCount)
         self._cpu_s: dict[str, float] = defaultdict(float)
+        self.direct_in = 0  # requests answered over the direct data plane (net/data_plane.py)
 
     def add_cpu(self, kind: str, cpu_s: float) -> None:
         with self._lock:
@@ -255,7 +256,7 @@ class StageServicer(ServicerBase):
 
     async def _serve(self, kind: str, requests, context: P2PContext):
         try:
-            data = await _collect(requests, self._limit(kind), drain_s=MAX_DRAIN_S)
+            data = await _collect(requests, self.limit(kind), drain_s=MAX_DRAIN_S)
         except ProtocolError as exc:
             reply = error_message(str(exc), exc.code)
         else:
@@ -271,13 +272,23 @@ class StageServicer(ServicerBase):
         for chunk in chunks:
             yield runtime_pb2.ExpertResponse(metadata=chunk)
 
-    def _limit(self, kind: str) -> int:
+    def limit(self, kind: str) -> int:
+        """The largest request of `kind` accepted."""
         return self.max_bundle_bytes if kind == "bundle" else self.max_message_bytes
+
+    async def answer_bytes(self, kind: str, data: bytes, context: P2PContext) -> bytes:
+        """The packed reply to a request that came another way than libp2p (net/data_plane.py)."""
+        reply = await self._answer(kind, data, context)
+        start_cpu_s = time.thread_time()
+        packed = pack(reply)
+        self.stats.direct_in += 1  # on the event loop only: no lock
+        self.stats.add_cpu(kind, time.thread_time() - start_cpu_s)
+        return packed
 
     async def _answer(self, kind: str, data: bytes, context: P2PContext) -> Message:
         start_cpu_s = time.thread_time()
         try:
-            message = unpack(data, self._limit(kind))
+            message = unpack(data, self.limit(kind))
             if self.run_key is not None and not self.run_key.verify(
                 context.remote_id.to_base58(), message.header.get("auth")
             ):

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from hivemind.p2p import PeerID
 from torch import Tensor
 
+from swarmtrain.net.data_plane import Address, DataPlaneClient, dial_address
 from swarmtrain.net.dht_records import RunRecords
 from swarmtrain.net.failures import NEXT_HOP_FAILED, Outcome, classify_failure, flags_after
 from swarmtrain.net.hand_off import ChainRequest, HopReport, chain_message, last_hop, validate_hops
@@ -37,7 +38,7 @@ from swarmtrain.net.protocol import (
 )
 from swarmtrain.net.transport import StageClient
 from swarmtrain.runtime.server.compute import PRIORITY_BACKWARD, PRIORITY_FORWARD, ComputeWorker
-from swarmtrain.runtime.server.hop_uploads import PeerUploads
+from swarmtrain.runtime.server.hop_uploads import DirectRoute, PeerUploads
 from swarmtrain.runtime.server.stage_batches import (
     BACKWARD,
     FORWARD,
@@ -62,6 +63,7 @@ class StagePeers:
         self.records, self.stage, self.digest, self.client = records, stage, digest, client
         self.redial = redial
         self.peers: set[str] = set()
+        self.data_addresses: dict[str, Address] = {}  # of the peers with a data plane
         self._connected: set[str] = set()
 
     async def refresh(self) -> None:
@@ -73,12 +75,22 @@ class StagePeers:
                 await self.client.connect(PeerID.from_base58(peer), ann.addresses, timeout_s=2.0)
                 self._connected.add(peer)
         self.peers = set(live)
+        addresses = {p: dial_address(a.addresses, a.data_port) for p, a in live.items()}
+        self.data_addresses = {p: a for p, a in addresses.items() if a is not None}
 
     async def usable(self, candidates: list[str]) -> list[str]:
         """The candidates announced at the next stage (reading the DHT again if one is not known yet)."""
         if any(p not in self.peers for p in candidates):
             await self.refresh()
         return [p for p in candidates if p in self.peers]
+
+
+@dataclass(frozen=True)
+class HopClients:
+    """How a server calls the next stage: libp2p, and the direct data plane where the peer has one."""
+
+    libp2p: StageClient
+    data: DataPlaneClient | None = None
 
 
 class NextHopFailed(Exception):
@@ -103,14 +115,14 @@ class ChainHop:
         self,
         worker: StageWorker,
         compute: ComputeWorker,
-        client: StageClient,
+        clients: HopClients,
         next_stage: StagePeers,
         io: StageIO,
         digest: str,
         num_stages: int,
         peer_id: str,
     ) -> None:
-        self.worker, self.compute, self.client, self.next_stage = worker, compute, client, next_stage
+        self.worker, self.compute, self.clients, self.next_stage = worker, compute, clients, next_stage
         self.io, self.digest, self.num_stages, self.peer_id = io, digest, num_stages, peer_id
         self.retries = 0  # calls to the next stage that failed and went to another candidate
         self._uploads: dict[str, PeerUploads] = {}  # per next-stage peer
@@ -198,7 +210,15 @@ class ChainHop:
     def _uploads_to(self, peer: str) -> PeerUploads:
         if peer not in self._uploads:
             max_tokens = self.compute.max_batch_tokens
-            self._uploads[peer] = PeerUploads(self.client, peer, self.io.stage + 1, max_tokens)
+            self._uploads[peer] = PeerUploads(
+                self.clients.libp2p,
+                peer,
+                self.io.stage + 1,
+                max_tokens,
+                DirectRoute(self.clients.data, lambda: self.next_stage.data_addresses.get(peer))
+                if self.clients.data is not None
+                else None,
+            )
         return self._uploads[peer]
 
     @property

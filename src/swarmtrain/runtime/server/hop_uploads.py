@@ -1,6 +1,10 @@
 """A stage server's uploads to one peer of the next stage: one at a time, and with request batching on,
 what queued meanwhile goes as one `bundle` (net/bundle.py).
 
+Each upload goes over the peer's direct data plane when it announces one (net/data_plane.py: a TCP
+connection per hand-off in flight, so acknowledgements do not wait behind bulk data), and over libp2p
+when it announces none or a dial to it failed (nothing was sent then, so the fallback repeats nothing).
+
 One at a time: the upload lane is held until the peer has the whole request (the stream's first reply
 chunk). Uploads sent together share the link fairly and all arrive at the end, so the next stage
 computed nothing while the link was busy and the link idled while it computed; one at a time, it
@@ -17,17 +21,30 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from hivemind.p2p import PeerID
 
 from swarmtrain.net.bundle import MAX_BUNDLE_ITEMS, REPLY_KINDS, bundle_message, split_bundle
+from swarmtrain.net.data_plane import Address, DataPlaneClient, DialFailed
 from swarmtrain.net.protocol import BUNDLE_KIND, Message, ProtocolError
 from swarmtrain.net.transport import RemoteError, StageClient
+from swarmtrain.utils.logging import get_logger
+
+logger = get_logger(__name__)
 
 # the outputs of one batched call reach the event loop within a few callbacks of each other; waiting
 # this long for them costs far less than an RPC per micro-batch
 GATHER_S = 0.002
+
+
+@dataclass(frozen=True)
+class DirectRoute:
+    """The data plane, and where the peer's is now (None: it announces none)."""
+
+    client: DataPlaneClient
+    address: Callable[[], Address | None]
 
 
 @dataclass(eq=False)
@@ -42,13 +59,16 @@ class PeerUploads:
     """Hand-offs to `peer`, a server of stage `stage`. `max_tokens` > 0 bundles uploads up to that many
     tokens (the sender's `--max-batch-tokens`); 0 sends each alone."""
 
-    def __init__(self, client: StageClient, peer: str, stage: int, max_tokens: int) -> None:
+    def __init__(
+        self, client: StageClient, peer: str, stage: int, max_tokens: int, direct: DirectRoute | None = None
+    ) -> None:
         self.client, self.peer, self.stage, self.max_tokens = (
             client,
             PeerID.from_base58(peer),
             stage,
             max_tokens,
         )
+        self.direct = direct
         self.bundles = 0  # uploads that carried more than one message
         self._queue: list[_Upload] = []
         self._sender: asyncio.Task | None = None
@@ -97,11 +117,11 @@ class PeerUploads:
         try:
             if len(batch) == 1:
                 only = batch[0].message
-                outcomes: list = [await self.client.call(self.peer, only.kind, only, timeout_s, received)]
+                outcomes: list = [await self._call(only.kind, only, timeout_s, received)]
             else:
                 self.bundles += 1
                 bundle = bundle_message([u.message for u in batch], self.stage)
-                reply = await self.client.call(self.peer, BUNDLE_KIND, bundle, timeout_s, received)
+                reply = await self._call(BUNDLE_KIND, bundle, timeout_s, received)
                 outcomes = _outcomes(reply, len(batch))
         except Exception as exc:  # each caller classifies the failure of its own micro-batch
             outcomes = [exc] * len(batch)
@@ -114,6 +134,19 @@ class PeerUploads:
                 upload.reply.set_exception(outcome)
             else:
                 upload.reply.set_result(outcome)
+
+    async def _call(self, kind: str, message: Message, timeout_s: float, received: asyncio.Event) -> Message:
+        address = self.direct.address() if self.direct is not None else None
+        if self.direct is not None and address is not None:
+            deadline_s = time.monotonic() + timeout_s
+            try:
+                return await self.direct.client.call(
+                    address, self.peer.to_base58(), kind, message, timeout_s, received
+                )
+            except DialFailed as exc:
+                logger.info("hand-offs to %s over libp2p for now: %s", self.peer.to_base58()[-8:], exc)
+            timeout_s = deadline_s - time.monotonic()
+        return await self.client.call(self.peer, kind, message, timeout_s, received)
 
 
 def _outcomes(reply: Message, count: int) -> list:

@@ -40,6 +40,7 @@ class ServerMetrics:
     work_s: float  # the device's seconds of micro-batch work (what capacity is measured from)
     batched_requests: int = 0  # requests that shared a compute call with another (--max-batch-tokens)
     bundles_sent: int = 0  # hand-offs to the next stage that carried several micro-batches (net/bundle.py)
+    direct_in: int = 0  # requests that came over the direct data plane (net/data_plane.py), not libp2p
     moved: dict | None = None  # the cost of the move that brought this server here, if any
     role: str = "server"
 

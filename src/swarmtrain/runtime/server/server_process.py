@@ -26,8 +26,10 @@ from contextlib import ExitStack, suppress
 from dataclasses import dataclass, field, replace
 
 import torch
+from hivemind.p2p import P2P
 
 from swarmtrain.config import RunConfig
+from swarmtrain.net.data_plane import DataPlaneClient, DataPlaneServer
 from swarmtrain.net.dht_records import RunRecords
 from swarmtrain.net.engine import (
     PeerNetwork,
@@ -37,6 +39,7 @@ from swarmtrain.net.engine import (
     visible_addresses,
 )
 from swarmtrain.net.protocol import Message, error_message, namespace
+from swarmtrain.net.transport import StageClient, StageServicer
 from swarmtrain.runtime.faults import NO_FAULTS, FaultHooks
 from swarmtrain.runtime.ledger import Ledger
 from swarmtrain.runtime.procs import (
@@ -69,6 +72,19 @@ class ServerOptions:
     metrics_period_s: float = 5.0
     stage_options: StageOptions = field(default_factory=StageOptions)  # for every stage served
     faults: FaultHooks = NO_FAULTS  # a faulty replica, for tests (runtime/faults.py)
+    # the direct data plane's TCP port for hand-offs from the previous stage (0: any free one; None: off,
+    # hand-offs come over libp2p)
+    data_port: int | None = 0
+
+
+@dataclass
+class _Endpoints:
+    """What `_open_transport` opened, for `_close_transport`."""
+
+    p2p: P2P
+    servicer: StageServicer
+    data_server: DataPlaneServer | None = None
+    data_client: DataPlaneClient | None = None
 
 
 @dataclass(frozen=True)
@@ -196,7 +212,7 @@ class ServerProcess:
         self._stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)
-        p2p, servicer = await self._open_transport(service)
+        endpoints = await self._open_transport(service)
         if self.balancer is not None:
             self.balancer.serving_since_s = None  # a new stage: the balancer waits for it to serve
         if self._arrival is not None:
@@ -233,17 +249,16 @@ class ServerProcess:
             if self.dht.is_alive():  # a stop signal to our process group may have ended it already
                 await loop.run_in_executor(None, lambda: service.announce(state="offline"))
             await service.stop_serving()
-            await self._close_transport(p2p, servicer)
+            await self._close_transport(endpoints)
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(sig)
             watchdog.set()
         return next_arrival if self.exit_code == 0 else None
 
-    async def _open_transport(self, service: StageService):
+    async def _open_transport(self, service: StageService) -> _Endpoints:
         """The RPC endpoints: a P2P replica of the node's daemon, a servicer that hands each message to
-        the service's handler for its kind, and a client counted in the same statistics."""
-        from swarmtrain.net.transport import StageClient, StageServicer
-
+        the service's handler for its kind, a client counted in the same statistics, and (unless off or
+        behind a NAT) the direct data plane for hand-offs, which answers with the same handlers."""
         p2p = await self.dht.replicate_p2p()
         remember_group_sockets()
         run_key = self.options.network.run_key
@@ -259,7 +274,22 @@ class ServerProcess:
         )
         # one byte and CPU count for what this server receives and what it hands to the next stage
         client = StageClient(p2p, namespace(self.cfg), stats=servicer.stats, run_key=run_key)
-        service.start_serving(Transport(client=client, stats=servicer.stats))
+        endpoints = _Endpoints(p2p, servicer)
+        if self.options.data_port is not None:
+            endpoints.data_client = DataPlaneClient(self.node.peer_id, run_key, stats=servicer.stats)
+            if not self.node.behind_nat:  # nobody could dial it; it still dials the next stage's
+                endpoints.data_server = DataPlaneServer(
+                    servicer.answer_bytes, servicer.limit, self.node.peer_id, run_key
+                )
+                await endpoints.data_server.start(self.options.network.host, self.options.data_port)
+        service.start_serving(
+            Transport(
+                client=client,
+                stats=servicer.stats,
+                data=endpoints.data_client,
+                data_port=endpoints.data_server.port if endpoints.data_server is not None else 0,
+            )
+        )
         await servicer.add_p2p_handlers(p2p, namespace=namespace(self.cfg))
         logger.info(  # launchers wait for this line: everything (incl. sockets) exists from here on
             "stage %d replica %s ready (epoch %d); addresses: %s",
@@ -268,12 +298,18 @@ class ServerProcess:
             service.worker.epoch,
             " ".join(self.node.addresses),
         )
-        return p2p, servicer
+        return endpoints
 
-    async def _close_transport(self, p2p, servicer) -> None:
+    async def _close_transport(self, endpoints: _Endpoints) -> None:
+        if endpoints.data_server is not None:
+            await endpoints.data_server.close()
+        if endpoints.data_client is not None:
+            endpoints.data_client.close()
+        p2p = endpoints.p2p
         with suppress(Exception):  # the daemon may be gone already (a stop after its death)
             await asyncio.wait_for(
-                servicer.remove_p2p_handlers(p2p, namespace=namespace(self.cfg)), HANDLER_REMOVAL_TIMEOUT_S
+                endpoints.servicer.remove_p2p_handlers(p2p, namespace=namespace(self.cfg)),
+                HANDLER_REMOVAL_TIMEOUT_S,
             )
         with suppress(Exception):
             await asyncio.wait_for(release_p2p_replica(self.dht, p2p), HANDLER_REMOVAL_TIMEOUT_S)

@@ -57,7 +57,7 @@ from swarmtrain.net.protocol import (
 from swarmtrain.runtime.faults import FaultHooks, nan_like
 from swarmtrain.runtime.ledger import Ledger
 from swarmtrain.runtime.server.capacity import CapacityMeter
-from swarmtrain.runtime.server.chain_hop import Admitted, ChainHop, StagePeers
+from swarmtrain.runtime.server.chain_hop import Admitted, ChainHop, HopClients, StagePeers
 from swarmtrain.runtime.server.compute import (
     PRIORITY_BACKWARD,
     PRIORITY_EVAL,
@@ -75,6 +75,7 @@ from swarmtrain.runtime.server.stage_worker import StageWorker, all_finite
 from swarmtrain.utils.logging import get_logger
 
 if TYPE_CHECKING:  # hivemind is imported only once the process has prepared its environment
+    from swarmtrain.net.data_plane import DataPlaneClient
     from swarmtrain.net.transport import StageClient, TransportStats
 
 logger = get_logger(__name__)
@@ -122,6 +123,8 @@ class Transport:
 
     client: StageClient
     stats: TransportStats
+    data: DataPlaneClient | None = None  # hand-offs to the next stage, where it has a data plane
+    data_port: int = 0  # our data plane's, announced; 0: none (off, or behind a NAT)
 
 
 class StageService:
@@ -356,7 +359,7 @@ class StageService:
             self.hop = ChainHop(
                 self.worker,
                 self.compute,
-                transport.client,
+                HopClients(transport.client, transport.data),
                 next_stage,
                 self.io,
                 self.digest,
@@ -758,6 +761,7 @@ class StageService:
             state_version=self.worker.epoch,
             state=state,
             behind_nat=self.node.behind_nat,
+            data_port=self._transport.data_port if self._transport is not None else 0,
         )
 
     @property
@@ -800,6 +804,7 @@ class StageService:
             work_s=round(self._work_s(), 3),
             batched_requests=self.compute.tasks_done - self.compute.calls,
             bundles_sent=self.hop.bundles if self.hop is not None else 0,
+            direct_in=stats.direct_in if stats is not None else 0,
         )
 
 
