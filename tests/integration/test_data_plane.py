@@ -1,17 +1,26 @@
 """The direct data plane (net/data_plane.py) on loopback TCP, without a swarm: an acknowledgement before
-the work, idle connections reused and one per exchange in flight, failures of the kinds the retry
-table knows (net/failures.py), dials that fail before sending anything, and private runs: only holders
-of the run key get in, and what crosses the wire is sealed."""
+the work, one link for every exchange with answers in any order, failures of the kinds the retry table
+knows (net/failures.py), dials that fail before sending anything, a silent link dropped, congestion
+control set where permitted, and private runs: only holders of the run key get in, and what crosses
+the wire is sealed."""
 
 import asyncio
 import os
+import socket
 
 import pytest
 import torch
 from hivemind.p2p import PeerID
 
 from swarmtrain.net.auth import RunKey
-from swarmtrain.net.data_plane import DIAL_COOLDOWN_S, DataPlaneClient, DataPlaneServer, DialFailed, _Seal
+from swarmtrain.net.data_plane import (
+    DIAL_COOLDOWN_S,
+    DataPlaneClient,
+    DataPlaneServer,
+    DialFailed,
+    _Seal,
+    set_congestion_control,
+)
 from swarmtrain.net.failures import Outcome, classify_failure
 from swarmtrain.net.protocol import Message, ProtocolError, error_message, make_message, pack, unpack
 from swarmtrain.net.transport import RemoteError
@@ -36,6 +45,7 @@ class Handlers:
     def __init__(self) -> None:
         self.calls: list[tuple[str, str]] = []
         self.gate: asyncio.Event | None = None
+        self.gates: dict[str, asyncio.Event] = {}  # per micro-batch
         self.failing = False
 
     async def answer(self, kind: str, data: bytes, context) -> bytes:
@@ -43,6 +53,8 @@ class Handlers:
         self.calls.append((kind, context.remote_id.to_base58()))
         if self.gate is not None:
             await self.gate.wait()
+        if message.header["mb"] in self.gates:
+            await self.gates[message.header["mb"]].wait()
         if self.failing:
             return pack(error_message("busy", "unavailable"))
         header = {
@@ -96,7 +108,7 @@ def test_a_call_is_acknowledged_before_the_work_and_answered_with_the_callers_id
     _run(main())
 
 
-def test_idle_connections_are_reused_and_every_exchange_in_flight_has_its_own():
+def test_one_link_carries_every_exchange_and_answers_come_back_in_any_order():
     async def main():
         handlers = Handlers()
         server = await _serve(handlers)
@@ -105,21 +117,23 @@ def test_idle_connections_are_reused_and_every_exchange_in_flight_has_its_own():
         try:
             for mb in ("a", "b", "c"):
                 await client.call(address, SERVER, "forward_backward", _hand_off(mb), TIMEOUT_S)
-            assert client.dials == 1
-            handlers.gate = asyncio.Event()
-            calls = [
-                asyncio.create_task(client.call(address, SERVER, "chain", _hand_off(mb), TIMEOUT_S))
+            handlers.gates = {mb: asyncio.Event() for mb in ("d", "e", "f")}
+            calls = {
+                mb: asyncio.create_task(client.call(address, SERVER, "chain", _hand_off(mb), TIMEOUT_S))
                 for mb in ("d", "e", "f")
-            ]
-            while len(handlers.calls) < 6:
+            }
+            while len(handlers.calls) < 6:  # all three are at the server at once
                 await asyncio.sleep(0.01)
-            handlers.gate.set()
-            replies = await asyncio.gather(*calls)
+            handlers.gates["f"].set()  # the last one sent is answered first
+            assert (await calls["f"]).header["mb"] == "f"
+            assert not calls["d"].done() and not calls["e"].done()
+            for mb in ("d", "e"):
+                handlers.gates[mb].set()
+                assert (await calls[mb]).header["mb"] == mb
         finally:
             client.close()
             await server.close()
-        assert [r.header["mb"] for r in replies] == ["d", "e", "f"]
-        assert client.dials == 3  # the idle one and two new ones
+        assert client.dials == 1
 
     _run(main())
 
@@ -142,8 +156,14 @@ def test_failures_are_the_kinds_the_retry_table_knows():
             with pytest.raises(TimeoutError) as silent:
                 await client.call(address, SERVER, "chain", _hand_off("b"), 0.5)
             assert classify_failure(silent.value) is Outcome.MAYBE_APPLIED
+            handlers.gate.set()  # the late answer is dropped; the link still serves
+            handlers.gate = None
+            assert (await client.call(address, SERVER, "chain", _hand_off("b2"), TIMEOUT_S)).header[
+                "mb"
+            ] == "b2"
+            handlers.gate = asyncio.Event()
             cut = asyncio.create_task(client.call(address, SERVER, "chain", _hand_off("c"), TIMEOUT_S))
-            while len(handlers.calls) < 3:
+            while len(handlers.calls) < 4:
                 await asyncio.sleep(0.01)
             await server.close()  # the server goes away mid-call
             with pytest.raises(Exception) as gone:
@@ -196,6 +216,11 @@ def test_in_a_private_run_only_key_holders_get_in():
         try:
             reply = await member.call(address, SERVER, "chain", _hand_off("a"), TIMEOUT_S)
             assert reply.header["caller"] == CALLER and reply.header["auth"] is True  # with its token
+            with pytest.raises(RemoteError, match="too_large"):  # dropped unread, its nonce counted
+                await member.call(address, SERVER, "chain", _hand_off("big", size=LIMIT_BYTES), TIMEOUT_S)
+            assert (await member.call(address, SERVER, "chain", _hand_off("c"), TIMEOUT_S)).header[
+                "mb"
+            ] == "c"
             for outsider in (stranger, keyless):
                 with pytest.raises(DialFailed):
                     await outsider.call(address, SERVER, "chain", _hand_off("b"), TIMEOUT_S)
@@ -203,7 +228,7 @@ def test_in_a_private_run_only_key_holders_get_in():
             for client in (member, stranger, keyless):
                 client.close()
             await server.close()
-        assert len(handlers.calls) == 1
+        assert len(handlers.calls) == 2
 
     _run(main())
 
@@ -218,3 +243,46 @@ def test_a_sealed_frame_hides_its_body_and_fails_if_altered():
     altered = sender.seal(b"head", body)
     with pytest.raises(ProtocolError):
         receiver.open(b"head", altered[:-1] + bytes([altered[-1] ^ 1]))
+
+
+class _Deaf(DataPlaneServer):
+    """Completes handshakes, then reads nothing: a wedged peer, or one whose machine vanished."""
+
+    async def _take_requests(self, hello, channel) -> None:
+        await asyncio.sleep(3600)
+
+
+def test_a_link_silent_through_a_whole_call_is_dropped_and_the_next_call_dials_anew():
+    async def main():
+        server = _Deaf(Handlers().answer, lambda kind: LIMIT_BYTES, SERVER, None)
+        await server.start("127.0.0.1")
+        client = DataPlaneClient(CALLER)
+        try:
+            for attempt in (1, 2):
+                with pytest.raises(TimeoutError):
+                    await client.call(("127.0.0.1", server.port), SERVER, "chain", _hand_off("a"), 0.5)
+                assert client.dials == attempt
+        finally:
+            client.close()
+            await server.close()
+
+    _run(main())
+
+
+def test_congestion_control_is_set_where_the_system_permits_and_left_alone_where_not():
+    async def main():
+        server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            for name, expected in (("reno", "reno"), ("no-such-algorithm", None)):
+                _, writer = await asyncio.open_connection("127.0.0.1", port)
+                sock = writer.get_extra_info("socket")
+                before = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).rstrip(b"\0").decode()
+                set_congestion_control(writer, name)
+                after = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).rstrip(b"\0").decode()
+                assert after == (expected or before)
+                writer.close()
+        finally:
+            server.close()
+
+    _run(main())

@@ -15,7 +15,15 @@ from swarmtrain.net.hand_off import (
     validate_chain,
     validate_hops,
 )
-from swarmtrain.net.protocol import ProtocolError, StageIO, pack, unpack
+from swarmtrain.net.protocol import (
+    Message,
+    ProtocolError,
+    StageIO,
+    encode_labels,
+    pack,
+    unpack,
+    validate_request,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -113,3 +121,23 @@ def test_service_time_of_a_hop_is_its_own_work_plus_the_transfer_into_it():
         HopReport(1, "b", 2, server_s=0.7, compute_s=0.6, step_wait_s=0.0, child_s=0.0),
     ]
     assert hop_service_times(2.0, hops) == pytest.approx([0.7 + 0.2, 0.7 + 0.3])
+
+
+@pytest.mark.parametrize("vocab_size,dtype", [(256, "int16"), (32_000, "int16"), (50_257, "int32")])
+def test_labels_go_as_the_narrowest_integer_that_holds_the_vocabulary_and_arrive_as_int64(
+    three_stages, vocab_size, dtype
+):
+    labels = torch.tensor([[vocab_size - 1, 0, -100]])
+    encoded = encode_labels(labels, vocab_size)
+    assert encoded.dtype == dtype and len(encoded.payload) == 3 * (2 if dtype == "int16" else 4)
+    cfg = three_stages.replace(
+        model=dataclasses.replace(three_stages.model, vocab_size=vocab_size, seq_len=3)
+    )
+    last = StageIO.from_config(cfg.model, cfg.stages()[2], max_batch=16)
+    inputs = codec.encode(torch.randn(1, 3, cfg.model.d_model), "none")
+    for sent in (encoded, codec.encode(labels, "none")):  # int64 from an older trainer still passes
+        header = {"mb": "m", "stage": 2, "digest": DIGEST, "codec": "none", "step": 0}
+        message = Message("forward_backward", header)
+        message.tensors.update(inputs=inputs, labels=sent)
+        request = validate_request(unpack(pack(message), 10**8), last, DIGEST)
+        assert request.labels.dtype == torch.int64 and request.labels.tolist() == labels.tolist()

@@ -51,6 +51,14 @@ def register(subparsers) -> None:
         help="TCP port of the direct data plane, where the previous stage's servers hand off activations "
         "(default: any free port; announced in the DHT). Open it like --port when a firewall is in the way",
     )
+    parser.add_argument(
+        "--data-plane-cc",
+        default="cubic",
+        metavar="NAME",
+        help="TCP congestion control of the data plane's connections, where the system permits it "
+        "(default: cubic, loss-based: with both directions of a link busy BBR stalled on the test bed; "
+        "`system`: the system's default)",
+    )
     data.add_argument(
         "--no-data-plane",
         action="store_true",
@@ -177,6 +185,7 @@ def run(args: argparse.Namespace) -> int:
         stage_options=stage_options,
         faults=FaultHooks.from_environ(),  # tests make one server faulty through its environment
         data_port=None if args.no_data_plane else args.data_port,
+        data_congestion=None if args.data_plane_cc == "system" else args.data_plane_cc,
     )
     # one process for its whole life: a move to another stage happens inside `run()`
     return ServerProcess(cfg, options).run()

@@ -8,10 +8,15 @@ a quarter of each link unused (docs/LOG.md, 2026-11-25). Here every hand-off in 
 connection of its own: an acknowledgement waits behind at most the link's queue, and the kernel's TCP
 flow control replaces yamux's 256 KiB stream window.
 
-A connection carries one exchange at a time, and the client keeps idle ones per peer for the next:
-  client REQUEST(kind, packed message) -> server ACK (the request is here, before the work) ->
-  server REPLY(packed reply message).
-A frame is a header `!BBQ` (frame type, length of the kind, length of the body), the kind, the body.
+A client reaches a peer over a link of two connections, kept for the next calls:
+- on the requests connection the client sends REQUEST(id, kind, packed message) frames, one after the
+  other, and the server answers each with ACK(id) as soon as it holds all of it, before the work;
+- on the replies connection the server sends REPLY(id, packed reply) frames as answers are ready.
+Over libp2p the acknowledgement that releases a sender's lane (runtime/server/hop_uploads.py) queued
+behind the receiver's bulk reply in their one connection; here it never follows bulk data, and each
+connection's bulk goes one way, back to back, so its TCP state stays warm (a connection per exchange
+restarted from TCP's initial window after every idle second: docs/LOG.md). A frame is a header
+`!BBQQ` (frame type, length of the kind, length of the body, exchange id), the kind, the body.
 
 A connection opens with a handshake: each side sends a random nonce and its peer id, and the client
 names the server it means to reach, so an address now used by another process is refused, not served.
@@ -31,6 +36,7 @@ import asyncio
 import ipaddress
 import json
 import secrets
+import socket
 import struct
 import time
 from collections.abc import Awaitable, Callable
@@ -51,14 +57,20 @@ logger = get_logger(__name__)
 HAND_OFF_KINDS = ("chain", "forward_backward", "bundle")
 REQUEST, ACK, REPLY = 1, 2, 3
 HANDSHAKE_TIMEOUT_S = 5.0
-DIAL_COOLDOWN_S = 60.0  # after a failed dial, libp2p carries the hand-offs to that address meanwhile
-MAX_IDLE_PER_PEER = 8
-_HEADER = struct.Struct("!BBQ")
+DIAL_COOLDOWN_S = 60.0
+# loss-based congestion control on the data plane's sockets, where the system permits it (else its
+# default): with both directions of a link busy, as a swarm keeps them, acknowledgements wait behind
+# the peer's own upload, and BBR (v1), which caps its window at twice the bandwidth x its minimum
+# round trip, stalled; on the test bed at 10 Mbit/s direct 8-bit did 26.6 samples/s with BBR, 27.5 with
+# cubic (docs/LOG.md). cubic is Linux's usual default anyway
+DEFAULT_CONGESTION = "cubic"  # after a failed dial, libp2p carries the hand-offs to that address meanwhile
+_HEADER = struct.Struct("!BBQQ")
 _HELLO_LENGTH = struct.Struct("!I")
 _MAX_HELLO_BYTES = 4096
 _NONCE_BYTES = 16
 _TAG_BYTES = 16  # AES-GCM's authentication tag, appended to a sealed body
 _PROTOCOL = "swarmtrain-data/1"
+REQUESTS, REPLIES = "requests", "replies"  # a link's two connections
 
 Address = tuple[str, int]
 # (kind, request bytes, the sender as a libp2p context) -> the packed reply
@@ -67,6 +79,27 @@ Answer = Callable[[str, bytes, P2PContext], Awaitable[bytes]]
 
 class DialFailed(ConnectionError):
     """No usable connection to the peer's data plane; nothing of the request was sent."""
+
+
+_refused_congestion: set[str] = set()  # algorithms the system would not give us (logged once each)
+
+
+def set_congestion_control(writer: asyncio.StreamWriter, name: str | None) -> None:
+    """Use TCP congestion control `name` on the connection (None: the system's default); where the
+    system does not permit it (not loaded, or not in net.ipv4.tcp_allowed_congestion_control for an
+    unprivileged process), the default stays."""
+    option = getattr(socket, "TCP_CONGESTION", None)
+    sock = writer.get_extra_info("socket")
+    if name is None or option is None or sock is None:
+        return
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, option, name.encode())
+    except OSError as exc:
+        if name not in _refused_congestion:
+            _refused_congestion.add(name)
+            logger.info(
+                "data plane: the system's TCP congestion control stays (%s refused: %s)", name, exc.strerror
+            )
 
 
 def dial_address(addresses: list[str], port: int) -> Address | None:
@@ -86,6 +119,7 @@ class _Head:
     kind_type: int
     kind: str
     size: int
+    exchange: int
     raw: bytes  # the header and kind as sent: a sealed body's associated data
 
 
@@ -101,6 +135,10 @@ class _Seal:
         self._sent += 1
         return self._aead.encrypt(self._sending + self._sent.to_bytes(8, "big"), body, head)
 
+    def skip(self) -> None:
+        """A frame the receiver dropped unread still used its nonce."""
+        self._received += 1
+
     def open(self, head: bytes, body: bytes) -> bytes:
         self._received += 1
         try:
@@ -110,40 +148,45 @@ class _Seal:
 
 
 class _Channel:
-    """One connection after its handshake: frames out and in."""
+    """One connection after its handshake: frames out (whole, in order) and in."""
 
     def __init__(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, seal: _Seal | None
     ) -> None:
         self.reader, self.writer, self._seal = reader, writer, seal
+        self._sending = asyncio.Lock()
 
-    async def send(self, kind_type: int, body: bytes, kind: str = "") -> None:
+    async def send(self, kind_type: int, exchange: int, body: bytes, kind: str = "") -> None:
         kind_bytes = kind.encode()
-        size = len(body) + (_TAG_BYTES if self._seal is not None else 0)
-        head = _HEADER.pack(kind_type, len(kind_bytes), size) + kind_bytes
-        if self._seal is not None:
-            body = self._seal.seal(head, body)
-        self.writer.write(head)
-        self.writer.write(body)
-        await self.writer.drain()
+        size = len(body) + self.overhead()
+        head = _HEADER.pack(kind_type, len(kind_bytes), size, exchange) + kind_bytes
+        async with self._sending:  # frames go whole and in nonce order
+            if self._seal is not None:
+                body = self._seal.seal(head, body)
+            self.writer.write(head)
+            self.writer.write(body)
+            await self.writer.drain()
 
     async def head(self) -> _Head:
         raw = await self.reader.readexactly(_HEADER.size)
-        kind_type, kind_len, size = _HEADER.unpack(raw)
+        kind_type, kind_len, size, exchange = _HEADER.unpack(raw)
         kind_bytes = await self.reader.readexactly(kind_len)
         try:
             kind = kind_bytes.decode("ascii")
         except UnicodeDecodeError:
             raise ProtocolError("a data-plane frame with a malformed kind") from None
-        return _Head(kind_type, kind, size, raw + kind_bytes)
+        return _Head(kind_type, kind, size, exchange, raw + kind_bytes)
 
     async def body(self, head: _Head) -> bytes:
         data = await self.reader.readexactly(head.size)
         return self._seal.open(head.raw, data) if self._seal is not None else data
 
-    async def skip(self, size: int) -> None:
+    async def skip(self, head: _Head) -> None:
+        size = head.size
         while size > 0:
             size -= len(await self.reader.readexactly(min(size, 1 << 16)))
+        if self._seal is not None:
+            self._seal.skip()
 
     def overhead(self) -> int:
         return _TAG_BYTES if self._seal is not None else 0
@@ -187,7 +230,7 @@ class _Session:
     """What both sides derive from the handshake: the proofs each must show and the frames' key."""
 
     run_key: RunKey
-    parts: tuple[bytes, ...]  # client nonce, server nonce, client id, server id
+    parts: tuple[bytes, ...]  # client nonce, server nonce, client id, server id, link and role
 
     def proof(self, side: str) -> str:
         return self.run_key.mac(f"data-plane {side}", *self.parts).hex()
@@ -198,11 +241,34 @@ class _Session:
         return _Seal(key, client, server) if side == "client" else _Seal(key, server, client)
 
 
+@dataclass(frozen=True)
+class _Hello:
+    """Who calls (claimed, or in a private run proven), for which link and as which of its connections."""
+
+    caller: str
+    link: str
+    role: str
+
+
 async def _client_handshake(
-    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, me: str, server: str, run_key: RunKey | None
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    me: str,
+    server: str,
+    run_key: RunKey | None,
+    link: str,
+    role: str,
 ) -> _Seal | None:
     ours = secrets.token_bytes(_NONCE_BYTES)
-    await _say(writer, {"protocol": _PROTOCOL, "peer": me, "to": server, "nonce": ours.hex()})
+    fields = {
+        "protocol": _PROTOCOL,
+        "peer": me,
+        "to": server,
+        "nonce": ours.hex(),
+        "link": link,
+        "role": role,
+    }
+    await _say(writer, fields)
     hello = await _hear(reader)
     if "error" in hello:
         raise ProtocolError(f"refused: {str(hello['error']):.200}")
@@ -212,7 +278,9 @@ async def _client_handshake(
         if "proof" in hello:
             raise ProtocolError("the server's run is private and we hold no run key")
         return None
-    session = _Session(run_key, (ours, _nonce(hello), me.encode(), server.encode()))
+    session = _Session(
+        run_key, (ours, _nonce(hello), me.encode(), server.encode(), f"{link} {role}".encode())
+    )
     if not secrets.compare_digest(str(hello.get("proof")), session.proof("server")):
         raise ProtocolError("the server holds no valid run key")
     await _say(writer, {"proof": session.proof("client")})
@@ -223,10 +291,10 @@ async def _client_handshake(
 
 async def _server_handshake(
     reader: asyncio.StreamReader, writer: asyncio.StreamWriter, me: str, run_key: RunKey | None
-) -> tuple[str, _Seal | None]:
-    """The caller's (claimed, or in a private run proven) peer id, and the frames' seal."""
+) -> tuple[_Hello, _Seal | None]:
+    """Who calls, and the frames' seal."""
     hello = await _hear(reader)
-    caller = str(hello.get("peer", ""))
+    caller, link, role = str(hello.get("peer", "")), str(hello.get("link", "")), hello.get("role")
     refusal = None
     if hello.get("protocol") != _PROTOCOL:
         refusal = f"protocol {str(hello.get('protocol')):.40} is not {_PROTOCOL}"
@@ -234,20 +302,24 @@ async def _server_handshake(
         refusal = f"this is {me}, not {str(hello.get('to')):.60}"
     elif not _is_peer_id(caller):
         refusal = "a malformed peer id"
+    elif role not in (REQUESTS, REPLIES) or not 0 < len(link) <= 64:
+        refusal = "a malformed link"
     if refusal is not None:
         await _say(writer, {"error": refusal})
         raise ProtocolError(refusal)
     ours = secrets.token_bytes(_NONCE_BYTES)
     if run_key is None:
         await _say(writer, {"peer": me, "nonce": ours.hex()})
-        return caller, None
-    session = _Session(run_key, (_nonce(hello), ours, caller.encode(), me.encode()))
+        return _Hello(caller, link, role), None
+    session = _Session(
+        run_key, (_nonce(hello), ours, caller.encode(), me.encode(), f"{link} {role}".encode())
+    )
     await _say(writer, {"peer": me, "nonce": ours.hex(), "proof": session.proof("server")})
     if not secrets.compare_digest(str((await _hear(reader)).get("proof")), session.proof("client")):
         await _say(writer, {"error": "no valid run key"})
         raise ProtocolError(f"{caller[-8:]} holds no valid run key", "unauthorized")
     await _say(writer, {"ok": True})
-    return caller, session.seal("server")
+    return _Hello(caller, link, role), session.seal("server")
 
 
 def _is_peer_id(text: str) -> bool:
@@ -264,12 +336,20 @@ class DataPlaneServer:
     handlers as the libp2p servicer), `limit(kind)` the largest request accepted."""
 
     def __init__(
-        self, answer: Answer, limit: Callable[[str], int], peer_id: str, run_key: RunKey | None
+        self,
+        answer: Answer,
+        limit: Callable[[str], int],
+        peer_id: str,
+        run_key: RunKey | None,
+        congestion: str | None = DEFAULT_CONGESTION,
     ) -> None:
         self.answer, self.limit, self.peer_id, self.run_key = answer, limit, peer_id, run_key
+        self.congestion = congestion
         self.port = 0
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
+        self._replies: dict[tuple[str, str], asyncio.Future[_Channel]] = {}  # per (caller, link)
+        self._answers: set[asyncio.Task] = set()
 
     async def start(self, host: str, port: int = 0) -> int:
         """Listen on `host`:`port` (0: any free port); returns the port."""
@@ -280,60 +360,161 @@ class DataPlaneServer:
     async def close(self) -> None:
         if self._server is not None:
             self._server.close()
+        for task in list(self._answers):
+            task.cancel()
         for writer in list(self._writers):
             writer.close()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._writers.add(writer)
+        set_congestion_control(writer, self.congestion)
         try:
-            caller, seal = await asyncio.wait_for(
+            hello, seal = await asyncio.wait_for(
                 _server_handshake(reader, writer, self.peer_id, self.run_key), HANDSHAKE_TIMEOUT_S
             )
-            context = P2PContext("data-plane", PeerID.from_base58(self.peer_id), PeerID.from_base58(caller))
             channel = _Channel(reader, writer, seal)
-            while await self._exchange(channel, context):
-                pass
+            if hello.role == REPLIES:
+                await self._hold_replies(hello, channel)
+            else:
+                await self._take_requests(hello, channel)
         except (ProtocolError, TimeoutError, OSError, EOFError) as exc:
             logger.debug("data-plane connection ended: %r", exc)
         finally:
             self._writers.discard(writer)
             writer.close()
 
-    async def _exchange(self, channel: _Channel, context: P2PContext) -> bool:
-        """One request answered; False when the connection should end (the caller closed it, or sent
-        something no answer can follow)."""
+    def _reply_slot(self, hello: _Hello) -> asyncio.Future[_Channel]:
+        return self._replies.setdefault(
+            (hello.caller, hello.link), asyncio.get_running_loop().create_future()
+        )
+
+    async def _hold_replies(self, hello: _Hello, channel: _Channel) -> None:
+        """Keep a link's replies connection for its requests connection until the caller closes it."""
+        slot = self._reply_slot(hello)
+        if slot.done():
+            raise ProtocolError(f"a second replies connection for link {hello.link[:16]}")
+        slot.set_result(channel)
         try:
-            head = await channel.head()
-        except asyncio.IncompleteReadError:
-            return False  # the caller closed an idle connection
-        if head.kind_type != REQUEST or head.kind not in HAND_OFF_KINDS:
-            raise ProtocolError(f"frame type {head.kind_type} kind {head.kind!r} on the data plane")
-        if head.size > self.limit(head.kind) + channel.overhead():
-            text = f"message exceeds the limit of {self.limit(head.kind)} bytes"
-            await channel.send(REPLY, pack(error_message(text, "too_large")))
-            # read and drop the body: closing with it unread resets the connection, and the caller
-            # would see a broken pipe instead of the answer
-            await asyncio.wait_for(channel.skip(head.size), MAX_DRAIN_S)
-            return True
-        data = await channel.body(head)
-        await channel.send(ACK, b"")
-        await channel.send(REPLY, await self.answer(head.kind, data, context))
-        return True
+            await channel.reader.read()  # nothing comes this way: this returns at the caller's close
+        finally:
+            self._replies.pop((hello.caller, hello.link), None)
+
+    async def _take_requests(self, hello: _Hello, channel: _Channel) -> None:
+        slot = self._reply_slot(hello)
+        try:
+            replies = await asyncio.wait_for(asyncio.shield(slot), HANDSHAKE_TIMEOUT_S)
+        except TimeoutError:
+            self._replies.pop((hello.caller, hello.link), None)
+            raise
+        context = P2PContext("data-plane", PeerID.from_base58(self.peer_id), PeerID.from_base58(hello.caller))
+        while True:
+            try:
+                head = await channel.head()
+            except asyncio.IncompleteReadError:
+                return  # the caller closed the link
+            if head.kind_type != REQUEST or head.kind not in HAND_OFF_KINDS:
+                raise ProtocolError(f"frame type {head.kind_type} kind {head.kind!r} on the data plane")
+            if head.size > self.limit(head.kind) + channel.overhead():
+                # read and drop it: the requests after it on this connection stay readable
+                await asyncio.wait_for(channel.skip(head), MAX_DRAIN_S)
+                text = f"message exceeds the limit of {self.limit(head.kind)} bytes"
+                await replies.send(REPLY, head.exchange, pack(error_message(text, "too_large")))
+                continue
+            data = await channel.body(head)
+            await channel.send(ACK, head.exchange, b"")
+            task = asyncio.create_task(self._reply(replies, head, data, context))
+            self._answers.add(task)
+            task.add_done_callback(self._answers.discard)
+
+    async def _reply(self, replies: _Channel, head: _Head, data: bytes, context: P2PContext) -> None:
+        reply = await self.answer(head.kind, data, context)
+        try:
+            await replies.send(REPLY, head.exchange, reply)
+        except (OSError, RuntimeError) as exc:  # the caller went away meanwhile: its call failed already
+            logger.debug("data-plane reply to %s lost: %r", context.remote_id, exc)
 
 
 # the client -----------------------------------------------------------------------------------------
+@dataclass
+class _Exchange:
+    received: asyncio.Event | None
+    reply: asyncio.Future[bytes]
+
+
+class _Link:
+    """A client's two connections to one peer and the exchanges under way on them. Any failure of either
+    connection fails every exchange under way (as a reset connection: the peer may be gone) and the
+    link; the next call dials a new one."""
+
+    def __init__(self, requests: _Channel, replies: _Channel) -> None:
+        self.requests, self.replies = requests, replies
+        self.broken: str | None = None
+        self.last_frame_s = time.monotonic()  # when a frame last came from the server
+        self._exchanges: dict[int, _Exchange] = {}
+        self._last_id = 0
+        self._readers = [asyncio.create_task(self._read(c)) for c in (requests, replies)]
+
+    async def exchange(self, kind: str, data: bytes, received: asyncio.Event | None) -> bytes:
+        if self.broken is not None:
+            raise ConnectionResetError(self.broken)
+        self._last_id += 1
+        exchange_id = self._last_id
+        pending = _Exchange(received, asyncio.get_running_loop().create_future())
+        self._exchanges[exchange_id] = pending
+        try:
+            await self.requests.send(REQUEST, exchange_id, data, kind)
+            return await pending.reply
+        finally:  # answered, failed, timed out or cancelled: a late reply is dropped
+            self._exchanges.pop(exchange_id, None)
+
+    async def _read(self, channel: _Channel) -> None:
+        try:
+            while True:
+                head = await channel.head()
+                if head.kind_type not in (ACK, REPLY) or head.size > MAX_REPLY_BYTES + channel.overhead():
+                    raise ProtocolError(f"frame type {head.kind_type} of {head.size} bytes from the server")
+                body = await channel.body(head)
+                self.last_frame_s = time.monotonic()
+                pending = self._exchanges.get(head.exchange)
+                if pending is None:
+                    continue  # a call that gave up
+                if head.kind_type == ACK and pending.received is not None:
+                    pending.received.set()
+                elif head.kind_type == REPLY and not pending.reply.done():
+                    pending.reply.set_result(body)
+        except Exception as exc:  # noqa: BLE001 (EOF, reset, a bad frame: the link is done either way)
+            self.close(f"data-plane link lost: {exc!r:.200}")
+
+    def close(self, reason: str = "closed") -> None:
+        if self.broken is None:
+            self.broken = reason
+        for pending in self._exchanges.values():
+            if not pending.reply.done():
+                pending.reply.set_exception(ConnectionResetError(self.broken))
+        for task in self._readers:
+            if task is not asyncio.current_task():
+                task.cancel()
+        self.requests.close()
+        self.replies.close()
+
+
 class DataPlaneClient:
-    """Calls peers' data planes as `peer_id`; every call bounded by its timeout and counted in `stats`
-    as `StageClient` counts its own. It raises what `StageClient.call` raises, plus `DialFailed`."""
+    """Calls peers' data planes as `peer_id`, one link per peer; every call bounded by its timeout and
+    counted in `stats` as `StageClient` counts its own. It raises what `StageClient.call` raises, plus
+    `DialFailed`."""
 
     def __init__(
-        self, peer_id: str, run_key: RunKey | None = None, stats: TransportStats | None = None
+        self,
+        peer_id: str,
+        run_key: RunKey | None = None,
+        stats: TransportStats | None = None,
+        congestion: str | None = DEFAULT_CONGESTION,
     ) -> None:
-        self.peer_id, self.run_key = peer_id, run_key
+        self.peer_id, self.run_key, self.congestion = peer_id, run_key, congestion
         self.stats = stats or TransportStats()
-        self.dials = 0  # connections opened (tests: idle ones are reused)
+        self.dials = 0  # links opened (tests: a link serves many calls)
         self._token = run_key.token(peer_id) if run_key is not None else None
-        self._idle: dict[tuple[Address, str], list[_Channel]] = {}
+        self._links: dict[tuple[Address, str], _Link] = {}
         self._failed_until_s: dict[Address, float] = {}
 
     async def call(
@@ -349,10 +530,14 @@ class DataPlaneClient:
         if self._token is not None:
             message = Message(message.kind, {**message.header, "auth": self._token}, message.tensors)
         data = pack(message)
-        channel = await self._checkout(address, peer, timeout_s)
-        reply_bytes = await asyncio.wait_for(
-            self._exchange(channel, (address, peer), kind, data, received), timeout_s
-        )
+        link = await self._link(address, peer, timeout_s)
+        started_s = time.monotonic()
+        try:
+            reply_bytes = await asyncio.wait_for(link.exchange(kind, data, received), timeout_s)
+        except TimeoutError:
+            if link.last_frame_s < started_s:  # not a slow answer: a dead or wedged link, dial anew
+                link.close(f"nothing came over the link in {timeout_s:.1f} s")
+            raise
         try:
             reply = unpack(reply_bytes, MAX_REPLY_BYTES)
         except ProtocolError as exc:
@@ -365,62 +550,43 @@ class DataPlaneClient:
         return reply
 
     def close(self) -> None:
-        for channels in self._idle.values():
-            for channel in channels:
-                channel.close()
-        self._idle.clear()
+        for link in self._links.values():
+            link.close()
+        self._links.clear()
 
-    async def _checkout(self, address: Address, peer: str, timeout_s: float) -> _Channel:
-        idle = self._idle.get((address, peer), [])
-        while idle:
-            channel = idle.pop()
-            if not channel.reader.at_eof() and not channel.writer.is_closing():
-                return channel
-            channel.close()
+    async def _link(self, address: Address, peer: str, timeout_s: float) -> _Link:
+        link = self._links.get((address, peer))
+        if link is not None and link.broken is None:
+            return link
         if time.monotonic() < self._failed_until_s.get(address, 0.0):
             raise DialFailed(f"{address[0]}:{address[1]} failed a dial less than {DIAL_COOLDOWN_S:.0f} s ago")
         try:
-            return await asyncio.wait_for(self._dial(address, peer), min(timeout_s, HANDSHAKE_TIMEOUT_S))
+            link = await asyncio.wait_for(self._dial(address, peer), min(timeout_s, HANDSHAKE_TIMEOUT_S))
         except (OSError, EOFError, ProtocolError) as exc:  # a TimeoutError is an OSError
             self._failed_until_s[address] = time.monotonic() + DIAL_COOLDOWN_S
             raise DialFailed(
                 f"data plane of {peer[-8:]} at {address[0]}:{address[1]}: {exc!r:.200}"
             ) from None
+        self._links[(address, peer)] = link
+        self.dials += 1
+        return link
 
-    async def _dial(self, address: Address, peer: str) -> _Channel:
-        reader, writer = await asyncio.open_connection(*address)
+    async def _dial(self, address: Address, peer: str) -> _Link:
+        link_id = secrets.token_hex(_NONCE_BYTES)
+        replies = await self._connect(address, peer, link_id, REPLIES)  # first: requests need it
         try:
-            seal = await _client_handshake(reader, writer, self.peer_id, peer, self.run_key)
+            requests = await self._connect(address, peer, link_id, REQUESTS)
+        except BaseException:
+            replies.close()
+            raise
+        return _Link(requests, replies)
+
+    async def _connect(self, address: Address, peer: str, link_id: str, role: str) -> _Channel:
+        reader, writer = await asyncio.open_connection(*address)
+        set_congestion_control(writer, self.congestion)
+        try:
+            seal = await _client_handshake(reader, writer, self.peer_id, peer, self.run_key, link_id, role)
         except BaseException:
             writer.close()
             raise
-        self.dials += 1
         return _Channel(reader, writer, seal)
-
-    async def _exchange(
-        self,
-        channel: _Channel,
-        key: tuple[Address, str],
-        kind: str,
-        data: bytes,
-        received: asyncio.Event | None,
-    ) -> bytes:
-        done = False
-        try:
-            await channel.send(REQUEST, data, kind)
-            head = await channel.head()
-            if head.kind_type == ACK:
-                await channel.body(head)
-                if received is not None:
-                    received.set()
-                head = await channel.head()
-            if head.kind_type != REPLY or head.size > MAX_REPLY_BYTES + channel.overhead():
-                raise TruncatedReply(f"frame type {head.kind_type} of {head.size} bytes instead of a reply")
-            reply = await channel.body(head)
-            done = True
-            return reply
-        finally:  # cut off, timed out or cancelled: the connection's state is unknown, so it goes
-            if done and len(self._idle.setdefault(key, [])) < MAX_IDLE_PER_PEER:
-                self._idle[key].append(channel)
-            else:
-                channel.close()

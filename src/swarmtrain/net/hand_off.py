@@ -27,6 +27,7 @@ from swarmtrain.net.protocol import (
     ProtocolError,
     StageIO,
     StageRequest,
+    checked_label_shape,
     validate_request,
 )
 
@@ -79,8 +80,7 @@ def validate_chain(message: Message, io: StageIO, digest: str, num_stages: int) 
         raise ProtocolError(f"chain carries inputs and labels, got {sorted(message.tensors)}")
     forward = validate_request(Message("forward", header, {"inputs": message.tensors["inputs"]}), io, digest)
     labels = message.tensors["labels"]
-    if labels.dtype != "int64" or tuple(labels.shape) != tuple(forward.inputs.shape[:2]):
-        raise ProtocolError(f"labels must be int64 of shape {list(forward.inputs.shape[:2])}")
+    checked_label_shape(labels, tuple(forward.inputs.shape[:2]))
     later = num_stages - io.stage - 1
     route, flags = header.get("route"), header.get("accumulate_after")
     if not (isinstance(route, list) and len(route) == later):

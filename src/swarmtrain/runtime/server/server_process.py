@@ -29,7 +29,7 @@ import torch
 from hivemind.p2p import P2P
 
 from swarmtrain.config import RunConfig
-from swarmtrain.net.data_plane import DataPlaneClient, DataPlaneServer
+from swarmtrain.net.data_plane import DEFAULT_CONGESTION, DataPlaneClient, DataPlaneServer
 from swarmtrain.net.dht_records import RunRecords
 from swarmtrain.net.engine import (
     PeerNetwork,
@@ -75,6 +75,7 @@ class ServerOptions:
     # the direct data plane's TCP port for hand-offs from the previous stage (0: any free one; None: off,
     # hand-offs come over libp2p)
     data_port: int | None = 0
+    data_congestion: str | None = DEFAULT_CONGESTION  # its TCP congestion control (None: the system's)
 
 
 @dataclass
@@ -276,10 +277,11 @@ class ServerProcess:
         client = StageClient(p2p, namespace(self.cfg), stats=servicer.stats, run_key=run_key)
         endpoints = _Endpoints(p2p, servicer)
         if self.options.data_port is not None:
-            endpoints.data_client = DataPlaneClient(self.node.peer_id, run_key, stats=servicer.stats)
+            congestion = self.options.data_congestion
+            endpoints.data_client = DataPlaneClient(self.node.peer_id, run_key, servicer.stats, congestion)
             if not self.node.behind_nat:  # nobody could dial it; it still dials the next stage's
                 endpoints.data_server = DataPlaneServer(
-                    servicer.answer_bytes, servicer.limit, self.node.peer_id, run_key
+                    servicer.answer_bytes, servicer.limit, self.node.peer_id, run_key, congestion
                 )
                 await endpoints.data_server.start(self.options.network.host, self.options.data_port)
         service.start_serving(

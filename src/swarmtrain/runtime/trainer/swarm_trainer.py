@@ -29,7 +29,7 @@ from swarmtrain.config.errors import UserError
 from swarmtrain.net.codec import encode
 from swarmtrain.net.dht_records import RunRecords
 from swarmtrain.net.engine import PeerNetwork
-from swarmtrain.net.protocol import close_message, namespace
+from swarmtrain.net.protocol import close_message, encode_labels, namespace
 from swarmtrain.net.transport import RemoteError, StageClient
 from swarmtrain.planner.routing import BACKWARD_WEIGHT, FORWARD_CHARGE, FORWARD_WEIGHT, direct_from
 from swarmtrain.planner.stop_step import StopAction, StopDecision, agreed_stop
@@ -450,7 +450,7 @@ class SwarmTrainer:
             if first < last:
                 loss, grad = await self._hand_off(mb, step, n, first, x, labels, done)
             else:
-                tensors = {"inputs": x, "labels": encode(labels, "none")}
+                tensors = {"inputs": x, "labels": encode_labels(labels, self.cfg.model.vocab_size)}
                 weight = FORWARD_WEIGHT + BACKWARD_WEIGHT
                 reply, peer = await call(last, "forward_backward", mb, n, tensors, weight, step=step)
                 self._finished(step, last, peer, reply, done)
@@ -491,7 +491,9 @@ class SwarmTrainer:
     async def _hand_off(self, mb: str, step: int, n: int, first: int, inputs, labels, done: set[int]):
         """Stages `first` to the last by direct hand-off: (loss, gradient of `first`'s inputs)."""
         assert self.chain is not None
-        loss, hops, grad = await self.chain.run(mb, step, n, inputs, encode(labels, "none"), first)
+        loss, hops, grad = await self.chain.run(
+            mb, step, n, inputs, encode_labels(labels, self.cfg.model.vocab_size), first
+        )
         for hop in hops:
             if self.tracker is not None:
                 self.tracker.finished(step, hop.stage, hop.peer, hop.acc)
@@ -525,7 +527,7 @@ class SwarmTrainer:
                 "evaluate",
                 mb,
                 n,
-                {"inputs": x, "labels": encode(labels, "none")},
+                {"inputs": x, "labels": encode_labels(labels, self.cfg.model.vocab_size)},
                 FORWARD_WEIGHT,
                 step=version,
             )
