@@ -4,25 +4,24 @@ Why not libp2p for these: there every call between two servers is a yamux stream
 connection, and the small frames that gate a sender (the receiver's acknowledgement, yamux's window
 updates) queue behind the receiver's own bulk reply in that connection's send buffer. At 10 Mbit/s
 the two stages of a swarm took turns on their uplinks, and direct 8-bit stopped at ~23 samples/s with
-a quarter of each link unused (docs/LOG.md, 2026-11-25). Here every hand-off in flight has a
-connection of its own: an acknowledgement waits behind at most the link's queue, and the kernel's TCP
-flow control replaces yamux's 256 KiB stream window.
+a quarter of each link unused (docs/LOG.md, 2026-11-25).
 
 A client reaches a peer over a link of two connections, kept for the next calls:
 - on the requests connection the client sends REQUEST(id, kind, packed message) frames, one after the
-  other, and the server answers each with ACK(id) as soon as it holds all of it, before the work;
+  other, and the server answers each with ACK(id) as soon as it holds all of it, before the work (this
+  releases the sender's upload lane, runtime/server/hop_uploads.py);
 - on the replies connection the server sends REPLY(id, packed reply) frames as answers are ready.
-Over libp2p the acknowledgement that releases a sender's lane (runtime/server/hop_uploads.py) queued
-behind the receiver's bulk reply in their one connection; here it never follows bulk data, and each
-connection's bulk goes one way, back to back, so its TCP state stays warm (a connection per exchange
-restarted from TCP's initial window after every idle second: docs/LOG.md). A frame is a header
-`!BBQQ` (frame type, length of the kind, length of the body, exchange id), the kind, the body.
+So an acknowledgement never follows bulk data in a socket buffer, the kernel's TCP flow control
+replaces yamux's 256 KiB stream window, and each connection's bulk goes one way, back to back, so its
+TCP state stays warm (a connection per exchange, tried first, reused connections idle for a second:
+docs/LOG.md). A frame is a header `!BBQQ` (frame type, length of the kind, length of the body,
+exchange id), the kind, the body.
 
 A connection opens with a handshake: each side sends a random nonce and its peer id, and the client
 names the server it means to reach, so an address now used by another process is refused, not served.
-In a private run both sides prove they hold the run key (an HMAC over both nonces and ids) and every
-frame's body is sealed with AES-GCM under a key derived the same way, the header as associated data:
-a stranger can neither call nor read nor alter a frame unnoticed. In a public run, which anyone may
+In a private run both sides prove they hold the run key (an HMAC over both nonces, both ids, the link
+and the connection's role) and every frame's body is sealed with AES-GCM under a key derived the same
+way, the header as associated data: a stranger can neither call nor read nor alter a frame unnoticed. In a public run, which anyone may
 join anyway, frames are neither authenticated nor encrypted (libp2p's transport is encrypted; this one
 is not: README "Private runs").
 
@@ -57,13 +56,13 @@ logger = get_logger(__name__)
 HAND_OFF_KINDS = ("chain", "forward_backward", "bundle")
 REQUEST, ACK, REPLY = 1, 2, 3
 HANDSHAKE_TIMEOUT_S = 5.0
-DIAL_COOLDOWN_S = 60.0
+DIAL_COOLDOWN_S = 60.0  # after a failed dial, libp2p carries the hand-offs to that address meanwhile
 # loss-based congestion control on the data plane's sockets, where the system permits it (else its
 # default): with both directions of a link busy, as a swarm keeps them, acknowledgements wait behind
 # the peer's own upload, and BBR (v1), which caps its window at twice the bandwidth x its minimum
 # round trip, stalled; on the test bed at 10 Mbit/s direct 8-bit did 26.6 samples/s with BBR, 27.5 with
 # cubic (docs/LOG.md). cubic is Linux's usual default anyway
-DEFAULT_CONGESTION = "cubic"  # after a failed dial, libp2p carries the hand-offs to that address meanwhile
+DEFAULT_CONGESTION = "cubic"
 _HEADER = struct.Struct("!BBQQ")
 _HELLO_LENGTH = struct.Struct("!I")
 _MAX_HELLO_BYTES = 4096
@@ -395,7 +394,8 @@ class DataPlaneServer:
             raise ProtocolError(f"a second replies connection for link {hello.link[:16]}")
         slot.set_result(channel)
         try:
-            await channel.reader.read()  # nothing comes this way: this returns at the caller's close
+            while await channel.reader.read(1 << 16):  # nothing should come this way; until the close
+                pass
         finally:
             self._replies.pop((hello.caller, hello.link), None)
 
