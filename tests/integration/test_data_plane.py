@@ -5,8 +5,10 @@ control set where permitted, and private runs: only holders of the run key get i
 the wire is sealed."""
 
 import asyncio
+import contextlib
 import os
 import socket
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -65,43 +67,59 @@ class Handlers:
         return pack(Message("result", header))
 
 
-async def _serve(handlers: Handlers, run_key: RunKey | None = None) -> DataPlaneServer:
-    server = DataPlaneServer(handlers.answer, lambda kind: LIMIT_BYTES, SERVER, run_key)
+@dataclass
+class Plane:
+    """A data-plane server on loopback with its handlers, and a client calling it."""
+
+    handlers: Handlers
+    server: DataPlaneServer
+    client: DataPlaneClient
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return ("127.0.0.1", self.server.port)
+
+    async def call(self, mb: str, kind: str = "chain", timeout_s: float = TIMEOUT_S, **options) -> Message:
+        size, received = options.get("size", 64), options.get("received")
+        client, peer = options.get("client", self.client), options.get("peer", SERVER)
+        return await client.call(self.address, peer, kind, _hand_off(mb, size), timeout_s, received)
+
+
+@contextlib.asynccontextmanager
+async def _plane(run_key: RunKey | None = None, server_type: type = DataPlaneServer):
+    handlers = Handlers()
+    server = server_type(handlers.answer, lambda kind: LIMIT_BYTES, SERVER, run_key)
     await server.start("127.0.0.1")
-    return server
+    client = DataPlaneClient(CALLER, run_key)
+    try:
+        yield Plane(handlers, server, client)
+    finally:
+        client.close()
+        await server.close()
 
 
 def _run(coro):
     return asyncio.run(asyncio.wait_for(coro, 60))
 
 
+async def _until(condition) -> None:
+    while not condition():
+        await asyncio.sleep(0.01)
+
+
 def test_a_call_is_acknowledged_before_the_work_and_answered_with_the_callers_id():
     async def main():
-        handlers, received = Handlers(), asyncio.Event()
-        handlers.gate = asyncio.Event()
-        server = await _serve(handlers)
-        client = DataPlaneClient(CALLER)
-        try:
-            call = asyncio.create_task(
-                client.call(
-                    ("127.0.0.1", server.port),
-                    SERVER,
-                    "forward_backward",
-                    _hand_off("a"),
-                    TIMEOUT_S,
-                    received,
-                )
-            )
+        received = asyncio.Event()
+        async with _plane() as plane:
+            plane.handlers.gate = asyncio.Event()
+            call = asyncio.create_task(plane.call("a", "forward_backward", received=received))
             await asyncio.wait_for(received.wait(), TIMEOUT_S)
             assert not call.done()  # the server has the request and has not answered yet
-            handlers.gate.set()
+            plane.handlers.gate.set()
             reply = await call
-        finally:
-            client.close()
-            await server.close()
         assert reply.kind == "result" and reply.header["mb"] == "a" and reply.header["caller"] == CALLER
-        assert handlers.calls == [("forward_backward", CALLER)]
-        counted = client.stats.snapshot()
+        assert plane.handlers.calls == [("forward_backward", CALLER)]
+        counted = plane.client.stats.snapshot()
         assert counted[(1, "forward_backward", "out")].messages == 1
         assert counted[(1, "forward_backward", "back")].messages == 1
 
@@ -110,125 +128,78 @@ def test_a_call_is_acknowledged_before_the_work_and_answered_with_the_callers_id
 
 def test_one_link_carries_every_exchange_and_answers_come_back_in_any_order():
     async def main():
-        handlers = Handlers()
-        server = await _serve(handlers)
-        client = DataPlaneClient(CALLER)
-        address = ("127.0.0.1", server.port)
-        try:
+        async with _plane() as plane:
             for mb in ("a", "b", "c"):
-                await client.call(address, SERVER, "forward_backward", _hand_off(mb), TIMEOUT_S)
-            handlers.gates = {mb: asyncio.Event() for mb in ("d", "e", "f")}
-            calls = {
-                mb: asyncio.create_task(client.call(address, SERVER, "chain", _hand_off(mb), TIMEOUT_S))
-                for mb in ("d", "e", "f")
-            }
-            while len(handlers.calls) < 6:  # all three are at the server at once
-                await asyncio.sleep(0.01)
-            handlers.gates["f"].set()  # the last one sent is answered first
+                await plane.call(mb, "forward_backward")
+            plane.handlers.gates = {mb: asyncio.Event() for mb in ("d", "e", "f")}
+            calls = {mb: asyncio.create_task(plane.call(mb)) for mb in ("d", "e", "f")}
+            await _until(lambda: len(plane.handlers.calls) == 6)  # all three are at the server at once
+            plane.handlers.gates["f"].set()  # the last one sent is answered first
             assert (await calls["f"]).header["mb"] == "f"
             assert not calls["d"].done() and not calls["e"].done()
             for mb in ("d", "e"):
-                handlers.gates[mb].set()
+                plane.handlers.gates[mb].set()
                 assert (await calls[mb]).header["mb"] == mb
-        finally:
-            client.close()
-            await server.close()
-        assert client.dials == 1
+        assert plane.client.dials == 1
 
     _run(main())
 
 
 def test_failures_are_the_kinds_the_retry_table_knows():
     async def main():
-        handlers = Handlers()
-        server = await _serve(handlers)
-        client = DataPlaneClient(CALLER)
-        address = ("127.0.0.1", server.port)
-        try:
-            handlers.failing = True
+        async with _plane() as plane:
+            plane.handlers.failing = True
             with pytest.raises(RemoteError) as refused:
-                await client.call(address, SERVER, "chain", _hand_off("a"), TIMEOUT_S)
+                await plane.call("a")
             assert classify_failure(refused.value) is Outcome.NEVER_RAN
             with pytest.raises(RemoteError) as too_large:
-                await client.call(address, SERVER, "chain", _hand_off("big", size=LIMIT_BYTES), TIMEOUT_S)
+                await plane.call("big", size=LIMIT_BYTES)
             assert too_large.value.code == "too_large" and classify_failure(too_large.value) is Outcome.FATAL
-            handlers.failing, handlers.gate = False, asyncio.Event()
+            plane.handlers.failing, plane.handlers.gate = False, asyncio.Event()
             with pytest.raises(TimeoutError) as silent:
-                await client.call(address, SERVER, "chain", _hand_off("b"), 0.5)
+                await plane.call("b", timeout_s=0.5)
             assert classify_failure(silent.value) is Outcome.MAYBE_APPLIED
-            handlers.gate.set()  # the late answer is dropped; the link still serves
-            handlers.gate = None
-            assert (await client.call(address, SERVER, "chain", _hand_off("b2"), TIMEOUT_S)).header[
-                "mb"
-            ] == "b2"
-            handlers.gate = asyncio.Event()
-            cut = asyncio.create_task(client.call(address, SERVER, "chain", _hand_off("c"), TIMEOUT_S))
-            while len(handlers.calls) < 4:
-                await asyncio.sleep(0.01)
-            await server.close()  # the server goes away mid-call
+            plane.handlers.gate.set()  # the late answer is dropped; the link still serves
+            plane.handlers.gate = None
+            assert (await plane.call("b2")).header["mb"] == "b2"
+            plane.handlers.gate = asyncio.Event()
+            cut = asyncio.create_task(plane.call("c"))
+            await _until(lambda: len(plane.handlers.calls) == 4)
+            await plane.server.close()  # the server goes away mid-call
             with pytest.raises(Exception) as gone:
                 await cut
             assert classify_failure(gone.value) is Outcome.GONE
-        finally:
-            client.close()
-            await server.close()
 
     _run(main())
 
 
 def test_a_dial_that_fails_sends_nothing_and_the_address_rests():
     async def main():
-        handlers = Handlers()
-        server = await _serve(handlers)
-        client = DataPlaneClient(CALLER)
-        address = ("127.0.0.1", server.port)
-        try:
+        async with _plane() as plane:
             with pytest.raises(DialFailed, match="not"):  # a process that is not the peer we mean
-                await client.call(
-                    address, PeerID(b"someone-else").to_base58(), "chain", _hand_off("a"), TIMEOUT_S
-                )
+                await plane.call("a", peer=PeerID(b"someone-else").to_base58())
             with pytest.raises(DialFailed, match=f"{DIAL_COOLDOWN_S:.0f} s ago"):
-                await client.call(address, SERVER, "chain", _hand_off("b"), TIMEOUT_S)
-        finally:
-            client.close()
-            await server.close()
-        assert handlers.calls == []
-        port = server.port
+                await plane.call("b")
+        assert plane.handlers.calls == []
         with pytest.raises(DialFailed):  # nobody listens there any more
-            await DataPlaneClient(CALLER).call(
-                ("127.0.0.1", port), SERVER, "chain", _hand_off("c"), TIMEOUT_S
-            )
+            await plane.call("c", client=DataPlaneClient(CALLER))
 
     _run(main())
 
 
 def test_in_a_private_run_only_key_holders_get_in():
     async def main():
-        key, other = RunKey(os.urandom(32)), RunKey(os.urandom(32))
-        handlers = Handlers()
-        server = await _serve(handlers, key)
-        address = ("127.0.0.1", server.port)
-        member, stranger, keyless = (
-            DataPlaneClient(CALLER, key),
-            DataPlaneClient(CALLER, other),
-            DataPlaneClient(CALLER),
-        )
-        try:
-            reply = await member.call(address, SERVER, "chain", _hand_off("a"), TIMEOUT_S)
+        key = RunKey(os.urandom(32))
+        async with _plane(key) as plane:
+            reply = await plane.call("a")
             assert reply.header["caller"] == CALLER and reply.header["auth"] is True  # with its token
             with pytest.raises(RemoteError, match="too_large"):  # dropped unread, its nonce counted
-                await member.call(address, SERVER, "chain", _hand_off("big", size=LIMIT_BYTES), TIMEOUT_S)
-            assert (await member.call(address, SERVER, "chain", _hand_off("c"), TIMEOUT_S)).header[
-                "mb"
-            ] == "c"
-            for outsider in (stranger, keyless):
+                await plane.call("big", size=LIMIT_BYTES)
+            assert (await plane.call("c")).header["mb"] == "c"
+            for outsider in (DataPlaneClient(CALLER, RunKey(os.urandom(32))), DataPlaneClient(CALLER)):
                 with pytest.raises(DialFailed):
-                    await outsider.call(address, SERVER, "chain", _hand_off("b"), TIMEOUT_S)
-        finally:
-            for client in (member, stranger, keyless):
-                client.close()
-            await server.close()
-        assert len(handlers.calls) == 2
+                    await plane.call("b", client=outsider)
+        assert len(plane.handlers.calls) == 2
 
     _run(main())
 
@@ -254,17 +225,11 @@ class _Deaf(DataPlaneServer):
 
 def test_a_link_silent_through_a_whole_call_is_dropped_and_the_next_call_dials_anew():
     async def main():
-        server = _Deaf(Handlers().answer, lambda kind: LIMIT_BYTES, SERVER, None)
-        await server.start("127.0.0.1")
-        client = DataPlaneClient(CALLER)
-        try:
+        async with _plane(server_type=_Deaf) as plane:
             for attempt in (1, 2):
                 with pytest.raises(TimeoutError):
-                    await client.call(("127.0.0.1", server.port), SERVER, "chain", _hand_off("a"), 0.5)
-                assert client.dials == attempt
-        finally:
-            client.close()
-            await server.close()
+                    await plane.call("a", timeout_s=0.5)
+                assert plane.client.dials == attempt
 
     _run(main())
 
