@@ -62,4 +62,6 @@ def test_stages_behind_nats_are_relayed_and_the_rest_hand_off_directly(make_swar
         (peer,) = probe.peers(stage)
         info = probe.info(peer)
         assert info.header["epoch"] == steps, info.header
+        # stage 1, behind a NAT, dials stage 2's data plane; nothing reaches the others that way
+        assert (info.header["direct_in"] >= completed) if stage == 2 else info.header["direct_in"] == 0
         assert SAMPLES - short <= info.header["samples_seen"] <= SAMPLES, info.header

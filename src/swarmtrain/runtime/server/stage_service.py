@@ -723,6 +723,7 @@ class StageService:
                 "calls": self.compute.calls,
                 "bundles_sent": self.hop.bundles if self.hop is not None else 0,
             },
+            "direct_in": self._transport.stats.direct_in if self._transport is not None else 0,
             "device": self.options.compute.describe(),
             "sync": vars(self.sync.counters),
             "steps": vars(self.steps.counters),
