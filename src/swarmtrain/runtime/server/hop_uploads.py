@@ -1,12 +1,13 @@
 """A stage server's uploads to one peer of the next stage: one at a time, and with request batching on,
 what queued meanwhile goes as one `bundle` (net/bundle.py).
 
-Each upload goes over the peer's direct data plane when it announces one (net/data_plane.py: a TCP
-connection per hand-off in flight, so acknowledgements do not wait behind bulk data), and over libp2p
-when it announces none or a dial to it failed (nothing was sent then, so the fallback repeats nothing).
+Each upload goes over the peer's direct data plane when it announces one (net/data_plane.py: requests
+and their acknowledgements on one TCP connection, replies on another, so acknowledgements do not wait
+behind bulk data), and over libp2p when it announces none or a dial to it failed (nothing was sent
+then, so the fallback repeats nothing).
 
-One at a time: the upload lane is held until the peer has the whole request (the stream's first reply
-chunk). Uploads sent together share the link fairly and all arrive at the end, so the next stage
+One at a time: the upload lane is held until the peer has the whole request (its ACK frame on the data
+plane, the stream's first reply chunk over libp2p). Uploads sent together share the link fairly and all arrive at the end, so the next stage
 computed nothing while the link was busy and the link idled while it computed; one at a time, it
 computes one micro-batch while the next arrives.
 
