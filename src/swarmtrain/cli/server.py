@@ -42,28 +42,28 @@ def register(subparsers) -> None:
     add_run_config_args(parser)
     add_network_args(parser)
     add_identity_arg(parser)
-    data = parser.add_mutually_exclusive_group()
-    data.add_argument(
+    parser.add_argument(
+        "--data-plane",
+        action="store_true",
+        help="take hand-offs from the previous stage's servers over a direct TCP data plane instead of "
+        'libp2p: faster on slow links (README "Across the internet"); off by default while a '
+        "chaos test fails with it (docs/LOG.md). A server behind a NAT (--auto-relay) listens on none",
+    )
+    parser.add_argument(
         "--data-port",
         type=int,
         default=0,
         metavar="PORT",
-        help="TCP port of the direct data plane, where the previous stage's servers hand off activations "
-        "(default: any free port; announced in the DHT). Open it like --port when a firewall is in the way",
+        help="with --data-plane: its TCP port (default: any free port; announced in the DHT). Open it like "
+        "--port when a firewall is in the way",
     )
     parser.add_argument(
         "--data-plane-cc",
         default="cubic",
         metavar="NAME",
-        help="TCP congestion control of the data plane's connections, where the system permits it "
+        help="with --data-plane: TCP congestion control of its connections, where the system permits it "
         "(default: cubic, loss-based: with both directions of a link busy BBR stalled on the test bed; "
         "`system`: the system's default)",
-    )
-    data.add_argument(
-        "--no-data-plane",
-        action="store_true",
-        help='take hand-offs over libp2p only (slower on slow links: README "Across the internet"); a '
-        "server behind a NAT (--auto-relay) has none anyway",
     )
     parser.add_argument(
         "--checkpoint-dir",
@@ -151,6 +151,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--max-batch-tokens must be >= 0 (0 turns batching off)")
     if not 0 <= args.data_port < 65536:
         raise UserError(f"--data-port {args.data_port} is not a TCP port (1-65535, or 0 for any free one)")
+    if args.data_port and not args.data_plane:
+        raise UserError("--data-port is the port of the data plane: add --data-plane")
     compute = compute_device_from_args(args)
     cfg = _with_checkpoint_overrides(run_config_from_args(args), args)
     initial_peers = validate_initial_peers(args.initial_peers)
@@ -184,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
         metrics_period_s=args.metrics_period_s,
         stage_options=stage_options,
         faults=FaultHooks.from_environ(),  # tests make one server faulty through its environment
-        data_port=None if args.no_data_plane else args.data_port,
+        data_port=args.data_port if args.data_plane else None,
         data_congestion=None if args.data_plane_cc == "system" else args.data_plane_cc,
     )
     # one process for its whole life: a move to another stage happens inside `run()`
