@@ -46,9 +46,9 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from hivemind.p2p import P2PContext, PeerID
 
 from swarmtrain.net.auth import RunKey
-from swarmtrain.net.protocol import Message, ProtocolError, error_message, pack, unpack
+from swarmtrain.net.protocol import Message, ProtocolError, error_message, pack
 from swarmtrain.net.reachability import ip_and_tcp_port
-from swarmtrain.net.transport import MAX_DRAIN_S, MAX_REPLY_BYTES, RemoteError, TransportStats, TruncatedReply
+from swarmtrain.net.transport import MAX_DRAIN_S, MAX_REPLY_BYTES, TransportStats, checked_reply
 from swarmtrain.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -538,16 +538,7 @@ class DataPlaneClient:
             if link.last_frame_s < started_s:  # not a slow answer: a dead or wedged link, dial anew
                 link.close(f"nothing came over the link in {timeout_s:.1f} s")
             raise
-        try:
-            reply = unpack(reply_bytes, MAX_REPLY_BYTES)
-        except ProtocolError as exc:
-            raise TruncatedReply(f"{len(reply_bytes)}-byte reply from {peer}: {exc}") from None
-        stage = message.header.get("stage", -1)
-        self.stats.record(stage, kind, "out", len(data), message.fp32_equivalent_bytes())
-        self.stats.record(stage, kind, "back", len(reply_bytes), reply.fp32_equivalent_bytes())
-        if reply.kind == "error":
-            raise RemoteError(str(reply.header.get("code", "error")), str(reply.header.get("error", "")))
-        return reply
+        return checked_reply(self.stats, message, kind, data, reply_bytes, peer)
 
     def close(self) -> None:
         for link in self._links.values():

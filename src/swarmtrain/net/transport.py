@@ -341,20 +341,9 @@ class StageClient:
         if self._token is not None:
             message = Message(message.kind, {**message.header, "auth": self._token}, message.tensors)
         data = pack(message)
-        stage = message.header.get("stage", -1)
         exchange = self._exchange(peer_id, kind, data, received)
         reply_bytes = await asyncio.wait_for(exchange, timeout=timeout_s)
-        try:
-            reply = unpack(reply_bytes, MAX_REPLY_BYTES)
-        except ProtocolError as exc:
-            # hivemind ends a reply stream silently when the connection closes early: a truncated
-            # (or empty) reply is a transport failure, not a bad message
-            raise TruncatedReply(f"{len(reply_bytes)}-byte reply from {peer_id}: {exc}") from None
-        self.stats.record(stage, kind, "out", len(data), message.fp32_equivalent_bytes())
-        self.stats.record(stage, kind, "back", len(reply_bytes), reply.fp32_equivalent_bytes())
-        if reply.kind == "error":
-            raise RemoteError(str(reply.header.get("code", "error")), str(reply.header.get("error", "")))
-        return reply
+        return checked_reply(self.stats, message, kind, data, reply_bytes, str(peer_id))
 
     async def ping_reply(self, peer_id: PeerID, ping: Message, timeout_s: float) -> Message | None:
         """The peer's answer to `ping` within `timeout_s` (an error answer too, as an error message: the
@@ -410,6 +399,24 @@ class StageClient:
         except Exception as exc:  # unreachable addresses are normal (NAT, stale record)
             logger.debug("connect to %s failed: %r", peer_id, exc)
             return False
+
+
+def checked_reply(
+    stats: TransportStats, message: Message, kind: str, data: bytes, reply_bytes: bytes, peer: str
+) -> Message:
+    """A call's reply, counted with its request in `stats`; RemoteError for an error answer. A
+    truncated (or empty) reply is a transport failure, not a bad message: hivemind ends a reply stream
+    silently when the connection closes early."""
+    try:
+        reply = unpack(reply_bytes, MAX_REPLY_BYTES)
+    except ProtocolError as exc:
+        raise TruncatedReply(f"{len(reply_bytes)}-byte reply from {peer}: {exc}") from None
+    stage = message.header.get("stage", -1)
+    stats.record(stage, kind, "out", len(data), message.fp32_equivalent_bytes())
+    stats.record(stage, kind, "back", len(reply_bytes), reply.fp32_equivalent_bytes())
+    if reply.kind == "error":
+        raise RemoteError(str(reply.header.get("code", "error")), str(reply.header.get("error", "")))
+    return reply
 
 
 def is_connection_error(exc: BaseException) -> bool:
