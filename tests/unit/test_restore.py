@@ -75,8 +75,16 @@ def test_a_replica_whose_step_is_being_closed_is_never_advanced():
     assert behind_other_stages(916, 917, 0, 99.0, 3.0, False, False, closing=True) == "wait"
 
 
-def test_a_replica_that_has_stepped_with_the_swarm_is_never_advanced():
-    """Found by the chaos bench too: all of a step's micro-batches went to a peer that died, the close
-    was slow; skipping that step made this replica differ from its live peers."""
+def test_a_replica_that_has_stepped_with_the_swarm_waits_a_request_timeout_before_it_advances():
+    """Found by the chaos bench: all of a step's micro-batches went to a peer that died, the close was
+    slow; skipping that step after the short grace made this replica differ from its live peers. And by
+    the chaos test in CI: the only stage-0 replica that applied step 711 was killed, the two left (which
+    had downloaded their state from peers) waited at 711 while stage 1 was at 712, for good."""
+    stepped = dict(restored=False, stranded_grace_s=30.0)
+    assert behind_other_stages(1050, 1051, 0, 29.0, 3.0, False, False, **stepped) == "wait"
+    assert behind_other_stages(711, 712, 0, 31.0, 3.0, False, False, **stepped) == "advance"
+    assert behind_other_stages(711, 712, 4, 99.0, 3.0, False, False, **stepped) == "wait"  # holds samples
+    assert behind_other_stages(711, 712, 0, 99.0, 3.0, False, False, closing=True, **stepped) == "wait"
+    assert behind_other_stages(30, 32, 0, 5.0, 3.0, False, False, restored=True) == "advance"
+    # without a stranded grace (the default), only a restored replica advances
     assert behind_other_stages(1050, 1051, 0, 99.0, 3.0, False, False, restored=False) == "wait"
-    assert behind_other_stages(30, 32, 0, 99.0, 3.0, False, False, restored=True) == "advance"

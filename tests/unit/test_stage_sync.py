@@ -157,7 +157,9 @@ def make_joiner(tiny_cfg, start_compute, tmp_path):
 
     made = []
 
-    def make(checkpoint_from=None, averager=None, allow_fresh=False, lag_grace_s=3.0, wait_s=0.0):
+    def make(
+        checkpoint_from=None, averager=None, allow_fresh=False, lag_grace_s=3.0, wait_s=0.0, stranded_s=30.0
+    ):
         worker = StageWorker(tiny_cfg, tiny_cfg.stages()[1])
         identity = {"run_id": "r", "digest": tiny_cfg.digest()}
         directory = tmp_path / f"checkpoints{len(made)}"  # each replica its own
@@ -170,7 +172,11 @@ def make_joiner(tiny_cfg, start_compute, tmp_path):
             donor_checkpointer.save(checkpoint_from.epoch).result(timeout=30)
         fatal = []
         settings = SyncSettings(
-            num_stages=2, allow_fresh=allow_fresh, lag_grace_s=lag_grace_s, missing_replica_wait_s=wait_s
+            num_stages=2,
+            allow_fresh=allow_fresh,
+            lag_grace_s=lag_grace_s,
+            missing_replica_wait_s=wait_s,
+            stranded_grace_s=stranded_s,
         )
         records, averager = StagedRecords(), averager or FakeAverager()
         sync = StageSynchronizer(
@@ -272,6 +278,37 @@ def test_a_restored_stage_behind_the_others_adopts_their_step_an_untrained_one_r
     assert worker.epoch == 0 and not untrained.serving.is_set()
     assert len(fatal) == 1 and "untrained initial weights" in fatal[0]
     untrained.stop()
+
+
+def test_a_replica_whose_stage_peer_died_with_a_step_adopts_the_other_stages_step(make_joiner, tiny_cfg):
+    """The chaos test in CI: the only stage-0 replica that applied step 711 was killed; the ones left had
+    downloaded their state at 711, held no samples, and waited while stage 1 was at 712: every
+    micro-batch timed out at stage 0 until the run ended. Now they adopt step 712 after a request timeout
+    (here 1 s), and not while they are still stepping."""
+    import time
+
+    donor = _donor(tiny_cfg, 3)
+    sync, worker, records, fatal = make_joiner(
+        averager=FakeAverager(donor_state=donor.export_state()), lag_grace_s=0.1, stranded_s=1.0
+    )
+    records.by_stage[0] = {"X": _peer(3)}
+    records.progress["A"] = _peer(3)  # a live replica of this stage to download from
+    sync.join()
+    assert worker.epoch == 3 and not sync.restored and not sync.untrained
+    del records.progress["A"]  # that replica applied step 3 and died
+    records.by_stage[0] = {"X": _peer(4)}
+    sync.step_applied(3, None)  # as if it had just stepped: the other stages are not read yet
+    sync.tick()
+    time.sleep(0.15)
+    sync.tick()
+    assert sync._other_ahead_since_s is not None and worker.epoch == 3  # behind, within the grace
+    time.sleep(0.2)
+    sync.tick()
+    assert worker.epoch == 3  # a moment behind: a micro-batch of step 3 could still come
+    time.sleep(1.0)
+    sync.tick()
+    assert worker.epoch == 4 and fatal == [] and sync.serving.is_set()
+    sync.stop()
 
 
 def test_a_truncated_download_is_refused_and_the_replica_serves_on(make_sync, tiny_cfg):

@@ -4,15 +4,18 @@ Pure decisions (no I/O), used by the server's synchronizer and unit-tested on th
 - `choose_start`: live replicas of the stage > its newest checkpoint > initial weights, and never
   initial weights silently once the swarm has stepped (a stage whose replicas all died would
   otherwise restart from scratch while the other stages go on: the loss jumps back to the start);
-- `behind_other_stages`: stages apply a step milliseconds apart; a replica restored from a checkpoint
-  and left steps behind the others for longer than a grace period (an older checkpoint, or stages
-  restarted from checkpoints of different steps) adopts the swarm's step number, keeping its parameters (the
-  skipped steps' updates of this stage are lost, which is what a checkpoint period bounds), unless
-  its parameters are the untrained initial ones.
+- `behind_other_stages`: stages apply a step milliseconds apart; a replica left steps behind the
+  others adopts the swarm's step number, keeping its parameters (the skipped steps' updates of this
+  stage are lost), unless its parameters are the untrained initial ones. One restored from a checkpoint
+  (an older checkpoint, or stages restarted from checkpoints of different steps) does so after a short
+  grace period; one that has stepped with the swarm only once nothing of its step can still come (the
+  step was applied by a replica of this stage that died, or by none), which is what a checkpoint
+  period and the loss of a dead peer's unsaved work bound.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -72,18 +75,23 @@ def behind_other_stages(
     allow_fresh: bool,
     closing: bool = False,
     restored: bool = True,
+    stranded_grace_s: float = math.inf,
 ) -> str:
     """ "wait", "advance" (adopt `other_stage_epoch`) or "refuse" for a replica whose own stage has no
     replica ahead of it. A replica still holding a step's gradients, or whose current step is being
     closed (`closing`: it may wait a close timeout for a slow trainer, with or without samples of its
-    own), is never advanced; nor one behind by less than `grace_s` (stages step a few ms apart); nor
-    one that was not `restored` from a checkpoint (or started fresh) without stepping since: a
-    replica that has been stepping with the swarm and falls behind (its step's close is slow, all
-    its stage's micro-batches went to a replica that died) would skip a step its peers applied."""
+    own), is never advanced; nor one behind by less than `grace_s` (stages step a few ms apart).
+
+    A replica that was not `restored` from a checkpoint (or started fresh) without stepping since, but
+    has stepped with the swarm or downloaded its state from peers, waits `stranded_grace_s` (a request
+    timeout: by then every micro-batch of its step still on its way has arrived or been given up by its
+    trainer). Sooner, it could skip a step its peers are still closing (the chaos bench found that);
+    never, and a stage whose only replica that applied a step died stays a step behind the other stages
+    for good, every micro-batch timing out at it (the chaos test in CI found that)."""
     if other_stage_epoch <= epoch or pending_samples > 0 or closing or behind_for_s < grace_s:
         return "wait"
-    if not (restored or untrained):
-        return "wait"  # it has stepped with the swarm since its start: its peers, not skipping, catch it up
+    if not (restored or untrained) and behind_for_s < stranded_grace_s:
+        return "wait"
     if untrained and not allow_fresh:
         return "refuse"
     return "advance"

@@ -248,6 +248,7 @@ class StageService:
             progress_ttl_s=max(3.0, 2 * swarm.announce_period_s),
             num_stages=swarm.num_stages,
             allow_fresh=self.options.fresh_start,
+            stranded_grace_s=swarm.request_timeout_s,
         )
         return StageSynchronizer(
             self.worker,

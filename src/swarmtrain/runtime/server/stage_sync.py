@@ -15,7 +15,9 @@ module runs on its own threads and works from shared state in the DHT:
   reached one replica but not another, at that step or any before) the one with the larger id resyncs;
 - at start, the state comes from live replicas, else the stage's newest checkpoint, else initial
   weights, which are refused once the swarm has stepped (planner/restore.py decides); a replica left
-  behind the other stages (restored from an older checkpoint) adopts their step after a grace period.
+  behind the other stages adopts their step after a grace period: a short one when it was restored
+  from an older checkpoint, a request timeout when it has stepped with the swarm (its step's update was
+  applied only by a replica that died).
 """
 
 from __future__ import annotations
@@ -57,6 +59,9 @@ class SyncSettings:
     # how long a joiner reads again while the swarm has stepped and no serving replica of its stage shows:
     # two progress record lifetimes (a live replica's record can lapse, see `_stage_epochs`)
     missing_replica_wait_s: float = 8.0
+    # how long a replica that has stepped with the swarm waits behind the other stages before it adopts
+    # their step (planner/restore.behind_other_stages): the swarm's request timeout
+    stranded_grace_s: float = 30.0
 
 
 class RestoreRefused(UserError):
@@ -101,6 +106,7 @@ class StageSynchronizer:
         self.untrained = True  # initial weights: never stepped, downloaded or restored
         self.restored = False  # state from a checkpoint (or --fresh-start), no step applied since
         self._other_ahead_since_s: float | None = None
+        self._stepped_s = time.monotonic()  # when the epoch last moved (or the replica started)
         self.counters = SyncCounters()
         self.serving = threading.Event()
         self.stop_event = threading.Event()
@@ -187,6 +193,7 @@ class StageSynchronizer:
         if fingerprint is not None:  # None: a local step (swarm.local_steps), replicas differ until the round
             self._fp = (epoch, fingerprint)
         self.untrained = self.restored = False
+        self._stepped_s = time.monotonic()
         self.averager.state_sharing_priority = float(self.worker.epoch)
 
     def tick(self) -> None:
@@ -206,9 +213,11 @@ class StageSynchronizer:
             self.resync(f"peers are {ahead} step(s) ahead (we are at {epoch})")
         elif self._diverged_from(others):
             self.resync("parameters diverged from a peer after a partial exchange")
-        elif ahead <= 0 and (self.restored or self.untrained):
-            # only such a replica may adopt the other stages' step or must refuse (planner/restore.py):
-            # the others are not read from the DHT on every tick of a replica stepping with the swarm
+        elif ahead <= 0 and (
+            self.restored or self.untrained or now - self._stepped_s >= self.settings.lag_grace_s
+        ):
+            # the other stages are not read from the DHT on every tick of a replica stepping with the
+            # swarm (several steps a second on `tiny`), only once it has not stepped for a while
             self._check_other_stages(epoch, now)
         else:
             self._other_ahead_since_s = None
@@ -245,20 +254,24 @@ class StageSynchronizer:
             self.settings.allow_fresh,
             self.closing(),
             self.restored,
+            self.settings.stranded_grace_s,
         )
         if action == "advance":
             lost_samples, lost_ids = self._on_compute(lambda: self.worker.advance_to(other))
             logger.warning(
-                "stage %d was at step %d, the other stages at %d: adopting their step (this stage's "
-                "updates of %d step(s) are lost)",
+                "stage %d was at step %d, the other stages at %d for %.0f s%s: adopting their step (this "
+                "stage's updates of %d step(s) are lost)",
                 self.stage,
                 epoch,
                 other,
+                now - since,
+                "" if self.restored or self.untrained else " and no replica of this stage is ahead",
                 other - epoch,
             )
             self.ledger.write("advance", epoch=other, skipped=other - epoch, lost=lost_samples)
             self._refresh_fingerprint()
             self._other_ahead_since_s = None
+            self._stepped_s = time.monotonic()
             self.on_epoch_moved()
             self.publish()
         elif action == "refuse":
@@ -307,6 +320,7 @@ class StageSynchronizer:
                 self.counters.lost_samples += lost_samples
                 self.ledger.write("lost", mbs=lost_ids, n=lost_samples, reason=reason)
             self.ledger.write("resync", epoch=self.worker.epoch, reason=reason)
+            self._stepped_s = time.monotonic()
             self.on_epoch_moved()
         self._refresh_fingerprint()
         self._behind_since_s = None
