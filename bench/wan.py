@@ -16,7 +16,7 @@ behind `tc tbf` at that rate:
 - relay-fp32, relay-8bit, direct-fp32, direct-8bit: a DHT, `swarmtrain server --stage S --threads 1` per
   stage and one `swarmtrain trainer --hand-off H --compression C` (trainer defaults otherwise). relay:
   every activation and gradient goes through the trainer; direct: the servers hand them to each other,
-  over their direct data plane (`--data-plane`, net/data_plane.py; cubic congestion control where the
+  over their direct data plane (net/data_plane.py; server defaults: cubic congestion control where the
   system permits it, which as root it does, while GPipe's gloo sockets keep the system's default).
 Each runs --duration-s seconds of training (after the servers are ready; GPipe: after its warm-up step),
 then to the end of the step in progress. Configurations are a registry (`REGISTRY`) that more codecs
@@ -330,8 +330,6 @@ def _swarm_config(hand_off: str, codec: str) -> BenchConfig:
         math=f"swarm-{label}",
         hand_off=hand_off,
         codec=codec,
-        # direct hand-offs take the servers' data plane (opt-in, `swarmtrain server --data-plane`)
-        server_args=("--data-plane",) if hand_off == "direct" else (),
     )
 
 

@@ -30,7 +30,7 @@ def test_stages_behind_nats_are_relayed_and_the_rest_hand_off_directly(make_swar
     swarm.start_dht()
     servers = {"s0": (0, "--auto-relay"), "s1": (1, "--auto-relay"), "s2": (2,)}
     for name, (stage, *flags) in servers.items():
-        swarm.start_server(name, stage, *flags, "--data-plane")
+        swarm.start_server(name, stage, *flags)
     swarm.wait_ready(list(servers))
     args = ["--max-samples", str(SAMPLES), "--eval-samples", str(EVAL_SAMPLES), "--compression", "none"]
     swarm.start_trainer("trainer", *args, "--log-period-s", "5")

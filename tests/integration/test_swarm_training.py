@@ -21,7 +21,7 @@ def test_two_replicas_with_the_batch_in_flight_match_local_training(make_swarm):
     swarm, cfg = make_swarm("tiny", {"training": {"max_samples": SAMPLES, "eval_samples": EVAL_SAMPLES}})
     swarm.start_dht()
     for name, stage in (("s0a", 0), ("s0b", 0), ("s1", 1)):
-        swarm.start_server(name, stage, "--data-plane")
+        swarm.start_server(name, stage)
     swarm.wait_ready(["s0a", "s0b", "s1"])
     in_flight = cfg.training.global_batch_size // cfg.training.micro_batch_size  # the whole batch
     args = ["--max-samples", str(SAMPLES), "--eval-samples", str(EVAL_SAMPLES), "--in-flight", str(in_flight)]

@@ -44,24 +44,25 @@ def register(subparsers) -> None:
     add_identity_arg(parser)
     parser.add_argument(
         "--data-plane",
-        action="store_true",
-        help="take hand-offs from the previous stage's servers over a direct TCP data plane instead of "
-        'libp2p: faster on slow links (README "Across the internet"); off by default while a '
-        "chaos test fails with it (docs/LOG.md). A server behind a NAT (--auto-relay) listens on none",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="take hand-offs from the previous stage's servers over a direct TCP data plane (default) or, "
+        'with --no-data-plane, over libp2p only (slower on slow links: README "Across the internet"). '
+        "A server behind a NAT (--auto-relay) listens on none",
     )
     parser.add_argument(
         "--data-port",
         type=int,
         default=0,
         metavar="PORT",
-        help="with --data-plane: its TCP port (default: any free port; announced in the DHT). Open it like "
+        help="TCP port of the data plane (default: any free port; announced in the DHT). Open it like "
         "--port when a firewall is in the way",
     )
     parser.add_argument(
         "--data-plane-cc",
         default="cubic",
         metavar="NAME",
-        help="with --data-plane: TCP congestion control of its connections, where the system permits it "
+        help="TCP congestion control of the data plane's connections, where the system permits it "
         "(default: cubic, loss-based: with both directions of a link busy BBR stalled on the test bed; "
         "`system`: the system's default)",
     )
@@ -152,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.data_port < 65536:
         raise UserError(f"--data-port {args.data_port} is not a TCP port (1-65535, or 0 for any free one)")
     if args.data_port and not args.data_plane:
-        raise UserError("--data-port is the port of the data plane: add --data-plane")
+        raise UserError("--data-port is the port of the data plane, which --no-data-plane turns off")
     compute = compute_device_from_args(args)
     cfg = _with_checkpoint_overrides(run_config_from_args(args), args)
     initial_peers = validate_initial_peers(args.initial_peers)

@@ -72,9 +72,9 @@ class ServerOptions:
     metrics_period_s: float = 5.0
     stage_options: StageOptions = field(default_factory=StageOptions)  # for every stage served
     faults: FaultHooks = NO_FAULTS  # a faulty replica, for tests (runtime/faults.py)
-    # the direct data plane's TCP port for hand-offs from the previous stage (0: any free one; None, the
-    # default: off, hand-offs come over libp2p)
-    data_port: int | None = None
+    # the direct data plane's TCP port for hand-offs from the previous stage (0, the default: any free
+    # one; None: off, hand-offs come over libp2p)
+    data_port: int | None = 0
     data_congestion: str | None = DEFAULT_CONGESTION  # its TCP congestion control (None: the system's)
 
 
