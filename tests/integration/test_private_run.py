@@ -57,7 +57,9 @@ def test_private_run_refuses_strangers(make_swarm, tmp_path):
     prefix = f"{namespace(cfg)}_s1".replace(".", "_")
     assert stranger.run(_download_state(stranger_client.p2p, _peer_id, prefix)) == "refused"
     assert stranger.run(_join_group(stranger_client.p2p, _peer_id, prefix)) == "PROTOCOL_VIOLATION"
-    assert stranger.run(_send_part(stranger_client.p2p, _peer_id, prefix)) == "PROTOCOL_VIOLATION"
+    # refused either way: the answer, or a stream closed before it (the member's log below says why);
+    # without the guard hivemind would answer the forged group id with BAD_GROUP_ID
+    assert stranger.run(_send_part(stranger_client.p2p, _peer_id, prefix)) in ("PROTOCOL_VIOLATION", "closed")
     log = swarm.processes["s1"].log_text()
     for action in ("download our state", "join our averaging group", "send an averaging part"):
         assert f"{action}: not a peer of this private run" in log, action
@@ -117,8 +119,13 @@ async def _send_part(p2p, peer_id, prefix: str) -> str:
         )
 
     stub = StageAverager.get_stub(p2p, peer_id, namespace=prefix)
-    stream = await stub.rpc_aggregate_part(parts())
-    first = await asyncio.wait_for(anext(stream), 20)
+    try:
+        stream = await stub.rpc_aggregate_part(parts())
+        first = await asyncio.wait_for(anext(stream), 20)
+    except (StopAsyncIteration, BrokenPipeError, ConnectionError):
+        # the member answers and closes without reading the stranger's parts; the close can overtake
+        # the answer (seen in CI: the stream ended, or the part's write found the pipe closed)
+        return "closed"
     return averaging_pb2.MessageCode.Name(first.code)
 
 
