@@ -6,9 +6,9 @@ and their acknowledgements on one TCP connection, replies on another, so acknowl
 behind bulk data), and over libp2p when it announces none or a dial to it failed (nothing was sent
 then, so the fallback repeats nothing).
 
-One at a time: the upload lane is held until the peer has the whole request (its ACK frame on the data
-plane, the stream's first reply chunk over libp2p). Uploads sent together share the link fairly and all arrive at the end, so the next stage
-computed nothing while the link was busy and the link idled while it computed; one at a time, it
+One at a time: the upload lane is held until the peer has the whole request (its ACK frame on the
+data plane, the stream's first reply chunk over libp2p). Uploads sent together share the link fairly
+and all arrive at the end, so the next stage computed nothing while the link was busy and the link idled while it computed; one at a time, it
 computes one micro-batch while the next arrives.
 
 Bundles: a batched call on this stage finishes several micro-batches at once, and their hand-offs to

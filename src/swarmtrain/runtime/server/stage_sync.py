@@ -106,7 +106,8 @@ class StageSynchronizer:
         self.untrained = True  # initial weights: never stepped, downloaded or restored
         self.restored = False  # state from a checkpoint (or --fresh-start), no step applied since
         self._other_ahead_since_s: float | None = None
-        self._stepped_s = time.monotonic()  # when the epoch last moved (or the replica started)
+        # the epoch the last tick saw and since when: how long this replica has gone without a step
+        self._seen_epoch: tuple[int, float] = (-1, time.monotonic())
         self.counters = SyncCounters()
         self.serving = threading.Event()
         self.stop_event = threading.Event()
@@ -193,13 +194,14 @@ class StageSynchronizer:
         if fingerprint is not None:  # None: a local step (swarm.local_steps), replicas differ until the round
             self._fp = (epoch, fingerprint)
         self.untrained = self.restored = False
-        self._stepped_s = time.monotonic()
         self.averager.state_sharing_priority = float(self.worker.epoch)
 
     def tick(self) -> None:
         others, epoch = self._others(), self.worker.epoch
         ahead = max((v["epoch"] for v in others.values()), default=epoch) - epoch
         now = time.monotonic()
+        if epoch != self._seen_epoch[0]:
+            self._seen_epoch = (epoch, now)
         if ahead <= 0:
             self._behind_since_s = None
         elif self._behind_since_s is None:
@@ -214,7 +216,7 @@ class StageSynchronizer:
         elif self._diverged_from(others):
             self.resync("parameters diverged from a peer after a partial exchange")
         elif ahead <= 0 and (
-            self.restored or self.untrained or now - self._stepped_s >= self.settings.lag_grace_s
+            self.restored or self.untrained or now - self._seen_epoch[1] >= self.settings.lag_grace_s
         ):
             # the other stages are not read from the DHT on every tick of a replica stepping with the
             # swarm (several steps a second on `tiny`), only once it has not stepped for a while
@@ -271,7 +273,6 @@ class StageSynchronizer:
             self.ledger.write("advance", epoch=other, skipped=other - epoch, lost=lost_samples)
             self._refresh_fingerprint()
             self._other_ahead_since_s = None
-            self._stepped_s = time.monotonic()
             self.on_epoch_moved()
             self.publish()
         elif action == "refuse":
@@ -320,7 +321,6 @@ class StageSynchronizer:
                 self.counters.lost_samples += lost_samples
                 self.ledger.write("lost", mbs=lost_ids, n=lost_samples, reason=reason)
             self.ledger.write("resync", epoch=self.worker.epoch, reason=reason)
-            self._stepped_s = time.monotonic()
             self.on_epoch_moved()
         self._refresh_fingerprint()
         self._behind_since_s = None
