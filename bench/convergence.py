@@ -58,11 +58,12 @@ from pathlib import Path
 import torch
 
 from swarmtrain.config import RunConfig, get_preset, load_run_config
+from swarmtrain.config.run import COMPRESSION_CHOICES, LOWBIT_COMPRESSION
 from swarmtrain.runtime.harness.cpu_quota import CpuQuota, CpuQuotaError
 from swarmtrain.runtime.harness.local_swarm import LocalSwarm, write_run_toml
 from swarmtrain.runtime.local import LocalTrainer
 
-CODECS = ("none", "float16", "8bit")
+CODECS = COMPRESSION_CHOICES
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -107,7 +108,7 @@ def parse_rows(text: str) -> list[Row]:
             rows.append(_matrix_row(int(item)))
         elif m := re.fullmatch(r"(\d+)-(\d+)", item):
             rows += [_matrix_row(i) for i in range(int(m[1]), int(m[2]) + 1)]
-        elif m := re.fullmatch(r"(\d+(?:x\d+)*)/([\w]+)/(\d+)", item):
+        elif m := re.fullmatch(r"(\d+(?:x\d+)*)/([\w-]+)/(\d+)", item):
             servers = tuple(int(n) for n in m[1].split("x"))
             if m[2] not in CODECS or int(m[3]) < 1 or min(servers) < 1:
                 raise argparse.ArgumentTypeError(f"bad row {item!r}: codec in {CODECS}, counts >= 1")
@@ -265,6 +266,16 @@ def per_stage(servers: dict[str, dict], num_stages: int) -> list[dict]:
     return stages
 
 
+def with_compression(config_path: Path, out: Path, codec: str) -> Path:
+    """A copy of the run file whose [swarm] compression is `codec`."""
+    text = config_path.read_text()
+    if "[swarm]\n" not in text:
+        text += "[swarm]\n"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text.replace("[swarm]\n", f'[swarm]\ncompression = "{codec}"\n', 1))
+    return out
+
+
 def run_row(
     row: Row,
     config_path: Path,
@@ -276,6 +287,9 @@ def run_row(
 ) -> dict:
     t = cfg.training
     names = server_names(row.servers)
+    if row.codec in LOWBIT_COMPRESSION:  # part of the digest: the servers' run file names it too
+        config_path = with_compression(config_path, workdir / "run.toml", row.codec)
+        cfg = cfg.replace(swarm=dataclasses.replace(cfg.swarm, compression=row.codec))
     with LocalSwarm(workdir, config_path, cpus_per_server=cpus_per_server) as swarm:
         try:
             swarm.start_dht()

@@ -70,7 +70,11 @@ def test_non_contiguous_input(name):
     assert not x.is_contiguous()
     y = codec.decode(codec.encode(x, name))
     assert y.shape == x.shape
-    assert torch.allclose(y, x, atol=float(x.abs().max()) / 200)
+    # 8-bit: half a step of 1/127 of the absmax; below 8 bits, a step of 1/(2^bits - 1) of it, and the
+    # rotated codecs' error of a block is that of the rotated block, spread over its 64 values
+    bits = codec.LOWBIT.get(name, (8, False))[0]
+    tolerance = 1 / 200 if bits == 8 else 8 / (2**bits - 1)
+    assert torch.allclose(y, x, atol=float(x.abs().max()) * tolerance)
 
 
 @pytest.mark.parametrize("name", codec.CODECS)

@@ -10,7 +10,16 @@ from dataclasses import dataclass, field
 from swarmtrain.config.errors import ConfigError
 from swarmtrain.config.model import ModelConfig, StageSpec, partition_layers
 
-COMPRESSION_CHOICES = ("none", "float16", "8bit")
+# activation/gradient codecs of net/codec.py; below 8 bits: {4,3,2}bit, and after a rotation -rht
+COMPRESSION_CHOICES = (
+    "none",
+    "float16",
+    "8bit",
+    *(f"{bits}bit{suffix}" for bits in (4, 3, 2) for suffix in ("", "-rht")),
+)
+LOWBIT_COMPRESSION = COMPRESSION_CHOICES[3:]  # below 8 bits: part of the run digest
+# what a DiLoCo all-reduce can carry (hivemind's codecs)
+DILOCO_COMPRESSION_CHOICES = ("none", "float16", "8bit")
 
 
 @dataclass(frozen=True)
@@ -150,9 +159,10 @@ class DilocoConfig:
             raise ConfigError(f"diloco.inner_steps must be positive, got {self.inner_steps}")
         if self.outer_learning_rate <= 0 or not 0 <= self.outer_momentum < 1:
             raise ConfigError("diloco.outer_learning_rate must be > 0 and diloco.outer_momentum in [0, 1)")
-        if self.compression not in COMPRESSION_CHOICES:
+        if self.compression not in DILOCO_COMPRESSION_CHOICES:
             raise ConfigError(
-                f"diloco.compression must be one of {', '.join(COMPRESSION_CHOICES)}, got {self.compression!r}"
+                f"diloco.compression must be one of {', '.join(DILOCO_COMPRESSION_CHOICES)}, "
+                f"got {self.compression!r}"
             )
         for name in ("matchmaking_time_s", "averaging_timeout_s"):
             if getattr(self, name) <= 0:
@@ -198,8 +208,9 @@ class RunConfig:
         `training.seed` is in it because replicas of a stage initialize their weights from it, and
         `training.max_samples` because it sets the cosine decay horizon of the learning rate: peers
         that differ in either would average diverging weights or step with different rates.
-        The evaluation cadence and size are left out (they do not change training), and so is
-        compression: every message names its own codec.
+        The evaluation cadence and size are left out (they do not change training). So is the codec
+        down to 8 bits (every message names its own, and they train alike); a codec below 8 bits is in
+        it, since what a stage receives then differs enough to change the run's result.
         """
         training = dataclasses.asdict(self.training)
         for local_only in ("eval_every_samples", "eval_samples"):
@@ -210,6 +221,8 @@ class RunConfig:
         }
         if self.swarm.local_steps != 1:
             swarm["local_steps"] = self.swarm.local_steps
+        if self.swarm.compression in LOWBIT_COMPRESSION:
+            swarm["compression"] = self.swarm.compression
         payload = {"model": _model_settings(self.model), "training": training, "swarm": swarm}
         diloco = _outer_step_settings(self.diloco)
         if diloco != _outer_step_settings(DilocoConfig()) or self.swarm.local_steps != 1:

@@ -1,10 +1,24 @@
-"""Tensor codecs for activations and gradients on the wire: none, float16 and blockwise 8-bit.
+"""Tensor codecs for activations and gradients on the wire: none, float16, blockwise 8-bit, and
+blockwise 4-, 3- and 2-bit, each of those plain or after a randomized Hadamard rotation (`-rht`).
 
 Blockwise 8-bit (absmax per block): the flattened tensor is cut into blocks of `BLOCK_SIZE` values;
 each block stores one fp32 scale (its absolute maximum / 127) and one int8 per value, rounded to
 nearest. Worst-case error per value is half a quantization step, absmax_of_block / 254. An outlier
 only costs precision inside its own block, which is why activations survive it (SWARM, Dettmers'
 blockwise quantization). Payload: 1 byte per value + 4 bytes per block (~1.016 bytes at 256).
+
+Below 8 bits (`{4,3,2}bit`, `{4,3,2}bit-rht`): blocks of `LOWBIT_BLOCK` = 64 values, one bf16 step per
+block and `bits` per value, packed eight values to `bits` bytes. The 2^bits levels are spread evenly
+over [-absmax, +absmax] of the block (mid-rise: both ends are levels, zero is not one, so all 2^bits
+codes are used). Activations are rounded to the nearest level; gradients (`encode(..., stochastic=True)`)
+to one of the two levels around them with probabilities that make the decoded value unbiased, so the
+rounding error averages out over a step's micro-batches instead of adding up. `-rht` multiplies each
+block by a fixed orthogonal matrix first (Hadamard x fixed random signs / 8; the same matrix on every
+peer, so the name says everything a receiver needs) and by its transpose after decoding: one outlier
+channel is spread over its block, whose values then look alike, so the block's step shrinks (QuaRot,
+and the pipeline-compression papers built on it). Payload: 64 values in 2 + 8 * bits bytes, 4-bit
+4.25 bits per value (7.5x fewer than fp32), 3-bit 3.25, 2-bit 2.25 (14.2x); a ragged tail is padded
+to a whole block.
 
 Integer and bool tensors are never compressed (token ids, labels): any codec sends them raw.
 Everything is vectorized torch on the calling thread; no numpy round trips, no Python loops over
@@ -13,13 +27,21 @@ blocks. hivemind's own 8-bit codecs fail under numpy 2 and are ~10x slower (docs
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
 
-CODECS = ("none", "float16", "8bit")
+from swarmtrain.config.run import COMPRESSION_CHOICES
+
+CODECS = COMPRESSION_CHOICES
 BLOCK_SIZE = 256
 _QMAX = 127.0
+LOWBIT_BLOCK = 64
+# codec name -> (bits per value, rotated)
+LOWBIT: dict[str, tuple[int, bool]] = {
+    f"{bits}bit{suffix}": (bits, suffix == "-rht") for bits in (4, 3, 2) for suffix in ("", "-rht")
+}
 
 # dtype names on the wire; a closed set, so a peer cannot make us build an arbitrary dtype
 DTYPES: dict[str, torch.dtype] = {
@@ -82,8 +104,9 @@ def effective_codec(dtype: torch.dtype, codec: str) -> str:
     return codec
 
 
-def encode(tensor: torch.Tensor, codec: str) -> EncodedTensor:
-    """Encode a CPU tensor (any layout) with `codec`; integer tensors are sent as they are."""
+def encode(tensor: torch.Tensor, codec: str, stochastic: bool = False) -> EncodedTensor:
+    """Encode a CPU tensor (any layout) with `codec`; integer tensors are sent as they are.
+    `stochastic`: unbiased stochastic rounding (for gradients) in the codecs below 8 bits."""
     if tensor.dtype not in DTYPE_NAMES:
         raise CodecError(f"unsupported dtype {tensor.dtype}")
     tensor = tensor.detach()
@@ -95,8 +118,11 @@ def encode(tensor: torch.Tensor, codec: str) -> EncodedTensor:
         payload = _to_bytes(flat)
     elif applied == "float16":
         payload = _to_bytes(flat.to(torch.float16))
-    else:
+    elif applied == "8bit":
         payload = _encode_8bit(flat)
+    else:
+        bits, rotated = LOWBIT[applied]
+        payload = _encode_lowbit(flat, bits, rotated, stochastic)
     return EncodedTensor(applied, DTYPE_NAMES[tensor.dtype], tuple(tensor.shape), payload)
 
 
@@ -124,8 +150,11 @@ def decode(encoded: EncodedTensor) -> torch.Tensor:
         flat = _from_bytes(encoded.payload, dtype, numel).clone()  # own the memory: the buffer is read-only
     elif encoded.codec == "float16":
         flat = _from_bytes(encoded.payload, torch.float16, numel).to(dtype)
-    else:
+    elif encoded.codec == "8bit":
         flat = _decode_8bit(encoded.payload, numel, dtype)
+    else:
+        bits, rotated = LOWBIT[encoded.codec]
+        flat = _decode_lowbit(encoded.payload, numel, bits, rotated).to(dtype)
     return flat.view(encoded.shape)
 
 
@@ -134,6 +163,8 @@ def payload_size(codec: str, dtype: torch.dtype, numel: int) -> int:
         return numel * _itemsize(dtype)
     if codec == "float16":
         return numel * 2
+    if codec in LOWBIT:
+        return -(-numel // LOWBIT_BLOCK) * (2 + 8 * LOWBIT[codec][0])
     num_blocks = -(-numel // BLOCK_SIZE)
     return num_blocks * 4 + numel
 
@@ -189,6 +220,91 @@ def _decode_8bit(payload: bytes, numel: int, dtype: torch.dtype) -> torch.Tensor
     if full < numel:
         torch.mul(codes[full:], scales[-1], out=out[full:])
     return out if dtype == torch.float32 else out.to(dtype)
+
+
+# below 8 bits -------------------------------------------------------------------------------------
+def _rotation() -> torch.Tensor:
+    """The fixed orthogonal matrix of the `-rht` codecs: Sylvester's Hadamard matrix times a diagonal of
+    random signs (a fixed seed: every peer builds the same one), scaled by 1/sqrt(64)."""
+    hadamard = torch.ones(1, 1)
+    while hadamard.shape[0] < LOWBIT_BLOCK:
+        hadamard = torch.cat([torch.cat([hadamard, hadamard], 1), torch.cat([hadamard, -hadamard], 1)])
+    signs = torch.randint(0, 2, (LOWBIT_BLOCK,), generator=torch.Generator().manual_seed(20261125)) * 2 - 1
+    return (hadamard * signs.float()).div_(LOWBIT_BLOCK**0.5).contiguous()
+
+
+_ROTATION = _rotation()  # rows are orthonormal: x @ R.T rotates a block, y @ R rotates it back
+_random = threading.local()  # a generator per thread: stochastic rounding never touches torch's global RNG
+
+
+def _generator() -> torch.Generator:
+    generator = getattr(_random, "generator", None)
+    if generator is None:
+        generator = _random.generator = torch.Generator()
+        generator.seed()
+    return generator
+
+
+def _encode_lowbit(flat: torch.Tensor, bits: int, rotated: bool, stochastic: bool) -> bytes:
+    numel = flat.numel()
+    if numel == 0:
+        return b""
+    blocks = _padded_blocks(flat.float())
+    if rotated:
+        blocks = blocks @ _ROTATION.T
+    top = float(2**bits - 1)
+    # the step is rounded up to bf16 (2 bytes, fp32's range: a gradient's 1e-9 does not underflow as in
+    # fp16) before the codes are computed, so the codes are exact for the step the receiver decodes with
+    step = (blocks.abs().amax(dim=1) * (2.0 * (1 + 2**-7) / top)).to(torch.bfloat16)
+    step_fp32 = step.float()
+    inverse = torch.where(step_fp32 > 0, 1.0 / step_fp32, torch.zeros_like(step_fp32))
+    scaled = torch.addcmul(torch.full((), top / 2), blocks, inverse.unsqueeze(1))  # in [0, top]
+    if stochastic:
+        scaled.add_(torch.rand(scaled.shape, generator=_generator())).floor_()
+    else:
+        scaled.round_()
+    codes = scaled.clamp_(0, top).to(torch.uint8)
+    return _to_bytes(step.view(torch.int16)) + _to_bytes(_pack(codes.view(-1), bits))
+
+
+def _padded_blocks(flat: torch.Tensor) -> torch.Tensor:
+    tail = -flat.numel() % LOWBIT_BLOCK
+    if tail:
+        flat = torch.cat([flat, flat.new_zeros(tail)])
+    return flat.view(-1, LOWBIT_BLOCK)
+
+
+def _decode_lowbit(payload: bytes, numel: int, bits: int, rotated: bool) -> torch.Tensor:
+    num_blocks = -(-numel // LOWBIT_BLOCK)
+    step = _from_bytes(payload, torch.int16, num_blocks).view(torch.bfloat16).float()
+    if not bool(torch.isfinite(step).all()):
+        raise CodecError(f"{bits}-bit payload has non-finite block steps")
+    codes = _unpack(_from_bytes(payload, torch.uint8, num_blocks * 8 * bits, offset=2 * num_blocks), bits)
+    centred = codes.view(num_blocks, LOWBIT_BLOCK).float().sub_((2**bits - 1) / 2)
+    blocks = centred.mul_(step.unsqueeze(1))
+    if rotated:
+        blocks = blocks @ _ROTATION
+    return blocks.view(-1)[:numel]
+
+
+_SHIFTS = {bits: torch.arange(8, dtype=torch.int64) * bits for bits in (2, 3, 4)}
+_BYTE_SHIFTS = {bits: torch.arange(bits, dtype=torch.int64) * 8 for bits in (2, 3, 4)}
+
+
+def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes (uint8 < 2^bits, a multiple of 8 of them) -> `bits` bytes per 8 codes, little-endian."""
+    if bits == 4:  # two per byte: the common case, without 64-bit words
+        pairs = codes.view(-1, 2)
+        return pairs[:, 0] | (pairs[:, 1] << 4)
+    words = (codes.view(-1, 8).to(torch.int64) << _SHIFTS[bits]).sum(dim=1)
+    return ((words.unsqueeze(1) >> _BYTE_SHIFTS[bits]) & 0xFF).to(torch.uint8).view(-1)
+
+
+def _unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    if bits == 4:
+        return torch.stack([packed & 0x0F, packed >> 4], dim=1).view(-1)
+    words = (packed.view(-1, bits).to(torch.int64) << _BYTE_SHIFTS[bits]).sum(dim=1)
+    return ((words.unsqueeze(1) >> _SHIFTS[bits]) & (2**bits - 1)).to(torch.uint8).view(-1)
 
 
 # raw bytes ----------------------------------------------------------------------------------------

@@ -104,10 +104,21 @@ class Message:
         )
 
 
+# tensors that carry gradients back along the pipeline: stochastically rounded by the codecs below 8
+# bits, so their rounding error averages out over a step's micro-batches instead of biasing it
+GRADIENT_TENSORS = frozenset({"grad_inputs", "grad_outputs"})
+
+
+def encode_tensor(name: str, tensor: torch.Tensor, codec_name: str) -> codec.EncodedTensor:
+    return codec.encode(tensor, codec_name, stochastic=name in GRADIENT_TENSORS)
+
+
 def make_message(
     kind: str, header: dict, tensors: dict[str, torch.Tensor], codec_name: str = "none"
 ) -> Message:
-    return Message(kind, dict(header), {name: codec.encode(t, codec_name) for name, t in tensors.items()})
+    return Message(
+        kind, dict(header), {name: encode_tensor(name, t, codec_name) for name, t in tensors.items()}
+    )
 
 
 def request_message(
@@ -122,7 +133,7 @@ def request_message(
     """A forward/backward request. Already-encoded tensors (e.g. a previous stage's output) are
     relayed as they are: no decode/re-encode on the trainer, no double quantization."""
     encoded = {
-        name: t if isinstance(t, codec.EncodedTensor) else codec.encode(t, codec_name)
+        name: t if isinstance(t, codec.EncodedTensor) else encode_tensor(name, t, codec_name)
         for name, t in tensors.items()
     }
     header = {"mb": micro_batch_id, "stage": stage, "digest": digest, "codec": codec_name, **extra}
@@ -284,7 +295,7 @@ def validate_request(message: Message, io: StageIO, digest: str) -> StageRequest
     if header.get("digest") != digest:
         raise ProtocolError(
             f"config digest mismatch: this server runs {digest}, the request has {header.get('digest')!r} "
-            "(different model, stage cut or optimizer settings); refusing",
+            "(different model, stage cut, optimizer settings or codec below 8 bits); refusing",
             "digest_mismatch",
         )
     if not (_is_int(header.get("stage")) and header["stage"] == io.stage):
