@@ -122,6 +122,17 @@ def parse_rows(text: str) -> list[Row]:
     return rows
 
 
+def parse_boundary(text: str) -> tuple[str, int]:
+    from swarmtrain.config.model import BOUNDARY_CHOICES
+
+    kind, _, dim = text.partition(":")
+    if kind not in BOUNDARY_CHOICES[1:] or not dim.isdigit():
+        raise argparse.ArgumentTypeError(
+            f"expected KIND:DIM with KIND in {BOUNDARY_CHOICES[1:]}, got {text!r}"
+        )
+    return kind, int(dim)
+
+
 def _matrix_row(index: int) -> Row:
     if not 0 <= index < len(MATRIX):
         raise argparse.ArgumentTypeError(f"row index {index} out of range 0..{len(MATRIX) - 1}")
@@ -485,6 +496,13 @@ def main() -> int:
         metavar="N",
         help="every server's --max-batch-tokens (request batching; default 0: off)",
     )
+    parser.add_argument(
+        "--boundary",
+        type=parse_boundary,
+        metavar="KIND:DIM",
+        help="boundary layers between the swarm's stages for every row ([model] boundary and boundary_dim, "
+        "e.g. lowrank:16); the local reference stays the plain model, so the gap is the whole cost",
+    )
     parser.add_argument("--summary-json", metavar="PATH", help="all rows, the local reference, machine info")
     parser.add_argument(
         "--keep-logs",
@@ -536,6 +554,11 @@ def main() -> int:
     if args.layers_per_stage:
         overrides["model"] = {"num_layers": sum(args.layers_per_stage)}
         overrides["swarm"]["layers_per_stage"] = list(args.layers_per_stage)
+    # the local reference is the plain model: boundary layers are part of what the swarm is judged on
+    local_cfg = load_run_config(write_run_toml(base / "local.toml", args.preset, overrides))
+    if args.boundary:
+        kind, dim = args.boundary
+        overrides.setdefault("model", {}).update({"boundary": kind, "boundary_dim": dim})
     config_path = write_run_toml(base / "run.toml", args.preset, overrides)
     cfg = load_run_config(config_path)
     t = cfg.training
@@ -550,6 +573,7 @@ def main() -> int:
         "cpus_per_server": args.cpus_per_server,
         "server_dtype": args.server_dtype,
         "max_batch_tokens": args.max_batch_tokens,
+        "boundary": list(args.boundary) if args.boundary else None,
         "run_toml": config_path.read_text(),
         "machine": machine_info(),
         "local": None,
@@ -567,13 +591,14 @@ def main() -> int:
         print(
             f"preset {args.preset}, {args.samples} samples, val loss on {t.eval_samples} samples; "
             f"{len(rows)} row(s), one swarm at a time"
+            + (f"; boundary layers {args.boundary[0]}:{args.boundary[1]}" if args.boundary else "")
             + (
                 "" if args.cpus_per_server is None else f"; each server limited to {args.cpus_per_server} CPU"
             ),
             flush=True,
         )
         print("local reference (train-local, 1 thread) ...", flush=True)
-        local = report["local"] = local_reference(cfg)
+        local = report["local"] = local_reference(local_cfg)
         print(
             f"local: val loss {local['initial_val_loss']:.4f} -> {local['final_val_loss']:.4f}, "
             f"{local['steps']} steps of {g} samples, {local['samples_per_s']:.1f} samples/s "

@@ -139,6 +139,14 @@ def _write_hf(named: dict, meta: dict, args: argparse.Namespace) -> None:
     how = (
         "--init-from-hf " + args.init_from_hf if args.init_from_hf else args.config or f"preset {cfg.preset}"
     )
+    if cfg.model.boundary != "none" or any(name.startswith("boundaries.") for name in named):
+        from swarmtrain.config.errors import UserError
+
+        raise UserError(
+            f"--hf-out: this model has {cfg.model.boundary if cfg.model.boundary != 'none' else 'boundary'} "
+            "layers between its stages ([model] boundary), so it is no longer a plain "
+            f"{'Llama' if cfg.model.arch == 'llama' else 'GPT-2'} that transformers can load; use --out"
+        )
     check_state_dict(named, cfg.model, f"{meta['source']} (model config from {how})")
     if meta.get("digest") and meta["digest"] != cfg.digest():
         # the model's tensors fit; the run's other settings (schedule, stage cut, ...) or a field that

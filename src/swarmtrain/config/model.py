@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from swarmtrain.config.errors import ConfigError
 
 ARCH_CHOICES = ("gpt", "llama")
+BOUNDARY_CHOICES = ("none", "bottleneck", "maxout", "lowrank")  # model/boundary.py
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,10 @@ class ModelConfig:
     rope_theta: float = 10000.0  # llama: base of the rotary frequencies
     tie_embeddings: bool = False  # llama: the LM head reuses the token embedding matrix
     shared_layer_repeats: int = 1
+    # compression-aware stage boundaries (model/boundary.py): layers that send `boundary_dim` values per
+    # token from one stage to the next instead of d_model; "none" = plain hidden states
+    boundary: str = "none"
+    boundary_dim: int = 0
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "seq_len"):
@@ -51,6 +56,25 @@ class ModelConfig:
         if self.shared_layer_repeats < 1:
             raise ConfigError(f"model.shared_layer_repeats must be >= 1, got {self.shared_layer_repeats}")
         self._check_llama_fields()
+        self._check_boundary()
+
+    def _check_boundary(self) -> None:
+        if self.boundary not in BOUNDARY_CHOICES:
+            raise ConfigError(
+                f"model.boundary must be one of {', '.join(BOUNDARY_CHOICES)}, got {self.boundary!r}"
+            )
+        if self.boundary == "none":
+            if self.boundary_dim:
+                raise ConfigError('model.boundary_dim needs model.boundary (e.g. "lowrank")')
+        elif not 0 < self.boundary_dim < self.d_model:
+            raise ConfigError(
+                f"model.boundary_dim must be in 1..{self.d_model - 1} (below d_model), got {self.boundary_dim}"
+            )
+
+    @property
+    def wire_dim(self) -> int:
+        """Values per token that cross a stage boundary."""
+        return self.d_model if self.boundary == "none" else self.boundary_dim
 
     def _check_llama_fields(self) -> None:
         if self.arch != "llama":
@@ -60,7 +84,7 @@ class ModelConfig:
                 if getattr(self, name) != getattr(ModelConfig, name)
             ]
             if changed:
-                raise ConfigError(f"model.{changed[0]} needs model.arch = \"llama\"")
+                raise ConfigError(f'model.{changed[0]} needs model.arch = "llama"')
             return
         if self.num_kv_heads < 0 or self.num_heads % self.kv_heads:
             raise ConfigError(

@@ -193,6 +193,13 @@ class RunConfig:
                 f"(train-local and replica runs, which hold the whole model, can keep it)"
             )
 
+    def boundary_cuts(self) -> tuple[int, ...]:
+        """Where a whole model of this run holds its boundary layers (`[model] boundary`): the first
+        global layer of every stage but the first; () without boundary layers."""
+        if self.model.boundary == "none":
+            return ()
+        return tuple(spec.layer_start for spec in self.stages()[1:])
+
     def stages(self) -> list[StageSpec]:
         return partition_layers(self.model.num_layers, self.swarm.num_stages, self.swarm.layers_per_stage)
 
@@ -236,7 +243,15 @@ def _model_settings(model: ModelConfig) -> dict:
     """The model's fields, less the ones added with the llama family while they hold their defaults, so
     the digest of a GPT run stays what it was."""
     settings = dataclasses.asdict(model)
-    for name in ("arch", "num_kv_heads", "rope_theta", "tie_embeddings", "shared_layer_repeats"):
+    for name in (
+        "arch",
+        "num_kv_heads",
+        "rope_theta",
+        "tie_embeddings",
+        "shared_layer_repeats",
+        "boundary",
+        "boundary_dim",
+    ):
         if settings[name] == getattr(ModelConfig, name):
             settings.pop(name)
     return settings

@@ -101,8 +101,9 @@ def stage_training_flops_per_sample(cfg: ModelConfig, stage: StageSpec) -> int:
 
 
 def activation_bytes_per_sample(cfg: ModelConfig, bytes_per_value: float = FP16_BYTES) -> float:
-    """The hidden-state tensor crossing one stage boundary for one sample: seq_len x d_model values."""
-    return cfg.seq_len * cfg.d_model * bytes_per_value
+    """The hidden-state tensor crossing one stage boundary for one sample: seq_len x d_model values
+    (boundary_dim with boundary layers)."""
+    return cfg.seq_len * cfg.wire_dim * bytes_per_value
 
 
 def llama_saved_bytes_per_layer_application(cfg: ModelConfig, bytes_per_value: int = FP32_BYTES) -> int:

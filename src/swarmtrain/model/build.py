@@ -4,23 +4,28 @@ from __future__ import annotations
 
 from swarmtrain.config.model import ModelConfig, StageSpec, partition_layers
 from swarmtrain.model import gpt, llama
+from swarmtrain.model.boundary import init_boundaries
 from swarmtrain.model.stage import DecoderStage
 
 # arch -> (stage class, its initializer)
 _FAMILIES = {"gpt": (gpt.GPTStage, gpt.init_weights), "llama": (llama.LlamaStage, llama.init_weights)}
 
 
-def build_stage(cfg: ModelConfig, spec: StageSpec, seed: int | None = 0) -> DecoderStage:
-    """The module for one stage, initialized deterministically from `seed` (None: torch's default RNG)."""
+def build_stage(
+    cfg: ModelConfig, spec: StageSpec, seed: int | None = 0, cuts: tuple[int, ...] = ()
+) -> DecoderStage:
+    """The module for one stage, initialized deterministically from `seed` (None: torch's default RNG).
+    `cuts`: a whole model's stage cuts, where its boundary layers sit (`RunConfig.boundary_cuts`)."""
     stage_class, init_weights = _FAMILIES[cfg.arch]
-    stage = stage_class(cfg, spec)
+    stage = stage_class(cfg, spec, cuts)
     init_weights(stage, cfg, seed)
+    init_boundaries(stage.boundaries, cfg, seed)
     return stage
 
 
-def build_model(cfg: ModelConfig, seed: int | None = 0) -> DecoderStage:
-    """The whole model as one stage holding every layer."""
-    return build_stage(cfg, StageSpec(0, 1, 0, cfg.num_layers), seed)
+def build_model(cfg: ModelConfig, seed: int | None = 0, cuts: tuple[int, ...] = ()) -> DecoderStage:
+    """The whole model as one stage holding every layer (and the boundary layers at `cuts`)."""
+    return build_stage(cfg, StageSpec(0, 1, 0, cfg.num_layers), seed, cuts)
 
 
 def build_stages(

@@ -39,8 +39,8 @@ class GPTStage(DecoderStage):
     names each layer the same way whichever stage holds it.
     """
 
-    def __init__(self, cfg: ModelConfig, spec: StageSpec) -> None:
-        super().__init__(cfg, spec)
+    def __init__(self, cfg: ModelConfig, spec: StageSpec, cuts: tuple[int, ...] = ()) -> None:
+        super().__init__(cfg, spec, cuts)
         if spec.is_first:
             self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
             self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)

@@ -128,8 +128,8 @@ class LlamaStage(DecoderStage):
     `RunConfig.require_swarm_model`) the head multiplies by `model.embed_tokens.weight` and there is no
     `lm_head` parameter, as in a tied Hugging Face checkpoint."""
 
-    def __init__(self, cfg: ModelConfig, spec: StageSpec) -> None:
-        super().__init__(cfg, spec)
+    def __init__(self, cfg: ModelConfig, spec: StageSpec, cuts: tuple[int, ...] = ()) -> None:
+        super().__init__(cfg, spec, cuts)
         if cfg.tie_embeddings and spec.is_first != spec.is_last:
             raise ValueError("tied embeddings need the first and the last stage in one module")
         self.model = LlamaTrunk(cfg, spec)

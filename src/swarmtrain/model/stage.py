@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from swarmtrain.config.model import ModelConfig, StageSpec
+from swarmtrain.model.boundary import Boundary
 
 
 class DecoderStage(nn.Module):
@@ -30,9 +31,13 @@ class DecoderStage(nn.Module):
 
     layers: nn.ModuleDict
 
-    def __init__(self, cfg: ModelConfig, spec: StageSpec) -> None:
+    def __init__(self, cfg: ModelConfig, spec: StageSpec, cuts: tuple[int, ...] = ()) -> None:
+        """`cuts`: for a whole model (one stage) of a run whose stages are cut with boundary layers
+        (`[model] boundary`), the first global layer of every stage but the first; boundary k sits
+        before layer cuts[k]."""
         super().__init__()
         self.cfg, self.spec = cfg, spec
+        self.boundaries, self._crossings = _boundaries(cfg, spec, cuts)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -42,16 +47,26 @@ class DecoderStage(nn.Module):
 
     def forward(self, inputs: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         x = self.embed(inputs) if self.spec.is_first else inputs
-        for block in self.layers.values():
+        if not self.spec.is_first and self.cfg.boundary != "none":
+            x = self.boundaries[str(self.spec.index - 1)].up(x)
+        for key, block in self.layers.items():
+            x = self._cross(x, int(key))
             # shared layers (SWARM, ALBERT): each unique layer applied `shared_layer_repeats` times in a
             # row, so the function does not depend on where the stages are cut (a whole model in one
             # process computes what the swarm's stages do) and unrolls to a plain deep model
             for _ in range(self.cfg.shared_layer_repeats):
                 x = block(x)
+        x = self._cross(x, self.spec.layer_end)
         if not self.spec.is_last:
-            return x
+            return self.boundaries[str(self.spec.index)].down(x) if self.cfg.boundary != "none" else x
         logits = self.head(x)
         return logits if labels is None else self.loss(logits, labels)
+
+    def _cross(self, x: torch.Tensor, position: int) -> torch.Tensor:
+        """A whole model's boundaries that sit before global layer `position` (down, then up)."""
+        for key in self._crossings.get(position, ()):
+            x = self.boundaries[key](x)
+        return x
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The mean next-token loss of `logits` over labels != cfg.pad_token_id (computed in fp32)."""
@@ -60,6 +75,25 @@ class DecoderStage(nn.Module):
             labels.reshape(-1),
             ignore_index=self.cfg.pad_token_id,
         )
+
+
+def _boundaries(
+    cfg: ModelConfig, spec: StageSpec, cuts: tuple[int, ...]
+) -> tuple[nn.ModuleDict, dict[int, list[str]]]:
+    """The boundary halves a module holds, under global keys, and for a whole model where each sits."""
+    if cfg.boundary == "none":
+        return nn.ModuleDict(), {}
+    if spec.num_stages > 1:
+        halves = {}
+        if not spec.is_first:
+            halves[str(spec.index - 1)] = Boundary(cfg, down=False, up=True)
+        if not spec.is_last:
+            halves[str(spec.index)] = Boundary(cfg, down=True, up=False)
+        return nn.ModuleDict(halves), {}
+    crossings: dict[int, list[str]] = {}
+    for k, position in enumerate(cuts):
+        crossings.setdefault(position, []).append(str(k))
+    return nn.ModuleDict({str(k): Boundary(cfg, down=True, up=True) for k in range(len(cuts))}), crossings
 
 
 def init_parameters(module: nn.Module, seed: int | None, std_of: Callable[[str], float | None]) -> None:

@@ -233,7 +233,7 @@ class StageIO:
     stage: int
     is_first: bool
     is_last: bool
-    d_model: int
+    wire_dim: int  # hidden values per token between stages: d_model, or boundary_dim with boundary layers
     seq_len: int
     vocab_size: int
     max_batch: int
@@ -245,7 +245,7 @@ class StageIO:
             spec.index,
             spec.is_first,
             spec.is_last,
-            model.d_model,
+            model.wire_dim,
             model.seq_len,
             model.vocab_size,
             max_batch,
@@ -255,7 +255,7 @@ class StageIO:
     def max_message_bytes(self) -> int:
         """Largest legal request: fp32 input + fp32 grad + int64 labels of a full batch, plus slack."""
         values = self.max_batch * self.seq_len
-        return values * (2 * 4 * self.d_model + 8) + MAX_HEADER_BYTES + 4096
+        return values * (2 * 4 * self.wire_dim + 8) + MAX_HEADER_BYTES + 4096
 
 
 @dataclass
@@ -326,7 +326,7 @@ def validate_request(message: Message, io: StageIO, digest: str) -> StageRequest
     if io.is_last:
         request.labels = _checked_labels(message, io, batch, seq)
     if message.kind == "backward":
-        request.grad_outputs = _checked_float(message, "grad_outputs", (batch, seq, io.d_model))
+        request.grad_outputs = _checked_float(message, "grad_outputs", (batch, seq, io.wire_dim))
     return request
 
 
@@ -369,8 +369,10 @@ def _check_shape(desc: codec.EncodedTensor, ndim: int, io: StageIO) -> None:
         raise ProtocolError(f"batch size {shape[0]} outside 1..{io.max_batch}")
     if not 1 <= shape[1] <= io.seq_len:
         raise ProtocolError(f"sequence length {shape[1]} outside 1..{io.seq_len}")
-    if ndim == 3 and shape[2] != io.d_model:
-        raise ProtocolError(f"hidden size {shape[2]} != d_model {io.d_model}")
+    if ndim == 3 and shape[2] != io.wire_dim:
+        raise ProtocolError(
+            f"hidden size {shape[2]} != {io.wire_dim} (this run's values per token between stages)"
+        )
 
 
 def _checked_float(message: Message, name: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -388,11 +390,11 @@ def _checked_float(message: Message, name: str, shape: tuple[int, ...]) -> torch
     return tensor
 
 
-def checked_grad_reply(reply: Message, batch_seq: tuple[int, int], d_model: int) -> torch.Tensor:
+def checked_grad_reply(reply: Message, batch_seq: tuple[int, int], wire_dim: int) -> torch.Tensor:
     """The gradient of a stage's outputs, as the next stage's reply carries it (a direct hand-off)."""
     if "grad_inputs" not in reply.tensors:
         raise ProtocolError("the next stage's reply carries no grad_inputs")
-    return _checked_float(reply, "grad_inputs", (*batch_seq, d_model))
+    return _checked_float(reply, "grad_inputs", (*batch_seq, wire_dim))
 
 
 LABEL_DTYPES = ("int16", "int32", "int64")

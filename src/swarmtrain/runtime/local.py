@@ -87,7 +87,7 @@ class LocalTrainer:
         self.cfg = cfg
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
         self.progress = progress
-        self.model = build_model(cfg.model, seed=cfg.training.seed)
+        self.model = build_model(cfg.model, seed=cfg.training.seed, cuts=cfg.boundary_cuts())
         if init_from is not None:
             load_model_checkpoint(self.model, init_from)
         if init_from_hf is not None:

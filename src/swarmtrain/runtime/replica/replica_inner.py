@@ -58,7 +58,7 @@ class InnerTrainer:
         self.cfg = cfg
         self.batch_samples = replica_batch_samples(cfg, shard_count)
         self.shard_index, self.shard_count = shard_index, shard_count
-        self.model = build_model(cfg.model, seed=cfg.training.seed)
+        self.model = build_model(cfg.model, seed=cfg.training.seed, cuts=cfg.boundary_cuts())
         if init_from_hf is not None:  # before the optimizer and the outer step's anchor copy them
             load_stage_from_hf(self.model, init_from_hf)
         if swap_budget_bytes and compute.mixed:

@@ -305,7 +305,7 @@ class StageService:
         shape = (
             (t.micro_batch_size, m.seq_len)
             if self.spec.is_first
-            else (t.micro_batch_size, m.seq_len, m.d_model)
+            else (t.micro_batch_size, m.seq_len, m.wire_dim)
         )
         compute = self.options.compute
         sample = torch.zeros(shape, dtype=torch.long) if self.spec.is_first else torch.randn(shape)
