@@ -60,7 +60,7 @@ import torch
 from swarmtrain.config import RunConfig, get_preset, load_run_config
 from swarmtrain.config.run import COMPRESSION_CHOICES, LOWBIT_COMPRESSION
 from swarmtrain.runtime.harness.cpu_quota import CpuQuota, CpuQuotaError
-from swarmtrain.runtime.harness.local_swarm import LocalSwarm, write_run_toml
+from swarmtrain.runtime.harness.local_swarm import LocalSwarm, derived_run_toml, write_run_toml
 from swarmtrain.runtime.local import LocalTrainer
 
 CODECS = COMPRESSION_CHOICES
@@ -277,16 +277,6 @@ def per_stage(servers: dict[str, dict], num_stages: int) -> list[dict]:
     return stages
 
 
-def with_compression(config_path: Path, out: Path, codec: str) -> Path:
-    """A copy of the run file whose [swarm] compression is `codec`."""
-    text = config_path.read_text()
-    if "[swarm]\n" not in text:
-        text += "[swarm]\n"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text.replace("[swarm]\n", f'[swarm]\ncompression = "{codec}"\n', 1))
-    return out
-
-
 def run_row(
     row: Row,
     config_path: Path,
@@ -299,7 +289,10 @@ def run_row(
     t = cfg.training
     names = server_names(row.servers)
     if row.codec in LOWBIT_COMPRESSION:  # part of the digest: the servers' run file names it too
-        config_path = with_compression(config_path, workdir / "run.toml", row.codec)
+        workdir.mkdir(parents=True, exist_ok=True)
+        config_path = derived_run_toml(
+            config_path, workdir / "run.toml", {"swarm": {"compression": row.codec}}
+        )
         cfg = cfg.replace(swarm=dataclasses.replace(cfg.swarm, compression=row.codec))
     with LocalSwarm(workdir, config_path, cpus_per_server=cpus_per_server) as swarm:
         try:

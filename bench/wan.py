@@ -72,8 +72,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from swarmtrain.config import get_preset, load_run_config
+from swarmtrain.config.run import LOWBIT_COMPRESSION
 from swarmtrain.runtime.harness import netbed
-from swarmtrain.runtime.harness.local_swarm import LocalSwarm, SwarmStartError, write_run_toml
+from swarmtrain.runtime.harness.local_swarm import (
+    LocalSwarm,
+    SwarmStartError,
+    derived_run_toml,
+    write_run_toml,
+)
 from swarmtrain.runtime.procs import ManagedProcess
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -116,6 +122,7 @@ class Setup:
     duration_s: float
     run_timeout_s: float
     eval_samples: int
+    d_model: int = 0  # the model's hidden size: boundary layers are sized as a fraction of it
     in_flight: int | None = None  # the trainer's --in-flight; None: its default
 
 
@@ -133,6 +140,22 @@ class BenchConfig:
     codec: str | None = None
     server_args: tuple[str, ...] = ()
     trainer_args: tuple[str, ...] = ()
+    # boundary layers between the stages ([model] boundary): (kind, divisor): boundary_dim = d_model / divisor
+    boundary: tuple[str, int] | None = None
+
+    def run_file(self, setup: Setup, workdir: Path) -> Path:
+        """The run file of this configuration: the setup's, plus a codec below 8 bits and boundary
+        layers, which are part of the run digest (every peer's run file names them)."""
+        overrides: dict[str, dict] = {}
+        if self.codec in LOWBIT_COMPRESSION:
+            overrides["swarm"] = {"compression": self.codec}
+        if self.boundary:
+            kind, divisor = self.boundary
+            overrides["model"] = {"boundary": kind, "boundary_dim": setup.d_model // divisor}
+        if not overrides:
+            return setup.config_path
+        workdir.mkdir(parents=True, exist_ok=True)
+        return derived_run_toml(setup.config_path, workdir / "run.toml", overrides)
 
 
 # counters and processes ----------------------------------------------------------------------------
@@ -222,7 +245,8 @@ def run_swarm(config: BenchConfig, setup: Setup, mbit_s: float, workdir: Path) -
         rate = _rate(mbit_s)
         bed = stack.enter_context(netbed.WanTestbed(len(roles), up_mbit_s=rate, down_mbit_s=rate))
         # entered after the test bed: every process is stopped before the test bed goes
-        swarm = stack.enter_context(LocalSwarm(workdir, setup.config_path, netbed=bed, netbed_peers=index))
+        run_file = config.run_file(setup, workdir)
+        swarm = stack.enter_context(LocalSwarm(workdir, run_file, netbed=bed, netbed_peers=index))
         try:
             swarm.start_dht()
             for stage, name in enumerate(servers):
@@ -320,16 +344,18 @@ def _result(samples: int, samples_per_s: float, by_role: dict, use: dict | None)
     }
 
 
-# the registry: more codecs and model boundary layers plug in here
-def _swarm_config(hand_off: str, codec: str) -> BenchConfig:
-    label = "fp32" if codec == "none" else codec
+# the registry: codecs and model boundary layers plug in here
+def _swarm_config(hand_off: str, codec: str, boundary: tuple[str, int] | None = None) -> BenchConfig:
+    label = ("fp32" if codec == "none" else codec) + (f"-{boundary[0]}{boundary[1]}" if boundary else "")
     return BenchConfig(
         name=f"{hand_off}-{label}",
         runner=run_swarm,
-        description=f"swarm, --hand-off {hand_off} --compression {codec}",
+        description=f"swarm, --hand-off {hand_off} --compression {codec}"
+        + (f", {boundary[0]} boundary of d_model/{boundary[1]}" if boundary else ""),
         math=f"swarm-{label}",
         hand_off=hand_off,
         codec=codec,
+        boundary=boundary,
     )
 
 
@@ -339,7 +365,16 @@ REGISTRY: list[BenchConfig] = [
     _swarm_config("relay", "8bit"),
     _swarm_config("direct", "none"),
     _swarm_config("direct", "8bit"),
+    # below 8 bits (net/codec.py), and boundary layers of d_model / 2 with a codec on top (model/boundary.py)
+    _swarm_config("direct", "4bit"),
+    _swarm_config("direct", "4bit-rht"),
+    _swarm_config("direct", "3bit-rht"),
+    _swarm_config("direct", "4bit", ("lowrank", 2)),
+    _swarm_config("direct", "4bit", ("bottleneck", 2)),
+    _swarm_config("direct", "4bit", ("maxout", 2)),
 ]
+# what runs without --configs: GPipe and the swarm's data paths at fp32 and 8-bit
+DEFAULT_CONFIGS = "gpipe-fp32,relay-fp32,relay-8bit,direct-fp32,direct-8bit"
 
 
 def config_names() -> list[str]:
@@ -392,7 +427,27 @@ def ratios(runs: dict) -> dict[str, float | None]:
     for name in ("direct-fp32", "direct-8bit"):
         if name in runs:
             out[f"trainer / server bytes, {name}"] = trainer_to_server_bytes(runs[name])
+    for name in runs:  # codecs below 8 bits and boundary layers: against 8-bit's speed and fp32's bytes
+        if not name.startswith("direct-") or name in ("direct-fp32", "direct-8bit"):
+            continue
+        if "direct-8bit" in runs:
+            sa, sb = _samples_per_s(runs, name), _samples_per_s(runs, "direct-8bit")
+            out[f"{name} / direct-8bit"] = sa / sb if sa and sb else None
+        if "direct-fp32" in runs:
+            out[f"last-stage bytes, direct-fp32 / {name}"] = last_stage_bytes_ratio(
+                runs["direct-fp32"], runs[name]
+            )
     return out
+
+
+def last_stage_bytes_ratio(reference: dict, run: dict) -> float | None:
+    """The last stage's bytes per sample (its link carries the boundary both ways, its labels, control
+    messages and DHT traffic, with TCP/IP headers) in `reference` / in `run`."""
+    if reference.get("error") or run.get("error"):
+        return None
+    last = max((role for role in run.get("bytes_per_sample") or {} if role.startswith("stage")), default=None)
+    a, b = (reference.get("bytes_per_sample") or {}).get(last), run["bytes_per_sample"].get(last)
+    return a / b if a and b else None
 
 
 def _f(value, spec: str, width: int) -> str:
@@ -574,14 +629,15 @@ def _trainer_chunk(swarm: LocalSwarm, codec: str, steps: int, setup: Setup, expe
 
 
 def swarm_history(
-    codec: str, setup: Setup, cfg, first: int, every: int, max_steps: int, target: float, workdir
+    config: BenchConfig, setup: Setup, cfg, first: int, every: int, max_steps: int, target: float, workdir
 ):
-    """(step, val loss) of a loopback swarm with `codec`, evaluated at `first`, then every `every` steps
-    until at or below `target` or `max_steps`."""
+    """(step, val loss) of a loopback swarm of `config` (its codec and boundary layers), evaluated at
+    `first`, then every `every` steps until at or below `target` or `max_steps`."""
     servers = [f"stage{s}" for s in range(setup.num_stages)]
     history: list[tuple[int, float]] = []
     start = time.monotonic()
-    with LocalSwarm(workdir, setup.config_path) as swarm:
+    codec = config.codec or "none"
+    with LocalSwarm(workdir, config.run_file(setup, workdir)) as swarm:
         swarm.start_dht()
         for stage, name in enumerate(servers):
             swarm.start_server(name, stage, "--threads", "1")
@@ -619,10 +675,10 @@ def time_to_target(args, setup: Setup, cfg, configs: list[BenchConfig], report: 
         if config.math in steps:
             continue
         print(
-            f"time to target: swarm, {config.codec} (loopback), evaluations from step {first} ...", flush=True
+            f"time to target: swarm, {config.math} (loopback), evaluations from step {first} ...", flush=True
         )
         histories[config.math] = swarm_history(
-            config.codec,
+            config,
             setup,
             cfg,
             first,
@@ -679,8 +735,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--configs",
         type=parse_configs,
-        default=list(REGISTRY),
-        help=f"comma-separated, from {', '.join(config_names())} (default: all)",
+        default=parse_configs(DEFAULT_CONFIGS),
+        help=f"comma-separated, from {', '.join(config_names())} (default: {DEFAULT_CONFIGS})",
     )
     parser.add_argument(
         "--duration-s", type=float, default=DEFAULT_DURATION_S, help="training time per run (default 40)"
@@ -734,6 +790,7 @@ def load_setup(args: argparse.Namespace, root: Path) -> tuple[Setup, object]:
         duration_s=args.duration_s,
         run_timeout_s=args.run_timeout_s,
         eval_samples=t.eval_samples,
+        d_model=cfg.model.d_model,
         in_flight=args.in_flight,
     )
     return setup, cfg

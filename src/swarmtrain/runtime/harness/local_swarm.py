@@ -36,6 +36,19 @@ def write_run_toml(path: str | Path, preset: str, overrides: dict[str, dict] | N
     return path
 
 
+def derived_run_toml(base: str | Path, path: str | Path, overrides: dict[str, dict]) -> Path:
+    """A copy of the run file `base` (a preset plus flat sections, as `write_run_toml` writes them) with
+    `overrides` merged into its sections, written to `path`."""
+    import tomllib
+
+    with open(base, "rb") as handle:
+        sections = tomllib.load(handle)
+    preset = sections.pop("preset", "tiny")
+    for section, values in overrides.items():
+        sections.setdefault(section, {}).update(values)
+    return write_run_toml(path, preset, sections)
+
+
 def _toml_value(value) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"

@@ -1,0 +1,105 @@
+"""The fewest bytes per sample through a real swarm: boundary layers ([model] boundary) and a codec below
+8 bits, over the servers' direct data plane. Without the codec a micro-batch equals the whole model that
+train-local builds (loss and every gradient, the boundary layers' included); with it, a training run of two
+stage-0 replicas and the whole global batch in flight reaches train-local's loss at equal samples."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from swarmtrain.data import build_datasets, iterate_batches
+from swarmtrain.model import build_model
+from swarmtrain.runtime.local import LocalTrainer
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
+
+BOUNDARY = {"boundary": "lowrank", "boundary_dim": 32}
+SAMPLES = 2048
+EVAL_SAMPLES = 256
+
+
+def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(torch.nn.functional.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0))
+
+
+def _server_grads(probe):
+    grads = {}
+    for stage in (0, 1):
+        (peer,) = probe.peers(stage)
+        reply = probe.info(peer, want="grads")
+        grads.update({name: reply.tensor(name) for name in reply.tensors})
+    return grads
+
+
+def test_a_micro_batch_through_boundary_layers_equals_the_whole_model(make_swarm):
+    swarm, cfg = make_swarm("llama-tiny", {"model": BOUNDARY, "swarm": {"compression": "4bit"}})
+    swarm.start_dht()
+    swarm.start_server("s0", 0)
+    swarm.start_server("s1", 1)
+    swarm.wait_ready(["s0", "s1"])
+    probe = make_swarm.probe(cfg, swarm, codec="none")
+    probe.wait_for_peers([1, 1])
+    inputs, labels = next(iterate_batches(build_datasets(cfg)[0], cfg.training.micro_batch_size, seed=1))
+    n = inputs.shape[0]
+    model = build_model(cfg.model, seed=cfg.training.seed, cuts=cfg.boundary_cuts())
+    local_loss = model(inputs, labels)
+    local_loss.backward()
+    local = {name: p.grad for name, p in model.named_parameters()}
+
+    loss = probe.forward_backward("exact", inputs, labels)
+    assert loss == pytest.approx(float(local_loss), rel=1e-5)
+    grads = _server_grads(probe)
+    assert set(grads) == set(local)
+    assert {"boundaries.0.down.proj.weight", "boundaries.0.up.proj.weight"} <= set(grads)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad / n, local[name], rtol=1e-4, atol=1e-6, msg=name)
+
+    # the run's codec: 32 values per token at 4 bits each way
+    probe.set_codec("4bit")
+    loss_4bit = probe.forward_backward("4bit", inputs, labels)
+    delta = {name: g / n for name, g in _server_grads(probe).items()}
+    delta = {name: delta[name] - grads[name] / n for name in delta}
+    total = _cosine(torch.cat([d.flatten() for d in delta.values()]), torch.cat([local[k].flatten() for k in delta]))
+    print(f"4-bit over a lowrank:32 boundary: loss {loss_4bit:.5f} vs {float(local_loss):.5f}, grad cosine {total:.4f}")
+    assert loss_4bit == pytest.approx(float(local_loss), rel=0.02)
+    assert total >= 0.98
+
+
+def test_two_replicas_train_through_a_compressed_boundary_as_train_local_does(make_swarm):
+    overrides = {
+        "model": BOUNDARY,
+        "swarm": {"compression": "4bit"},
+        "training": {"max_samples": SAMPLES, "eval_samples": EVAL_SAMPLES},
+    }
+    swarm, cfg = make_swarm("tiny", overrides)
+    swarm.start_dht()
+    for name, stage in (("s0a", 0), ("s0b", 0), ("s1", 1)):
+        swarm.start_server(name, stage)
+    swarm.wait_ready(["s0a", "s0b", "s1"])
+    in_flight = cfg.training.global_batch_size // cfg.training.micro_batch_size
+    args = ["--max-samples", str(SAMPLES), "--eval-samples", str(EVAL_SAMPLES), "--in-flight", str(in_flight)]
+    swarm.start_trainer("trainer", *args, "--log-period-s", "5")  # the run's codec: swarm.compression
+    assert swarm.wait_exit("trainer", 300) == 0, swarm.processes["trainer"].log_text()[-3000:]
+    summary = json.loads((swarm.workdir / "trainer.summary.json").read_text())
+    probe = make_swarm.probe(cfg, swarm)
+    probe.wait_for_peers([2, 1])
+    infos = {peer: probe.info(peer, want="params") for stage in (0, 1) for peer in probe.peers(stage)}
+
+    torch.set_num_threads(1)
+    local_cfg = cfg.replace(training=dataclasses.replace(cfg.training, eval_every_samples=0))
+    local = LocalTrainer(local_cfg, progress=False).train()  # the same model, boundary layers included
+    print(
+        f"val loss after {SAMPLES} samples: swarm {summary['val_loss']:.4f} (4-bit, lowrank:32, 2+1 servers, "
+        f"{in_flight} in flight), train-local {local.final_val_loss:.4f}"
+    )
+    assert summary["microbatches_failed"] == 0
+    assert summary["steps"] == SAMPLES // cfg.training.global_batch_size
+    assert summary["val_loss"] == pytest.approx(local.final_val_loss, rel=0.03)
+    direct = sum(info.header["direct_in"] for info in infos.values() if info.header["stage"] == 1)
+    assert direct >= summary["microbatches_completed"]  # hand-offs took the data plane
+    a, b = (infos[peer] for peer in probe.peers(0))
+    assert "boundaries.0.down.proj.weight" in a.tensors  # replicas average the boundary layer too
+    for name in a.tensors:
+        torch.testing.assert_close(a.tensor(name), b.tensor(name), rtol=1e-5, atol=1e-6, msg=name)
