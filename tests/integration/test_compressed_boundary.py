@@ -61,8 +61,12 @@ def test_a_micro_batch_through_boundary_layers_equals_the_whole_model(make_swarm
     loss_4bit = probe.forward_backward("4bit", inputs, labels)
     delta = {name: g / n for name, g in _server_grads(probe).items()}
     delta = {name: delta[name] - grads[name] / n for name in delta}
-    total = _cosine(torch.cat([d.flatten() for d in delta.values()]), torch.cat([local[k].flatten() for k in delta]))
-    print(f"4-bit over a lowrank:32 boundary: loss {loss_4bit:.5f} vs {float(local_loss):.5f}, grad cosine {total:.4f}")
+    total = _cosine(
+        torch.cat([d.flatten() for d in delta.values()]), torch.cat([local[k].flatten() for k in delta])
+    )
+    print(
+        f"4-bit over a lowrank:32 boundary: loss {loss_4bit:.5f} vs {float(local_loss):.5f}, grad cosine {total:.4f}"
+    )
     assert loss_4bit == pytest.approx(float(local_loss), rel=0.02)
     assert total >= 0.98
 

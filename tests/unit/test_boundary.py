@@ -81,7 +81,7 @@ def test_the_lowrank_boundary_starts_as_a_projection_onto_its_subspace():
 def test_maxout_takes_the_larger_of_each_pair():
     cfg = _config("tiny", "maxout", dim=4)
     stage0 = build_stage(cfg.model, cfg.stages()[0], seed=0)
-    down = stage0.boundaries["0"].down
+    down = stage0.boundaries["0"].down  # type: ignore[union-attr]
     x = torch.randn(3, cfg.model.d_model)
     pairs = down.proj(x).view(3, 4, 2)
     torch.testing.assert_close(down(x), pairs.max(dim=-1).values)
@@ -124,7 +124,9 @@ def test_train_local_carries_the_boundary_layers_in_its_checkpoint(tmp_path):
     from swarmtrain.runtime.local import LocalTrainer
 
     corpus = tmp_path / "corpus.txt"
-    corpus.write_text("".join(f"line {i}: the quick brown fox jumps over the lazy dog\n" for i in range(2000)))
+    corpus.write_text(
+        "".join(f"line {i}: the quick brown fox jumps over the lazy dog\n" for i in range(2000))
+    )
     cfg = _config("tiny", "lowrank")
     cfg = cfg.replace(
         training=dataclasses.replace(cfg.training, max_samples=64, eval_every_samples=0, eval_samples=8),

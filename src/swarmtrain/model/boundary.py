@@ -24,6 +24,7 @@ Each boundary's parameters are initialized from (seed, its name), as every other
 from __future__ import annotations
 
 import zlib
+from typing import cast
 
 import torch
 from torch import nn
@@ -64,15 +65,26 @@ class Boundary(nn.Module):
     """Boundary k's halves that one module holds: `down` on stage k, `up` on stage k+1, both in a whole
     model."""
 
+    down: Down | None
+    up: Up | None
+
     def __init__(self, cfg: ModelConfig, down: bool, up: bool) -> None:
         super().__init__()
-        if down:
-            self.down = Down(cfg)
-        if up:
-            self.up = Up(cfg)
+        self.down = Down(cfg) if down else None
+        self.up = Up(cfg) if up else None
+
+    def send(self, x: torch.Tensor) -> torch.Tensor:
+        if self.down is None:
+            raise RuntimeError("this module holds no down half of the boundary")
+        return self.down(x)
+
+    def receive(self, z: torch.Tensor) -> torch.Tensor:
+        if self.up is None:
+            raise RuntimeError("this module holds no up half of the boundary")
+        return self.up(z)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.up(self.down(x))
+        return self.receive(self.send(x))
 
 
 def init_boundaries(boundaries: nn.ModuleDict, cfg: ModelConfig, seed: int | None) -> None:
@@ -81,13 +93,14 @@ def init_boundaries(boundaries: nn.ModuleDict, cfg: ModelConfig, seed: int | Non
     keep the architecture's initialization."""
     if cfg.boundary != "lowrank":
         return
-    for key, boundary in boundaries.items():
+    for key, module in boundaries.items():
+        boundary = cast(Boundary, module)
         generator = torch.Generator().manual_seed(
             (int(seed or 0) * 1_000_003 + zlib.crc32(key.encode())) % 2**63
         )
         basis, _ = torch.linalg.qr(torch.randn(cfg.d_model, cfg.boundary_dim, generator=generator))
         with torch.no_grad():
-            if hasattr(boundary, "down"):
+            if boundary.down is not None:
                 boundary.down.proj.weight.copy_(basis.T)  # (r, d): x @ P
-            if hasattr(boundary, "up"):
+            if boundary.up is not None:
                 boundary.up.proj.weight.copy_(basis)  # (d, r): z @ Q.T

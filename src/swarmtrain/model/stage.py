@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -48,7 +49,7 @@ class DecoderStage(nn.Module):
     def forward(self, inputs: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         x = self.embed(inputs) if self.spec.is_first else inputs
         if not self.spec.is_first and self.cfg.boundary != "none":
-            x = self.boundaries[str(self.spec.index - 1)].up(x)
+            x = self._boundary(self.spec.index - 1).receive(x)
         for key, block in self.layers.items():
             x = self._cross(x, int(key))
             # shared layers (SWARM, ALBERT): each unique layer applied `shared_layer_repeats` times in a
@@ -58,9 +59,12 @@ class DecoderStage(nn.Module):
                 x = block(x)
         x = self._cross(x, self.spec.layer_end)
         if not self.spec.is_last:
-            return self.boundaries[str(self.spec.index)].down(x) if self.cfg.boundary != "none" else x
+            return self._boundary(self.spec.index).send(x) if self.cfg.boundary != "none" else x
         logits = self.head(x)
         return logits if labels is None else self.loss(logits, labels)
+
+    def _boundary(self, index: int) -> Boundary:
+        return cast(Boundary, self.boundaries[str(index)])
 
     def _cross(self, x: torch.Tensor, position: int) -> torch.Tensor:
         """A whole model's boundaries that sit before global layer `position` (down, then up)."""
