@@ -14,7 +14,7 @@ from swarmtrain.net.protocol import StageIO
 
 pytestmark = pytest.mark.unit
 
-KINDS = ("bottleneck", "maxout", "lowrank", "lowrank-mlp")
+KINDS = ("bottleneck", "maxout", "lowrank")
 
 
 def _config(preset: str, kind: str, dim: int = 16, num_stages: int = 2, layers=None):
@@ -63,9 +63,8 @@ def test_a_stage_of_no_layers_between_two_boundaries():
     torch.testing.assert_close(hidden, whole(tokens), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("kind", ["lowrank", "lowrank-mlp"])
-def test_the_lowrank_boundary_starts_as_a_projection_onto_its_subspace(kind):
-    cfg = _config("tiny", kind, dim=8)
+def test_the_lowrank_boundary_starts_as_a_projection_onto_its_subspace():
+    cfg = _config("tiny", "lowrank", dim=8)
     whole = build_model(cfg.model, seed=0, cuts=cfg.boundary_cuts())
     boundary = whole.boundaries["0"]
     x = torch.randn(5, cfg.model.d_model)

@@ -4,7 +4,7 @@ sends to the next one from `d_model` to `boundary_dim` values per token, learned
 Boundary k sits between stage k and stage k+1. Its `down` half ends stage k (what goes on the wire is
 its output) and its `up` half starts stage k+1, so the names are global (`boundaries.<k>.down.weight`)
 and a whole model (train-local, replicas, checkpoints) holds both halves at the same cuts and computes
-exactly what the stages compute. Four kinds:
+exactly what the stages compute. Three kinds:
 
 - `bottleneck` (SWARM's compression-aware bottleneck): down = Linear(d, r), up = Linear(r, d), both
   initialized like any other weight (normal, `init_std`); the residual stream is cut at the boundary.
@@ -17,9 +17,6 @@ exactly what the stages compute. Four kinds:
   and training moves P and Q apart where that helps. P and Q are separate parameters because they sit
   on different stages (tying them would need their gradients combined across stages every step, which
   the swarm does not do, as for tied embeddings).
-- `lowrank-mlp`: `lowrank` plus a small learned correction on each side, down = x @ P + enc(x) and
-  up = z @ Q.T + dec(z), where enc and dec are two-layer GELU MLPs (hidden 2r) whose output layers
-  start at zero: it starts as `lowrank` and can learn a non-linear code for what the projection drops.
 
 Each boundary's parameters are initialized from (seed, its name), as every other parameter is.
 """
@@ -37,13 +34,6 @@ from swarmtrain.config.model import ModelConfig
 MAXOUT_PIECES = 2
 
 
-LOWRANK_KINDS = ("lowrank", "lowrank-mlp")  # an orthonormal projection and its transpose at start
-
-
-def _mlp(width_in: int, width_out: int, hidden: int) -> nn.Sequential:
-    return nn.Sequential(nn.Linear(width_in, hidden), nn.GELU(), nn.Linear(hidden, width_out))
-
-
 class Down(nn.Module):
     """The sending half: (..., d_model) -> (..., boundary_dim)."""
 
@@ -51,13 +41,10 @@ class Down(nn.Module):
         super().__init__()
         self.kind = cfg.boundary
         width = cfg.boundary_dim * (MAXOUT_PIECES if self.kind == "maxout" else 1)
-        self.proj = nn.Linear(cfg.d_model, width, bias=self.kind not in LOWRANK_KINDS)
-        self.mlp = _mlp(cfg.d_model, width, 2 * width) if self.kind == "lowrank-mlp" else None
+        self.proj = nn.Linear(cfg.d_model, width, bias=self.kind != "lowrank")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         z = self.proj(x)
-        if self.mlp is not None:
-            z = z + self.mlp(x)
         if self.kind == "maxout":
             z = z.unflatten(-1, (-1, MAXOUT_PIECES)).amax(dim=-1)
         return z
@@ -68,13 +55,10 @@ class Up(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        r = cfg.boundary_dim
-        self.proj = nn.Linear(r, cfg.d_model, bias=cfg.boundary not in LOWRANK_KINDS)
-        self.mlp = _mlp(r, cfg.d_model, 2 * r) if cfg.boundary == "lowrank-mlp" else None
+        self.proj = nn.Linear(cfg.boundary_dim, cfg.d_model, bias=cfg.boundary != "lowrank")
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
-        x = self.proj(z)
-        return x if self.mlp is None else x + self.mlp(z)
+        return self.proj(z)
 
 
 class Boundary(nn.Module):
@@ -104,11 +88,10 @@ class Boundary(nn.Module):
 
 
 def init_boundaries(boundaries: nn.ModuleDict, cfg: ModelConfig, seed: int | None) -> None:
-    """`lowrank` and `lowrank-mlp`: both halves of boundary k from one orthonormal d x r matrix drawn
-    from (seed, k), so the stage that holds `down` and the one that holds `up` start from the same
-    subspace, and the MLPs' output layers at zero. The other kinds keep the architecture's
-    initialization."""
-    if cfg.boundary not in LOWRANK_KINDS:
+    """`lowrank`: both halves of boundary k from one orthonormal d x r matrix drawn from (seed, k), so the
+    stage that holds `down` and the one that holds `up` start from the same subspace. The other kinds
+    keep the architecture's initialization."""
+    if cfg.boundary != "lowrank":
         return
     for key, module in boundaries.items():
         boundary = cast(Boundary, module)
@@ -117,10 +100,7 @@ def init_boundaries(boundaries: nn.ModuleDict, cfg: ModelConfig, seed: int | Non
         )
         basis, _ = torch.linalg.qr(torch.randn(cfg.d_model, cfg.boundary_dim, generator=generator))
         with torch.no_grad():
-            for half, weight in ((boundary.down, basis.T), (boundary.up, basis)):  # x @ P, z @ Q.T
-                if half is None:
-                    continue
-                half.proj.weight.copy_(weight)
-                if half.mlp is not None:  # the correction starts at zero: the boundary starts as lowrank
-                    for param in half.mlp[-1].parameters():
-                        nn.init.zeros_(param)
+            if boundary.down is not None:
+                boundary.down.proj.weight.copy_(basis.T)  # (r, d): x @ P
+            if boundary.up is not None:
+                boundary.up.proj.weight.copy_(basis)  # (d, r): z @ Q.T
