@@ -532,10 +532,23 @@ def ttt_lines(ttt: dict) -> list[str]:
         f"({ttt['note']})",
     ]
     rows = [
-        [name, describe_steps(row["steps"]), _f(row["s_per_step"], ".2f", 0), _f(row["minutes"], ".1f", 0)]
+        [
+            name,
+            describe_steps(row["steps"]),
+            _f(row["s_per_step"], ".3f", 0),
+            _f(row["minutes"], ".2f", 0),
+            _f(_relative(row, ttt["configs"].get("direct-8bit")), ".2f", 0),
+        ]
         for name, row in ttt["configs"].items()
     ]
-    return lines + _table(["config", "steps", "s/step", "minutes"], rows)
+    return lines + _table(["config", "steps", "s/step", "minutes", "direct-8bit / this"], rows)
+
+
+def _relative(row: dict, reference: dict | None) -> float | None:
+    """How many times faster to the target than `reference` (direct-8bit), in the same run."""
+    if not reference or not reference.get("minutes") or not row.get("minutes"):
+        return None
+    return reference["minutes"] / row["minutes"]
 
 
 def describe_steps(steps: dict) -> str:

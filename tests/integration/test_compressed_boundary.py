@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 
+from swarm_fixtures import TWO_REPLICAS_OF_STAGE_0, start_servers
 from swarmtrain.data import build_datasets, iterate_batches
 from swarmtrain.model import build_model
 from swarmtrain.runtime.local import LocalTrainer
@@ -18,6 +19,13 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
 BOUNDARY = {"boundary": "lowrank", "boundary_dim": 32}
 SAMPLES = 2048
 EVAL_SAMPLES = 256
+
+
+def _train_local(cfg):
+    torch.set_num_threads(1)
+    return LocalTrainer(
+        cfg.replace(training=dataclasses.replace(cfg.training, eval_every_samples=0)), progress=False
+    ).train()
 
 
 def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -35,10 +43,7 @@ def _server_grads(probe):
 
 def test_a_micro_batch_through_boundary_layers_equals_the_whole_model(make_swarm):
     swarm, cfg = make_swarm("llama-tiny", {"model": BOUNDARY, "swarm": {"compression": "4bit"}})
-    swarm.start_dht()
-    swarm.start_server("s0", 0)
-    swarm.start_server("s1", 1)
-    swarm.wait_ready(["s0", "s1"])
+    start_servers(swarm, {"s0": 0, "s1": 1})
     probe = make_swarm.probe(cfg, swarm, codec="none")
     probe.wait_for_peers([1, 1])
     inputs, labels = next(iterate_batches(build_datasets(cfg)[0], cfg.training.micro_batch_size, seed=1))
@@ -78,10 +83,7 @@ def test_two_replicas_train_through_a_compressed_boundary_as_train_local_does(ma
         "training": {"max_samples": SAMPLES, "eval_samples": EVAL_SAMPLES},
     }
     swarm, cfg = make_swarm("tiny", overrides)
-    swarm.start_dht()
-    for name, stage in (("s0a", 0), ("s0b", 0), ("s1", 1)):
-        swarm.start_server(name, stage)
-    swarm.wait_ready(["s0a", "s0b", "s1"])
+    start_servers(swarm, TWO_REPLICAS_OF_STAGE_0)
     in_flight = cfg.training.global_batch_size // cfg.training.micro_batch_size
     args = ["--max-samples", str(SAMPLES), "--eval-samples", str(EVAL_SAMPLES), "--in-flight", str(in_flight)]
     swarm.start_trainer("trainer", *args, "--log-period-s", "5")  # the run's codec: swarm.compression
@@ -91,9 +93,7 @@ def test_two_replicas_train_through_a_compressed_boundary_as_train_local_does(ma
     probe.wait_for_peers([2, 1])
     infos = {peer: probe.info(peer, want="params") for stage in (0, 1) for peer in probe.peers(stage)}
 
-    torch.set_num_threads(1)
-    local_cfg = cfg.replace(training=dataclasses.replace(cfg.training, eval_every_samples=0))
-    local = LocalTrainer(local_cfg, progress=False).train()  # the same model, boundary layers included
+    local = _train_local(cfg)  # the same model, boundary layers included
     print(
         f"val loss after {SAMPLES} samples: swarm {summary['val_loss']:.4f} (4-bit, lowrank:32, 2+1 servers, "
         f"{in_flight} in flight), train-local {local.final_val_loss:.4f}"

@@ -176,6 +176,11 @@ def test_time_to_target_is_steps_times_seconds_per_step_at_the_rate():
     missing = wan.ttt_summary(1.2, "test", 25.0, steps, {}, wan.REGISTRY[:5], report)
     assert missing["configs"]["gpipe-fp32"]["minutes"] is None and "not in --rates" in missing["note"]
     json.dumps(wan._json_ready({**report, "ttt": ttt}), allow_nan=False)
+    # how many times faster than direct-8bit to the target, in the same run
+    steps["swarm-8bit"] = {"steps": 76.0, "bound": False}
+    ttt = wan.ttt_summary(1.2, "test", 10.0, steps, {}, wan.REGISTRY[:5], report)
+    row = next(line for line in wan.ttt_lines(ttt) if line.split()[:1] == ["direct-fp32"])
+    assert row.split()[-1] == f"{(76 * 128 / 30) / (152 * 12.8):.2f}"
 
 
 def test_without_a_test_bed_it_prints_why_and_exits_0(monkeypatch, capsys):
