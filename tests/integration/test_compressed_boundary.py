@@ -61,19 +61,25 @@ def test_a_micro_batch_through_boundary_layers_equals_the_whole_model(make_swarm
     for name, grad in grads.items():
         torch.testing.assert_close(grad / n, local[name], rtol=1e-4, atol=1e-6, msg=name)
 
-    # the run's codec: 32 values per token at 4 bits each way
+    # the run's codec: 32 values per token at 4 bits each way. The loss at initialization hardly
+    # depends on the activations, so the check is on the gradients that crossed the boundary backwards
+    # (stage 0's, 4-bit and stochastically rounded): changed by the codec, still pointing the same way
     probe.set_codec("4bit")
     loss_4bit = probe.forward_backward("4bit", inputs, labels)
-    delta = {name: g / n for name, g in _server_grads(probe).items()}
-    delta = {name: delta[name] - grads[name] / n for name in delta}
-    total = _cosine(
-        torch.cat([d.flatten() for d in delta.values()]), torch.cat([local[k].flatten() for k in delta])
+    after = _server_grads(probe)
+    stage0 = [name for name in local if not name.startswith(("lm_head", "model.norm", "boundaries.0.up"))]
+    stage0 = [name for name in stage0 if not name.startswith("model.layers.") or int(name.split(".")[2]) < 2]
+    delta = {name: (after[name] - grads[name]) / n for name in stage0}
+    cosine = _cosine(
+        torch.cat([delta[k].flatten() for k in stage0]), torch.cat([local[k].flatten() for k in stage0])
     )
+    changed = max(float((delta[k] - local[k]).abs().max()) for k in stage0)
     print(
-        f"4-bit over a lowrank:32 boundary: loss {loss_4bit:.5f} vs {float(local_loss):.5f}, grad cosine {total:.4f}"
+        f"4-bit over a lowrank:32 boundary: loss {loss_4bit:.5f} vs {float(local_loss):.5f}; stage-0 grad cosine {cosine:.4f}, max change {changed:.2e}"
     )
     assert loss_4bit == pytest.approx(float(local_loss), rel=0.02)
-    assert total >= 0.98
+    assert changed > 1e-6  # the codec was applied
+    assert cosine >= 0.95
 
 
 def test_two_replicas_train_through_a_compressed_boundary_as_train_local_does(make_swarm):

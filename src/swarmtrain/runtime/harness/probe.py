@@ -56,7 +56,10 @@ class SwarmProbe:
         return sorted(self.trainer.table.announcements[stage])
 
     def set_codec(self, codec: str) -> None:
+        """Every later call of this probe sends with `codec`, the direct hand-off's chain included."""
         self.trainer.codec = self.trainer.caller.codec = codec
+        if self.trainer.chain is not None:
+            self.trainer.chain.codec = codec
 
     def forward_backward(self, mb: str, input_ids, labels, step: int = 0) -> float:
         """One micro-batch of `step`, accumulated but never closed (its sums stay inspectable)."""
