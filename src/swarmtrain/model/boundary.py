@@ -23,7 +23,7 @@ Each boundary's parameters are initialized from (seed, its name), as every other
 
 from __future__ import annotations
 
-import zlib
+from collections.abc import Callable
 from typing import cast
 
 import torch
@@ -87,17 +87,15 @@ class Boundary(nn.Module):
         return self.receive(self.send(x))
 
 
-def init_boundaries(boundaries: nn.ModuleDict, cfg: ModelConfig, seed: int | None) -> None:
-    """`lowrank`: both halves of boundary k from one orthonormal d x r matrix drawn from (seed, k), so the
+def init_boundaries(boundaries: nn.ModuleDict, cfg: ModelConfig, seed_of: Callable[[str], int]) -> None:
+    """`lowrank`: both halves of boundary k from one orthonormal d x r matrix drawn from `seed_of(k)`, so the
     stage that holds `down` and the one that holds `up` start from the same subspace. The other kinds
     keep the architecture's initialization."""
     if cfg.boundary != "lowrank":
         return
     for key, module in boundaries.items():
         boundary = cast(Boundary, module)
-        generator = torch.Generator().manual_seed(
-            (int(seed or 0) * 1_000_003 + zlib.crc32(key.encode())) % 2**63
-        )
+        generator = torch.Generator().manual_seed(seed_of(key))
         basis, _ = torch.linalg.qr(torch.randn(cfg.d_model, cfg.boundary_dim, generator=generator))
         with torch.no_grad():
             if boundary.down is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from swarmtrain.config.model import ModelConfig, StageSpec, partition_layers
 from swarmtrain.model import gpt, llama
 from swarmtrain.model.boundary import init_boundaries
-from swarmtrain.model.stage import DecoderStage
+from swarmtrain.model.stage import DecoderStage, name_seed
 
 # arch -> (stage class, its initializer)
 _FAMILIES = {"gpt": (gpt.GPTStage, gpt.init_weights), "llama": (llama.LlamaStage, llama.init_weights)}
@@ -19,7 +19,7 @@ def build_stage(
     stage_class, init_weights = _FAMILIES[cfg.arch]
     stage = stage_class(cfg, spec, cuts)
     init_weights(stage, cfg, seed)
-    init_boundaries(stage.boundaries, cfg, seed)
+    init_boundaries(stage.boundaries, cfg, lambda key: name_seed(seed, key))
     return stage
 
 

@@ -105,7 +105,7 @@ def init_parameters(module: nn.Module, seed: int | None, std_of: Callable[[str],
     from one seed equal the corresponding slice of a whole model built from it. `std_of(name)` gives a
     normal's standard deviation, or None for a norm weight (ones) or a bias (zeros)."""
     for name, param in module.named_parameters():
-        generator = torch.Generator().manual_seed(_name_seed(seed, name)) if seed is not None else None
+        generator = torch.Generator().manual_seed(name_seed(seed, name)) if seed is not None else None
         std = std_of(name)
         with torch.no_grad():
             if std is None:
@@ -114,5 +114,6 @@ def init_parameters(module: nn.Module, seed: int | None, std_of: Callable[[str],
                 param.copy_(torch.randn(param.shape, generator=generator) * std)
 
 
-def _name_seed(seed: int | None, name: str) -> int:
+def name_seed(seed: int | None, name: str) -> int:
+    """The seed of the generator that initializes the parameter (or group) `name`."""
     return (int(seed or 0) * 1_000_003 + zlib.crc32(name.encode())) % (2**63)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from swarmtrain.config.run import COMPRESSION_CHOICES
+from swarmtrain.config.run import COMPRESSION_CHOICES, LOWBIT_COMPRESSION
 
 CODECS = COMPRESSION_CHOICES
 BLOCK_SIZE = 256
@@ -40,7 +40,7 @@ _QMAX = 127.0
 LOWBIT_BLOCK = 64
 # codec name -> (bits per value, rotated)
 LOWBIT: dict[str, tuple[int, bool]] = {
-    f"{bits}bit{suffix}": (bits, suffix == "-rht") for bits in (4, 3, 2) for suffix in ("", "-rht")
+    name: (int(name[0]), name.endswith("-rht")) for name in LOWBIT_COMPRESSION
 }
 
 # dtype names on the wire; a closed set, so a peer cannot make us build an arbitrary dtype

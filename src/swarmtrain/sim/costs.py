@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from swarmtrain.config import ModelConfig, StageSpec, sizes
+from swarmtrain.config.run import LOWBIT_COMPRESSION
 from swarmtrain.sim.entities import PeerSpec
 
 BYTES_PER_VALUE = {
@@ -31,7 +32,7 @@ BYTES_PER_VALUE = {
     "float16": 2.0,
     "8bit": 1.0 + 4.0 / 256,  # one fp32 scale per 256
     # below 8 bits (net/codec.py): `bits` per value and one bf16 step per 64
-    **{f"{bits}bit{suffix}": (8 * bits + 2) / 64 for bits in (4, 3, 2) for suffix in ("", "-rht")},
+    **{name: (8 * int(name[0]) + 2) / 64 for name in LOWBIT_COMPRESSION},
 }
 TOKEN_BYTES = 8  # int64 token ids
 TRAIN_STATE_BYTES_PER_PARAM = 16  # fp32 params, grads, Adam m and v
