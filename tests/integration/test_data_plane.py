@@ -14,6 +14,7 @@ import pytest
 import torch
 from hivemind.p2p import PeerID
 
+from swarmtrain.net import data_plane
 from swarmtrain.net.auth import RunKey
 from swarmtrain.net.data_plane import (
     DIAL_COOLDOWN_S,
@@ -49,6 +50,7 @@ class Handlers:
         self.gate: asyncio.Event | None = None
         self.gates: dict[str, asyncio.Event] = {}  # per micro-batch
         self.failing = False
+        self.reply_bytes = 0  # padding in each answer
 
     async def answer(self, kind: str, data: bytes, context) -> bytes:
         message = unpack(data, LIMIT_BYTES)
@@ -63,6 +65,7 @@ class Handlers:
             "mb": message.header["mb"],
             "caller": context.remote_id.to_base58(),
             "auth": "auth" in message.header,
+            "padding": "x" * self.reply_bytes,
         }
         return pack(Message("result", header))
 
@@ -249,5 +252,158 @@ def test_congestion_control_is_set_where_the_system_permits_and_left_alone_where
                 writer.close()
         finally:
             server.close()
+
+    _run(main())
+
+
+# limits: what a caller that cannot be trusted can make a server hold ------------------------------
+async def _raw_link(plane: Plane, link: str = "a" * 32, roles=("replies", "requests")) -> list:
+    """Connections of a link made by hand (a caller that may misbehave after the handshake)."""
+    channels = []
+    for role in roles:
+        reader, writer = await asyncio.open_connection(*plane.address)
+        seal = await data_plane._client_handshake(reader, writer, CALLER, SERVER, None, link, role)
+        channels.append(data_plane._Channel(reader, writer, seal))
+    return channels
+
+
+async def _closed_by_server(channel, within_s: float) -> bool:
+    try:
+        return await asyncio.wait_for(channel.reader.read(1 << 20), within_s) == b""
+    except (ConnectionError, TimeoutError):
+        return False
+
+
+def test_a_hello_of_nested_json_is_refused_and_the_server_serves_on():
+    async def main():
+        async with _plane() as plane:
+            for hello in (b"[" * 4000 + b"]" * 4000, b'{"a":' * 1000 + b"1" + b"}" * 1000, b"\xff" * 100):
+                reader, writer = await asyncio.open_connection(*plane.address)
+                writer.write(data_plane._HELLO_LENGTH.pack(len(hello)) + hello)
+                assert await asyncio.wait_for(reader.read(), TIMEOUT_S) == b""  # closed, nothing said
+                writer.close()
+            assert (await plane.call("a")).header["mb"] == "a"
+
+    _run(main())
+
+
+def test_a_frame_that_stops_arriving_is_cut_off(monkeypatch):
+    monkeypatch.setattr(data_plane, "FRAME_STALL_S", 0.5)
+
+    async def main():
+        async with _plane() as plane:
+            _, requests = await _raw_link(plane)
+            head = data_plane._HEADER.pack(data_plane.REQUEST, 5, 1000, 1) + b"chain"
+            requests.writer.write(head + b"x" * 500)  # half of the body, then nothing
+            assert await _closed_by_server(requests, 5.0)
+            assert plane.server.status()["held_bytes"] == 0
+            await _until(lambda: plane.server.status()["connections"] == 0)
+            assert (await plane.call("a")).header["mb"] == "a"
+
+    _run(main())
+
+
+def test_an_idle_link_is_closed_and_the_caller_never_races_the_close(monkeypatch):
+    monkeypatch.setattr(data_plane, "IDLE_LINK_S", 0.6)
+
+    async def main():
+        async with _plane() as plane:
+            replies, requests = await _raw_link(plane)
+            assert await _closed_by_server(requests, 5.0) and await _closed_by_server(replies, 5.0)
+            await plane.call("a")
+            for mb in ("b", "c"):  # idle half the server's time: the client dials anew first
+                await asyncio.sleep(0.35)
+                assert (await plane.call(mb)).header["mb"] == mb
+            assert plane.client.dials == 3
+            plane.handlers.gate = asyncio.Event()  # a call waiting for its answer is no idle link
+            slow = asyncio.create_task(plane.call("d"))
+            await asyncio.sleep(1.5)
+            plane.handlers.gate.set()
+            assert (await slow).header["mb"] == "d"
+
+    _run(main())
+
+
+def test_a_replies_connection_without_its_requests_connection_is_closed(monkeypatch):
+    monkeypatch.setattr(data_plane, "HANDSHAKE_TIMEOUT_S", 0.5)
+
+    async def main():
+        async with _plane() as plane:
+            (replies,) = await _raw_link(plane, roles=("replies",))
+            assert await _closed_by_server(replies, 5.0)
+            replies, requests = await _raw_link(plane, link="b" * 32)
+            replies.writer.write(b"nothing may come this way")
+            assert await _closed_by_server(replies, 5.0) and await _closed_by_server(requests, 5.0)
+
+    _run(main())
+
+
+def test_connections_over_the_per_address_limit_are_refused(monkeypatch):
+    monkeypatch.setattr(data_plane, "MAX_CONNECTIONS_PER_ADDRESS", 4)
+
+    async def main():
+        async with _plane() as plane:
+            held = [await asyncio.open_connection(*plane.address) for _ in range(4)]
+            await _until(lambda: plane.server.status()["connections"] == 4)
+            reader, writer = await asyncio.open_connection(*plane.address)
+            assert await asyncio.wait_for(reader.read(), TIMEOUT_S) == b""
+            assert plane.server.status()["refused"] == 1
+            with pytest.raises(DialFailed):  # a real caller is refused too, and uses libp2p meanwhile
+                await plane.call("a")
+            for _, held_writer in held:
+                held_writer.close()
+            await _until(lambda: plane.server.status()["connections"] == 0)
+            assert (await plane.call("b", client=DataPlaneClient(CALLER))).header["mb"] == "b"
+
+    _run(main())
+
+
+def test_requests_over_a_links_limit_or_the_byte_budget_are_refused_unread(monkeypatch):
+    monkeypatch.setattr(data_plane, "MAX_REQUESTS_PER_LINK", 2)
+
+    async def main():
+        async with _plane() as plane:
+            plane.handlers.gate = asyncio.Event()
+            first = [asyncio.create_task(plane.call(mb)) for mb in ("a", "b")]
+            await _until(lambda: len(plane.handlers.calls) == 2)
+            with pytest.raises(RemoteError) as busy:
+                await plane.call("c")
+            assert busy.value.code == "unavailable" and classify_failure(busy.value) is Outcome.NEVER_RAN
+            held = plane.server.status()["held_bytes"]
+            assert held > 0
+            plane.server.max_held_bytes = held + 1000  # room for a small request, not a large one
+            plane.handlers.gate.set()
+            await asyncio.gather(*first)
+            assert plane.server.status()["held_bytes"] == 0
+            plane.handlers.gate = asyncio.Event()
+            small = asyncio.create_task(plane.call("d"))
+            await _until(lambda: len(plane.handlers.calls) == 3)
+            with pytest.raises(RemoteError, match="holds as many requests"):
+                await plane.call("e", size=4096)
+            plane.handlers.gate.set()
+            assert (await small).header["mb"] == "d"
+            assert plane.server.status() | {"max_held_bytes": 0} == {
+                "connections": 2,
+                "held_bytes": 0,
+                "max_held_bytes": 0,
+                "answers_under_way": 0,
+                "refused": 2,
+            }
+
+    _run(main())
+
+
+def test_a_caller_that_reads_no_replies_loses_its_link(monkeypatch):
+    monkeypatch.setattr(data_plane, "WRITE_STALL_S", 1.0)
+
+    async def main():
+        async with _plane() as plane:
+            plane.handlers.reply_bytes = 8 << 20  # more than the socket buffers take unread
+            _, requests = await _raw_link(plane)
+            body = pack(_hand_off("a"))
+            for exchange in range(1, 5):
+                await requests.send(data_plane.REQUEST, exchange, body, "chain")
+            await _until(lambda: plane.server.status()["connections"] == 0)
+            assert plane.server.status()["held_bytes"] == 0
 
     _run(main())

@@ -56,6 +56,18 @@ logger = get_logger(__name__)
 HAND_OFF_KINDS = ("chain", "forward_backward", "bundle")
 REQUEST, ACK, REPLY = 1, 2, 3
 HANDSHAKE_TIMEOUT_S = 5.0
+# what one server holds for callers it cannot trust (every limit refused cleanly once reached: a
+# connection over a limit gets a handshake error, a request over a limit an `unavailable` answer, so
+# the caller takes another peer or libp2p). Sizes: a swarm's link carries a few micro-batches (or
+# bundles) at a time, and a local swarm's peers all dial from 127.0.0.1
+IDLE_LINK_S = 120.0  # a requests connection with no frame and no answer under way is closed after this
+FRAME_STALL_S = 20.0  # a frame must keep arriving: each 64 KiB of it (or its end) within this
+WRITE_STALL_S = 60.0  # a reply or acknowledgement the caller does not read within this closes the link
+MAX_CONNECTIONS = 512  # open connections (both of each link, and handshakes under way)
+MAX_CONNECTIONS_PER_ADDRESS = 64  # of those, from one remote IP address
+MAX_REQUESTS_PER_LINK = 64  # requests received and not yet answered, per link
+MIN_HELD_BYTES = 128 << 20  # request bodies held (arriving or awaiting their answer), all links together
+_CHUNK_BYTES = 1 << 16
 DIAL_COOLDOWN_S = 60.0  # after a failed dial, libp2p carries the hand-offs to that address meanwhile
 # loss-based congestion control on the data plane's sockets, where the system permits it (else its
 # default): with both directions of a link busy, as a swarm keeps them, acknowledgements wait behind
@@ -154,6 +166,7 @@ class _Channel:
     ) -> None:
         self.reader, self.writer, self._seal = reader, writer, seal
         self._sending = asyncio.Lock()
+        self.partner: _Channel | None = None  # the other connection of its link, closed with this one
 
     async def send(self, kind_type: int, exchange: int, body: bytes, kind: str = "") -> None:
         kind_bytes = kind.encode()
@@ -164,12 +177,19 @@ class _Channel:
                 body = self._seal.seal(head, body)
             self.writer.write(head)
             self.writer.write(body)
-            await self.writer.drain()
+            try:  # a peer that stops reading must not hold our buffers (and this lock) for ever
+                await asyncio.wait_for(self.writer.drain(), WRITE_STALL_S)
+            except TimeoutError:
+                self.writer.transport.abort()  # close() would wait for the unread bytes to go
+                raise ConnectionResetError(f"the peer read nothing for {WRITE_STALL_S:.0f} s") from None
 
-    async def head(self) -> _Head:
-        raw = await self.reader.readexactly(_HEADER.size)
+    async def head(self, idle_s: float | None = None) -> _Head:
+        """The next frame's header; its first byte may take `idle_s` (None: for ever), the rest of it
+        `FRAME_STALL_S`."""
+        first = await asyncio.wait_for(self.reader.readexactly(1), idle_s)
+        raw = first + await self._exactly(_HEADER.size - 1)
         kind_type, kind_len, size, exchange = _HEADER.unpack(raw)
-        kind_bytes = await self.reader.readexactly(kind_len)
+        kind_bytes = await self._exactly(kind_len)
         try:
             kind = kind_bytes.decode("ascii")
         except UnicodeDecodeError:
@@ -177,15 +197,27 @@ class _Channel:
         return _Head(kind_type, kind, size, exchange, raw + kind_bytes)
 
     async def body(self, head: _Head) -> bytes:
-        data = await self.reader.readexactly(head.size)
+        parts, size = [], head.size
+        while size > 0:
+            part = await self._exactly(min(size, _CHUNK_BYTES))
+            parts.append(part)
+            size -= len(part)
+        data = b"".join(parts)
         return self._seal.open(head.raw, data) if self._seal is not None else data
 
     async def skip(self, head: _Head) -> None:
         size = head.size
         while size > 0:
-            size -= len(await self.reader.readexactly(min(size, 1 << 16)))
+            size -= len(await self._exactly(min(size, _CHUNK_BYTES)))
         if self._seal is not None:
             self._seal.skip()
+
+    async def _exactly(self, size: int) -> bytes:
+        """`size` bytes of a frame under way: a sender that stalls mid-frame is cut off."""
+        try:
+            return await asyncio.wait_for(self.reader.readexactly(size), FRAME_STALL_S)
+        except TimeoutError:
+            raise ProtocolError(f"a data-plane frame stalled for {FRAME_STALL_S:.0f} s") from None
 
     def overhead(self) -> int:
         return _TAG_BYTES if self._seal is not None else 0
@@ -205,9 +237,10 @@ async def _hear(reader: asyncio.StreamReader) -> dict:
     (length,) = _HELLO_LENGTH.unpack(await reader.readexactly(_HELLO_LENGTH.size))
     if length > _MAX_HELLO_BYTES:
         raise ProtocolError(f"a data-plane handshake message of {length} bytes")
+    data = await reader.readexactly(length)
     try:
-        fields = json.loads(await reader.readexactly(length))
-    except ValueError:
+        fields = json.loads(data)
+    except (ValueError, RecursionError):  # RecursionError: deeply nested JSON
         raise ProtocolError("a malformed data-plane handshake message") from None
     if not isinstance(fields, dict):
         raise ProtocolError("a malformed data-plane handshake message")
@@ -332,7 +365,9 @@ def _is_peer_id(text: str) -> bool:
 # the server -----------------------------------------------------------------------------------------
 class DataPlaneServer:
     """Serves hand-offs on a TCP port: `answer(kind, data, context)` gives the packed reply (the same
-    handlers as the libp2p servicer), `limit(kind)` the largest request accepted."""
+    handlers as the libp2p servicer), `limit(kind)` the largest request accepted. Everything a caller
+    can make it hold is bounded (the limits above): connections, requests in flight, bytes held, and
+    the time a frame, an idle link or an unread reply may take."""
 
     def __init__(
         self,
@@ -345,8 +380,13 @@ class DataPlaneServer:
         self.answer, self.limit, self.peer_id, self.run_key = answer, limit, peer_id, run_key
         self.congestion = congestion
         self.port = 0
+        # request bodies held at once: at least two of the largest requests (a bundle)
+        self.max_held_bytes = max(MIN_HELD_BYTES, 2 * max(limit(kind) for kind in HAND_OFF_KINDS))
+        self.held_bytes = 0
+        self.refused = 0  # connections and requests refused by a limit (tests, logs)
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
+        self._per_address: dict[str, int] = {}
         self._replies: dict[tuple[str, str], asyncio.Future[_Channel]] = {}  # per (caller, link)
         self._answers: set[asyncio.Task] = set()
 
@@ -364,8 +404,24 @@ class DataPlaneServer:
         for writer in list(self._writers):
             writer.close()
 
+    def status(self) -> dict:
+        """What callers hold here now, against the limits (a stage's `info` reply)."""
+        return {
+            "connections": len(self._writers),
+            "held_bytes": self.held_bytes,
+            "max_held_bytes": self.max_held_bytes,
+            "answers_under_way": len(self._answers),
+            "refused": self.refused,
+        }
+
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        address = str((writer.get_extra_info("peername") or ("?",))[0])
+        if not self._admit_connection(address):
+            self.refused += 1
+            writer.close()
+            return
         self._writers.add(writer)
+        self._per_address[address] = self._per_address.get(address, 0) + 1
         set_congestion_control(writer, self.congestion)
         try:
             hello, seal = await asyncio.wait_for(
@@ -378,9 +434,25 @@ class DataPlaneServer:
                 await self._take_requests(hello, channel)
         except (ProtocolError, TimeoutError, OSError, EOFError) as exc:
             logger.debug("data-plane connection ended: %r", exc)
+        except asyncio.CancelledError:
+            # the process is stopping: end quietly (asyncio's stream server logs a traceback for a
+            # connection task that ends cancelled)
+            pass
         finally:
             self._writers.discard(writer)
+            self._per_address[address] -= 1
+            if not self._per_address[address]:
+                del self._per_address[address]
             writer.close()
+
+    def _admit_connection(self, address: str) -> bool:
+        if len(self._writers) >= MAX_CONNECTIONS:
+            logger.info("data plane: refused a connection from %s (%d open)", address, MAX_CONNECTIONS)
+            return False
+        if self._per_address.get(address, 0) >= MAX_CONNECTIONS_PER_ADDRESS:
+            logger.debug("data plane: refused a connection from %s (its limit)", address)
+            return False
+        return True
 
     def _reply_slot(self, hello: _Hello) -> asyncio.Future[_Channel]:
         return self._replies.setdefault(
@@ -388,50 +460,139 @@ class DataPlaneServer:
         )
 
     async def _hold_replies(self, hello: _Hello, channel: _Channel) -> None:
-        """Keep a link's replies connection for its requests connection until the caller closes it."""
+        """Keep a link's replies connection until its requests connection ends (which closes it) or
+        none comes within the handshake timeout. Nothing may come this way."""
+        key = (hello.caller, hello.link)
         slot = self._reply_slot(hello)
         if slot.done():
             raise ProtocolError(f"a second replies connection for link {hello.link[:16]}")
         slot.set_result(channel)
         try:
-            while await channel.reader.read(1 << 16):  # nothing should come this way; until the close
-                pass
+            while True:
+                waiting = key in self._replies  # no requests connection has taken it yet
+                try:
+                    sent = await asyncio.wait_for(
+                        channel.reader.read(1), HANDSHAKE_TIMEOUT_S if waiting else None
+                    )
+                except TimeoutError:
+                    if key in self._replies:
+                        raise ProtocolError(
+                            f"no requests connection came for link {hello.link[:16]}"
+                        ) from None
+                    continue
+                if sent:
+                    raise ProtocolError("nothing may come on a replies connection")
+                return  # closed, by the caller or by the end of its requests connection
         finally:
-            self._replies.pop((hello.caller, hello.link), None)
+            if self._replies.get(key) is slot:
+                del self._replies[key]
+            if channel.partner is not None:
+                channel.partner.close()
 
     async def _take_requests(self, hello: _Hello, channel: _Channel) -> None:
+        key = (hello.caller, hello.link)
         slot = self._reply_slot(hello)
         try:
             replies = await asyncio.wait_for(asyncio.shield(slot), HANDSHAKE_TIMEOUT_S)
         except TimeoutError:
-            self._replies.pop((hello.caller, hello.link), None)
+            self._replies.pop(key, None)
             raise
+        self._replies.pop(key, None)  # taken: a second requests connection for the link waits in vain
+        replies.partner = channel
         context = P2PContext("data-plane", PeerID.from_base58(self.peer_id), PeerID.from_base58(hello.caller))
+        link = _ServedLink(self, channel, replies, context)
+        try:
+            await link.serve()
+        finally:
+            replies.close()  # the replies connection ends with its requests connection
+
+    def reserve(self, size: int) -> bool:
+        """Hold `size` more bytes of request bodies, if the budget allows."""
+        if self.held_bytes + size > self.max_held_bytes:
+            return False
+        self.held_bytes += size
+        return True
+
+    def release(self, size: int) -> None:
+        self.held_bytes -= size
+
+
+class _ServedLink:
+    """The server's side of one link: requests in, acknowledgements and answers out, each request
+    within the server's limits or refused."""
+
+    def __init__(self, server: DataPlaneServer, requests: _Channel, replies: _Channel, context: P2PContext):
+        self.server, self.requests, self.replies, self.context = server, requests, replies, context
+        self.in_flight = 0
+        self.active_s = time.monotonic()  # when a request last came or an answer last went
+
+    async def serve(self) -> None:
         while True:
             try:
-                head = await channel.head()
+                head = await self._next_head()
             except asyncio.IncompleteReadError:
                 return  # the caller closed the link
+            except TimeoutError:
+                logger.debug("data plane: closed a link idle for %.0f s", IDLE_LINK_S)
+                return
+            self.active_s = time.monotonic()
             if head.kind_type != REQUEST or head.kind not in HAND_OFF_KINDS:
                 raise ProtocolError(f"frame type {head.kind_type} kind {head.kind!r} on the data plane")
-            if head.size > self.limit(head.kind) + channel.overhead():
+            refusal = self._refusal(head)
+            if refusal is not None:
                 # read and drop it: the requests after it on this connection stay readable
-                await asyncio.wait_for(channel.skip(head), MAX_DRAIN_S)
-                text = f"message exceeds the limit of {self.limit(head.kind)} bytes"
-                await replies.send(REPLY, head.exchange, pack(error_message(text, "too_large")))
+                await asyncio.wait_for(self.requests.skip(head), MAX_DRAIN_S)
+                await self.replies.send(REPLY, head.exchange, pack(error_message(*refusal)))
                 continue
-            data = await channel.body(head)
-            await channel.send(ACK, head.exchange, b"")
-            task = asyncio.create_task(self._reply(replies, head, data, context))
-            self._answers.add(task)
-            task.add_done_callback(self._answers.discard)
+            try:
+                data = await self.requests.body(head)
+            except BaseException:
+                self.server.release(head.size)
+                raise
+            self.in_flight += 1
+            task = asyncio.create_task(self._reply(head, data))
+            self.server._answers.add(task)
+            task.add_done_callback(self.server._answers.discard)
+            await self.requests.send(ACK, head.exchange, b"")
 
-    async def _reply(self, replies: _Channel, head: _Head, data: bytes, context: P2PContext) -> None:
-        reply = await self.answer(head.kind, data, context)
+    async def _next_head(self) -> _Head:
+        """The next request's header; TimeoutError once the link was idle (no request coming, none
+        being answered) for IDLE_LINK_S."""
+        while True:
+            idle_s = IDLE_LINK_S - (time.monotonic() - self.active_s)
+            try:
+                return await self.requests.head(idle_s=max(idle_s, 0.0))
+            except TimeoutError:  # nothing of a frame was read: waiting again loses nothing
+                if self.in_flight:
+                    self.active_s = time.monotonic()
+                elif time.monotonic() - self.active_s >= IDLE_LINK_S:
+                    raise
+
+    def _refusal(self, head: _Head) -> tuple[str, str] | None:
+        """(text, code) of the answer that refuses this request unread, or None once its bytes are
+        reserved."""
+        limit = self.server.limit(head.kind)
+        if head.size > limit + self.requests.overhead():
+            return f"message exceeds the limit of {limit} bytes", "too_large"
+        if self.in_flight >= MAX_REQUESTS_PER_LINK:
+            self.server.refused += 1
+            return f"{MAX_REQUESTS_PER_LINK} requests of this link are under way; try another", "unavailable"
+        if not self.server.reserve(head.size):
+            self.server.refused += 1
+            return "this server holds as many requests as it may; try another", "unavailable"
+        return None
+
+    async def _reply(self, head: _Head, data: bytes) -> None:
         try:
-            await replies.send(REPLY, head.exchange, reply)
+            reply = await self.server.answer(head.kind, data, self.context)
+            del data
+            await self.replies.send(REPLY, head.exchange, reply)
         except (OSError, RuntimeError) as exc:  # the caller went away meanwhile: its call failed already
-            logger.debug("data-plane reply to %s lost: %r", context.remote_id, exc)
+            logger.debug("data-plane reply to %s lost: %r", self.context.remote_id, exc)
+        finally:
+            self.in_flight -= 1
+            self.active_s = time.monotonic()
+            self.server.release(head.size)
 
 
 # the client -----------------------------------------------------------------------------------------
@@ -450,6 +611,7 @@ class _Link:
         self.requests, self.replies = requests, replies
         self.broken: str | None = None
         self.last_frame_s = time.monotonic()  # when a frame last came from the server
+        self.active_s = self.last_frame_s  # when a request last went or a frame last came
         self._exchanges: dict[int, _Exchange] = {}
         self._last_id = 0
         self._readers = [asyncio.create_task(self._read(c)) for c in (requests, replies)]
@@ -461,11 +623,17 @@ class _Link:
         exchange_id = self._last_id
         pending = _Exchange(received, asyncio.get_running_loop().create_future())
         self._exchanges[exchange_id] = pending
+        self.active_s = time.monotonic()
         try:
             await self.requests.send(REQUEST, exchange_id, data, kind)
             return await pending.reply
         finally:  # answered, failed, timed out or cancelled: a late reply is dropped
             self._exchanges.pop(exchange_id, None)
+
+    @property
+    def exchanges(self) -> int:
+        """Exchanges under way."""
+        return len(self._exchanges)
 
     async def _read(self, channel: _Channel) -> None:
         try:
@@ -474,7 +642,7 @@ class _Link:
                 if head.kind_type not in (ACK, REPLY) or head.size > MAX_REPLY_BYTES + channel.overhead():
                     raise ProtocolError(f"frame type {head.kind_type} of {head.size} bytes from the server")
                 body = await channel.body(head)
-                self.last_frame_s = time.monotonic()
+                self.last_frame_s = self.active_s = time.monotonic()
                 pending = self._exchanges.get(head.exchange)
                 if pending is None:
                     continue  # a call that gave up
@@ -515,6 +683,7 @@ class DataPlaneClient:
         self.dials = 0  # links opened (tests: a link serves many calls)
         self._token = run_key.token(peer_id) if run_key is not None else None
         self._links: dict[tuple[Address, str], _Link] = {}
+        self._dialing: dict[tuple[Address, str], asyncio.Lock] = {}
         self._failed_until_s: dict[Address, float] = {}
 
     async def call(
@@ -546,9 +715,19 @@ class DataPlaneClient:
         self._links.clear()
 
     async def _link(self, address: Address, peer: str, timeout_s: float) -> _Link:
+        """The link to `peer`, dialled once however many calls need it at the same time."""
+        dialing = self._dialing.setdefault((address, peer), asyncio.Lock())
+        async with dialing:
+            return await self._usable_link(address, peer, timeout_s)
+
+    async def _usable_link(self, address: Address, peer: str, timeout_s: float) -> _Link:
         link = self._links.get((address, peer))
         if link is not None and link.broken is None:
-            return link
+            # the server closes a link idle for IDLE_LINK_S: one idle half as long is closed here and
+            # dialled anew, so a request never races that close (and its reset never bans the peer)
+            if link.exchanges or time.monotonic() - link.active_s < IDLE_LINK_S / 2:
+                return link
+            link.close("idle")
         if time.monotonic() < self._failed_until_s.get(address, 0.0):
             raise DialFailed(f"{address[0]}:{address[1]} failed a dial less than {DIAL_COOLDOWN_S:.0f} s ago")
         try:

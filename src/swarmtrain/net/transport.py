@@ -23,7 +23,7 @@ from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import runtime_pb2
 
 from swarmtrain.net.auth import RunKey
-from swarmtrain.net.protocol import Message, ProtocolError, error_message, pack, unpack
+from swarmtrain.net.protocol import MICRO_BATCH_KINDS, Message, ProtocolError, error_message, pack, unpack
 from swarmtrain.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -173,12 +173,15 @@ class StageServicer(ServicerBase):
         stats: TransportStats | None = None,
         run_key: RunKey | None = None,
         max_bundle_bytes: int = 0,
+        max_micro_batch_bytes: int = 0,
     ) -> None:
-        """`max_bundle_bytes`: the largest `bundle` accepted (several micro-batches; 0: the limit of
-        any other message)."""
+        """`max_micro_batch_bytes`: the largest micro-batch request (`forward` ... `chain`) accepted,
+        `max_bundle_bytes` the largest `bundle` (several micro-batches); 0: `max_message_bytes`, the limit
+        of any other message (a replica's gradient sums may be much larger than a micro-batch)."""
         self.handler = handler
         self.max_message_bytes = max_message_bytes
         self.max_bundle_bytes = max_bundle_bytes or max_message_bytes
+        self.max_micro_batch_bytes = max_micro_batch_bytes or max_message_bytes
         self.stats = stats or TransportStats()
         self.run_key = run_key  # a private run: only peers holding it are answered
 
@@ -274,7 +277,11 @@ class StageServicer(ServicerBase):
 
     def limit(self, kind: str) -> int:
         """The largest request of `kind` accepted."""
-        return self.max_bundle_bytes if kind == "bundle" else self.max_message_bytes
+        if kind == "bundle":
+            return self.max_bundle_bytes
+        if kind in MICRO_BATCH_KINDS or kind == "chain":
+            return self.max_micro_batch_bytes
+        return self.max_message_bytes
 
     async def answer_bytes(self, kind: str, data: bytes, context: P2PContext) -> bytes:
         """The packed reply to a request that came another way than libp2p (net/data_plane.py)."""
@@ -311,7 +318,9 @@ class StageServicer(ServicerBase):
             logger.info("refused %s from %s: %s", kind, context.remote_id, exc)
             return error_message(str(exc), exc.code)
         except Exception as exc:  # a bug in a handler must not kill the server; the caller gets the reason
-            logger.exception("handler for %s failed", kind)
+            # one line in the log (no traceback in any log: README); the traceback at debug level
+            logger.error("handler for %s failed: %r", kind, exc)
+            logger.debug("handler for %s failed", kind, exc_info=exc)
             return error_message(f"internal error: {exc!r}", "internal")
 
 

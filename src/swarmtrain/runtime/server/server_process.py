@@ -271,7 +271,11 @@ class ServerProcess:
             return await handler(message, context)
 
         servicer = StageServicer(
-            dispatch, service.max_message_bytes, run_key=run_key, max_bundle_bytes=service.max_bundle_bytes
+            dispatch,
+            service.max_message_bytes,
+            run_key=run_key,
+            max_bundle_bytes=service.max_bundle_bytes,
+            max_micro_batch_bytes=service.max_micro_batch_bytes,
         )
         # one byte and CPU count for what this server receives and what it hands to the next stage
         client = StageClient(p2p, namespace(self.cfg), stats=servicer.stats, run_key=run_key)
@@ -290,6 +294,7 @@ class ServerProcess:
                 stats=servicer.stats,
                 data=endpoints.data_client,
                 data_port=endpoints.data_server.port if endpoints.data_server is not None else 0,
+                data_server=endpoints.data_server,
             )
         )
         await servicer.add_p2p_handlers(p2p, namespace=namespace(self.cfg))

@@ -75,7 +75,7 @@ from swarmtrain.runtime.server.stage_worker import StageWorker, all_finite
 from swarmtrain.utils.logging import get_logger
 
 if TYPE_CHECKING:  # hivemind is imported only once the process has prepared its environment
-    from swarmtrain.net.data_plane import DataPlaneClient
+    from swarmtrain.net.data_plane import DataPlaneClient, DataPlaneServer
     from swarmtrain.net.transport import StageClient, TransportStats
 
 logger = get_logger(__name__)
@@ -125,6 +125,7 @@ class Transport:
     stats: TransportStats
     data: DataPlaneClient | None = None  # hand-offs to the next stage, where it has a data plane
     data_port: int = 0  # our data plane's, announced; 0: none (off, or behind a NAT)
+    data_server: DataPlaneServer | None = None  # that data plane (its limits' counters in `info`)
 
 
 class StageService:
@@ -342,6 +343,11 @@ class StageService:
         params = self.worker.params
         grads_bytes = max_grads_message_bytes(sum(p.numel() for p in params), len(params))
         return max(self.io.max_message_bytes(), grads_bytes)
+
+    @property
+    def max_micro_batch_bytes(self) -> int:
+        """The largest micro-batch request (a hand-off included) this stage accepts."""
+        return self.io.max_message_bytes()
 
     @property
     def max_bundle_bytes(self) -> int:
@@ -647,8 +653,11 @@ class StageService:
             self._samples_done += request.num_samples
 
     async def _run_chain(self, message: Message) -> Message:
-        assert self.hop is not None  # validate_chain refuses chains at the last stage
-        chain = validate_chain(message, self.io, self.digest, self.cfg.swarm.num_stages)
+        chain = validate_chain(
+            message, self.io, self.digest, self.cfg.swarm.num_stages
+        )  # not at the last stage
+        if self.hop is None:  # not serving yet: no way to reach the next stage
+            return error_message("this replica is not serving yet; try another", "unavailable")
         # the chain's time includes every later stage's: each may take up to a request timeout
         later_stages = self.cfg.swarm.num_stages - self.spec.index
         admitted = await self._admit(chain.forward, message.header, later_stages)
@@ -725,6 +734,7 @@ class StageService:
                 "bundles_sent": self.hop.bundles if self.hop is not None else 0,
             },
             "direct_in": self._transport.stats.direct_in if self._transport is not None else 0,
+            "data_plane": self._data_plane_status(),
             "device": self.options.compute.describe(),
             "sync": vars(self.sync.counters),
             "steps": vars(self.steps.counters),
@@ -779,6 +789,10 @@ class StageService:
         stats = self._transport.stats if self._transport is not None else None
         return compute_s + (stats.cpu_s((*TRAINING_KINDS, BUNDLE_KIND)) if stats is not None else 0.0)
 
+    def _data_plane_status(self) -> dict:
+        server = self._transport.data_server if self._transport is not None else None
+        return server.status() if server is not None else {}
+
     def metrics(self) -> ServerMetrics:
         c, s, st = self.worker.counters, self.sync.counters, self.steps.counters
         stats = self._transport.stats if self._transport is not None else None
@@ -820,7 +834,8 @@ def _answer_of(outcome: Message | BaseException) -> Message:
     if isinstance(outcome, ProtocolError):
         return error_message(str(outcome), outcome.code)
     if isinstance(outcome, BaseException):
-        logger.error("a bundled request failed", exc_info=outcome)
+        logger.error("a bundled request failed: %r", outcome)  # one line; the traceback at debug level
+        logger.debug("a bundled request failed", exc_info=outcome)
         return error_message(f"internal error: {outcome!r}", "internal")
     return outcome
 
