@@ -540,9 +540,10 @@ class _ServedLink:
                 raise ProtocolError(f"frame type {head.kind_type} kind {head.kind!r} on the data plane")
             refusal = self._refusal(head)
             if refusal is not None:
-                # read and drop it: the requests after it on this connection stay readable
-                await asyncio.wait_for(self.requests.skip(head), MAX_DRAIN_S)
+                # answered at once, then read and dropped: the requests after it on this connection
+                # stay readable (a frame too large to drain in time ends the link)
                 await self.replies.send(REPLY, head.exchange, pack(error_message(*refusal)))
+                await asyncio.wait_for(self.requests.skip(head), MAX_DRAIN_S)
                 continue
             try:
                 data = await self.requests.body(head)

@@ -1,0 +1,296 @@
+"""Fuzzing the data plane's open port (net/data_plane.py) of live stage servers at the frame level while
+a trainer trains through them (stopped with Ctrl-C afterwards): garbage, bad handshakes, invalid messages of every hand-off kind to
+every stage (alone and bundled, and replayed), frames of absurd or unfinished lengths, wrong frame
+types, half-open and idle connections, and large unfinished frames on many links. Asserted: every
+invalid message gets a protocol error (never `internal`), every misbehaving connection is closed, the
+memory a caller can make a server hold stays within its budget and is all released, the trainer
+finishes its run with no failed micro-batch, and no log shows a traceback."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from hivemind.p2p import PeerID
+
+from fuzz_cases import locally_rejected, mutations, valid_messages
+from swarm_fixtures import start_servers
+from swarmtrain.net import data_plane
+from swarmtrain.net.bundle import MAX_BUNDLE_ITEMS, bundle_message
+from swarmtrain.net.protocol import Message, StageIO, encode_labels, pack, request_message, unpack
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+
+FUZZER = PeerID(b"data-plane-fuzzer").to_base58()
+SAMPLES = 1 << 20  # more than the fuzzing lasts: the run is stopped with Ctrl-C after it
+CLOSED_WITHIN_S = 15.0
+REPLY_WITHIN_S = 30.0
+IDLE_CONNECTIONS = data_plane.MAX_CONNECTIONS_PER_ADDRESS + 16
+BIG_FRAME_LINKS = 24
+RSS_SLACK_BYTES = 96 << 20  # allocator and interpreter noise on top of the held-bytes budget
+
+
+def test_the_data_plane_refuses_what_strangers_send_and_the_swarm_trains_on(make_swarm):
+    swarm, cfg = make_swarm("tiny", {"training": {"max_samples": SAMPLES}})
+    start_servers(swarm, {"s0": 0, "s1": 1})
+    probe = make_swarm.probe(cfg, swarm)
+    probe.wait_for_peers([1, 1])
+    targets = {}
+    for stage in (0, 1):
+        peer = probe.peers(stage)[0]
+        record = probe.trainer.table.announcements[stage][peer]
+        targets[stage] = (peer, data_plane.dial_address(record.addresses, record.data_port))
+        assert targets[stage][1] is not None, "the server announced no data plane"
+    names = {0: "s0", 1: "s1"}
+    swarm.start_trainer("trainer", "--max-samples", str(SAMPLES), "--log-period-s", "5")
+    epochs_before = {s: probe.info(p).header["epoch"] for s, (p, _) in targets.items()}
+
+    report = asyncio.run(asyncio.wait_for(_attack_all(cfg, targets, swarm, names), 400))
+    print("data-plane fuzz:", json.dumps(report, sort_keys=True))
+
+    trainer = swarm.processes["trainer"]
+    assert trainer.alive, "the run ended before the fuzzing did: too short to show it trains on"
+    epochs_after = {s: probe.info(p).header["epoch"] for s, (p, _) in targets.items()}
+    assert all(epochs_after[s] > epochs_before[s] for s in targets), (epochs_before, epochs_after)
+    for stage, (peer, _) in targets.items():
+        status = probe.info(peer).header["data_plane"]
+        assert status["held_bytes"] == 0 and status["refused"] > 0, (stage, status)
+
+    trainer.proc.send_signal(signal.SIGINT)  # a user's Ctrl-C: the run stops cleanly, with its summary
+    assert swarm.wait_exit("trainer", 120) == 0, trainer.log_text()[-3000:]
+    summary = json.loads((swarm.workdir / "trainer.summary.json").read_text())
+    assert summary["microbatches_failed"] == 0 and summary["steps"] > 0, summary
+    for name, proc in swarm.processes.items():
+        log = proc.log_text()
+        assert "Traceback" not in log, f"{name}:\n{log[-4000:]}"
+        assert "internal error" not in log and "failed:" not in log, f"{name}:\n{log[-4000:]}"
+
+
+async def _attack_all(cfg, targets, swarm, names) -> dict:
+    report = {}
+    for stage, (peer, address) in targets.items():
+        pid = swarm.processes[names[stage]].pid
+        report[f"stage {stage}"] = {
+            "garbage": await _garbage(address),
+            "bad hellos": await _bad_hellos(address, peer),
+            "invalid messages": await _invalid_messages(address, peer, cfg, stage),
+            "bad frames": await _bad_frames(address, peer),
+            "idle connections": await _idle_connections(address),
+            "big unfinished frames": await _big_unfinished_frames(address, peer, cfg, stage, pid),
+        }
+    return report
+
+
+# the attacks -------------------------------------------------------------------------------------
+async def _closed(reader: asyncio.StreamReader) -> bool:
+    """Whether the server closes the connection (after whatever it says) within CLOSED_WITHIN_S."""
+    try:
+        while await asyncio.wait_for(reader.read(1 << 16), CLOSED_WITHIN_S):
+            pass
+    except ConnectionError:
+        pass
+    return True
+
+
+async def _garbage(address) -> int:
+    rng = random.Random(1)
+    for size in (1, 7, 64, 5000):
+        reader, writer = await asyncio.open_connection(*address)
+        writer.write(rng.randbytes(size))
+        assert await _closed(reader)
+        writer.close()
+    return 4
+
+
+async def _bad_hellos(address, server: str) -> int:
+    good = {"protocol": "swarmtrain-data/1", "peer": FUZZER, "to": server, "nonce": "00" * 16, "link": "l" * 32}
+    hellos = [
+        b"[" * 3000 + b"]" * 3000,
+        b'{"a":' * 1500 + b"1" + b"}" * 1500,
+        b"[]",
+        b"\xff\xfe",
+        json.dumps({**good, "role": "requests", "protocol": "other"}).encode(),
+        json.dumps({**good, "role": "requests", "to": FUZZER}).encode(),
+        json.dumps({**good, "role": "requests", "peer": "not a peer id"}).encode(),
+        json.dumps({**good, "role": "both"}).encode(),
+        json.dumps({**good, "role": "requests", "link": "l" * 65}).encode(),
+        json.dumps({**good, "role": "requests"}).encode(),  # valid, then no replies connection comes
+    ]
+    for hello in hellos:
+        reader, writer = await asyncio.open_connection(*address)
+        writer.write(data_plane._HELLO_LENGTH.pack(len(hello)) + hello)
+        assert await _closed(reader)
+        writer.close()
+    reader, writer = await asyncio.open_connection(*address)  # a length far over the limit
+    writer.write(data_plane._HELLO_LENGTH.pack(2**31))
+    assert await _closed(reader)
+    writer.close()
+    return len(hellos) + 1
+
+
+class _RawLink:
+    """A link made by hand as the fuzzer's peer id (a public run asks no more)."""
+
+    def __init__(self, replies, requests) -> None:
+        self.replies, self.requests = replies, requests
+
+    @classmethod
+    async def open(cls, address, server: str) -> _RawLink:
+        link, channels = os.urandom(16).hex(), []
+        for role in (data_plane.REPLIES, data_plane.REQUESTS):
+            reader, writer = await asyncio.open_connection(*address)
+            await data_plane._client_handshake(reader, writer, FUZZER, server, None, link, role)
+            channels.append(data_plane._Channel(reader, writer, None))
+        return cls(*channels)
+
+    async def reply(self) -> Message:
+        while True:
+            head = await asyncio.wait_for(self.replies.head(), REPLY_WITHIN_S)
+            body = await self.replies.body(head)
+            if head.kind_type == data_plane.REPLY:
+                return unpack(body, data_plane.MAX_REPLY_BYTES)
+
+    async def drain_acks(self) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(self.requests.reader.read(1 << 16), 0.05)
+            except TimeoutError:
+                return
+
+    def close(self) -> None:
+        self.requests.close()
+        self.replies.close()
+
+
+def _invalid_cases(cfg, stage: int) -> list[tuple[str, bytes]]:
+    """(kind, bytes) of invalid hand-offs of every kind for `stage`: mutations of valid ones, a kind the
+    stage does not take, bundles of invalid items and malformed bundles."""
+    valid = valid_messages(cfg, stage)
+    cases = [
+        (kind, data)
+        for _, kind, data in mutations(valid, 60, seed=7 + stage)
+        if kind in ("forward_backward", "forward") and locally_rejected(kind, data, cfg, stage)
+    ]
+    cases = [("chain" if kind == "forward" else kind, data) for kind, data in cases]  # chain: stage 0's
+    forward = next(unpack(data, 1 << 30) for kind, data in valid if kind in ("forward", "forward_backward"))
+    inputs = forward.tensor("inputs")
+    labels = encode_labels(torch.zeros(inputs.shape[:2], dtype=torch.long), cfg.model.vocab_size)
+    chain = Message("chain", {**forward.header, "route": [], "accumulate_after": []}, dict(forward.tensors))
+    chain.tensors["labels"] = labels
+    wrong_digest = request_message("forward_backward", "fz-9", stage, "0" * 16, "none", {"inputs": inputs})
+    cases += [
+        ("chain", pack(chain)),  # at stage 0 a route of the wrong length; at the last stage no chain at all
+        ("forward_backward" if stage == 0 else "chain", pack(forward)),  # a kind this stage does not take
+        ("forward_backward", pack(wrong_digest)),
+        ("bundle", pack(bundle_message([chain, wrong_digest], stage))),
+        ("bundle", pack(bundle_message([wrong_digest] * MAX_BUNDLE_ITEMS, stage))),
+        ("bundle", pack(Message("bundle", {"stage": stage, "items": "x"}))),
+        ("bundle", pack(Message("bundle", {"stage": stage, "items": [{"kind": "grads"}]}))),
+        ("bundle", b"not a message"),
+    ]
+    return cases
+
+
+async def _invalid_messages(address, server: str, cfg, stage: int) -> dict:
+    link = await _RawLink.open(address, server)
+    codes: dict[str, int] = {}
+    try:
+        cases = _invalid_cases(cfg, stage)
+        for exchange, (kind, data) in enumerate(cases, start=1):
+            for _ in range(2 if exchange % 5 == 0 else 1):  # every fifth frame replayed as it was
+                await link.requests.send(data_plane.REQUEST, exchange, data, kind)
+                reply = await link.reply()
+                code = _error_code(reply)
+                assert code != "internal", (kind, reply.header)
+                codes[code] = codes.get(code, 0) + 1
+        await link.drain_acks()
+    finally:
+        link.close()
+    assert sum(codes.values()) >= len(cases)
+    return codes
+
+
+def _error_code(reply: Message) -> str:
+    if reply.kind == "bundle":  # a bundle's items are answered one by one
+        codes = {item.get("code") for item in reply.header["items"]}
+        assert all(item.get("kind") == "error" for item in reply.header["items"]), reply.header
+        return "bundle:" + ",".join(sorted(map(str, codes)))
+    assert reply.kind == "error", reply.header
+    return str(reply.header.get("code"))
+
+
+async def _bad_frames(address, server: str) -> int:
+    head = data_plane._HEADER
+    frames = [
+        head.pack(data_plane.ACK, 0, 0, 1),  # a frame type only servers send
+        head.pack(data_plane.REQUEST, 5, 0, 1) + b"grads",  # a kind the data plane does not carry
+        head.pack(data_plane.REQUEST, 5, 0, 1) + b"ch\xffin",  # not ASCII
+        head.pack(data_plane.REQUEST, 5, 10, 1) + b"chain" + b"x" * 5,  # half a frame, then EOF
+    ]
+    for frame in frames:
+        link = await _RawLink.open(address, server)
+        link.requests.writer.write(frame)
+        link.requests.writer.write_eof()
+        assert await _closed(link.replies.reader)
+        link.close()
+    link = await _RawLink.open(address, server)  # a length far over the limit: refused, then dropped
+    link.requests.writer.write(head.pack(data_plane.REQUEST, 5, 2**40, 1) + b"chain")
+    reply = await link.reply()
+    assert reply.header.get("code") == "too_large", reply.header
+    link.close()
+    return len(frames) + 1
+
+
+async def _idle_connections(address) -> int:
+    """More idle connections than one address may hold: the extra ones are refused at once, all of them
+    closed by the handshake timeout."""
+    held = [await asyncio.open_connection(*address) for _ in range(IDLE_CONNECTIONS)]
+    results = await asyncio.gather(*(_closed(reader) for reader, _ in held))
+    for _, writer in held:
+        writer.close()
+    assert all(results)
+    return len(held)
+
+
+async def _big_unfinished_frames(address, server: str, cfg, stage: int, pid: int) -> dict:
+    """Many links each send a bundle frame of the largest size but its last byte: the server holds at
+    most its byte budget (the rest are refused unread) and releases it all when the links go."""
+    spec = cfg.stages()[stage]
+    io = StageIO.from_config(cfg.model, spec, 4 * cfg.training.micro_batch_size)
+    size = io.max_message_bytes() * MAX_BUNDLE_ITEMS
+    rss_before = _rss_bytes(pid)
+    links = [await _RawLink.open(address, server) for _ in range(BIG_FRAME_LINKS)]
+    chunk = b"\0" * (1 << 20)
+    for exchange, link in enumerate(links, start=1):
+        link.requests.writer.write(data_plane._HEADER.pack(data_plane.REQUEST, 6, size, exchange) + b"bundle")
+        left = size - 1
+        while left:
+            link.requests.writer.write(chunk[: min(left, len(chunk))])
+            left -= min(left, len(chunk))
+        await link.requests.writer.drain()
+    await asyncio.sleep(2.0)
+    grown = _rss_bytes(pid) - rss_before
+    for link in links:
+        link.close()
+    return {"frame_bytes": size, "links": len(links), "rss_growth_mib": round(grown / 2**20, 1)} | _bounded(
+        grown, size
+    )
+
+
+def _bounded(grown: int, size: int) -> dict:
+    budget = max(data_plane.MIN_HELD_BYTES, 2 * size)
+    assert grown <= budget + RSS_SLACK_BYTES, (grown, budget)
+    return {"budget_mib": round(budget / 2**20, 1)}
+
+
+def _rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for {pid}")
