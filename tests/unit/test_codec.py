@@ -1,5 +1,7 @@
 """Wire codecs: round-trip error bounds, odd sizes, empty and non-contiguous tensors, integers untouched."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -94,11 +96,37 @@ def test_half_precision_inputs_keep_their_dtype():
     assert y.dtype == torch.bfloat16 and torch.allclose(y.float(), x.float(), atol=0.05)
 
 
-def test_decoded_tensor_is_writable_and_owned():
-    x = torch.randn(100)
-    for name in codec.CODECS:
-        y = codec.decode(codec.encode(x, name))
-        y.add_(1.0)  # must not touch the (read-only) payload
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+@pytest.mark.parametrize("name", codec.CODECS)
+def test_decoded_tensor_is_writable_and_owned(name, dtype):
+    """decode copies out of the payload: the tensor is contiguous and can be written in place (no
+    warning, no error) without changing the payload or a later decode, and none of its memory is the
+    payload's buffer (a receive buffer may be reused): changing the buffer leaves it alone. 7 x 45
+    values: a ragged 8-bit tail and a padded low-bit block."""
+    x = (torch.randn(7, 45, generator=torch.Generator().manual_seed(3)) * 100).to(dtype)
+    encoded = codec.encode(x, name)
+    assert encoded.codec == codec.effective_codec(dtype, name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # e.g. torch's "non-writable buffer" UserWarning
+        buffer = bytearray(encoded.payload)
+        y = codec.decode(codec.EncodedTensor(encoded.codec, encoded.dtype, encoded.shape, buffer))
+        assert y.shape == x.shape and y.dtype == dtype and y.is_contiguous()
+        decoded = y.clone()
+        storage = y.untyped_storage()
+        lo, hi = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
+        buffer_lo = torch.frombuffer(buffer, dtype=torch.uint8).data_ptr()
+        assert hi <= buffer_lo or lo >= buffer_lo + len(buffer)  # owned: no byte in the buffer
+        buffer[:] = b"\xff" * len(buffer)
+        assert torch.equal(y, decoded)
+        y.add_(1)
+        assert torch.equal(y, decoded + 1)
+
+        sent = bytearray(encoded.payload)  # a copy: a tensor aliasing the payload would change the bytes
+        z = codec.decode(encoded)
+        z.mul_(2)  # writable: the write lands in the tensor and nowhere else
+        assert torch.equal(z, decoded * 2)
+        assert encoded.payload == sent
+        assert torch.equal(codec.decode(encoded), decoded)  # a second decode is the first one
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,7 @@ import dataclasses
 import io
 import threading
 import time
+import types
 
 import pytest
 import torch
@@ -302,11 +303,61 @@ def test_busy_clock_counts_this_threads_cpu_work_not_sleep_nor_other_threads():
     assert busy_clock_s(cpu) - start > 0  # this thread's work is
 
 
+class _FakeCuda:
+    """CUDA's asynchronous launches, on CPU: `launch` queues kernel time and returns at once; the wall
+    clock (this fake's `perf_counter`) advances by the queued time only when `synchronize` runs it.
+    Every synchronize and clock read is recorded, in order."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.queued_s = 0.0
+        self.calls: list[tuple] = []
+
+    def launch(self, seconds: float) -> None:
+        self.queued_s += seconds
+
+    def synchronize(self, device=None) -> None:
+        self.calls.append(("synchronize", device))
+        self.now += self.queued_s
+        self.queued_s = 0.0
+
+    def perf_counter(self) -> float:
+        self.calls.append(("read",))
+        return self.now
+
+
+def test_busy_clock_on_cuda_waits_for_queued_kernels(monkeypatch):
+    """The CUDA branch of busy_clock_s against a fake torch.cuda.synchronize and wall clock (this
+    machine has no GPU; the test runs on CPU): it synchronizes the given device before each read, so a
+    job's difference is the time of the kernels it queued, not the earlier job's, and not ~0."""
+    import swarmtrain.model.device as device_module
+
+    gpu = _FakeCuda()
+    monkeypatch.setattr(torch.cuda, "synchronize", gpu.synchronize)
+    fake_time = types.SimpleNamespace(perf_counter=gpu.perf_counter, thread_time=time.thread_time)
+    monkeypatch.setattr(device_module, "time", fake_time)
+    device = torch.device("cuda", 1)
+    gpu.launch(0.25)  # the previous job's kernels, still queued when this job starts
+    start = busy_clock_s(device)
+    for _ in range(3):
+        gpu.launch(0.1)  # this job's kernels: launching returns before they run
+    elapsed = busy_clock_s(device) - start
+    assert elapsed == pytest.approx(0.3)  # read before synchronizing: 0.25; without a synchronize: 0.0
+    assert gpu.calls == [("synchronize", device), ("read",)] * 2 and gpu.queued_s == 0.0
+
+    gpu.calls.clear()
+    busy_clock_s(torch.device("cpu"))
+    assert gpu.calls == []  # on CPU: this thread's CPU time, no synchronize and no wall clock
+
+
 @pytest.mark.gpu
-def test_busy_clock_on_cuda_waits_for_queued_kernels():
+def test_busy_clock_on_a_real_gpu_returns_after_the_queued_kernels_ran():
     device = torch.device("cuda")
     a = torch.randn(2048, 2048, device=device)
-    start = busy_clock_s(device)
+    busy_clock_s(device)
     for _ in range(8):
         a = a @ a / 2048
-    assert busy_clock_s(device) > start  # read after a synchronize: the kernels have run
+    queued = torch.cuda.Event()
+    queued.record()  # completes when every kernel launched above has run
+    busy_clock_s(device)
+    assert queued.query()  # the clock was read after they ran, not while they were queued

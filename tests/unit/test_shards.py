@@ -17,7 +17,7 @@ from swarmtrain.cli.main import main
 from swarmtrain.config import get_preset
 from swarmtrain.data import DataError, ShardDataset, build_datasets, iterate_batches, unigram_entropy_nats
 from swarmtrain.data.shards import HEADER_BYTES, ShardWriter, read_header, read_manifest
-from swarmtrain.data.tokenize_job import tokenize
+from swarmtrain.data.tokenize_job import DEFAULT_VAL_FRACTION, document_hash, tokenize
 from swarmtrain.data.tokenizer import load_tokenizer, tokenizer_hash, train_bpe
 
 pytestmark = pytest.mark.unit
@@ -290,6 +290,118 @@ def test_cli_tokenize(tmp_path, text_dir, tok_file, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no text field 'text'; its fields are 'body', 'id'" in err[0]
     assert not (tmp_path / "out2").exists()  # nothing written before the source was checked
+
+
+# --- a validation split for every corpus that can be split -----------------------------------------
+
+
+def small_corpus(root, count=30, seed=11):
+    """`count` tiny documents, one per file, none of whose hashes falls below the default
+    --val-fraction: the hash rule alone would hold out nothing."""
+    threshold = DEFAULT_VAL_FRACTION * 2**64
+    docs = [d for d in make_docs(3 * count, seed=seed) if document_hash(d) >= threshold][:count]
+    assert len(docs) == count
+    root.mkdir()
+    for i, doc in enumerate(docs):
+        (root / f"doc-{i:03d}.txt").write_text(doc, encoding="utf-8")
+    return docs
+
+
+def encoded(tok_file, docs):
+    tok = load_tokenizer(str(tok_file))
+    return [tuple(tok.encode(d).ids) + (0,) for d in docs]
+
+
+def test_small_corpus_gets_the_smallest_hash_as_validation_with_a_warning(tmp_path, tok_file, capsys):
+    docs = small_corpus(tmp_path / "texts")
+    argv = ["tokenize", "--tokenizer", str(tok_file), "--no-progress"]  # default --val-fraction 0.01
+    assert main([*argv, "--out", str(tmp_path / "out"), str(tmp_path / "texts")]) == 0
+    captured = capsys.readouterr()
+    assert "1 val shard(s)" in captured.out and "(1 documents)" in captured.out
+    warning = captured.err.strip().splitlines()
+    assert len(warning) == 1 and warning[0].startswith(
+        "warning: 30 documents are too few for --val-fraction 0.01"
+    )
+    assert "smallest hash" in warning[0] and "larger --val-fraction" in warning[0]
+
+    out = tmp_path / "out"
+    assert [p.name for p in sorted(out.glob("val-*.tok"))] == ["val-00000.tok"]
+    smallest = min(docs, key=document_hash)
+    train, val = split_documents(out, "train"), split_documents(out, "val")
+    assert val == encoded(tok_file, [smallest])
+    assert sorted(train) == sorted(encoded(tok_file, [d for d in docs if d != smallest]))  # disjoint, all
+    manifest = read_manifest(out)
+    assert manifest["complete"] and manifest["progress"]["val_documents"] == 1
+    assert manifest["progress"]["val_fallback"] and manifest["progress"]["reserve"] is None
+    _, val_data = build_datasets(_cfg(out, tok_file, seq_len=4))  # what the trainer refused before
+    assert len(val_data) >= 1
+
+    # the same command into another directory writes the same bytes; rerun where it is done: the same warning
+    assert main([*argv, "--out", str(tmp_path / "again"), str(tmp_path / "texts")]) == 0
+    assert shard_bytes(tmp_path / "again") == shard_bytes(out)
+    capsys.readouterr()
+    assert main([*argv, "--out", str(out), str(tmp_path / "texts")]) == 0
+    captured = capsys.readouterr()
+    assert "is already complete" in captured.out and "too few for --val-fraction" in captured.err
+
+
+def test_small_corpus_split_is_a_property_of_the_corpus(tmp_path, tok_file):
+    """Chunk after chunk (and resumed after an interruption that left a document held back), in
+    another order, and with a copy of the held-out document: the same validation text, never in training."""
+    docs = small_corpus(tmp_path / "texts")
+    smallest = min(docs, key=document_hash)
+    options = {"val_fraction": DEFAULT_VAL_FRACTION, "chunk_chars": 600, "checkpoint_every_s": 0}
+    whole = tmp_path / "whole"
+    summary = run_tokenize([tmp_path / "texts"], tok_file, whole, **options)
+    assert summary.val_fallback and summary.val_documents == 1 and summary.documents == 30
+
+    out = tmp_path / "interrupted"
+
+    def interrupt(chunk):
+        if chunk == 3:
+            raise _Interrupt
+
+    with pytest.raises(_Interrupt):
+        run_tokenize([tmp_path / "texts"], tok_file, out, on_chunk=interrupt, **options)
+    progress = read_manifest(out)["progress"]
+    assert 0 < progress["documents"] < 30 and progress["reserve"] is not None  # held back, not written
+    assert progress["val_tokens"] == 0 and not progress["val_fallback"]
+    resumed = run_tokenize([tmp_path / "texts"], tok_file, out, **options)
+    assert resumed.resumed_documents == progress["documents"] and resumed.val_fallback
+    assert shard_bytes(out) == shard_bytes(whole)
+
+    reordered = tmp_path / "reordered"
+    reordered.mkdir()
+    for i, doc in enumerate(reversed(docs + [smallest])):  # another order, the held-out text twice
+        (reordered / f"doc-{i:03d}.txt").write_text(doc, encoding="utf-8")
+    summary = run_tokenize([reordered], tok_file, tmp_path / "out2", **options)
+    train, val = split_documents(tmp_path / "out2", "train"), split_documents(tmp_path / "out2", "val")
+    assert summary.val_fallback and val == encoded(tok_file, [smallest]) * 2  # duplicates land together
+    assert set(train).isdisjoint(val) and sorted(train) == sorted(split_documents(whole, "train"))
+
+
+def test_a_corpus_that_cannot_be_split_is_a_one_line_error(tmp_path, tok_file, capsys):
+    (tmp_path / "texts").mkdir()
+    (tmp_path / "texts" / "only.txt").write_text(DOCS[0], encoding="utf-8")
+    argv = ["tokenize", "--tokenizer", str(tok_file), "--no-progress", str(tmp_path / "texts")]
+    assert main([*argv, "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("swarmtrain tokenize: error: ")
+    assert "holds a single document" in err[0] and "at least 2 documents" in err[0]
+    assert not (tmp_path / "out").exists()  # nothing written
+
+    # --val-fraction 0 still means no validation split: one document is fine, and training refuses it
+    assert main([*argv, "--out", str(tmp_path / "noval"), "--val-fraction", "0"]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "wrote no validation split" in err[0]
+    assert not list((tmp_path / "noval").glob("val-*.tok")) and list((tmp_path / "noval").glob("train-*.tok"))
+    with pytest.raises(DataError, match="no validation shards .*larger --val-fraction"):
+        build_datasets(_cfg(tmp_path / "noval", tok_file, seq_len=4))
+
+    for i in range(3):
+        (tmp_path / "texts" / f"copy-{i}.txt").write_text(DOCS[0], encoding="utf-8")
+    with pytest.raises(DataError, match="all 4 documents .* are the same text"):
+        run_tokenize([tmp_path / "texts"], tok_file, tmp_path / "same")
 
 
 # --- build_datasets on shards ----------------------------------------------------------------------

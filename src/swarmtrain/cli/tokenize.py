@@ -42,7 +42,9 @@ def register(subparsers) -> None:
         "the tokenizer's end-of-text id after each into DIR/train-NNNNN.tok and DIR/val-NNNNN.tok (fixed-size "
         "shards, uint16 or uint32 tokens after a 256-byte header) plus DIR/manifest.json. Memory does not "
         "grow with the corpus. A document goes to validation when a hash of its text falls below "
-        "--val-fraction (until --val-tokens), so the splits never share a document. Interrupted (Ctrl-C, "
+        "--val-fraction (until --val-tokens), so the splits never share a document; if none does (a corpus "
+        "too small for the fraction), the document with the smallest hash does, with a warning. A corpus of "
+        "a single document cannot be split and is an error. Interrupted (Ctrl-C, "
         "kill, crash)? Run the same command again: it continues from the last checkpoint and writes the "
         "same shards an uninterrupted run would. Train with data.source = DIR (and data.tokenizer = T to "
         "have the tokenizer checked against the shards).",
@@ -72,7 +74,8 @@ def register(subparsers) -> None:
         type=_fraction,
         default=DEFAULT_VAL_FRACTION,
         metavar="F",
-        help=f"share of documents held out for validation, chosen by a hash of their text (default: "
+        help=f"share of documents held out for validation, chosen by a hash of their text; at least one "
+        f"document is held out, 0 holds out none (no validation split; training needs one) (default: "
         f"{DEFAULT_VAL_FRACTION})",
     )
     parser.add_argument(
@@ -80,7 +83,8 @@ def register(subparsers) -> None:
         type=_count,
         default=DEFAULT_VAL_TOKENS,
         metavar="N",
-        help=f"stop holding out documents once validation has N tokens (default: {DEFAULT_VAL_TOKENS:,})",
+        help=f"stop holding out documents once validation has N tokens; 0 holds out none (default: "
+        f"{DEFAULT_VAL_TOKENS:,})",
     )
     parser.add_argument(
         "--max-bytes",
@@ -125,10 +129,18 @@ def run(args: argparse.Namespace) -> int:
         )
         return 130
     print(summary.line())
-    if summary.val_tokens == 0:
+    if summary.val_fallback:
         print(
-            "warning: no document fell into the validation split; training needs one: rerun into a new "
-            "--out with a larger --val-fraction",
+            f"warning: {summary.documents:,} documents are too few for --val-fraction {args.val_fraction} "
+            f"(no hash fell below it): validation holds the document with the smallest hash "
+            f"({summary.val_documents:,} document(s), {summary.val_tokens:,} tokens); for more, rerun into "
+            f"a new --out with a larger --val-fraction",
+            file=sys.stderr,
+        )
+    elif summary.val_tokens == 0:
+        print(
+            "warning: --val-fraction 0 or --val-tokens 0 wrote no validation split; training needs one: rerun "
+            "into a new --out with both above 0",
             file=sys.stderr,
         )
     return 0

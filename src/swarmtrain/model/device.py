@@ -8,7 +8,8 @@ peers compute in. fp16's narrow range needs a loss scaler (`grad_scaler`); bf16 
 needs none. bf16 autocast runs on CPU too, which is how the mixed-precision path is tested here.
 
 The CUDA-only code is the two branches marked "CUDA" below (a pinned staging copy, a synchronize before
-reading the clock). This project has no GPU machine: those branches have never run.
+reading the clock). This project has no GPU machine: those branches have never run on a GPU (the busy
+clock's is run on CPU against a fake torch.cuda.synchronize in tests/unit/test_device.py).
 """
 
 from __future__ import annotations
