@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from swarm_fixtures import start_servers
+from swarmtrain.runtime.faults import FaultHooks
 from swarmtrain.runtime.ledger import read_ledger
 from swarmtrain.runtime.local import LocalTrainer
 
@@ -34,12 +35,7 @@ def test_one_byzantine_replica_of_three_is_contained(make_swarm):
         },
     )
     start_servers(swarm, {"s0a": 0, "s0b": 0, "s1": 1})
-    honest_env = swarm.env
-    swarm.env = dict(honest_env, SWARMTRAIN_FAULT_GRAD_SCALE="1e6", SWARMTRAIN_FAULT_NAN_GRADS_EVERY="3")
-    try:
-        swarm.start_server("s0x", 0)
-    finally:
-        swarm.env = honest_env
+    swarm.start_server("s0x", 0, faults=FaultHooks(grad_scale=1e6, nan_every=3))
     swarm.wait_ready(["s0x"])
     trainer = swarm.start_trainer("trainer", "--in-flight", "4", "--eval-samples", str(EVAL_SAMPLES))
     assert swarm.wait_exit("trainer", 300) == 0, trainer.log_text()[-3000:]

@@ -3,7 +3,6 @@ sends NaN instead. The stage refuses the NaN sums at the boundary and clips the 
 (net/robust.py): every parameter stays finite and the validation loss stays within 5% of the same
 run with an honest replica, on the same samples."""
 
-import contextlib
 import json
 import math
 
@@ -11,29 +10,22 @@ import pytest
 import torch
 
 from swarm_fixtures import start_servers
+from swarmtrain.runtime.faults import FaultHooks
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow, pytest.mark.timeout(600)]
 
 SAMPLES = 2048
 
 
-@contextlib.contextmanager
-def _faulty(swarm, byzantine: bool):
-    """Processes started inside are byzantine: sums scaled by 1e6, NaN every third step or round."""
-    saved = swarm.env
-    if byzantine:
-        swarm.env = dict(saved, SWARMTRAIN_FAULT_GRAD_SCALE="1e6", SWARMTRAIN_FAULT_NAN_GRADS_EVERY="3")
-    try:
-        yield
-    finally:
-        swarm.env = saved
+def _faults(byzantine: bool) -> FaultHooks | None:
+    """A byzantine peer's: sums scaled by 1e6, NaN every third step or round."""
+    return FaultHooks(grad_scale=1e6, nan_every=3) if byzantine else None
 
 
 def _run(make_swarm, byzantine: bool) -> tuple[float, dict]:
     swarm, cfg = make_swarm("tiny", {"training": {"max_samples": 8192}})
     start_servers(swarm, {"s0a": 0, "s1": 1})
-    with _faulty(swarm, byzantine):
-        swarm.start_server("s0b", 0)
+    swarm.start_server("s0b", 0, faults=_faults(byzantine))
     swarm.wait_ready(["s0b"])
     swarm.start_trainer("trainer", "--max-samples", str(SAMPLES), "--in-flight", "2", "--eval-samples", "256")
     assert swarm.wait_exit("trainer", 400) == 0, swarm.processes["trainer"].log_text()[-3000:]
@@ -67,8 +59,10 @@ def _replica_run(make_swarm, byzantine: bool) -> tuple[dict, dict]:
     swarm, cfg = make_swarm("tiny", {"training": {"max_samples": REPLICA_SAMPLES}})
     swarm.start_dht()
     for k in range(2):
-        with _faulty(swarm, byzantine and k == 1):
-            swarm.start_replica(f"replica{k}", f"{k}/2", "--eval-samples", "256", "--wait-for-replicas", "2")
+        faults = _faults(byzantine and k == 1)
+        swarm.start_replica(
+            f"replica{k}", f"{k}/2", "--eval-samples", "256", "--wait-for-replicas", "2", faults=faults
+        )
     for k in range(2):
         assert swarm.wait_exit(f"replica{k}", 400) == 0, swarm.processes[f"replica{k}"].log_text()[-3000:]
     summaries = [json.loads(swarm.summary_path(f"replica{k}").read_text()) for k in range(2)]

@@ -10,6 +10,7 @@ import pytest
 
 from swarmtrain.model import build_model
 from swarmtrain.net.outer_averaging import WIRE_BYTES_PER_ELEMENT
+from swarmtrain.runtime.faults import FaultHooks
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(300)]
 
@@ -21,12 +22,7 @@ def test_a_partial_round_is_repaired_from_the_other_members_mean(make_swarm):
     swarm.start_dht()
     common = ("--threads", "1", "--wait-for-replicas", "2", "--eval-samples", "64")
     swarm.start_replica("replica0", "0/2", *common)
-    saved = swarm.env
-    swarm.env = dict(saved, SWARMTRAIN_FAULT_DROP_RESULTS_IN="2")
-    try:
-        swarm.start_replica("replica1", "1/2", *common)
-    finally:
-        swarm.env = saved
+    swarm.start_replica("replica1", "1/2", *common, faults=FaultHooks(drop_results_in=2))
     for name in ("replica0", "replica1"):
         assert swarm.wait_exit(name, 240) == 0, swarm.processes[name].log_text()[-3000:]
     a, b = (json.loads(swarm.summary_path(f"replica{k}").read_text()) for k in range(2))

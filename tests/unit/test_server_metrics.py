@@ -64,16 +64,25 @@ def test_a_record_from_a_newer_server_with_extra_keys_still_reads():
     assert ServerMetrics.from_dict(record) == _metrics()
 
 
-def test_fault_hooks_come_only_from_the_environment_they_are_given():
-    assert FaultHooks.from_environ({}) == NO_FAULTS
-    hooks = FaultHooks.from_environ(
-        {
-            "SWARMTRAIN_FAULT_GRAD_SCALE": "1e6",
-            "SWARMTRAIN_FAULT_NAN_GRADS_EVERY": "3",
-            "SWARMTRAIN_FAULT_DROP_RESULTS_IN": "2",
-        }
-    )
-    assert hooks == FaultHooks(grad_scale=1e6, nan_every=3, drop_results_in=2)
+def test_fault_hooks_reach_a_peer_only_through_the_test_entry_point(monkeypatch):
+    """`swarmtrain server`/`replica` always run with NO_FAULTS whatever the environment holds (the old
+    fault variables included); `swarmtrain.cli.faulty` hands the hooks it is given to the command."""
+    from swarmtrain.cli import faulty, main, replica, server
+
+    for name in ("SWARMTRAIN_FAULT_GRAD_SCALE", "SWARMTRAIN_FAULT_NAN_GRADS_EVERY"):
+        monkeypatch.setenv(name, "3")
+    seen = []
+    for module in (server, replica):
+        monkeypatch.setattr(module, "run", lambda args, faults=None: seen.append(faults) or 0)
+    peers = ["--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/QmPeer"]
+    assert main.main(["server", "--stage", "0", *peers]) == 0
+    assert main.main(["replica", "--shard", "0/2", *peers]) == 0
+    assert seen == [None, None]  # run() then uses NO_FAULTS
+    hooks = FaultHooks(grad_scale=1e6, nan_every=3, drop_results_in=2)
+    assert faulty.main([*hooks.as_args(), "--", "replica", "--shard", "1/2", *peers]) == 0
+    assert seen[-1] == hooks
+    with pytest.raises(SystemExit):  # only the two peers that take hooks
+        faulty.main(["--nan-every", "2", "--", "trainer"])
     tensors = [torch.ones(2)]
     assert NO_FAULTS.corrupted(tensors, 3) is tensors
     assert all(math.isnan(v) for v in hooks.corrupted(tensors, 3)[0].tolist())

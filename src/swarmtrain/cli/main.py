@@ -54,8 +54,13 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    return run_command(args, lambda: args.func(args))
+
+
+def run_command(args: argparse.Namespace, call) -> int:
+    """`call()`'s exit code, a user's error as one line and exit 2, Ctrl-C as exit 130."""
     try:
-        return int(args.func(args) or 0)
+        return int(call() or 0)
     except UserError as exc:
         print(f"swarmtrain {args.command}: error: {exc}", file=sys.stderr)
         return 2

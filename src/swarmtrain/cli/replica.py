@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from swarmtrain.cli.common import (
     add_device_args,
@@ -38,6 +39,9 @@ summary, exit 0 (Ctrl-C also stops the libp2p daemon of the process group: that 
 Start the first one with --initial-peers of a `swarmtrain dht`; every replica of a run must use the
 same config ([training], [model], [diloco] in --config).
 """
+
+if TYPE_CHECKING:  # torch is imported inside `run` only: `swarmtrain --help` stays fast
+    from swarmtrain.runtime.faults import FaultHooks
 
 
 def register(subparsers) -> None:
@@ -84,7 +88,8 @@ def register(subparsers) -> None:
     parser.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, faults: FaultHooks | None = None) -> int:
+    """`faults`: a faulty peer's hooks; only tests pass any (through `swarmtrain.cli.faulty`)."""
     from swarmtrain.config.errors import UserError
 
     try:
@@ -108,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
     replica_batch_samples(cfg, shard_count)  # a bad split is a config error before any process starts
     prepare_process()
     from swarmtrain.net.engine import validate_initial_peers
-    from swarmtrain.runtime.faults import FaultHooks
+    from swarmtrain.runtime.faults import NO_FAULTS
     from swarmtrain.runtime.replica.replica_peer import ReplicaOptions, run_replica
 
     options = ReplicaOptions(
@@ -123,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
         swap_budget_bytes=args.offload_budget_mb * 2**20 if args.offload_budget_mb else None,
         compute=compute,
         init_from_hf=args.init_from_hf,
-        faults=FaultHooks.from_environ(),  # tests make one replica faulty through its environment
+        faults=faults or NO_FAULTS,
     )
     peers = validate_initial_peers(args.initial_peers)
     summary = run_replica(cfg, options, peers, network_from_args(args))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from swarmtrain.cli.common import (
     add_device_args,
@@ -16,6 +17,9 @@ from swarmtrain.cli.common import (
 from swarmtrain.cli.net_args import add_identity_arg, add_network_args, network_from_args, prepare_process
 
 HELP = "serve one pipeline stage (forward/backward RPCs, intra-stage averaging)"
+
+if TYPE_CHECKING:  # torch is imported inside `run` only: `swarmtrain --help` stays fast
+    from swarmtrain.runtime.faults import FaultHooks
 
 
 def register(subparsers) -> None:
@@ -135,12 +139,13 @@ def register(subparsers) -> None:
     parser.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, faults: FaultHooks | None = None) -> int:
+    """`faults`: a faulty peer's hooks; only tests pass any (through `swarmtrain.cli.faulty`)."""
     from swarmtrain.config.errors import UserError
 
     prepare_process()
     from swarmtrain.net.engine import validate_initial_peers
-    from swarmtrain.runtime.faults import FaultHooks
+    from swarmtrain.runtime.faults import NO_FAULTS
     from swarmtrain.runtime.server.server_process import ServerOptions, ServerProcess
     from swarmtrain.runtime.server.stage_service import StageOptions
 
@@ -186,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
         ledger_path=args.ledger,
         metrics_period_s=args.metrics_period_s,
         stage_options=stage_options,
-        faults=FaultHooks.from_environ(),  # tests make one server faulty through its environment
+        faults=faults or NO_FAULTS,
         data_port=args.data_port if args.data_plane else None,
         data_congestion=None if args.data_plane_cc == "system" else args.data_plane_cc,
     )

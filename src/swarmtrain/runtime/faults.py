@@ -4,22 +4,18 @@ A byzantine stage replica's gradient sums come out scaled (`grad_scale`) and eve
 NaN instead (`nan_every`); a DiLoCo replica does the same to its pseudo-gradients, and its averager can
 reduce its n-th all-reduce but send no results back (`drop_results_in`), as a broken result stream does.
 
-Only the command line reads the environment (`FaultHooks.from_environ`, in `cli/server.py` and
-`cli/replica.py`), so a test can make one process of a swarm faulty; the runtime receives the hooks as
-an argument and never looks at environment variables. The default object has no effect.
+No production command can make a peer faulty: `swarmtrain server` and `swarmtrain replica` always run
+with `NO_FAULTS`, and nothing reads fault settings from the environment. Tests start a faulty peer
+through the harness (`LocalSwarm.start_server(..., faults=FaultHooks(...))`), which launches it with the
+test-only entry point `swarmtrain.cli.faulty`; the runtime receives the hooks as an argument. The
+default object has no effect.
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
-
-SCALE_ENV = "SWARMTRAIN_FAULT_GRAD_SCALE"
-NAN_EVERY_ENV = "SWARMTRAIN_FAULT_NAN_GRADS_EVERY"
-DROP_RESULTS_ENV = "SWARMTRAIN_FAULT_DROP_RESULTS_IN"
 
 
 @dataclass(frozen=True)
@@ -28,13 +24,13 @@ class FaultHooks:
     nan_every: int = 0  # every k-th step or round is sent as NaN; 0: never
     drop_results_in: int = 0  # the all-reduce (1-based) whose results are withheld; 0: none
 
-    @classmethod
-    def from_environ(cls, environ: Mapping[str, str] = os.environ) -> FaultHooks:
-        return cls(
-            grad_scale=float(environ.get(SCALE_ENV, "1")),
-            nan_every=int(environ.get(NAN_EVERY_ENV, "0")),
-            drop_results_in=int(environ.get(DROP_RESULTS_ENV, "0")),
-        )
+    def as_args(self) -> list[str]:
+        """The options of `swarmtrain.cli.faulty` that describe these hooks."""
+        return [
+            f"--grad-scale={self.grad_scale!r}",
+            f"--nan-every={self.nan_every}",
+            f"--drop-results-in={self.drop_results_in}",
+        ]
 
     def sends_nan(self, index: int) -> bool:
         """Whether step or round `index` is one this faulty peer sends as NaN."""

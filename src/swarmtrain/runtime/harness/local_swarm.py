@@ -11,11 +11,15 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from swarmtrain.config.errors import UserError
 from swarmtrain.runtime.harness.cpu_quota import CpuQuota
 from swarmtrain.runtime.harness.stall_watchdog import StallWatchdog
 from swarmtrain.runtime.procs import ManagedProcess
+
+if TYPE_CHECKING:
+    from swarmtrain.runtime.faults import FaultHooks
 
 READY_MARKER = "ready (epoch"
 MONITOR_URL = re.compile(r"monitor: (http://\S+/) ")  # the line `swarmtrain monitor` prints when it serves
@@ -99,11 +103,20 @@ class LocalSwarm:
     def __exit__(self, *exc) -> None:
         self.stop_all()
 
-    def _spawn(self, name: str, args: list[str], cpu_quota: CpuQuota | None = None) -> ManagedProcess:
-        argv = [self.python, "-m", "swarmtrain.cli.main", *args]
+    def _spawn(
+        self, name: str, args: list[str], cpu_quota: CpuQuota | None = None, faults: FaultHooks | None = None
+    ) -> ManagedProcess:
+        """`faults`: the peer is faulty (runtime/faults.py), launched through the test-only entry point."""
+        entry = [self.python, "-m", "swarmtrain.cli.main"]
+        if faults is not None:
+            entry = [self.python, "-m", "swarmtrain.cli.faulty", *faults.as_args(), "--"]
+        command, rest = args[:1], args[1:]
         if self.netbed is not None and name in self.netbed_peers:
             i = self.netbed_peers[name]  # --host right after the subcommand: `extra` may still override it
-            argv = self.netbed.wrap(i, [*argv[:4], "--host", self.netbed.host(i), *argv[4:]])
+            rest = ["--host", self.netbed.host(i), *rest]
+        argv = [*entry, *command, *rest]
+        if self.netbed is not None and name in self.netbed_peers:
+            argv = self.netbed.wrap(self.netbed_peers[name], argv)
         proc = ManagedProcess(name, argv, self.workdir / f"{name}.log", env=self.env, cpu_quota=cpu_quota)
         self.processes[name] = proc
         return proc
@@ -126,8 +139,11 @@ class LocalSwarm:
         the DHT and, as every reachable peer does by default, relays for peers behind a NAT."""
         return self._spawn(name, ["dht", "--initial-peers", self.address, *extra])
 
-    def start_server(self, name: str, stage: int | str | None, *extra: str) -> ManagedProcess:
-        """`stage`: an index, "auto", or None when `extra` says where (--plan)."""
+    def start_server(
+        self, name: str, stage: int | str | None, *extra: str, faults: FaultHooks | None = None
+    ) -> ManagedProcess:
+        """`stage`: an index, "auto", or None when `extra` says where (--plan); `faults`: a faulty
+        server (tests)."""
         args = [
             "server",
             *([] if stage is None else ["--stage", str(stage)]),
@@ -142,7 +158,7 @@ class LocalSwarm:
         quota = None
         if self.cpus_per_server is not None:
             quota = self.quotas[name] = CpuQuota(name, self.cpus_per_server)
-        return self._spawn(name, args, quota)
+        return self._spawn(name, args, quota, faults)
 
     def start_trainer(self, name: str, *extra: str) -> ManagedProcess:
         args = [
@@ -162,8 +178,11 @@ class LocalSwarm:
         self.trainer_names.append(name)
         return self._spawn(name, args)
 
-    def start_replica(self, name: str, shard: str, *extra: str) -> ManagedProcess:
-        """A whole-model replica (`swarmtrain replica`) of data shard `shard` ("K/N")."""
+    def start_replica(
+        self, name: str, shard: str, *extra: str, faults: FaultHooks | None = None
+    ) -> ManagedProcess:
+        """A whole-model replica (`swarmtrain replica`) of data shard `shard` ("K/N"); `faults`: a faulty
+        one (tests)."""
         args = [
             "replica",
             "--config",
@@ -176,7 +195,7 @@ class LocalSwarm:
             str(self.summary_path(name)),
             *extra,
         ]
-        return self._spawn(name, args)
+        return self._spawn(name, args, faults=faults)
 
     def start_monitor(self, port: int = 0, *extra: str, timeout_s: float = 60.0) -> str:
         """`swarmtrain monitor` of this swarm (stopped with the servers); returns its page's URL."""
