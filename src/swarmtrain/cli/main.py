@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from swarmtrain.config.errors import UserError
@@ -67,6 +68,17 @@ def run_command(args: argparse.Namespace, call) -> int:
     except KeyboardInterrupt:
         print(f"swarmtrain {args.command}: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:  # a bug: one line, as every log here (utils/logging.py); debug shows where
+        if os.environ.get("SWARMTRAIN_LOGLEVEL", "").upper() == "DEBUG":
+            raise
+        from swarmtrain.utils.logging import describe
+
+        print(
+            f"swarmtrain {args.command}: internal error: {describe(exc)} "
+            "(a bug; SWARMTRAIN_LOGLEVEL=DEBUG shows its traceback)",
+            file=sys.stderr,
+        )
+        return 1
 
 
 if __name__ == "__main__":

@@ -10,19 +10,26 @@ why hivemind's matchmaking is too slow for that); hivemind's averager serves the
   and SIGINT is restored after start (hivemind sets it to ignored in the parent);
 - in a private run (`members_keys`), hivemind's averaging RPCs answer only peers that have a record
   under one of those DHT keys: records are signed with the run key (net/auth.py), and hivemind's
-  own messages carry no token of ours.
+  own messages carry no token of ours;
+- its periodic declaration of the state for download awaits each DHT store's outcome: hivemind leaves
+  a timed-out store's task unretrieved, and asyncio printed a "Task exception was never retrieved"
+  traceback for each (28 per server log in a 3-minute `bench/chaos.py` run with frozen replicas).
 """
 
 from __future__ import annotations
 
+import asyncio
+import signal
 import time
 from collections.abc import Callable, Sequence
+from contextlib import suppress
 from typing import AsyncIterator  # noqa: UP035 (hivemind's ServicerBase only recognizes typing's alias)
 
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
+from hivemind.utils import get_dht_time
 
 from swarmtrain.net.dht_records import live_subkeys
 from swarmtrain.net.engine import restore_sigint
@@ -70,6 +77,7 @@ class StageAverager(DecentralizedAverager):
             shutdown_timeout=3,
         )
         options.update(averager_kwargs)
+        sigint = signal.getsignal(signal.SIGINT)  # the owner's (a replica's stop handler), kept
         super().__init__(
             # host copies: the averager runs in its own process and shares host memory only
             [t.detach().to("cpu", copy=True) for t in tensors],
@@ -78,7 +86,7 @@ class StageAverager(DecentralizedAverager):
             prefix=prefix.replace(".", "_"),
             **options,
         )
-        restore_sigint()
+        restore_sigint(sigint)
 
     # private runs: hivemind's RPCs (served in the averager's process) answer members only ------------
     async def rpc_join_group(
@@ -130,6 +138,32 @@ class StageAverager(DecentralizedAverager):
             members.update(live_subkeys(found))
         return members
 
+    async def _declare_for_download_periodically(self) -> None:
+        """(in the averager's process) Every `declare_state_period`, and whenever sharing is switched,
+        announce under the group's key whether (with which priority) this peer serves its state, as
+        hivemind does; each store runs on its own (a slow DHT does not delay the next declaration) and
+        its failure is logged in one line instead of left unretrieved."""
+        key = f"{self._matchmaking.group_key_manager.prefix}.all_averagers"
+        was_sharing = self.allow_state_sharing
+        while True:
+            expiration_time = get_dht_time() + self.declare_state_period
+            if self.allow_state_sharing or was_sharing:  # a switch-off overwrites the last declaration
+                value = self.state_sharing_priority if self.allow_state_sharing else None
+                store = self.dht.store(
+                    key,
+                    subkey=self.peer_id.to_bytes(),
+                    value=value,
+                    expiration_time=expiration_time,
+                    return_future=True,
+                )
+                task = asyncio.create_task(asyncio.wait_for(store, timeout=self.declare_state_period))
+                task.add_done_callback(_report_declaration)
+                was_sharing = self.allow_state_sharing
+            self._state_updated.clear()
+            with suppress(TimeoutError):
+                remaining_s = max(0.0, expiration_time - get_dht_time())
+                await asyncio.wait_for(self._state_updated.wait(), timeout=remaining_s)
+
     # state sharing (called in this process by hivemind's background thread) ----------------------
     def get_current_state(self):
         metadata, tensors = self._state_provider()
@@ -149,3 +183,11 @@ class StageAverager(DecentralizedAverager):
             return None
         metadata, tensors = loaded
         return (metadata if isinstance(metadata, dict) else {}), list(tensors)
+
+
+def _report_declaration(task: asyncio.Task) -> None:
+    if task.cancelled():
+        return
+    exc = task.exception()  # retrieved: asyncio prints no traceback for it
+    if exc is not None:
+        logger.info("declaring the stage state for download failed: %r", exc)

@@ -70,9 +70,10 @@ def _in_daemon_bindings(context: dict) -> bool:
     return code is not None and f"hivemind{os.sep}p2p" in code.co_filename
 
 
-def restore_sigint() -> None:
-    """hivemind averagers set SIGINT to ignored in the parent and never restore it."""
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+def restore_sigint(handler=None) -> None:
+    """hivemind's DHT and averagers set SIGINT to ignored in the parent and never restore it: put back
+    `handler` (what was there before them: a peer's own stop handler), or Python's KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, handler if callable(handler) else signal.default_int_handler)
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,18 @@
-"""Logging factory: one place that decides format and level, called by entry points only."""
+"""Logging factory: one place that decides format and level, called by entry points only.
+
+No log of any role shows a traceback (README "Logs"): once `setup_logging` ran, an exception attached
+to any log record (ours, hivemind's, asyncio's "Task exception was never retrieved"), an exception
+Python could not raise ("Exception ignored in ...") and an uncaught exception in a thread are each
+reported as one line naming the exception. A failure is still reported where it happens; its traceback
+is kept only at SWARMTRAIN_LOGLEVEL=DEBUG, for whoever debugs it.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
 import sys
+import threading
 
 _FORMAT = "%(asctime)s %(levelname).1s %(name)s: %(message)s"
 
@@ -25,3 +33,53 @@ def setup_logging(level: str | None = None, stream=None) -> None:
         handler._swarmtrain = True  # type: ignore[attr-defined]
         root.addHandler(handler)
     root.propagate = False
+    if level_name != "DEBUG":
+        one_line_exceptions()
+
+
+def one_line_exceptions() -> None:
+    """Every exception a log record, Python's unraisable hook or a thread would print with its
+    traceback is reported as one line instead (idempotent; forked children inherit it)."""
+    factory = logging.getLogRecordFactory()
+    if not getattr(factory, "_one_line", False):
+        logging.setLogRecordFactory(_one_line_factory(factory))
+    sys.unraisablehook = _unraisable_in_one_line
+    threading.excepthook = _thread_exception_in_one_line
+
+
+def describe(exc: BaseException) -> str:
+    """`Type: message` of an exception, on one line."""
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _one_line_factory(make_record):
+    def make(*args, **kwargs) -> logging.LogRecord:
+        record = make_record(*args, **kwargs)
+        exc = record.exc_info[1] if record.exc_info else None
+        if exc is not None:
+            try:
+                message = record.getMessage()
+            except Exception:  # noqa: BLE001 (a record whose arguments do not fit its format)
+                message = str(record.msg)
+            record.msg, record.args = f"{message} ({describe(exc)})", None
+            record.exc_info, record.exc_text = None, None
+        return record
+
+    make._one_line = True  # type: ignore[attr-defined]
+    return make
+
+
+def _unraisable_in_one_line(unraisable) -> None:
+    where = f" in {unraisable.object!r:.120}" if unraisable.object is not None else ""
+    message = unraisable.err_msg or "Exception ignored"
+    exc = unraisable.exc_value
+    what = describe(exc) if exc is not None else unraisable.exc_type.__name__
+    logging.getLogger("swarmtrain").warning("%s%s (%s)", message, where, what)
+
+
+def _thread_exception_in_one_line(args) -> None:
+    if args.exc_type is SystemExit:
+        return
+    name = args.thread.name if args.thread is not None else "?"
+    logging.getLogger("swarmtrain").error("thread %s failed (%s)", name, describe(args.exc_value))

@@ -360,6 +360,10 @@ class ReplicaPeer:
         target = self.outer.outer_step + 1
         deadline = time.monotonic() + DOWNLOAD_TIMEOUT_S
         while time.monotonic() < deadline:
+            if not any(v["outer_step"] >= target for v in self._others().values()):
+                # the replicas ahead left (their records expired): nobody to download from
+                logger.warning("no live replica past outer step %d to download from: this one goes on", target - 1)
+                break
             if self._download(reason) and self.outer.outer_step >= target:
                 break
             time.sleep(0.2)  # the donor is still applying the round
