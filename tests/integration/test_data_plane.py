@@ -1,8 +1,9 @@
 """The direct data plane (net/data_plane.py) on loopback TCP, without a swarm: an acknowledgement before
 the work, one link for every exchange with answers in any order, failures of the kinds the retry table
 knows (net/failures.py), dials that fail before sending anything, a silent link dropped, congestion
-control set where permitted, and private runs: only holders of the run key get in, and what crosses
-the wire is sealed."""
+control set where permitted; in every run each side proves its libp2p identity and what crosses the
+wire is sealed (an eavesdropper reads nothing, a changed byte ends the link), and in private runs only
+holders of the run key get in; the limits on what an untrusted caller can make a server hold."""
 
 import asyncio
 import contextlib
@@ -25,13 +26,14 @@ from swarmtrain.net.data_plane import (
     set_congestion_control,
 )
 from swarmtrain.net.failures import Outcome, classify_failure
+from swarmtrain.net.identity import PeerIdentity
 from swarmtrain.net.protocol import Message, ProtocolError, error_message, make_message, pack, unpack
 from swarmtrain.net.transport import RemoteError
 
 pytestmark = pytest.mark.integration
 
-SERVER = PeerID(b"stage-1-server").to_base58()
-CALLER = PeerID(b"stage-0-server").to_base58()
+SERVER_IDENTITY, CALLER_IDENTITY = PeerIdentity.generate(), PeerIdentity.generate()
+SERVER, CALLER = SERVER_IDENTITY.peer_id, CALLER_IDENTITY.peer_id
 LIMIT_BYTES = 1 << 20
 TIMEOUT_S = 10.0
 
@@ -91,9 +93,9 @@ class Plane:
 @contextlib.asynccontextmanager
 async def _plane(run_key: RunKey | None = None, server_type: type = DataPlaneServer):
     handlers = Handlers()
-    server = server_type(handlers.answer, lambda kind: LIMIT_BYTES, SERVER, run_key)
+    server = server_type(handlers.answer, lambda kind: LIMIT_BYTES, SERVER_IDENTITY, run_key)
     await server.start("127.0.0.1")
-    client = DataPlaneClient(CALLER, run_key)
+    client = DataPlaneClient(CALLER_IDENTITY, run_key)
     try:
         yield Plane(handlers, server, client)
     finally:
@@ -185,7 +187,7 @@ def test_a_dial_that_fails_sends_nothing_and_the_address_rests():
                 await plane.call("b")
         assert plane.handlers.calls == []
         with pytest.raises(DialFailed):  # nobody listens there any more
-            await plane.call("c", client=DataPlaneClient(CALLER))
+            await plane.call("c", client=DataPlaneClient(CALLER_IDENTITY))
 
     _run(main())
 
@@ -199,7 +201,7 @@ def test_in_a_private_run_only_key_holders_get_in():
             with pytest.raises(RemoteError, match="too_large"):  # dropped unread, its nonce counted
                 await plane.call("big", size=LIMIT_BYTES)
             assert (await plane.call("c")).header["mb"] == "c"
-            for outsider in (DataPlaneClient(CALLER, RunKey(os.urandom(32))), DataPlaneClient(CALLER)):
+            for outsider in (DataPlaneClient(CALLER_IDENTITY, RunKey(os.urandom(32))), DataPlaneClient(CALLER_IDENTITY)):
                 with pytest.raises(DialFailed):
                     await plane.call("b", client=outsider)
         assert len(plane.handlers.calls) == 2
@@ -217,6 +219,93 @@ def test_a_sealed_frame_hides_its_body_and_fails_if_altered():
     altered = sender.seal(b"head", body)
     with pytest.raises(ProtocolError):
         receiver.open(b"head", altered[:-1] + bytes([altered[-1] ^ 1]))
+
+
+class _Impostor:
+    """Claims `peer_id` but holds another key (its own)."""
+
+    def __init__(self, peer_id: str) -> None:
+        own = PeerIdentity.generate()
+        self.peer_id, self.public_key, self.sign = peer_id, own.public_key, own.sign
+
+
+def test_each_side_must_prove_the_peer_id_it_claims():
+    async def main():
+        async with _plane() as plane:
+            with pytest.raises(DialFailed, match="could not prove"):  # a caller posing as CALLER
+                await plane.call("a", client=DataPlaneClient(_Impostor(CALLER)))
+            assert plane.handlers.calls == []
+            impostor = DataPlaneServer(plane.handlers.answer, lambda kind: LIMIT_BYTES, _Impostor(SERVER), None)
+            await impostor.start("127.0.0.1")
+            try:  # a server posing as SERVER at another address
+                with pytest.raises(DialFailed, match="could not prove"):
+                    await DataPlaneClient(CALLER_IDENTITY).call(
+                        ("127.0.0.1", impostor.port), SERVER, "chain", _hand_off("b"), TIMEOUT_S
+                    )
+            finally:
+                await impostor.close()
+            assert plane.handlers.calls == []
+
+    _run(main())
+
+
+class _Tap:
+    """A TCP relay between a client and the server that records what passes and may flip one byte of
+    what the client sends after `flip_after` bytes (someone on the path)."""
+
+    def __init__(self, target: tuple[str, int], flip_after: int | None = None) -> None:
+        self.target, self.flip_after = target, flip_after
+        self.seen = bytearray()
+        self.port = 0
+
+    async def start(self):
+        self._server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def _relay(self, reader, writer):
+        up_reader, up_writer = await asyncio.open_connection(*self.target)
+        await asyncio.gather(self._pipe(reader, up_writer, tamper=True), self._pipe(up_reader, writer))
+
+    async def _pipe(self, reader, writer, tamper: bool = False):
+        sent = 0
+        with contextlib.suppress(ConnectionError):
+            while data := await reader.read(1 << 16):
+                if tamper and self.flip_after is not None and sent <= self.flip_after < sent + len(data):
+                    at = self.flip_after - sent
+                    data = data[:at] + bytes([data[at] ^ 1]) + data[at + 1 :]
+                self.seen += data
+                sent += len(data)
+                writer.write(data)
+                await writer.drain()
+        writer.close()
+
+    def close(self):
+        self._server.close()
+
+
+def test_in_a_public_run_frames_are_sealed_and_a_changed_byte_ends_the_link():
+    async def main():
+        async with _plane() as plane:
+            tap = await _Tap(plane.address).start()
+            client = DataPlaneClient(CALLER_IDENTITY)
+            marker = b"recognisable-micro-batch-id"
+            message = _hand_off(marker.decode())
+            reply = await client.call(("127.0.0.1", tap.port), SERVER, "chain", message, TIMEOUT_S)
+            assert reply.header["mb"] == marker.decode() and reply.header["caller"] == CALLER
+            assert len(tap.seen) > 1000 and marker not in tap.seen  # it crossed, unreadable
+            tap.close()
+
+            tap = await _Tap(plane.address, flip_after=len(tap.seen) // 2 + 3000).start()
+            client = DataPlaneClient(CALLER_IDENTITY)
+            calls = len(plane.handlers.calls)
+            with pytest.raises((ConnectionError, DialFailed)):
+                for mb in range(20):  # the flipped byte lands in one of these requests' frames
+                    await client.call(("127.0.0.1", tap.port), SERVER, "chain", _hand_off(f"m{mb}", 256), TIMEOUT_S)
+            assert len(plane.handlers.calls) - calls < 20  # the altered frame never reached a handler
+            tap.close()
+
+    _run(main())
 
 
 class _Deaf(DataPlaneServer):
@@ -262,7 +351,7 @@ async def _raw_link(plane: Plane, link: str = "a" * 32, roles=("replies", "reque
     channels = []
     for role in roles:
         reader, writer = await asyncio.open_connection(*plane.address)
-        seal = await data_plane._client_handshake(reader, writer, CALLER, SERVER, None, link, role)
+        seal = await data_plane._client_handshake(reader, writer, CALLER_IDENTITY, SERVER, None, link, role)
         channels.append(data_plane._Channel(reader, writer, seal))
     return channels
 
@@ -353,7 +442,7 @@ def test_connections_over_the_per_address_limit_are_refused(monkeypatch):
             for _, held_writer in held:
                 held_writer.close()
             await _until(lambda: plane.server.status()["connections"] == 0)
-            assert (await plane.call("b", client=DataPlaneClient(CALLER))).header["mb"] == "b"
+            assert (await plane.call("b", client=DataPlaneClient(CALLER_IDENTITY))).header["mb"] == "b"
 
     _run(main())
 

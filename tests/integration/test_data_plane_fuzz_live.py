@@ -17,17 +17,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from hivemind.p2p import PeerID
 
 from fuzz_cases import locally_rejected, mutations, valid_messages
 from swarm_fixtures import start_servers
 from swarmtrain.net import data_plane
 from swarmtrain.net.bundle import MAX_BUNDLE_ITEMS, bundle_message
+from swarmtrain.net.identity import PeerIdentity
 from swarmtrain.net.protocol import Message, StageIO, encode_labels, pack, request_message, unpack
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
-FUZZER = PeerID(b"data-plane-fuzzer").to_base58()
+FUZZER_IDENTITY = PeerIdentity.generate()
+FUZZER = FUZZER_IDENTITY.peer_id
 SAMPLES = 1 << 20  # more than the fuzzing lasts: the run is stopped with Ctrl-C after it
 CLOSED_WITHIN_S = 15.0
 REPLY_WITHIN_S = 30.0
@@ -58,14 +59,13 @@ def test_the_data_plane_refuses_what_strangers_send_and_the_swarm_trains_on(make
     assert trainer.alive, "the run ended before the fuzzing did: too short to show it trains on"
     epochs_after = {s: probe.info(p).header["epoch"] for s, (p, _) in targets.items()}
     assert all(epochs_after[s] > epochs_before[s] for s in targets), (epochs_before, epochs_after)
-    for stage, (peer, _) in targets.items():
-        status = probe.info(peer).header["data_plane"]
-        assert status["held_bytes"] == 0 and status["refused"] > 0, (stage, status)
-
     trainer.proc.send_signal(signal.SIGINT)  # a user's Ctrl-C: the run stops cleanly, with its summary
     assert swarm.wait_exit("trainer", 120) == 0, trainer.log_text()[-3000:]
     summary = json.loads((swarm.workdir / "trainer.summary.json").read_text())
     assert summary["microbatches_failed"] == 0 and summary["steps"] > 0, summary
+    for stage, (peer, _) in targets.items():  # the swarm is idle now: everything held was released
+        status = probe.info(peer).header["data_plane"]
+        assert status["held_bytes"] == status["answers_under_way"] == 0 and status["refused"] > 0, (stage, status)
     for name, proc in swarm.processes.items():
         log = proc.log_text()
         assert "Traceback" not in log, f"{name}:\n{log[-4000:]}"
@@ -135,7 +135,7 @@ async def _bad_hellos(address, server: str) -> int:
 
 
 class _RawLink:
-    """A link made by hand as the fuzzer's peer id (a public run asks no more)."""
+    """A link made by hand with the fuzzer's own identity (a public run admits anyone who proves one)."""
 
     def __init__(self, replies, requests) -> None:
         self.replies, self.requests = replies, requests
@@ -145,8 +145,8 @@ class _RawLink:
         link, channels = os.urandom(16).hex(), []
         for role in (data_plane.REPLIES, data_plane.REQUESTS):
             reader, writer = await asyncio.open_connection(*address)
-            await data_plane._client_handshake(reader, writer, FUZZER, server, None, link, role)
-            channels.append(data_plane._Channel(reader, writer, None))
+            seal = await data_plane._client_handshake(reader, writer, FUZZER_IDENTITY, server, None, link, role)
+            channels.append(data_plane._Channel(reader, writer, seal))
         return cls(*channels)
 
     async def reply(self) -> Message:

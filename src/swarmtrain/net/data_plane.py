@@ -17,13 +17,23 @@ TCP state stays warm (a connection per exchange, tried first, reused connections
 docs/LOG.md). A frame is a header `!BBQQ` (frame type, length of the kind, length of the body,
 exchange id), the kind, the body.
 
-A connection opens with a handshake: each side sends a random nonce and its peer id, and the client
-names the server it means to reach, so an address now used by another process is refused, not served.
-In a private run both sides prove they hold the run key (an HMAC over both nonces, both ids, the link
-and the connection's role) and every frame's body is sealed with AES-GCM under a key derived the same
-way, the header as associated data: a stranger can neither call nor read nor alter a frame unnoticed. In a public run, which anyone may
-join anyway, frames are neither authenticated nor encrypted (libp2p's transport is encrypted; this one
-is not: README "Private runs").
+A connection opens with a handshake, in every run, public or private (threat model: anyone can reach
+the port and anyone on the path can read, drop, replay or change bytes):
+1. the client sends its peer id, the peer id of the server it means to reach (an address now used by
+   another process is refused, not served), a link id and role, a random nonce, an ephemeral X25519
+   public key and its libp2p public key;
+2. the server answers with its own nonce, ephemeral key and libp2p public key, and its signature over
+   the transcript (a hash of every field of both messages);
+3. the client checks that the server's key is the one its peer id names (a peer id is the hash of its
+   public key: net/identity.py) and the signature, then signs the transcript itself; the server checks
+   the same of the client's claimed peer id.
+So each side proves the libp2p identity it claims, as libp2p's own handshake does, and a caller's peer
+id (what a stage bans, credits or answers) is authenticated. Every frame's body is then sealed with
+AES-GCM, the header as associated data, under a key derived (HKDF-SHA256) from the X25519 secret and
+the transcript: an eavesdropper reads nothing, and a changed, dropped, replayed or reordered frame fails
+its authentication (each direction counts its nonces) and ends the link. A private run adds what a
+public one cannot ask: both sides prove they hold the run key (an HMAC over the transcript), and the run
+key salts the frames' key, so a stranger cannot even complete the handshake.
 
 A dial that fails (refused, unreachable, a failed handshake) raises `DialFailed` before anything is
 sent, and the address is not tried again for `DIAL_COOLDOWN_S`: the caller uses libp2p meanwhile.
@@ -32,6 +42,7 @@ sent, and the address is not tried again for `DIAL_COOLDOWN_S`: the caller uses 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import ipaddress
 import json
 import secrets
@@ -42,10 +53,16 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 from hivemind.p2p import P2PContext, PeerID
 
+from swarmtrain.net import identity
 from swarmtrain.net.auth import RunKey
+from swarmtrain.net.identity import PeerIdentity
 from swarmtrain.net.protocol import Message, ProtocolError, error_message, pack
 from swarmtrain.net.reachability import ip_and_tcp_port
 from swarmtrain.net.transport import MAX_DRAIN_S, MAX_REPLY_BYTES, TransportStats, checked_reply
@@ -80,7 +97,9 @@ _HELLO_LENGTH = struct.Struct("!I")
 _MAX_HELLO_BYTES = 4096
 _NONCE_BYTES = 16
 _TAG_BYTES = 16  # AES-GCM's authentication tag, appended to a sealed body
-_PROTOCOL = "swarmtrain-data/1"
+_PROTOCOL = "swarmtrain-data/2"
+_DH_BYTES = 32  # an X25519 public key
+_MAX_KEY_BYTES = 1200  # a libp2p RSA public key (up to MAX_RSA_BITS) or a signature, serialized
 REQUESTS, REPLIES = "requests", "replies"  # a link's two connections
 
 Address = tuple[str, int]
@@ -162,7 +181,7 @@ class _Channel:
     """One connection after its handshake: frames out (whole, in order) and in."""
 
     def __init__(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, seal: _Seal | None
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, seal: _Seal
     ) -> None:
         self.reader, self.writer, self._seal = reader, writer, seal
         self._sending = asyncio.Lock()
@@ -170,11 +189,10 @@ class _Channel:
 
     async def send(self, kind_type: int, exchange: int, body: bytes, kind: str = "") -> None:
         kind_bytes = kind.encode()
-        size = len(body) + self.overhead()
+        size = len(body) + _TAG_BYTES
         head = _HEADER.pack(kind_type, len(kind_bytes), size, exchange) + kind_bytes
         async with self._sending:  # frames go whole and in nonce order
-            if self._seal is not None:
-                body = self._seal.seal(head, body)
+            body = self._seal.seal(head, body)
             self.writer.write(head)
             self.writer.write(body)
             try:  # a peer that stops reading must not hold our buffers (and this lock) for ever
@@ -203,14 +221,13 @@ class _Channel:
             parts.append(part)
             size -= len(part)
         data = b"".join(parts)
-        return self._seal.open(head.raw, data) if self._seal is not None else data
+        return self._seal.open(head.raw, data)
 
     async def skip(self, head: _Head) -> None:
         size = head.size
         while size > 0:
             size -= len(await self._exactly(min(size, _CHUNK_BYTES)))
-        if self._seal is not None:
-            self._seal.skip()
+        self._seal.skip()
 
     async def _exactly(self, size: int) -> bytes:
         """`size` bytes of a frame under way: a sender that stalls mid-frame is cut off."""
@@ -219,8 +236,6 @@ class _Channel:
         except TimeoutError:
             raise ProtocolError(f"a data-plane frame stalled for {FRAME_STALL_S:.0f} s") from None
 
-    def overhead(self) -> int:
-        return _TAG_BYTES if self._seal is not None else 0
 
     def close(self) -> None:
         self.writer.close()
@@ -247,35 +262,63 @@ async def _hear(reader: asyncio.StreamReader) -> dict:
     return fields
 
 
-def _nonce(fields: dict) -> bytes:
+def _field(fields: dict, name: str, size: int | None = None, max_size: int = _MAX_KEY_BYTES) -> bytes:
+    """A hex field of a handshake message: `size` bytes, or up to `max_size`."""
     try:
-        nonce = bytes.fromhex(str(fields.get("nonce")))
+        value = bytes.fromhex(str(fields.get(name)))
     except ValueError:
-        nonce = b""
-    if len(nonce) != _NONCE_BYTES:
-        raise ProtocolError("a data-plane handshake without a valid nonce")
-    return nonce
+        value = b""
+    if not value or (size is not None and len(value) != size) or len(value) > max_size:
+        raise ProtocolError(f"a data-plane handshake without a valid {name}")
+    return value
+
+
+def _transcript(hello: dict, reply: dict) -> bytes:
+    """What both sides sign and derive their keys from: every field of both opening messages."""
+    parts = [_PROTOCOL, hello["peer"], hello["to"], hello["link"], hello["role"]]
+    parts += [hello["nonce"], reply["nonce"], hello["dh"], reply["dh"], hello["key"], reply["key"]]
+    encoded = b"".join(struct.pack("!I", len(p)) + p for p in (str(x).encode() for x in parts))
+    return hashlib.sha256(encoded).digest()
 
 
 @dataclass(frozen=True)
 class _Session:
-    """What both sides derive from the handshake: the proofs each must show and the frames' key."""
+    """What both sides derive from the handshake: the signed transcript, and in a private run the run
+    key's proofs; the frames' key from the ephemeral X25519 secret (the run key mixed in when there)."""
 
-    run_key: RunKey
-    parts: tuple[bytes, ...]  # client nonce, server nonce, client id, server id, link and role
+    transcript: bytes
+    shared: bytes  # the X25519 secret
+    run_key: RunKey | None
+
+    def signed(self, side: str) -> bytes:
+        return f"{_PROTOCOL} {side}".encode() + self.transcript
 
     def proof(self, side: str) -> str:
-        return self.run_key.mac(f"data-plane {side}", *self.parts).hex()
+        return self.run_key.mac(f"data-plane {side}", self.transcript).hex() if self.run_key else ""
 
     def seal(self, side: str) -> _Seal:
-        key = self.run_key.mac("data-plane session", *self.parts)
+        salt = self.run_key.mac("data-plane session", self.transcript) if self.run_key else None
+        hkdf = HKDF(algorithm=hashes.SHA256(), length=32, salt=salt, info=f"{_PROTOCOL} session".encode())
+        key = hkdf.derive(self.shared + self.transcript)
         client, server = b"c->s", b"s->c"
         return _Seal(key, client, server) if side == "client" else _Seal(key, server, client)
 
 
+def _ephemeral() -> tuple[X25519PrivateKey, str]:
+    key = X25519PrivateKey.generate()
+    return key, key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw).hex()
+
+
+def _shared(ours: X25519PrivateKey, fields: dict) -> bytes:
+    try:
+        return ours.exchange(X25519PublicKey.from_public_bytes(_field(fields, "dh", _DH_BYTES)))
+    except ValueError:  # a low-order point: no shared secret
+        raise ProtocolError("a data-plane handshake with an unusable key exchange") from None
+
+
 @dataclass(frozen=True)
 class _Hello:
-    """Who calls (claimed, or in a private run proven), for which link and as which of its connections."""
+    """Who calls (proven by its libp2p key), for which link and as which of its connections."""
 
     caller: str
     link: str
@@ -285,53 +328,49 @@ class _Hello:
 async def _client_handshake(
     reader: asyncio.StreamReader,
     writer: asyncio.StreamWriter,
-    me: str,
+    me: PeerIdentity,
     server: str,
     run_key: RunKey | None,
     link: str,
     role: str,
-) -> _Seal | None:
-    ours = secrets.token_bytes(_NONCE_BYTES)
-    fields = {
-        "protocol": _PROTOCOL,
-        "peer": me,
-        "to": server,
-        "nonce": ours.hex(),
-        "link": link,
-        "role": role,
-    }
-    await _say(writer, fields)
-    hello = await _hear(reader)
-    if "error" in hello:
-        raise ProtocolError(f"refused: {str(hello['error']):.200}")
-    if hello.get("peer") != server:
-        raise ProtocolError(f"reached {str(hello.get('peer')):.60}, not {server}")
-    if run_key is None:
-        if "proof" in hello:
-            raise ProtocolError("the server's run is private and we hold no run key")
-        return None
-    session = _Session(
-        run_key, (ours, _nonce(hello), me.encode(), server.encode(), f"{link} {role}".encode())
-    )
-    if not secrets.compare_digest(str(hello.get("proof")), session.proof("server")):
+) -> _Seal:
+    ephemeral, dh = _ephemeral()
+    hello = {"protocol": _PROTOCOL, "peer": me.peer_id, "to": server, "link": link, "role": role}
+    hello |= {"nonce": secrets.token_hex(_NONCE_BYTES), "dh": dh, "key": me.public_key.hex()}
+    await _say(writer, hello)
+    reply = await _hear(reader)
+    if "error" in reply:
+        raise ProtocolError(f"refused: {str(reply['error']):.200}")
+    if reply.get("peer") != server:
+        raise ProtocolError(f"reached {str(reply.get('peer')):.60}, not {server}")
+    _field(reply, "nonce", _NONCE_BYTES)
+    their_key, shared = _field(reply, "key"), _shared(ephemeral, reply)  # checked before any use
+    session = _Session(_transcript(hello, reply), shared, run_key)
+    if not identity.verify(server, their_key, session.signed("server"), _field(reply, "sig")):
+        raise ProtocolError(f"the server could not prove it is {server}")
+    if run_key is None and "proof" in reply:
+        raise ProtocolError("the server's run is private and we hold no run key")
+    if run_key is not None and not secrets.compare_digest(str(reply.get("proof")), session.proof("server")):
         raise ProtocolError("the server holds no valid run key")
-    await _say(writer, {"proof": session.proof("client")})
-    if "error" in await _hear(reader):
-        raise ProtocolError("the server refused our run key")
+    answer = {"sig": me.sign(session.signed("client")).hex()}
+    await _say(writer, answer | ({"proof": session.proof("client")} if run_key is not None else {}))
+    verdict = await _hear(reader)
+    if "error" in verdict:
+        raise ProtocolError(f"refused: {str(verdict['error']):.200}")
     return session.seal("client")
 
 
 async def _server_handshake(
-    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, me: str, run_key: RunKey | None
-) -> tuple[_Hello, _Seal | None]:
-    """Who calls, and the frames' seal."""
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, me: PeerIdentity, run_key: RunKey | None
+) -> tuple[_Hello, _Seal]:
+    """Who calls, proven, and the frames' seal."""
     hello = await _hear(reader)
     caller, link, role = str(hello.get("peer", "")), str(hello.get("link", "")), hello.get("role")
     refusal = None
     if hello.get("protocol") != _PROTOCOL:
         refusal = f"protocol {str(hello.get('protocol')):.40} is not {_PROTOCOL}"
-    elif hello.get("to") != me:
-        refusal = f"this is {me}, not {str(hello.get('to')):.60}"
+    elif hello.get("to") != me.peer_id:
+        refusal = f"this is {me.peer_id}, not {str(hello.get('to')):.60}"
     elif not _is_peer_id(caller):
         refusal = "a malformed peer id"
     elif role not in (REQUESTS, REPLIES) or not 0 < len(link) <= 64:
@@ -339,17 +378,24 @@ async def _server_handshake(
     if refusal is not None:
         await _say(writer, {"error": refusal})
         raise ProtocolError(refusal)
-    ours = secrets.token_bytes(_NONCE_BYTES)
-    if run_key is None:
-        await _say(writer, {"peer": me, "nonce": ours.hex()})
-        return _Hello(caller, link, role), None
-    session = _Session(
-        run_key, (_nonce(hello), ours, caller.encode(), me.encode(), f"{link} {role}".encode())
-    )
-    await _say(writer, {"peer": me, "nonce": ours.hex(), "proof": session.proof("server")})
-    if not secrets.compare_digest(str((await _hear(reader)).get("proof")), session.proof("client")):
-        await _say(writer, {"error": "no valid run key"})
-        raise ProtocolError(f"{caller[-8:]} holds no valid run key", "unauthorized")
+    _field(hello, "nonce", _NONCE_BYTES)
+    ephemeral, dh = _ephemeral()
+    their_key, shared = _field(hello, "key"), _shared(ephemeral, hello)  # checked before any use
+    reply = {"peer": me.peer_id, "nonce": secrets.token_hex(_NONCE_BYTES), "dh": dh, "key": me.public_key.hex()}
+    session = _Session(_transcript(hello, reply), shared, run_key)
+    reply["sig"] = me.sign(session.signed("server")).hex()
+    if run_key is not None:
+        reply["proof"] = session.proof("server")
+    await _say(writer, reply)
+    answer = await _hear(reader)
+    refusal = None
+    if not identity.verify(caller, their_key, session.signed("client"), _field(answer, "sig")):
+        refusal = f"{caller[-8:]} could not prove it holds its peer id's key"
+    elif run_key is not None and not secrets.compare_digest(str(answer.get("proof")), session.proof("client")):
+        refusal = f"{caller[-8:]} holds no valid run key"
+    if refusal is not None:
+        await _say(writer, {"error": refusal})
+        raise ProtocolError(refusal, "unauthorized")
     await _say(writer, {"ok": True})
     return _Hello(caller, link, role), session.seal("server")
 
@@ -373,11 +419,12 @@ class DataPlaneServer:
         self,
         answer: Answer,
         limit: Callable[[str], int],
-        peer_id: str,
+        me: PeerIdentity,
         run_key: RunKey | None,
         congestion: str | None = DEFAULT_CONGESTION,
     ) -> None:
-        self.answer, self.limit, self.peer_id, self.run_key = answer, limit, peer_id, run_key
+        self.answer, self.limit, self.me, self.run_key = answer, limit, me, run_key
+        self.peer_id = me.peer_id
         self.congestion = congestion
         self.port = 0
         # request bodies held at once: at least two of the largest requests (a bundle)
@@ -425,7 +472,7 @@ class DataPlaneServer:
         set_congestion_control(writer, self.congestion)
         try:
             hello, seal = await asyncio.wait_for(
-                _server_handshake(reader, writer, self.peer_id, self.run_key), HANDSHAKE_TIMEOUT_S
+                _server_handshake(reader, writer, self.me, self.run_key), HANDSHAKE_TIMEOUT_S
             )
             channel = _Channel(reader, writer, seal)
             if hello.role == REPLIES:
@@ -573,7 +620,7 @@ class _ServedLink:
         """(text, code) of the answer that refuses this request unread, or None once its bytes are
         reserved."""
         limit = self.server.limit(head.kind)
-        if head.size > limit + self.requests.overhead():
+        if head.size > limit + _TAG_BYTES:
             return f"message exceeds the limit of {limit} bytes", "too_large"
         if self.in_flight >= MAX_REQUESTS_PER_LINK:
             self.server.refused += 1
@@ -640,7 +687,7 @@ class _Link:
         try:
             while True:
                 head = await channel.head()
-                if head.kind_type not in (ACK, REPLY) or head.size > MAX_REPLY_BYTES + channel.overhead():
+                if head.kind_type not in (ACK, REPLY) or head.size > MAX_REPLY_BYTES + _TAG_BYTES:
                     raise ProtocolError(f"frame type {head.kind_type} of {head.size} bytes from the server")
                 body = await channel.body(head)
                 self.last_frame_s = self.active_s = time.monotonic()
@@ -674,12 +721,13 @@ class DataPlaneClient:
 
     def __init__(
         self,
-        peer_id: str,
+        me: PeerIdentity,
         run_key: RunKey | None = None,
         stats: TransportStats | None = None,
         congestion: str | None = DEFAULT_CONGESTION,
     ) -> None:
-        self.peer_id, self.run_key, self.congestion = peer_id, run_key, congestion
+        self.me, self.run_key, self.congestion = me, run_key, congestion
+        peer_id = self.peer_id = me.peer_id
         self.stats = stats or TransportStats()
         self.dials = 0  # links opened (tests: a link serves many calls)
         self._token = run_key.token(peer_id) if run_key is not None else None
@@ -756,7 +804,7 @@ class DataPlaneClient:
         reader, writer = await asyncio.open_connection(*address)
         set_congestion_control(writer, self.congestion)
         try:
-            seal = await _client_handshake(reader, writer, self.peer_id, peer, self.run_key, link_id, role)
+            seal = await _client_handshake(reader, writer, self.me, peer, self.run_key, link_id, role)
         except BaseException:
             writer.close()
             raise

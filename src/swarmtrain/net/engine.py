@@ -11,15 +11,21 @@ import asyncio
 import contextlib
 import glob
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from swarmtrain.config.errors import UserError
 from swarmtrain.net.auth import RunKey, record_validator
 from swarmtrain.utils.logging import get_logger
+
+if TYPE_CHECKING:  # hivemind (which identity imports) only after prepare_environment
+    from swarmtrain.net.identity import PeerIdentity
 
 logger = get_logger(__name__)
 
@@ -101,26 +107,79 @@ def start_dht(
     *,
     client_mode: bool = False,
     startup_timeout_s: float = 20.0,
+    identity: PeerIdentity | None = None,
 ):
     """Start a hivemind DHT (own process + p2pd) and return it; bootstrap failures become NetworkError.
-    `client_mode`: this role never serves (trainers, probes), whatever `network.client_mode` says."""
+    `client_mode`: this role never serves (trainers, probes), whatever `network.client_mode` says.
+    `identity`: the key p2pd runs with (`peer_identity(network)`), for a process that signs with it."""
     prepare_environment()
     from hivemind.dht import DHT
 
     network = network or PeerNetwork()
-    host, port = network.host, network.port
     extra = _dht_options(network)
     if network.identity_path:
-        path = Path(network.identity_path)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise NetworkError(
-                f"cannot create the folder of --identity-path {path}: {exc.strerror}"
-            ) from None
-        if path.is_dir():
-            raise NetworkError(f"--identity-path {path} is a directory; give a file name")
-        extra["identity_path"] = str(path)
+        extra["identity_path"] = str(_identity_file(network.identity_path))
+    with _identity_for_p2pd(identity, extra):
+        dht = _start_dht(DHT, initial_peers, network, client_mode, startup_timeout_s, extra)
+    if identity is not None and dht.peer_id.to_base58() != identity.peer_id:
+        shutdown_quietly(dht)
+        raise NetworkError(
+            f"the DHT runs as {dht.peer_id}, not as this process's identity {identity.peer_id}"
+        )
+    return dht
+
+
+def peer_identity(network: PeerNetwork) -> PeerIdentity:
+    """This peer's identity: the one in --identity-path (written there first, in hivemind's format, if
+    the file does not exist yet), or a new one for this run."""
+    prepare_environment()
+    from swarmtrain.net.identity import IdentityError, PeerIdentity
+
+    if not network.identity_path:
+        return PeerIdentity.generate()
+    path = _identity_file(network.identity_path)
+    if not path.exists():
+        identity = PeerIdentity.generate()
+        identity.write(path)
+        return identity
+    try:
+        return PeerIdentity.from_file(path)
+    except IdentityError as exc:
+        raise NetworkError(f"--identity-path: {exc}") from None
+
+
+def _identity_file(name: str) -> Path:
+    path = Path(name)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise NetworkError(f"cannot create the folder of --identity-path {path}: {exc.strerror}") from None
+    if path.is_dir():
+        raise NetworkError(f"--identity-path {path} is a directory; give a file name")
+    return path
+
+
+@contextlib.contextmanager
+def _identity_for_p2pd(identity: PeerIdentity | None, extra: dict):
+    """Without --identity-path, p2pd reads `identity` from a file only this user can read, removed once
+    the daemon has started."""
+    if identity is None or "identity_path" in extra:
+        yield
+        return
+    folder = tempfile.mkdtemp(prefix="swarmtrain-identity-")
+    try:
+        path = os.path.join(folder, "identity.key")
+        identity.write(path)
+        extra.update(identity_path=path, check_if_identity_free=False)  # new: nobody else has it
+        yield
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _start_dht(
+    DHT, initial_peers, network: PeerNetwork, client_mode: bool, startup_timeout_s: float, extra: dict
+):
+    host, port = network.host, network.port
     host_maddr = f"/ip6/{host}/tcp/{port}" if ":" in host else f"/ip4/{host}/tcp/{port}"
     sockets_before = set(glob.glob("/tmp/hivemind-*.sock"))
     try:

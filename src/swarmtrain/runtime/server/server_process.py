@@ -33,6 +33,7 @@ from swarmtrain.net.data_plane import DEFAULT_CONGESTION, DataPlaneClient, DataP
 from swarmtrain.net.dht_records import RunRecords
 from swarmtrain.net.engine import (
     PeerNetwork,
+    peer_identity,
     release_p2p_replica,
     shutdown_quietly,
     start_dht,
@@ -112,7 +113,9 @@ class ServerProcess:
             undo.callback(reap_own_group)
             self.ledger = Ledger(options.ledger_path)
             undo.callback(self.ledger.close)
-            self.dht = start_dht(options.initial_peers, options.network)
+            # our libp2p key in this process too: the data plane's handshakes are signed with it
+            self.identity = peer_identity(options.network)
+            self.dht = start_dht(options.initial_peers, options.network, identity=self.identity)
             undo.callback(shutdown_quietly, self.dht)
             self.runner = asyncio.Runner()  # the serving loop, made after the DHT's fork
             undo.callback(self.runner.close)
@@ -282,10 +285,10 @@ class ServerProcess:
         endpoints = _Endpoints(p2p, servicer)
         if self.options.data_port is not None:
             congestion = self.options.data_congestion
-            endpoints.data_client = DataPlaneClient(self.node.peer_id, run_key, servicer.stats, congestion)
+            endpoints.data_client = DataPlaneClient(self.identity, run_key, servicer.stats, congestion)
             if not self.node.behind_nat:  # nobody could dial it; it still dials the next stage's
                 endpoints.data_server = DataPlaneServer(
-                    servicer.answer_bytes, servicer.limit, self.node.peer_id, run_key, congestion
+                    servicer.answer_bytes, servicer.limit, self.identity, run_key, congestion
                 )
                 await endpoints.data_server.start(self.options.network.host, self.options.data_port)
         service.start_serving(
