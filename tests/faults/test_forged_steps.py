@@ -150,3 +150,45 @@ def test_forged_closes_and_grads_change_no_step(make_swarm):
         for other in rest:
             for name in first.tensors:
                 assert torch.equal(first.tensor(name), other.tensor(name)), (stage, name)
+
+
+def test_forged_closes_to_an_idle_swarm_move_no_epoch(make_swarm):
+    """Issue 38: with no trainer working, forged closes naming the stage's replicas (for the next step
+    and the one after, and far ahead) moved one stage-0 replica's epoch through the lenient fallback,
+    and the next honest steps failed at the replica left behind. A replica that holds nothing and hears
+    no live peer's gradients no longer acts on them: no epoch moves, and the next trainer's steps all
+    succeed with the replicas of each stage in step."""
+    swarm, cfg = make_swarm("tiny")
+    start_servers(swarm, TWO_REPLICAS_OF_STAGE_0)
+    batch = cfg.training.global_batch_size
+    swarm.start_trainer("first", "--max-samples", str(2 * batch))
+    assert swarm.wait_exit("first", 120) == 0, swarm.processes["first"].log_text()[-3000:]
+    stranger = make_swarm.probe(cfg, swarm)
+    stranger.wait_for_peers([2, 1])
+    forger = Forger(stranger, cfg)
+    replicas = [p for stage in (0, 1) for p in forger.peers[stage]]
+    before = {p: stranger.info(p).header["epoch"] for p in replicas}
+    assert set(before.values()) == {2}, before
+
+    for stage, peers in forger.peers.items():
+        for step in (2, 3):  # inside the close window: kept as candidates
+            forger.close(stage, step, {p: 8 for p in peers}, "idle_members")
+            forger.close(stage, step, {peers[-1]: 8}, "idle_one_member")
+        for step in (7, 1_002, 2**53 - 1):  # far ahead: refused at once
+            forger.close(stage, step, {peers[0]: 8}, "far_ahead")
+    # past the close timeout and the fallback's second one, counted from the forged closes
+    time.sleep(2 * cfg.swarm.request_timeout_s + 8.0)
+    infos = {p: stranger.info(p).header for p in replicas}
+    print("forged:", forger.sent, "refused:", len(forger.errors))
+    assert forger.sent.get("idle_members", 0) >= len(replicas)
+    assert {p: i["epoch"] for p, i in infos.items()} == before
+    assert all(i["steps"]["lenient_steps"] == 0 and i["sync"]["resyncs"] == 0 for i in infos.values()), infos
+
+    swarm.start_trainer("second", "--max-samples", str(4 * batch), "--in-flight", "4")
+    assert swarm.wait_exit("second", 180) == 0, swarm.processes["second"].log_text()[-3000:]
+    summary = json.loads(swarm.summary_path("second").read_text())
+    assert summary["microbatches_failed"] == 0 and summary["steps"] >= 1, summary
+    time.sleep(1.0)  # the last step's exchange
+    for stage in (0, 1):
+        epochs = {stranger.info(p).header["epoch"] for p in forger.peers[stage]}
+        assert len(epochs) == 1 and epochs.pop() > 2, (stage, epochs)

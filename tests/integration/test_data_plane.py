@@ -492,7 +492,9 @@ def test_a_caller_that_reads_no_replies_loses_its_link(monkeypatch):
             body = pack(_hand_off("a"))
             for exchange in range(1, 5):
                 await requests.send(data_plane.REQUEST, exchange, body, "chain")
+            # the link goes, then each answer task ends (its send fails) and releases its request's bytes
             await _until(lambda: plane.server.status()["connections"] == 0)
+            await _until(lambda: plane.server.status()["answers_under_way"] == 0)
             assert plane.server.status()["held_bytes"] == 0
 
     _run(main())

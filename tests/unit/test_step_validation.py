@@ -469,6 +469,18 @@ def test_an_empty_or_disagreeing_close_is_acted_on_only_after_a_second_timeout()
     assert d is not None and not d.lenient  # ... and the trainer's close decides
 
 
+def test_the_fallback_never_acts_on_members_it_cannot_verify_while_it_hears_nobody():
+    """Issue 38: in an idle open swarm a forged close naming live replicas reached the fallback on a
+    replica holding nothing. Without samples of its own or gradients from a live replica it now waits;
+    a live peer's gradients (a trainer died mid-step and that peer stepped on the fallback) unblock it."""
+    forged = [_c({"B": 8}, at=0.0)]
+    assert _decide(forged, now=100.0, reached_s=0.0) is None  # holds nothing, heard nobody: never
+    d = _decide(forged, now=100.0, reached_s=0.0, heard_peers=True)
+    assert d is not None and d.lenient
+    d = _decide([_c({"A": 8}, at=0.0)], own=16, now=100.0, reached_s=0.0)  # its own samples: as before
+    assert d is not None and d.lenient
+
+
 def test_a_close_short_of_our_samples_waits_a_grace_then_decides_without_them():
     """The trainer missed a reply of a micro-batch accumulated here (its count for A is short): after the
     grace (not the lenient fallback) A acts on it (and counts all its samples, as its peers do); a close

@@ -192,6 +192,8 @@ class _Channel:
         size = len(body) + _TAG_BYTES
         head = _HEADER.pack(kind_type, len(kind_bytes), size, exchange) + kind_bytes
         async with self._sending:  # frames go whole and in nonce order
+            if self.writer.is_closing():  # aborted or closed meanwhile: writing would only log warnings
+                raise ConnectionResetError("the data-plane connection is closed")
             body = self._seal.seal(head, body)
             self.writer.write(head)
             self.writer.write(body)

@@ -100,6 +100,7 @@ def decide_step(
     confirm: bool = True,
     reached_s: float = float("-inf"),
     short_grace_s: float | None = None,
+    heard_peers: bool = False,
 ) -> StepDecision | None:
     """Whether this replica closes its step now (seals its sums and sends them): the candidate it starts
     with, or None (wait). `own_samples`: what it accumulated for the step; `received`: the sample counts
@@ -119,7 +120,13 @@ def decide_step(
     close for a later step comes before). None: only at the lenient fallback. When no
     candidate passes for `close_timeout_s` after one became due and this replica reached the step
     (`reached_s`: a close sent long before starts no clock), the best one is returned `lenient`: a stage
-    must not stall when a trainer died mid-step or every micro-batch of a step failed."""
+    must not stall when a trainer died mid-step or every micro-batch of a step failed. For a candidate
+    naming members, the fallback needs honest activity in the step: samples of its own, or gradients
+    from a live replica (`heard_peers`); a replica holding nothing that hears nobody would otherwise step
+    on members it cannot verify (in an idle open swarm, forged closes moved one replica's epoch after the
+    timeout and left the stage's replicas disagreeing: issue 38). When a trainer died mid-step, the
+    replicas that hold its samples act on the fallback and send their sums, which the others then hear.
+    A candidate naming nobody (a trainer whose micro-batches all failed here) keeps the fallback."""
     best: tuple[tuple, StepDecision] | None = None
     fallback: tuple[tuple, StepDecision] | None = None
     for candidate in candidates:
@@ -137,7 +144,7 @@ def decide_step(
         if (consistent and (mine > 0 or not confirm)) or confirmed or short or empty:
             if best is None or score > best[0]:
                 best = (score, candidate)
-        elif since_s >= close_timeout_s:
+        elif since_s >= close_timeout_s and (own_samples > 0 or heard_peers or not candidate.members):
             if fallback is None or score > fallback[0]:
                 fallback = (score, dataclasses.replace(candidate, lenient=True))
     if best is not None:

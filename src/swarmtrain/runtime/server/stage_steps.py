@@ -35,7 +35,9 @@ member's gradients confirm the close exactly (then this replica's samples are le
 count equals the close's. A close that fails these checks is logged and not acted on, and the honest
 close, when it comes, decides. Only when no close passes for `close_timeout_s` after one became due (a
 trainer died mid-step, or all of a step's micro-batches failed) does the replica act on the best
-remaining one as before these checks (`lenient`): a stage must not stall.
+remaining one as before these checks (`lenient`): a stage must not stall. Not on a close nobody can
+verify, though: the fallback needs samples of its own or gradients from a live replica of the stage
+(forged closes to an idle open swarm moved a replica's epoch that way).
 
 The live replicas are what the DHT last showed (`LiveReplicas`, refreshed every announce period) plus
 every peer that answered a direct stage ping (`verify`): a close naming a peer the view lacks (a replica
@@ -369,6 +371,8 @@ class StepCoordinator:
         if self._replaying or not state.closes:
             return False
         bucket = self.worker.buckets.get(state.step)
+        live = self._live()
+        heard_peers = any(live is None or peer in live for peer in state.received)
         state.decision = decide_step(
             self._candidates(state),
             self.peer_id,
@@ -379,6 +383,7 @@ class StepCoordinator:
             confirm=self.worker.outer is None,
             reached_s=state.reached_s,
             short_grace_s=self._short_grace_s(),
+            heard_peers=heard_peers,
         )
         if state.decision is not None and not state.decision.lenient:
             took_s = time.monotonic() - state.reached_s
