@@ -21,8 +21,9 @@ pytestmark = [pytest.mark.faults, pytest.mark.timeout(600)]
 PEERS = {"dht": 0, "s0a": 1, "s0b": 2, "s1": 3, "trainer": 4}
 SERVERS = {"s0a": 0, "s0b": 0, "s1": 1}
 MANY_SAMPLES = str(1 << 20)  # more than the test lasts: every run here ends by a signal
-FROZEN_S = 12.0  # long enough for DHT requests to the frozen peer to time out
-CUT_S = 10.0
+FROZEN_S = 10.0  # long enough for DHT requests to the frozen peer to time out (5 s)
+CUT_S = 6.0
+TRAIN_S = 6.0  # between events: the swarm trains
 # where a traceback (or asyncio's report of one) would show
 TRACEBACK_MARKS = ("Traceback", "never retrieved", "Exception in callback")
 
@@ -43,19 +44,19 @@ def test_no_log_shows_a_traceback_through_faults_crashes_and_stops(tmp_path, bed
 
     with LocalSwarm(tmp_path / "first", config, netbed=bed, netbed_peers=PEERS) as swarm:
         _start(swarm)
-        time.sleep(10.0)
+        time.sleep(TRAIN_S)
         _freeze(swarm, "s0b", FROZEN_S)
         bed.cut(PEERS["s1"])  # the only stage-1 server: the swarm stalls until the link is back
         time.sleep(CUT_S)
         bed.reconnect(PEERS["s1"])
-        time.sleep(10.0)
+        time.sleep(TRAIN_S)
         for proc in swarm.processes.values():  # a power cut: everything at once, mid-step
             proc.kill()
         logs += _logs(swarm)
 
     with LocalSwarm(tmp_path / "second", config, netbed=bed, netbed_peers=PEERS) as swarm:
         _start(swarm)  # each stage restores from its checkpoints
-        time.sleep(12.0)
+        time.sleep(TRAIN_S)
         codes = _stop(swarm, {"trainer": signal.SIGINT})
         codes |= _stop(swarm, {"s0a": signal.SIGTERM, "s0b": signal.SIGINT, "s1": signal.SIGTERM})
         codes |= _stop(swarm, {"dht": signal.SIGINT})
@@ -68,9 +69,9 @@ def test_no_log_shows_a_traceback_through_faults_crashes_and_stops(tmp_path, bed
         common = ("--max-samples", MANY_SAMPLES, "--wait-for-replicas", "2", "--threads", "1")
         swarm.start_replica("replica0", "0/2", *common)
         swarm.start_replica("replica1", "1/2", *common)
-        time.sleep(15.0)
+        time.sleep(2 * TRAIN_S)  # a few outer rounds averaged
         _freeze(swarm, "replica1", FROZEN_S)
-        time.sleep(5.0)
+        time.sleep(TRAIN_S / 2)
         codes |= _stop(swarm, {"replica0": signal.SIGINT, "replica1": signal.SIGTERM})
         codes |= _stop(swarm, {"dht": signal.SIGTERM})
         logs += _logs(swarm)
