@@ -52,11 +52,6 @@ def test_fuzzed_requests_are_refused_and_change_nothing(make_swarm):
     _forward_flood_stays_in_cache_budget(cfg, probe, peers[0])
 
 
-@pytest.mark.slow
-def test_fuzz_thousands_of_requests(make_swarm):
-    _fuzz(make_swarm, requests_per_stage=800)
-
-
 def _oversized_upload_gets_too_large(cfg, probe, peer):
     # 3x the stage's limit: the server answers without reading the rest, the sender sees the answer
     m = cfg.model

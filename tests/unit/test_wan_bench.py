@@ -1,6 +1,6 @@
 """bench/wan.py (the swarm vs GPipe over rate-limited links) without its test bed: the configuration
 registry, argument parsing, ratios, tables and steps-to-target from fake results, the skip without root;
-and (slow: two torch start-ups) bench/gpipe_rank.py: two ranks on loopback train as train-local does."""
+and bench/gpipe_rank.py (two torch start-ups, ~7 s): two ranks on loopback train as train-local does."""
 
 from __future__ import annotations
 
@@ -203,8 +203,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.slow  # ~7 s on an idle 2-core machine, 22 s measured while the suite ran beside it
-def test_gpipe_ranks_on_loopback_train_as_train_local_does(tmp_path):
+def test_gpipe_ranks_on_loopback_train_as_train_local_does(tmp_path):  # ~7 s (22 s beside a busy suite)
     """Two gpipe_rank.py processes on tiny: the losses of their first steps are train-local's (same
     weights, data order, gradient mean, global clipping, AdamW)."""
     import torch
