@@ -13,7 +13,7 @@ TORCH_INDEX_ARGS = --timeout 5 --retries 0 --index-url $(TORCH_INDEX) --extra-in
 QUICKSTART_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup quickstart test lint bench clean
+.PHONY: setup quickstart test test-slow lint bench clean
 
 setup: $(VENV)/.installed
 
@@ -35,8 +35,13 @@ lint: setup
 	$(BIN)/lint-imports
 	$(BIN)/mypy
 
+# the default tier (unit, integration, faults: <= 15 minutes on 2 cores); `test-slow` runs the long ones
+# (chaos schedules, end-to-end user flows, long parity runs). CI runs both.
 test: lint
 	$(BIN)/pytest -m "not slow" $(PYTEST_ARGS)
+
+test-slow: setup
+	$(BIN)/pytest -m slow $(PYTEST_ARGS)
 
 bench: setup
 	$(BIN)/python bench/local_baseline.py

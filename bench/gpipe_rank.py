@@ -241,7 +241,11 @@ def run(args: argparse.Namespace) -> dict:
     cfg = load_config(args)
     init_group(args)
     try:
-        return train(args, cfg)
+        summary = train(args, cfg)
+        # both ranks past their last transfer before either tears the group down: a rank that destroys
+        # its group while the other still sends aborts in gloo's C++ threads (SIGABRT, "terminate called")
+        dist.barrier()
+        return summary
     finally:
         dist.destroy_process_group()
 
@@ -294,4 +298,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # skip the interpreter's teardown: gloo's C++ threads outlive the group in some torch releases and
+    # abort the process while static objects are destroyed, after all the work and output are done
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -18,7 +18,7 @@ from swarmtrain.runtime.faults import FaultHooks
 from swarmtrain.runtime.ledger import read_ledger
 from swarmtrain.runtime.local import LocalTrainer
 
-pytestmark = [pytest.mark.faults, pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.faults, pytest.mark.slow, pytest.mark.timeout(400)]
 
 SAMPLES = 1024
 EVAL_SAMPLES = 256

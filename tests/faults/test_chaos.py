@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.faults, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.faults, pytest.mark.slow, pytest.mark.timeout(1200)]
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "chaos.py"
 

@@ -16,7 +16,7 @@ from swarmtrain.runtime.harness import netbed
 from swarmtrain.runtime.harness.local_swarm import LocalSwarm, write_run_toml
 from swarmtrain.runtime.harness.netbed import WanTestbed
 
-pytestmark = [pytest.mark.faults, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.faults, pytest.mark.slow, pytest.mark.timeout(600)]
 
 PEERS = {"dht": 0, "s0a": 1, "s0b": 2, "s1": 3, "trainer": 4}
 SERVERS = {"s0a": 0, "s0b": 0, "s1": 1}

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-pytestmark = [pytest.mark.faults, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.faults, pytest.mark.slow, pytest.mark.timeout(420)]
 
 
 def _inner_step(log_text: str) -> int:

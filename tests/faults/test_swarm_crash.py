@@ -10,7 +10,7 @@ import pytest
 
 from swarmtrain.data import build_datasets
 
-pytestmark = [pytest.mark.faults, pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.faults, pytest.mark.slow, pytest.mark.timeout(400)]
 
 
 def _epochs(make_swarm, cfg, swarm, val_set=None):

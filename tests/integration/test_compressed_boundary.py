@@ -82,6 +82,7 @@ def test_a_micro_batch_through_boundary_layers_equals_the_whole_model(make_swarm
     assert cosine >= 0.95
 
 
+@pytest.mark.slow
 def test_two_replicas_train_through_a_compressed_boundary_as_train_local_does(make_swarm):
     overrides = {
         "model": BOUNDARY,

@@ -77,6 +77,7 @@ def _demo(tmp_path, *args):
     return workdir, subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+@pytest.mark.slow
 def test_demo_trains_kills_a_replica_and_cleans_up(tmp_path):
     summary_path = tmp_path / "summary.json"
     workdir, proc = _demo(tmp_path, "--duration-s", "14", "--summary-json", str(summary_path))

@@ -13,7 +13,7 @@ from swarmtrain.data import build_datasets
 from swarmtrain.model import build_model
 from swarmtrain.runtime.local import LocalTrainer, validation_loss
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(500)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(500)]
 
 SAMPLES = 2040  # 85 steps of 24
 EVAL_SAMPLES = 128

@@ -11,7 +11,7 @@ import torch
 
 from swarmtrain.runtime.local import LocalTrainer
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 
 SAMPLES = 8192
 EVAL_SAMPLES = 256

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(400)]
 
 MOVING = "rebalancing: moving from stage 0 to stage 1"
 

@@ -115,6 +115,7 @@ def test_trainer_waits_for_a_missing_stage_and_a_late_replica_catches_up(make_sw
     )
 
 
+@pytest.mark.slow
 def test_local_steps_replicas_sync_every_h_steps_and_match_local(make_swarm):
     """swarm.local_steps = 4 (rare sync inside SWARM): each stage-0 replica steps on its own share of
     the batch and the two average pseudo-gradients every 4 steps; at equal samples the swarm stays

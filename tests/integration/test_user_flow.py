@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(420)]
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 1024
