@@ -15,6 +15,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_a_restarted_bootstrap_keeps_its_address_and_peers_rejoin(make_swarm, tmp_path):
     key, port = tmp_path / "keys" / "dht.key", str(_free_port())
     swarm, cfg = make_swarm("tiny")

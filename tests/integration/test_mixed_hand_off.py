@@ -13,7 +13,7 @@ import torch
 
 from swarmtrain.runtime.local import LocalTrainer
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(300)]
 
 SAMPLES = 1024
 EVAL_SAMPLES = 256

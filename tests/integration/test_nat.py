@@ -190,6 +190,7 @@ def test_a_failed_start_or_body_and_a_dead_owner_leave_nothing_behind(monkeypatc
 # --- reachability through a relay, in client mode, and neither -------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_server_behind_the_nat_serves_a_public_trainer_through_a_relay(nat_swarm):
     public = ["dht", "relay1", "relay2", "s1", "trainer"]
     bed, swarm = nat_swarm(public, ["s0"])

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(300)]
 
 CHOICE = re.compile(
     r"--stage auto: stages have \[(.*?)\] peer\(s\), \[(.*?)\] samples/s: serving stage (\d+)"

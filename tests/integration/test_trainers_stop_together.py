@@ -10,7 +10,7 @@ import pytest
 from swarm_fixtures import start_servers
 from swarmtrain.runtime.ledger import read_ledger
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(300)]
 
 DURATION_S = 10.0
 STAGGER_S = 3.0  # the second trainer starts this much later, as a user starting them one by one would
