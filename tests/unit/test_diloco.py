@@ -145,6 +145,23 @@ def test_round_rule_keeps_the_reference_and_resyncs_the_rest():
     assert started_from_reference(states, "b") and started_from_reference(states, "c")
 
 
+def test_a_client_mode_replica_is_the_reference_only_when_nobody_at_its_step_can_serve_a_download():
+    """The member that differs downloads from the reference; a client-mode replica (behind a NAT)
+    serves no download, so a replica on another lineage than its would wait for a state it can never
+    get and leave the run on other weights (the NAT client-mode replica test, 1 of 20 runs)."""
+    same = next_lineage(0, ["a", "b"], INITIAL_LINEAGE)
+    alone = next_lineage(0, ["b"], INITIAL_LINEAGE)
+    natted = RoundState(1, same, 100.0, serves_state=False)
+    states = {"a": natted, "b": RoundState(1, alone, 101.0)}
+    assert reference_member(states) == "b"  # not the lowest id: it cannot serve
+    assert started_from_reference(states, "b") and not started_from_reference(states, "a")
+    # the highest outer step still comes first, and among client-mode members only, the lowest id
+    states = {"a": natted, "b": RoundState(0, alone, 101.0)}
+    assert reference_member(states) == "a"
+    states = {"z": natted, "a": RoundState(1, alone, 101.0, serves_state=False)}
+    assert reference_member(states) == "a"
+
+
 def test_replica_batch_must_split_into_micro_batches():
     cfg = get_preset("tiny")  # global 32, micro 8
     assert replica_batch_samples(cfg, 2) == 16

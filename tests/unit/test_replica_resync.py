@@ -32,7 +32,7 @@ class StubPeer(ReplicaPeer):
         self.calls += 1
         return others
 
-    def _download(self, reason: str) -> bool:
+    def _download(self, reason: str, retry: bool = False) -> bool:
         ahead = [v["outer_step"] for v in self.timeline[min(self.calls, len(self.timeline)) - 1].values()]
         if not any(step > self.outer.outer_step for step in ahead):
             return False

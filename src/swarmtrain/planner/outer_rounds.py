@@ -27,12 +27,15 @@ class RoundState:
     outer_step: int
     lineage: str
     fingerprint: float
+    serves_state: bool = True  # False for a client-mode replica (behind a NAT): nobody can download from it
 
 
 def reference_member(states: dict[str, RoundState]) -> str:
-    """The member the group converges on: the highest outer step, then the lowest peer id."""
+    """The member the group converges on: the highest outer step, then one that can serve its state
+    (the others download from it when they differ), then the lowest peer id."""
     top = max(s.outer_step for s in states.values())
-    return min(p for p, s in states.items() if s.outer_step == top)
+    at_top = [p for p, s in states.items() if s.outer_step == top]
+    return min([p for p in at_top if states[p].serves_state] or at_top)
 
 
 def started_from_reference(states: dict[str, RoundState], me: str, rtol: float = FINGERPRINT_RTOL) -> bool:

@@ -25,6 +25,7 @@ Who takes part, and how replicas stay equal:
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -178,10 +179,13 @@ class ReplicaPeer:
             self.lineage = str(meta.get("lineage", ""))
             load_adam_state(self.inner.optimizer, self.inner.params(), tensors[2 * n :])
 
-    def _download(self, reason: str) -> bool:
+    def _download(self, reason: str, retry: bool = False) -> bool:
+        """`retry`: a repeated attempt of one resync, logged at debug level (one warning per resync)."""
         loaded = self.averager.download_state(DOWNLOAD_TIMEOUT_S)
         if loaded is None:
-            logger.warning("replica state download failed (%s)", reason)
+            logger.log(
+                logging.DEBUG if retry else logging.WARNING, "replica state download failed (%s)", reason
+            )
             return False
         self.summary.state_bytes_received += sum(t.numel() * t.element_size() for t in loaded[1])
         try:
@@ -320,6 +324,7 @@ class ReplicaPeer:
             "lineage": self.lineage,
             "fp": fingerprint(self.outer.anchor),
             "samples": self.round_samples,
+            "serves": not self.averager.client_mode,
         }
         honest = self.outer.pseudo_gradients()
         self._sent = self.options.faults.corrupted(honest, k)
@@ -351,7 +356,9 @@ class ReplicaPeer:
 
     def _is_reference_member(self, gathered: dict[str, dict], k: int) -> bool:
         states = {p: _round_state(g) for p, g in gathered.items()}
-        states[self.peer_id] = RoundState(k, self.lineage, fingerprint(self.outer.anchor))
+        states[self.peer_id] = RoundState(
+            k, self.lineage, fingerprint(self.outer.anchor), not self.averager.client_mode
+        )
         return started_from_reference(states, self.peer_id)
 
     def _resync(self, k: int, reason: str) -> None:
@@ -360,6 +367,7 @@ class ReplicaPeer:
         self.summary.round_outcomes[str(k)] = "resynced"
         target = self.outer.outer_step + 1
         deadline = time.monotonic() + DOWNLOAD_TIMEOUT_S
+        tried = False
         while time.monotonic() < deadline:
             steps = [v["outer_step"] for v in self._others().values()]
             if not any(step >= target for step in steps):
@@ -371,8 +379,9 @@ class ReplicaPeer:
                 # the replicas ahead left (their records expired): nobody to download from
                 logger.warning("no live replica past outer step %d to download from: this one goes on", k)
                 break
-            if self._download(reason) and self.outer.outer_step >= target:
+            if self._download(reason, retry=tried) and self.outer.outer_step >= target:
                 break
+            tried = True
             time.sleep(0.2)  # the donor is still applying the round
         self._adopt_position(self._others())
         self.round_samples = 0
@@ -487,7 +496,12 @@ def _averaged_outcome(result: RoundResult, repair_tried: bool) -> str:
 
 def _round_state(gathered: dict) -> RoundState:
     try:
-        return RoundState(int(gathered["outer_step"]), str(gathered["lineage"]), float(gathered["fp"]))
+        return RoundState(
+            int(gathered["outer_step"]),
+            str(gathered["lineage"]),
+            float(gathered["fp"]),
+            gathered.get("serves", True) is not False,
+        )
     except (KeyError, TypeError, ValueError):
         return RoundState(-1, "", float("nan"))  # a malformed member never becomes the reference
 
