@@ -16,7 +16,7 @@ from swarmtrain.runtime.local import LocalTrainer
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
 
-BOUNDARY = {"boundary": "lowrank", "boundary_dim": 32}
+BOUNDARY = {"boundary": "lowrank-embed", "boundary_dim": 32}
 SAMPLES = 2048
 EVAL_SAMPLES = 256
 
@@ -57,7 +57,14 @@ def test_a_micro_batch_through_boundary_layers_equals_the_whole_model(make_swarm
     assert loss == pytest.approx(float(local_loss), rel=1e-5)
     grads = _server_grads(probe)
     assert set(grads) == set(local)
-    assert {"boundaries.0.down.proj.weight", "boundaries.0.up.proj.weight"} <= set(grads)
+    # the last stage's token embedding starts at zero: its gradient is where wrong current-token ids
+    # (the labels shifted by one) would show
+    assert {
+        "boundaries.0.down.proj.weight",
+        "boundaries.0.up.proj.weight",
+        "boundaries.0.up.tokens.weight",
+    } <= set(grads)
+    assert float(local["boundaries.0.up.tokens.weight"].abs().max()) > 0
     for name, grad in grads.items():
         torch.testing.assert_close(grad / n, local[name], rtol=1e-4, atol=1e-6, msg=name)
 
@@ -75,7 +82,7 @@ def test_a_micro_batch_through_boundary_layers_equals_the_whole_model(make_swarm
     )
     changed = max(float((delta[k] - local[k]).abs().max()) for k in stage0)
     print(
-        f"4-bit over a lowrank:32 boundary: loss {loss_4bit:.5f} vs {float(local_loss):.5f}; stage-0 grad cosine {cosine:.4f}, max change {changed:.2e}"
+        f"4-bit over a lowrank-embed:32 boundary: loss {loss_4bit:.5f} vs {float(local_loss):.5f}; stage-0 grad cosine {cosine:.4f}, max change {changed:.2e}"
     )
     assert loss_4bit == pytest.approx(float(local_loss), rel=0.02)
     assert changed > 1e-6  # the codec was applied
@@ -102,7 +109,7 @@ def test_two_replicas_train_through_a_compressed_boundary_as_train_local_does(ma
 
     local = _train_local(cfg)  # the same model, boundary layers included
     print(
-        f"val loss after {SAMPLES} samples: swarm {summary['val_loss']:.4f} (4-bit, lowrank:32, 2+1 servers, "
+        f"val loss after {SAMPLES} samples: swarm {summary['val_loss']:.4f} (4-bit, lowrank-embed:32, 2+1 servers, "
         f"{in_flight} in flight), train-local {local.final_val_loss:.4f}"
     )
     assert summary["microbatches_failed"] == 0

@@ -14,7 +14,7 @@ from swarmtrain.net.protocol import StageIO
 
 pytestmark = pytest.mark.unit
 
-KINDS = ("bottleneck", "maxout", "lowrank")
+KINDS = ("bottleneck", "maxout", "lowrank", "lowrank-embed")
 
 
 def _config(preset: str, kind: str, dim: int = 16, num_stages: int = 2, layers=None):
@@ -34,9 +34,7 @@ def test_stages_compose_to_the_whole_model(preset, kind):
     assert set(named) == {name for name, _ in whole.named_parameters()}
     for name, param in whole.named_parameters():
         assert torch.equal(param, named[name]), name
-    generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_len), generator=generator)
-    labels = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_len), generator=generator)
+    tokens, labels = _windows(cfg, 2)
     hidden = tokens
     for stage in stages[:-1]:
         hidden = stage(hidden)
@@ -49,6 +47,60 @@ def test_stages_compose_to_the_whole_model(preset, kind):
     for name, param in whole.named_parameters():
         torch.testing.assert_close(named[name].grad, param.grad, rtol=1e-4, atol=1e-6, msg=name)
     assert any(name.startswith("boundaries.1.") for name in named)
+
+
+def _windows(cfg, batch: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, labels) as the data pipeline cuts them: windows of seq_len + 1 tokens of one stream."""
+    generator = torch.Generator().manual_seed(seed)
+    rows = torch.randint(0, cfg.model.vocab_size, (batch, cfg.model.seq_len + 1), generator=generator)
+    return rows[:, :-1], rows[:, 1:]
+
+
+def test_lowrank_embed_starts_as_lowrank_and_only_its_last_boundary_embeds_tokens():
+    cfg = _config("llama-tiny", "lowrank-embed", num_stages=3, layers=(2, 1, 1))
+    plain = _config("llama-tiny", "lowrank", num_stages=3, layers=(2, 1, 1))
+    tokens, labels = _windows(cfg, 2)
+    whole = build_model(cfg.model, seed=5, cuts=cfg.boundary_cuts())
+    as_lowrank = build_model(plain.model, seed=5, cuts=plain.boundary_cuts())
+    torch.testing.assert_close(whole(tokens, labels), as_lowrank(tokens, labels))  # T starts at zero
+    embedded = [name for name, _ in whole.named_parameters() if ".tokens." in name]
+    assert embedded == ["boundaries.1.up.tokens.weight"]  # before the last stage only
+    assert whole.boundaries["1"].up.tokens.weight.shape == (cfg.model.vocab_size + 1, cfg.model.d_model)
+    last = build_stage(cfg.model, cfg.stages()[2], seed=5)
+    with pytest.raises(ValueError, match="needs the labels"):
+        last(torch.randn(2, cfg.model.seq_len, 16))
+
+
+def test_lowrank_embed_reads_the_current_token_from_the_label_before_it():
+    from swarmtrain.model.boundary import current_ids_from_inputs, current_ids_from_labels
+
+    labels = torch.tensor([[5, 7, -100, 3], [1, 2, 3, 9]])
+    inputs = torch.tensor([[4, 5, 7, 11], [0, 1, 2, 3]])
+    by_labels = current_ids_from_labels(labels, vocab_size=9)
+    assert by_labels.tolist() == [[9, 5, 7, 9], [9, 1, 2, 3]]  # position 0 and an ignored label: unknown
+    assert current_ids_from_inputs(inputs, vocab_size=9).tolist() == [[9, 5, 7, 11], [9, 1, 2, 3]]
+    assert inputs[0, 0] == 4  # not changed in place
+
+
+def test_a_trained_token_embedding_changes_what_the_last_stage_computes():
+    """Once T is not zero the last stage's loss depends on the labels' tokens, identically in the
+    stages and the whole model (a changed T, not a shortcut through the labels' own positions)."""
+    cfg = _config("llama-tiny", "lowrank-embed")
+    whole = build_model(cfg.model, seed=1, cuts=cfg.boundary_cuts())
+    stages = [build_stage(cfg.model, spec, seed=1) for spec in cfg.stages()]
+    with torch.no_grad():
+        fill = torch.randn(
+            cfg.model.vocab_size + 1, cfg.model.d_model, generator=torch.Generator().manual_seed(2)
+        )
+        whole.boundaries["0"].up.tokens.weight.copy_(fill)
+        stages[1].boundaries["0"].up.tokens.weight.copy_(fill)
+    tokens, labels = _windows(cfg, 3)
+    torch.testing.assert_close(
+        stages[1](stages[0](tokens), labels), whole(tokens, labels), rtol=1e-5, atol=1e-6
+    )
+    untrained = build_model(cfg.model, seed=1, cuts=cfg.boundary_cuts())
+    with torch.no_grad():
+        assert abs(float(untrained(tokens, labels)) - float(whole(tokens, labels))) > 1e-3
 
 
 def test_a_stage_of_no_layers_between_two_boundaries():

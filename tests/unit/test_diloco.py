@@ -248,3 +248,16 @@ def test_a_replica_streaming_its_blocks_through_the_swapper_trains_like_a_reside
     for p, q in zip(resident.params(), swapped.params(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
     assert swapped.swapped.swapper.bytes_copied > 0  # the blocks did stream
+
+
+def test_the_swapper_refuses_a_model_with_boundary_layers_in_one_line(tmp_path, small_text_dir):
+    """It would run the blocks without them: a different model from every resident replica's."""
+    import dataclasses
+
+    from swarmtrain.config.errors import ConfigError
+
+    cfg = small_cfg(tmp_path, small_text_dir)
+    cfg = cfg.replace(model=dataclasses.replace(cfg.model, boundary="lowrank", boundary_dim=8))
+    assert cfg.boundary_cuts()  # the whole model holds boundary layers
+    with pytest.raises(ConfigError, match="does not run boundary layers"):
+        InnerTrainer(cfg, 0, 2, swap_budget_bytes=1e9)

@@ -27,7 +27,7 @@ def _trained_worker(cfg, stage: int, steps: int) -> StageWorker:
     worker = StageWorker(cfg, spec)
     generator = torch.Generator().manual_seed(stage)
     for step in range(steps):
-        shape = (8, cfg.model.seq_len) if spec.is_first else (8, cfg.model.seq_len, cfg.model.d_model)
+        shape = (8, cfg.model.seq_len) if spec.is_first else (8, cfg.model.seq_len, cfg.model.wire_dim)
         x = (
             torch.randint(0, 256, shape, generator=generator)
             if spec.is_first
@@ -158,6 +158,39 @@ def test_export_then_train_local_init_from_gives_the_swarm_stages_logits(tiny_cf
     with torch.no_grad():
         expected = workers[1].module(workers[0].module(tokens))
         assert torch.equal(local.model(tokens), expected)
+
+
+def test_stage_checkpoints_carry_the_boundary_layers_into_export_and_train_local(tiny_cfg, tmp_path, capsys):
+    """Each stage saves its half of the boundary under global names (the last stage's token embedding
+    too, trained off zero), and the exported whole model computes what the two stages do."""
+    import dataclasses
+
+    from swarmtrain.cli.main import main
+    from swarmtrain.runtime.local import LocalTrainer
+
+    cfg = tiny_cfg.replace(
+        model=dataclasses.replace(tiny_cfg.model, boundary="lowrank-embed", boundary_dim=16)
+    )
+    workers = []
+    for stage in (0, 1):
+        worker = _trained_worker(cfg, stage, steps=2)
+        _, identity, settings = _checkpointer(cfg, tmp_path / "ckpt", stage)
+        identity["num_stages"] = 2
+        StageCheckpointer(settings, stage, identity, worker.export_state).save(2).result(timeout=30)
+        workers.append(worker)
+    out = tmp_path / "model.safetensors"
+    assert main(["export", "--checkpoint-dir", str(tmp_path / "ckpt"), "--out", str(out)]) == 0
+    halves = {"boundaries.0.down.proj.weight", "boundaries.0.up.proj.weight", "boundaries.0.up.tokens.weight"}
+    assert halves <= set(workers[0].names) | set(workers[1].names)
+    tokens_weight = workers[1].params[workers[1].names.index("boundaries.0.up.tokens.weight")]
+    assert float(tokens_weight.detach().abs().max()) > 0  # trained off its zero start
+
+    local = LocalTrainer(cfg, progress=False, init_from=out)
+    rows = torch.randint(0, 256, (2, cfg.model.seq_len + 1), generator=torch.Generator().manual_seed(5))
+    tokens, labels = rows[:, :-1], rows[:, 1:]
+    with torch.no_grad():
+        expected = workers[1].module(workers[0].module(tokens), labels, True)
+        torch.testing.assert_close(local.model(tokens, labels, True), expected, rtol=1e-5, atol=1e-6)
 
 
 def test_export_refuses_an_incomplete_model(tiny_cfg, tmp_path, capsys):

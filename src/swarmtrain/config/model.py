@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from swarmtrain.config.errors import ConfigError
 
 ARCH_CHOICES = ("gpt", "llama")
-BOUNDARY_CHOICES = ("none", "bottleneck", "maxout", "lowrank")  # model/boundary.py
+BOUNDARY_CHOICES = ("none", "bottleneck", "maxout", "lowrank", "lowrank-embed")  # model/boundary.py
 
 
 @dataclass(frozen=True)

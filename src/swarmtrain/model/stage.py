@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from swarmtrain.config.model import ModelConfig, StageSpec
-from swarmtrain.model.boundary import Boundary
+from swarmtrain.model.boundary import Boundary, current_ids_from_inputs, current_ids_from_labels
 
 
 class DecoderStage(nn.Module):
@@ -46,30 +46,45 @@ class DecoderStage(nn.Module):
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def forward(self, inputs: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, inputs: torch.Tensor, labels: torch.Tensor | None = None, logits_only: bool = False
+    ) -> torch.Tensor:
+        """`logits_only`: the last stage returns its logits even when given labels (which a
+        `lowrank-embed` boundary reads as its tokens' context), for callers that take each request's
+        loss from one batch's logits."""
+        current_ids = self._current_ids(inputs, labels)
         x = self.embed(inputs) if self.spec.is_first else inputs
         if not self.spec.is_first and self.cfg.boundary != "none":
-            x = self._boundary(self.spec.index - 1).receive(x)
+            x = self._boundary(self.spec.index - 1).receive(x, current_ids)
         for key, block in self.layers.items():
-            x = self._cross(x, int(key))
+            x = self._cross(x, int(key), current_ids)
             # shared layers (SWARM, ALBERT): each unique layer applied `shared_layer_repeats` times in a
             # row, so the function does not depend on where the stages are cut (a whole model in one
             # process computes what the swarm's stages do) and unrolls to a plain deep model
             for _ in range(self.cfg.shared_layer_repeats):
                 x = block(x)
-        x = self._cross(x, self.spec.layer_end)
+        x = self._cross(x, self.spec.layer_end, current_ids)
         if not self.spec.is_last:
             return self._boundary(self.spec.index).send(x) if self.cfg.boundary != "none" else x
         logits = self.head(x)
-        return logits if labels is None else self.loss(logits, labels)
+        return logits if labels is None or logits_only else self.loss(logits, labels)
+
+    def _current_ids(self, inputs: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor | None:
+        """The current tokens a `lowrank-embed` boundary re-embeds (model/boundary.py): a whole model's
+        inputs, the last stage's labels shifted by one; None where no boundary reads them."""
+        if self.cfg.boundary != "lowrank-embed" or not self.spec.is_last:
+            return None
+        if self.spec.is_first:
+            return current_ids_from_inputs(inputs, self.cfg.vocab_size)
+        return None if labels is None else current_ids_from_labels(labels, self.cfg.vocab_size)
 
     def _boundary(self, index: int) -> Boundary:
         return cast(Boundary, self.boundaries[str(index)])
 
-    def _cross(self, x: torch.Tensor, position: int) -> torch.Tensor:
+    def _cross(self, x: torch.Tensor, position: int, current_ids: torch.Tensor | None) -> torch.Tensor:
         """A whole model's boundaries that sit before global layer `position` (down, then up)."""
         for key in self._crossings.get(position, ()):
-            x = self.boundaries[key](x)
+            x = self.boundaries[key](x, current_ids)
         return x
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -87,17 +102,22 @@ def _boundaries(
     """The boundary halves a module holds, under global keys, and for a whole model where each sits."""
     if cfg.boundary == "none":
         return nn.ModuleDict(), {}
+    embeds = cfg.boundary == "lowrank-embed"  # only the boundary before the last stage (it has the labels)
     if spec.num_stages > 1:
         halves = {}
         if not spec.is_first:
-            halves[str(spec.index - 1)] = Boundary(cfg, down=False, up=True)
+            halves[str(spec.index - 1)] = Boundary(cfg, down=False, up=True, tokens=embeds and spec.is_last)
         if not spec.is_last:
             halves[str(spec.index)] = Boundary(cfg, down=True, up=False)
         return nn.ModuleDict(halves), {}
     crossings: dict[int, list[str]] = {}
     for k, position in enumerate(cuts):
         crossings.setdefault(position, []).append(str(k))
-    return nn.ModuleDict({str(k): Boundary(cfg, down=True, up=True) for k in range(len(cuts))}), crossings
+    boundaries = {
+        str(k): Boundary(cfg, down=True, up=True, tokens=embeds and k == len(cuts) - 1)
+        for k in range(len(cuts))
+    }
+    return nn.ModuleDict(boundaries), crossings
 
 
 def init_parameters(module: nn.Module, seed: int | None, std_of: Callable[[str], float | None]) -> None:

@@ -63,6 +63,11 @@ class InnerTrainer:
             load_stage_from_hf(self.model, init_from_hf)
         if swap_budget_bytes and compute.mixed:
             raise ConfigError("the layer swapper computes in fp32: use --dtype fp32 with --offload-budget-mb")
+        if swap_budget_bytes and self.model.boundaries:
+            # SwappedGPT streams the blocks and runs embed and head around them, no boundary layers
+            raise ConfigError(
+                "the layer swapper does not run boundary layers ([model] boundary): drop --offload-budget-mb"
+            )
         # swapped: the model stays in host memory and only the blocks visit the device
         self.compute = ComputeDevice(torch.device("cpu"), compute.dtype) if swap_budget_bytes else compute
         self.model.to(self.compute.device)  # before the optimizer makes its state beside the parameters

@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
@@ -128,7 +129,7 @@ def run_backwards(worker: StageWorker, requests: list[StageRequest]) -> Sequence
 def _evaluate(worker: StageWorker, requests: list[StageRequest]) -> list[Message | Exception]:
     inputs, offsets = _concat(worker, [r.inputs for r in requests])
     with torch.no_grad():
-        outputs = worker.run_module(worker.live, inputs)
+        outputs = worker.run_module(worker.live, inputs, *_logits_args(worker, requests))
         replies = []
         for request, (a, b) in zip(requests, _spans(offsets), strict=True):
             worker.counters["eval"] += 1
@@ -165,7 +166,7 @@ def _fused(worker: StageWorker, requests: list[StageRequest]) -> list[Message | 
     inputs, offsets = _concat(worker, [r.inputs for r in requests])
     inputs = inputs.detach().requires_grad_(not worker.spec.is_first)
     params = worker.live
-    logits = worker.run_module(params, inputs)
+    logits = worker.run_module(params, inputs, *_logits_args(worker, requests))
     spans = _spans(offsets)
     losses = [
         worker.module.loss(logits[a:b], worker.compute.to_device(r.labels))
@@ -259,6 +260,16 @@ def _concat(worker: StageWorker, tensors: list[torch.Tensor]) -> tuple[torch.Ten
     for t in tensors:
         offsets.append(offsets[-1] + int(t.shape[0]))
     return worker.compute.to_device(torch.cat(tensors)), tuple(offsets)
+
+
+def _logits_args(worker: StageWorker, requests: list[StageRequest]) -> tuple:
+    """The last stage's module arguments after its inputs when each request's loss is taken from one
+    batch's logits: the batch's labels (a `lowrank-embed` boundary reads them as its tokens' context)
+    and logits_only; nothing for other stages."""
+    if not worker.spec.is_last:
+        return ()
+    labels, _ = _concat(worker, [cast(torch.Tensor, r.labels) for r in requests])  # the last stage's: checked
+    return labels, True
 
 
 def _spans(offsets: tuple[int, ...]) -> list[tuple[int, int]]:

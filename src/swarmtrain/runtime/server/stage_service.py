@@ -311,12 +311,15 @@ class StageService:
         compute = self.options.compute
         sample = torch.zeros(shape, dtype=torch.long) if self.spec.is_first else torch.randn(shape)
         sample = compute.to_device(sample)
+        # the last stage's logits, with labels where a boundary reads them (model/boundary.py)
+        labels = compute.to_device(torch.zeros((t.micro_batch_size, m.seq_len), dtype=torch.long))
+        args = (labels, True) if self.spec.is_last else ()
         repeats = 3
         with torch.no_grad(), compute.autocast():
-            self.worker.module(sample)
+            self.worker.module(sample, *args)
             start_s = busy_clock_s(compute.device)  # the capacity meter's clock (model/device.py)
             for _ in range(repeats):
-                self.worker.module(sample)
+                self.worker.module(sample, *args)
             elapsed_s = busy_clock_s(compute.device) - start_s
         return t.micro_batch_size * repeats / max(3 * elapsed_s, 1e-6)
 
