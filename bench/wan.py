@@ -371,6 +371,7 @@ REGISTRY: list[BenchConfig] = [
     _swarm_config("direct", "3bit-rht"),
     _swarm_config("direct", "4bit", ("lowrank", 2)),
     _swarm_config("direct", "4bit", ("lowrank-embed", 2)),
+    _swarm_config("direct", "4bit", ("lowrank-embed", 4)),
     _swarm_config("direct", "4bit", ("bottleneck", 2)),
     _swarm_config("direct", "4bit", ("maxout", 2)),
 ]

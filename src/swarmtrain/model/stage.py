@@ -21,10 +21,10 @@ from swarmtrain.model.boundary import Boundary, current_ids_from_inputs, current
 
 
 class DecoderStage(nn.Module):
-    """forward(inputs, labels=None):
+    """forward(inputs, labels=None, logits_only=False):
       - first stage: `inputs` are token ids (batch, seq) int64; other stages: hidden states (batch, seq, d).
       - last stage with labels: the mean next-token loss over labels != cfg.pad_token_id;
-        last stage without labels: logits; other stages: hidden states.
+        last stage without labels, or with logits_only: logits; other stages: hidden states.
 
     Subclasses build their modules and provide `layers` (a ModuleDict keyed by global layer index),
     `embed(token_ids)` and `head(hidden) -> logits`.
