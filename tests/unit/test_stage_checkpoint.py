@@ -138,19 +138,26 @@ def test_keep_must_be_positive(tiny_cfg, tmp_path):
         StageCheckpointer(settings, 0, identity, lambda: None)
 
 
-def test_export_then_train_local_init_from_gives_the_swarm_stages_logits(tiny_cfg, tmp_path, capsys):
+def _export_two_trained_stages(cfg, tmp_path):
+    """Both stages after 2 steps, checkpointed at step 2 and exported (`swarmtrain export --out`)."""
     from swarmtrain.cli.main import main
-    from swarmtrain.runtime.local import LocalTrainer
 
     workers = []
     for stage in (0, 1):
-        worker = _trained_worker(tiny_cfg, stage, steps=2)
-        _, identity, settings = _checkpointer(tiny_cfg, tmp_path / "ckpt", stage)
+        worker = _trained_worker(cfg, stage, steps=2)
+        _, identity, settings = _checkpointer(cfg, tmp_path / "ckpt", stage)
         identity["num_stages"] = 2
         StageCheckpointer(settings, stage, identity, worker.export_state).save(2).result(timeout=30)
         workers.append(worker)
     out = tmp_path / "model.safetensors"
     assert main(["export", "--checkpoint-dir", str(tmp_path / "ckpt"), "--out", str(out)]) == 0
+    return workers, out
+
+
+def test_export_then_train_local_init_from_gives_the_swarm_stages_logits(tiny_cfg, tmp_path, capsys):
+    from swarmtrain.runtime.local import LocalTrainer
+
+    workers, out = _export_two_trained_stages(tiny_cfg, tmp_path)
     assert "2 stage(s) at step 2" in capsys.readouterr().out
 
     local = LocalTrainer(tiny_cfg, progress=False, init_from=out)
@@ -165,21 +172,12 @@ def test_stage_checkpoints_carry_the_boundary_layers_into_export_and_train_local
     too, trained off zero), and the exported whole model computes what the two stages do."""
     import dataclasses
 
-    from swarmtrain.cli.main import main
     from swarmtrain.runtime.local import LocalTrainer
 
     cfg = tiny_cfg.replace(
         model=dataclasses.replace(tiny_cfg.model, boundary="lowrank-embed", boundary_dim=16)
     )
-    workers = []
-    for stage in (0, 1):
-        worker = _trained_worker(cfg, stage, steps=2)
-        _, identity, settings = _checkpointer(cfg, tmp_path / "ckpt", stage)
-        identity["num_stages"] = 2
-        StageCheckpointer(settings, stage, identity, worker.export_state).save(2).result(timeout=30)
-        workers.append(worker)
-    out = tmp_path / "model.safetensors"
-    assert main(["export", "--checkpoint-dir", str(tmp_path / "ckpt"), "--out", str(out)]) == 0
+    workers, out = _export_two_trained_stages(cfg, tmp_path)
     halves = {"boundaries.0.down.proj.weight", "boundaries.0.up.proj.weight", "boundaries.0.up.tokens.weight"}
     assert halves <= set(workers[0].names) | set(workers[1].names)
     tokens_weight = workers[1].params[workers[1].names.index("boundaries.0.up.tokens.weight")]
