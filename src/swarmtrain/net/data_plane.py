@@ -453,6 +453,11 @@ class DataPlaneServer:
         for writer in list(self._writers):
             writer.close()
 
+    def track_answer(self, task: asyncio.Task) -> None:
+        """A link's answer under way: counted in `status` and cancelled at `close`."""
+        self._answers.add(task)
+        task.add_done_callback(self._answers.discard)
+
     def status(self) -> dict:
         """What callers hold here now, against the limits (a stage's `info` reply)."""
         return {
@@ -600,9 +605,7 @@ class _ServedLink:
                 self.server.release(head.size)
                 raise
             self.in_flight += 1
-            task = asyncio.create_task(self._reply(head, data))
-            self.server._answers.add(task)
-            task.add_done_callback(self.server._answers.discard)
+            self.server.track_answer(asyncio.create_task(self._reply(head, data)))
             await self.requests.send(ACK, head.exchange, b"")
 
     async def _next_head(self) -> _Head:

@@ -324,7 +324,7 @@ class ReplicaPeer:
             "lineage": self.lineage,
             "fp": fingerprint(self.outer.anchor),
             "samples": self.round_samples,
-            "serves": not self.averager.client_mode,
+            "serves": self.serves_state,
         }
         honest = self.outer.pseudo_gradients()
         self._sent = self.options.faults.corrupted(honest, k)
@@ -357,7 +357,7 @@ class ReplicaPeer:
     def _is_reference_member(self, gathered: dict[str, dict], k: int) -> bool:
         states = {p: _round_state(g) for p, g in gathered.items()}
         states[self.peer_id] = RoundState(
-            k, self.lineage, fingerprint(self.outer.anchor), not self.averager.client_mode
+            k, self.lineage, fingerprint(self.outer.anchor), self.serves_state
         )
         return started_from_reference(states, self.peer_id)
 
@@ -374,7 +374,7 @@ class ReplicaPeer:
                 if any(step == k for step in steps):
                     # the reference of round k may still be applying it (it publishes the next outer
                     # step after): giving up at once left a replica on other weights for good (CI)
-                    time.sleep(0.2)
+                    time.sleep(PEER_POLL_S)
                     continue
                 # the replicas ahead left (their records expired): nobody to download from
                 logger.warning("no live replica past outer step %d to download from: this one goes on", k)
@@ -382,16 +382,22 @@ class ReplicaPeer:
             if self._download(reason, retry=tried) and self.outer.outer_step >= target:
                 break
             tried = True
-            time.sleep(0.2)  # the donor is still applying the round
+            time.sleep(PEER_POLL_S)  # the donor is still applying the round
         self._adopt_position(self._others())
         self.round_samples = 0
         self._advertise_state()
         self.publish()
 
+    @property
+    def serves_state(self) -> bool:
+        """Whether others can download this replica's state: a client-mode replica (behind a NAT)
+        accepts no connections."""
+        return not self.averager.client_mode
+
     def _advertise_state(self) -> None:
-        """Late joiners download from the replica furthest ahead. A client-mode replica (behind a NAT)
-        cannot be downloaded from, and hivemind raises on a priority for it: it advertises nothing."""
-        if not self.averager.client_mode:
+        """Late joiners download from the replica furthest ahead. A replica that serves no download
+        advertises nothing (hivemind raises on a priority for a client-mode one)."""
+        if self.serves_state:
             self.averager.state_sharing_priority = float(self.outer.outer_step)
 
     def _count_bytes(self, group_size: int) -> None:
