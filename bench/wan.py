@@ -368,7 +368,10 @@ REGISTRY: list[BenchConfig] = [
     # below 8 bits (net/codec.py), and boundary layers of d_model / 2 with a codec on top (model/boundary.py)
     _swarm_config("direct", "4bit"),
     _swarm_config("direct", "4bit-rht"),
+    _swarm_config("direct", "3bit"),
     _swarm_config("direct", "3bit-rht"),
+    _swarm_config("direct", "2bit"),
+    _swarm_config("direct", "2bit-rht"),
     _swarm_config("direct", "4bit", ("lowrank", 2)),
     _swarm_config("direct", "4bit", ("lowrank-embed", 2)),
     _swarm_config("direct", "4bit", ("lowrank-embed", 4)),

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.unit
 KINDS = ("bottleneck", "maxout", "lowrank", "lowrank-embed")
 
 
-def _config(preset: str, kind: str, dim: int = 16, num_stages: int = 2, layers=None):
+def _config(preset: str, kind: str, dim: int | None = 16, num_stages: int = 2, layers=None):
     cfg = get_preset(preset)
     model = dataclasses.replace(cfg.model, boundary=kind, boundary_dim=dim)
     swarm = dataclasses.replace(cfg.swarm, num_stages=num_stages, layers_per_stage=layers)
@@ -69,6 +69,15 @@ def test_lowrank_embed_starts_as_lowrank_and_only_its_last_boundary_embeds_token
     last = build_stage(cfg.model, cfg.stages()[2], seed=5)
     with pytest.raises(ValueError, match="needs the labels"):
         last(torch.randn(2, cfg.model.seq_len, 16))
+
+
+@pytest.mark.parametrize("kind", ["none", *KINDS])
+def test_only_the_last_stage_behind_lowrank_embed_reads_labels(kind):
+    """The server passes labels to logits-only forwards where a stage reads them, and only there."""
+    cfg = _config("llama-tiny", kind, dim=16 if kind != "none" else None, num_stages=3, layers=(2, 1, 1))
+    stages = [build_stage(cfg.model, spec, seed=0) for spec in cfg.stages()]
+    assert [s.reads_labels for s in stages] == [False, False, kind == "lowrank-embed"]
+    assert not build_model(cfg.model, seed=0, cuts=cfg.boundary_cuts()).reads_labels  # reads its inputs
 
 
 def test_lowrank_embed_reads_the_current_token_from_the_label_before_it():

@@ -69,6 +69,13 @@ class DecoderStage(nn.Module):
         logits = self.head(x)
         return logits if labels is None or logits_only else self.loss(logits, labels)
 
+    @property
+    def reads_labels(self) -> bool:
+        """Whether this stage's forward reads its labels before the loss: the last stage (not a whole
+        model) behind a `lowrank-embed` boundary, which re-embeds the current tokens from them. Callers
+        that take losses from logits pass labels only then, so no other stage copies them."""
+        return self.cfg.boundary == "lowrank-embed" and self.spec.is_last and not self.spec.is_first
+
     def _current_ids(self, inputs: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor | None:
         """The current tokens a `lowrank-embed` boundary re-embeds (model/boundary.py): a whole model's
         inputs, the last stage's labels shifted by one; None where no boundary reads them."""

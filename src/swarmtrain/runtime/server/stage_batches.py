@@ -263,10 +263,10 @@ def _concat(worker: StageWorker, tensors: list[torch.Tensor]) -> tuple[torch.Ten
 
 
 def _logits_args(worker: StageWorker, requests: list[StageRequest]) -> tuple:
-    """The last stage's module arguments after its inputs when each request's loss is taken from one
-    batch's logits: the batch's labels (a `lowrank-embed` boundary reads them as its tokens' context)
-    and logits_only; nothing for other stages."""
-    if not worker.spec.is_last:
+    """The module's arguments after its inputs when each request's loss is taken from one batch's
+    logits: the batch's labels and logits_only where the stage reads labels (a `lowrank-embed`
+    boundary's tokens); nothing otherwise, so the hot path concatenates no labels it does not use."""
+    if not worker.module.reads_labels:
         return ()
     labels, _ = _concat(worker, [cast(torch.Tensor, r.labels) for r in requests])  # the last stage's: checked
     return labels, True

@@ -312,8 +312,8 @@ class StageService:
         sample = torch.zeros(shape, dtype=torch.long) if self.spec.is_first else torch.randn(shape)
         sample = compute.to_device(sample)
         # the last stage's logits, with labels where a boundary reads them (model/boundary.py)
-        labels = compute.to_device(torch.zeros((t.micro_batch_size, m.seq_len), dtype=torch.long))
-        args = (labels, True) if self.spec.is_last else ()
+        labels = torch.zeros((t.micro_batch_size, m.seq_len), dtype=torch.long)
+        args = (compute.to_device(labels), True) if self.worker.module.reads_labels else ()
         repeats = 3
         with torch.no_grad(), compute.autocast():
             self.worker.module(sample, *args)
