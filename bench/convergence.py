@@ -62,6 +62,7 @@ from swarmtrain.config.run import COMPRESSION_CHOICES, LOWBIT_COMPRESSION
 from swarmtrain.runtime.harness.cpu_quota import CpuQuota, CpuQuotaError
 from swarmtrain.runtime.harness.local_swarm import LocalSwarm, derived_run_toml, write_run_toml
 from swarmtrain.runtime.local import LocalTrainer
+from swarmtrain.runtime.trainer.trainer_metrics import trainer_metrics_from_log
 
 CODECS = COMPRESSION_CHOICES
 REPO = Path(__file__).resolve().parent.parent
@@ -172,9 +173,6 @@ class RowFailed(RuntimeError):
     pass
 
 
-PROGRESS = re.compile(r"samples (\d+) loss ([\d.]+) samples/s ([\d.]+)")
-
-
 def wait_trainer(swarm: LocalSwarm, timeout_s: float, samples: int, every_s: float = 20.0) -> int | None:
     """Wait for the trainer to exit, printing its latest progress line every `every_s` seconds."""
     proc = swarm.processes["trainer"]
@@ -190,25 +188,25 @@ def wait_trainer(swarm: LocalSwarm, timeout_s: float, samples: int, every_s: flo
             return None
         if now >= next_print:
             next_print += every_s
-            found = PROGRESS.findall(proc.log_text()[-4000:])
+            found = trainer_metrics_from_log(proc.log_text())
             if found:
-                done, loss, rate = found[-1]
+                m = found[-1]
                 print(
-                    f"    {now - start:5.0f}s  {int(done):6d}/{samples} samples  "
-                    f"loss {float(loss):.3f}  {float(rate):.1f} samples/s",
+                    f"    {now - start:5.0f}s  {m.samples:6d}/{samples} samples  "
+                    f"loss {m.loss:.3f}  {m.samples_per_s:.1f} samples/s",
                     flush=True,
                 )
             else:
                 print(f"    {now - start:5.0f}s  (no progress line yet)", flush=True)
 
 
-def peer_ids_from_logs(swarm: LocalSwarm, names: list[tuple[str, int]]) -> dict[str, str]:
-    """peer id -> server name, from each server's `stage N replica PEER ready` line."""
+def peer_ids_from_ledgers(swarm: LocalSwarm, names: list[tuple[str, int]]) -> dict[str, str]:
+    """peer id -> server name, from each server's ledger `ready` event for its stage."""
     found = {}
     for name, stage in names:
-        m = re.search(rf"stage {stage} replica (\S+) ready", swarm.processes[name].log_text())
-        if m:
-            found[m[1]] = name
+        for ready in swarm.ledger_events(name, "ready"):
+            if ready["stage"] == stage:
+                found[ready["peer"]] = name
     return found
 
 
@@ -222,7 +220,7 @@ def server_counters(
     counts = [0] * cfg.swarm.num_stages
     for _, stage in names:
         counts[stage] += 1
-    name_of = peer_ids_from_logs(swarm, names)
+    name_of = peer_ids_from_ledgers(swarm, names)
     probe = SwarmProbe(cfg, [swarm.address])
     try:
         probe.wait_for_peers(counts, timeout_s=60)

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import re
 import signal
 import sys
 import tempfile
@@ -241,9 +240,7 @@ def run_imbalanced(args, config_path: Path, workdir: Path) -> dict:
             ),
         ]
         return {
-            "windows": [
-                {"stage_of": stage_of, "work_s_samples_steps": work} for stage_of, work in windows
-            ],
+            "windows": [{"stage_of": stage_of, "work_s_samples_steps": work} for stage_of, work in windows],
             "moves": costs_of_moves,
             "stages_after": sorted(final.values()),
             "first_decision_after_traffic_s": first_decision - started,
@@ -272,7 +269,7 @@ def run_auto(args, config_path: Path, workdir: Path) -> dict:
         for name in names:
             swarm.start_server(name, "auto", "--metrics-period-s", "1")
             swarm.wait_ready([name])
-        stages = [int(re.search(r"serving stage (\d+)", swarm.processes[n].log_text())[1]) for n in names]
+        stages = [swarm.ledger_events(n, "stage_choice")[0]["stage"] for n in names]
         quiet = cpu_snapshot(swarm, names)
         time.sleep(IDLE_WINDOW_S)
         idle = idle_cpu_per_s(quiet, cpu_snapshot(swarm, names))
@@ -288,9 +285,7 @@ def run_auto(args, config_path: Path, workdir: Path) -> dict:
         return {
             "stages": stages,
             "samples_per_s": rate,
-            "windows": [
-                {"stage_of": dict(zip(names, stages, strict=True)), "work_s_samples_steps": work}
-            ],
+            "windows": [{"stage_of": dict(zip(names, stages, strict=True)), "work_s_samples_steps": work}],
             "idle_cpu_per_s": idle,
         }
 
@@ -370,11 +365,7 @@ def main() -> int:
         auto = run_auto(args, config_path, Path(tmp) / "auto")
     latency = imbalanced["hop_latency_s"]
     fits = fit_stage_costs(
-        [
-            (w["stage_of"], w["work_s_samples_steps"])
-            for run in (imbalanced, auto)
-            for w in run["windows"]
-        ],
+        [(w["stage_of"], w["work_s_samples_steps"]) for run in (imbalanced, auto) for w in run["windows"]],
         cfg.swarm.num_stages,
     )
     idle_values = [*imbalanced["idle_cpu_per_s"].values(), *auto["idle_cpu_per_s"].values()]

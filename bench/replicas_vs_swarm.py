@@ -63,7 +63,6 @@ import json
 import math
 import os
 import platform
-import re
 import shutil
 import signal
 import subprocess
@@ -78,7 +77,9 @@ from swarmtrain.config import RunConfig, get_preset, load_run_config
 from swarmtrain.runtime.harness import netbed
 from swarmtrain.runtime.harness.local_swarm import LocalSwarm, SwarmStartError, write_run_toml
 from swarmtrain.runtime.ledger import read_ledger
+from swarmtrain.runtime.replica.replica_metrics import replica_metrics_from_log
 from swarmtrain.runtime.server.server_metrics import metrics_from_log
+from swarmtrain.runtime.trainer.trainer_metrics import trainer_metrics_from_log
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_BANDWIDTHS = "4,8,16,32,inf"
@@ -92,9 +93,6 @@ SIM_GRID_MBIT_S = (0.25, 0.5, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256
 CROSSOVER_TOLERANCE = 0.25  # the bound on |predicted / measured - 1|
 PROGRESS_EVERY_S = 20.0
 POLL_S = 0.5
-
-TRAINER_PROGRESS = re.compile(r"samples (\d+) loss ([\d.]+) samples/s ([\d.]+)")
-REPLICA_PROGRESS = re.compile(r"run at ~(\d+) samples\), outer step \d+, loss ([\d.]+), ([\d.]+) samples/s")
 
 
 @dataclass(frozen=True)
@@ -214,14 +212,18 @@ def trained_samples(ledger: Path) -> int:
 
 # one run ------------------------------------------------------------------------------------------
 def latest_progress(mode: str, swarm: LocalSwarm, workers: list[str]) -> str:
-    pattern = TRAINER_PROGRESS if mode == "swarm" else REPLICA_PROGRESS
-    found = pattern.findall(swarm.processes[workers[0]].log_text()[-4000:])
-    if not found:
+    log_text = swarm.processes[workers[0]].log_text()
+    if mode == "replicas":  # one replica's metrics: the run's samples and this replica's rate
+        replica = replica_metrics_from_log(log_text)
+        if not replica:
+            return "(no progress line yet)"
+        r = replica[-1]
+        return f"~{r.samples} samples, loss {r.loss:.3f}, {r.samples_per_s:.1f} samples/s per replica"
+    trainer = trainer_metrics_from_log(log_text)
+    if not trainer:
         return "(no progress line yet)"
-    done, loss, rate = found[-1]
-    if mode == "replicas":  # one replica's line: the run's samples and this replica's rate
-        return f"~{int(done)} samples, loss {float(loss):.3f}, {float(rate):.1f} samples/s per replica"
-    return f"{int(done)} samples, loss {float(loss):.3f}, {float(rate):.1f} samples/s"
+    t = trainer[-1]
+    return f"{t.samples} samples, loss {t.loss:.3f}, {t.samples_per_s:.1f} samples/s"
 
 
 def wait_workers(mode: str, swarm: LocalSwarm, workers: list[str], timeout_s: float, on_poll=None) -> None:

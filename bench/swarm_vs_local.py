@@ -6,10 +6,12 @@
   thread each, + a trainer, all separate processes on this machine) divided by local training's
   samples/s with as many torch threads as the swarm has servers (same total CPU threads) or with
   one thread, whichever is faster (on a loaded 2-core machine 2 torch threads can be slower);
-- wire_bytes_ratio: bytes actually sent (all RPC payloads, both directions, counted at the
-  transport) divided by the bytes of the same messages with every float tensor in fp32;
-- bytes per sample per stage and direction: every tensor is relayed through the trainer, so a stage
-  boundary costs its activations twice (out of stage i, into stage i+1) and its gradients twice;
+- wire_bytes_ratio: bytes actually sent by every process (the trainer's requests; each server's
+  requests and replies, over libp2p and over the direct data plane that hands activations and
+  gradients from server to server; counted once, by their sender at its transport) divided by the
+  bytes of the same messages with every float tensor in fp32;
+- bytes per sample sent, per process: the trainer's by stage and message kind, each server's total
+  (its metrics line, runtime/server/server_metrics.py);
 - codec_gb_per_s: 8-bit encode+decode of fp32 input on one core.
 The local baseline is measured before and after the swarm and averaged (the machine is shared).
 The trainer's own CPU use (routing, relaying) is not given extra threads: it competes with the servers.
@@ -31,9 +33,12 @@ from swarmtrain.data import iterate_batches
 from swarmtrain.runtime.harness.local_swarm import LocalSwarm, write_run_toml
 from swarmtrain.runtime.ledger import read_ledger
 from swarmtrain.runtime.local import LocalTrainer
+from swarmtrain.runtime.server.server_metrics import metrics_from_log
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from codec_throughput import codec_gb_per_s  # noqa: E402
+
+SERVER_METRICS_WAIT_S = 2.5  # > the servers' --metrics-period-s of 1: a line after the last reply
 
 
 def measure_local(preset: str, threads: int, steps: int) -> float:
@@ -55,8 +60,8 @@ def measure_swarm(preset: str, duration_s: float, in_flight: int, codec: str, wo
         swarm.start_dht()
         names = [f"stage{s}" for s in range(cfg.swarm.num_stages)]
         for stage, name in enumerate(names):
-            swarm.start_server(name, stage, "--threads", "1")
-        swarm.wait_ready(names, timeout_s=180)
+            swarm.start_server(name, stage, "--threads", "1", "--metrics-period-s", "1")
+        swarm.wait_ready(names, timeout_s=180)  # servers log their metrics every second (below)
         swarm.start_trainer(
             "trainer",
             "--duration-s",
@@ -73,23 +78,46 @@ def measure_swarm(preset: str, duration_s: float, in_flight: int, codec: str, wo
             raise RuntimeError(f"trainer failed ({code}):\n{swarm.processes['trainer'].log_text()[-3000:]}")
         summary = json.loads((swarm.workdir / "trainer.summary.json").read_text())
         done = [e for e in read_ledger(swarm.ledger_path("trainer")) if e["e"] == "done"]
+        time.sleep(SERVER_METRICS_WAIT_S)  # the servers' last replies counted in a metrics line
+        servers = {name: metrics_from_log(swarm.processes[name].log_text())[-1] for name in names}
     warm = [e for e in done if e["t"] >= done[0]["t"] + min(10.0, duration_s / 4)]  # skip warm-up
     steady = sum(e["n"] for e in warm[1:]) / max(warm[-1]["t"] - warm[0]["t"], 1e-9) if len(warm) > 2 else 0.0
     return {
         "samples_per_s": steady,
         "samples": summary["samples"],
         "transport": summary["transport"],
+        "servers_sent": {n: {"wire": m.bytes_out, "fp32": m.fp32_bytes_out} for n, m in servers.items()},
         "num_stages": cfg.swarm.num_stages,
     }
 
 
-def bytes_table(transport: dict, samples: int) -> list[tuple[str, float, float]]:
+def sent_bytes(swarm: dict) -> tuple[int, int]:
+    """(wire, fp32-equivalent) bytes sent by every process of the run: the trainer's requests and
+    the servers' requests and replies (each message counted once, by its sender)."""
+    wire = fp32 = 0
+    for entries in swarm["transport"]["per_stage"].values():
+        for key, value in entries.items():
+            if key.endswith("_out_wire_bytes"):
+                wire += value
+            elif key.endswith("_out_fp32_bytes"):
+                fp32 += value
+    for server in swarm["servers_sent"].values():
+        wire, fp32 = wire + server["wire"], fp32 + server["fp32"]
+    return wire, fp32
+
+
+def bytes_table(swarm: dict, samples: int) -> list[tuple[str, float, float]]:
+    """(label, wire, fp32) bytes per sample sent: the trainer's requests by stage and kind, then each
+    server's total."""
     rows = []
-    for stage, entries in sorted(transport["per_stage"].items()):
-        for key in sorted(k for k in entries if k.endswith("_wire_bytes")):
+    for stage, entries in sorted(swarm["transport"]["per_stage"].items()):
+        for key in sorted(k for k in entries if k.endswith("_out_wire_bytes")):
             what = key[: -len("_wire_bytes")]
             fp32 = entries[what + "_fp32_bytes"]
-            rows.append((f"stage {stage} {what.replace('_', ' ')}", entries[key] / samples, fp32 / samples))
+            label = f"trainer to stage {stage}, {what.removesuffix('_out').replace('_', ' ')}"
+            rows.append((label, entries[key] / samples, fp32 / samples))
+    for name, sent in sorted(swarm["servers_sent"].items()):
+        rows.append((f"server {name}, all it sent", sent["wire"] / samples, sent["fp32"] / samples))
     return rows
 
 
@@ -115,17 +143,18 @@ def main() -> None:
     local_by_threads = {t: (before[t] + after[t]) / 2 for t in thread_options}
     best_threads = max(local_by_threads, key=local_by_threads.get)
     local = local_by_threads[best_threads]
-    transport, samples = swarm["transport"], swarm["samples"]
+    samples = swarm["samples"]
+    wire_bytes, fp32_bytes = sent_bytes(swarm)
     summary = {
         "throughput_ratio": swarm["samples_per_s"] / local,
-        "wire_bytes_ratio": transport["wire_bytes"] / transport["fp32_bytes"],
+        "wire_bytes_ratio": wire_bytes / fp32_bytes,
         "codec_gb_per_s": codec_speed,
         "swarm_samples_per_s": swarm["samples_per_s"],
         "local_samples_per_s": local,
         "local_samples_per_s_by_threads": {str(t): v for t, v in local_by_threads.items()},
         "local_samples_per_s_before_after": {str(t): [before[t], after[t]] for t in thread_options},
-        "wire_bytes_per_sample": transport["wire_bytes"] / samples,
-        "fp32_bytes_per_sample": transport["fp32_bytes"] / samples,
+        "wire_bytes_per_sample": wire_bytes / samples,
+        "fp32_bytes_per_sample": fp32_bytes / samples,
         "preset": args.preset,
         "compression": args.compression,
         "threads": threads,
@@ -138,8 +167,8 @@ def main() -> None:
     print(f"{'throughput ratio (target >= 0.7)':38s} {summary['throughput_ratio']:12.3f}")
     print(f"{'wire bytes / fp32 bytes (target <= 0.3)':38s} {summary['wire_bytes_ratio']:12.3f}")
     print(f"{'codec GB/s (8-bit, 1 core)':38s} {codec_speed:12.2f}")
-    print(f"\n{'bytes per sample':38s} {'wire':>12s} {'as fp32':>12s}")
-    for label, wire, fp32 in bytes_table(transport, samples):
+    print(f"\n{'bytes sent per sample':38s} {'wire':>12s} {'as fp32':>12s}")
+    for label, wire, fp32 in bytes_table(swarm, samples):
         print(f"{label:38s} {wire:12.0f} {fp32:12.0f}")
     print(f"{'total':38s} {summary['wire_bytes_per_sample']:12.0f} {summary['fp32_bytes_per_sample']:12.0f}")
     if args.summary_json:

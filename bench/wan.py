@@ -81,10 +81,10 @@ from swarmtrain.runtime.harness.local_swarm import (
     write_run_toml,
 )
 from swarmtrain.runtime.procs import ManagedProcess
+from swarmtrain.runtime.trainer.trainer_metrics import trainer_metrics_from_log
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from replicas_vs_swarm import (  # noqa: E402
-    TRAINER_PROGRESS,
     fmt_bw,
     machine_info,
     namespace_bytes,
@@ -217,11 +217,11 @@ def wait_workers(workers: dict, keep_alive: dict, timeout_s: float, label: str, 
 
 
 def trainer_progress(log_text: str) -> str:
-    found = TRAINER_PROGRESS.findall(log_text[-4000:])
+    found = trainer_metrics_from_log(log_text)
     if not found:
         return "(trainer: no progress line yet)"
-    done, loss, rate = found[-1]
-    return f"{int(done)} samples, loss {float(loss):.3f}, {float(rate):.1f} samples/s"
+    m = found[-1]
+    return f"{m.samples} samples, loss {m.loss:.3f}, {m.samples_per_s:.1f} samples/s"
 
 
 def gpipe_progress(log_text: str) -> str:

@@ -1,8 +1,8 @@
 """Calibration: does the simulator predict the real local swarm demo's throughput?
 
 Runs the demo configuration (`swarmtrain demo`: preset tiny, 2 stages, 2 replicas of stage 0, one
-trainer; no kill) for each number of micro-batches in flight, measures, and asks the simulator to
-predict the same run from measured inputs only:
+trainer that relays every call, `--hand-off relay`; no kill) for each number of micro-batches in
+flight, measures, and asks the simulator to predict the same run from measured inputs only:
 - per-peer compute seconds per sample: each server's compute-thread busy time over the samples it
   forwarded (its `busy_s` / `samples_forward` metrics, after warm-up), fed through the calibration
   hook (`compute_s_per_sample` of the fleet's peers);
@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import re
 import tempfile
 from pathlib import Path
 
@@ -29,6 +28,7 @@ import _common as c
 from swarmtrain.config import load_run_config
 from swarmtrain.runtime.harness.demo import DemoOptions, run_demo
 from swarmtrain.runtime.ledger import read_ledger
+from swarmtrain.runtime.server.server_metrics import metrics_from_log
 from swarmtrain.sim.base import SimConfig
 from swarmtrain.sim.entities import DEVICE_TYPES, Fleet, PeerSpec, single_location
 from swarmtrain.sim.report import format_table
@@ -38,7 +38,6 @@ WARMUP_S = 8.0
 LOOPBACK_BYTES_PER_S = 10e9 / 8  # loopback is not the limit here; transfers cost their latency
 SIM_DURATION_S = 300.0
 TARGET_ERROR = 0.15
-METRICS = re.compile(r"metrics .*?samples_forward=(\d+) busy_s=([\d.]+)")
 
 
 def steady_samples_per_s(ledger: Path) -> float:
@@ -51,7 +50,8 @@ def steady_samples_per_s(ledger: Path) -> float:
 
 def compute_s_per_sample(server_log: Path) -> float:
     """Busy seconds per forwarded sample between the first metrics line with traffic and the last."""
-    points = [(int(s), float(b)) for s, b in METRICS.findall(server_log.read_text()) if int(s) > 0]
+    metrics = metrics_from_log(server_log.read_text())
+    points = [(m.samples_forward, m.busy_s) for m in metrics if m.samples_forward > 0]
     if len(points) < 2 or points[-1][0] == points[0][0]:
         raise RuntimeError(f"not enough metrics lines in {server_log}")
     (s0, b0), (s1, b1) = points[0], points[-1]
@@ -77,8 +77,14 @@ def pooled_cv(rpc: dict, name: str) -> float:
 def measure(in_flight: int, duration_s: float, root: Path) -> dict:
     workdir = root / f"in_flight_{in_flight}"
     # throughput only: the one-process loss reference would add a training run per setting
+    # every call relayed by the trainer: its per-call round trips are the simulator's 2S-1 transfers
     options = DemoOptions(
-        duration_s=duration_s, kill=False, in_flight=in_flight, workdir=str(workdir), reference=False
+        duration_s=duration_s,
+        kill=False,
+        in_flight=in_flight,
+        workdir=str(workdir),
+        reference=False,
+        hand_off="relay",
     )
     summary = run_demo(options, out=io.StringIO())
     if not summary["microbatches_completed"] or summary["microbatches_failed"]:

@@ -23,12 +23,6 @@ STEPS = 24
 UNKNOWN = "12D3KooWJ5xuu1c4fNWyN3YSM5pHDB8QfNnJdS1ugXvkFbw6hYjm"  # a peer id nobody in the swarm has
 
 
-def _pid(peer: str):
-    from hivemind.p2p import PeerID
-
-    return PeerID.from_base58(peer)
-
-
 class Forger:
     """The stranger: reads each replica's step with `info` (public) and sends it forged messages."""
 
@@ -45,7 +39,7 @@ class Forger:
 
     def _call(self, peer: str, kind: str, message, case: str) -> None:
         try:
-            self.probe.run(self.probe.trainer.client.call(_pid(peer), kind, message, timeout_s=10.0), 15.0)
+            self.probe.run(self.probe.trainer.client.call(peer, kind, message, timeout_s=10.0), 15.0)
             self.sent[case] = self.sent.get(case, 0) + 1
         except Exception as exc:  # a refusal is fine too; it is counted apart
             self.errors.append(f"{case}: {exc!r}"[:200])

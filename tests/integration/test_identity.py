@@ -1,7 +1,6 @@
 """`--identity-path` keeps a peer's id across restarts: a bootstrap DHT restarted on the same port
 has the same address, so every other peer's --initial-peers stays valid."""
 
-import re
 import socket
 
 import pytest
@@ -29,7 +28,7 @@ def test_a_restarted_bootstrap_keeps_its_address_and_peers_rejoin(make_swarm, tm
     # a server started with the old address joins the restarted bootstrap
     again.start_server("s1", 1, "--identity-path", str(tmp_path / "keys" / "s1.key"))
     again.wait_ready(["s1"])
-    peer_id = re.search(r"replica (\S+) ready", again.processes["s1"].log_text()).group(1)
+    peer_id = again.ledger_events("s1", "ready")[0]["peer"]
     again.stop_all()
     assert (tmp_path / "keys" / "s1.key").is_file()
 

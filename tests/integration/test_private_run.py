@@ -43,14 +43,14 @@ def test_private_run_refuses_strangers(make_swarm, tmp_path):
     stranger_client = stranger.trainer.client
     addresses = member.trainer.table.announcements[1][s1].addresses
     _peer_id = _pid(s1)
-    assert stranger.run(stranger_client.connect(_peer_id, addresses, timeout_s=10))
+    assert stranger.run(stranger_client.connect(s1, addresses, timeout_s=10))
     forged_close = close_message(2, 1, cfg.digest(), 0, 1, {s1: 16}, [s1])
     forged_grads = make_message(
         "grads", {"step": 2, "stage": 1, "digest": cfg.digest(), "samples": 16}, {"w": torch.zeros(2)}
     )
     for kind, message in [("info", Message("info", {})), ("close", forged_close), ("grads", forged_grads)]:
         with pytest.raises(RemoteError) as refused:
-            stranger.run(stranger_client.call(_peer_id, kind, message, timeout_s=20))
+            stranger.run(stranger_client.call(s1, kind, message, timeout_s=20))
         assert refused.value.code == "unauthorized"
 
     # hivemind's averaging RPCs: no state for a stranger, no place in a group

@@ -1,23 +1,15 @@
 """`swarmtrain server --stage auto` on a live swarm: servers started one after another fill the empty
 stage first, then the stage with the least capacity; a trainer then trains through them."""
 
-import re
-
 import pytest
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(300)]
 
-CHOICE = re.compile(
-    r"--stage auto: stages have \[(.*?)\] peer\(s\), \[(.*?)\] samples/s: serving stage (\d+)"
-)
 
-
-def _choice(log_text: str) -> tuple[list[int], list[float], int]:
-    match = CHOICE.search(log_text)
-    assert match, log_text[-2000:]
-    counts = [int(x) for x in match[1].split(",")]
-    capacities = [float(x) for x in match[2].split(",")]
-    return counts, capacities, int(match[3])
+def _choice(swarm, name: str) -> tuple[list[int], list[float], int]:
+    """`--stage auto`'s inputs and choice, from the server's ledger (`stage_choice`)."""
+    [choice] = swarm.ledger_events(name, "stage_choice")
+    return choice["peers_per_stage"], choice["capacities_samples_per_s"], choice["stage"]
 
 
 def test_auto_servers_fill_the_bottleneck(make_swarm):
@@ -27,7 +19,7 @@ def test_auto_servers_fill_the_bottleneck(make_swarm):
     for name in ("a", "b", "c"):
         swarm.start_server(name, "auto")
         swarm.wait_ready([name])
-        counts, capacities, stage = _choice(swarm.processes[name].log_text())
+        counts, capacities, stage = _choice(swarm, name)
         chosen.append(stage)
         if 0 in counts:
             assert stage == counts.index(0)  # an empty stage first

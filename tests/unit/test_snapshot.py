@@ -42,7 +42,7 @@ def test_snapshot_shape_bottleneck_and_foreign_peers():
         },
         progress={0: {"A": {"epoch": 7, "samples": 0}}},
         metrics={
-            "trainer-t1": {"role": "trainer", "loss": 2.5, "samples_per_s": 30.0, "step": 640},
+            "trainer-t1": {"role": "trainer", "loss": 2.5, "samples_per_s": 30.0, "samples": 640},
             "C": {"role": "server"},
         },
         replicas={"R": {"outer_step": 2, "inner_step": 45, "samples_per_s": 80.0}},

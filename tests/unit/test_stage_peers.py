@@ -33,7 +33,7 @@ class Client:
         self.connects: list[str] = []
 
     async def connect(self, peer_id, addresses: list[str], timeout_s: float) -> bool:
-        self.connects.append(peer_id.to_base58())
+        self.connects.append(peer_id)
         return True
 
 

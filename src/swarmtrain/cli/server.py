@@ -163,7 +163,7 @@ def run(args: argparse.Namespace, faults: FaultHooks | None = None) -> int:
     cfg = _with_checkpoint_overrides(run_config_from_args(args), args)
     initial_peers = validate_initial_peers(args.initial_peers)
     network = network_from_args(args)
-    stage = args.stage
+    stage, choice = args.stage, None
     if args.plan is not None:
         cfg, stage = _from_plan(cfg, args)
     elif args.device_index is not None:
@@ -172,7 +172,8 @@ def run(args: argparse.Namespace, faults: FaultHooks | None = None) -> int:
     if stage == "auto":
         from swarmtrain.runtime.server.stage_choice import choose_stage_live
 
-        stage = choose_stage_live(cfg, initial_peers, network)
+        choice = choose_stage_live(cfg, initial_peers, network)
+        stage = choice.stage
     stage_options = StageOptions(
         cache_size=args.cache_size,
         cache_max_bytes=args.cache_mb << 20,
@@ -189,6 +190,7 @@ def run(args: argparse.Namespace, faults: FaultHooks | None = None) -> int:
         network=network,
         threads=args.threads,
         ledger_path=args.ledger,
+        stage_choice=choice,
         metrics_period_s=args.metrics_period_s,
         stage_options=stage_options,
         faults=faults or NO_FAULTS,

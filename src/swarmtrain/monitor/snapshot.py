@@ -115,7 +115,7 @@ def _trainers(metrics: dict[str, dict]) -> list[dict]:
                     "trainer_id": peer_id.removeprefix("trainer-"),
                     "loss": value.get("loss"),
                     "samples_per_s": value.get("samples_per_s"),
-                    "samples": value.get("step"),
+                    "samples": value.get("samples"),
                     "completed": value.get("completed"),
                     "failed": value.get("failed"),
                 }

@@ -67,6 +67,13 @@ class ByteCount:
     fp32_bytes: int = 0
 
 
+# a counter's direction: a caller's request (`out`) and the reply it got (`back`); a servicer's
+# request received (`in`) and the reply it sent (`reply`)
+SENT = ("out", "reply")
+RECEIVED = ("in", "back")
+DIRECTIONS = SENT + RECEIVED
+
+
 class TransportStats:
     """Thread-safe byte counters keyed by (stage, message kind, direction), and the CPU seconds a
     servicer spent parsing requests and packing replies, by kind (the thread time of the event loop's
@@ -97,13 +104,23 @@ class TransportStats:
         with self._lock:
             return {key: ByteCount(c.messages, c.wire_bytes, c.fp32_bytes) for key, c in self._counts.items()}
 
-    def totals(self) -> ByteCount:
+    def totals(self, directions: tuple[str, ...] = DIRECTIONS) -> ByteCount:
+        """Summed over stages and kinds, of the given directions (all by default)."""
         total = ByteCount()
-        for count in self.snapshot().values():
-            total.messages += count.messages
-            total.wire_bytes += count.wire_bytes
-            total.fp32_bytes += count.fp32_bytes
+        for (_, _, direction), count in self.snapshot().items():
+            if direction in directions:
+                total.messages += count.messages
+                total.wire_bytes += count.wire_bytes
+                total.fp32_bytes += count.fp32_bytes
         return total
+
+    def sent(self) -> ByteCount:
+        """What this process put on the wire: its requests and its replies."""
+        return self.totals(SENT)
+
+    def received(self) -> ByteCount:
+        """What it took off the wire: requests to it and replies to its requests."""
+        return self.totals(RECEIVED)
 
 
 def _chunks(data: bytes) -> list[bytes]:
@@ -242,37 +259,33 @@ class StageServicer(ServicerBase):
     async def rpc_info(
         self, request: runtime_pb2.ExpertRequest, context: P2PContext
     ) -> runtime_pb2.ExpertResponse:
-        reply = await self._answer("info", request.metadata, context)
-        return runtime_pb2.ExpertResponse(metadata=pack(reply))
+        return runtime_pb2.ExpertResponse(metadata=await self.answer_bytes("info", request.metadata, context))
 
     async def rpc_ping(
         self, request: runtime_pb2.ExpertRequest, context: P2PContext
     ) -> runtime_pb2.ExpertResponse:
-        reply = await self._answer("ping", request.metadata, context)
-        return runtime_pb2.ExpertResponse(metadata=pack(reply))
+        return runtime_pb2.ExpertResponse(metadata=await self.answer_bytes("ping", request.metadata, context))
 
     async def rpc_close(
         self, request: runtime_pb2.ExpertRequest, context: P2PContext
     ) -> runtime_pb2.ExpertResponse:
-        reply = await self._answer("close", request.metadata, context)
-        return runtime_pb2.ExpertResponse(metadata=pack(reply))
+        return runtime_pb2.ExpertResponse(
+            metadata=await self.answer_bytes("close", request.metadata, context)
+        )
 
     async def _serve(self, kind: str, requests, context: P2PContext):
         try:
             data = await _collect(requests, self.limit(kind), drain_s=MAX_DRAIN_S)
         except ProtocolError as exc:
-            reply = error_message(str(exc), exc.code)
+            packed = pack(error_message(str(exc), exc.code))
         else:
             # an empty first chunk says "your request is here" before the work starts: a sender that
             # hands off several micro-batches to us sends them one after the other (`StageClient.call`'s
             # `received`) instead of all at once at a fair share of its link, which delivered them
             # together and left this stage idle meanwhile (bench/wan.py)
             yield runtime_pb2.ExpertResponse(metadata=b"")
-            reply = await self._answer(kind, data, context)
-        start_cpu_s = time.thread_time()
-        chunks = _chunks(pack(reply))
-        self.stats.add_cpu(kind, time.thread_time() - start_cpu_s)
-        for chunk in chunks:
+            packed = await self.answer_bytes(kind, data, context)
+        for chunk in _chunks(packed):
             yield runtime_pb2.ExpertResponse(metadata=chunk)
 
     def limit(self, kind: str) -> int:
@@ -283,17 +296,26 @@ class StageServicer(ServicerBase):
             return self.max_micro_batch_bytes
         return self.max_message_bytes
 
-    async def answer_bytes(self, kind: str, data: bytes, context: P2PContext) -> bytes:
-        """The packed reply to a request that came another way than libp2p (net/data_plane.py)."""
-        reply = await self._answer(kind, data, context)
+    async def answer_direct(self, kind: str, data: bytes, context: P2PContext) -> bytes:
+        """The packed reply to a request that came over the data plane (net/data_plane.py)."""
+        return await self.answer_bytes(kind, data, context, direct=True)
+
+    async def answer_bytes(self, kind: str, data: bytes, context: P2PContext, direct: bool = False) -> bytes:
+        """The packed reply to a request, counted in `stats` as sent (`reply`) under the request's
+        stage. `direct`: it came over the data plane, not libp2p."""
+        stage, reply = await self._answer(kind, data, context)
         start_cpu_s = time.thread_time()
         packed = pack(reply)
-        self.stats.direct_in += 1  # on the event loop only: no lock
+        if direct:
+            self.stats.direct_in += 1  # on the event loop only: no lock
         self.stats.add_cpu(kind, time.thread_time() - start_cpu_s)
+        self.stats.record(stage, kind, "reply", len(packed), reply.fp32_equivalent_bytes())
         return packed
 
-    async def _answer(self, kind: str, data: bytes, context: P2PContext) -> Message:
+    async def _answer(self, kind: str, data: bytes, context: P2PContext) -> tuple[int, Message]:
+        """(the request's stage, -1 if it names none; the reply message)."""
         start_cpu_s = time.thread_time()
+        stage = -1
         try:
             message = unpack(data, self.limit(kind))
             if self.run_key is not None and not self.run_key.verify(
@@ -304,24 +326,28 @@ class StageServicer(ServicerBase):
                 )
             if message.kind != kind:
                 raise ProtocolError(f"a {message.kind!r} message sent to the {kind} handler")
-            stage = message.header.get("stage")
-            self.stats.record(
-                stage if isinstance(stage, int) else -1,
-                kind,
-                "in",
-                len(data),
-                message.fp32_equivalent_bytes(),
-            )
+            named = message.header.get("stage")
+            stage = named if isinstance(named, int) and not isinstance(named, bool) else -1
+            self.stats.record(stage, kind, "in", len(data), message.fp32_equivalent_bytes())
             self.stats.add_cpu(kind, time.thread_time() - start_cpu_s)
-            return await self.handler(message, context)
+            return stage, await self.handler(message, context)
         except ProtocolError as exc:
             logger.info("refused %s from %s: %s", kind, context.remote_id, exc)
-            return error_message(str(exc), exc.code)
+            return stage, error_message(str(exc), exc.code)
         except Exception as exc:  # a bug in a handler must not kill the server; the caller gets the reason
             # one line in the log (no traceback in any log: README); the traceback at debug level
             logger.error("handler for %s failed: %r", kind, exc)
             logger.debug("handler for %s failed", kind, exc_info=exc)
-            return error_message(f"internal error: {exc!r}", "internal")
+            return stage, error_message(f"internal error: {exc!r}", "internal")
+
+
+def is_peer_id(peer: str) -> bool:
+    """Whether `peer` parses as a base58 libp2p peer id."""
+    try:
+        PeerID.from_base58(peer)
+    except ValueError:
+        return False
+    return True
 
 
 class StageClient:
@@ -338,27 +364,31 @@ class StageClient:
 
     async def call(
         self,
-        peer_id: PeerID,
+        peer: str,
         kind: str,
         message: Message,
         timeout_s: float,
         received: asyncio.Event | None = None,
     ) -> Message:
-        """Send `message` to the `kind` handler of `peer_id`; raise RemoteError on an error answer,
+        """Send `message` to the `kind` handler of `peer` (a base58 peer id, as the runtime holds
+        them; hivemind's PeerID stays inside net/); raise RemoteError on an error answer,
         asyncio.TimeoutError on timeout and hivemind's P2P errors on connection failures. `received`
         is set once the server has the whole request (a stream's first reply chunk), before it works."""
         if self._token is not None:
             message = Message(message.kind, {**message.header, "auth": self._token}, message.tensors)
         data = pack(message)
-        exchange = self._exchange(peer_id, kind, data, received)
+        exchange = self._exchange(peer, kind, data, received)
         reply_bytes = await asyncio.wait_for(exchange, timeout=timeout_s)
-        return checked_reply(self.stats, message, kind, data, reply_bytes, str(peer_id))
+        return checked_reply(self.stats, message, kind, data, reply_bytes, peer)
 
-    async def ping_reply(self, peer_id: PeerID, ping: Message, timeout_s: float) -> Message | None:
+    async def ping_reply(self, peer: str, ping: Message, timeout_s: float) -> Message | None:
         """The peer's answer to `ping` within `timeout_s` (an error answer too, as an error message: the
-        peer is alive), or None on a timeout or a connection failure; anything else is a bug."""
+        peer is alive), or None on a timeout, a connection failure or a `peer` that is no peer id (a
+        stranger's record may name anything); anything else is a bug."""
+        if not is_peer_id(peer):
+            return None
         try:
-            return await self.call(peer_id, "ping", ping, timeout_s)
+            return await self.call(peer, "ping", ping, timeout_s)
         except RemoteError as exc:
             return error_message(exc.text, exc.code)
         except Exception as exc:
@@ -366,22 +396,22 @@ class StageClient:
                 return None
             raise
 
-    async def answers_ping(self, peer_id: PeerID, ping: Message, timeout_s: float) -> bool:
+    async def answers_ping(self, peer: str, ping: Message, timeout_s: float) -> bool:
         """Does the peer's event loop answer `ping` within `timeout_s`? Any answer counts."""
-        return await self.ping_reply(peer_id, ping, timeout_s) is not None
+        return await self.ping_reply(peer, ping, timeout_s) is not None
 
-    async def call_raw(self, peer_id: PeerID, kind: str, data: bytes, timeout_s: float) -> Message:
+    async def call_raw(self, peer: str, kind: str, data: bytes, timeout_s: float) -> Message:
         """Send arbitrary bytes to a handler (tests of a server's input validation)."""
-        reply_bytes = await asyncio.wait_for(self._exchange(peer_id, kind, data), timeout=timeout_s)
+        reply_bytes = await asyncio.wait_for(self._exchange(peer, kind, data), timeout=timeout_s)
         try:
             return unpack(reply_bytes, MAX_REPLY_BYTES)
         except ProtocolError as exc:
-            raise TruncatedReply(f"{len(reply_bytes)}-byte reply from {peer_id}: {exc}") from None
+            raise TruncatedReply(f"{len(reply_bytes)}-byte reply from {peer}: {exc}") from None
 
     async def _exchange(
-        self, peer_id: PeerID, kind: str, data: bytes, received: asyncio.Event | None = None
+        self, peer: str, kind: str, data: bytes, received: asyncio.Event | None = None
     ) -> bytes:
-        stub = StageServicer.get_stub(self.p2p, peer_id, namespace=self.namespace)
+        stub = StageServicer.get_stub(self.p2p, PeerID.from_base58(peer), namespace=self.namespace)
         if kind in UNARY_KINDS:
             response = await getattr(stub, f"rpc_{kind}")(runtime_pb2.ExpertRequest(metadata=data))
             return response.metadata
@@ -395,18 +425,23 @@ class StageClient:
         stream = await getattr(stub, f"rpc_{kind}")(requests())
         return await _collect_reply(stream, received)
 
-    async def connect(self, peer_id: PeerID, addresses: list[str], timeout_s: float) -> bool:
-        """Best effort: tell our p2pd where a peer listens (its DHT may not know it yet)."""
+    async def connect(self, peer: str, addresses: list[str], timeout_s: float) -> bool:
+        """Best effort: tell our p2pd where a peer listens (its DHT may not know it yet), through the
+        daemon's control socket (hivemind's P2P offers no public connect)."""
+        from hivemind.p2p.p2p_daemon_bindings.control import ControlClient, DaemonConnector
         from hivemind.utils.multiaddr import Multiaddr
 
         try:
             # p2pd's connect takes transport addresses: with the /p2p/ID suffix that announcements
             # carry, it fails to parse them ("length greater than remaining number of bytes")
             maddrs = [Multiaddr(a.split("/p2p/")[0]) for a in addresses]
-            await asyncio.wait_for(self.p2p._client.connect(peer_id, maddrs), timeout=timeout_s)
+            connector = DaemonConnector(control_maddr=self.p2p.daemon_listen_maddr)
+            # one control connection per request (no persistent one: it would need a listener)
+            control = await ControlClient.create(daemon_connector=connector, use_persistent_conn=False)
+            await asyncio.wait_for(control.connect(PeerID.from_base58(peer), maddrs), timeout=timeout_s)
             return True
         except Exception as exc:  # unreachable addresses are normal (NAT, stale record)
-            logger.debug("connect to %s failed: %r", peer_id, exc)
+            logger.debug("connect to %s failed: %r", peer, exc)
             return False
 
 

@@ -59,12 +59,18 @@ class DemoOptions:
     # model/device.py); fp16 is refused by the servers (whole-model commands only)
     device: str = "auto"
     dtype: str = "fp32"
+    # the trainer's `--hand-off` (None: its default); experiments/calibrate_demo.py relays every call
+    # through the trainer, whose round trips per stage are then what the simulator's links model
+    hand_off: str | None = None
 
     def server_args(self) -> list[str]:
         args = ["--checkpoint-dir", self.checkpoint_dir] if self.checkpoint_dir else []
-        return [*args, "--device", self.device, "--dtype", self.dtype, *self.trainer_args()]
+        return [*args, "--device", self.device, "--dtype", self.dtype, *self._model_args()]
 
     def trainer_args(self) -> list[str]:
+        return [*self._model_args(), *(["--hand-off", self.hand_off] if self.hand_off else [])]
+
+    def _model_args(self) -> list[str]:
         return ["--init-from-hf", self.init_from_hf] if self.init_from_hf else []
 
 

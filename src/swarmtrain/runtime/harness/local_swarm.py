@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from swarmtrain.config.errors import UserError
 from swarmtrain.runtime.harness.cpu_quota import CpuQuota
 from swarmtrain.runtime.harness.stall_watchdog import StallWatchdog
+from swarmtrain.runtime.ledger import read_ledger
 from swarmtrain.runtime.procs import ManagedProcess
 
 if TYPE_CHECKING:
@@ -236,10 +237,17 @@ class LocalSwarm:
     def ledger_path(self, name: str) -> Path:
         return self.workdir / f"{name}.ledger.jsonl"
 
+    def ledger_events(self, name: str, event: str) -> list[dict]:
+        """The `event` entries of a process's ledger, oldest first: a server's `ready` (stage, peer,
+        epoch: once per stage it serves) and `stage_choice` (`--stage auto`'s inputs and choice)."""
+        return [e for e in read_ledger(self.ledger_path(name)) if e.get("e") == event]
+
     def kill(self, name: str) -> None:
         self.processes[name].kill()
 
-    def watch_stalls(self, quiet_s: float = 10.0, on_dump: Callable[[Path], None] | None = None) -> StallWatchdog:
+    def watch_stalls(
+        self, quiet_s: float = 10.0, on_dump: Callable[[Path], None] | None = None
+    ) -> StallWatchdog:
         """Dump every process's stacks into the work directory whenever the trainers complete nothing
         for `quiet_s` (runtime/harness/stall_watchdog.py); stopped by `stop_all`."""
         if self.watchdog is None:

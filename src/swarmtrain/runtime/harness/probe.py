@@ -71,25 +71,17 @@ class SwarmProbe:
         return [peer for _, peer in self.run(self.trainer.caller.silent_peers(pairs, timeout_s))]
 
     def info(self, peer: str, want: str | None = None) -> Message:
-        from hivemind.p2p import PeerID
-
         header = {"want": want} if want else {}
         client = self.trainer.client
-        return self.run(
-            client.call(PeerID.from_base58(peer), "info", Message("info", header), self.timeout_s)
-        )
+        return self.run(client.call(peer, "info", Message("info", header), self.timeout_s))
 
     def call_raw(self, peer: str, kind: str, data: bytes, attempts: int = 3) -> Message:
         """Like a trainer, retry when the transport cut the exchange short: hivemind streams now and
         then end with no reply, or break during a large upload, on a loaded machine (seen in CI)."""
-        from hivemind.p2p import PeerID
-
         from swarmtrain.net.transport import TruncatedReply
 
         def call() -> Message:
-            return self.run(
-                self.trainer.client.call_raw(PeerID.from_base58(peer), kind, data, self.timeout_s)
-            )
+            return self.run(self.trainer.client.call_raw(peer, kind, data, self.timeout_s))
 
         for _ in range(attempts - 1):
             try:

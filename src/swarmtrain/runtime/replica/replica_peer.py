@@ -43,6 +43,7 @@ from swarmtrain.net.robust import norm_of
 from swarmtrain.planner.outer_rounds import INITIAL_LINEAGE, RoundState, next_lineage, started_from_reference
 from swarmtrain.runtime.faults import NO_FAULTS, FaultHooks
 from swarmtrain.runtime.replica.replica_inner import InnerTrainer
+from swarmtrain.runtime.replica.replica_metrics import ReplicaMetrics
 from swarmtrain.runtime.replica.round_repair import RoundRepair
 from swarmtrain.utils.logging import get_logger
 
@@ -356,9 +357,7 @@ class ReplicaPeer:
 
     def _is_reference_member(self, gathered: dict[str, dict], k: int) -> bool:
         states = {p: _round_state(g) for p, g in gathered.items()}
-        states[self.peer_id] = RoundState(
-            k, self.lineage, fingerprint(self.outer.anchor), self.serves_state
-        )
+        states[self.peer_id] = RoundState(k, self.lineage, fingerprint(self.outer.anchor), self.serves_state)
         return started_from_reference(states, self.peer_id)
 
     def _resync(self, k: int, reason: str) -> None:
@@ -478,20 +477,33 @@ class ReplicaPeer:
 
     def _log_progress(self, global_batch: int) -> None:
         s = self.summary
+        m = ReplicaMetrics(
+            shard=s.shard,
+            inner_step=self.inner.step,
+            stop_step=self.stop_step,
+            samples=self.inner.step * global_batch,
+            outer_step=self.outer.outer_step,
+            loss=s.final_loss if s.final_loss is not None else float("nan"),
+            samples_per_s=s.samples_per_s,
+            rounds_averaged=s.rounds_averaged,
+            rounds_alone=s.rounds_alone,
+            rounds_resynced=s.rounds_resynced,
+        )
         logger.info(
             "replica %s: inner step %d/%d (run at ~%d samples), outer step %d, loss %.4f, %.1f samples/s, "
             "rounds averaged %d alone %d resynced %d",
-            s.shard,
-            self.inner.step,
-            self.stop_step,
-            self.inner.step * global_batch,
-            self.outer.outer_step,
-            s.final_loss or float("nan"),
-            s.samples_per_s,
-            s.rounds_averaged,
-            s.rounds_alone,
-            s.rounds_resynced,
+            m.shard,
+            m.inner_step,
+            m.stop_step,
+            m.samples,
+            m.outer_step,
+            m.loss,
+            m.samples_per_s,
+            m.rounds_averaged,
+            m.rounds_alone,
+            m.rounds_resynced,
         )
+        logger.info("%s", m.log_line())
 
 
 def _averaged_outcome(result: RoundResult, repair_tried: bool) -> str:

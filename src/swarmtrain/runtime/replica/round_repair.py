@@ -134,13 +134,11 @@ class RoundRepair:
         return None
 
     def _fetch(self, peer: str, round_index: int, shapes, deadline: float) -> list[torch.Tensor] | None:
-        from hivemind.p2p import PeerID
-
         request = Message("round_mean", {"round": round_index})
         while (left_s := deadline - time.monotonic()) > 0:
             timeout_s = min(CALL_TIMEOUT_S, left_s)
             try:
-                call = self._client.call(PeerID.from_base58(peer), "round_mean", request, timeout_s)
+                call = self._client.call(peer, "round_mean", request, timeout_s)
                 reply = self._run(call, timeout_s + 1)
             except RemoteError as exc:
                 if exc.code != "unavailable":

@@ -20,7 +20,6 @@ import asyncio
 import time
 from dataclasses import dataclass
 
-from hivemind.p2p import PeerID
 from torch import Tensor
 
 from swarmtrain.net.data_plane import Address, DataPlaneClient, dial_address
@@ -72,7 +71,7 @@ class StagePeers:
         live = {p: a for p, a in found.items() if a.config_digest == self.digest and a.state != "offline"}
         for peer, ann in live.items():
             if self.redial or peer not in self._connected:
-                await self.client.connect(PeerID.from_base58(peer), ann.addresses, timeout_s=2.0)
+                await self.client.connect(peer, ann.addresses, timeout_s=2.0)
                 self._connected.add(peer)
         self.peers = set(live)
         addresses = {p: dial_address(a.addresses, a.data_port) for p, a in live.items()}

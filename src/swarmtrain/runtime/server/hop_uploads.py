@@ -25,8 +25,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from hivemind.p2p import PeerID
-
 from swarmtrain.net.bundle import MAX_BUNDLE_ITEMS, REPLY_KINDS, bundle_message, split_bundle
 from swarmtrain.net.data_plane import Address, DataPlaneClient, DialFailed
 from swarmtrain.net.protocol import BUNDLE_KIND, Message, ProtocolError
@@ -63,12 +61,7 @@ class PeerUploads:
     def __init__(
         self, client: StageClient, peer: str, stage: int, max_tokens: int, direct: DirectRoute | None = None
     ) -> None:
-        self.client, self.peer, self.stage, self.max_tokens = (
-            client,
-            PeerID.from_base58(peer),
-            stage,
-            max_tokens,
-        )
+        self.client, self.peer, self.stage, self.max_tokens = client, peer, stage, max_tokens
         self.direct = direct
         self.bundles = 0  # uploads that carried more than one message
         self._queue: list[_Upload] = []
@@ -141,11 +134,9 @@ class PeerUploads:
         if self.direct is not None and address is not None:
             deadline_s = time.monotonic() + timeout_s
             try:
-                return await self.direct.client.call(
-                    address, self.peer.to_base58(), kind, message, timeout_s, received
-                )
+                return await self.direct.client.call(address, self.peer, kind, message, timeout_s, received)
             except DialFailed as exc:
-                logger.info("hand-offs to %s over libp2p for now: %s", self.peer.to_base58()[-8:], exc)
+                logger.info("hand-offs to %s over libp2p for now: %s", self.peer[-8:], exc)
             timeout_s = deadline_s - time.monotonic()
         return await self.client.call(self.peer, kind, message, timeout_s, received)
 

@@ -1,18 +1,16 @@
 """What a stage server publishes about itself: one typed object, sent as JSON.
 
 Every `metrics_period_s` a server puts `ServerMetrics.to_dict()` in its DHT metrics record (read by
-`swarmtrain status` and `monitor`, monitor/snapshot.py) and logs it as one line, `metrics {json}`.
-Benchmarks and tests read the log with `metrics_from_log` instead of matching text with regular
-expressions, so adding a field breaks nobody.
+`swarmtrain status` and `monitor`, monitor/snapshot.py) and logs it as one line, `metrics {json}`
+(runtime/metrics_log.py). Benchmarks and tests read the log with `metrics_from_log`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 
-LOG_PREFIX = "metrics "
+from swarmtrain.runtime.metrics_log import from_fields, metrics_line, records_from_log
 
 
 @dataclass(frozen=True)
@@ -34,13 +32,15 @@ class ServerMetrics:
     lost_samples: int  # accumulated samples dropped by resyncs
     group_size: int  # replicas in the last step's exchange
     exchange_s: float  # duration of the last step's exchange
-    bytes_in: int  # wire bytes received by the transport
+    bytes_in: int  # wire bytes received by the transport (libp2p and the data plane): requests, replies
     samples_forward: int  # samples whose forward ran here
     busy_s: float  # compute thread busy time (wall)
     work_s: float  # the device's seconds of micro-batch work (what capacity is measured from)
     batched_requests: int = 0  # requests that shared a compute call with another (--max-batch-tokens)
     bundles_sent: int = 0  # hand-offs to the next stage that carried several micro-batches (net/bundle.py)
     direct_in: int = 0  # requests that came over the direct data plane (net/data_plane.py), not libp2p
+    bytes_out: int = 0  # wire bytes sent by the transport (libp2p and the data plane): requests, replies
+    fp32_bytes_out: int = 0  # what bytes_out would have been with every float tensor in fp32
     moved: dict | None = None  # the cost of the move that brought this server here, if any
     role: str = "server"
 
@@ -48,23 +48,13 @@ class ServerMetrics:
         return dataclasses.asdict(self)
 
     def log_line(self) -> str:
-        return LOG_PREFIX + json.dumps(self.to_dict(), separators=(",", ":"))
+        return metrics_line(self)
 
     @classmethod
     def from_dict(cls, data: dict) -> ServerMetrics:
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})
+        return from_fields(cls, data)
 
 
 def metrics_from_log(text: str) -> list[ServerMetrics]:
     """Every metrics line of a server's log, oldest first (lines of other kinds are skipped)."""
-    found = []
-    for line in text.splitlines():
-        start = line.find(LOG_PREFIX + "{")
-        if start < 0:
-            continue
-        try:
-            found.append(ServerMetrics.from_dict(json.loads(line[start + len(LOG_PREFIX) :])))
-        except (ValueError, TypeError):
-            continue  # a line cut off by a kill
-    return found
+    return [ServerMetrics.from_dict(record) for record in records_from_log(text, "server")]

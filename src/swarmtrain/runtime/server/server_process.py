@@ -19,14 +19,15 @@ next one is.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import signal
 import time
 from contextlib import ExitStack, suppress
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
-from hivemind.p2p import P2P
 
 from swarmtrain.config import RunConfig
 from swarmtrain.net.data_plane import DEFAULT_CONGESTION, DataPlaneClient, DataPlaneServer
@@ -50,6 +51,7 @@ from swarmtrain.runtime.procs import (
     start_exit_watchdog,
 )
 from swarmtrain.runtime.server.balancer import Balancer, Move, MovedFrom, move_record
+from swarmtrain.runtime.server.stage_choice import StageChoice
 from swarmtrain.runtime.server.stage_service import Node, StageOptions, StageService, Transport
 from swarmtrain.utils.logging import get_logger
 
@@ -70,6 +72,7 @@ class ServerOptions:
     network: PeerNetwork = field(default_factory=PeerNetwork)
     threads: int = 1
     ledger_path: str | None = None
+    stage_choice: StageChoice | None = None  # how `--stage auto` chose `stage`, for the ledger
     metrics_period_s: float = 5.0
     stage_options: StageOptions = field(default_factory=StageOptions)  # for every stage served
     faults: FaultHooks = NO_FAULTS  # a faulty replica, for tests (runtime/faults.py)
@@ -83,7 +86,7 @@ class ServerOptions:
 class _Endpoints:
     """What `_open_transport` opened, for `_close_transport`."""
 
-    p2p: P2P
+    p2p: Any  # hivemind's P2P replica of the node's daemon: only net/ names hivemind's types
     servicer: StageServicer
     data_server: DataPlaneServer | None = None
     data_client: DataPlaneClient | None = None
@@ -113,6 +116,8 @@ class ServerProcess:
             undo.callback(reap_own_group)
             self.ledger = Ledger(options.ledger_path)
             undo.callback(self.ledger.close)
+            if options.stage_choice is not None:
+                self.ledger.write("stage_choice", **dataclasses.asdict(options.stage_choice))
             # our libp2p key in this process too: the data plane's handshakes are signed with it
             self.identity = peer_identity(options.network)
             self.dht = start_dht(options.initial_peers, options.network, identity=self.identity)
@@ -288,7 +293,7 @@ class ServerProcess:
             endpoints.data_client = DataPlaneClient(self.identity, run_key, servicer.stats, congestion)
             if not self.node.behind_nat:  # nobody could dial it; it still dials the next stage's
                 endpoints.data_server = DataPlaneServer(
-                    servicer.answer_bytes, servicer.limit, self.identity, run_key, congestion
+                    servicer.answer_direct, servicer.limit, self.identity, run_key, congestion
                 )
                 await endpoints.data_server.start(self.options.network.host, self.options.data_port)
         service.start_serving(
@@ -307,6 +312,10 @@ class ServerProcess:
             self.node.peer_id,
             service.worker.epoch,
             " ".join(self.node.addresses),
+        )
+        # the same, for programs (runtime/harness/local_swarm.py's `ready_events`): once per stage served
+        self.ledger.write(
+            "ready", stage=service.spec.index, peer=self.node.peer_id, epoch=service.worker.epoch
         )
         return endpoints
 

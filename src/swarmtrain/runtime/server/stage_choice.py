@@ -52,8 +52,11 @@ def choose_stage(cfg: RunConfig, records) -> StageChoice:
     return StageChoice(stage, capacities, counts)
 
 
-def choose_stage_live(cfg: RunConfig, initial_peers: list[str], network, jitter_s: float = 1.0) -> int:
-    """Join the swarm briefly (a client DHT) to read the stages' loads; returns the stage to serve."""
+def choose_stage_live(
+    cfg: RunConfig, initial_peers: list[str], network, jitter_s: float = 1.0
+) -> StageChoice:
+    """Join the swarm briefly (a client DHT) to read the stages' loads; the stage to serve, with the
+    loads it was chosen from (the server's ledger records them: `stage_choice`)."""
     dht = start_dht(initial_peers, network, client_mode=True)
     try:
         time.sleep(random.uniform(0.0, jitter_s))
@@ -66,4 +69,4 @@ def choose_stage_live(cfg: RunConfig, initial_peers: list[str], network, jitter_
         [round(c, 1) for c in choice.capacities_samples_per_s],
         choice.stage,
     )
-    return choice.stage
+    return choice

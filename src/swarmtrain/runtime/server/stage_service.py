@@ -497,18 +497,12 @@ class StageService:
     async def _ping_reply(self, peer: str) -> Message | None:
         """A stage peer's answer to our stage ping within planner/deadlines.py's ping floor, or None
         (no answer, or not a peer id)."""
-        from hivemind.p2p import PeerID
-
         from swarmtrain.net.protocol import ping_message
         from swarmtrain.planner.deadlines import PING_TIMEOUT_FLOOR_S
 
         assert self._transport is not None
-        try:
-            peer_id = PeerID.from_base58(peer)
-        except ValueError:
-            return None
         message = ping_message(self.spec.index, self.digest)
-        return await self._transport.client.ping_reply(peer_id, message, PING_TIMEOUT_FLOOR_S)
+        return await self._transport.client.ping_reply(peer, message, PING_TIMEOUT_FLOOR_S)
 
     async def _answers_ping(self, peer: str) -> bool:
         """Does a stage peer's event loop answer at once? A frozen peer does not; a busy one does."""
@@ -529,8 +523,6 @@ class StageService:
 
     async def _send_grads(self, peer: str, step: int, samples: int, sums: list[torch.Tensor]) -> bool:
         """One replica's gradient sums of a step to a stage peer; False if the peer is gone."""
-        from hivemind.p2p import PeerID
-
         from swarmtrain.net.transport import RemoteError, TruncatedReply, is_connection_error
 
         assert self._transport is not None  # steps run only while serving
@@ -542,7 +534,7 @@ class StageService:
         for attempt in range(3):  # a cut-off stream is retried; a dead peer is not waited for
             try:
                 timeout_s = self.cfg.swarm.averaging_timeout_s
-                await client.call(PeerID.from_base58(peer), "grads", message, timeout_s=timeout_s)
+                await client.call(peer, "grads", message, timeout_s=timeout_s)
                 return True
             except RemoteError as exc:  # alive but refusing (digest, shape): retrying cannot help
                 logger.warning("step %d: stage peer %s refused our gradients: %s", step, peer[-8:], exc)
@@ -570,16 +562,12 @@ class StageService:
             return False
 
     async def _replay_from(self, peer: str, start: int, end: int) -> bool:
-        from hivemind.p2p import PeerID
-
         assert self._transport is not None
         for step in range(start, end):
             header = {"step": step, "stage": self.spec.index, "digest": self.digest}
             request = Message("step_means", header)
             timeout_s = self.cfg.swarm.request_timeout_s
-            reply = await self._transport.client.call(
-                PeerID.from_base58(peer), "step_means", request, timeout_s
-            )
+            reply = await self._transport.client.call(peer, "step_means", request, timeout_s)
             samples, means = validate_step_means(reply, self.worker.names, self._param_shapes)
             if not await self.steps.replay(step, samples, means):
                 return False
@@ -797,8 +785,11 @@ class StageService:
         return server.status() if server is not None else {}
 
     def metrics(self) -> ServerMetrics:
+        from swarmtrain.net.transport import ByteCount
+
         c, s, st = self.worker.counters, self.sync.counters, self.steps.counters
         stats = self._transport.stats if self._transport is not None else None
+        sent = stats.sent() if stats is not None else ByteCount()
         return ServerMetrics(
             stage=self.spec.index,
             step=self.worker.epoch,
@@ -817,13 +808,15 @@ class StageService:
             lost_samples=s.lost_samples,
             group_size=st.last_group_size,
             exchange_s=round(st.last_exchange_s, 4),
-            bytes_in=stats.totals().wire_bytes if stats is not None else 0,
+            bytes_in=stats.received().wire_bytes if stats is not None else 0,
             samples_forward=c["samples_forward"],
             busy_s=round(self.compute.busy_s, 3),
             work_s=round(self._work_s(), 3),
             batched_requests=self.compute.tasks_done - self.compute.calls,
             bundles_sent=self.hop.bundles if self.hop is not None else 0,
             direct_in=stats.direct_in if stats is not None else 0,
+            bytes_out=sent.wire_bytes,
+            fp32_bytes_out=sent.fp32_bytes,
         )
 
 

@@ -18,8 +18,6 @@ import asyncio
 import math
 import time
 
-from hivemind.p2p import PeerID
-
 from swarmtrain.net.codec import EncodedTensor
 from swarmtrain.net.failures import FailureAction, Outcome, flags_after, on_request_failure
 from swarmtrain.net.hand_off import HopReport, chain_message, hop_service_times, validate_hops
@@ -103,7 +101,7 @@ class ChainCaller:
         """One chain from `peer` (stage `first`) along `route`, hedged on a new route when a peer of it
         is silent: (loss, hop reports, input gradient) of whichever answers first."""
         caller, start_s = self.caller, time.monotonic()
-        call = asyncio.ensure_future(caller.client.call(PeerID.from_base58(peer), "chain", message, wait_s))
+        call = asyncio.ensure_future(caller.client.call(peer, "chain", message, wait_s))
         times = caller.call_times.get((first, "chain", peer))
         waited_on = [(first, peer)] + [(stage, c[0]) for stage, c in enumerate(route, start=first + 1)]
 
@@ -154,9 +152,7 @@ class ChainCaller:
             timeout_s=message.header.get("timeout_s"),
         )
         self.caller.hedges += 1
-        copy = asyncio.ensure_future(
-            self.caller.client.call(PeerID.from_base58(head), "chain", copy_message, wait_s)
-        )
+        copy = asyncio.ensure_future(self.caller.client.call(head, "chain", copy_message, wait_s))
         return copy, [[head], *rest], time.monotonic()
 
     async def _route(self, n: int, first: int, head: str) -> list[list[str]]:

@@ -32,8 +32,6 @@ import asyncio
 import random
 import time
 
-from hivemind.p2p import PeerID
-
 from swarmtrain.config import SwarmConfig
 from swarmtrain.net.failures import FailureAction, Outcome, flags_after, on_request_failure
 from swarmtrain.net.protocol import Message, ping_message, request_message
@@ -148,7 +146,7 @@ class StageCaller:
             for peer in self.table.apply(fetched):
                 stage = next(s for s, anns in enumerate(self.table.announcements) if peer in anns)
                 addresses = self.table.announcements[stage][peer].addresses
-                await self.client.connect(PeerID.from_base58(peer), addresses, timeout_s=2.0)
+                await self.client.connect(peer, addresses, timeout_s=2.0)
         await self.recheck_banned()
 
     async def recheck_banned(self) -> None:
@@ -242,7 +240,7 @@ class StageCaller:
     ) -> tuple[Message, str]:
         """The reply to `message` and the peer that gave it: `peer`, or, when `peer` went silent, another
         peer of the stage sent a copy that accumulates nothing (runtime/trainer/hedging.py)."""
-        call = asyncio.ensure_future(self.client.call(PeerID.from_base58(peer), kind, message, wait_s))
+        call = asyncio.ensure_future(self.client.call(peer, kind, message, wait_s))
         times = self.call_times.get((stage, kind, peer))
 
         async def probe() -> list[tuple[int, str]]:
@@ -255,9 +253,7 @@ class StageCaller:
             return await call, peer
         self.treat_as_frozen([(stage, peer)])
         self.hedges += 1
-        copy = asyncio.ensure_future(
-            self.client.call(PeerID.from_base58(other), kind, _accumulating_nothing(message), wait_s)
-        )
+        copy = asyncio.ensure_future(self.client.call(other, kind, _accumulating_nothing(message), wait_s))
         hedge_won, reply = await first_success(call, copy)
         self.hedges_won += hedge_won
         logger.info(
@@ -287,7 +283,7 @@ class StageCaller:
 
     async def _answers_ping(self, stage: int, peer: str, timeout_s: float) -> bool:
         message = ping_message(stage, self.digest)
-        return await self.client.answers_ping(PeerID.from_base58(peer), message, timeout_s)
+        return await self.client.answers_ping(peer, message, timeout_s)
 
     async def _choose(
         self, stage: int, num_samples: int, charge: float, excluded: set, prefer: str | None

@@ -39,6 +39,7 @@ from swarmtrain.runtime.trainer.chain_calls import ChainCaller
 from swarmtrain.runtime.trainer.peer_table import PeerTable
 from swarmtrain.runtime.trainer.stage_calls import StageCaller, retry_delay_s
 from swarmtrain.runtime.trainer.step_tracker import StepTracker
+from swarmtrain.runtime.trainer.trainer_metrics import TrainerMetrics
 from swarmtrain.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -388,7 +389,6 @@ class SwarmTrainer:
     async def _send_close(self, peer: str, stage: int, step: int, message) -> None:
         """Deliver a close: a replica that never gets its step's close cannot apply the step, and a stage
         with one replica has nobody to resync from."""
-        from hivemind.p2p import PeerID
 
         def failed(exc: BaseException, attempt: int, last: bool) -> None:
             if attempt == 0 or last:
@@ -403,7 +403,7 @@ class SwarmTrainer:
                 )
 
         attempts = await call_until_delivered(
-            lambda: self.client.call(PeerID.from_base58(peer), "close", message, timeout_s=5.0), failed
+            lambda: self.client.call(peer, "close", message, timeout_s=5.0), failed
         )
         if attempts is not None and attempts > 1:
             logger.info(
@@ -552,31 +552,31 @@ class SwarmTrainer:
         recent = [loss for _, loss in res.losses[-16:]]
         loss = sum(recent) / len(recent) if recent else float("nan")
         rate = res.samples / max(time.monotonic() - self._start_s, 1e-9)
-        peers = self.table.peers_per_stage()
+        metrics = TrainerMetrics(
+            samples=res.samples,
+            loss=loss,
+            samples_per_s=rate,
+            completed=res.completed,
+            failed=res.failed,
+            in_flight=res.started - res.completed - res.failed,
+            retries=self.caller.retries,
+            timeouts=self.caller.timeouts,
+            peers_per_stage=list(self.table.peers_per_stage()),
+        )
         logger.info(
             "samples %d loss %.4f samples/s %.1f peers/stage %s in-flight %d failed %d",
-            res.samples,
+            metrics.samples,
             loss,
             rate,
-            peers,
-            res.started - res.completed - res.failed,
-            res.failed,
+            metrics.peers_per_stage,
+            metrics.in_flight,
+            metrics.failed,
         )
-        metrics = {
-            "role": "trainer",
-            "step": res.samples,
-            "loss": loss,
-            "samples_per_s": rate,
-            "completed": res.completed,
-            "failed": res.failed,
-            "retries": self.caller.retries,
-            "timeouts": self.caller.timeouts,
-            "peers_per_stage": peers,
-        }
+        logger.info("%s", metrics.log_line())
         await asyncio.get_running_loop().run_in_executor(
             None,
             lambda: self.records.publish_metrics(
-                f"trainer-{self.options.trainer_id}", metrics, 3 * self.options.log_period_s
+                f"trainer-{self.options.trainer_id}", metrics.to_dict(), 3 * self.options.log_period_s
             ),
         )
 
