@@ -13,11 +13,13 @@ import torch
 from swarmtrain.net.protocol import StageRequest
 from swarmtrain.planner.step_decision import (
     Close,
+    StepDecision,
     close_refusal,
     decide_step,
     settle_step,
     short_close_grace_s,
     step_candidates,
+    step_contributions,
 )
 from swarmtrain.runtime.server.stage_steps import LiveReplicas, StepCoordinator, StepSettings
 from swarmtrain.runtime.server.stage_worker import StageWorker
@@ -566,3 +568,27 @@ def test_the_grace_is_twice_the_usual_wait_but_never_half_the_fallback_or_more()
     assert _decide(empty, now=4.0, reached_s=0.0, short_grace_s=grace_s) is None
     d = _decide(empty, now=5.5, reached_s=0.0, short_grace_s=grace_s)
     assert d is not None and not d.lenient and d.members == {}
+
+
+def _decision(members, lenient=False) -> StepDecision:
+    return StepDecision(members, frozenset(members) - {"A"}, 1, True, 0.0, 0.0, lenient)
+
+
+def test_a_replica_adds_its_own_sums_only_when_the_close_names_it_with_at_most_what_it_holds():
+    assert step_contributions(_decision({"A": 8}), "A", 8, {}).own
+    assert step_contributions(_decision({"A": 8}), "A", 16, {}).own  # a trainer missed a reply
+    assert not step_contributions(_decision({"A": 16}), "A", 8, {}).own  # it claims more than we hold
+    assert not step_contributions(_decision({"B": 8}), "A", 8, {"B": 8}).own  # not named
+    assert step_contributions(_decision({"A": 16}, lenient=True), "A", 8, {}).own
+
+
+def test_peers_count_with_at_least_the_samples_named_and_in_one_sorted_order():
+    chosen = step_contributions(_decision({"A": 8, "C": 8, "B": 8, "D": 8}), "A", 8, {"C": 9, "B": 8, "D": 4})
+    assert chosen.peers == ("B", "C") and chosen.ignored == ("D",) and chosen.missing == ("D",)
+    assert step_contributions(_decision({"A": 8, "D": 8}, lenient=True), "A", 8, {"D": 4}).peers == ("D",)
+
+
+def test_a_member_nobody_heard_from_makes_the_exchange_partial_and_a_stranger_s_sums_never_count():
+    chosen = step_contributions(_decision({"A": 8, "B": 8}), "A", 8, {STRANGER: 64})
+    assert chosen.peers == () and chosen.missing == ("B",) and chosen.ignored == ()
+    assert step_contributions(_decision({"A": 8, "B": 8}), "A", 8, {"B": 8}).missing == ()

@@ -231,3 +231,32 @@ def _combinations(closes: Iterable[Close]) -> Iterator[list[Close]]:
         combo = [c for c in picked if c is not None]
         if combo:
             yield combo
+
+
+@dataclass(frozen=True)
+class Contributions:
+    """Whose gradient sums a replica adds for the close it applies (`step_contributions`)."""
+
+    own: bool  # this replica's own sums
+    peers: tuple[str, ...]  # peers whose received sums count, sorted (every replica adds in one order)
+    ignored: tuple[str, ...]  # peers that sent sums of fewer samples than the close names: left out
+    missing: tuple[str, ...]  # members whose sums do not count: the exchange is partial when any
+
+
+def step_contributions(
+    decision: StepDecision, peer_id: str, own: int, received: Mapping[str, int]
+) -> Contributions:
+    """The sums a replica adds to apply `decision`, holding `own` samples and having received sums of
+    `received[peer]` samples from its stage peers. A member's sums count when they hold at least the
+    samples the close names for it, and this replica's own when the close names it with at most what
+    it holds (a trainer that missed the reply of a micro-batch accumulated here counts fewer): then
+    every replica sums the same set. A lenient decision (acted on as before the checks) counts every
+    named member with whatever it sent, and our own sums whenever the close names us."""
+    members = decision.members
+    mine = members.get(peer_id, 0)
+    own_counts = own > 0 and mine > 0 and (decision.lenient or own >= mine)
+    heard = sorted((set(members) - {peer_id}) & set(received))
+    peers = tuple(p for p in heard if decision.lenient or received[p] >= members[p])
+    ignored = tuple(p for p in heard if p not in peers)
+    counted = set(peers) | ({peer_id} if own_counts else set())
+    return Contributions(own_counts, peers, ignored, tuple(sorted(set(members) - counted)))

@@ -68,6 +68,7 @@ from swarmtrain.planner.step_decision import (
     settle_step,
     short_close_grace_s,
     step_candidates,
+    step_contributions,
     unknown_members,
 )
 from swarmtrain.runtime.ledger import Ledger
@@ -490,10 +491,7 @@ class StepCoordinator:
             logger.warning("step %d: the closes of %d trainer(s) came, not of all", step, final.closes)
         members = final.members
         mine = members.get(self.peer_id, 0)
-        # our sums count when the close names us with at most what we hold: a trainer that missed the reply
-        # of a micro-batch accumulated here counts fewer, and the others count our real sums likewise
-        # (a member's count at least the close's), so every replica sums the same set
-        counted = own > 0 and mine > 0 and (final.lenient or own >= mine)
+        chosen = step_contributions(final, self.peer_id, own, {p: n for p, (n, _) in state.received.items()})
         if mine and own != mine:
             self.counters.disagreeing_closes += 1
             logger.warning(
@@ -501,34 +499,29 @@ class StepCoordinator:
                 step,
                 own,
                 mine,
-                "all counted" if counted else "left out",
+                "all counted" if chosen.own else "left out",
             )
-        if own and not counted:  # the trainers do not confirm these: the others cannot count them
+        if own and not chosen.own:  # the trainers do not confirm these: the others cannot count them
             self.counters.unconfirmed_samples += own
             self.ledger.write("lost", mbs=bucket.micro_batch_ids, n=own, reason="unconfirmed")
-        contributions = {}
-        for peer in (set(members) - {self.peer_id}) & set(state.received):
-            samples, sums = state.received[peer]
-            if final.lenient or samples >= members[peer]:
-                contributions[peer] = (samples, sums)
-            else:
-                self.counters.ignored_grads += 1
-                logger.warning(
-                    "step %d: %s sent gradients of %d samples, the close says %d: left out",
-                    step,
-                    _short(peer),
-                    samples,
-                    members[peer],
-                )
-        if counted:
-            contributions[self.peer_id] = (own, bucket.grad_sums)
+        for peer in chosen.ignored:
+            self.counters.ignored_grads += 1
+            logger.warning(
+                "step %d: %s sent gradients of %d samples, the close says %d: left out",
+                step,
+                _short(peer),
+                state.received[peer][0],
+                members[peer],
+            )
         # fp32 addition is not associative: every replica must add the same sums in the same order
         # (with our own sums appended last, 3 replicas drifted apart by rounding, ~1e-9 per run)
+        contributions = {peer: state.received[peer] for peer in chosen.peers}
+        if chosen.own:
+            contributions[self.peer_id] = (own, bucket.grad_sums)
         contributions = dict(sorted(contributions.items()))
-        if not answered or len(contributions) < len(members):
+        if not answered or chosen.missing:
             self.counters.partial_exchanges += 1
-            missing = sorted(set(members) - set(contributions))
-            logger.warning("step %d: no gradients from %s; stepping without them", step, missing)
+            logger.warning("step %d: no gradients from %s; stepping without them", step, list(chosen.missing))
         await self._apply(step, contributions, bucket.micro_batch_ids, start_s)
 
     def _send_where_named(
