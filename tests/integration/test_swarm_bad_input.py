@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from swarmtrain.net import protocol
-from swarmtrain.net.bundle import REPLY_KINDS, bundle_message, split_bundle
-from swarmtrain.net.protocol import Message, pack, request_message
+from swarmtrain.net.bundle import bundle_message, split_bundle
+from swarmtrain.net.protocol import REPLY_KINDS, Message, pack, request_message
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 

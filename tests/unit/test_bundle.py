@@ -8,8 +8,16 @@ import pytest
 import torch
 from hivemind.p2p import PeerID
 
-from swarmtrain.net.bundle import MAX_BUNDLE_ITEMS, REQUEST_KINDS, bundle_message, split_bundle
-from swarmtrain.net.protocol import Message, ProtocolError, error_message, make_message, pack, unpack
+from swarmtrain.net.bundle import MAX_BUNDLE_ITEMS, bundle_message, split_bundle
+from swarmtrain.net.protocol import (
+    HAND_OFF_KINDS,
+    Message,
+    ProtocolError,
+    error_message,
+    make_message,
+    pack,
+    unpack,
+)
 from swarmtrain.net.transport import RemoteError
 from swarmtrain.runtime.server import hop_uploads
 from swarmtrain.runtime.server.hop_uploads import PeerUploads
@@ -34,7 +42,7 @@ def test_a_bundle_round_trips_through_the_wire_format():
     items = [_request("a", 1.0), _request("b", 2.0), _request("c", 3.0)]
     wire = unpack(pack(bundle_message(items, stage=1)), 1 << 24)
     assert wire.kind == "bundle" and wire.header["stage"] == 1
-    back = split_bundle(wire, REQUEST_KINDS)
+    back = split_bundle(wire, HAND_OFF_KINDS)
     assert [m.kind for m in back] == ["forward_backward"] * 3
     assert [m.header for m in back] == [m.header for m in items]
     for sent, got in zip(items, back, strict=True):
@@ -56,7 +64,7 @@ def test_a_bundle_round_trips_through_the_wire_format():
 )
 def test_a_malformed_bundle_is_refused(header, tensors, reason):
     with pytest.raises(ProtocolError, match=reason):
-        split_bundle(Message("bundle", header, tensors), REQUEST_KINDS)
+        split_bundle(Message("bundle", header, tensors), HAND_OFF_KINDS)
 
 
 class FakeClient:
@@ -83,7 +91,7 @@ class FakeClient:
             if self.fail is not None:
                 raise self.fail
             if kind == "bundle":
-                items = split_bundle(message, REQUEST_KINDS)
+                items = split_bundle(message, HAND_OFF_KINDS)
                 return bundle_message([self.answer(m) for m in items], 1)
             return self.answer(message)
         finally:
@@ -128,7 +136,7 @@ def test_the_token_budget_splits_a_queue_into_several_bundles():
         client = FakeClient()
         uploads = PeerUploads(client, PEER, 1, max_tokens=16)  # two hand-offs of 8 tokens each
         replies = await _send_all(uploads, client, 5)
-        sizes = [len(split_bundle(m, REQUEST_KINDS)) if k == "bundle" else 1 for k, m in client.calls]
+        sizes = [len(split_bundle(m, HAND_OFF_KINDS)) if k == "bundle" else 1 for k, m in client.calls]
         assert sizes == [2, 2, 1]
         assert [r.header["mb"] for r in replies] == [f"mb{i}" for i in range(5)]
 
@@ -167,7 +175,7 @@ def test_a_bundle_answered_with_the_wrong_number_of_replies_is_a_protocol_error(
 
         async def short_answer(peer_id, kind, message, timeout_s, received=None):
             received.set()
-            items = split_bundle(message, REQUEST_KINDS)
+            items = split_bundle(message, HAND_OFF_KINDS)
             return bundle_message([_result(m) for m in items[:-1]], 1)
 
         client.call = short_answer

@@ -17,8 +17,6 @@ from __future__ import annotations
 from swarmtrain.net.protocol import BUNDLE_KIND, Message, ProtocolError
 
 MAX_BUNDLE_ITEMS = 16
-REQUEST_KINDS = ("chain", "forward_backward")  # what a server hands to the next stage
-REPLY_KINDS = ("result", "error")
 
 
 def bundle_message(items: list[Message], stage: int) -> Message:

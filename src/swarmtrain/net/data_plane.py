@@ -63,14 +63,13 @@ from hivemind.p2p import P2PContext, PeerID
 from swarmtrain.net import identity
 from swarmtrain.net.auth import RunKey
 from swarmtrain.net.identity import PeerIdentity
-from swarmtrain.net.protocol import Message, ProtocolError, error_message, pack
+from swarmtrain.net.protocol import DIRECT_KINDS, Message, ProtocolError, error_message, pack
 from swarmtrain.net.reachability import ip_and_tcp_port
 from swarmtrain.net.transport import MAX_DRAIN_S, MAX_REPLY_BYTES, TransportStats, checked_reply
 from swarmtrain.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
-HAND_OFF_KINDS = ("chain", "forward_backward", "bundle")
 REQUEST, ACK, REPLY = 1, 2, 3
 HANDSHAKE_TIMEOUT_S = 5.0
 # what one server holds for callers it cannot trust (every limit refused cleanly once reached: a
@@ -180,9 +179,7 @@ class _Seal:
 class _Channel:
     """One connection after its handshake: frames out (whole, in order) and in."""
 
-    def __init__(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, seal: _Seal
-    ) -> None:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, seal: _Seal) -> None:
         self.reader, self.writer, self._seal = reader, writer, seal
         self._sending = asyncio.Lock()
         self.partner: _Channel | None = None  # the other connection of its link, closed with this one
@@ -237,7 +234,6 @@ class _Channel:
             return await asyncio.wait_for(self.reader.readexactly(size), FRAME_STALL_S)
         except TimeoutError:
             raise ProtocolError(f"a data-plane frame stalled for {FRAME_STALL_S:.0f} s") from None
-
 
     def close(self) -> None:
         self.writer.close()
@@ -383,7 +379,12 @@ async def _server_handshake(
     _field(hello, "nonce", _NONCE_BYTES)
     ephemeral, dh = _ephemeral()
     their_key, shared = _field(hello, "key"), _shared(ephemeral, hello)  # checked before any use
-    reply = {"peer": me.peer_id, "nonce": secrets.token_hex(_NONCE_BYTES), "dh": dh, "key": me.public_key.hex()}
+    reply = {
+        "peer": me.peer_id,
+        "nonce": secrets.token_hex(_NONCE_BYTES),
+        "dh": dh,
+        "key": me.public_key.hex(),
+    }
     session = _Session(_transcript(hello, reply), shared, run_key)
     reply["sig"] = me.sign(session.signed("server")).hex()
     if run_key is not None:
@@ -393,7 +394,9 @@ async def _server_handshake(
     refusal = None
     if not identity.verify(caller, their_key, session.signed("client"), _field(answer, "sig")):
         refusal = f"{caller[-8:]} could not prove it holds its peer id's key"
-    elif run_key is not None and not secrets.compare_digest(str(answer.get("proof")), session.proof("client")):
+    elif run_key is not None and not secrets.compare_digest(
+        str(answer.get("proof")), session.proof("client")
+    ):
         refusal = f"{caller[-8:]} holds no valid run key"
     if refusal is not None:
         await _say(writer, {"error": refusal})
@@ -430,7 +433,7 @@ class DataPlaneServer:
         self.congestion = congestion
         self.port = 0
         # request bodies held at once: at least two of the largest requests (a bundle)
-        self.max_held_bytes = max(MIN_HELD_BYTES, 2 * max(limit(kind) for kind in HAND_OFF_KINDS))
+        self.max_held_bytes = max(MIN_HELD_BYTES, 2 * max(limit(kind) for kind in DIRECT_KINDS))
         self.held_bytes = 0
         self.refused = 0  # connections and requests refused by a limit (tests, logs)
         self._server: asyncio.Server | None = None
@@ -590,7 +593,7 @@ class _ServedLink:
                 logger.debug("data plane: closed a link idle for %.0f s", IDLE_LINK_S)
                 return
             self.active_s = time.monotonic()
-            if head.kind_type != REQUEST or head.kind not in HAND_OFF_KINDS:
+            if head.kind_type != REQUEST or head.kind not in DIRECT_KINDS:
                 raise ProtocolError(f"frame type {head.kind_type} kind {head.kind!r} on the data plane")
             refusal = self._refusal(head)
             if refusal is not None:

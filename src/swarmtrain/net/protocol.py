@@ -45,32 +45,68 @@ MAX_TENSORS = 1024  # info replies carry one tensor per parameter
 # finite fp32 magnitude, and only the float16 codec overflows (to inf, which the NaN/inf check catches)
 # at 65504, so the wire format itself bounds nothing.
 MAX_ABS_VALUE = 1e6
+
+
+@dataclass(frozen=True)
+class Kind:
+    """What a message kind is: every set of kinds the code uses is derived from `KIND_TABLE`."""
+
+    request: bool = True  # sent to a handler (False: an answer)
+    stream: bool = False  # sent in chunks over a libp2p stream (large); else one unary call
+    micro_batch: bool = False  # one micro-batch through one stage, sent by a trainer (`StageRequest`)
+    trains: bool = False  # its samples count toward a step (the stage's CPU for them is capacity)
+    accumulates: bool = False  # the call that accumulates the stage's gradients of a micro-batch
+    hand_off: bool = False  # handed by a server to the next stage, alone or in a bundle
+    direct: bool = False  # accepted on the data plane (net/data_plane.py): hand-offs and bundles
+
+
 # forward/backward: a training micro-batch through a stage (not the last); forward_backward: through
 # the last stage, loss and backward in one call; evaluate: forward only, any stage, nothing kept;
-# close: a trainer tells a stage's replicas that a step's micro-batches are all done (and who
-# accumulated them); grads: one replica's gradient sums of a step, sent to its stage peers; info:
-# counters and state for probes and monitors; step_means: a stage replica that missed a step asks a
-# peer for the mean gradients it applied; round_mean: a whole-model replica asks a member of its last
-# outer round for that round's mean (to fill what a partial all-reduce left out)
-# chain: a micro-batch handed from server to server along a route (net/hand_off.py); ping: is the
-# server's event loop alive (answered there at once, never queued behind the compute thread), which tells
-# a frozen peer (SIGSTOP, a partition: its sockets stay open, nothing answers) from a busy one;
-# bundle: several hand-off messages to one peer, and their answers, as one message (net/bundle.py)
-MICRO_BATCH_KINDS = ("forward", "backward", "forward_backward", "evaluate")
-TRAINING_KINDS = ("forward", "backward", "forward_backward", "chain")  # micro-batch requests that train
-KINDS = (
-    *MICRO_BATCH_KINDS,
-    "chain",
-    "bundle",
-    "close",
-    "grads",
-    "info",
-    "ping",
-    "step_means",
-    "round_mean",
-    "result",
-    "error",
-)
+# chain: a micro-batch handed from server to server along a route (net/hand_off.py); bundle: several
+# hand-off messages to one peer, and their answers, as one message (net/bundle.py); grads: one
+# replica's gradient sums of a step, sent to its stage peers; step_means: a stage replica that missed
+# a step asks a peer for the mean gradients it applied; round_mean: a whole-model replica asks a member
+# of its last outer round for that round's mean (to fill what a partial all-reduce left out); info:
+# counters and state for probes and monitors; ping: is the server's event loop alive (answered there at
+# once, never queued behind the compute thread), which tells a frozen peer (SIGSTOP, a partition: its
+# sockets stay open, nothing answers) from a busy one; close: a trainer tells a stage's replicas that a
+# step's micro-batches are all done (and who accumulated them)
+KIND_TABLE: dict[str, Kind] = {
+    "forward": Kind(stream=True, micro_batch=True, trains=True),
+    "backward": Kind(stream=True, micro_batch=True, trains=True, accumulates=True),
+    "forward_backward": Kind(
+        stream=True, micro_batch=True, trains=True, accumulates=True, hand_off=True, direct=True
+    ),
+    "evaluate": Kind(stream=True, micro_batch=True),
+    "chain": Kind(stream=True, trains=True, hand_off=True, direct=True),
+    "bundle": Kind(stream=True, direct=True),
+    "grads": Kind(stream=True),
+    "step_means": Kind(stream=True),
+    "round_mean": Kind(stream=True),
+    "info": Kind(),
+    "ping": Kind(),
+    "close": Kind(),
+    "result": Kind(request=False),
+    "error": Kind(request=False),
+}
+
+
+def kinds_where(**flags: bool) -> tuple[str, ...]:
+    """The kinds of `KIND_TABLE` whose flags have the given values, in table order."""
+    return tuple(
+        name for name, kind in KIND_TABLE.items() if all(getattr(kind, f) == v for f, v in flags.items())
+    )
+
+
+KINDS = tuple(KIND_TABLE)
+MICRO_BATCH_KINDS = kinds_where(micro_batch=True)  # forward, backward, forward_backward, evaluate
+TRAINING_KINDS = kinds_where(trains=True)  # forward, backward, forward_backward, chain
+ACCUMULATING_KINDS = kinds_where(accumulates=True)  # backward, forward_backward
+HAND_OFF_KINDS = kinds_where(hand_off=True)  # forward_backward, chain: what a bundle carries
+DIRECT_KINDS = kinds_where(direct=True)  # forward_backward, chain, bundle
+STREAM_KINDS = kinds_where(request=True, stream=True)
+UNARY_KINDS = kinds_where(request=True, stream=False)  # info, ping, close
+REPLY_KINDS = kinds_where(request=False)  # result, error
 BUNDLE_KIND = "bundle"
 MAX_STEP = 2**53
 _LEN = struct.Struct("<I")

@@ -23,24 +23,21 @@ from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import runtime_pb2
 
 from swarmtrain.net.auth import RunKey
-from swarmtrain.net.protocol import MICRO_BATCH_KINDS, Message, ProtocolError, error_message, pack, unpack
+from swarmtrain.net.protocol import (
+    MICRO_BATCH_KINDS,
+    STREAM_KINDS,
+    UNARY_KINDS,
+    Message,
+    ProtocolError,
+    error_message,
+    pack,
+    unpack,
+)
 from swarmtrain.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
 CHUNK_BYTES = 512 * 1024
-STREAM_KINDS = (
-    "forward",
-    "backward",
-    "forward_backward",
-    "evaluate",
-    "chain",
-    "bundle",
-    "grads",
-    "step_means",
-    "round_mean",
-)
-UNARY_KINDS = ("info", "ping", "close")
 MAX_REPLY_BYTES = 1 << 30
 MAX_DRAIN_S = 30.0  # how long an oversized upload is read (and dropped) so its sender gets the answer
 

@@ -25,9 +25,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from swarmtrain.net.bundle import MAX_BUNDLE_ITEMS, REPLY_KINDS, bundle_message, split_bundle
+from swarmtrain.net.bundle import MAX_BUNDLE_ITEMS, bundle_message, split_bundle
 from swarmtrain.net.data_plane import Address, DataPlaneClient, DialFailed
-from swarmtrain.net.protocol import BUNDLE_KIND, Message, ProtocolError
+from swarmtrain.net.protocol import BUNDLE_KIND, REPLY_KINDS, Message, ProtocolError
 from swarmtrain.net.transport import RemoteError, StageClient
 from swarmtrain.utils.logging import get_logger
 

@@ -33,12 +33,12 @@ from swarmtrain.config import RunConfig
 from swarmtrain.config.errors import UserError
 from swarmtrain.model.device import CPU_FP32, ComputeDevice, busy_clock_s
 from swarmtrain.net.bundle import MAX_BUNDLE_ITEMS, bundle_message, split_bundle
-from swarmtrain.net.bundle import REQUEST_KINDS as BUNDLE_REQUEST_KINDS
 from swarmtrain.net.dht_records import RunRecords, StageAnnouncement, progress_key, stage_key
 from swarmtrain.net.engine import shutdown_quietly
 from swarmtrain.net.hand_off import validate_chain
 from swarmtrain.net.protocol import (
     BUNDLE_KIND,
+    HAND_OFF_KINDS,
     TRAINING_KINDS,
     Message,
     ProtocolError,
@@ -592,7 +592,7 @@ class StageService:
     async def _on_bundle(self, message: Message, context) -> Message:
         """Each item answered by the handler of its kind, all at once (so they may share a compute call),
         and the answers bundled in order."""
-        items = split_bundle(message, BUNDLE_REQUEST_KINDS)
+        items = split_bundle(message, HAND_OFF_KINDS)
         together = arriving_together.set(
             len(items)
         )  # the items' tasks copy it: their compute waits for each other

@@ -34,7 +34,7 @@ import time
 
 from swarmtrain.config import SwarmConfig
 from swarmtrain.net.failures import FailureAction, Outcome, flags_after, on_request_failure
-from swarmtrain.net.protocol import Message, ping_message, request_message
+from swarmtrain.net.protocol import ACCUMULATING_KINDS, Message, ping_message, request_message
 from swarmtrain.net.transport import RemoteError, StageClient
 from swarmtrain.planner.deadlines import (
     PING_TIMEOUT_FLOOR_S,
@@ -53,7 +53,6 @@ NO_PEER_LOG_PERIOD_S = 5.0
 BACKOFF_BASE_S = 0.05
 BACKOFF_MAX_S = 2.0
 PERSISTENT_ATTEMPTS = 60
-ACCUMULATING_KINDS = ("backward", "forward_backward")  # calls a stage accumulates gradients of
 
 
 def frozen_or(failure: FailureAction, early_deadline: bool) -> FailureAction:
