@@ -37,9 +37,9 @@ class Forger:
             params = probe.info(peers[0], want="params")
             self.poison[stage] = {n: torch.full_like(params.tensor(n), 50.0) for n in params.tensors}
 
-    def _call(self, peer: str, kind: str, message, case: str) -> None:
+    def _call(self, peer: str, message, case: str) -> None:
         try:
-            self.probe.run(self.probe.trainer.client.call(peer, kind, message, timeout_s=10.0), 15.0)
+            self.probe.run(self.probe.trainer.client.call(peer, message, timeout_s=10.0), 15.0)
             self.sent[case] = self.sent.get(case, 0) + 1
         except Exception as exc:  # a refusal is fine too; it is counted apart
             self.errors.append(f"{case}: {exc!r}"[:200])
@@ -48,13 +48,13 @@ class Forger:
         participants = sorted(set(self.peers[stage]) | set(members))
         message = close_message(step, stage, self.digest, 0, 1, members, participants)
         for peer in to or self.peers[stage]:
-            self._call(peer, "close", message, case)
+            self._call(peer, message, case)
 
     def grads(self, stage: int, step: int, case: str) -> None:
         header = {"step": step, "samples": 8, "stage": stage, "digest": self.digest}
         message = make_message("grads", header, self.poison[stage], "none")
         for peer in self.peers[stage]:
-            self._call(peer, "grads", message, case)
+            self._call(peer, message, case)
 
     def round(self) -> None:
         """Every forged case once, at each stage's current step (as its replicas report it)."""

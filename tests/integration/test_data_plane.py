@@ -38,10 +38,8 @@ LIMIT_BYTES = 1 << 20
 TIMEOUT_S = 10.0
 
 
-def _hand_off(mb: str, size: int = 64) -> Message:
-    return make_message(
-        "forward_backward", {"mb": mb, "stage": 1}, {"inputs": torch.ones(1, size, 8)}, "8bit"
-    )
+def _hand_off(mb: str, size: int = 64, kind: str = "forward_backward") -> Message:
+    return make_message(kind, {"mb": mb, "stage": 1}, {"inputs": torch.ones(1, size, 8)}, "8bit")
 
 
 class Handlers:
@@ -87,7 +85,7 @@ class Plane:
     async def call(self, mb: str, kind: str = "chain", timeout_s: float = TIMEOUT_S, **options) -> Message:
         size, received = options.get("size", 64), options.get("received")
         client, peer = options.get("client", self.client), options.get("peer", SERVER)
-        return await client.call(self.address, peer, kind, _hand_off(mb, size), timeout_s, received)
+        return await client.call(self.address, peer, _hand_off(mb, size, kind), timeout_s, received)
 
 
 @contextlib.asynccontextmanager
@@ -201,7 +199,10 @@ def test_in_a_private_run_only_key_holders_get_in():
             with pytest.raises(RemoteError, match="too_large"):  # dropped unread, its nonce counted
                 await plane.call("big", size=LIMIT_BYTES)
             assert (await plane.call("c")).header["mb"] == "c"
-            for outsider in (DataPlaneClient(CALLER_IDENTITY, RunKey(os.urandom(32))), DataPlaneClient(CALLER_IDENTITY)):
+            for outsider in (
+                DataPlaneClient(CALLER_IDENTITY, RunKey(os.urandom(32))),
+                DataPlaneClient(CALLER_IDENTITY),
+            ):
                 with pytest.raises(DialFailed):
                     await plane.call("b", client=outsider)
         assert len(plane.handlers.calls) == 2
@@ -235,12 +236,14 @@ def test_each_side_must_prove_the_peer_id_it_claims():
             with pytest.raises(DialFailed, match="could not prove"):  # a caller posing as CALLER
                 await plane.call("a", client=DataPlaneClient(_Impostor(CALLER)))
             assert plane.handlers.calls == []
-            impostor = DataPlaneServer(plane.handlers.answer, lambda kind: LIMIT_BYTES, _Impostor(SERVER), None)
+            impostor = DataPlaneServer(
+                plane.handlers.answer, lambda kind: LIMIT_BYTES, _Impostor(SERVER), None
+            )
             await impostor.start("127.0.0.1")
             try:  # a server posing as SERVER at another address
                 with pytest.raises(DialFailed, match="could not prove"):
                     await DataPlaneClient(CALLER_IDENTITY).call(
-                        ("127.0.0.1", impostor.port), SERVER, "chain", _hand_off("b"), TIMEOUT_S
+                        ("127.0.0.1", impostor.port), SERVER, _hand_off("b"), TIMEOUT_S
                     )
             finally:
                 await impostor.close()
@@ -291,7 +294,7 @@ def test_in_a_public_run_frames_are_sealed_and_a_changed_byte_ends_the_link():
             client = DataPlaneClient(CALLER_IDENTITY)
             marker = b"recognisable-micro-batch-id"
             message = _hand_off(marker.decode())
-            reply = await client.call(("127.0.0.1", tap.port), SERVER, "chain", message, TIMEOUT_S)
+            reply = await client.call(("127.0.0.1", tap.port), SERVER, message, TIMEOUT_S)
             assert reply.header["mb"] == marker.decode() and reply.header["caller"] == CALLER
             assert len(tap.seen) > 1000 and marker not in tap.seen  # it crossed, unreadable
             tap.close()
@@ -301,7 +304,7 @@ def test_in_a_public_run_frames_are_sealed_and_a_changed_byte_ends_the_link():
             calls = len(plane.handlers.calls)
             with pytest.raises((ConnectionError, DialFailed)):
                 for mb in range(20):  # the flipped byte lands in one of these requests' frames
-                    await client.call(("127.0.0.1", tap.port), SERVER, "chain", _hand_off(f"m{mb}", 256), TIMEOUT_S)
+                    await client.call(("127.0.0.1", tap.port), SERVER, _hand_off(f"m{mb}", 256), TIMEOUT_S)
             assert len(plane.handlers.calls) - calls < 20  # the altered frame never reached a handler
             tap.close()
 

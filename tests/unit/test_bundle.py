@@ -79,7 +79,8 @@ class FakeClient:
         self.in_flight = 0
         self.most_in_flight = 0
 
-    async def call(self, peer_id, kind, message, timeout_s, received=None):
+    async def call(self, peer_id, message, timeout_s, received=None):
+        kind = message.kind
         self.calls.append((kind, message))
         self.in_flight += 1
         self.most_in_flight = max(self.most_in_flight, self.in_flight)
@@ -173,7 +174,7 @@ def test_a_bundle_answered_with_the_wrong_number_of_replies_is_a_protocol_error(
         client = FakeClient()
         uploads = PeerUploads(client, PEER, 1, max_tokens=64)
 
-        async def short_answer(peer_id, kind, message, timeout_s, received=None):
+        async def short_answer(peer_id, message, timeout_s, received=None):
             received.set()
             items = split_bundle(message, HAND_OFF_KINDS)
             return bundle_message([_result(m) for m in items[:-1]], 1)

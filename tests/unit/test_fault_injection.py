@@ -28,7 +28,8 @@ class RecordingClient:
     def __init__(self):
         self.calls = []
 
-    async def call(self, peer_id, kind, message, timeout_s):
+    async def call(self, peer_id, message, timeout_s):
+        kind = message.kind
         accumulate = message.header.get("accumulate", True)
         self.calls.append((str(peer_id), kind, message.header["mb"], accumulate))
         return Message("result", {"acc": 8 if accumulate else 0})

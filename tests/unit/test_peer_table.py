@@ -59,7 +59,7 @@ class FlakyClient:
     def __init__(self, failures):
         self.failures, self.calls = failures, 0
 
-    async def call(self, peer_id, kind, message, timeout_s):
+    async def call(self, peer_id, message, timeout_s):
         from swarmtrain.net.protocol import Message
         from swarmtrain.net.transport import RemoteError
 

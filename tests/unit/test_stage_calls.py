@@ -57,7 +57,8 @@ class ScriptedClient:
         self.failures, self.calls, self.messages, self.timeouts_s = list(failures), [], [], []
         self.reply = reply or (lambda peer, message: Message("result", {"acc": 8}))
 
-    async def call(self, peer_id, kind, message, timeout_s):
+    async def call(self, peer_id, message, timeout_s):
+        kind = message.kind
         assert timeout_s > 0
         self.timeouts_s.append(timeout_s)
         self.calls.append((str(peer_id), kind, message.header.get("accumulate")))
@@ -69,7 +70,7 @@ class ScriptedClient:
     async def answers_ping(self, peer_id, ping, timeout_s):
         """As `StageClient.answers_ping`: a timeout is no answer."""
         try:
-            await self.call(peer_id, "ping", ping, timeout_s)
+            await self.call(peer_id, ping, timeout_s)
         except TimeoutError:
             return False
         return True
@@ -319,7 +320,8 @@ class FreezableClient(ScriptedClient):
         super().__init__(reply=reply)
         self.frozen, self.slow, self.slow_s = set(frozen), set(slow), slow_s
 
-    async def call(self, peer_id, kind, message, timeout_s):
+    async def call(self, peer_id, message, timeout_s):
+        kind = message.kind
         peer = str(peer_id)
         self.calls.append((peer, kind, message.header.get("accumulate")))
         self.messages.append(message)

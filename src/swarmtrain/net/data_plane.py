@@ -747,14 +747,14 @@ class DataPlaneClient:
         self,
         address: Address,
         peer: str,
-        kind: str,
         message: Message,
         timeout_s: float,
         received: asyncio.Event | None = None,
     ) -> Message:
         """`message`'s reply from `peer` at `address`; `received` is set once the peer has all of it."""
+        kind = message.kind
         if self._token is not None:
-            message = Message(message.kind, {**message.header, "auth": self._token}, message.tensors)
+            message = Message(kind, {**message.header, "auth": self._token}, message.tensors)
         data = pack(message)
         link = await self._link(address, peer, timeout_s)
         started_s = time.monotonic()

@@ -360,19 +360,15 @@ class StageClient:
         self._token = run_key.token(p2p.peer_id.to_base58()) if run_key is not None else None
 
     async def call(
-        self,
-        peer: str,
-        kind: str,
-        message: Message,
-        timeout_s: float,
-        received: asyncio.Event | None = None,
+        self, peer: str, message: Message, timeout_s: float, received: asyncio.Event | None = None
     ) -> Message:
-        """Send `message` to the `kind` handler of `peer` (a base58 peer id, as the runtime holds
+        """Send `message` to the handler of its kind at `peer` (a base58 peer id, as the runtime holds
         them; hivemind's PeerID stays inside net/); raise RemoteError on an error answer,
         asyncio.TimeoutError on timeout and hivemind's P2P errors on connection failures. `received`
         is set once the server has the whole request (a stream's first reply chunk), before it works."""
+        kind = message.kind
         if self._token is not None:
-            message = Message(message.kind, {**message.header, "auth": self._token}, message.tensors)
+            message = Message(kind, {**message.header, "auth": self._token}, message.tensors)
         data = pack(message)
         exchange = self._exchange(peer, kind, data, received)
         reply_bytes = await asyncio.wait_for(exchange, timeout=timeout_s)
@@ -385,7 +381,7 @@ class StageClient:
         if not is_peer_id(peer):
             return None
         try:
-            return await self.call(peer, "ping", ping, timeout_s)
+            return await self.call(peer, ping, timeout_s)
         except RemoteError as exc:
             return error_message(exc.text, exc.code)
         except Exception as exc:

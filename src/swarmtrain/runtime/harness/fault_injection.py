@@ -126,11 +126,11 @@ class _InjectedClient:
     def __init__(self, injector: FailureInjector, client) -> None:
         self._injector, self._client = injector, client
 
-    async def call(self, peer_id, kind: str, message, timeout_s: float):
-        failure = self._injector._call_failure(kind, str(peer_id), message.header)
+    async def call(self, peer: str, message, timeout_s: float):
+        failure = self._injector._call_failure(message.kind, peer, message.header)
         if failure is not None:
             raise failure
-        return await self._client.call(peer_id, kind, message, timeout_s)
+        return await self._client.call(peer, message, timeout_s)
 
     def __getattr__(self, name: str):  # connect, stats, ...: the real client's
         return getattr(self._client, name)

@@ -73,7 +73,7 @@ class SwarmProbe:
     def info(self, peer: str, want: str | None = None) -> Message:
         header = {"want": want} if want else {}
         client = self.trainer.client
-        return self.run(client.call(peer, "info", Message("info", header), self.timeout_s))
+        return self.run(client.call(peer, Message("info", header), self.timeout_s))
 
     def call_raw(self, peer: str, kind: str, data: bytes, attempts: int = 3) -> Message:
         """Like a trainer, retry when the transport cut the exchange short: hivemind streams now and

@@ -138,7 +138,7 @@ class RoundRepair:
         while (left_s := deadline - time.monotonic()) > 0:
             timeout_s = min(CALL_TIMEOUT_S, left_s)
             try:
-                call = self._client.call(peer, "round_mean", request, timeout_s)
+                call = self._client.call(peer, request, timeout_s)
                 reply = self._run(call, timeout_s + 1)
             except RemoteError as exc:
                 if exc.code != "unavailable":

@@ -134,11 +134,11 @@ class PeerUploads:
         if self.direct is not None and address is not None:
             deadline_s = time.monotonic() + timeout_s
             try:
-                return await self.direct.client.call(address, self.peer, kind, message, timeout_s, received)
+                return await self.direct.client.call(address, self.peer, message, timeout_s, received)
             except DialFailed as exc:
                 logger.info("hand-offs to %s over libp2p for now: %s", self.peer[-8:], exc)
             timeout_s = deadline_s - time.monotonic()
-        return await self.client.call(self.peer, kind, message, timeout_s, received)
+        return await self.client.call(self.peer, message, timeout_s, received)
 
 
 def _outcomes(reply: Message, count: int) -> list:

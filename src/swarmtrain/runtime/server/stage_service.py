@@ -534,7 +534,7 @@ class StageService:
         for attempt in range(3):  # a cut-off stream is retried; a dead peer is not waited for
             try:
                 timeout_s = self.cfg.swarm.averaging_timeout_s
-                await client.call(peer, "grads", message, timeout_s=timeout_s)
+                await client.call(peer, message, timeout_s=timeout_s)
                 return True
             except RemoteError as exc:  # alive but refusing (digest, shape): retrying cannot help
                 logger.warning("step %d: stage peer %s refused our gradients: %s", step, peer[-8:], exc)
@@ -567,7 +567,7 @@ class StageService:
             header = {"step": step, "stage": self.spec.index, "digest": self.digest}
             request = Message("step_means", header)
             timeout_s = self.cfg.swarm.request_timeout_s
-            reply = await self._transport.client.call(peer, "step_means", request, timeout_s)
+            reply = await self._transport.client.call(peer, request, timeout_s)
             samples, means = validate_step_means(reply, self.worker.names, self._param_shapes)
             if not await self.steps.replay(step, samples, means):
                 return False

@@ -101,7 +101,7 @@ class ChainCaller:
         """One chain from `peer` (stage `first`) along `route`, hedged on a new route when a peer of it
         is silent: (loss, hop reports, input gradient) of whichever answers first."""
         caller, start_s = self.caller, time.monotonic()
-        call = asyncio.ensure_future(caller.client.call(peer, "chain", message, wait_s))
+        call = asyncio.ensure_future(caller.client.call(peer, message, wait_s))
         times = caller.call_times.get((first, "chain", peer))
         waited_on = [(first, peer)] + [(stage, c[0]) for stage, c in enumerate(route, start=first + 1)]
 
@@ -152,7 +152,7 @@ class ChainCaller:
             timeout_s=message.header.get("timeout_s"),
         )
         self.caller.hedges += 1
-        copy = asyncio.ensure_future(self.caller.client.call(head, "chain", copy_message, wait_s))
+        copy = asyncio.ensure_future(self.caller.client.call(head, copy_message, wait_s))
         return copy, [[head], *rest], time.monotonic()
 
     async def _route(self, n: int, first: int, head: str) -> list[list[str]]:

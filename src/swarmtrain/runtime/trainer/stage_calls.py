@@ -239,7 +239,7 @@ class StageCaller:
     ) -> tuple[Message, str]:
         """The reply to `message` and the peer that gave it: `peer`, or, when `peer` went silent, another
         peer of the stage sent a copy that accumulates nothing (runtime/trainer/hedging.py)."""
-        call = asyncio.ensure_future(self.client.call(peer, kind, message, wait_s))
+        call = asyncio.ensure_future(self.client.call(peer, message, wait_s))
         times = self.call_times.get((stage, kind, peer))
 
         async def probe() -> list[tuple[int, str]]:
@@ -252,7 +252,7 @@ class StageCaller:
             return await call, peer
         self.treat_as_frozen([(stage, peer)])
         self.hedges += 1
-        copy = asyncio.ensure_future(self.client.call(other, kind, _accumulating_nothing(message), wait_s))
+        copy = asyncio.ensure_future(self.client.call(other, _accumulating_nothing(message), wait_s))
         hedge_won, reply = await first_success(call, copy)
         self.hedges_won += hedge_won
         logger.info(

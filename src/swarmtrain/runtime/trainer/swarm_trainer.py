@@ -402,9 +402,7 @@ class SwarmTrainer:
                     outcome,
                 )
 
-        attempts = await call_until_delivered(
-            lambda: self.client.call(peer, "close", message, timeout_s=5.0), failed
-        )
+        attempts = await call_until_delivered(lambda: self.client.call(peer, message, timeout_s=5.0), failed)
         if attempts is not None and attempts > 1:
             logger.info(
                 "close of step %d to stage %d peer %s delivered at attempt %d",
