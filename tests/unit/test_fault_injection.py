@@ -14,7 +14,7 @@ from swarmtrain.net.protocol import Message, StageRequest
 from swarmtrain.runtime.harness.fault_injection import FailureInjector
 from swarmtrain.runtime.server.stage_steps import StepCoordinator, StepSettings
 from swarmtrain.runtime.server.stage_worker import StageWorker
-from swarmtrain.runtime.trainer import stage_calls
+from swarmtrain.runtime.trainer import call_policy, stage_calls
 from swarmtrain.runtime.trainer.peer_table import PeerTable
 
 pytestmark = pytest.mark.unit
@@ -37,7 +37,7 @@ class RecordingClient:
 
 @pytest.fixture
 def caller(monkeypatch):
-    monkeypatch.setattr(stage_calls, "BACKOFF_MAX_S", 0.001)
+    monkeypatch.setattr(call_policy, "BACKOFF_MAX_S", 0.001)
     table = PeerTable(records=None, num_stages=1, digest="d")
     table.apply([{A: _ann(0), B: _ann(0)}])
     faults, client = FailureInjector(), RecordingClient()

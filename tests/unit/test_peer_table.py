@@ -76,9 +76,9 @@ def test_a_backward_a_later_stage_holds_is_retried_until_it_lands(monkeypatch, p
     import asyncio
 
     from swarmtrain.config import SwarmConfig
-    from swarmtrain.runtime.trainer import stage_calls
+    from swarmtrain.runtime.trainer import call_policy, stage_calls
 
-    monkeypatch.setattr(stage_calls, "BACKOFF_MAX_S", 0.001)
+    monkeypatch.setattr(call_policy, "BACKOFF_MAX_S", 0.001)
     table = PeerTable(records=None, num_stages=1, digest="d")
     peer = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
     table.apply([{peer: _ann(0)}])

@@ -2,11 +2,10 @@
 (one peer per later stage by the routers' IWRR, plus untouched alternates), sends token ids, labels and
 the route to a stage-0 peer, and gets back the loss and one report per stage.
 
-Retries are a short loop around `on_request_failure` (net/failures.py, the table the relayed path
-uses too): the failed call's outcome says which stages may have applied the micro-batch
-(`flags_after`), the retry asks those not to accumulate again, and while any stage may hold it the
-retry is persistent (giving up would leave the stages disagreeing on the step's batch), as the relayed
-path's backward is. A stage-0 peer that is gone (or answers `digest_mismatch`) is banned; a chain whose
+Retries follow the one call policy of the trainer (runtime/trainer/call_policy.py, with the relayed
+path): the failed call's outcome says which stages may have applied the micro-batch (`flags_after`),
+the retry asks those not to accumulate again, and while any stage may hold it the retry is persistent
+(giving up would leave the stages disagreeing on the step's batch), as the relayed path's backward is. A stage-0 peer that is gone (or answers `digest_mismatch`) is banned; a chain whose
 later hop failed is retried on a new route. A chain that runs past its stage-0 peer's usual time makes
 the trainer ping every first-choice peer of its route; when one is silent (frozen), it is banned and the
 chain is hedged on a new route that accumulates nothing, first answer wins (runtime/trainer/hedging.py).
@@ -24,14 +23,9 @@ from swarmtrain.net.hand_off import HopReport, chain_message, hop_service_times,
 from swarmtrain.net.protocol import Message, ProtocolError
 from swarmtrain.planner.deadlines import check_after_s, ping_timeout_s
 from swarmtrain.planner.routing import BACKWARD_WEIGHT, FORWARD_CHARGE, FORWARD_WEIGHT
+from swarmtrain.runtime.trainer.call_policy import PERSISTENT_ATTEMPTS, Attempt, frozen_or, run_call
 from swarmtrain.runtime.trainer.hedging import first_success, silent_while
-from swarmtrain.runtime.trainer.stage_calls import (
-    PERSISTENT_ATTEMPTS,
-    MicroBatchFailed,
-    StageCaller,
-    frozen_or,
-    retry_delay_s,
-)
+from swarmtrain.runtime.trainer.stage_calls import StageCaller
 from swarmtrain.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -51,49 +45,7 @@ class ChainCaller:
         """The micro-batch's loss, every stage's report from `first` on (the first stage's peer's first)
         and the gradient of `first`'s inputs (None at stage 0). `inputs`: what stage `first` takes (token
         ids at stage 0; the trainer relayed the stages before it)."""
-        caller, flags = self.caller, [True] * (self.num_stages - first)
-        budget_s = caller.swarm.request_timeout_s * len(flags)  # every hop waits on the next
-        attempt, excluded, stale_from = 0, set[str](), set[str]()
-        while True:
-            peer = await caller._pick(first, n, FORWARD_CHARGE, excluded)
-            route = await self._route(n, first, peer)
-            message = chain_message(
-                mb,
-                first,
-                self.digest,
-                self.codec,
-                inputs,
-                labels,
-                route,
-                flags,
-                step=step,
-                timeout_s=budget_s,
-            )
-            wait_s = caller.deadline_s(first, "chain", peer, budget_s)  # a frozen peer: given up on early
-            try:
-                return await self._attempt(message, peer, route, wait_s, n, first)
-            except ProtocolError as exc:  # a malformed report: the chain may have run
-                failure, reason, error = FailureAction(Outcome.MAYBE_APPLIED), str(exc), exc
-            except Exception as exc:
-                failure, reason = frozen_or(on_request_failure(exc), wait_s < budget_s), f"{exc!r:.160}"
-                error = exc
-            self._count(failure, first, peer, n, budget_s)
-            outcome = failure.outcome
-            if outcome is Outcome.FATAL:
-                raise MicroBatchFailed(f"stage {first} peer {peer} refused the chain of {mb}: {reason}")
-            if caller.stale_everywhere(first, peer, error, stale_from):
-                raise MicroBatchFailed(f"stage {first} applied the step of {mb} without it: {reason}")
-            if outcome is not Outcome.NEXT_FAILED:
-                excluded.add(peer)
-            new_flags = flags_after(flags, outcome)
-            caller.not_accumulated += sum(a and not b for a, b in zip(flags, new_flags, strict=True))
-            flags, attempt = new_flags, attempt + 1
-            # while a stage may hold the micro-batch, stopping would leave the stages disagreeing
-            if attempt > (PERSISTENT_ATTEMPTS if not all(flags) else caller.swarm.max_retries):
-                raise MicroBatchFailed(f"chain of {mb}: {attempt} attempts failed, last: {reason}")
-            caller.retries += 1
-            logger.info("chain of %s via %s failed (%s); retry %d", mb, peer[-8:], reason, attempt)
-            await asyncio.sleep(retry_delay_s(attempt))
+        return await run_call(self.caller, _ChainPlan(self, mb, step, n, inputs, labels, first))
 
     async def _attempt(
         self, message: Message, peer: str, route: list[list[str]], wait_s: float, n: int, first: int
@@ -198,14 +150,68 @@ class ChainCaller:
         self.caller._time(first, "chain", call_s, {"server_s": head.server_s, "compute_s": head.compute_s})
         return float(loss), hops, reply.tensors.get("grad_inputs")
 
-    def _count(self, failure: FailureAction, stage: int, peer: str, n: int, budget_s: float) -> None:
-        """A gone first peer (or one serving another run) is banned; a silent one is charged the time
-        it kept us waiting."""
-        caller = self.caller
-        if failure.outcome is Outcome.GONE:
-            caller.connection_errors += 1
-        if failure.ban:
-            self.table.ban(stage, peer)
-        if failure.timed_out:
-            caller.timeouts += 1
-            self.table.report(stage, peer, n, budget_s, HOP_WEIGHT)
+
+class _ChainPlan:
+    """A chain (`ChainCaller.run`) for `run_call`: one stage-0 peer (or stage `first`'s) and a route
+    chosen anew for every attempt. A failure's outcome says which stages may have applied the
+    micro-batch (`flags_after`): the retry asks those not to accumulate again, and while any may hold
+    it the retry is persistent; a chain whose later hop failed keeps its first peer."""
+
+    def __init__(
+        self,
+        chain: ChainCaller,
+        mb: str,
+        step: int,
+        n: int,
+        inputs: EncodedTensor,
+        labels: EncodedTensor,
+        first: int,
+    ) -> None:
+        self.chain, self.mb, self.step, self.inputs, self.labels = chain, mb, step, inputs, labels
+        self.stage, self.num_samples, self.weight, self.what = first, n, HOP_WEIGHT, f"chain of {mb}"
+        self.flags = [True] * (chain.num_stages - first)
+        self.budget_s = chain.caller.swarm.request_timeout_s * len(self.flags)  # every hop waits on the next
+        self.route: list[list[str]] = []
+        self.message: Message | None = None
+
+    async def choose(self, attempt: int, excluded: set[str]) -> Attempt:
+        chain, first = self.chain, self.stage
+        peer = await chain.caller._pick(first, self.num_samples, FORWARD_CHARGE, excluded)
+        self.route = await chain._route(self.num_samples, first, peer)
+        self.message = chain_message(
+            self.mb,
+            first,
+            chain.digest,
+            chain.codec,
+            self.inputs,
+            self.labels,
+            self.route,
+            self.flags,
+            step=self.step,
+            timeout_s=self.budget_s,
+        )
+        wait_s = chain.caller.deadline_s(first, "chain", peer, self.budget_s)  # a frozen peer: given up early
+        return Attempt(peer, wait_s, self.budget_s)
+
+    async def send(self, attempt: Attempt) -> tuple[float, list[HopReport], EncodedTensor | None]:
+        assert self.message is not None  # `choose` made it
+        return await self.chain._attempt(
+            self.message, attempt.peer, self.route, attempt.wait_s, self.num_samples, self.stage
+        )
+
+    def classify(self, exc: BaseException, attempt: Attempt) -> FailureAction:
+        if isinstance(exc, ProtocolError):  # a malformed report: the chain may have run
+            return FailureAction(Outcome.MAYBE_APPLIED)
+        return frozen_or(on_request_failure(exc), attempt.wait_s < attempt.cap_s)  # raises bugs
+
+    def retry_with(self, failure: FailureAction) -> None:
+        flags = flags_after(self.flags, failure.outcome)
+        self.chain.caller.not_accumulated += sum(a and not b for a, b in zip(self.flags, flags, strict=True))
+        self.flags = flags
+
+    def excludes(self, failure: FailureAction) -> bool:
+        return failure.outcome is not Outcome.NEXT_FAILED
+
+    def max_attempts(self) -> int:
+        # while a stage may hold the micro-batch, stopping would leave the stages disagreeing
+        return PERSISTENT_ATTEMPTS if not all(self.flags) else self.chain.caller.swarm.max_retries

@@ -1,6 +1,7 @@
 """One call to "some peer of stage s", with peer choice, timeouts, retries, bans and waiting.
 
-Failure policy (docs/ARCHITECTURE.md; the table is net/failures.py, shared with the chain path):
+Failure policy (docs/ARCHITECTURE.md; the table is net/failures.py; the loop that applies it is
+runtime/trainer/call_policy.py's `run_call`, shared with the chain path):
 - silent past its usual time and not answering a ping -> frozen: ban it until it announces itself
   again and hedge the call on another peer, first answer wins (runtime/trainer/hedging.py);
 - timeout -> the peer is frozen (or far slower than its usual): retry on another peer and fold the
@@ -29,11 +30,10 @@ Failure policy (docs/ARCHITECTURE.md; the table is net/failures.py, shared with 
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 
 from swarmtrain.config import SwarmConfig
-from swarmtrain.net.failures import FailureAction, Outcome, flags_after, on_request_failure
+from swarmtrain.net.failures import FailureAction, flags_after, on_request_failure
 from swarmtrain.net.protocol import ACCUMULATING_KINDS, Message, ping_message, request_message
 from swarmtrain.net.transport import RemoteError, StageClient
 from swarmtrain.planner.deadlines import (
@@ -43,6 +43,13 @@ from swarmtrain.planner.deadlines import (
     deadline_s,
     ping_timeout_s,
 )
+from swarmtrain.runtime.trainer.call_policy import (
+    PERSISTENT_ATTEMPTS,
+    Attempt,
+    MicroBatchFailed,
+    frozen_or,
+    run_call,
+)
 from swarmtrain.runtime.trainer.hedging import first_success, silent_while
 from swarmtrain.runtime.trainer.peer_table import PeerTable
 from swarmtrain.utils.logging import get_logger
@@ -50,22 +57,6 @@ from swarmtrain.utils.logging import get_logger
 logger = get_logger(__name__)
 
 NO_PEER_LOG_PERIOD_S = 5.0
-BACKOFF_BASE_S = 0.05
-BACKOFF_MAX_S = 2.0
-PERSISTENT_ATTEMPTS = 60
-
-
-def frozen_or(failure: FailureAction, early_deadline: bool) -> FailureAction:
-    """A timeout at the peer's own deadline, before the request timeout: the peer is taken for frozen and
-    banned until it announces itself again (at the request timeout itself, as before: not banned)."""
-    if failure.timed_out and early_deadline and not failure.ban:
-        return FailureAction(failure.outcome, ban=True, timed_out=True)
-    return failure
-
-
-def retry_delay_s(attempt: int) -> float:
-    """How long to wait before retry `attempt` (1, 2, ...): exponential backoff with jitter."""
-    return min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2**attempt) * (0.5 + random.random())
 
 
 def _accumulating_nothing(message: Message) -> Message:
@@ -73,10 +64,6 @@ def _accumulating_nothing(message: Message) -> Message:
     if message.kind not in ACCUMULATING_KINDS:
         return message
     return Message(message.kind, {**message.header, "accumulate": False}, message.tensors)
-
-
-class MicroBatchFailed(RuntimeError):
-    """A stage call failed after all retries (or with an error retrying cannot fix)."""
 
 
 def _service_s(elapsed_s: float, header: dict) -> float:
@@ -185,47 +172,12 @@ class StageCaller:
         in the router. `prefer`: try this peer first if it is usable (the replica that ran the forward
         holds the activations for the backward); its forward already paid for this call, so it is
         charged nothing."""
-        timeout_s = self.swarm.request_timeout_s
-        message = request_message(
-            kind, mb, stage, self.digest, self.codec, tensors, timeout_s=timeout_s, **header
+        return await run_call(
+            self,
+            _RelayPlan(
+                self, stage, kind, mb, num_samples, tensors, weight, prefer, persistent, charge, header
+            ),
         )
-        max_attempts = PERSISTENT_ATTEMPTS if persistent else self.swarm.max_retries
-        cost = weight if charge is None else charge
-        attempt, excluded, stale_from = 0, set[str](), set[str]()
-        while True:
-            peer = await self._choose(stage, num_samples, cost, excluded, prefer if attempt == 0 else None)
-            start = time.monotonic()
-            wait_s = self.deadline_s(stage, kind, peer, timeout_s)
-            try:
-                reply, answered_by = await self._hedged(stage, kind, peer, message, wait_s, num_samples, cost)
-            except Exception as exc:
-                failure = frozen_or(on_request_failure(exc), wait_s < timeout_s)  # raises bugs
-                if failure.outcome is Outcome.FATAL:
-                    raise MicroBatchFailed(f"stage {stage} peer {peer} refused {kind}: {exc}") from None
-                message = self._after_failure(failure, message, stage, peer, num_samples, weight)
-                reason = f"no answer in {wait_s:.1f}s" if failure.timed_out else f"{exc!r:.160}"
-                if self.stale_everywhere(stage, peer, exc, stale_from):
-                    raise MicroBatchFailed(
-                        f"stage {stage} applied the step of {mb} without it: {reason}"
-                    ) from None
-            else:
-                if answered_by == peer:  # a hedge's time (started late) measures nobody's usual time
-                    elapsed_s = time.monotonic() - start
-                    self.table.report(stage, peer, num_samples, _service_s(elapsed_s, reply.header), weight)
-                    self._time(stage, kind, elapsed_s, reply.header)
-                    self.observe(stage, kind, peer, elapsed_s)
-                return reply, answered_by
-            excluded.add(peer)
-            attempt += 1
-            if attempt > max_attempts:
-                raise MicroBatchFailed(
-                    f"stage {stage} {kind} of {mb}: {attempt} attempts failed, last: {reason}"
-                )
-            self.retries += 1
-            logger.info(
-                "stage %d %s of %s on %s failed (%s); retry %d", stage, kind, mb, peer[-8:], reason, attempt
-            )
-            await asyncio.sleep(retry_delay_s(attempt))
 
     async def _hedged(
         self,
@@ -296,29 +248,6 @@ class StageCaller:
                 return peer
         return await self._pick(stage, num_samples, charge, excluded)
 
-    def _after_failure(
-        self, failure: FailureAction, message: Message, stage: int, peer: str, num_samples: int, weight: float
-    ) -> Message:
-        """Count a failed call, ban or charge its peer, and return the message to retry with: a
-        gradient the failed peer may still apply is asked for without accumulating, so the stage
-        applies it at most once (or loses it, counted in `not_accumulated`)."""
-        if failure.timed_out:
-            self.timeouts += 1
-            self.table.report(stage, peer, num_samples, self.swarm.request_timeout_s, weight)
-        if failure.outcome is Outcome.GONE:
-            self.connection_errors += 1
-        if failure.ban:
-            self.table.ban(stage, peer)
-        accumulate = message.header.get("accumulate", True)
-        if (
-            message.kind in ACCUMULATING_KINDS
-            and accumulate
-            and not flags_after([accumulate], failure.outcome)[0]
-        ):
-            self.not_accumulated += 1
-            return Message(message.kind, {**message.header, "accumulate": False}, message.tensors)
-        return message
-
     def stale_everywhere(self, stage: int, peer: str, exc: BaseException, stale_from: set[str]) -> bool:
         """`peer` answered `stale` (it already applied the micro-batch's step): True once every live
         peer of the stage did, for this call (`stale_from` collects them)."""
@@ -372,3 +301,75 @@ class StageCaller:
             logger.warning("stage %d has no live peer; waiting for a server to announce itself", stage)
         await asyncio.sleep(min(1.0, self.swarm.announce_period_s / 2))
         await self.refresh()
+
+
+class _RelayPlan:
+    """A relayed call (`StageCaller.call_peer`) for `run_call`: one message to one stage's peer, hedged
+    on another when it goes silent; a gradient a failed peer may still apply is asked for again
+    without accumulating, so the stage applies it at most once."""
+
+    def __init__(
+        self,
+        caller: StageCaller,
+        stage: int,
+        kind: str,
+        mb: str,
+        num_samples: int,
+        tensors: dict,
+        weight: float,
+        prefer: str | None,
+        persistent: bool,
+        charge: float | None,
+        header: dict,
+    ) -> None:
+        self.caller, self.stage, self.kind, self.mb = caller, stage, kind, mb
+        self.what = f"{kind} of {mb}"
+        self.num_samples, self.weight, self.prefer, self.persistent = num_samples, weight, prefer, persistent
+        self.cost = weight if charge is None else charge
+        self.timeout_s = caller.swarm.request_timeout_s
+        self.message = request_message(
+            kind, mb, stage, caller.digest, caller.codec, tensors, timeout_s=self.timeout_s, **header
+        )
+        self._start_s = 0.0
+
+    async def choose(self, attempt: int, excluded: set[str]) -> Attempt:
+        prefer = self.prefer if attempt == 0 else None
+        peer = await self.caller._choose(self.stage, self.num_samples, self.cost, excluded, prefer)
+        self._start_s = time.monotonic()
+        return Attempt(
+            peer, self.caller.deadline_s(self.stage, self.kind, peer, self.timeout_s), self.timeout_s
+        )
+
+    async def send(self, attempt: Attempt) -> tuple[Message, str]:
+        caller, stage, peer = self.caller, self.stage, attempt.peer
+        reply, answered_by = await caller._hedged(
+            stage, self.kind, peer, self.message, attempt.wait_s, self.num_samples, self.cost
+        )
+        if answered_by == peer:  # a hedge's time (started late) measures nobody's usual time
+            elapsed_s = time.monotonic() - self._start_s
+            caller.table.report(
+                stage, peer, self.num_samples, _service_s(elapsed_s, reply.header), self.weight
+            )
+            caller._time(stage, self.kind, elapsed_s, reply.header)
+            caller.observe(stage, self.kind, peer, elapsed_s)
+        return reply, answered_by
+
+    def classify(self, exc: BaseException, attempt: Attempt) -> FailureAction:
+        return frozen_or(on_request_failure(exc), attempt.wait_s < attempt.cap_s)  # raises bugs
+
+    def retry_with(self, failure: FailureAction) -> None:
+        message = self.message
+        accumulate = message.header.get("accumulate", True)
+        if (
+            message.kind in ACCUMULATING_KINDS
+            and accumulate
+            and not flags_after([accumulate], failure.outcome)[0]
+        ):
+            self.caller.not_accumulated += 1
+            self.message = Message(message.kind, {**message.header, "accumulate": False}, message.tensors)
+
+    def excludes(self, failure: FailureAction) -> bool:
+        return True
+
+    def max_attempts(self) -> int:
+        return PERSISTENT_ATTEMPTS if self.persistent else self.caller.swarm.max_retries

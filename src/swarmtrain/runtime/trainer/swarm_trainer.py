@@ -35,9 +35,10 @@ from swarmtrain.planner.routing import BACKWARD_WEIGHT, FORWARD_CHARGE, FORWARD_
 from swarmtrain.planner.stop_step import StopAction, StopDecision, agreed_stop
 from swarmtrain.runtime.ledger import Ledger
 from swarmtrain.runtime.procs import remember_group_sockets
+from swarmtrain.runtime.trainer.call_policy import retry_delay_s
 from swarmtrain.runtime.trainer.chain_calls import ChainCaller
 from swarmtrain.runtime.trainer.peer_table import PeerTable
-from swarmtrain.runtime.trainer.stage_calls import StageCaller, retry_delay_s
+from swarmtrain.runtime.trainer.stage_calls import StageCaller
 from swarmtrain.runtime.trainer.step_tracker import StepTracker
 from swarmtrain.runtime.trainer.trainer_metrics import TrainerMetrics
 from swarmtrain.utils.logging import get_logger
@@ -131,7 +132,7 @@ async def call_until_delivered(
     retry_s: float = CLOSE_RETRY_S,
 ) -> int | None:
     """`call()` until it returns: the number of attempts it took, or None. Transport failures are retried
-    with the trainer's backoff (`stage_calls.retry_delay_s`) for up to `retry_s`; an error answer
+    with the trainer's backoff (`call_policy.retry_delay_s`) for up to `retry_s`; an error answer
     (`RemoteError`) is not, since the peer would answer the same. `on_failure(exc, attempt, last)` hears
     of each failure (`last`: no retry follows)."""
     deadline_s = time.monotonic() + retry_s
