@@ -523,7 +523,8 @@ class StageService:
 
     async def _send_grads(self, peer: str, step: int, samples: int, sums: list[torch.Tensor]) -> bool:
         """One replica's gradient sums of a step to a stage peer; False if the peer is gone."""
-        from swarmtrain.net.transport import RemoteError, TruncatedReply, is_connection_error
+        from swarmtrain.net.failures import Outcome, on_request_failure
+        from swarmtrain.net.transport import RemoteError
 
         assert self._transport is not None  # steps run only while serving
         header = {"step": step, "samples": samples, "stage": self.spec.index, "digest": self.digest}
@@ -536,11 +537,12 @@ class StageService:
                 timeout_s = self.cfg.swarm.averaging_timeout_s
                 await client.call(peer, message, timeout_s=timeout_s)
                 return True
-            except RemoteError as exc:  # alive but refusing (digest, shape): retrying cannot help
-                logger.warning("step %d: stage peer %s refused our gradients: %s", step, peer[-8:], exc)
-                return False
-            except Exception as exc:
-                if is_connection_error(exc) and not isinstance(exc, TruncatedReply):
+            except Exception as exc:  # the trainer's failure table (net/failures.py); a bug is raised
+                failure = on_request_failure(exc)
+                if isinstance(exc, RemoteError):  # alive but refusing (digest, shape): retrying cannot help
+                    logger.warning("step %d: stage peer %s refused our gradients: %s", step, peer[-8:], exc)
+                    return False
+                if failure.outcome is Outcome.GONE:
                     logger.warning("step %d: stage peer %s unreachable: %r", step, peer[-8:], exc)
                     return False
                 logger.info(

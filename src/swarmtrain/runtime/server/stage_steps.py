@@ -622,6 +622,10 @@ class StepCoordinator:
 
     def _sent(self, state: PendingStep, peer: str, task: asyncio.Task) -> None:
         self._sending.discard(task)
+        if not task.cancelled() and task.exception() is not None:  # a bug, not a failure of the peer
+            logger.error(
+                "step %d: sending gradients to %s failed: %r", state.step, _short(peer), task.exception()
+            )
         if task.cancelled() or task.exception() is not None or task.result() is False:
             state.unreachable.add(peer)  # a member we cannot reach will not send us its sums either
             state.changed.set()
