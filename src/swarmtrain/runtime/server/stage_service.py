@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from functools import partial
@@ -32,43 +32,36 @@ import torch
 from swarmtrain.config import RunConfig
 from swarmtrain.config.errors import UserError
 from swarmtrain.model.device import CPU_FP32, ComputeDevice, busy_clock_s
-from swarmtrain.net.bundle import MAX_BUNDLE_ITEMS, bundle_message, split_bundle
+from swarmtrain.net.bundle import MAX_BUNDLE_ITEMS
 from swarmtrain.net.dht_records import RunRecords, StageAnnouncement, progress_key, stage_key
 from swarmtrain.net.engine import shutdown_quietly
-from swarmtrain.net.hand_off import validate_chain
 from swarmtrain.net.protocol import (
     BUNDLE_KIND,
-    HAND_OFF_KINDS,
     TRAINING_KINDS,
     Message,
-    ProtocolError,
     StageIO,
-    StageRequest,
     error_message,
     make_message,
     max_grads_message_bytes,
     namespace,
     validate_close,
     validate_grads,
-    validate_request,
     validate_step_means,
     validate_step_means_request,
 )
 from swarmtrain.runtime.faults import FaultHooks, nan_like
 from swarmtrain.runtime.ledger import Ledger
 from swarmtrain.runtime.server.capacity import CapacityMeter
-from swarmtrain.runtime.server.chain_hop import Admitted, ChainHop, HopClients, StagePeers
+from swarmtrain.runtime.server.chain_hop import ChainHop, HopClients, StagePeers
 from swarmtrain.runtime.server.compute import (
     PRIORITY_BACKWARD,
-    PRIORITY_EVAL,
     PRIORITY_FORWARD,
     PRIORITY_SYNC,
     ComputeWorker,
-    DeadlineExpired,
 )
 from swarmtrain.runtime.server.server_metrics import ServerMetrics
-from swarmtrain.runtime.server.stage_batches import BACKWARD, FORWARD, arriving_together, batch_item
 from swarmtrain.runtime.server.stage_checkpoint import CheckpointSettings, StageCheckpointer
+from swarmtrain.runtime.server.stage_desk import Admission, Handler, MicroBatchDesk
 from swarmtrain.runtime.server.stage_steps import LiveReplicas, StepCoordinator, StepSettings
 from swarmtrain.runtime.server.stage_sync import StageSynchronizer, SyncSettings
 from swarmtrain.runtime.server.stage_worker import StageWorker, all_finite
@@ -83,7 +76,6 @@ logger = get_logger(__name__)
 DRAIN_POLL_S = 0.05
 # a record lives this many announce periods: one missed announcement does not drop a live server
 ANNOUNCE_TTL_PERIODS = 3
-Handler = Callable[[Message, object], Awaitable[Message]]
 
 
 @dataclass(frozen=True)
@@ -152,9 +144,6 @@ class StageService:
         self.peer_id = node.peer_id
         max_batch = options.max_batch or 4 * cfg.training.micro_batch_size
         self.io = StageIO.from_config(cfg.model, self.spec, max_batch)
-        self.draining = False  # no new micro-batch is taken
-        self._running_requests = 0  # micro-batches being served (a drain waits for them)
-        self._samples_done = 0  # samples whose backward ran here (counted with their CPU for capacity)
         self._transport: Transport | None = None
         self.hop: ChainHop | None = None  # this stage's part of direct hand-offs, while serving
         self.callers: StagePeers | None = None  # behind a NAT: the stage before, kept connected
@@ -223,22 +212,18 @@ class StageService:
         )
         self.sync = self._make_synchronizer()
         undo.callback(self.sync.stop)
+        self.admission = Admission(self.sync.serving.is_set)
         node.ledger.write("start", peer=self.peer_id, stage=self.spec.index)
         self._warn_about_foreign_peers()
         self.sync.join()
         self.live_replicas.update(self._read_live_replicas())
+        # the step exchange's handlers; the micro-batch desk's join them once it serves (`start_serving`)
         self.handlers: dict[str, Handler] = {
             "info": self._on_info,
             "ping": self._on_ping,
             "close": self._on_close,
             "grads": self._on_grads,
             "step_means": self._on_step_means,
-            "forward": self._on_forward,
-            "backward": self._on_backward,
-            "forward_backward": self._on_forward_backward,
-            "evaluate": self._on_evaluate,
-            "chain": self._on_chain,
-            BUNDLE_KIND: self._on_bundle,
         }
 
     def _make_synchronizer(self) -> StageSynchronizer:
@@ -361,6 +346,10 @@ class StageService:
     def serving(self) -> bool:
         return self.sync.serving.is_set()
 
+    @property
+    def draining(self) -> bool:
+        return self.admission.draining
+
     def start_serving(self, transport: Transport) -> None:
         """(on the process's event loop) Take requests through `transport` from now on."""
         self._transport = transport
@@ -380,10 +369,22 @@ class StageService:
             self.callers = StagePeers(
                 self.node.records, self.spec.index - 1, self.digest, transport.client, redial=True
             )
+        desk = MicroBatchDesk(
+            self.cfg,
+            self.spec,
+            self.io,
+            self.digest,
+            self.worker,
+            self.compute,
+            self.steps,
+            self.admission,
+            self.hop,
+        )
+        self.handlers.update(desk.handlers)
         self.sync.start()
         self._tasks.append(asyncio.create_task(self.steps.run()))
         self._tasks.append(asyncio.create_task(self._refresh_live_replicas()))
-        self.capacity.restart(self._samples_done, self._work_s())
+        self.capacity.restart(self.admission.samples_done, self._work_s())
 
     async def refresh_neighbours(self) -> None:
         """The next stage's peers (where hand-offs may go) and, behind a NAT, connections to the stage
@@ -400,15 +401,15 @@ class StageService:
         exchange of every step we hold samples of. Stopping with requests unanswered stalled the whole
         swarm for the trainer's request timeout (30 s, bench/rebalance_live.py)."""
         loop = asyncio.get_running_loop()
-        self.draining = True
+        self.admission.draining = True
         self.steps.version_changed()  # parked forwards see that we are leaving
         await loop.run_in_executor(None, lambda: self.announce(state="offline"))
         deadline_s = time.monotonic() + timeout_s
-        while self._running_requests or self.worker.unapplied_samples:
+        while self.admission.running or self.worker.unapplied_samples:
             if time.monotonic() > deadline_s:
                 logger.warning(
                     "left the stage with %d request(s) running and %d sample(s) unapplied",
-                    self._running_requests,
+                    self.admission.running,
                     self.worker.unapplied_samples,
                 )
                 return
@@ -575,138 +576,6 @@ class StageService:
                 return False
         return True
 
-    # micro-batches: one handler per kind -------------------------------------------------------
-    async def _on_forward(self, message: Message, _context) -> Message:
-        return await self._serve(message, self._compute_forward)
-
-    async def _on_backward(self, message: Message, _context) -> Message:
-        return await self._serve(message, self._compute_backward)
-
-    async def _on_forward_backward(self, message: Message, _context) -> Message:
-        return await self._serve(message, self._compute_forward_backward)
-
-    async def _on_evaluate(self, message: Message, _context) -> Message:
-        return await self._serve(message, self._compute_evaluation)
-
-    async def _on_chain(self, message: Message, _context) -> Message:
-        return await self._serve(message, self._run_chain)
-
-    async def _on_bundle(self, message: Message, context) -> Message:
-        """Each item answered by the handler of its kind, all at once (so they may share a compute call),
-        and the answers bundled in order."""
-        items = split_bundle(message, HAND_OFF_KINDS)
-        together = arriving_together.set(
-            len(items)
-        )  # the items' tasks copy it: their compute waits for each other
-        try:
-            answers = await asyncio.gather(
-                *(self.handlers[item.kind](item, context) for item in items), return_exceptions=True
-            )
-        finally:
-            arriving_together.reset(together)
-        return bundle_message([_answer_of(a) for a in answers], self.spec.index)
-
-    async def _serve(self, message: Message, run: Callable[[Message], Awaitable[Message]]) -> Message:
-        """Admission common to every micro-batch: refused while downloading or draining; counted while
-        it runs, so a drain waits for it."""
-        if not self.serving:
-            return error_message("this replica is downloading the stage state; try another", "unavailable")
-        if self.draining:
-            return _leaving_answer()
-        self._running_requests += 1
-        try:
-            return await run(message)
-        finally:
-            self._running_requests -= 1
-
-    async def _compute_forward(self, message: Message) -> Message:
-        request = validate_request(message, self.io, self.digest)
-        return await self._compute(request, message.header, FORWARD, PRIORITY_FORWARD)
-
-    async def _compute_evaluation(self, message: Message) -> Message:
-        request = validate_request(message, self.io, self.digest)
-        return await self._compute(request, message.header, FORWARD, PRIORITY_EVAL)
-
-    async def _compute_backward(self, message: Message) -> Message:
-        request = validate_request(message, self.io, self.digest)
-        reply = await self._compute(request, message.header, BACKWARD, PRIORITY_BACKWARD)
-        self._count_done(request, reply)
-        return reply
-
-    async def _compute_forward_backward(self, message: Message) -> Message:
-        request = validate_request(message, self.io, self.digest)
-        # the last stage's fused forward and backward: the worker's forward runs both
-        reply = await self._compute(request, message.header, FORWARD, PRIORITY_FORWARD)
-        self._count_done(request, reply)
-        return reply
-
-    def _count_done(self, request: StageRequest, reply: Message) -> None:
-        """A backward ran: the samples' work is done (and its CPU counted)."""
-        if reply.kind == "result":
-            self._samples_done += request.num_samples
-
-    async def _run_chain(self, message: Message) -> Message:
-        chain = validate_chain(
-            message, self.io, self.digest, self.cfg.swarm.num_stages
-        )  # not at the last stage
-        if self.hop is None:  # not serving yet: no way to reach the next stage
-            return error_message("this replica is not serving yet; try another", "unavailable")
-        # the chain's time includes every later stage's: each may take up to a request timeout
-        later_stages = self.cfg.swarm.num_stages - self.spec.index
-        admitted = await self._admit(chain.forward, message.header, later_stages)
-        if isinstance(admitted, Message):
-            return admitted
-        try:
-            reply = await self.hop.run(chain, admitted)
-        except DeadlineExpired as exc:
-            return error_message(str(exc), "timeout")
-        self._count_done(chain.forward, reply)
-        return reply
-
-    async def _compute(self, request: StageRequest, header: dict, op: str, priority: int) -> Message:
-        """`op`: FORWARD or BACKWARD of the worker (stage_batches.py), alone or batched with others."""
-        admitted = await self._admit(request, header)
-        if isinstance(admitted, Message):
-            return admitted
-        try:
-            reply, compute_s = await self.compute.run_batchable(
-                batch_item(self.worker, request, op, arriving_together.get()), priority, admitted.deadline_s
-            )
-        except DeadlineExpired as exc:
-            return error_message(str(exc), "timeout")
-        except ProtocolError as exc:
-            return error_message(str(exc), exc.code)
-        # queue wait + compute: the caller subtracts it from its round trip to see the transport's share
-        reply.header["server_s"] = round(time.monotonic() - admitted.arrived_s, 6)
-        reply.header["compute_s"] = round(compute_s, 6)
-        # waiting for the previous step is the step's pace, not this peer's speed: routers leave it out
-        reply.header["step_wait_s"] = round(admitted.step_wait_s, 6)
-        return reply
-
-    async def _admit(self, request: StageRequest, header: dict, timeouts: int = 1) -> Admitted | Message:
-        """The request's deadline once it may run (the parameters of its step are here), or the answer
-        that refuses it (already applied, not ready in time, leaving)."""
-        timeout_s = self.cfg.swarm.request_timeout_s * timeouts
-        requested = header.get("timeout_s")
-        if isinstance(requested, (int, float)) and 0 < requested < timeout_s:
-            timeout_s = float(requested)
-        arrived_s = time.monotonic()
-        deadline_s = arrived_s + timeout_s
-        if request.step is None:
-            return Admitted(arrived_s, deadline_s, 0.0)
-        # a training micro-batch of step k runs on the parameters after step k - max_staleness
-        # (synchronous by default: after step k - 1); an evaluation names the step it must see
-        need = request.step if request.evaluate else request.step - self.cfg.training.max_staleness
-        if not request.evaluate and self.worker.epoch > request.step:
-            return error_message(
-                f"step {request.step} is already applied here (at {self.worker.epoch})", "stale"
-            )
-        if not await self.steps.wait_for_version(need, deadline_s, abandon=lambda: self.draining):
-            if self.draining:
-                return _leaving_answer()
-            return error_message(f"parameters of step {need} not ready in time", "timeout")
-        return Admitted(arrived_s, deadline_s, time.monotonic() - arrived_s)
-
     def _info(self, message: Message) -> Message:
         """Counters, and on request the parameters or the pending gradient sums (tests, monitor)."""
         w = self.worker
@@ -744,7 +613,7 @@ class StageService:
     # announcements and metrics ------------------------------------------------------------------
     def announce(self, state: str | None = None) -> StageAnnouncement:
         """Publish this replica's record (online, joining or offline) and return it."""
-        self.capacity.update(self._samples_done, self._work_s())
+        self.capacity.update(self.admission.samples_done, self._work_s())
         announcement = self.announcement(state)
         # an offline record too: the DHT replaces a record only by one that expires later, so a short-lived
         # offline record was refused and trainers kept routing to a stopped server until it expired
@@ -825,18 +694,3 @@ class StageService:
 def _sender(context) -> str:
     """The authenticated peer id a message came from (libp2p)."""
     return context.remote_id.to_base58()
-
-
-def _answer_of(outcome: Message | BaseException) -> Message:
-    """A bundle item's answer: its reply, or the error a lone request would have been answered with."""
-    if isinstance(outcome, ProtocolError):
-        return error_message(str(outcome), outcome.code)
-    if isinstance(outcome, BaseException):
-        logger.error("a bundled request failed: %r", outcome)  # one line; the traceback at debug level
-        logger.debug("a bundled request failed", exc_info=outcome)
-        return error_message(f"internal error: {outcome!r}", "internal")
-    return outcome
-
-
-def _leaving_answer() -> Message:
-    return error_message("this replica is leaving the stage; try another", "unavailable")

@@ -1,0 +1,244 @@
+"""A stage replica's micro-batch desk: the handlers of every micro-batch kind (`forward`, `backward`,
+`forward_backward`, `evaluate`, `chain`, `bundle`), their admission and their compute.
+
+`Admission` is the serving and draining state a micro-batch is admitted under: refused while the
+replica downloads the stage state or drains, counted while it runs (a drain waits for those). The
+`MicroBatchDesk` is built when the stage starts serving, complete: its hop to the next stage (none at
+the last stage) is given to it. A request is validated (net/protocol.py), waits for the parameters of
+its step (`StepCoordinator.wait_for_version`), then runs on the compute thread, alone or batched with
+others (stage_batches.py); a chain goes on to the next stage through `ChainHop`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+
+from swarmtrain.config import RunConfig
+from swarmtrain.config.model import StageSpec
+from swarmtrain.net.bundle import bundle_message, split_bundle
+from swarmtrain.net.hand_off import validate_chain
+from swarmtrain.net.protocol import (
+    BUNDLE_KIND,
+    HAND_OFF_KINDS,
+    Message,
+    ProtocolError,
+    StageIO,
+    StageRequest,
+    error_message,
+    validate_request,
+)
+from swarmtrain.runtime.server.chain_hop import Admitted, ChainHop
+from swarmtrain.runtime.server.compute import (
+    PRIORITY_BACKWARD,
+    PRIORITY_EVAL,
+    PRIORITY_FORWARD,
+    ComputeWorker,
+    DeadlineExpired,
+)
+from swarmtrain.runtime.server.stage_batches import BACKWARD, FORWARD, arriving_together, batch_item
+from swarmtrain.runtime.server.stage_steps import StepCoordinator
+from swarmtrain.runtime.server.stage_worker import StageWorker
+from swarmtrain.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+Handler = Callable[[Message, object], Awaitable[Message]]
+
+
+class Admission:
+    """Whether the stage takes micro-batches, and how many it is serving: `serving()` is False while
+    the replica downloads the stage state; `draining` once it leaves the stage."""
+
+    def __init__(self, serving: Callable[[], bool]) -> None:
+        self.serving = serving
+        self.draining = False  # no new micro-batch is taken
+        self.running = 0  # micro-batches being served (a drain waits for them)
+        self.samples_done = 0  # samples whose backward ran here (counted with their CPU for capacity)
+
+    def refusal(self) -> Message | None:
+        """The answer that refuses a new micro-batch now, or None."""
+        if not self.serving():
+            return error_message("this replica is downloading the stage state; try another", "unavailable")
+        if self.draining:
+            return leaving_answer()
+        return None
+
+
+class MicroBatchDesk:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        spec: StageSpec,
+        io: StageIO,
+        digest: str,
+        worker: StageWorker,
+        compute: ComputeWorker,
+        steps: StepCoordinator,
+        admission: Admission,
+        hop: ChainHop | None,
+    ) -> None:
+        """`hop`: this stage's hand-offs to the next one (None at the last stage)."""
+        self.cfg, self.spec, self.io, self.digest = cfg, spec, io, digest
+        self.worker, self.compute, self.steps, self.admission, self.hop = (
+            worker,
+            compute,
+            steps,
+            admission,
+            hop,
+        )
+        self.handlers: dict[str, Handler] = {
+            "forward": self._on_forward,
+            "backward": self._on_backward,
+            "forward_backward": self._on_forward_backward,
+            "evaluate": self._on_evaluate,
+            "chain": self._on_chain,
+            BUNDLE_KIND: self._on_bundle,
+        }
+
+    # one handler per kind -------------------------------------------------------------------------
+    async def _on_forward(self, message: Message, _context) -> Message:
+        return await self._serve(message, self._compute_forward)
+
+    async def _on_backward(self, message: Message, _context) -> Message:
+        return await self._serve(message, self._compute_backward)
+
+    async def _on_forward_backward(self, message: Message, _context) -> Message:
+        return await self._serve(message, self._compute_forward_backward)
+
+    async def _on_evaluate(self, message: Message, _context) -> Message:
+        return await self._serve(message, self._compute_evaluation)
+
+    async def _on_chain(self, message: Message, _context) -> Message:
+        return await self._serve(message, self._run_chain)
+
+    async def _on_bundle(self, message: Message, context) -> Message:
+        """Each item answered by the handler of its kind, all at once (so they may share a compute call),
+        and the answers bundled in order."""
+        items = split_bundle(message, HAND_OFF_KINDS)
+        together = arriving_together.set(
+            len(items)
+        )  # the items' tasks copy it: their compute waits for each other
+        try:
+            answers = await asyncio.gather(
+                *(self.handlers[item.kind](item, context) for item in items), return_exceptions=True
+            )
+        finally:
+            arriving_together.reset(together)
+        return bundle_message([_answer_of(a) for a in answers], self.spec.index)
+
+    async def _serve(self, message: Message, run: Callable[[Message], Awaitable[Message]]) -> Message:
+        """Admission common to every micro-batch: refused while downloading or draining; counted while
+        it runs, so a drain waits for it."""
+        refusal = self.admission.refusal()
+        if refusal is not None:
+            return refusal
+        self.admission.running += 1
+        try:
+            return await run(message)
+        finally:
+            self.admission.running -= 1
+
+    # compute -----------------------------------------------------------------------------------
+    async def _compute_forward(self, message: Message) -> Message:
+        request = validate_request(message, self.io, self.digest)
+        return await self._compute(request, message.header, FORWARD, PRIORITY_FORWARD)
+
+    async def _compute_evaluation(self, message: Message) -> Message:
+        request = validate_request(message, self.io, self.digest)
+        return await self._compute(request, message.header, FORWARD, PRIORITY_EVAL)
+
+    async def _compute_backward(self, message: Message) -> Message:
+        request = validate_request(message, self.io, self.digest)
+        reply = await self._compute(request, message.header, BACKWARD, PRIORITY_BACKWARD)
+        self._count_done(request, reply)
+        return reply
+
+    async def _compute_forward_backward(self, message: Message) -> Message:
+        request = validate_request(message, self.io, self.digest)
+        # the last stage's fused forward and backward: the worker's forward runs both
+        reply = await self._compute(request, message.header, FORWARD, PRIORITY_FORWARD)
+        self._count_done(request, reply)
+        return reply
+
+    def _count_done(self, request: StageRequest, reply: Message) -> None:
+        """A backward ran: the samples' work is done (and its CPU counted)."""
+        if reply.kind == "result":
+            self.admission.samples_done += request.num_samples
+
+    async def _run_chain(self, message: Message) -> Message:
+        chain = validate_chain(message, self.io, self.digest, self.cfg.swarm.num_stages)  # not the last stage
+        if self.hop is None:  # the last stage: no next stage to hand off to
+            return error_message("the last stage takes no chain", "bad_request")
+        # the chain's time includes every later stage's: each may take up to a request timeout
+        later_stages = self.cfg.swarm.num_stages - self.spec.index
+        admitted = await self._admit(chain.forward, message.header, later_stages)
+        if isinstance(admitted, Message):
+            return admitted
+        try:
+            reply = await self.hop.run(chain, admitted)
+        except DeadlineExpired as exc:
+            return error_message(str(exc), "timeout")
+        self._count_done(chain.forward, reply)
+        return reply
+
+    async def _compute(self, request: StageRequest, header: dict, op: str, priority: int) -> Message:
+        """`op`: FORWARD or BACKWARD of the worker (stage_batches.py), alone or batched with others."""
+        admitted = await self._admit(request, header)
+        if isinstance(admitted, Message):
+            return admitted
+        try:
+            reply, compute_s = await self.compute.run_batchable(
+                batch_item(self.worker, request, op, arriving_together.get()), priority, admitted.deadline_s
+            )
+        except DeadlineExpired as exc:
+            return error_message(str(exc), "timeout")
+        except ProtocolError as exc:
+            return error_message(str(exc), exc.code)
+        # queue wait + compute: the caller subtracts it from its round trip to see the transport's share
+        reply.header["server_s"] = round(time.monotonic() - admitted.arrived_s, 6)
+        reply.header["compute_s"] = round(compute_s, 6)
+        # waiting for the previous step is the step's pace, not this peer's speed: routers leave it out
+        reply.header["step_wait_s"] = round(admitted.step_wait_s, 6)
+        return reply
+
+    async def _admit(self, request: StageRequest, header: dict, timeouts: int = 1) -> Admitted | Message:
+        """The request's deadline once it may run (the parameters of its step are here), or the answer
+        that refuses it (already applied, not ready in time, leaving)."""
+        timeout_s = self.cfg.swarm.request_timeout_s * timeouts
+        requested = header.get("timeout_s")
+        if isinstance(requested, (int, float)) and 0 < requested < timeout_s:
+            timeout_s = float(requested)
+        arrived_s = time.monotonic()
+        deadline_s = arrived_s + timeout_s
+        if request.step is None:
+            return Admitted(arrived_s, deadline_s, 0.0)
+        # a training micro-batch of step k runs on the parameters after step k - max_staleness
+        # (synchronous by default: after step k - 1); an evaluation names the step it must see
+        need = request.step if request.evaluate else request.step - self.cfg.training.max_staleness
+        if not request.evaluate and self.worker.epoch > request.step:
+            return error_message(
+                f"step {request.step} is already applied here (at {self.worker.epoch})", "stale"
+            )
+        draining = self.admission
+        if not await self.steps.wait_for_version(need, deadline_s, abandon=lambda: draining.draining):
+            if draining.draining:
+                return leaving_answer()
+            return error_message(f"parameters of step {need} not ready in time", "timeout")
+        return Admitted(arrived_s, deadline_s, time.monotonic() - arrived_s)
+
+
+def _answer_of(outcome: Message | BaseException) -> Message:
+    """A bundle item's answer: its reply, or the error a lone request would have been answered with."""
+    if isinstance(outcome, ProtocolError):
+        return error_message(str(outcome), outcome.code)
+    if isinstance(outcome, BaseException):
+        logger.error("a bundled request failed: %r", outcome)  # one line; the traceback at debug level
+        logger.debug("a bundled request failed", exc_info=outcome)
+        return error_message(f"internal error: {outcome!r}", "internal")
+    return outcome
+
+
+def leaving_answer() -> Message:
+    return error_message("this replica is leaving the stage; try another", "unavailable")
