@@ -62,6 +62,7 @@ from swarmtrain.runtime.server.compute import (
 from swarmtrain.runtime.server.server_metrics import ServerMetrics
 from swarmtrain.runtime.server.stage_checkpoint import CheckpointSettings, StageCheckpointer
 from swarmtrain.runtime.server.stage_desk import Admission, Handler, MicroBatchDesk
+from swarmtrain.runtime.server.stage_status import StageSnapshot, announcement_of, info_header, metrics_of
 from swarmtrain.runtime.server.stage_steps import LiveReplicas, StepCoordinator, StepSettings
 from swarmtrain.runtime.server.stage_sync import StageSynchronizer, SyncSettings
 from swarmtrain.runtime.server.stage_worker import StageWorker, all_finite
@@ -579,38 +580,54 @@ class StageService:
     def _info(self, message: Message) -> Message:
         """Counters, and on request the parameters or the pending gradient sums (tests, monitor)."""
         w = self.worker
-        header = {
-            "stage": self.spec.index,
-            "digest": self.digest,
-            "peer": self.peer_id,
-            "epoch": w.epoch,
-            "samples_seen": w.samples_seen,
-            "pending_samples": w.unapplied_samples,
-            "serving": self.serving,
-            "fingerprint": self.sync.fingerprint,  # [step, [sum |p|, sum p]] as compared between replicas
-            "counters": dict(w.counters),
-            "cache": {"entries": len(w.cache), "bytes": w.cache_bytes},
-            "compute": {
-                "requests": self.compute.tasks_done,
-                "calls": self.compute.calls,
-                "bundles_sent": self.hop.bundles if self.hop is not None else 0,
-            },
-            "direct_in": self._transport.stats.direct_in if self._transport is not None else 0,
-            "data_plane": self._data_plane_status(),
-            "device": self.options.compute.describe(),
-            "sync": vars(self.sync.counters),
-            "steps": vars(self.steps.counters),
-            "names": w.names,
-        }
         want = message.header.get("want")
         tensors = {}
         if want == "params":
             tensors = {name: p.detach().cpu() for name, p in zip(w.names, w.params, strict=True)}
         elif want == "grads":
             tensors = dict(zip(w.names, w.unapplied_grad_sums(), strict=True))  # sums over pending_samples
-        return make_message("result", header, tensors, "none")
+        return make_message("result", info_header(self.snapshot(), w.names), tensors, "none")
 
-    # announcements and metrics ------------------------------------------------------------------
+    # status: one snapshot, from which info, the announcement and the metrics derive ------------------
+    def snapshot(self) -> StageSnapshot:
+        from swarmtrain.net.transport import ByteCount, TransportStats
+
+        w, transport = self.worker, self._transport
+        stats = transport.stats if transport is not None else TransportStats()
+        data_server = transport.data_server if transport is not None else None
+        sent = stats.sent() if transport is not None else ByteCount()
+        return StageSnapshot(
+            stage=self.spec.index,
+            digest=self.digest,
+            peer_id=self.peer_id,
+            addresses=self.node.addresses,
+            behind_nat=self.node.behind_nat,
+            data_port=transport.data_port if transport is not None else 0,
+            device=self.options.compute.describe(),
+            epoch=w.epoch,
+            samples_seen=w.samples_seen,
+            pending_samples=w.unapplied_samples,
+            serving=self.serving,
+            draining=self.draining,
+            capacity_samples_per_s=self.capacity.samples_per_work_s,
+            queue_len=self.compute.queue_len,
+            busy_s=self.compute.busy_s,
+            work_s=self._work_s(),
+            compute_requests=self.compute.tasks_done,
+            compute_calls=self.compute.calls,
+            bundles_sent=self.hop.bundles if self.hop is not None else 0,
+            direct_in=stats.direct_in,
+            bytes_in=stats.received().wire_bytes,
+            bytes_out=sent.wire_bytes,
+            fp32_bytes_out=sent.fp32_bytes,
+            fingerprint=self.sync.fingerprint,
+            worker=dict(w.counters),
+            cache={"entries": len(w.cache), "bytes": w.cache_bytes},
+            sync=dict(vars(self.sync.counters)),
+            steps=dict(vars(self.steps.counters)),
+            data_plane=data_server.status() if data_server is not None else {},
+        )
+
     def announce(self, state: str | None = None) -> StageAnnouncement:
         """Publish this replica's record (online, joining or offline) and return it."""
         self.capacity.update(self.admission.samples_done, self._work_s())
@@ -625,18 +642,10 @@ class StageService:
         return ANNOUNCE_TTL_PERIODS * self.cfg.swarm.announce_period_s
 
     def announcement(self, state: str | None = None) -> StageAnnouncement:
-        state = state or ("offline" if self.draining else "online" if self.serving else "joining")
-        return StageAnnouncement(
-            stage=self.spec.index,
-            addresses=self.node.addresses,
-            throughput_samples_per_s=self.capacity.samples_per_work_s,
-            queue_len=self.compute.queue_len,
-            config_digest=self.digest,
-            state_version=self.worker.epoch,
-            state=state,
-            behind_nat=self.node.behind_nat,
-            data_port=self._transport.data_port if self._transport is not None else 0,
-        )
+        return announcement_of(self.snapshot(), state)
+
+    def metrics(self) -> ServerMetrics:
+        return metrics_of(self.snapshot())
 
     @property
     def downloaded_bytes(self) -> int:
@@ -650,45 +659,6 @@ class StageService:
         compute_s = by_priority.get(PRIORITY_FORWARD, 0.0) + by_priority.get(PRIORITY_BACKWARD, 0.0)
         stats = self._transport.stats if self._transport is not None else None
         return compute_s + (stats.cpu_s((*TRAINING_KINDS, BUNDLE_KIND)) if stats is not None else 0.0)
-
-    def _data_plane_status(self) -> dict:
-        server = self._transport.data_server if self._transport is not None else None
-        return server.status() if server is not None else {}
-
-    def metrics(self) -> ServerMetrics:
-        from swarmtrain.net.transport import ByteCount
-
-        c, s, st = self.worker.counters, self.sync.counters, self.steps.counters
-        stats = self._transport.stats if self._transport is not None else None
-        sent = stats.sent() if stats is not None else ByteCount()
-        return ServerMetrics(
-            stage=self.spec.index,
-            step=self.worker.epoch,
-            samples_seen=self.worker.samples_seen,
-            samples_per_s=round(self.capacity.samples_per_work_s, 2),
-            queue_len=self.compute.queue_len,
-            pending_samples=self.worker.unapplied_samples,
-            forward=c["forward"] + c["fused"],
-            backward=c["backward"] + c["fused"],
-            recomputed=c["recomputed"],
-            duplicates=c["duplicates"],
-            late=c["late"],
-            partial_exchanges=st.partial_exchanges,
-            solo_steps=st.solo_steps,
-            resyncs=s.resyncs,
-            lost_samples=s.lost_samples,
-            group_size=st.last_group_size,
-            exchange_s=round(st.last_exchange_s, 4),
-            bytes_in=stats.received().wire_bytes if stats is not None else 0,
-            samples_forward=c["samples_forward"],
-            busy_s=round(self.compute.busy_s, 3),
-            work_s=round(self._work_s(), 3),
-            batched_requests=self.compute.tasks_done - self.compute.calls,
-            bundles_sent=self.hop.bundles if self.hop is not None else 0,
-            direct_in=stats.direct_in if stats is not None else 0,
-            bytes_out=sent.wire_bytes,
-            fp32_bytes_out=sent.fp32_bytes,
-        )
 
 
 def _sender(context) -> str:
