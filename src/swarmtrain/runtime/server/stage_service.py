@@ -40,16 +40,11 @@ from swarmtrain.net.protocol import (
     TRAINING_KINDS,
     Message,
     StageIO,
-    error_message,
     make_message,
     max_grads_message_bytes,
     namespace,
-    validate_close,
-    validate_grads,
-    validate_step_means,
-    validate_step_means_request,
 )
-from swarmtrain.runtime.faults import FaultHooks, nan_like
+from swarmtrain.runtime.faults import FaultHooks
 from swarmtrain.runtime.ledger import Ledger
 from swarmtrain.runtime.server.capacity import CapacityMeter
 from swarmtrain.runtime.server.chain_hop import ChainHop, HopClients, StagePeers
@@ -62,10 +57,11 @@ from swarmtrain.runtime.server.compute import (
 from swarmtrain.runtime.server.server_metrics import ServerMetrics
 from swarmtrain.runtime.server.stage_checkpoint import CheckpointSettings, StageCheckpointer
 from swarmtrain.runtime.server.stage_desk import Admission, Handler, MicroBatchDesk
+from swarmtrain.runtime.server.stage_exchange import StagePeerLink, StepExchange
 from swarmtrain.runtime.server.stage_status import StageSnapshot, announcement_of, info_header, metrics_of
 from swarmtrain.runtime.server.stage_steps import LiveReplicas, StepCoordinator, StepSettings
 from swarmtrain.runtime.server.stage_sync import StageSynchronizer, SyncSettings
-from swarmtrain.runtime.server.stage_worker import StageWorker, all_finite
+from swarmtrain.runtime.server.stage_worker import StageWorker
 from swarmtrain.utils.logging import get_logger
 
 if TYPE_CHECKING:  # hivemind is imported only once the process has prepared its environment
@@ -167,7 +163,6 @@ class StageService:
             fault_grad_scale=self.faults.grad_scale,
             compute=options.compute,
         )
-        self._param_shapes = [tuple(p.shape) for p in self.worker.params]
         self.compute = ComputeWorker(
             busy_clock=partial(busy_clock_s, options.compute.device),
             max_batch_tokens=options.max_batch_tokens,
@@ -195,20 +190,28 @@ class StageService:
             undo.callback(self.checkpointer.close)
         # who may be named in a close or send us gradients: read from the DHT off the event loop
         self.live_replicas = LiveReplicas(keep_s=(ANNOUNCE_TTL_PERIODS + 1) * cfg.swarm.announce_period_s)
+        self.link = StagePeerLink(
+            self.spec,
+            self.digest,
+            self.worker,
+            self.faults,
+            averaging_timeout_s=cfg.swarm.averaging_timeout_s,
+            request_timeout_s=cfg.swarm.request_timeout_s,
+        )
         self.steps = StepCoordinator(
             self.worker,
             self.compute,
             self.peer_id,
-            self._send_grads,
+            self.link.send_grads,
             StepSettings(
                 close_timeout_s=cfg.swarm.request_timeout_s, exchange_timeout_s=cfg.swarm.averaging_timeout_s
             ),
             node.ledger,
             on_step=self._step_applied,
             loop=node.loop,
-            alive=self._answers_ping,
+            alive=self.link.answers_ping,
             live_replicas=self.live_replicas,
-            verify=self._is_stage_replica,
+            verify=self.link.is_stage_replica,
             close_window=1 + cfg.training.max_staleness,
         )
         self.sync = self._make_synchronizer()
@@ -218,14 +221,9 @@ class StageService:
         self._warn_about_foreign_peers()
         self.sync.join()
         self.live_replicas.update(self._read_live_replicas())
-        # the step exchange's handlers; the micro-batch desk's join them once it serves (`start_serving`)
-        self.handlers: dict[str, Handler] = {
-            "info": self._on_info,
-            "ping": self._on_ping,
-            "close": self._on_close,
-            "grads": self._on_grads,
-            "step_means": self._on_step_means,
-        }
+        # the step exchange's handlers and info; the micro-batch desk's join them once it serves
+        exchange = StepExchange(self.spec, self.digest, self.worker, self.steps, self.link)
+        self.handlers: dict[str, Handler] = {"info": self._on_info, **exchange.handlers}
 
     def _make_synchronizer(self) -> StageSynchronizer:
         swarm = self.cfg.swarm
@@ -354,6 +352,7 @@ class StageService:
     def start_serving(self, transport: Transport) -> None:
         """(on the process's event loop) Take requests through `transport` from now on."""
         self._transport = transport
+        self.link.attach(transport.client)
         if not self.spec.is_last:
             next_stage = StagePeers(self.node.records, self.spec.index + 1, self.digest, transport.client)
             self.hop = ChainHop(
@@ -442,31 +441,9 @@ class StageService:
         finally:
             self.checkpointer.close()
 
-    # the step exchange's messages ---------------------------------------------------------------
+    # info and the stage's live replicas -----------------------------------------------------------
     async def _on_info(self, message: Message, _context) -> Message:
         return await self.compute.run(lambda: self._info(message), PRIORITY_SYNC)
-
-    async def _on_ping(self, _message: Message, _context) -> Message:
-        """Answered on the event loop, never behind the compute thread: a busy server answers at once,
-        a frozen one not at all (callers tell the two apart with it). The stage and digest say what it
-        serves (a stage peer checks a replica the DHT has not shown it yet with them)."""
-        return Message(
-            "result", {"epoch": self.worker.epoch, "stage": self.spec.index, "digest": self.digest}
-        )
-
-    async def _on_close(self, message: Message, context) -> Message:
-        """Kept as a candidate or ignored (runtime/server/stage_steps.py checks it against this replica's
-        state and the stage's live replicas); either way the sender is only told it arrived."""
-        close = validate_close(message, self.spec.index, self.digest)
-        self.steps.on_close(**close, sender=_sender(context))
-        return Message("result", {"ok": True})
-
-    async def _on_grads(self, message: Message, context) -> Message:
-        step, samples, sums = validate_grads(
-            message, self.spec.index, self.digest, self.worker.names, self._param_shapes
-        )
-        self.steps.on_grads(_sender(context), step, samples, sums)
-        return Message("result", {"ok": True})
 
     def _read_live_replicas(self) -> set[str]:
         """(blocking: DHT reads) The stage's replicas with our digest: announced (joining or online) or
@@ -485,77 +462,10 @@ class StageService:
             except Exception:  # keep the last view; a bug here must not stop the refreshes
                 logger.exception("reading the stage's live replicas failed")
 
-    async def _on_step_means(self, message: Message, _context) -> Message:
-        step = validate_step_means_request(message, self.spec.index, self.digest)
-        kept = self.steps.means_of(step)
-        if kept is None:
-            return error_message(f"the means of step {step} are not kept here", "unavailable")
-        samples, means = kept
-        header = {"step": step, "samples": samples}
-        if means is None or not all_finite(means):
-            return Message("result", {**header, "empty": True})  # skipped alike on every replica
-        return make_message("result", header, dict(zip(self.worker.names, means, strict=True)), "none")
-
-    async def _ping_reply(self, peer: str) -> Message | None:
-        """A stage peer's answer to our stage ping within planner/deadlines.py's ping floor, or None
-        (no answer, or not a peer id)."""
-        from swarmtrain.net.protocol import ping_message
-        from swarmtrain.planner.deadlines import PING_TIMEOUT_FLOOR_S
-
-        assert self._transport is not None
-        message = ping_message(self.spec.index, self.digest)
-        return await self._transport.client.ping_reply(peer, message, PING_TIMEOUT_FLOOR_S)
-
-    async def _answers_ping(self, peer: str) -> bool:
-        """Does a stage peer's event loop answer at once? A frozen peer does not; a busy one does."""
-        if self._transport is None:
-            return True  # not serving yet: nobody to ask with, wait as before
-        return await self._ping_reply(peer) is not None
-
-    async def _is_stage_replica(self, peer: str) -> bool:
-        """Does `peer` answer a ping as a replica of this stage of this run (same stage, same digest)? A
-        peer that does not answer, answers with an error, or serves something else is not one."""
-        if self._transport is None:
-            return False
-        reply = await self._ping_reply(peer)
-        return reply is not None and (reply.header.get("stage"), reply.header.get("digest")) == (
-            self.spec.index,
-            self.digest,
-        )
-
-    async def _send_grads(self, peer: str, step: int, samples: int, sums: list[torch.Tensor]) -> bool:
-        """One replica's gradient sums of a step to a stage peer; False if the peer is gone."""
-        from swarmtrain.net.failures import Outcome, on_request_failure
-        from swarmtrain.net.transport import RemoteError
-
-        assert self._transport is not None  # steps run only while serving
-        header = {"step": step, "samples": samples, "stage": self.spec.index, "digest": self.digest}
-        if self.faults.sends_nan(step):  # a faulty replica (tests); its scaling is in the accumulation
-            sums = nan_like(sums)
-        message = make_message("grads", header, dict(zip(self.worker.names, sums, strict=True)), "none")
-        client = self._transport.client
-        for attempt in range(3):  # a cut-off stream is retried; a dead peer is not waited for
-            try:
-                timeout_s = self.cfg.swarm.averaging_timeout_s
-                await client.call(peer, message, timeout_s=timeout_s)
-                return True
-            except Exception as exc:  # the trainer's failure table (net/failures.py); a bug is raised
-                failure = on_request_failure(exc)
-                if isinstance(exc, RemoteError):  # alive but refusing (digest, shape): retrying cannot help
-                    logger.warning("step %d: stage peer %s refused our gradients: %s", step, peer[-8:], exc)
-                    return False
-                if failure.outcome is Outcome.GONE:
-                    logger.warning("step %d: stage peer %s unreachable: %r", step, peer[-8:], exc)
-                    return False
-                logger.info(
-                    "step %d: sending gradients to %s failed (%r), attempt %d", step, peer, exc, attempt
-                )
-        return False
-
     def _replay_missed(self, peer: str, start: int, end: int) -> bool:
         """(sync thread) Apply steps start..end-1, which this replica missed, from `peer`'s mean
         gradients; False when that failed (the caller resyncs)."""
-        if self._transport is None:
+        if self.link.client is None:
             return False
         future = asyncio.run_coroutine_threadsafe(self._replay_from(peer, start, end), self.node.loop)
         try:
@@ -566,13 +476,8 @@ class StageService:
             return False
 
     async def _replay_from(self, peer: str, start: int, end: int) -> bool:
-        assert self._transport is not None
         for step in range(start, end):
-            header = {"step": step, "stage": self.spec.index, "digest": self.digest}
-            request = Message("step_means", header)
-            timeout_s = self.cfg.swarm.request_timeout_s
-            reply = await self._transport.client.call(peer, request, timeout_s)
-            samples, means = validate_step_means(reply, self.worker.names, self._param_shapes)
+            samples, means = await self.link.step_means(peer, step)
             if not await self.steps.replay(step, samples, means):
                 return False
         return True
@@ -659,8 +564,3 @@ class StageService:
         compute_s = by_priority.get(PRIORITY_FORWARD, 0.0) + by_priority.get(PRIORITY_BACKWARD, 0.0)
         stats = self._transport.stats if self._transport is not None else None
         return compute_s + (stats.cpu_s((*TRAINING_KINDS, BUNDLE_KIND)) if stats is not None else 0.0)
-
-
-def _sender(context) -> str:
-    """The authenticated peer id a message came from (libp2p)."""
-    return context.remote_id.to_base58()
