@@ -33,6 +33,8 @@ from typing import cast
 
 import torch
 
+from swarmtrain.config import RunConfig
+from swarmtrain.model.device import ComputeDevice, busy_clock_s
 from swarmtrain.net.protocol import Message, ProtocolError, StageRequest, make_message
 from swarmtrain.runtime.server.compute import BatchItem
 from swarmtrain.runtime.server.stage_worker import CacheEntry, StageWorker, all_finite
@@ -286,3 +288,25 @@ def _guarded(call) -> Message | Exception:
         return call()
     except ProtocolError as exc:
         return exc
+
+
+def probe_samples_per_s(worker: StageWorker, cfg: RunConfig, compute: ComputeDevice) -> float:
+    """A first throughput estimate (fwd+bwd ~ 3x a forward) in samples per CPU second, like the
+    capacity meter's, which replaces it once it has measured enough samples. Timed in CPU, not wall
+    time: under a CPU quota beside other starting servers, wall time read identical stage-0 servers
+    at 33 to 506 samples/s (bench/rebalance_live.py)."""
+    t, m, spec = cfg.training, cfg.model, worker.spec
+    shape = (t.micro_batch_size, m.seq_len) if spec.is_first else (t.micro_batch_size, m.seq_len, m.wire_dim)
+    sample = torch.zeros(shape, dtype=torch.long) if spec.is_first else torch.randn(shape)
+    sample = compute.to_device(sample)
+    # the last stage's logits, with labels where a boundary reads them (model/boundary.py)
+    labels = torch.zeros((t.micro_batch_size, m.seq_len), dtype=torch.long)
+    args = (compute.to_device(labels), True) if worker.module.reads_labels else ()
+    repeats = 3
+    with torch.no_grad(), compute.autocast():
+        worker.module(sample, *args)
+        start_s = busy_clock_s(compute.device)  # the capacity meter's clock (model/device.py)
+        for _ in range(repeats):
+            worker.module(sample, *args)
+        elapsed_s = busy_clock_s(compute.device) - start_s
+    return t.micro_batch_size * repeats / max(3 * elapsed_s, 1e-6)

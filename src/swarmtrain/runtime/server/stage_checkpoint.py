@@ -23,7 +23,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from swarmtrain.config import RunConfig
 from swarmtrain.config.errors import UserError
+from swarmtrain.config.model import StageSpec
 from swarmtrain.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -275,3 +277,29 @@ def _checkpoints_per_stage(directory: Path) -> dict[int, dict[int, Checkpoint]]:
             f"{directory} has no checkpoint of stage(s) {missing}; the model is incomplete"
         )
     return per_stage
+
+
+def checkpointer_for(
+    cfg: RunConfig, directory: str | None, spec: StageSpec, digest: str, export_state
+) -> StageCheckpointer | None:
+    """The checkpointer of one stage replica: into `directory` (default: the run's
+    `swarm.checkpoint_dir`), None when neither names one."""
+    directory = directory or cfg.swarm.checkpoint_dir
+    if not directory:
+        return None
+    swarm = cfg.swarm
+    settings = CheckpointSettings(
+        directory=Path(directory),
+        every_steps=swarm.checkpoint_every_steps,
+        every_s=swarm.checkpoint_every_s,
+        keep=swarm.checkpoint_keep,
+    )
+    identity = {
+        "run_id": swarm.run_id,
+        "digest": digest,
+        "preset": cfg.preset,
+        "layer_start": spec.layer_start,
+        "layer_end": spec.layer_end,
+        "num_stages": swarm.num_stages,
+    }
+    return StageCheckpointer(settings, spec.index, identity, export_state)

@@ -24,10 +24,7 @@ from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 from typing import TYPE_CHECKING
-
-import torch
 
 from swarmtrain.config import RunConfig
 from swarmtrain.config.errors import UserError
@@ -55,7 +52,8 @@ from swarmtrain.runtime.server.compute import (
     ComputeWorker,
 )
 from swarmtrain.runtime.server.server_metrics import ServerMetrics
-from swarmtrain.runtime.server.stage_checkpoint import CheckpointSettings, StageCheckpointer
+from swarmtrain.runtime.server.stage_batches import probe_samples_per_s
+from swarmtrain.runtime.server.stage_checkpoint import checkpointer_for
 from swarmtrain.runtime.server.stage_desk import Admission, Handler, MicroBatchDesk
 from swarmtrain.runtime.server.stage_exchange import StagePeerLink, StepExchange
 from swarmtrain.runtime.server.stage_status import StageSnapshot, announcement_of, info_header, metrics_of
@@ -168,7 +166,7 @@ class StageService:
             max_batch_tokens=options.max_batch_tokens,
         )
         self.capacity = CapacityMeter(
-            self._start_samples_per_s or self._measure_throughput(),
+            self._start_samples_per_s or probe_samples_per_s(self.worker, cfg, options.compute),
             min_samples=4 * cfg.training.micro_batch_size,
             warmup_samples=4 * cfg.training.micro_batch_size,
         )
@@ -185,7 +183,9 @@ class StageService:
         undo.callback(shutdown_quietly, self.averager)
         self.compute.start()
         undo.callback(self.compute.stop)
-        self.checkpointer = self._make_checkpointer()
+        self.checkpointer = checkpointer_for(
+            cfg, options.checkpoint_dir, self.spec, self.digest, self.worker.export_state
+        )
         if self.checkpointer is not None:
             undo.callback(self.checkpointer.close)
         # who may be named in a close or send us gradients: read from the DHT off the event loop
@@ -251,27 +251,6 @@ class StageService:
             replay_missed=self._replay_missed,
         )
 
-    def _make_checkpointer(self) -> StageCheckpointer | None:
-        directory = self.options.checkpoint_dir or self.cfg.swarm.checkpoint_dir
-        if not directory:
-            return None
-        swarm = self.cfg.swarm
-        settings = CheckpointSettings(
-            directory=Path(directory),
-            every_steps=swarm.checkpoint_every_steps,
-            every_s=swarm.checkpoint_every_s,
-            keep=swarm.checkpoint_keep,
-        )
-        identity = {
-            "run_id": swarm.run_id,
-            "digest": self.digest,
-            "preset": self.cfg.preset,
-            "layer_start": self.spec.layer_start,
-            "layer_end": self.spec.layer_end,
-            "num_stages": swarm.num_stages,
-        }
-        return StageCheckpointer(settings, self.spec.index, identity, self.worker.export_state)
-
     def _closing(self) -> bool:
         """The step this replica is at has a close or gradients pending (read from the sync thread)."""
         return self.steps.closing(self.worker.epoch)
@@ -280,32 +259,6 @@ class StageService:
         self.sync.step_applied(epoch, fingerprint)
         if self.checkpointer is not None:
             self.checkpointer.after_step(self.worker.epoch)
-
-    def _measure_throughput(self) -> float:
-        """A first throughput estimate (fwd+bwd ~ 3x a forward) in samples per CPU second, like the
-        capacity meter's, which replaces it once it has measured enough samples. Timed in CPU, not wall
-        time: under a CPU quota beside other starting servers, wall time read identical stage-0 servers
-        at 33 to 506 samples/s (bench/rebalance_live.py)."""
-        t, m = self.cfg.training, self.cfg.model
-        shape = (
-            (t.micro_batch_size, m.seq_len)
-            if self.spec.is_first
-            else (t.micro_batch_size, m.seq_len, m.wire_dim)
-        )
-        compute = self.options.compute
-        sample = torch.zeros(shape, dtype=torch.long) if self.spec.is_first else torch.randn(shape)
-        sample = compute.to_device(sample)
-        # the last stage's logits, with labels where a boundary reads them (model/boundary.py)
-        labels = torch.zeros((t.micro_batch_size, m.seq_len), dtype=torch.long)
-        args = (compute.to_device(labels), True) if self.worker.module.reads_labels else ()
-        repeats = 3
-        with torch.no_grad(), compute.autocast():
-            self.worker.module(sample, *args)
-            start_s = busy_clock_s(compute.device)  # the capacity meter's clock (model/device.py)
-            for _ in range(repeats):
-                self.worker.module(sample, *args)
-            elapsed_s = busy_clock_s(compute.device) - start_s
-        return t.micro_batch_size * repeats / max(3 * elapsed_s, 1e-6)
 
     def _warn_about_foreign_peers(self) -> None:
         for peer, ann in self.node.records.stage_peers(self.spec.index).items():
