@@ -1,6 +1,14 @@
-"""One replica of one pipeline stage: its parameters, optimizer, step exchange and the handlers that
-serve its micro-batches. It knows nothing of moves: the server process (runtime/server/server_process.py)
-builds one, serves it, drains it and closes it, and builds another when the balancer moves the peer.
+"""One replica of one pipeline stage, as a container of parts: it assembles them and runs their life
+cycle, and its handler table is the union of theirs. It knows nothing of moves: the server process
+(runtime/server/server_process.py) builds one, serves it, drains it and closes it, and builds another
+when the balancer moves the peer.
+
+Parts: the worker (stage_worker.py: tensors, buckets, optimizer) and the compute thread (compute.py);
+the step exchange (stage_steps.py decides, stage_exchange.py talks to the stage peers and handles
+`close`, `grads`, `step_means`, `ping`); the synchronizer (stage_sync.py: join, lag, resync) and the
+checkpointer; the micro-batch desk (stage_desk.py: every micro-batch kind, admission, compute; built
+when the stage starts serving, with its hop to the next stage); the status part (stage_status.py: one
+snapshot from which `info`, the DHT announcement and the metrics derive).
 
 Life cycle:
 - `StageService(...)` builds the stage from the run config, starts the averager (a forked process:
