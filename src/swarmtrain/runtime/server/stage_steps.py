@@ -53,7 +53,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
@@ -73,6 +73,7 @@ from swarmtrain.planner.step_decision import (
 )
 from swarmtrain.runtime.ledger import Ledger
 from swarmtrain.runtime.server.compute import PRIORITY_SYNC, ComputeWorker
+from swarmtrain.runtime.server.stage_members import LiveReplicas, StageMembers, Verify
 from swarmtrain.runtime.server.stage_worker import StageWorker
 from swarmtrain.utils.logging import get_logger
 
@@ -93,10 +94,6 @@ KEPT_MEANS_BYTES = 64 * 2**20
 MAX_REPLAY_STEPS = 64  # a replica further behind downloads the state instead
 MAX_CLOSES_PER_STEP = 64  # distinct senders of closes kept per step (an honest run has one per trainer)
 MAX_HELD_GRADS = 4  # per step: sums kept from peers our view of the stage lacks (pinged meanwhile)
-Verify = Callable[[str], Awaitable[bool]]  # does this peer answer a ping as a replica of this stage?
-MAX_VERIFIED_PER_CLOSE = 4  # unknown members of one close pinged (an honest close names a new one or two)
-REFUTED_KEEP_S = 10.0  # a peer that failed a stage ping is not pinged again for this long
-MAX_REFUTED = 1024
 
 
 @dataclass
@@ -109,27 +106,6 @@ class StepSettings:
     # member still answers a ping, so this only decides how soon a frozen one is noticed
     probe_after_s: float = 1.0
     short_close_grace_s: float = 1.0  # at least this long before acting on a close short of our samples
-
-
-class LiveReplicas:
-    """The stage's live replicas (this run's config digest) as the DHT last showed them, and peers that
-    answered a stage ping since; the server refreshes it off the event loop (`update`), the step
-    coordinator reads it per message. A peer stays `keep_s` after it was last seen, so one failed or
-    partial DHT read drops nobody."""
-
-    def __init__(self, keep_s: float) -> None:
-        self.keep_s = keep_s
-        self._seen: dict[str, float] = {}
-
-    def update(self, peers: Iterable[str], now_s: float | None = None) -> None:
-        now_s = time.monotonic() if now_s is None else now_s
-        for peer in peers:
-            self._seen[peer] = now_s
-        self._seen = {p: t for p, t in self._seen.items() if now_s - t <= self.keep_s}
-
-    def current(self, now_s: float | None = None) -> frozenset[str]:
-        now_s = time.monotonic() if now_s is None else now_s
-        return frozenset(p for p, t in self._seen.items() if now_s - t <= self.keep_s)
 
 
 @dataclass
@@ -181,21 +157,19 @@ class StepCoordinator:
         a direct check of a peer the view lacks (None: only the view counts); `close_window`:
         1 + max_staleness (see `close_refusal`)."""
         self.worker, self.compute, self.peer_id = worker, compute, peer_id
-        self.live_replicas, self.verify, self.close_window = live_replicas, verify, close_window
-        self._verifying: dict[str, asyncio.Task] = {}
+        self.members = StageMembers(live_replicas, verify, on_change=self._wake_steps)
+        self.close_window = close_window
         self._close_wait_s: float | None = None  # moving average: reaching a step -> deciding it
-        self._refuted: OrderedDict[str, float] = OrderedDict()  # peer -> when its stage ping failed
-        self.send_grads, self.settings = send_grads, settings
+        self.settings = settings
+        self.sums_out = SumsOut(peer_id, send_grads, alive, settings.probe_after_s)
         self.ledger = ledger or Ledger(None)
         self.on_step = on_step  # after every step (applied or skipped) with the new parameters' fingerprint
-        self.alive = alive  # None: late members are waited for until exchange_timeout_s
         self.counters = StepCounters()
         self.pending: dict[int, PendingStep] = {}
         # the mean gradients of the last steps applied here, for replicas that missed them (`replay`)
         self.recent_means: OrderedDict[int, tuple[int, list[torch.Tensor] | None]] = OrderedDict()
         self._replaying = False
         self._version_changed = asyncio.Event()
-        self._sending: set[asyncio.Task] = set()
         # the loop this coordinator runs on: a server makes it before serving, tests run in one
         self._loop = loop or asyncio.get_running_loop()
 
@@ -224,7 +198,7 @@ class StepCoordinator:
                 _short(sender),
                 [_short(p) for p in unknown[:4]],
             )
-            self._check_unknown(unknown)
+            self.members.check_unknown(unknown)
         state.closes[sender] = Close(
             sender, shard, shard_count, kept, frozenset(participants), time.monotonic()
         )
@@ -249,7 +223,7 @@ class StepCoordinator:
                     _short(peer),
                 )
                 return False
-            self._check_unknown([peer])
+            self.members.check_unknown([peer])
         state.received[peer] = (samples, sums)
         state.changed.set()
         return True
@@ -267,42 +241,10 @@ class StepCoordinator:
         return state is not None and (bool(state.closes) or bool(state.received))
 
     def _live(self) -> AbstractSet[str] | None:
-        return None if self.live_replicas is None else self.live_replicas.current()
+        return self.members.current()
 
-    def _check_unknown(self, peers: list[str]) -> None:
-        """Ping (`verify`) a few of the peers a close names that the DHT view lacks; one that answers as
-        a replica of this stage joins the view at once, so the close is acted on without waiting for a
-        DHT refresh. A peer that did not answer is not pinged again for `REFUTED_KEEP_S`."""
-        if self.verify is None or self.live_replicas is None:
-            return
-        now_s = time.monotonic()
-        for peer in peers[:MAX_VERIFIED_PER_CLOSE]:
-            if peer in self._verifying or now_s - self._refuted.get(peer, -REFUTED_KEEP_S) < REFUTED_KEEP_S:
-                continue
-            self._verifying[peer] = asyncio.create_task(self._verify_one(peer))
-
-    async def _verify_one(self, peer: str) -> None:
-        assert self.verify is not None and self.live_replicas is not None
-        try:
-            replica = await self.verify(peer)
-        except Exception as exc:  # a bug in the check must not stop the stage; the peer stays unknown
-            logger.warning("checking whether %s is a replica of this stage failed: %r", _short(peer), exc)
-            replica = False
-        finally:
-            self._verifying.pop(peer, None)
-        if replica:
-            self.live_replicas.update([peer])
-            self._refuted.pop(peer, None)
-        else:
-            logger.warning(
-                "%s, named in a close, is not a live replica of this stage: closes naming it are "
-                "not acted on",
-                _short(peer),
-            )
-            self._refuted[peer] = time.monotonic()
-            self._refuted.move_to_end(peer)
-            while len(self._refuted) > MAX_REFUTED:
-                self._refuted.popitem(last=False)
+    def _wake_steps(self) -> None:
+        """Waiting steps look again (the stage's members changed)."""
         for state in self.pending.values():
             state.changed.set()
 
@@ -466,7 +408,7 @@ class StepCoordinator:
         own = bucket.samples
         if start.lenient:  # as before the checks: named members count with whatever they send
             if own and self.peer_id in start.members:
-                self._send(state, start.participants | set(start.members), own, bucket.grad_sums)
+                self.sums_out.send(state, start.participants | set(start.members), own, bucket.grad_sums)
             others = set(start.members) - {self.peer_id}
             answered = await self._wait_for_sums(state, others)
             final = start
@@ -475,7 +417,7 @@ class StepCoordinator:
 
             def settled(s: PendingStep) -> bool:
                 due = self._candidates(s, due=True)
-                self._send_where_named(s, due, own, bucket.grad_sums, sent)
+                self.sums_out.send_where_named(s, due, own, bucket.grad_sums, sent)
                 s.decision = settle_step(due, self.peer_id, own, _counts(s), s.unreachable)
                 return s.decision is not None
 
@@ -524,23 +466,6 @@ class StepCoordinator:
             logger.warning("step %d: no gradients from %s; stepping without them", step, list(chosen.missing))
         await self._apply(step, contributions, bucket.micro_batch_ids, start_s)
 
-    def _send_where_named(
-        self, state: PendingStep, due: list[StepDecision], own: int, sums: list[torch.Tensor], sent: set[str]
-    ) -> None:
-        """Our sealed sums, with their real count, to the participants of every `due` candidate naming us:
-        where the count is what the candidate says they confirm it, elsewhere they tell its members at
-        once to leave us out (instead of waiting for the exchange timeout)."""
-        if not own:
-            return
-        peers: set[str] = set()
-        for candidate in due:
-            if self.peer_id in candidate.members:
-                peers |= candidate.participants | set(candidate.members)
-        peers -= sent | {self.peer_id}
-        if peers:
-            sent |= peers
-            self._send(state, peers, own, sums)
-
     async def _finish_local(self, state: PendingStep, decision: StepDecision, bucket, start_s: float) -> None:
         """swarm.local_steps > 1: step on this replica's own gradient; at every H-th step, average the
         pseudo-gradients (weighted by samples since the last round) with the step's participants in
@@ -553,7 +478,7 @@ class StepCoordinator:
             return
         samples, delta = await self._on_compute(self.worker.pseudo_gradient)
         others = (decision.participants | set(decision.members)) - {self.peer_id}
-        self._send(state, others, samples, delta)
+        self.sums_out.send(state, others, samples, delta)
         complete = await self._wait_for_sums(state, others)
         if self.worker.epoch != step:
             return  # a resync moved us on meanwhile
@@ -590,45 +515,14 @@ class StepCoordinator:
             awaited = lambda: others  # noqa: E731
         else:
             awaited = lambda: set().union(*(c.members for c in self._candidates(state, due=True)))  # noqa: E731
-        prober = asyncio.create_task(self._probe_late(state, awaited)) if self.alive is not None else None
+        prober = (
+            asyncio.create_task(self.sums_out.probe_late(state, awaited)) if self.sums_out.alive else None
+        )
         try:
             return await self._wait(state.step, ready, self.settings.exchange_timeout_s)
         finally:
             if prober is not None:
                 prober.cancel()
-
-    async def _probe_late(self, state: PendingStep, awaited: Callable[[], AbstractSet[str]]) -> None:
-        """Every `probe_after_s`, ping the members whose sums have not come: a silent one is left out."""
-        assert self.alive is not None
-        while True:
-            await asyncio.sleep(self.settings.probe_after_s)
-            late = sorted(awaited() - {self.peer_id} - set(state.received) - state.unreachable)
-            answers = await asyncio.gather(*(self.alive(peer) for peer in late))
-            silent = [peer for peer, ok in zip(late, answers, strict=True) if not ok]
-            if silent:
-                logger.warning("step %d: %s do not answer a ping; stepping without them", state.step, silent)
-                state.unreachable.update(silent)
-                state.changed.set()
-
-    def _send(
-        self, state: PendingStep, peers: AbstractSet[str], samples: int, sums: list[torch.Tensor]
-    ) -> None:
-        """Send our sums to `peers` in the background: the step waits for the other members' sums, never
-        for a send (a hung participant must not stall the stage)."""
-        for peer in sorted(set(peers) - {self.peer_id}):
-            task = asyncio.create_task(self.send_grads(peer, state.step, samples, sums))
-            self._sending.add(task)
-            task.add_done_callback(lambda t, p=peer: self._sent(state, p, t))
-
-    def _sent(self, state: PendingStep, peer: str, task: asyncio.Task) -> None:
-        self._sending.discard(task)
-        if not task.cancelled() and task.exception() is not None:  # a bug, not a failure of the peer
-            logger.error(
-                "step %d: sending gradients to %s failed: %r", state.step, _short(peer), task.exception()
-            )
-        if task.cancelled() or task.exception() is not None or task.result() is False:
-            state.unreachable.add(peer)  # a member we cannot reach will not send us its sums either
-            state.changed.set()
 
     async def _apply(
         self, step: int, contributions: dict, own_ids: list[str], start_s: float, hold_epoch: bool = False
@@ -679,6 +573,70 @@ class StepCoordinator:
 
     async def _on_compute(self, fn):
         return await self.compute.run(fn, PRIORITY_SYNC)
+
+
+class SumsOut:
+    """A replica's gradient sums on their way to its stage peers, in the background (the step waits
+    for the other members' sums, never for a send), and the pings that find members whose sums are
+    late because they froze (they are then left out)."""
+
+    def __init__(
+        self, peer_id: str, send_grads: GradSender, alive: Alive | None, probe_after_s: float
+    ) -> None:
+        """`alive`: None when late members are waited for until the exchange timeout."""
+        self.peer_id, self.send_grads = peer_id, send_grads
+        self.alive, self.probe_after_s = alive, probe_after_s
+        self._tasks: set[asyncio.Task] = set()
+
+    def send_where_named(
+        self, state: PendingStep, due: list[StepDecision], own: int, sums: list[torch.Tensor], sent: set[str]
+    ) -> None:
+        """Our sealed sums, with their real count, to the participants of every `due` candidate naming us:
+        where the count is what the candidate says they confirm it, elsewhere they tell its members at
+        once to leave us out (instead of waiting for the exchange timeout)."""
+        if not own:
+            return
+        peers: set[str] = set()
+        for candidate in due:
+            if self.peer_id in candidate.members:
+                peers |= candidate.participants | set(candidate.members)
+        peers -= sent | {self.peer_id}
+        if peers:
+            sent |= peers
+            self.send(state, peers, own, sums)
+
+    async def probe_late(self, state: PendingStep, awaited: Callable[[], AbstractSet[str]]) -> None:
+        """Every `probe_after_s`, ping the members whose sums have not come: a silent one is left out."""
+        assert self.alive is not None
+        while True:
+            await asyncio.sleep(self.probe_after_s)
+            late = sorted(awaited() - {self.peer_id} - set(state.received) - state.unreachable)
+            answers = await asyncio.gather(*(self.alive(peer) for peer in late))
+            silent = [peer for peer, ok in zip(late, answers, strict=True) if not ok]
+            if silent:
+                logger.warning("step %d: %s do not answer a ping; stepping without them", state.step, silent)
+                state.unreachable.update(silent)
+                state.changed.set()
+
+    def send(
+        self, state: PendingStep, peers: AbstractSet[str], samples: int, sums: list[torch.Tensor]
+    ) -> None:
+        """Send our sums to `peers` in the background: the step waits for the other members' sums, never
+        for a send (a hung participant must not stall the stage)."""
+        for peer in sorted(set(peers) - {self.peer_id}):
+            task = asyncio.create_task(self.send_grads(peer, state.step, samples, sums))
+            self._tasks.add(task)
+            task.add_done_callback(lambda t, p=peer: self._sent(state, p, t))
+
+    def _sent(self, state: PendingStep, peer: str, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:  # a bug, not a failure of the peer
+            logger.error(
+                "step %d: sending gradients to %s failed: %r", state.step, peer[-8:], task.exception()
+            )
+        if task.cancelled() or task.exception() is not None or task.result() is False:
+            state.unreachable.add(peer)  # a member we cannot reach will not send us its sums either
+            state.changed.set()
 
 
 def _counts(state: PendingStep) -> dict[str, int]:
