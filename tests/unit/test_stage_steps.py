@@ -140,7 +140,7 @@ def test_a_frozen_member_is_pinged_and_left_out(tiny_cfg, micro_batches, start_c
         net, pings = Net(), []
         settings = StepSettings(close_timeout_s=5.0, exchange_timeout_s=60.0, poll_s=0.05, probe_after_s=0.05)
         nodes = await _replicas(tiny_cfg, ["A", "B"], net, start_compute, settings)
-        nodes["A"].alive = _pinged({"B"}, pings)
+        nodes["A"].sums_out.alive = _pinged({"B"}, pings)
         _train(nodes["A"].worker, micro_batches[:2])
         task = asyncio.create_task(nodes["A"].run())
         _close(nodes, 0, {"A": 16, "B": 16}, to=["A"])
@@ -157,7 +157,7 @@ def test_a_slow_member_that_answers_pings_is_waited_for(tiny_cfg, micro_batches,
         net, pings = Net(), []
         settings = StepSettings(close_timeout_s=5.0, exchange_timeout_s=60.0, poll_s=0.05, probe_after_s=0.05)
         nodes = await _replicas(tiny_cfg, ["A", "B"], net, start_compute, settings)
-        nodes["A"].alive = _pinged(set(), pings)
+        nodes["A"].sums_out.alive = _pinged(set(), pings)
         _train(nodes["A"].worker, micro_batches[:2])
         _train(nodes["B"].worker, micro_batches[2:], prefix="b")
         task = asyncio.create_task(nodes["A"].run())
