@@ -41,7 +41,6 @@ from swarmtrain.runtime.server.hop_uploads import DirectRoute, PeerUploads
 from swarmtrain.runtime.server.stage_batches import (
     BACKWARD,
     FORWARD,
-    arriving_together,
     backwards_left,
     batch_item,
 )
@@ -126,10 +125,12 @@ class ChainHop:
         self.retries = 0  # calls to the next stage that failed and went to another candidate
         self._uploads: dict[str, PeerUploads] = {}  # per next-stage peer
 
-    async def run(self, chain: ChainRequest, admitted: Admitted) -> Message:
+    async def run(self, chain: ChainRequest, admitted: Admitted, together: int = 1) -> Message:
+        """`together`: requests that arrived with this one (a bundle's items: their forwards may share
+        a compute call)."""
         forward = chain.forward
         reply, forward_s = await self.compute.run_batchable(
-            batch_item(self.worker, forward, FORWARD, arriving_together.get()),
+            batch_item(self.worker, forward, FORWARD, together),
             PRIORITY_FORWARD,
             admitted.deadline_s,
         )

@@ -27,7 +27,6 @@ launch per operation), which is what batching saves.
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -55,10 +54,6 @@ class Group:
 
     def __post_init__(self) -> None:
         self.pending = set(self.members)
-
-
-# how many requests arrive together with the one being handled: set by a server for a bundle's items
-arriving_together: ContextVar[int] = ContextVar("arriving_together", default=1)
 
 
 def batch_item(worker: StageWorker, request: StageRequest, op: str, mates: int = 1) -> BatchItem:

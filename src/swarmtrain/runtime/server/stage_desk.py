@@ -37,7 +37,7 @@ from swarmtrain.runtime.server.compute import (
     ComputeWorker,
     DeadlineExpired,
 )
-from swarmtrain.runtime.server.stage_batches import BACKWARD, FORWARD, arriving_together, batch_item
+from swarmtrain.runtime.server.stage_batches import BACKWARD, FORWARD, batch_item
 from swarmtrain.runtime.server.stage_steps import StepCoordinator
 from swarmtrain.runtime.server.stage_worker import StageWorker
 from swarmtrain.utils.logging import get_logger
@@ -45,6 +45,7 @@ from swarmtrain.utils.logging import get_logger
 logger = get_logger(__name__)
 
 Handler = Callable[[Message, object], Awaitable[Message]]
+Run = Callable[[Message, int], Awaitable[Message]]  # (request, how many arrived together) -> answer
 
 
 class Admission:
@@ -117,48 +118,45 @@ class MicroBatchDesk:
         """Each item answered by the handler of its kind, all at once (so they may share a compute call),
         and the answers bundled in order."""
         items = split_bundle(message, HAND_OFF_KINDS)
-        together = arriving_together.set(
-            len(items)
-        )  # the items' tasks copy it: their compute waits for each other
-        try:
-            answers = await asyncio.gather(
-                *(self.handlers[item.kind](item, context) for item in items), return_exceptions=True
-            )
-        finally:
-            arriving_together.reset(together)
+        runs = {"forward_backward": self._compute_forward_backward, "chain": self._run_chain}
+        # each item's compute knows how many came with it: they wait for each other to share a call
+        answers = await asyncio.gather(
+            *(self._serve(item, runs[item.kind], together=len(items)) for item in items),
+            return_exceptions=True,
+        )
         return bundle_message([_answer_of(a) for a in answers], self.spec.index)
 
-    async def _serve(self, message: Message, run: Callable[[Message], Awaitable[Message]]) -> Message:
+    async def _serve(self, message: Message, run: Run, together: int = 1) -> Message:
         """Admission common to every micro-batch: refused while downloading or draining; counted while
-        it runs, so a drain waits for it."""
+        it runs, so a drain waits for it. `together`: requests that arrived with it (a bundle's items)."""
         refusal = self.admission.refusal()
         if refusal is not None:
             return refusal
         self.admission.running += 1
         try:
-            return await run(message)
+            return await run(message, together)
         finally:
             self.admission.running -= 1
 
     # compute -----------------------------------------------------------------------------------
-    async def _compute_forward(self, message: Message) -> Message:
+    async def _compute_forward(self, message: Message, together: int) -> Message:
         request = validate_request(message, self.io, self.digest)
-        return await self._compute(request, message.header, FORWARD, PRIORITY_FORWARD)
+        return await self._compute(request, message.header, FORWARD, PRIORITY_FORWARD, together)
 
-    async def _compute_evaluation(self, message: Message) -> Message:
+    async def _compute_evaluation(self, message: Message, together: int) -> Message:
         request = validate_request(message, self.io, self.digest)
-        return await self._compute(request, message.header, FORWARD, PRIORITY_EVAL)
+        return await self._compute(request, message.header, FORWARD, PRIORITY_EVAL, together)
 
-    async def _compute_backward(self, message: Message) -> Message:
+    async def _compute_backward(self, message: Message, together: int) -> Message:
         request = validate_request(message, self.io, self.digest)
-        reply = await self._compute(request, message.header, BACKWARD, PRIORITY_BACKWARD)
+        reply = await self._compute(request, message.header, BACKWARD, PRIORITY_BACKWARD, together)
         self._count_done(request, reply)
         return reply
 
-    async def _compute_forward_backward(self, message: Message) -> Message:
+    async def _compute_forward_backward(self, message: Message, together: int) -> Message:
         request = validate_request(message, self.io, self.digest)
         # the last stage's fused forward and backward: the worker's forward runs both
-        reply = await self._compute(request, message.header, FORWARD, PRIORITY_FORWARD)
+        reply = await self._compute(request, message.header, FORWARD, PRIORITY_FORWARD, together)
         self._count_done(request, reply)
         return reply
 
@@ -167,7 +165,7 @@ class MicroBatchDesk:
         if reply.kind == "result":
             self.admission.samples_done += request.num_samples
 
-    async def _run_chain(self, message: Message) -> Message:
+    async def _run_chain(self, message: Message, together: int) -> Message:
         chain = validate_chain(message, self.io, self.digest, self.cfg.swarm.num_stages)  # not the last stage
         if self.hop is None:  # the last stage: no next stage to hand off to
             return error_message("the last stage takes no chain", "bad_request")
@@ -177,20 +175,22 @@ class MicroBatchDesk:
         if isinstance(admitted, Message):
             return admitted
         try:
-            reply = await self.hop.run(chain, admitted)
+            reply = await self.hop.run(chain, admitted, together)
         except DeadlineExpired as exc:
             return error_message(str(exc), "timeout")
         self._count_done(chain.forward, reply)
         return reply
 
-    async def _compute(self, request: StageRequest, header: dict, op: str, priority: int) -> Message:
+    async def _compute(
+        self, request: StageRequest, header: dict, op: str, priority: int, together: int
+    ) -> Message:
         """`op`: FORWARD or BACKWARD of the worker (stage_batches.py), alone or batched with others."""
         admitted = await self._admit(request, header)
         if isinstance(admitted, Message):
             return admitted
         try:
             reply, compute_s = await self.compute.run_batchable(
-                batch_item(self.worker, request, op, arriving_together.get()), priority, admitted.deadline_s
+                batch_item(self.worker, request, op, together), priority, admitted.deadline_s
             )
         except DeadlineExpired as exc:
             return error_message(str(exc), "timeout")
