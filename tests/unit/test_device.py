@@ -196,7 +196,7 @@ def _micro_batch(workers, mb, x, y, step=0):
     """Trainer logic in-process (tests/unit/test_stage_worker.py): forward stage 0, fused last stage,
     backward stage 0; returns what crossed the wire."""
     outputs = workers[0].forward(_req("forward", mb, x, step)).tensor("outputs")
-    reply = workers[1].forward(_req("forward", mb, outputs, step, labels=y, fused_backward=True))
+    reply = workers[1].forward(_req("forward_backward", mb, outputs, step, labels=y))
     grad = reply.tensor("grad_inputs")
     back = workers[0].backward(_req("backward", mb, x, step, grad_outputs=grad))
     return outputs, reply.header["loss"], grad, back

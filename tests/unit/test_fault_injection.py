@@ -106,9 +106,7 @@ def test_an_exchange_that_loses_a_member_leaves_both_replicas_partial(tiny_cfg, 
                     torch.randn(8, 64, 64, generator=generator),
                     torch.randint(0, 256, (8, 64), generator=generator),
                 )
-                request = StageRequest(
-                    "forward", f"{name}{i}", "none", x, labels=y, fused_backward=True, step=0
-                )
+                request = StageRequest("forward_backward", f"{name}{i}", "none", x, labels=y, step=0)
                 worker.forward(request)
         tasks = [asyncio.create_task(node.run()) for node in nodes.values()]
         for node in nodes.values():

@@ -13,8 +13,6 @@ import torch
 from swarmtrain.net.protocol import ProtocolError, StageRequest
 from swarmtrain.runtime.server.compute import PRIORITY_FORWARD, ComputeWorker
 from swarmtrain.runtime.server.stage_batches import (
-    BACKWARD,
-    FORWARD,
     backwards_left,
     batch_item,
     run_backwards,
@@ -58,7 +56,7 @@ def _pipeline(cfg, data, batched: bool):
     forwards = [_req("forward", f"m{i}", x) for i, (x, _) in enumerate(data)]
     hidden = run(lambda rs: run_forwards(w0, rs), w0.forward, forwards)
     fused = [
-        _req("forward", f"m{i}", h.tensor("outputs"), labels=y, fused_backward=True)
+        _req("forward_backward", f"m{i}", h.tensor("outputs"), labels=y)
         for i, (h, (_, y)) in enumerate(zip(hidden, data, strict=True))
     ]
     last = run(lambda rs: run_forwards(w1, rs), w1.forward, fused)
@@ -93,13 +91,13 @@ def test_batched_calls_equal_one_request_at_a_time(cfg, data):
 
 def test_evaluations_batched_equal_alone(cfg, data):
     w0, w1 = (StageWorker(cfg, spec) for spec in cfg.stages())
-    evals = [_req("forward", f"e{i}", x, evaluate=True) for i, (x, _) in enumerate(data)]
+    evals = [_req("evaluate", f"e{i}", x) for i, (x, _) in enumerate(data)]
     batched = run_forwards(w0, evals)
     alone = [w0.forward(r) for r in evals]
     for b, s in zip(batched, alone, strict=True):
         assert torch.equal(b.tensor("outputs"), s.tensor("outputs"))
     last = [
-        _req("forward", f"e{i}", h.tensor("outputs"), labels=y, evaluate=True)
+        _req("evaluate", f"e{i}", h.tensor("outputs"), labels=y)
         for i, (h, (_, y)) in enumerate(zip(alone, data, strict=True))
     ]
     assert [m.header["loss"] for m in run_forwards(w1, last)] == [w1.forward(r).header["loss"] for r in last]
@@ -112,9 +110,9 @@ def test_a_retry_in_a_batch_is_not_accumulated_twice(cfg, data):
     close names what the replica holds; once the step is sealed it reports none."""
     w1 = StageWorker(cfg, cfg.stages()[1])
     hidden = torch.randn(2, cfg.model.seq_len, cfg.model.d_model)
-    first = _req("forward", "m0", hidden, labels=data[0][1], fused_backward=True)
+    first = _req("forward_backward", "m0", hidden, labels=data[0][1])
     w1.forward(first)
-    again = [first, _req("forward", "m1", hidden, labels=data[1][1], fused_backward=True)]
+    again = [first, _req("forward_backward", "m1", hidden, labels=data[1][1])]
     replies = run_forwards(w1, again)
     assert [r.header["acc"] for r in replies] == [2, 2]
     assert w1.buckets[0].micro_batch_ids == ["m0", "m1"] and w1.counters["duplicates"] == 1
@@ -130,8 +128,8 @@ def test_a_non_finite_micro_batch_is_refused_alone(cfg, data):
     bad = good.clone()
     bad[0, 0, 0] = float("inf")
     requests = [
-        _req("forward", "good", good, labels=data[0][1], fused_backward=True),
-        _req("forward", "bad", bad, labels=data[1][1], fused_backward=True),
+        _req("forward_backward", "good", good, labels=data[0][1]),
+        _req("forward_backward", "bad", bad, labels=data[1][1]),
     ]
     outcomes = run_forwards(w1, requests)
     assert outcomes[0].header["acc"] == 2 and isinstance(outcomes[1], ProtocolError)
@@ -190,7 +188,7 @@ def test_the_compute_queue_joins_requests_of_one_key_up_to_the_token_bound(cfg, 
             blocker = compute.submit(lambda: gate.wait(30), 0)  # holds the thread while requests queue
             items = [_req("forward", f"m{i}", x, step=0) for i, (x, _) in enumerate(data)]
             items.append(_req("forward", "other-step", data[0][0], step=1))
-            calls = [compute.run_batchable(batch_item(w0, r, FORWARD), PRIORITY_FORWARD) for r in items]
+            calls = [compute.run_batchable(batch_item(w0, r), PRIORITY_FORWARD) for r in items]
             tasks = [asyncio.ensure_future(c) for c in calls]
             await asyncio.sleep(0.2)  # every request queued behind the blocker
             gate.set()
@@ -213,10 +211,8 @@ def test_batching_off_runs_every_request_alone(cfg, data):
     compute.start()
     try:
         hidden = torch.randn(2, cfg.model.seq_len, cfg.model.d_model)
-        requests = [
-            _req("forward", f"m{i}", hidden, labels=y, fused_backward=True) for i, (_, y) in enumerate(data)
-        ]
-        futures = [compute.submit(None, PRIORITY_FORWARD, None, batch_item(w1, r, FORWARD)) for r in requests]
+        requests = [_req("forward_backward", f"m{i}", hidden, labels=y) for i, (_, y) in enumerate(data)]
+        futures = [compute.submit(None, PRIORITY_FORWARD, None, batch_item(w1, r)) for r in requests]
         replies = [f.result(timeout=60)[0] for f in futures]
     finally:
         compute.stop()
@@ -226,8 +222,8 @@ def test_batching_off_runs_every_request_alone(cfg, data):
 def test_backward_items_key_on_their_kind(cfg, data):
     w0 = StageWorker(cfg, cfg.stages()[0])
     x = data[0][0]
-    forward = batch_item(w0, _req("forward", "m0", x), FORWARD)
-    backward = batch_item(w0, _req("backward", "m0", x, grad_outputs=torch.zeros(1)), BACKWARD)
+    forward = batch_item(w0, _req("forward", "m0", x))
+    backward = batch_item(w0, _req("backward", "m0", x, grad_outputs=torch.zeros(1)))
     assert forward.key != backward.key and forward.tokens == backward.tokens == x.numel()
 
 

@@ -35,9 +35,7 @@ def _trained_worker(cfg, stage: int, steps: int) -> StageWorker:
         )
         if spec.is_last:
             y = torch.randint(0, 256, (8, cfg.model.seq_len), generator=generator)
-            worker.forward(
-                StageRequest("forward", f"m{step}", "none", x, step=step, labels=y, fused_backward=True)
-            )
+            worker.forward(StageRequest("forward_backward", f"m{step}", "none", x, step=step, labels=y))
         else:
             out = worker.forward(StageRequest("forward", f"m{step}", "none", x, step=step)).tensor("outputs")
             worker.backward(

@@ -45,9 +45,7 @@ class Net:
 
 def _train(worker, batches, step=0, prefix="m"):
     for i, (x, y) in enumerate(batches):
-        worker.forward(
-            StageRequest("forward", f"{prefix}{i}", "none", x, labels=y, fused_backward=True, step=step)
-        )
+        worker.forward(StageRequest("forward_backward", f"{prefix}{i}", "none", x, labels=y, step=step))
 
 
 async def _replicas(cfg, names, net, start_compute, settings=None):

@@ -50,7 +50,7 @@ def _train(worker, count, step=0):
     for i in range(count):
         x = torch.randn(8, 64, 64)
         y = torch.randint(0, 256, (8, 64))
-        request = StageRequest("forward", f"m{step}-{i}", "none", x, labels=y, fused_backward=True, step=step)
+        request = StageRequest("forward_backward", f"m{step}-{i}", "none", x, labels=y, step=step)
         worker.forward(request)
 
 

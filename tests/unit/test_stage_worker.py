@@ -39,7 +39,7 @@ def _req(kind, mb, x, step=0, **kw):
 def _micro_batch(workers, mb, x, y, step=0):
     """Trainer logic in-process: forward stage 0, fused last stage, backward stage 0."""
     h = workers[0].forward(_req("forward", mb, x, step)).tensor("outputs")
-    reply = workers[1].forward(_req("forward", mb, h, step, labels=y, fused_backward=True))
+    reply = workers[1].forward(_req("forward_backward", mb, h, step, labels=y))
     grad = reply.tensor("grad_inputs")
     back = workers[0].backward(_req("backward", mb, x, step, grad_outputs=grad))
     return reply.header["loss"], grad, back
@@ -86,7 +86,7 @@ def test_a_retried_backward_is_never_applied_twice(tiny_cfg, batches):
     assert workers[0].unapplied_samples == 8 and workers[0].counters["duplicates"] == 1
     assert all(torch.equal(a, b) for a, b in zip(sums, workers[0].buckets[0].grad_sums, strict=True))
     assert again.kind == "result" and again.header["acc"] == 8  # held here once: reported, not re-added
-    fused = workers[1].forward(_req("forward", "m0", torch.randn(8, 64, 64), labels=y, fused_backward=True))
+    fused = workers[1].forward(_req("forward_backward", "m0", torch.randn(8, 64, 64), labels=y))
     assert workers[1].unapplied_samples == 8 and "grad_inputs" in fused.tensors  # answered, not re-applied
 
 
@@ -114,7 +114,7 @@ def test_work_queued_before_a_resync_is_not_accumulated_into_the_new_state(tiny_
     lagging = StageWorker(tiny_cfg, tiny_cfg.stages()[0])
     x, y = batches[4]
     h = lagging.forward(_req("forward", "q", x)).tensor("outputs")
-    grad = donor[1].forward(_req("forward", "q", h, labels=y, fused_backward=True)).tensor("grad_inputs")
+    grad = donor[1].forward(_req("forward_backward", "q", h, labels=y)).tensor("grad_inputs")
     lagging.import_state(*donor[0].export_state())  # the resync ran before the queued backward
     back = lagging.backward(_req("backward", "q", x, grad_outputs=grad))
     assert back.header["acc"] == 0 and back.kind == "result"
@@ -153,9 +153,7 @@ def test_cached_graph_survives_an_optimizer_step(tiny_cfg, batches):
         _micro_batch(workers, f"m{i}", xb, yb)
     _step(workers[0])
     assert workers[0].epoch == 1
-    grad = (
-        workers[1].forward(_req("forward", "late", h, 1, labels=y, fused_backward=True)).tensor("grad_inputs")
-    )
+    grad = workers[1].forward(_req("forward_backward", "late", h, 1, labels=y)).tensor("grad_inputs")
     workers[0].backward(_req("backward", "late", x, 1, grad_outputs=grad))
     assert workers[0].counters["recomputed"] == 0 and workers[0].buckets[1].samples == 8
 
@@ -165,7 +163,7 @@ def test_backward_on_another_replica_recomputes(tiny_cfg, batches):
     last = StageWorker(tiny_cfg, tiny_cfg.stages()[1])
     x, y = batches[0]
     h = a.forward(_req("forward", "m", x)).tensor("outputs")
-    grad = last.forward(_req("forward", "m", h, labels=y, fused_backward=True)).tensor("grad_inputs")
+    grad = last.forward(_req("forward_backward", "m", h, labels=y)).tensor("grad_inputs")
     a.backward(_req("backward", "m", x, grad_outputs=grad))
     b.backward(_req("backward", "m2", x, grad_outputs=grad))
     assert b.counters["recomputed"] == 1
@@ -177,9 +175,9 @@ def test_a_retry_after_a_silent_replica_returns_gradients_without_accumulating(t
     workers = [StageWorker(tiny_cfg, spec) for spec in tiny_cfg.stages()]
     x, y = batches[0]
     h = workers[0].forward(_req("forward", "m", x)).tensor("outputs")
-    full = workers[1].forward(_req("forward", "m", h, labels=y, fused_backward=True))
+    full = workers[1].forward(_req("forward_backward", "m", h, labels=y))
     other = StageWorker(tiny_cfg, tiny_cfg.stages()[1])  # the replica the retry went to
-    retry = other.forward(_req("forward", "m", h, labels=y, fused_backward=True, accumulate=False))
+    retry = other.forward(_req("forward_backward", "m", h, labels=y, accumulate=False))
     torch.testing.assert_close(retry.tensor("grad_inputs"), full.tensor("grad_inputs"))
     assert retry.header["loss"] == pytest.approx(full.header["loss"])
     assert other.unapplied_samples == 0 and other.counters["not_accumulated"] == 1

@@ -89,9 +89,7 @@ def _replicas(cfg, names, net, start_compute, settings=None, live=None, view_of=
 
 def _train(worker, batches, step, prefix):
     for i, (x, y) in enumerate(batches):
-        worker.forward(
-            StageRequest("forward", f"{prefix}{i}", "none", x, labels=y, fused_backward=True, step=step)
-        )
+        worker.forward(StageRequest("forward_backward", f"{prefix}{i}", "none", x, labels=y, step=step))
 
 
 def _close(nodes, step, members, sender=TRAINER, shard=0, shards=1, participants=None, to=None):

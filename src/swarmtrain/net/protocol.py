@@ -304,8 +304,6 @@ class StageRequest:
     inputs: torch.Tensor
     labels: torch.Tensor | None = None
     grad_outputs: torch.Tensor | None = None
-    fused_backward: bool = False
-    evaluate: bool = False  # forward only: no cached graph, no gradient
     # False on a retry whose first attempt may have been applied by a replica that went silent: the
     # input gradient is returned but the parameter gradient is not accumulated (at most once per stage)
     accumulate: bool = True
@@ -316,6 +314,16 @@ class StageRequest:
     @property
     def num_samples(self) -> int:
         return int(self.inputs.shape[0])
+
+    @property
+    def evaluate(self) -> bool:
+        """Forward only: no cached graph, no gradient."""
+        return self.kind == "evaluate"
+
+    @property
+    def fused_backward(self) -> bool:
+        """The last stage's forward, loss and backward in one call."""
+        return self.kind == "forward_backward"
 
 
 def validate_request(message: Message, io: StageIO, digest: str) -> StageRequest:
@@ -354,8 +362,6 @@ def validate_request(message: Message, io: StageIO, digest: str) -> StageRequest
         mb_id,
         codec_name,
         inputs,
-        fused_backward=kind == "forward_backward",
-        evaluate=evaluate,
         accumulate=header_flag(header, "accumulate", True),
         step=_checked_step(header, required=not evaluate),
     )

@@ -39,8 +39,6 @@ from swarmtrain.net.transport import StageClient
 from swarmtrain.runtime.server.compute import PRIORITY_BACKWARD, PRIORITY_FORWARD, ComputeWorker
 from swarmtrain.runtime.server.hop_uploads import DirectRoute, PeerUploads
 from swarmtrain.runtime.server.stage_batches import (
-    BACKWARD,
-    FORWARD,
     backwards_left,
     batch_item,
 )
@@ -130,7 +128,7 @@ class ChainHop:
         a compute call)."""
         forward = chain.forward
         reply, forward_s = await self.compute.run_batchable(
-            batch_item(self.worker, forward, FORWARD, together),
+            batch_item(self.worker, forward, together),
             PRIORITY_FORWARD,
             admitted.deadline_s,
         )
@@ -152,7 +150,7 @@ class ChainHop:
         # no deadline: the later stages have run their backward, so this stage runs its own whatever
         # the time, or the stages would disagree on the step's batch
         result, backward_s = await self.compute.run_batchable(
-            batch_item(self.worker, backward, BACKWARD, backwards_left(self.worker, forward.micro_batch_id)),
+            batch_item(self.worker, backward, backwards_left(self.worker, forward.micro_batch_id)),
             PRIORITY_BACKWARD,
         )
         own = HopReport(

@@ -38,8 +38,6 @@ from swarmtrain.net.protocol import Message, ProtocolError, StageRequest, make_m
 from swarmtrain.runtime.server.compute import BatchItem
 from swarmtrain.runtime.server.stage_worker import CacheEntry, StageWorker, all_finite
 
-FORWARD, BACKWARD = "forward", "backward"
-
 
 @dataclass(eq=False)
 class Group:
@@ -56,16 +54,16 @@ class Group:
         self.pending = set(self.members)
 
 
-def batch_item(worker: StageWorker, request: StageRequest, op: str, mates: int = 1) -> BatchItem:
-    """The compute queue's view of a request: requests with equal keys may share a call; `mates`: how
-    many of them (this one included) are known to be arriving together."""
+def batch_item(worker: StageWorker, request: StageRequest, mates: int = 1) -> BatchItem:
+    """The compute queue's view of a request: requests of one kind with equal keys may share a call (a
+    `backward` runs `run_backwards`, every other kind the forward); `mates`: how many of them (this one
+    included) are known to be arriving together."""
     inputs = request.inputs
-    key: Hashable = (op, request.step, request.evaluate, tuple(inputs.shape[1:]), inputs.dtype)
+    key: Hashable = (request.kind, request.step, tuple(inputs.shape[1:]), inputs.dtype)
     tokens = int(inputs.shape[0]) * (int(inputs.shape[1]) if inputs.dim() > 1 else 1)
-    run_many = (
-        (lambda rs: run_forwards(worker, rs)) if op == FORWARD else (lambda rs: run_backwards(worker, rs))
-    )
-    return BatchItem(key, tokens, request, run_many, mates)
+    if request.kind == "backward":
+        return BatchItem(key, tokens, request, lambda rs: run_backwards(worker, rs), mates)
+    return BatchItem(key, tokens, request, lambda rs: run_forwards(worker, rs), mates)
 
 
 def backwards_left(worker: StageWorker, micro_batch_id: str) -> int:

@@ -37,7 +37,7 @@ from swarmtrain.runtime.server.compute import (
     ComputeWorker,
     DeadlineExpired,
 )
-from swarmtrain.runtime.server.stage_batches import BACKWARD, FORWARD, batch_item
+from swarmtrain.runtime.server.stage_batches import batch_item
 from swarmtrain.runtime.server.stage_steps import StepCoordinator
 from swarmtrain.runtime.server.stage_worker import StageWorker
 from swarmtrain.utils.logging import get_logger
@@ -141,22 +141,22 @@ class MicroBatchDesk:
     # compute -----------------------------------------------------------------------------------
     async def _compute_forward(self, message: Message, together: int) -> Message:
         request = validate_request(message, self.io, self.digest)
-        return await self._compute(request, message.header, FORWARD, PRIORITY_FORWARD, together)
+        return await self._compute(request, message.header, PRIORITY_FORWARD, together)
 
     async def _compute_evaluation(self, message: Message, together: int) -> Message:
         request = validate_request(message, self.io, self.digest)
-        return await self._compute(request, message.header, FORWARD, PRIORITY_EVAL, together)
+        return await self._compute(request, message.header, PRIORITY_EVAL, together)
 
     async def _compute_backward(self, message: Message, together: int) -> Message:
         request = validate_request(message, self.io, self.digest)
-        reply = await self._compute(request, message.header, BACKWARD, PRIORITY_BACKWARD, together)
+        reply = await self._compute(request, message.header, PRIORITY_BACKWARD, together)
         self._count_done(request, reply)
         return reply
 
     async def _compute_forward_backward(self, message: Message, together: int) -> Message:
         request = validate_request(message, self.io, self.digest)
         # the last stage's fused forward and backward: the worker's forward runs both
-        reply = await self._compute(request, message.header, FORWARD, PRIORITY_FORWARD, together)
+        reply = await self._compute(request, message.header, PRIORITY_FORWARD, together)
         self._count_done(request, reply)
         return reply
 
@@ -181,16 +181,14 @@ class MicroBatchDesk:
         self._count_done(chain.forward, reply)
         return reply
 
-    async def _compute(
-        self, request: StageRequest, header: dict, op: str, priority: int, together: int
-    ) -> Message:
-        """`op`: FORWARD or BACKWARD of the worker (stage_batches.py), alone or batched with others."""
+    async def _compute(self, request: StageRequest, header: dict, priority: int, together: int) -> Message:
+        """The worker's work for the request's kind (stage_batches.py), alone or batched with others."""
         admitted = await self._admit(request, header)
         if isinstance(admitted, Message):
             return admitted
         try:
             reply, compute_s = await self.compute.run_batchable(
-                batch_item(self.worker, request, op, together), priority, admitted.deadline_s
+                batch_item(self.worker, request, together), priority, admitted.deadline_s
             )
         except DeadlineExpired as exc:
             return error_message(str(exc), "timeout")
