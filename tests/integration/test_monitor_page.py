@@ -22,7 +22,6 @@ from swarmtrain.runtime.procs import ManagedProcess
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
 
 CHROMIUM = "/usr/bin/chromium"
-URL_LINE = re.compile(r"monitor: (http://\S+/) ")
 
 
 def wait_for(what: str, check, timeout_s: float, period_s: float = 0.5):
@@ -43,14 +42,14 @@ def fetch(url: str) -> str:
 def start_monitor(swarm, log_path: Path) -> ManagedProcess:
     argv = [sys.executable, "-m", "swarmtrain.cli.main", "monitor", "--config", swarm.config_path]
     argv += ["--initial-peers", swarm.address, "--port", "0", "--interval-s", "1"]
+    argv += ["--url-file", str(log_path.with_suffix(".url"))]
     return ManagedProcess("monitor", argv, log_path, env=swarm.env)
 
 
-def monitor_url(monitor: ManagedProcess) -> str:
+def monitor_url(monitor: ManagedProcess, url_file: Path) -> str:
     def found():
         assert monitor.alive, monitor.log_text()[-3000:]
-        match = URL_LINE.search(monitor.log_text())
-        return match.group(1) if match else None
+        return url_file.read_text().strip() if url_file.exists() else None
 
     return wait_for("the monitor's URL", found, timeout_s=60, period_s=0.2)
 
@@ -80,7 +79,7 @@ def test_monitor_serves_the_live_swarm(make_swarm, tmp_path):
     swarm.start_server("s1", 1)
     monitor = start_monitor(swarm, tmp_path / "monitor.log")  # starts while the servers build their stages
     try:
-        url = monitor_url(monitor)
+        url = monitor_url(monitor, tmp_path / "monitor.url")
         swarm.wait_ready(["s0", "s1"])
         swarm.start_trainer("trainer", "--max-samples", "100000", "--in-flight", "2", "--log-period-s", "1")
         data = wait_for("the trainer's loss in /api/swarm", lambda: trained(url), timeout_s=60)

@@ -226,11 +226,17 @@ def test_cleanup_leftovers_removes_a_dead_owners_objects_and_spares_live_ones():
     assert netbed.leftovers(prefix) == []
 
 
-def test_a_hivemind_dht_works_across_namespaces(spawn):
+def test_a_hivemind_dht_works_across_namespaces(spawn, tmp_path):
     swarmtrain = str(Path(sys.executable).with_name("swarmtrain"))
+    address_file = tmp_path / "dht.addr"
     with WanTestbed(2, up_mbit_s=50, down_mbit_s=50) as bed:
-        dht = spawn("dht", bed.wrap(0, [swarmtrain, "dht", "--host", bed.host(0), "--port", "0"]))
-        addresses = wait_for(dht, r"--initial-peers (.+)").group(1).split()
+        argv = [swarmtrain, "dht", "--host", bed.host(0), "--port", "0", "--address-file", str(address_file)]
+        dht = spawn("dht", bed.wrap(0, argv))
+        deadline = time.monotonic() + 30
+        while not address_file.exists():
+            assert dht.alive and time.monotonic() < deadline, dht.log_text()[-2000:]
+            time.sleep(0.1)
+        addresses = address_file.read_text().split()
         address = next(a for a in addresses if a.startswith(f"/ip4/{bed.host(0)}/"))
         client = spawn("dht-client", bed.wrap(1, [sys.executable, "-c", DHT_CLIENT, address, bed.host(1)]))
         assert "dht ok" in finished_output(client, timeout_s=40)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from swarmtrain.cli.net_args import add_identity_arg, add_network_args, network_from_args, prepare_process
+from swarmtrain.utils.files import write_text_atomically
 
 HELP = "start a bootstrap DHT node and print its address for --initial-peers"
 
@@ -21,7 +22,6 @@ def run(args: argparse.Namespace) -> int:
     prepare_process()
     import signal
     import threading
-    from pathlib import Path
 
     from swarmtrain.net.engine import shutdown_quietly, start_dht, validate_initial_peers, visible_addresses
     from swarmtrain.runtime.procs import forked_children_die_with_me, reap_own_group, remember_group_sockets
@@ -38,10 +38,7 @@ def run(args: argparse.Namespace) -> int:
         print("DHT node running. Start servers and trainers with:", flush=True)
         print(f"  --initial-peers {' '.join(addresses)}", flush=True)
         if args.address_file:
-            target = Path(args.address_file)
-            tmp = target.with_suffix(".tmp")
-            tmp.write_text("\n".join(addresses) + "\n")
-            tmp.replace(target)  # atomic: readers never see a half-written file
+            write_text_atomically(args.address_file, "\n".join(addresses) + "\n")
         while not stop.wait(1.0):
             pass
     finally:

@@ -10,6 +10,7 @@ from pathlib import Path
 from swarmtrain.cli.common import add_run_config_args, positive_float, positive_int, run_config_from_args
 from swarmtrain.cli.net_args import add_network_args, prepare_process, start_client_dht
 from swarmtrain.config.errors import UserError
+from swarmtrain.utils.files import write_text_atomically
 
 HELP = "serve a web page showing the swarm live: stages, bottleneck, loss, throughput, events"
 DEFAULT_HTTP_PORT = 8080
@@ -63,6 +64,11 @@ def register(subparsers) -> None:
         help="snapshots kept for the charts (default 1800: an hour at 2 s)",
     )
     parser.add_argument(
+        "--url-file",
+        metavar="PATH",
+        help="also write the page's URL here once it serves (scripts wait for the file, not the output)",
+    )
+    parser.add_argument(
         "--replay",
         metavar="TIMELINE",
         help="show a simulator run instead of a live swarm: a file from `swarmtrain simulate --timeline-json`",
@@ -104,7 +110,7 @@ def _replay(args: argparse.Namespace) -> int:
     server = start_http_server(
         build_app(history, PageMeta(source, None, simulated=True)), args.host, args.http_port
     )
-    _serve(server, server_url(server, args.host))
+    _serve(server, server_url(server, args.host), args.url_file)
     return 0
 
 
@@ -131,7 +137,7 @@ def _live(args: argparse.Namespace) -> int:
         records = RunRecords(dht, cfg.swarm.run_id)
         poller = Poller(lambda: monitor_snapshot(cfg, records), history, args.interval_s)
         poller.start()
-        _serve(server, server_url(server, args.host))
+        _serve(server, server_url(server, args.host), args.url_file)
     finally:
         if poller is not None:
             poller.stop()
@@ -141,13 +147,15 @@ def _live(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve(server, url: str) -> None:
-    """Serve until Ctrl-C or SIGTERM; the URL line is what scripts and tests wait for."""
+def _serve(server, url: str, url_file: str | None) -> None:
+    """Serve until Ctrl-C or SIGTERM; `url_file` (scripts and tests wait for it) gets the URL first."""
 
     def stop(signum, frame):
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, stop)
+    if url_file:
+        write_text_atomically(url_file, url + "\n")
     print(f"monitor: {url}  (JSON: {url}api/swarm, Prometheus: {url}metrics; Ctrl-C stops)", flush=True)
     try:
         server.serve_forever(poll_interval=0.5)

@@ -6,7 +6,6 @@ and fault tests, and the benchmark. Every process is started in its own process 
 from __future__ import annotations
 
 import os
-import re
 import sys
 import time
 from collections.abc import Callable
@@ -23,7 +22,6 @@ if TYPE_CHECKING:
     from swarmtrain.runtime.faults import FaultHooks
 
 READY_MARKER = "ready (epoch"
-MONITOR_URL = re.compile(r"monitor: (http://\S+/) ")  # the line `swarmtrain monitor` prints when it serves
 
 
 class SwarmStartError(UserError):
@@ -200,14 +198,16 @@ class LocalSwarm:
 
     def start_monitor(self, port: int = 0, *extra: str, timeout_s: float = 60.0) -> str:
         """`swarmtrain monitor` of this swarm (stopped with the servers); returns its page's URL."""
+        url_file = self.workdir / "monitor.url"
+        url_file.unlink(missing_ok=True)
         args = ["monitor", "--config", self.config_path, "--initial-peers", self.address, "--port", str(port)]
-        proc = self._spawn("monitor", [*args, *extra])
+        proc = self._spawn("monitor", [*args, "--url-file", str(url_file), *extra])
         deadline = time.monotonic() + timeout_s
-        while not (match := MONITOR_URL.search(proc.log_text())):
+        while not url_file.exists():
             if not proc.alive or time.monotonic() > deadline:
                 raise SwarmStartError(f"the monitor did not start:\n{proc.log_text()[-3000:]}")
             time.sleep(0.1)
-        return match.group(1)
+        return url_file.read_text().strip()
 
     def summary_path(self, name: str) -> Path:
         return self.workdir / f"{name}.summary.json"
