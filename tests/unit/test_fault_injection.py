@@ -92,7 +92,7 @@ def test_an_exchange_that_loses_a_member_leaves_both_replicas_partial(tiny_cfg, 
 
         def deliver(me):
             async def send(peer, step, samples, sums):
-                nodes[peer].on_grads(me, step, samples, [s.clone() for s in sums])
+                nodes[peer].inbox.on_grads(me, step, samples, [s.clone() for s in sums])
                 return True
 
             return faults.wrap_sender(me, send)
@@ -110,7 +110,7 @@ def test_an_exchange_that_loses_a_member_leaves_both_replicas_partial(tiny_cfg, 
                 worker.forward(request)
         tasks = [asyncio.create_task(node.run()) for node in nodes.values()]
         for node in nodes.values():
-            node.on_close(0, 0, 1, {"A": 16, "B": 16}, ["A", "B"])
+            node.inbox.on_close(0, 0, 1, {"A": 16, "B": 16}, ["A", "B"])
         for _ in range(500):
             if all(node.counters.steps == 1 for node in nodes.values()):
                 break

@@ -37,7 +37,7 @@ class Net:
             self.sent.append((me, peer, step))
             if peer in self.unreachable:
                 return False
-            self.nodes[peer].on_grads(me, step, samples, [s.clone() for s in sums])
+            self.nodes[peer].inbox.on_grads(me, step, samples, [s.clone() for s in sums])
             return True
 
         return send
@@ -61,7 +61,7 @@ async def _replicas(cfg, names, net, start_compute, settings=None):
 
 def _close(nodes, step, members, shard=0, shards=1, to=None):
     for name in to or nodes:
-        nodes[name].on_close(step, shard, shards, members, sorted(nodes))
+        nodes[name].inbox.on_close(step, shard, shards, members, sorted(nodes))
 
 
 async def _until(predicate, timeout_s=10.0):
@@ -84,7 +84,7 @@ def test_replicas_sum_their_samples_and_apply_exactly_one_global_batch(
         _train(nodes["B"].worker, micro_batches[3:], prefix="b")
         _train(single, micro_batches)
         tasks = [asyncio.create_task(n.run()) for n in nodes.values()]
-        parked = asyncio.create_task(nodes["B"].wait_for_version(1, time.monotonic() + 10))
+        parked = asyncio.create_task(nodes["B"].versions.wait(1, time.monotonic() + 10))
         await asyncio.sleep(0.05)
         assert not parked.done()  # step 1's forwards wait for step 0's parameters
         _close(nodes, 0, {"A": 24, "B": 8})
@@ -182,11 +182,11 @@ def test_a_step_is_closing_only_once_a_close_or_gradients_arrived(tiny_cfg, star
         nodes = await _replicas(tiny_cfg, ["A", "B"], net, start_compute)
         task = asyncio.create_task(nodes["A"].run())
         await _until(lambda: 0 in nodes["A"].pending)
-        assert not nodes["A"].closing(0)
-        nodes["A"].on_grads("B", 0, 8, [])
-        assert nodes["A"].closing(0)
-        nodes["B"].on_close(0, 0, 1, {"B": 8}, ["B"])
-        assert nodes["B"].closing(0) and not nodes["B"].closing(1)
+        assert not nodes["A"].inbox.closing(0)
+        nodes["A"].inbox.on_grads("B", 0, 8, [])
+        assert nodes["A"].inbox.closing(0)
+        nodes["B"].inbox.on_close(0, 0, 1, {"B": 8}, ["B"])
+        assert nodes["B"].inbox.closing(0) and not nodes["B"].inbox.closing(1)
         task.cancel()
 
     asyncio.run(scenario())
@@ -199,7 +199,7 @@ def test_a_step_waits_for_every_trainer_or_the_close_timeout(tiny_cfg, micro_bat
         nodes = await _replicas(tiny_cfg, ["A"], net, start_compute, settings)
         _train(nodes["A"].worker, micro_batches[:2])
         task = asyncio.create_task(nodes["A"].run())
-        nodes["A"].on_close(0, 0, 2, {"A": 16}, ["A"])  # trainer 0 of 2; trainer 1 never closes
+        nodes["A"].inbox.on_close(0, 0, 2, {"A": 16}, ["A"])  # trainer 0 of 2; trainer 1 never closes
         await asyncio.sleep(0.15)
         assert nodes["A"].worker.epoch == 0
         await _until(lambda: nodes["A"].counters.steps == 1)
@@ -307,7 +307,7 @@ def test_local_steps_differ_between_rounds_and_agree_after_each(tiny_cfg, micro_
 
         _train(a, rounds_a[1][0], step=1, prefix=rounds_a[1][1])
         _train(b, rounds_b[1][0], step=1, prefix=rounds_b[1][1])
-        parked = asyncio.create_task(nodes["B"].wait_for_version(2, time.monotonic() + 10))
+        parked = asyncio.create_task(nodes["B"].versions.wait(2, time.monotonic() + 10))
         await asyncio.sleep(0.05)
         assert not parked.done()
         _close(nodes, 1, {"A": 8, "B": 16})
@@ -389,11 +389,11 @@ def test_recent_means_are_kept_within_a_byte_budget(tiny_cfg, start_compute, mon
             (10_000, stage_steps.MAX_REPLAY_STEPS),
         ):
             monkeypatch.setattr(stage_steps, "KEPT_MEANS_BYTES", budget_steps * step_bytes)
-            node.recent_means.clear()
+            node.kept_means.steps.clear()
             for step in range(100):
-                node._keep_means(step, 32, means)
-            assert list(node.recent_means) == list(range(100 - kept, 100))
-        node._keep_means(100, 32, None)  # a step every micro-batch of which failed: nothing to size
-        assert 100 in node.recent_means
+                node.kept_means.keep(step, 32, means)
+            assert list(node.kept_means.steps) == list(range(100 - kept, 100))
+        node.kept_means.keep(100, 32, None)  # a step every micro-batch of which failed: nothing to size
+        assert node.means_of(100) == (32, None)
 
     asyncio.run(scenario())

@@ -354,7 +354,8 @@ def test_a_replica_far_behind_replays_at_once_while_its_peer_keeps_the_steps(tin
     """A moved server whose download took several steps is more than KEEP_STEPS_AHEAD behind: it
     replays the missed steps at once (it used to download the whole state again, and fall behind again),
     and downloads only when the replay fails or the gap is beyond MAX_REPLAY_STEPS."""
-    from swarmtrain.runtime.server.stage_steps import KEEP_STEPS_AHEAD, MAX_REPLAY_STEPS
+    from swarmtrain.runtime.server.stage_steps import MAX_REPLAY_STEPS
+    from swarmtrain.runtime.server.step_inbox import KEEP_STEPS_AHEAD
 
     replays, ok = [], True
 

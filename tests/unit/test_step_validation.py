@@ -21,7 +21,8 @@ from swarmtrain.planner.step_decision import (
     step_candidates,
     step_contributions,
 )
-from swarmtrain.runtime.server.stage_steps import LiveReplicas, StepCoordinator, StepSettings
+from swarmtrain.runtime.server.stage_members import LiveReplicas
+from swarmtrain.runtime.server.stage_steps import StepCoordinator, StepSettings
 from swarmtrain.runtime.server.stage_worker import StageWorker
 
 pytestmark = pytest.mark.unit
@@ -51,7 +52,7 @@ class Net:
             self.sent.append((me, peer, step, samples))
             if peer not in self.nodes:
                 return False  # a stranger's address: nobody answers
-            self.nodes[peer].on_grads(me, step, samples, [s.clone() for s in sums])
+            self.nodes[peer].inbox.on_grads(me, step, samples, [s.clone() for s in sums])
             return True
 
         return send
@@ -94,7 +95,9 @@ def _train(worker, batches, step, prefix):
 
 def _close(nodes, step, members, sender=TRAINER, shard=0, shards=1, participants=None, to=None):
     for name in to or nodes:
-        nodes[name].on_close(step, shard, shards, dict(members), participants or sorted(nodes), sender=sender)
+        nodes[name].inbox.on_close(
+            step, shard, shards, dict(members), participants or sorted(nodes), sender=sender
+        )
 
 
 async def _until(predicate, timeout_s=10.0):
@@ -249,13 +252,16 @@ def test_forged_gradients_are_not_averaged(tiny_cfg, micro_batches, start_comput
         tasks = await _start(nodes)
         _close(nodes, 0, {"A": 8, "B": 8, STRANGER: 8}, sender=STRANGER)
         for node in nodes.values():  # held (at most MAX_HELD_GRADS senders the view lacks), never counted
-            held = [node.on_grads(p, 0, 8, [t.clone() for t in poison]) for p in (STRANGER, "Y1", "Y2", "Y3")]
-            assert held == [True] * 4 and not node.on_grads("Y4", 0, 8, [t.clone() for t in poison])
+            held = [
+                node.inbox.on_grads(p, 0, 8, [t.clone() for t in poison])
+                for p in (STRANGER, "Y1", "Y2", "Y3")
+            ]
+            assert held == [True] * 4 and not node.inbox.on_grads("Y4", 0, 8, [t.clone() for t in poison])
         await asyncio.sleep(0.3)
         assert all(n.worker.epoch == 0 for n in nodes.values())
         # C is a live replica of the stage but no member of step 0: its sums are kept, never counted
         for name in "AB":
-            assert nodes[name].on_grads("C", 0, 8, [t.clone() for t in poison])
+            assert nodes[name].inbox.on_grads("C", 0, 8, [t.clone() for t in poison])
         _close(nodes, 0, {"A": 8, "B": 8})
         await _until(lambda: all(n.counters.steps == 1 for n in nodes.values()))
         await _stop(tasks)

@@ -483,7 +483,7 @@ def close_message(step: int, stage: int, digest: str, shard: int, shard_count: i
 
 
 def validate_close(message: Message, stage: int, digest: str) -> dict:
-    """A trainer's `close` of a step: keyword arguments for `StepCoordinator.on_close`. Its fields only:
+    """A trainer's `close` of a step: keyword arguments for `StepInbox.on_close`. Its fields only:
     whether the step, the members and their counts agree with the stage is for the step coordinator
     (runtime/server/stage_steps.py), which knows the stage's state and live replicas."""
     header = _checked_step_header(message, stage, digest)

@@ -10,13 +10,9 @@ tensor (in the runtime it relays them), so a retry is re-sent from the trainer. 
 and the trainer sends the request (with a backward, the stage's input again; with the last stage's
 forward, the labels), over the trainer's link of `trainer_link_bytes_per_s` each way.
 
-Each peer of a stage counts the samples it processed; each time the stage as a whole has processed a
-global batch, all its serving peers run the gradient all-reduce, which occupies both directions of
-their links (overlapped with compute, as with delayed parameter updates), and a failed peer loses the
-samples it had accumulated since the stage's last step. With `SimConfig.max_staleness` (SWARM modes) steps
-are synchronous, as in the runtime: each chunk belongs to a step of its trainer, a stage applies step s once
-all of its chunks finished there and its peers exchanged gradients (nothing overlaps that exchange), and
-runs the forward of a step-s chunk only after it has applied step s - 1 - max_staleness.
+When a stage steps (its gradient all-reduce, which occupies both directions of its peers' links, and with
+`SimConfig.max_staleness` which step it applies) is sim/stage_steps.py's; a failed peer loses the samples it
+had accumulated since the stage's last step.
 
 Subclasses decide which peer serves a chunk (`choose_peer`) and what happens when it completes.
 """
@@ -26,6 +22,7 @@ from __future__ import annotations
 from swarmtrain.planner.routing import BACKWARD_WEIGHT, FORWARD_CHARGE, FORWARD_WEIGHT
 from swarmtrain.sim.base import PeerState, Simulation
 from swarmtrain.sim.network import Endpoint
+from swarmtrain.sim.stage_steps import StageSteps
 from swarmtrain.utils.rng import make_rng
 
 LAST_STAGE_WEIGHT = FORWARD_WEIGHT + BACKWARD_WEIGHT  # the last stage runs forward and backward together
@@ -104,7 +101,7 @@ class Variability:
 
 class PipelineSimulation(Simulation):
     uses_timeouts = True  # fixed pipelines cannot go elsewhere, so they wait instead
-    # numbers each chunk's step (`assign_step`, `closed_step`), so steps can run synchronously
+    # numbers each chunk's step (`StageSteps.assign`, `closed_step`), so steps can run synchronously
     numbers_steps = False
 
     def __init__(self, *args, **kwargs) -> None:
@@ -113,22 +110,23 @@ class PipelineSimulation(Simulation):
         self.last = S - 1
         self.members: list[dict[int, PeerState]] = [{} for _ in range(S)]
         self.waiting: list[list[Chunk]] = [[] for _ in range(S)]
-        self.stage_samples = [0.0] * S
-        self.next_step = [float(self.costs.global_batch_size)] * S
         self._next_chunk_id = 0
         scale = max(1.0, self.chunk_samples / self.costs.micro_batch_size)
         self.timeout_s = self.config.request_timeout_s * scale if self.uses_timeouts else float("inf")
         self.audit_violations = 0
         self.audited_chunks = 0
         self.variability = Variability(self.config.compute_cv, self.config.latency_cv, self.config.seed)
-        # synchronous steps (`SimConfig.max_staleness` not None): per stage, the last step applied, the
-        # samples of each step whose last call there finished, forwards waiting for their step's turn
-        self.max_staleness = self.config.max_staleness if self.numbers_steps else None
-        self.applied = [-1] * S
-        self.applying = [False] * S
-        self.step_done: list[dict[int, float]] = [{} for _ in range(S)]
-        self.step_issued: dict[int, float] = {}
-        self.gated: list[list[Chunk]] = [[] for _ in range(S)]
+        # synchronous steps only where chunks are numbered by step (`SimConfig.max_staleness`)
+        max_staleness = self.config.max_staleness if self.numbers_steps else None
+        self.steps = StageSteps(
+            self.costs,
+            max_staleness,
+            self.members,
+            self.engine,
+            self.metrics,
+            self.closed_step,
+            self.dispatch,
+        )
 
     def refresh_rates(self, throughput_samples_per_s: float, sizes: list[int] | None = None) -> None:
         """What peers announce: their rate at each stage with the averaging traffic of a pipeline at the
@@ -186,8 +184,7 @@ class PipelineSimulation(Simulation):
                 peer = self.choose_peer(chunk, BACKWARD_WEIGHT)
                 chunk.recompute = True
         else:
-            if self.max_staleness is not None and chunk.step > self.applied[s] + 1 + self.max_staleness:
-                self.gated[s].append(chunk)  # the runtime parks it until the stage applied step - 1
+            if self.steps.gate(chunk):
                 return
             peer = self.choose_peer(chunk, LAST_STAGE_WEIGHT if s == self.last else FORWARD_CHARGE)
         if peer is None:
@@ -343,7 +340,7 @@ class PipelineSimulation(Simulation):
             chunk.stage = s + 1
             self.dispatch(chunk)
             return
-        self._stage_progress(s, chunk, peer)
+        self.steps.progress(s, chunk, peer)
         if s == 0:
             self._finish(chunk)
             return
@@ -360,66 +357,6 @@ class PipelineSimulation(Simulation):
             if chunk.log != expected:
                 self.audit_violations += 1
         self.on_chunk_done(chunk)
-
-    # averaging ---------------------------------------------------------------------------------
-    def _stage_progress(self, stage: int, chunk: Chunk, peer: PeerState) -> None:
-        samples = chunk.samples
-        peer.samples_since_step += samples
-        self.stage_samples[stage] += samples
-        if self.max_staleness is not None:
-            done = self.step_done[stage]
-            done[chunk.step] = done.get(chunk.step, 0.0) + samples
-            self.try_apply(stage)
-            return
-        while self.stage_samples[stage] >= self.next_step[stage]:
-            self.next_step[stage] += self.costs.global_batch_size
-            self._average(stage)
-
-    def assign_step(self, chunk: Chunk, step: int) -> None:
-        """Synchronous steps: the chunk's samples belong to `step` (called before it is dispatched)."""
-        chunk.step = step
-        if self.max_staleness is not None:
-            self.step_issued[step] = self.step_issued.get(step, 0.0) + chunk.samples
-            for stage in range(self.num_stages):
-                self.try_apply(stage)
-
-    def try_apply(self, stage: int) -> None:
-        """Apply the stage's next step once it is closed and all its samples finished there: after the
-        gradient exchange between the stage's peers, which (unlike delayed updates) nothing overlaps."""
-        k = self.applied[stage] + 1
-        if self.applying[stage] or k > self.closed_step():
-            return
-        if self.step_done[stage].get(k, 0.0) < self.step_issued.get(k, 0.0):
-            return
-        self.applying[stage] = True
-        self.engine.schedule(self._average(stage, foreground=True), self._on_applied, stage, k)
-
-    def _on_applied(self, stage: int, step: int) -> None:
-        self.applying[stage] = False
-        self.applied[stage] = step
-        self.step_done[stage].pop(step, None)
-        if self.gated[stage]:
-            parked, self.gated[stage] = self.gated[stage], []
-            for chunk in parked:  # those still too early park again
-                self.engine.schedule(self.engine.now_s, self.dispatch, chunk)
-        self.try_apply(stage)
-
-    def _average(self, stage: int, foreground: bool = False) -> float:
-        """The stage's gradient all-reduce; returns when it is done (background: now)."""
-        members = self.members[stage]
-        n = len(members)
-        now = self.engine.now_s
-        done = now
-        per_peer = 2 * self.costs.averaging_bytes[stage] * (n - 1) / n if n > 1 else 0.0
-        for peer in members.values():
-            if per_peer and foreground:
-                peer.reserve_both(now, per_peer)
-                done = max(done, peer.link_free_s())
-            elif per_peer:
-                peer.add_background(now, per_peer)
-            peer.samples_since_step = 0.0
-        self.metrics.bytes_by_kind["averaging"] += per_peer * n
-        return done
 
     # membership --------------------------------------------------------------------------------
     def start_serving(self, peer: PeerState, stage: int) -> None:

@@ -121,7 +121,7 @@ class SwarmSimulation(PipelineSimulation):
         share = self.costs.global_batch_size / self.num_trainers
         step = int(trainer.issued // share)
         trainer.issued += chunk.samples
-        self.assign_step(chunk, step)
+        self.steps.assign(chunk, step)
         self.dispatch(chunk)
 
     def closed_step(self) -> float:

@@ -113,7 +113,7 @@ def frame(sim, now_s: float, samples_per_s: float) -> dict:
 
 def _stage(sim, index: int) -> dict:
     # a stage's step: the global batches it has processed (the simulator steps stages on sample counts)
-    step = int(sim.stage_samples[index] // sim.costs.global_batch_size)
+    step = int(sim.steps.stage_samples[index] // sim.costs.global_batch_size)
     peers = []
     for peer in sim.peers:
         if peer.live and peer.stage == index:

@@ -5,7 +5,7 @@
 replica downloads the stage state or drains, counted while it runs (a drain waits for those). The
 `MicroBatchDesk` is built when the stage starts serving, complete: its hop to the next stage (none at
 the last stage) is given to it. A request is validated (net/protocol.py), waits for the parameters of
-its step (`StepCoordinator.wait_for_version`), then runs on the compute thread, alone or batched with
+its step (`StepCoordinator.versions`, runtime/server/step_versions.py), then runs on the compute thread, alone or batched with
 others (stage_batches.py); a chain goes on to the next stage through `ChainHop`.
 """
 
@@ -220,7 +220,7 @@ class MicroBatchDesk:
                 f"step {request.step} is already applied here (at {self.worker.epoch})", "stale"
             )
         draining = self.admission
-        if not await self.steps.wait_for_version(need, deadline_s, abandon=lambda: draining.draining):
+        if not await self.steps.versions.wait(need, deadline_s, abandon=lambda: draining.draining):
             if draining.draining:
                 return leaving_answer()
             return error_message(f"parameters of step {need} not ready in time", "timeout")

@@ -149,14 +149,14 @@ class StepExchange:
         """Kept as a candidate or ignored (runtime/server/stage_steps.py checks it against this replica's
         state and the stage's live replicas); either way the sender is only told it arrived."""
         close = validate_close(message, self.spec.index, self.digest)
-        self.steps.on_close(**close, sender=sender_of(context))
+        self.steps.inbox.on_close(**close, sender=sender_of(context))
         return Message("result", {"ok": True})
 
     async def _on_grads(self, message: Message, context) -> Message:
         step, samples, sums = validate_grads(
             message, self.spec.index, self.digest, self.worker.names, self.link.param_shapes
         )
-        self.steps.on_grads(sender_of(context), step, samples, sums)
+        self.steps.inbox.on_grads(sender_of(context), step, samples, sums)
         return Message("result", {"ok": True})
 
     async def _on_step_means(self, message: Message, _context) -> Message:

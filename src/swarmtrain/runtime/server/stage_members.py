@@ -16,6 +16,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable
 from collections.abc import Set as AbstractSet
 
+from swarmtrain.net.dht_records import RunRecords
 from swarmtrain.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -45,6 +46,25 @@ class LiveReplicas:
     def current(self, now_s: float | None = None) -> frozenset[str]:
         now_s = time.monotonic() if now_s is None else now_s
         return frozenset(p for p, t in self._seen.items() if now_s - t <= self.keep_s)
+
+
+def read_live_replicas(records: RunRecords, stage: int, digest: str) -> set[str]:
+    """(blocking: DHT reads) The stage's replicas with our digest: announced (joining or online) or
+    publishing progress (a draining replica still exchanges the steps it holds samples of)."""
+    peers = {p for p, a in records.stage_peers(stage).items() if a.config_digest == digest}
+    peers |= {p for p, v in records.stage_progress(stage).items() if v.get("digest") == digest}
+    return peers
+
+
+async def keep_live_replicas_fresh(view: LiveReplicas, read: Callable[[], set[str]], period_s: float) -> None:
+    """Every `period_s`, `read()` (blocking) off the event loop into `view`; a failed read keeps the view."""
+    loop = asyncio.get_running_loop()
+    while True:
+        await asyncio.sleep(period_s)
+        try:
+            view.update(await loop.run_in_executor(None, read))
+        except Exception:  # keep the last view; a bug here must not stop the refreshes
+            logger.exception("reading the stage's live replicas failed")
 
 
 class StageMembers:

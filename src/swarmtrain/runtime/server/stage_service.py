@@ -64,8 +64,9 @@ from swarmtrain.runtime.server.stage_batches import probe_samples_per_s
 from swarmtrain.runtime.server.stage_checkpoint import checkpointer_for
 from swarmtrain.runtime.server.stage_desk import Admission, Handler, MicroBatchDesk
 from swarmtrain.runtime.server.stage_exchange import StagePeerLink, StepExchange
+from swarmtrain.runtime.server.stage_members import LiveReplicas, keep_live_replicas_fresh, read_live_replicas
 from swarmtrain.runtime.server.stage_status import StageSnapshot, announcement_of, info_header, metrics_of
-from swarmtrain.runtime.server.stage_steps import LiveReplicas, StepCoordinator, StepSettings
+from swarmtrain.runtime.server.stage_steps import StepCoordinator, StepSettings
 from swarmtrain.runtime.server.stage_sync import StageSynchronizer, SyncSettings
 from swarmtrain.runtime.server.stage_worker import StageWorker
 from swarmtrain.utils.logging import get_logger
@@ -228,6 +229,7 @@ class StageService:
         node.ledger.write("start", peer=self.peer_id, stage=self.spec.index)
         self._warn_about_foreign_peers()
         self.sync.join()
+        self._read_live_replicas = partial(read_live_replicas, node.records, self.spec.index, self.digest)
         self.live_replicas.update(self._read_live_replicas())
         # the step exchange's handlers and info; the micro-batch desk's join them once it serves
         exchange = StepExchange(self.spec, self.digest, self.worker, self.steps, self.link)
@@ -255,13 +257,13 @@ class StageService:
             checkpoints=self.checkpointer,
             on_fatal=self._on_fatal,
             closing=self._closing,
-            on_epoch_moved=self.steps.version_changed_threadsafe,
+            on_epoch_moved=self.steps.versions.changed_threadsafe,
             replay_missed=self._replay_missed,
         )
 
     def _closing(self) -> bool:
         """The step this replica is at has a close or gradients pending (read from the sync thread)."""
-        return self.steps.closing(self.worker.epoch)
+        return self.steps.inbox.closing(self.worker.epoch)
 
     def _step_applied(self, epoch: int, fingerprint: list[float] | None) -> None:
         self.sync.step_applied(epoch, fingerprint)
@@ -344,7 +346,10 @@ class StageService:
         self.handlers.update(desk.handlers)
         self.sync.start()
         self._tasks.append(asyncio.create_task(self.steps.run()))
-        self._tasks.append(asyncio.create_task(self._refresh_live_replicas()))
+        refresh = keep_live_replicas_fresh(
+            self.live_replicas, self._read_live_replicas, self.cfg.swarm.announce_period_s
+        )
+        self._tasks.append(asyncio.create_task(refresh))
         self.capacity.restart(self.admission.samples_done, self._work_s())
 
     async def refresh_neighbours(self) -> None:
@@ -363,7 +368,7 @@ class StageService:
         swarm for the trainer's request timeout (30 s, bench/rebalance_live.py)."""
         loop = asyncio.get_running_loop()
         self.admission.draining = True
-        self.steps.version_changed()  # parked forwards see that we are leaving
+        self.steps.versions.changed()  # parked forwards see that we are leaving
         await loop.run_in_executor(None, lambda: self.announce(state="offline"))
         deadline_s = time.monotonic() + timeout_s
         while self.admission.running or self.worker.unapplied_samples:
@@ -402,26 +407,9 @@ class StageService:
         finally:
             self.checkpointer.close()
 
-    # info and the stage's live replicas -----------------------------------------------------------
+    # info and missed steps -----------------------------------------------------------
     async def _on_info(self, message: Message, _context) -> Message:
         return await self.compute.run(lambda: self._info(message), PRIORITY_SYNC)
-
-    def _read_live_replicas(self) -> set[str]:
-        """(blocking: DHT reads) The stage's replicas with our digest: announced (joining or online) or
-        publishing progress (a draining replica still exchanges the steps it holds samples of)."""
-        stage, records = self.spec.index, self.node.records
-        peers = {p for p, a in records.stage_peers(stage).items() if a.config_digest == self.digest}
-        peers |= {p for p, v in records.stage_progress(stage).items() if v.get("digest") == self.digest}
-        return peers
-
-    async def _refresh_live_replicas(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            await asyncio.sleep(self.cfg.swarm.announce_period_s)
-            try:
-                self.live_replicas.update(await loop.run_in_executor(None, self._read_live_replicas))
-            except Exception:  # keep the last view; a bug here must not stop the refreshes
-                logger.exception("reading the stage's live replicas failed")
 
     def _replay_missed(self, peer: str, start: int, end: int) -> bool:
         """(sync thread) Apply steps start..end-1, which this replica missed, from `peer`'s mean
@@ -455,7 +443,8 @@ class StageService:
         return make_message("result", info_header(self.snapshot(), w.names), tensors, "none")
 
     # status: one snapshot, from which info, the announcement and the metrics derive ------------------
-    def snapshot(self) -> StageSnapshot:
+    def snapshot(self, work_s: float | None = None) -> StageSnapshot:
+        """`work_s`: `_work_s()` when the caller has just read it (a read walks the transport's stats)."""
         from swarmtrain.net.transport import ByteCount, TransportStats
 
         w, transport = self.worker, self._transport
@@ -478,7 +467,7 @@ class StageService:
             capacity_samples_per_s=self.capacity.samples_per_work_s,
             queue_len=self.compute.queue_len,
             busy_s=self.compute.busy_s,
-            work_s=self._work_s(),
+            work_s=self._work_s() if work_s is None else work_s,
             compute_requests=self.compute.tasks_done,
             compute_calls=self.compute.calls,
             bundles_sent=self.hop.bundles if self.hop is not None else 0,
@@ -496,8 +485,9 @@ class StageService:
 
     def announce(self, state: str | None = None) -> StageAnnouncement:
         """Publish this replica's record (online, joining or offline) and return it."""
-        self.capacity.update(self.admission.samples_done, self._work_s())
-        announcement = self.announcement(state)
+        work_s = self._work_s()
+        self.capacity.update(self.admission.samples_done, work_s)
+        announcement = announcement_of(self.snapshot(work_s), state)
         # an offline record too: the DHT replaces a record only by one that expires later, so a short-lived
         # offline record was refused and trainers kept routing to a stopped server until it expired
         self.node.records.announce(self.peer_id, announcement, self.announce_ttl_s)

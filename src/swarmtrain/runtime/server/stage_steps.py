@@ -55,26 +55,25 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from swarmtrain.net.robust import robust_mean
 from swarmtrain.planner.step_decision import (
-    Close,
     StepDecision,
-    close_refusal,
     decide_step,
     settle_step,
     short_close_grace_s,
     step_candidates,
     step_contributions,
-    unknown_members,
 )
 from swarmtrain.runtime.ledger import Ledger
 from swarmtrain.runtime.server.compute import PRIORITY_SYNC, ComputeWorker
-from swarmtrain.runtime.server.stage_members import LiveReplicas, StageMembers, Verify
+from swarmtrain.runtime.server.stage_members import LiveReplicas, Verify
 from swarmtrain.runtime.server.stage_worker import StageWorker
+from swarmtrain.runtime.server.step_inbox import PendingStep, StepCounters, StepInbox, short
+from swarmtrain.runtime.server.step_versions import VersionGate
 from swarmtrain.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -83,7 +82,6 @@ logger = get_logger(__name__)
 GradSender = Callable[[str, int, int, list[torch.Tensor]], Awaitable[bool]]
 OnStep = Callable[[int, list[float] | None], None]  # (epoch, parameter fingerprint or None)
 Alive = Callable[[str], Awaitable[bool]]  # does this peer's event loop answer a ping?
-KEEP_STEPS_AHEAD = 4  # closes/grads this far ahead are kept; a replica further behind resyncs
 # The mean gradients of recent steps are kept for replicas that missed them (`replay`): at least
 # `KEPT_STEP_MEANS` steps, more while they fit in `KEPT_MEANS_BYTES`. Three were too few for a moved
 # server: its state download took long enough that `tiny` stepped 4-7 times meanwhile, so it downloaded
@@ -92,8 +90,6 @@ KEEP_STEPS_AHEAD = 4  # closes/grads this far ahead are kept; a replica further 
 KEPT_STEP_MEANS = 3
 KEPT_MEANS_BYTES = 64 * 2**20
 MAX_REPLAY_STEPS = 64  # a replica further behind downloads the state instead
-MAX_CLOSES_PER_STEP = 64  # distinct senders of closes kept per step (an honest run has one per trainer)
-MAX_HELD_GRADS = 4  # per step: sums kept from peers our view of the stage lacks (pinged meanwhile)
 
 
 @dataclass
@@ -106,35 +102,6 @@ class StepSettings:
     # member still answers a ping, so this only decides how soon a frozen one is noticed
     probe_after_s: float = 1.0
     short_close_grace_s: float = 1.0  # at least this long before acting on a close short of our samples
-
-
-@dataclass
-class PendingStep:
-    step: int
-    closes: dict[str, Close] = field(default_factory=dict)  # by sender: its latest close of the step
-    decision: StepDecision | None = None  # set once the step is closed
-    reached_s: float | None = None  # when this replica's step loop reached this step
-    received: dict[str, tuple[int, list[torch.Tensor]]] = field(default_factory=dict)
-    unreachable: set[str] = field(default_factory=set)
-    changed: asyncio.Event = field(default_factory=asyncio.Event)
-
-
-@dataclass
-class StepCounters:
-    steps: int = 0
-    partial_exchanges: int = 0  # a member's sums never came
-    solo_steps: int = 0  # no other member: nothing to exchange
-    timed_out_closes: int = 0  # fewer closes than trainers
-    unconfirmed_samples: int = 0  # accumulated here, but no trainer listed this replica
-    last_group_size: int = 0
-    last_exchange_s: float = 0.0
-    clipped_contributions: int = 0  # a replica's sums far above the others' (net/robust.py)
-    replayed_steps: int = 0  # steps this replica missed and applied from a peer's mean gradients
-    refused_closes: int = 0  # closes not kept: an applied step, too far ahead, or too many senders
-    unknown_member_closes: int = 0  # closes naming peers that are not live replicas of the stage
-    ignored_grads: int = 0  # gradients from a peer that is no live replica, no member, or a wrong count
-    disagreeing_closes: int = 0  # steps decided by a close whose count for this replica was not its own
-    lenient_steps: int = 0  # no close passed the checks in time: acted on one as before them
 
 
 class StepCoordinator:
@@ -157,121 +124,23 @@ class StepCoordinator:
         a direct check of a peer the view lacks (None: only the view counts); `close_window`:
         1 + max_staleness (see `close_refusal`)."""
         self.worker, self.compute, self.peer_id = worker, compute, peer_id
-        self.members = StageMembers(live_replicas, verify, on_change=self._wake_steps)
-        self.close_window = close_window
         self._close_wait_s: float | None = None  # moving average: reaching a step -> deciding it
         self.settings = settings
         self.sums_out = SumsOut(peer_id, send_grads, alive, settings.probe_after_s)
         self.ledger = ledger or Ledger(None)
         self.on_step = on_step  # after every step (applied or skipped) with the new parameters' fingerprint
         self.counters = StepCounters()
-        self.pending: dict[int, PendingStep] = {}
-        # the mean gradients of the last steps applied here, for replicas that missed them (`replay`)
-        self.recent_means: OrderedDict[int, tuple[int, list[torch.Tensor] | None]] = OrderedDict()
-        self._replaying = False
-        self._version_changed = asyncio.Event()
-        # the loop this coordinator runs on: a server makes it before serving, tests run in one
-        self._loop = loop or asyncio.get_running_loop()
-
-    # messages -----------------------------------------------------------------------------------
-    def on_close(
-        self, step: int, shard: int, shard_count: int, members: dict, participants: list, sender: str = ""
-    ) -> bool:
-        """A trainer's close (fields checked by net/protocol.py's `validate_close`); False if not kept.
-        Kept closes are only candidates: the step loop decides which one, if any, it acts on."""
-        refusal = close_refusal(step, self.worker.epoch, self.close_window)
-        state = self._pending(step) if refusal is None else None
-        if state is not None and sender not in state.closes and len(state.closes) >= MAX_CLOSES_PER_STEP:
-            refusal = f"already {len(state.closes)} senders closed step {step}"
-        if state is None or refusal is not None:
-            self.counters.refused_closes += 1
-            log = logger.debug if step < self.worker.epoch else logger.warning
-            log("close of step %d from %s ignored: %s", step, _short(sender), refusal)
-            return False
-        kept = {peer: int(n) for peer, n in members.items() if int(n) > 0}
-        unknown = unknown_members(kept, self.peer_id, self._live())
-        if unknown:
-            self.counters.unknown_member_closes += 1
-            logger.info(
-                "close of step %d from %s names %s, not in this replica's view of the stage: pinging them",
-                step,
-                _short(sender),
-                [_short(p) for p in unknown[:4]],
-            )
-            self.members.check_unknown(unknown)
-        state.closes[sender] = Close(
-            sender, shard, shard_count, kept, frozenset(participants), time.monotonic()
+        # the closes and sums heard, by step (`on_close`, `on_grads`): what the step loop decides on
+        self.inbox = StepInbox(
+            lambda: self.worker.epoch, peer_id, self.counters, live_replicas, verify, close_window
         )
-        state.changed.set()
-        return True
-
-    def on_grads(self, peer: str, step: int, samples: int, sums: list[torch.Tensor]) -> bool:
-        """A stage peer's gradient sums of a step; kept from a live replica of the stage, or (a few per
-        step) from a peer our view lacks, which is then pinged (a replica that joined, or our view expired
-        while this replica was frozen). They count only if the step's decided close names `peer`, which
-        must then be a live replica, with exactly `samples`. False if not kept."""
-        live, state = self._live(), self._pending(step)
-        if state is None:
-            return False
-        if live is not None and peer not in live and peer not in state.received:
-            held = sum(1 for p in state.received if p not in live)
-            if held >= MAX_HELD_GRADS:
-                self.counters.ignored_grads += 1
-                logger.warning(
-                    "gradients of step %d from %s ignored: not a live replica of this stage",
-                    step,
-                    _short(peer),
-                )
-                return False
-            self.members.check_unknown([peer])
-        state.received[peer] = (samples, sums)
-        state.changed.set()
-        return True
-
-    def _pending(self, step: int) -> PendingStep | None:
-        if not self.worker.epoch <= step <= self.worker.epoch + KEEP_STEPS_AHEAD:
-            return None  # already applied, or so far ahead that this replica will resync anyway
-        return self.pending.setdefault(step, PendingStep(step))
-
-    def closing(self, step: int) -> bool:
-        """A trainer's close or a peer's gradients for `step` arrived. The step loop keeps an empty
-        entry for the step it waits on, so being in `pending` says nothing (a restored replica held
-        back by that entry never adopted the other stages' step after a whole-swarm crash)."""
-        state = self.pending.get(step)
-        return state is not None and (bool(state.closes) or bool(state.received))
-
-    def _live(self) -> AbstractSet[str] | None:
-        return self.members.current()
-
-    def _wake_steps(self) -> None:
-        """Waiting steps look again (the stage's members changed)."""
-        for state in self.pending.values():
-            state.changed.set()
-
-    # waiting for a parameter version ------------------------------------------------------------
-    async def wait_for_version(self, version: int, deadline_s: float, abandon=lambda: False) -> bool:
-        """Until the parameters have reached `version` (a step's forwards wait for the previous
-        step); False at the deadline (a time.monotonic() value), or once `abandon()` is true when the
-        version changes (call `version_changed` to make waiters check it)."""
-        while self.worker.epoch < version:
-            if abandon():
-                return False
-            remaining_s = deadline_s - time.monotonic()
-            if remaining_s <= 0:
-                return False
-            try:
-                await asyncio.wait_for(self._version_changed.wait(), remaining_s)
-            except TimeoutError:
-                return False
-        return True
-
-    def version_changed(self) -> None:
-        event, self._version_changed = self._version_changed, asyncio.Event()
-        event.set()
-
-    def version_changed_threadsafe(self) -> None:
-        """After a resync (on another thread) moved the epoch."""
-        self._loop.call_soon_threadsafe(self.version_changed)
+        self.pending = self.inbox.pending
+        # the mean gradients of the last steps applied here, for replicas that missed them (`replay`);
+        # none with local steps: every replica stepped on its own gradient, there is no shared mean
+        self.kept_means = KeptMeans(worker.params) if worker.outer is None else None
+        self._replaying = False
+        # what forwards wait on; the loop is the server's (made before serving) or a test's
+        self.versions = VersionGate(lambda: self.worker.epoch, loop or asyncio.get_running_loop())
 
     # the step loop ------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -314,7 +183,7 @@ class StepCoordinator:
         if self._replaying or not state.closes:
             return False
         bucket = self.worker.buckets.get(state.step)
-        live = self._live()
+        live = self.inbox.live()
         heard_peers = any(live is None or peer in live for peer in state.received)
         state.decision = decide_step(
             self._candidates(state),
@@ -341,7 +210,7 @@ class StepCoordinator:
 
     def _candidates(self, state: PendingStep, due: bool = False) -> list[StepDecision]:
         candidates = step_candidates(
-            state.closes.values(), self.peer_id, self._live(), self.settings.close_timeout_s
+            state.closes.values(), self.peer_id, self.inbox.live(), self.settings.close_timeout_s
         )
         now_s = time.monotonic()
         return [c for c in candidates if c.due_s <= now_s] if due else candidates
@@ -349,17 +218,11 @@ class StepCoordinator:
     # steps missed: replayed from a peer's means ---------------------------------------------------
     def means_of(self, step: int) -> tuple[int, list[torch.Tensor] | None] | None:
         """(samples, mean gradients) of a recent step applied here; None when not kept."""
-        return self.recent_means.get(step)
+        return None if self.kept_means is None else self.kept_means.get(step)
 
     def _keep_means(self, step: int, samples: int, means: list[torch.Tensor] | None) -> None:
-        if self.worker.outer is not None:
-            return  # local steps: every replica stepped on its own gradient, there is no shared mean
-        self.recent_means[step] = (samples, means)
-        # the means have the parameters' shapes and dtypes
-        step_bytes = sum(p.numel() * p.element_size() for p in self.worker.params)
-        keep = max(KEPT_STEP_MEANS, min(MAX_REPLAY_STEPS, KEPT_MEANS_BYTES // max(step_bytes, 1)))
-        while len(self.recent_means) > keep:
-            self.recent_means.popitem(last=False)
+        if self.kept_means is not None:
+            self.kept_means.keep(step, samples, means)
 
     async def replay(self, step: int, samples: int, means: list[torch.Tensor] | None) -> bool:
         """Apply step `step` as its participants did, from one participant's mean gradients: a replica
@@ -381,7 +244,7 @@ class StepCoordinator:
             self._replaying = False
         self._keep_means(step, samples, kept)
         self.pending.pop(step, None)
-        self.version_changed()
+        self.versions.changed()
         self.counters.replayed_steps += 1
         self.ledger.write("replay", step=step, n=samples, applied=applied)
         if self.on_step is not None:
@@ -399,49 +262,57 @@ class StepCoordinator:
                 "%.0f s; acting on %s as before the checks",
                 step,
                 self.settings.close_timeout_s,
-                {_short(p): n for p, n in start.members.items()},
+                {short(p): n for p, n in start.members.items()},
             )
         bucket = await self._on_compute(lambda: self.worker.seal(step))
         if self.worker.outer is not None:
             await self._finish_local(state, start, bucket, start_s)
             return
-        own = bucket.samples
-        if start.lenient:  # as before the checks: named members count with whatever they send
-            if own and self.peer_id in start.members:
-                self.sums_out.send(state, start.participants | set(start.members), own, bucket.grad_sums)
-            others = set(start.members) - {self.peer_id}
-            answered = await self._wait_for_sums(state, others)
-            final = start
-        else:  # the exchange decides which close is applied (`settle_step`)
-            sent: set[str] = set()
-
-            def settled(s: PendingStep) -> bool:
-                due = self._candidates(s, due=True)
-                self.sums_out.send_where_named(s, due, own, bucket.grad_sums, sent)
-                s.decision = settle_step(due, self.peer_id, own, _counts(s), s.unreachable)
-                return s.decision is not None
-
-            answered = await self._wait_for_sums(state, set(), settled)
-            if self.worker.epoch == step and not answered:
-                candidates = self._candidates(state, due=True)
-                state.decision = settle_step(candidates, self.peer_id, own, _counts(state), set(), True)
-            final = state.decision or start
+        answered, final = await self._exchange(state, start, bucket.samples, bucket.grad_sums)
         if self.worker.epoch != step:
             return  # a resync moved us on meanwhile
+        contributions, missing = self._contributions(state, final, bucket)
+        if not answered or missing:
+            self.counters.partial_exchanges += 1
+            logger.warning("step %d: no gradients from %s; stepping without them", step, list(missing))
+        await self._apply(step, contributions, bucket.micro_batch_ids, start_s)
+
+    async def _exchange(
+        self, state: PendingStep, start: StepDecision, own: int, sums: list[torch.Tensor]
+    ) -> tuple[bool, StepDecision]:
+        """Send our sums and wait for the members'; (whether all came, the close finally acted on)."""
+        if start.lenient:  # as before the checks: named members count with whatever they send
+            if own and self.peer_id in start.members:
+                self.sums_out.send(state, start.participants | set(start.members), own, sums)
+            return await self._wait_for_sums(state, set(start.members) - {self.peer_id}), start
+        sent: set[str] = set()  # the exchange decides which close is applied (`settle_step`)
+
+        def settled(s: PendingStep) -> bool:
+            due = self._candidates(s, due=True)
+            self.sums_out.send_where_named(s, due, own, sums, sent)
+            s.decision = settle_step(due, self.peer_id, own, _counts(s), s.unreachable)
+            return s.decision is not None
+
+        answered = await self._wait_for_sums(state, set(), settled)
+        if self.worker.epoch == state.step and not answered:
+            candidates = self._candidates(state, due=True)
+            state.decision = settle_step(candidates, self.peer_id, own, _counts(state), set(), True)
+        return answered, state.decision or start
+
+    def _contributions(self, state: PendingStep, final: StepDecision, bucket) -> tuple[dict, tuple[str, ...]]:
+        """The sums this replica adds for the step, by peer in peer order, and the members whose sums do
+        not count (`step_contributions`)."""
+        step, own = state.step, bucket.samples
         if not final.complete:
             self.counters.timed_out_closes += 1
             logger.warning("step %d: the closes of %d trainer(s) came, not of all", step, final.closes)
-        members = final.members
-        mine = members.get(self.peer_id, 0)
-        chosen = step_contributions(final, self.peer_id, own, {p: n for p, (n, _) in state.received.items()})
+        mine = final.members.get(self.peer_id, 0)
+        chosen = step_contributions(final, self.peer_id, own, _counts(state))
         if mine and own != mine:
             self.counters.disagreeing_closes += 1
+            verdict = "all counted" if chosen.own else "left out"
             logger.warning(
-                "step %d: this replica holds %d samples, the close says %d: %s",
-                step,
-                own,
-                mine,
-                "all counted" if chosen.own else "left out",
+                "step %d: this replica holds %d samples, the close says %d: %s", step, own, mine, verdict
             )
         if own and not chosen.own:  # the trainers do not confirm these: the others cannot count them
             self.counters.unconfirmed_samples += own
@@ -451,20 +322,16 @@ class StepCoordinator:
             logger.warning(
                 "step %d: %s sent gradients of %d samples, the close says %d: left out",
                 step,
-                _short(peer),
+                short(peer),
                 state.received[peer][0],
-                members[peer],
+                final.members[peer],
             )
         # fp32 addition is not associative: every replica must add the same sums in the same order
         # (with our own sums appended last, 3 replicas drifted apart by rounding, ~1e-9 per run)
         contributions = {peer: state.received[peer] for peer in chosen.peers}
         if chosen.own:
             contributions[self.peer_id] = (own, bucket.grad_sums)
-        contributions = dict(sorted(contributions.items()))
-        if not answered or chosen.missing:
-            self.counters.partial_exchanges += 1
-            logger.warning("step %d: no gradients from %s; stepping without them", step, list(chosen.missing))
-        await self._apply(step, contributions, bucket.micro_batch_ids, start_s)
+        return dict(sorted(contributions.items())), chosen.missing
 
     async def _finish_local(self, state: PendingStep, decision: StepDecision, bucket, start_s: float) -> None:
         """swarm.local_steps > 1: step on this replica's own gradient; at every H-th step, average the
@@ -498,7 +365,7 @@ class StepCoordinator:
 
         fingerprint = await self._on_compute(finish)
         self.pending.pop(step, None)
-        self.version_changed()
+        self.versions.changed()
         self.counters.last_group_size = len(contributions)
         self.ledger.write("sync", step=step, group={p: n for p, (n, _) in contributions.items()})
         if self.on_step is not None:
@@ -545,7 +412,7 @@ class StepCoordinator:
             self._keep_means(step, samples, kept)
         if not hold_epoch:
             self.pending.pop(step, None)
-            self.version_changed()
+            self.versions.changed()
         c = self.counters
         c.steps += 1
         c.solo_steps += len(contributions) <= 1
@@ -573,6 +440,25 @@ class StepCoordinator:
 
     async def _on_compute(self, fn):
         return await self.compute.run(fn, PRIORITY_SYNC)
+
+
+class KeptMeans:
+    """The mean gradients of the last steps applied here: at least `KEPT_STEP_MEANS` steps, more while
+    they fit in `KEPT_MEANS_BYTES`, never more than `MAX_REPLAY_STEPS`."""
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        # the means have the parameters' shapes and dtypes
+        self._step_bytes = max(sum(p.numel() * p.element_size() for p in params), 1)
+        self.steps: OrderedDict[int, tuple[int, list[torch.Tensor] | None]] = OrderedDict()
+
+    def keep(self, step: int, samples: int, means: list[torch.Tensor] | None) -> None:
+        self.steps[step] = (samples, means)
+        keep = max(KEPT_STEP_MEANS, min(MAX_REPLAY_STEPS, KEPT_MEANS_BYTES // self._step_bytes))
+        while len(self.steps) > keep:
+            self.steps.popitem(last=False)
+
+    def get(self, step: int) -> tuple[int, list[torch.Tensor] | None] | None:
+        return self.steps.get(step)
 
 
 class SumsOut:
@@ -641,7 +527,3 @@ class SumsOut:
 
 def _counts(state: PendingStep) -> dict[str, int]:
     return {peer: samples for peer, (samples, _) in state.received.items()}
-
-
-def _short(peer: str) -> str:
-    return peer[-8:] if peer else "?"

@@ -32,8 +32,9 @@ from swarmtrain.net.protocol import ProtocolError
 from swarmtrain.planner.restore import behind_other_stages, choose_start
 from swarmtrain.runtime.ledger import Ledger
 from swarmtrain.runtime.server.compute import PRIORITY_SYNC, ComputeWorker
-from swarmtrain.runtime.server.stage_steps import KEEP_STEPS_AHEAD, MAX_REPLAY_STEPS
+from swarmtrain.runtime.server.stage_steps import MAX_REPLAY_STEPS
 from swarmtrain.runtime.server.stage_worker import StageWorker
+from swarmtrain.runtime.server.step_inbox import KEEP_STEPS_AHEAD
 from swarmtrain.utils.logging import get_logger
 
 logger = get_logger(__name__)

@@ -32,7 +32,7 @@ from swarmtrain.net.engine import PeerNetwork
 from swarmtrain.net.protocol import close_message, encode_labels, namespace
 from swarmtrain.net.transport import RemoteError, StageClient
 from swarmtrain.planner.routing import BACKWARD_WEIGHT, FORWARD_CHARGE, FORWARD_WEIGHT, direct_from
-from swarmtrain.planner.stop_step import StopAction, StopDecision, agreed_stop
+from swarmtrain.planner.stop_step import StopAction
 from swarmtrain.runtime.ledger import Ledger
 from swarmtrain.runtime.procs import remember_group_sockets
 from swarmtrain.runtime.trainer.call_policy import retry_delay_s
@@ -40,6 +40,7 @@ from swarmtrain.runtime.trainer.chain_calls import ChainCaller
 from swarmtrain.runtime.trainer.peer_table import PeerTable
 from swarmtrain.runtime.trainer.stage_calls import StageCaller
 from swarmtrain.runtime.trainer.step_tracker import StepTracker
+from swarmtrain.runtime.trainer.stop_agreement import STOP_POLL_S, StopAgreement
 from swarmtrain.runtime.trainer.trainer_metrics import TrainerMetrics
 from swarmtrain.utils.logging import get_logger
 
@@ -51,17 +52,6 @@ logger = get_logger(__name__)
 # peer behind a NAT is reachable only once its relay is reserved, seconds after it announced itself
 CLOSE_RETRY_S = 30.0
 CLOSE_EXIT_WAIT_S = 5.0  # at exit, closes still retried after this are dropped (their peers are gone)
-STOP_POLL_S = 0.5  # how often a trainer at its time limit reads the other shards' stop proposals
-STOP_RECORD_FRESH_S = 60.0  # older stop proposals belong to an earlier launch of the run
-
-
-@dataclass
-class _StopState:
-    first_s: float  # when this trainer's time was up (time.monotonic())
-    proposed: int  # our proposal: our next step then
-    polled_s: float = float("-inf")
-    others: dict[int, int] = field(default_factory=dict)  # shard -> its proposal
-    announced: int | None = None  # the stop we logged
 
 
 @dataclass
@@ -172,7 +162,7 @@ class SwarmTrainer:
         self.chain: ChainCaller | None = None  # direct hand-off, once set up
         self._close_tasks: set[asyncio.Task] = set()
         self._start_s = time.monotonic()
-        self._stop: _StopState | None = None  # once --duration-s is up: the agreement on the last step
+        self.stop: StopAgreement | None = None  # where --duration-s ends the run, once training
         t = cfg.training
         step_samples, rest = divmod(t.global_batch_size, options.shard_count)
         if rest or step_samples % t.micro_batch_size:
@@ -204,6 +194,14 @@ class SwarmTrainer:
         res.data_start_sample = res.start_step * shard_samples_per_step
         batches = batches_from(res.data_start_sample)
         self.tracker = StepTracker(self.num_stages, self.micro_batches_per_step, res.start_step, self._close)
+        self.stop = StopAgreement(
+            self.records,
+            self.tracker,
+            opts.shard_index,
+            opts.shard_count,
+            opts.duration_s,
+            self.cfg.swarm.request_timeout_s,  # as long as a stage waits for a step's missing closes
+        )
         logger.info(
             "starting at global step %d (data: sample %d of shard %d/%d)",
             res.start_step,
@@ -217,7 +215,7 @@ class SwarmTrainer:
             asyncio.create_task(self._every(opts.log_period_s, self._report)),
         ]
         if opts.duration_s is not None and opts.shard_count > 1:
-            background.append(asyncio.create_task(self._every(STOP_POLL_S, self._watch_stops)))
+            background.append(asyncio.create_task(self._every(STOP_POLL_S, self.stop.watch)))
         in_flight: set[asyncio.Task] = set()
         slots = asyncio.Semaphore(opts.max_in_flight)
         try:
@@ -258,9 +256,9 @@ class SwarmTrainer:
                 return True
             if self._at_limit():
                 return False
-            if not self._time_is_up(start):
+            if not self.stop.time_is_up(start):
                 return True
-            decision = await self._stop_agreement()
+            decision = await self.stop.decide()
             if decision.action is StopAction.STOP:
                 return False
             if decision.action is StopAction.GO:
@@ -275,76 +273,6 @@ class SwarmTrainer:
             steps = -(-opts.max_samples // (per_step * self.cfg.training.micro_batch_size))
             return self.result.started >= steps * per_step
         return False
-
-    def _time_is_up(self, start: float) -> bool:
-        """Our --duration-s is up, or another shard's was (then ours is taken as up: the run stops when
-        the first shard's time is up, `_watch_stops`)."""
-        duration_s = self.options.duration_s
-        return self._stop is not None or (duration_s is not None and time.monotonic() - start >= duration_s)
-
-    async def _watch_stops(self) -> None:
-        """Another shard's time is up: propose ours now. Its step cannot be applied without our micro-batches,
-        so ours would wait for it (in-flight slots held by requests parked at the servers) and only
-        propose after the close timeout had applied that step short."""
-        if self._stop is not None or self.tracker is None:
-            return
-        others = await self._read_stops()
-        if others:
-            await self._propose()
-            assert self._stop is not None
-            self._stop.others = others
-
-    async def _read_stops(self) -> dict[int, int]:
-        opts, since = self.options, time.time() - STOP_RECORD_FRESH_S
-        found = await asyncio.get_running_loop().run_in_executor(
-            None, self.records.stops, opts.shard_count, since
-        )
-        return {shard: step for shard, step in found.items() if shard != opts.shard_index}
-
-    async def _propose(self) -> None:
-        """Once: our stop is the first step we have not started (the one after, mid-step)."""
-        if self._stop is not None:
-            return
-        assert self.tracker is not None
-        opts, tracker = self.options, self.tracker
-        self._stop = _StopState(
-            first_s=time.monotonic(), proposed=tracker.next_step + tracker.step_in_progress
-        )
-        if opts.shard_count > 1:
-            args = (opts.shard_index, opts.shard_count, self._stop.proposed, STOP_RECORD_FRESH_S)
-            await asyncio.get_running_loop().run_in_executor(None, self.records.publish_stop, *args)
-            logger.info(
-                "time is up at step %d; agreeing on the last step with the other shards", self._stop.proposed
-            )
-
-    async def _stop_agreement(self) -> StopDecision:
-        """Propose our stop step once, and read the other shards' proposals (at most every
-        STOP_POLL_S) until every shard has proposed (planner/stop_step.py)."""
-        await self._propose()
-        opts, now, state = self.options, time.monotonic(), self._stop
-        assert state is not None
-        everyone = len(state.others) + 1 >= opts.shard_count
-        if not everyone and now - state.polled_s >= STOP_POLL_S:
-            state.others, state.polled_s = await self._read_stops(), now
-        decision = agreed_stop(
-            self.tracker.next_step,
-            state.proposed,
-            state.others,
-            opts.shard_count,
-            now - state.first_s,
-            self._stop_wait_s(),
-        )
-        if decision.action is not StopAction.WAIT and decision.step != state.announced:
-            state.announced = decision.step
-            logger.info(
-                "stopping at step %d (proposals of the other shards: %s)", decision.step, state.others
-            )
-        return decision
-
-    def _stop_wait_s(self) -> float:
-        """How long a shard at its stop waits for the others to propose: as long as a stage waits for
-        the closes of a step some trainer never closes."""
-        return self.cfg.swarm.request_timeout_s
 
     async def _wait_for_every_stage(self) -> None:
         """Before the first step: every stage has a live peer (its step tells where to start)."""
