@@ -172,11 +172,13 @@ class StageCaller:
         in the router. `prefer`: try this peer first if it is usable (the replica that ran the forward
         holds the activations for the backward); its forward already paid for this call, so it is
         charged nothing."""
+        timeout_s = self.swarm.request_timeout_s
+        message = request_message(
+            kind, mb, stage, self.digest, self.codec, tensors, timeout_s=timeout_s, **header
+        )
+        cost = weight if charge is None else charge
         return await run_call(
-            self,
-            _RelayPlan(
-                self, stage, kind, mb, num_samples, tensors, weight, prefer, persistent, charge, header
-            ),
+            self, _RelayPlan(self, stage, message, num_samples, weight, cost, prefer, persistent)
         )
 
     async def _hedged(
@@ -312,24 +314,19 @@ class _RelayPlan:
         self,
         caller: StageCaller,
         stage: int,
-        kind: str,
-        mb: str,
+        message: Message,
         num_samples: int,
-        tensors: dict,
         weight: float,
+        cost: float,
         prefer: str | None,
         persistent: bool,
-        charge: float | None,
-        header: dict,
     ) -> None:
-        self.caller, self.stage, self.kind, self.mb = caller, stage, kind, mb
-        self.what = f"{kind} of {mb}"
-        self.num_samples, self.weight, self.prefer, self.persistent = num_samples, weight, prefer, persistent
-        self.cost = weight if charge is None else charge
+        """The parameters of `StageCaller.call_peer`, the request built (`cost`: its `charge`)."""
+        self.caller, self.stage, self.message, self.kind = caller, stage, message, message.kind
+        self.what = f"{message.kind} of {message.header.get('mb')}"
+        self.num_samples, self.weight, self.cost = num_samples, weight, cost
+        self.prefer, self.persistent = prefer, persistent
         self.timeout_s = caller.swarm.request_timeout_s
-        self.message = request_message(
-            kind, mb, stage, caller.digest, caller.codec, tensors, timeout_s=self.timeout_s, **header
-        )
         self._start_s = 0.0
 
     async def choose(self, attempt: int, excluded: set[str]) -> Attempt:
