@@ -323,7 +323,8 @@ class _RelayPlan:
     ) -> None:
         """The parameters of `StageCaller.call_peer`, the request built (`cost`: its `charge`)."""
         self.caller, self.stage, self.message, self.kind = caller, stage, message, message.kind
-        self.what = f"{message.kind} of {message.header.get('mb')}"
+        self.mb = str(message.header.get("mb"))
+        self.what = f"{self.kind} of {self.mb}"
         self.num_samples, self.weight, self.cost = num_samples, weight, cost
         self.prefer, self.persistent = prefer, persistent
         self.timeout_s = caller.swarm.request_timeout_s
