@@ -318,6 +318,8 @@ def test_local_steps_differ_between_rounds_and_agree_after_each(tiny_cfg, micro_
         assert sorted(net.sent) == [("A", "B", 1), ("B", "A", 1)]
         assert all(torch.equal(p, q) for p, q in zip(a.params, b.params, strict=True))
         assert a.samples_since_sync == 0 and a.epoch == 2
+        # every replica stepped on its own gradient: there is no shared mean for a replay
+        assert nodes["A"].kept_means is None and nodes["A"].means_of(0) is None
 
         # the same round in process: pseudo-gradients weighted by samples since the anchor (32, 24)
         a2, b2 = _local_round_in_process(cfg, rounds_a), _local_round_in_process(cfg, rounds_b)

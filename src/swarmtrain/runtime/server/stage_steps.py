@@ -137,6 +137,7 @@ class StepCoordinator:
         self.pending = self.inbox.pending
         # the mean gradients of the last steps applied here, for replicas that missed them (`replay`);
         # none with local steps: every replica stepped on its own gradient, there is no shared mean
+        # (decided here once: a worker's outer optimizer and parameters are fixed when it is built)
         self.kept_means = KeptMeans(worker.params) if worker.outer is None else None
         self._replaying = False
         # what forwards wait on; the loop is the server's (made before serving) or a test's

@@ -162,7 +162,7 @@ class SwarmTrainer:
         self.chain: ChainCaller | None = None  # direct hand-off, once set up
         self._close_tasks: set[asyncio.Task] = set()
         self._start_s = time.monotonic()
-        self.stop: StopAgreement | None = None  # where --duration-s ends the run, once training
+        self.stop_agreement: StopAgreement | None = None  # where --duration-s ends the run, once training
         t = cfg.training
         step_samples, rest = divmod(t.global_batch_size, options.shard_count)
         if rest or step_samples % t.micro_batch_size:
@@ -194,7 +194,7 @@ class SwarmTrainer:
         res.data_start_sample = res.start_step * shard_samples_per_step
         batches = batches_from(res.data_start_sample)
         self.tracker = StepTracker(self.num_stages, self.micro_batches_per_step, res.start_step, self._close)
-        self.stop = StopAgreement(
+        self.stop_agreement = StopAgreement(
             self.records,
             self.tracker,
             opts.shard_index,
@@ -215,7 +215,7 @@ class SwarmTrainer:
             asyncio.create_task(self._every(opts.log_period_s, self._report)),
         ]
         if opts.duration_s is not None and opts.shard_count > 1:
-            background.append(asyncio.create_task(self._every(STOP_POLL_S, self.stop.watch)))
+            background.append(asyncio.create_task(self._every(STOP_POLL_S, self.stop_agreement.watch)))
         in_flight: set[asyncio.Task] = set()
         slots = asyncio.Semaphore(opts.max_in_flight)
         try:
@@ -256,9 +256,9 @@ class SwarmTrainer:
                 return True
             if self._at_limit():
                 return False
-            if not self.stop.time_is_up(start):
+            if not self.stop_agreement.time_is_up(start):
                 return True
-            decision = await self.stop.decide()
+            decision = await self.stop_agreement.decide()
             if decision.action is StopAction.STOP:
                 return False
             if decision.action is StopAction.GO:
