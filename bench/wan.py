@@ -625,8 +625,11 @@ def _wait_for_announce(cfg) -> None:
     time.sleep(2.5 * cfg.swarm.announce_period_s)
 
 
-def _trainer_chunk(swarm: LocalSwarm, codec: str, steps: int, setup: Setup, expected_step: int) -> dict:
-    """One trainer invocation: `steps` steps, then the validation loss through the swarm."""
+def _trainer_chunk(
+    swarm: LocalSwarm, codec: str, steps: int, setup: Setup, expected_step: int, name: str
+) -> dict:
+    """One trainer invocation: `steps` steps, then the validation loss through the swarm (`name`: the
+    configuration's, for progress lines)."""
     swarm.start_trainer(
         "trainer",
         *("--max-samples", str(steps * setup.global_batch), "--eval-samples", str(setup.eval_samples)),
@@ -635,7 +638,7 @@ def _trainer_chunk(swarm: LocalSwarm, codec: str, steps: int, setup: Setup, expe
     procs = swarm.processes
     servers = {n: p for n, p in procs.items() if n.startswith("stage")}
     timeout = steps * 60.0 + setup.run_timeout_s
-    label, log = f"time to target, {codec}", procs["trainer"].log_text
+    label, log = f"time to target, {name}", procs["trainer"].log_text
     wait_workers({"trainer": procs["trainer"]}, servers, timeout, label, lambda: trainer_progress(log()))
     procs["trainer"].kill()  # exited: closes its log
     summary = json.loads(swarm.summary_path("trainer").read_text())
@@ -663,11 +666,11 @@ def swarm_history(
         step = 0
         while step < max_steps and not (history and history[-1][1] <= target):
             chunk = min(first if step == 0 else every, max_steps - step)
-            summary = _trainer_chunk(swarm, codec, chunk, setup, step)
+            summary = _trainer_chunk(swarm, codec, chunk, setup, step, config.math)
             step += summary["steps"]
             history.append((step, summary["val_loss"]))
             print(
-                f"      swarm {codec}: step {step}, val {summary['val_loss']:.4f} (target {target:.4f}), "
+                f"      {config.math}: step {step}, val {summary['val_loss']:.4f} (target {target:.4f}), "
                 f"{time.monotonic() - start:.0f}s",
                 flush=True,
             )
