@@ -1,5 +1,5 @@
-"""Malformed protocol messages for fuzz tests: seeded mutations of valid forward, backward, close, grads
-and info messages (byte flips, truncation, header fields replaced by hostile JSON, descriptor edits)."""
+"""Malformed protocol messages for fuzz tests: seeded mutations of valid forward, backward, evaluate,
+evaluate_chain, close, grads and info messages (byte flips, truncation, header fields replaced by hostile JSON, descriptor edits)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import torch
 
 from swarmtrain.config import RunConfig
 from swarmtrain.net import protocol
-from swarmtrain.net.protocol import Message, StageIO, pack, request_message
+from swarmtrain.net.hand_off import evaluate_chain_message, validate_evaluate_chain
+from swarmtrain.net.protocol import Message, StageIO, encode_labels, pack, request_message
 
 # JSON texts that broke or could break a header reader: deep nesting, Python's 4,300-digit integer
 # limit, strings where flags are expected, values of every type and absurd sizes
@@ -46,6 +47,7 @@ FIELDS = {  # the header fields each kind's validator reads
     "forward": _ENVELOPE + ["mb", "codec", "step", "accumulate"],
     "forward_backward": _ENVELOPE + ["mb", "codec", "step", "accumulate"],
     "evaluate": _ENVELOPE + ["mb", "codec", "step"],
+    "evaluate_chain": _ENVELOPE + ["mb", "codec", "step", "route"],
     "backward": _ENVELOPE + ["mb", "codec", "step", "accumulate"],
     "close": _ENVELOPE + ["step", "shard", "shards", "members", "participants"],
     "grads": _ENVELOPE + ["step", "samples"],
@@ -70,6 +72,11 @@ def valid_messages(cfg: RunConfig, stage: int) -> list[tuple[str, bytes]]:
     evaluate = request_message("evaluate", "fz-2", stage, digest, "8bit", tensors)
     messages = [(kind, pack(forward)), ("evaluate", pack(evaluate))]
     if not spec.is_last:
+        labels = encode_labels(torch.randint(0, m.vocab_size, (b, m.seq_len)), m.vocab_size)
+        route = [["fz-peer"]] * (cfg.swarm.num_stages - stage - 1)
+        wire_inputs = protocol.encode_tensor("inputs", inputs, "8bit")
+        chain = evaluate_chain_message("fz-3", stage, digest, "8bit", wire_inputs, labels, route)
+        messages.append(("evaluate_chain", pack(chain)))
         grad = torch.randn(b, m.seq_len, m.d_model)
         backward = request_message(
             "backward", "fz-1", stage, digest, "none", {**tensors, "grad_outputs": grad}, step=0
@@ -159,6 +166,8 @@ def locally_rejected(kind: str, data: bytes, cfg: RunConfig, stage: int) -> bool
             return True
         if kind in protocol.MICRO_BATCH_KINDS:
             protocol.validate_request(message, io, cfg.digest())
+        elif kind == "evaluate_chain":
+            validate_evaluate_chain(message, io, cfg.digest(), cfg.swarm.num_stages)
         elif kind == "close":
             protocol.validate_close(message, stage, cfg.digest())
         elif kind == "grads":

@@ -65,7 +65,10 @@ def test_the_data_plane_refuses_what_strangers_send_and_the_swarm_trains_on(make
     assert summary["microbatches_failed"] == 0 and summary["steps"] > 0, summary
     for stage, (peer, _) in targets.items():  # the swarm is idle now: everything held was released
         status = probe.info(peer).header["data_plane"]
-        assert status["held_bytes"] == status["answers_under_way"] == 0 and status["refused"] > 0, (stage, status)
+        assert status["held_bytes"] == status["answers_under_way"] == 0 and status["refused"] > 0, (
+            stage,
+            status,
+        )
     for name, proc in swarm.processes.items():
         log = proc.log_text()
         assert "Traceback" not in log, f"{name}:\n{log[-4000:]}"
@@ -109,7 +112,13 @@ async def _garbage(address) -> int:
 
 
 async def _bad_hellos(address, server: str) -> int:
-    good = {"protocol": "swarmtrain-data/1", "peer": FUZZER, "to": server, "nonce": "00" * 16, "link": "l" * 32}
+    good = {
+        "protocol": "swarmtrain-data/1",
+        "peer": FUZZER,
+        "to": server,
+        "nonce": "00" * 16,
+        "link": "l" * 32,
+    }
     hellos = [
         b"[" * 3000 + b"]" * 3000,
         b'{"a":' * 1500 + b"1" + b"}" * 1500,
@@ -145,7 +154,9 @@ class _RawLink:
         link, channels = os.urandom(16).hex(), []
         for role in (data_plane.REPLIES, data_plane.REQUESTS):
             reader, writer = await asyncio.open_connection(*address)
-            seal = await data_plane._client_handshake(reader, writer, FUZZER_IDENTITY, server, None, link, role)
+            seal = await data_plane._client_handshake(
+                reader, writer, FUZZER_IDENTITY, server, None, link, role
+            )
             channels.append(data_plane._Channel(reader, writer, seal))
         return cls(*channels)
 
@@ -184,7 +195,13 @@ def _invalid_cases(cfg, stage: int) -> list[tuple[str, bytes]]:
     chain = Message("chain", {**forward.header, "route": [], "accumulate_after": []}, dict(forward.tensors))
     chain.tensors["labels"] = labels
     wrong_digest = request_message("forward_backward", "fz-9", stage, "0" * 16, "none", {"inputs": inputs})
+    evaluation = Message(
+        "evaluate_chain", {**forward.header, "route": []}, {"inputs": inputs, "labels": labels}
+    )
+    wrong_evaluation = request_message("evaluate", "fz-8", stage, "0" * 16, "none", {"inputs": inputs})
     cases += [
+        ("evaluate_chain", pack(evaluation)),  # stage 0: a route of the wrong length; the last: refused
+        ("evaluate", pack(wrong_evaluation)),
         ("chain", pack(chain)),  # at stage 0 a route of the wrong length; at the last stage no chain at all
         ("forward_backward" if stage == 0 else "chain", pack(forward)),  # a kind this stage does not take
         ("forward_backward", pack(wrong_digest)),

@@ -23,6 +23,7 @@ retried without accumulating (the trainer's summary counts them); the test asser
 from __future__ import annotations
 
 import json
+import math
 import re
 import subprocess
 import sys
@@ -60,9 +61,11 @@ def nat_swarm(tmp_path):
     behind the NAT, in that order; every process and namespace removed at teardown, failed or not."""
     with ExitStack() as stack:
 
-        def make(public: list[str], private: list[str]) -> tuple[NatTestbed, LocalSwarm]:
+        def make(
+            public: list[str], private: list[str], preset: str = "tiny"
+        ) -> tuple[NatTestbed, LocalSwarm]:
             bed = stack.enter_context(NatTestbed(len(public), len(private)))
-            config = write_run_toml(tmp_path / "run.toml", "tiny", {"swarm": dict(FAST_SWARM)})
+            config = write_run_toml(tmp_path / "run.toml", preset, {"swarm": dict(FAST_SWARM)})
             peers = {name: i for i, name in enumerate([*public, *private])}
             swarm = stack.enter_context(
                 LocalSwarm(tmp_path / "swarm", config, netbed=bed, netbed_peers=peers)
@@ -257,6 +260,30 @@ def test_a_stage_1_server_behind_the_nat_takes_direct_hand_offs_from_a_public_st
         f"accumulated on s1, {summary['retries_not_accumulated']} retried without accumulating; LAN -> s0 "
         f"{direct} B directly, LAN -> relays {relayed} B"
     )
+
+
+def test_validation_reaches_a_last_stage_behind_the_nat_along_the_chain(nat_swarm):
+    """`small`, its last stage behind the NAT: the trainer's validation goes s0 -> s1 as training hand-offs
+    do (`evaluate_chain`), over the connection s1 opened. Through the relay it could not: one fp32
+    micro-batch of `small`'s activations is 8 x 128 x 256 x 4 B = 1 MiB, and p2pd resets a relayed
+    connection after 128 KiB in a direction (the module docstring)."""
+    public = ["dht", "relay1", "relay2", "s0", "trainer"]
+    bed, swarm = nat_swarm(public, ["s1"], preset="small")
+    swarm.start_dht(*public_name_args(bed, 0))
+    for name in ("relay1", "relay2"):
+        swarm.start_dht_peer(name, *public_name_args(bed, public.index(name)))
+    swarm.start_server("s0", 0)
+    swarm.start_server("s1", 1, "--auto-relay")
+    swarm.wait_ready(["s0", "s1"])
+    eval_samples = 64
+    swarm.start_trainer(
+        "trainer", "--max-samples", "128", "--eval-samples", str(eval_samples), "--compression", "none"
+    )
+    wait_success(swarm, "trainer")
+    summary = json.loads(swarm.summary_path("trainer").read_text())
+    assert summary["val_loss"] is not None and math.isfinite(summary["val_loss"]), summary
+    assert bed.lan_bytes_to(public.index("trainer")) == 0  # s1 never talked to the trainer directly
+    print(f"`small` validated through a last stage behind the NAT: val loss {summary['val_loss']:.4f}")
 
 
 def test_a_trainer_behind_the_nat_trains_against_public_servers(nat_swarm):

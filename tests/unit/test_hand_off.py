@@ -1,4 +1,4 @@
-"""Direct hand-off's pure parts (net/hand_off.py): the `chain` message and its checks, hop reports and hop
+"""Direct hand-off's pure parts (net/hand_off.py): the `chain` and `evaluate_chain` messages and their checks, hop reports and hop
 service times (the failure table is tests/unit/test_failures.py)."""
 
 import dataclasses
@@ -11,8 +11,11 @@ from swarmtrain.net import codec
 from swarmtrain.net.hand_off import (
     HopReport,
     chain_message,
+    checked_loss,
+    evaluate_chain_message,
     hop_service_times,
     validate_chain,
+    validate_evaluate_chain,
     validate_hops,
 )
 from swarmtrain.net.protocol import (
@@ -141,3 +144,42 @@ def test_labels_go_as_the_narrowest_integer_that_holds_the_vocabulary_and_arrive
         message.tensors.update(inputs=inputs, labels=sent)
         request = validate_request(unpack(pack(message), 10**8), last, DIGEST)
         assert request.labels.dtype == torch.int64 and request.labels.tolist() == labels.tolist()
+
+
+def _evaluation(cfg, stage=0, route=None, n=2):
+    seq = cfg.model.seq_len
+    inputs = torch.randint(0, 256, (n, seq)) if stage == 0 else torch.randn(n, seq, cfg.model.d_model)
+    route = route if route is not None else [["p1", "p1b"], ["p2"]][stage:]
+    labels = codec.encode(torch.randint(0, 256, (n, seq)), "none")
+    message = evaluate_chain_message(
+        "ev-1", stage, DIGEST, "none", codec.encode(inputs, "none"), labels, route, step=3
+    )
+    return unpack(pack(message), 10**8)
+
+
+def test_an_evaluation_chain_is_a_forward_only_request_that_accumulates_nowhere(three_stages):
+    chain = validate_evaluate_chain(_evaluation(three_stages), _io(three_stages, 0), DIGEST, 3)
+    assert chain.forward.kind == "evaluate" and chain.forward.evaluate and chain.forward.step == 3
+    assert chain.route == [["p1", "p1b"], ["p2"]] and chain.accumulate_after == [False, False]
+    middle = validate_evaluate_chain(_evaluation(three_stages, stage=1), _io(three_stages, 1), DIGEST, 3)
+    assert middle.route == [["p2"]] and middle.forward.inputs.shape[-1] == three_stages.model.d_model
+
+
+def test_an_evaluation_chain_is_checked_as_a_training_chain_is(three_stages):
+    with pytest.raises(ProtocolError, match="route must list"):
+        validate_evaluate_chain(_evaluation(three_stages, route=[["p1"]]), _io(three_stages, 0), DIGEST, 3)
+    with pytest.raises(ProtocolError, match="names a peer twice"):
+        route = [["p1", "p1"], ["p2"]]
+        validate_evaluate_chain(_evaluation(three_stages, route=route), _io(three_stages, 0), DIGEST, 3)
+    with pytest.raises(ProtocolError, match="last stage takes no evaluate_chain"):
+        validate_evaluate_chain(_evaluation(three_stages, stage=2, route=[]), _io(three_stages, 2), DIGEST, 3)
+    with pytest.raises(ProtocolError) as info:
+        validate_evaluate_chain(_evaluation(three_stages), _io(three_stages, 0), "other", 3)
+    assert info.value.code == "digest_mismatch"
+
+
+@pytest.mark.parametrize("loss", [None, "1.0", True, float("nan"), float("inf")])
+def test_a_chain_reply_without_a_finite_loss_is_a_protocol_error(loss):
+    with pytest.raises(ProtocolError, match="bad loss"):
+        checked_loss(Message("result", {"loss": loss}))
+    assert checked_loss(Message("result", {"loss": 2})) == 2.0

@@ -15,8 +15,9 @@ def test_the_derived_sets_are_what_the_transport_data_plane_and_trainer_rely_on(
     assert set(protocol.MICRO_BATCH_KINDS) == {"forward", "backward", "forward_backward", "evaluate"}
     assert set(protocol.TRAINING_KINDS) == {"forward", "backward", "forward_backward", "chain"}
     assert set(protocol.ACCUMULATING_KINDS) == {"backward", "forward_backward"}
-    assert set(protocol.HAND_OFF_KINDS) == {"chain", "forward_backward"}
-    assert set(protocol.DIRECT_KINDS) == {"chain", "forward_backward", "bundle"}
+    hand_offs = {"chain", "forward_backward", "evaluate_chain", "evaluate"}
+    assert set(protocol.HAND_OFF_KINDS) == hand_offs
+    assert set(protocol.DIRECT_KINDS) == hand_offs | {"bundle"}
     assert set(protocol.UNARY_KINDS) == {"info", "ping", "close"}
     assert set(protocol.REPLY_KINDS) == {"result", "error"}
     requests = set(protocol.STREAM_KINDS) | set(protocol.UNARY_KINDS)

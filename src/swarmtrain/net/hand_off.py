@@ -8,6 +8,8 @@ gets the gradient of its outputs back as that call's reply; it runs its backward
 and answers its caller with its own input gradient (none at stage 0) and one report per stage it
 reached (`hops`: the peer, the samples it accumulated, its timings). So activations and gradients cross
 each boundary once, server to server; the trainer's link carries ids, labels, the route and reports.
+Validation goes the same way (`evaluate_chain`: forward only, the last stage takes `evaluate`, the
+reply is the loss), so a server that accepts no inbound connection validates as it trains.
 
 Calls go strictly to higher stages and a handler awaits the next hop on the event loop (its compute
 thread stays free), so chains cannot deadlock. Every hop keeps one accumulate flag per stage from
@@ -32,6 +34,7 @@ from swarmtrain.net.protocol import (
 )
 
 CHAIN_KIND = "chain"
+EVALUATE_CHAIN_KIND = "evaluate_chain"
 MAX_CANDIDATES = 4  # per stage of a route: the chosen peer and its alternates
 
 
@@ -73,16 +76,48 @@ def chain_message(
 
 def validate_chain(message: Message, io: StageIO, digest: str, num_stages: int) -> ChainRequest:
     """Check a `chain` against this stage (never the last: it takes `forward_backward`)."""
+    forward, labels, route = _validate_hand_off(message, "forward", io, digest, num_stages)
+    flags, later = message.header.get("accumulate_after"), len(route)
+    if not (isinstance(flags, list) and len(flags) == later and all(isinstance(f, bool) for f in flags)):
+        raise ProtocolError(f"accumulate_after must be {later} true/false value(s)")
+    return ChainRequest(forward, labels, route, flags)
+
+
+def evaluate_chain_message(
+    mb: str,
+    stage: int,
+    digest: str,
+    codec_name: str,
+    inputs: codec.EncodedTensor,
+    labels: codec.EncodedTensor,
+    route: list[list[str]],
+    **header,
+) -> Message:
+    """A validation micro-batch handed along `route` (forward only, nothing kept); the reply is its loss."""
+    body = {"mb": mb, "stage": stage, "digest": digest, "codec": codec_name, "route": route, **header}
+    return Message(EVALUATE_CHAIN_KIND, body, {"inputs": inputs, "labels": labels})
+
+
+def validate_evaluate_chain(message: Message, io: StageIO, digest: str, num_stages: int) -> ChainRequest:
+    """Check an `evaluate_chain` against this stage (never the last: it takes `evaluate`)."""
+    forward, labels, route = _validate_hand_off(message, "evaluate", io, digest, num_stages)
+    return ChainRequest(forward, labels, route, [False] * len(route))
+
+
+def _validate_hand_off(
+    message: Message, hop_kind: str, io: StageIO, digest: str, num_stages: int
+) -> tuple[StageRequest, codec.EncodedTensor, list[list[str]]]:
+    """What a chain of either kind carries: this hop's request (`hop_kind`), the labels and the route."""
     if io.is_last:
-        raise ProtocolError("the last stage takes forward_backward, not chain")
+        raise ProtocolError(f"the last stage takes no {message.kind}")
     header = message.header
     if set(message.tensors) != {"inputs", "labels"}:
-        raise ProtocolError(f"chain carries inputs and labels, got {sorted(message.tensors)}")
-    forward = validate_request(Message("forward", header, {"inputs": message.tensors["inputs"]}), io, digest)
+        raise ProtocolError(f"{message.kind} carries inputs and labels, got {sorted(message.tensors)}")
+    forward = validate_request(Message(hop_kind, header, {"inputs": message.tensors["inputs"]}), io, digest)
     labels = message.tensors["labels"]
     checked_label_shape(labels, tuple(forward.inputs.shape[:2]))
     later = num_stages - io.stage - 1
-    route, flags = header.get("route"), header.get("accumulate_after")
+    route = header.get("route")
     if not (isinstance(route, list) and len(route) == later):
         raise ProtocolError(f"route must list candidates for the {later} later stage(s)")
     for candidates in route:
@@ -92,9 +127,15 @@ def validate_chain(message: Message, io: StageIO, digest: str, num_stages: int) 
             raise ProtocolError("route entries are peer ids")
         if len(set(candidates)) != len(candidates):
             raise ProtocolError("a route entry names a peer twice")
-    if not (isinstance(flags, list) and len(flags) == later and all(isinstance(f, bool) for f in flags)):
-        raise ProtocolError(f"accumulate_after must be {later} true/false value(s)")
-    return ChainRequest(forward, labels, route, flags)
+    return forward, labels, route
+
+
+def checked_loss(reply: Message) -> float:
+    """The loss of a chain's reply (training or evaluation); ProtocolError when it is not a number."""
+    loss = reply.header.get("loss")
+    if isinstance(loss, bool) or not isinstance(loss, (int, float)) or not math.isfinite(loss):
+        raise ProtocolError(f"a chain reply carries a bad loss {loss!r:.40}")
+    return float(loss)
 
 
 # reports --------------------------------------------------------------------------------------------

@@ -62,7 +62,9 @@ class Kind:
 
 # forward/backward: a training micro-batch through a stage (not the last); forward_backward: through
 # the last stage, loss and backward in one call; evaluate: forward only, any stage, nothing kept;
-# chain: a micro-batch handed from server to server along a route (net/hand_off.py); bundle: several
+# chain: a micro-batch handed from server to server along a route (net/hand_off.py); evaluate_chain: a
+# validation micro-batch handed along a route the same way, forward only (the last hop takes `evaluate`,
+# so a server that accepts no inbound connection validates as it trains); bundle: several
 # hand-off messages to one peer, and their answers, as one message (net/bundle.py); grads: one
 # replica's gradient sums of a step, sent to its stage peers; step_means: a stage replica that missed
 # a step asks a peer for the mean gradients it applied; round_mean: a whole-model replica asks a member
@@ -77,8 +79,9 @@ KIND_TABLE: dict[str, Kind] = {
     "forward_backward": Kind(
         stream=True, micro_batch=True, trains=True, accumulates=True, hand_off=True, direct=True
     ),
-    "evaluate": Kind(stream=True, micro_batch=True),
+    "evaluate": Kind(stream=True, micro_batch=True, hand_off=True, direct=True),
     "chain": Kind(stream=True, trains=True, hand_off=True, direct=True),
+    "evaluate_chain": Kind(stream=True, hand_off=True, direct=True),
     "bundle": Kind(stream=True, direct=True),
     "grads": Kind(stream=True),
     "step_means": Kind(stream=True),
@@ -102,8 +105,8 @@ KINDS = tuple(KIND_TABLE)
 MICRO_BATCH_KINDS = kinds_where(micro_batch=True)  # forward, backward, forward_backward, evaluate
 TRAINING_KINDS = kinds_where(trains=True)  # forward, backward, forward_backward, chain
 ACCUMULATING_KINDS = kinds_where(accumulates=True)  # backward, forward_backward
-HAND_OFF_KINDS = kinds_where(hand_off=True)  # forward_backward, chain: what a bundle carries
-DIRECT_KINDS = kinds_where(direct=True)  # forward_backward, chain, bundle
+HAND_OFF_KINDS = kinds_where(hand_off=True)  # what a bundle carries: forward_backward, chain and evaluations
+DIRECT_KINDS = kinds_where(direct=True)  # the hand-off kinds and bundle
 STREAM_KINDS = kinds_where(request=True, stream=True)
 UNARY_KINDS = kinds_where(request=True, stream=False)  # info, ping, close
 REPLY_KINDS = kinds_where(request=False)  # result, error

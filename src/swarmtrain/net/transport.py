@@ -24,6 +24,7 @@ from hivemind.proto import runtime_pb2
 
 from swarmtrain.net.auth import RunKey
 from swarmtrain.net.protocol import (
+    HAND_OFF_KINDS,
     MICRO_BATCH_KINDS,
     STREAM_KINDS,
     UNARY_KINDS,
@@ -229,6 +230,12 @@ class StageServicer(ServicerBase):
         async for response in self._serve("chain", requests, context):
             yield response
 
+    async def rpc_evaluate_chain(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        async for response in self._serve("evaluate_chain", requests, context):
+            yield response
+
     async def rpc_bundle(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
@@ -289,7 +296,7 @@ class StageServicer(ServicerBase):
         """The largest request of `kind` accepted."""
         if kind == "bundle":
             return self.max_bundle_bytes
-        if kind in MICRO_BATCH_KINDS or kind == "chain":
+        if kind in MICRO_BATCH_KINDS or kind in HAND_OFF_KINDS:
             return self.max_micro_batch_bytes
         return self.max_message_bytes
 

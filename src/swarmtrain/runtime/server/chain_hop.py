@@ -25,7 +25,15 @@ from torch import Tensor
 from swarmtrain.net.data_plane import Address, DataPlaneClient, dial_address
 from swarmtrain.net.dht_records import RunRecords
 from swarmtrain.net.failures import NEXT_HOP_FAILED, Outcome, classify_failure, flags_after
-from swarmtrain.net.hand_off import ChainRequest, HopReport, chain_message, last_hop, validate_hops
+from swarmtrain.net.hand_off import (
+    ChainRequest,
+    HopReport,
+    chain_message,
+    checked_loss,
+    evaluate_chain_message,
+    last_hop,
+    validate_hops,
+)
 from swarmtrain.net.protocol import (
     Message,
     ProtocolError,
@@ -36,7 +44,12 @@ from swarmtrain.net.protocol import (
     request_message,
 )
 from swarmtrain.net.transport import StageClient
-from swarmtrain.runtime.server.compute import PRIORITY_BACKWARD, PRIORITY_FORWARD, ComputeWorker
+from swarmtrain.runtime.server.compute import (
+    PRIORITY_BACKWARD,
+    PRIORITY_EVAL,
+    PRIORITY_FORWARD,
+    ComputeWorker,
+)
 from swarmtrain.runtime.server.hop_uploads import DirectRoute, PeerUploads
 from swarmtrain.runtime.server.stage_batches import (
     backwards_left,
@@ -165,6 +178,61 @@ class ChainHop:
         header = {"mb": forward.micro_batch_id, "loss": child.header.get("loss"), "hops": [own.to_dict()]}
         header["hops"] += [hop.to_dict() for hop in hops]
         return Message("result", header, dict(result.tensors))
+
+    async def evaluate(self, chain: ChainRequest, admitted: Admitted, together: int = 1) -> Message:
+        """A validation micro-batch: our forward (nothing kept), then the next stage of the route, whose
+        loss is the answer. Nothing accumulates anywhere, so any candidate may be tried after another."""
+        forward = chain.forward
+        reply, _ = await self.compute.run_batchable(
+            batch_item(self.worker, forward, together), PRIORITY_EVAL, admitted.deadline_s
+        )
+        outputs, stage = reply.tensors["outputs"], self.io.stage + 1
+        candidates = await self.next_stage.usable(chain.route[0])
+        last_reason = f"no candidate of stage {stage} in the route is a live peer of it"
+        for peer in candidates:
+            timeout_s = admitted.deadline_s - time.monotonic()
+            if timeout_s <= 0:
+                break
+            message = self._next_evaluation(chain, outputs, timeout_s)
+            try:
+                tokens = int(forward.inputs.shape[0] * forward.inputs.shape[1])
+                child = await self._uploads_to(peer).call(message, tokens, timeout_s)
+                loss = checked_loss(child)
+                return Message("result", {"mb": forward.micro_batch_id, "loss": loss})
+            except ProtocolError as exc:  # a malformed reply: evaluations change nothing, try the next
+                last_reason = str(exc)
+            except Exception as exc:
+                last_reason = f"{exc!r:.200}"
+                if classify_failure(exc) is Outcome.FATAL:  # re-raises what is a bug
+                    return error_message(f"stage {stage} peer {peer} refused: {last_reason}", "bad_request")
+            self.retries += 1
+        return error_message(f"stage {stage}: no candidate evaluated, last: {last_reason}", NEXT_HOP_FAILED)
+
+    def _next_evaluation(self, chain: ChainRequest, outputs, timeout_s: float) -> Message:
+        forward, stage = chain.forward, self.io.stage + 1
+        if stage == self.num_stages - 1:
+            tensors = {"inputs": outputs, "labels": chain.labels}
+            return request_message(
+                "evaluate",
+                forward.micro_batch_id,
+                stage,
+                self.digest,
+                forward.codec,
+                tensors,
+                timeout_s=timeout_s,
+                step=forward.step,
+            )
+        return evaluate_chain_message(
+            forward.micro_batch_id,
+            stage,
+            self.digest,
+            forward.codec,
+            outputs,
+            chain.labels,
+            chain.route[1:],
+            timeout_s=timeout_s,
+            step=forward.step,
+        )
 
     async def _call_next(
         self, chain: ChainRequest, outputs, deadline_s: float

@@ -1,5 +1,5 @@
 """A stage replica's micro-batch desk: the handlers of every micro-batch kind (`forward`, `backward`,
-`forward_backward`, `evaluate`, `chain`, `bundle`), their admission and their compute.
+`forward_backward`, `evaluate`, `chain`, `evaluate_chain`, `bundle`), their admission and their compute.
 
 `Admission` is the serving and draining state a micro-batch is admitted under: refused while the
 replica downloads the stage state or drains, counted while it runs (a drain waits for those). The
@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 from swarmtrain.config import RunConfig
 from swarmtrain.config.model import StageSpec
 from swarmtrain.net.bundle import bundle_message, split_bundle
-from swarmtrain.net.hand_off import validate_chain
+from swarmtrain.net.hand_off import validate_chain, validate_evaluate_chain
 from swarmtrain.net.protocol import (
     BUNDLE_KIND,
     HAND_OFF_KINDS,
@@ -95,6 +95,7 @@ class MicroBatchDesk:
             "forward_backward": self._on_forward_backward,
             "evaluate": self._on_evaluate,
             "chain": self._on_chain,
+            "evaluate_chain": self._on_evaluate_chain,
             BUNDLE_KIND: self._on_bundle,
         }
 
@@ -114,11 +115,19 @@ class MicroBatchDesk:
     async def _on_chain(self, message: Message, _context) -> Message:
         return await self._serve(message, self._run_chain)
 
+    async def _on_evaluate_chain(self, message: Message, _context) -> Message:
+        return await self._serve(message, self._run_evaluate_chain)
+
     async def _on_bundle(self, message: Message, context) -> Message:
         """Each item answered by the handler of its kind, all at once (so they may share a compute call),
         and the answers bundled in order."""
         items = split_bundle(message, HAND_OFF_KINDS)
-        runs = {"forward_backward": self._compute_forward_backward, "chain": self._run_chain}
+        runs: dict[str, Run] = {
+            "forward_backward": self._compute_forward_backward,
+            "chain": self._run_chain,
+            "evaluate": self._compute_evaluation,
+            "evaluate_chain": self._run_evaluate_chain,
+        }
         # each item's compute knows how many came with it: they wait for each other to share a call
         answers = await asyncio.gather(
             *(self._serve(item, runs[item.kind], together=len(items)) for item in items),
@@ -180,6 +189,19 @@ class MicroBatchDesk:
             return error_message(str(exc), "timeout")
         self._count_done(chain.forward, reply)
         return reply
+
+    async def _run_evaluate_chain(self, message: Message, together: int) -> Message:
+        chain = validate_evaluate_chain(message, self.io, self.digest, self.cfg.swarm.num_stages)
+        if self.hop is None:
+            return error_message("the last stage takes no evaluate_chain", "bad_request")
+        later_stages = self.cfg.swarm.num_stages - self.spec.index
+        admitted = await self._admit(chain.forward, message.header, later_stages)
+        if isinstance(admitted, Message):
+            return admitted
+        try:
+            return await self.hop.evaluate(chain, admitted, together)
+        except DeadlineExpired as exc:
+            return error_message(str(exc), "timeout")
 
     async def _compute(self, request: StageRequest, header: dict, priority: int, together: int) -> Message:
         """The worker's work for the request's kind (stage_batches.py), alone or batched with others."""

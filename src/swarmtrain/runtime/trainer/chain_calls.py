@@ -14,12 +14,18 @@ chain is hedged on a new route that accumulates nothing, first answer wins (runt
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 
 from swarmtrain.net.codec import EncodedTensor
 from swarmtrain.net.failures import FailureAction, Outcome, flags_after, on_request_failure
-from swarmtrain.net.hand_off import HopReport, chain_message, hop_service_times, validate_hops
+from swarmtrain.net.hand_off import (
+    HopReport,
+    chain_message,
+    checked_loss,
+    evaluate_chain_message,
+    hop_service_times,
+    validate_hops,
+)
 from swarmtrain.net.protocol import Message, ProtocolError
 from swarmtrain.planner.deadlines import check_after_s, ping_timeout_s
 from swarmtrain.planner.routing import BACKWARD_WEIGHT, FORWARD_CHARGE, FORWARD_WEIGHT
@@ -46,6 +52,13 @@ class ChainCaller:
         and the gradient of `first`'s inputs (None at stage 0). `inputs`: what stage `first` takes (token
         ids at stage 0; the trainer relayed the stages before it)."""
         return await run_call(self.caller, _ChainPlan(self, mb, step, n, inputs, labels, first))
+
+    async def evaluate(
+        self, mb: str, n: int, inputs: EncodedTensor, labels: EncodedTensor, first: int, step
+    ) -> float:
+        """A validation micro-batch's loss, handed from stage `first` to the last along a route as training
+        micro-batches are (`evaluate_chain`); `step`: the parameter version every stage must have."""
+        return await run_call(self.caller, _EvaluationPlan(self, mb, n, inputs, labels, first, step))
 
     async def _attempt(
         self, message: Message, peer: str, route: list[list[str]], wait_s: float, n: int, first: int
@@ -107,15 +120,15 @@ class ChainCaller:
         copy = asyncio.ensure_future(self.caller.client.call(head, copy_message, wait_s))
         return copy, [[head], *rest], time.monotonic()
 
-    async def _route(self, n: int, first: int, head: str) -> list[list[str]]:
-        """For every stage after `first` (whose peer is `head`): the peer IWRR picks (charged for the
-        micro-batch), then alternates in the order IWRR would pick them next (not charged). Peers the
+    async def _route(self, n: int, first: int, head: str, charge: float = FORWARD_CHARGE) -> list[list[str]]:
+        """For every stage after `first` (whose peer is `head`): the peer IWRR picks (charged `charge` for
+        the micro-batch), then alternates in the order IWRR would pick them next (not charged). Peers the
         previous stage's chosen peer cannot hand off to (both behind NATs) are left out while another
         is available."""
         route, before = [], head
         for stage in range(first + 1, self.num_stages):
             unreachable = self._unreachable_from(stage, before)
-            chosen = [await self.caller._pick(stage, n, FORWARD_CHARGE, unreachable)]
+            chosen = [await self.caller._pick(stage, n, charge, unreachable)]
             while len(chosen) <= ALTERNATES:
                 other = self.table.choose(stage, n, 0.0, exclude=unreachable | set(chosen))
                 if other is None:
@@ -139,16 +152,14 @@ class ChainCaller:
         self, reply, candidates: list[list[str]], n: int, call_s: float, first: int, observe: bool = True
     ):
         hops = validate_hops(reply.header, first, self.num_stages, candidates, n)
-        loss = reply.header.get("loss")
-        if isinstance(loss, bool) or not isinstance(loss, (int, float)) or not math.isfinite(loss):
-            raise ProtocolError(f"a chain reply carries a bad loss {loss!r:.40}")
+        loss = checked_loss(reply)
         for hop, service_s in zip(hops, hop_service_times(call_s, hops), strict=True):
             self.table.report(hop.stage, hop.peer, n, service_s, HOP_WEIGHT)
         head = hops[0]
         if observe:  # a hedge started late: its time is nobody's usual time
             self.caller.observe(first, "chain", head.peer, call_s)
         self.caller._time(first, "chain", call_s, {"server_s": head.server_s, "compute_s": head.compute_s})
-        return float(loss), hops, reply.tensors.get("grad_inputs")
+        return loss, hops, reply.tensors.get("grad_inputs")
 
 
 class _ChainPlan:
@@ -215,3 +226,60 @@ class _ChainPlan:
     def max_attempts(self) -> int:
         # while a stage may hold the micro-batch, stopping would leave the stages disagreeing
         return PERSISTENT_ATTEMPTS if not all(self.flags) else self.chain.caller.swarm.max_retries
+
+
+class _EvaluationPlan:
+    """A validation chain (`ChainCaller.evaluate`) for `run_call`: a stage peer and a route chosen anew
+    for every attempt. Nothing accumulates, so any failure is retried as it is, on another first peer
+    unless a later hop failed."""
+
+    def __init__(
+        self,
+        chain: ChainCaller,
+        mb: str,
+        n: int,
+        inputs: EncodedTensor,
+        labels: EncodedTensor,
+        first: int,
+        step,
+    ) -> None:
+        self.chain, self.mb, self.inputs, self.labels, self.step = chain, mb, inputs, labels, step
+        self.stage, self.num_samples, self.weight, self.what = first, n, FORWARD_WEIGHT, f"evaluation of {mb}"
+        self.budget_s = chain.caller.swarm.request_timeout_s * (chain.num_stages - first)
+        self.route: list[list[str]] = []
+
+    async def choose(self, attempt: int, excluded: set[str]) -> Attempt:
+        chain, first = self.chain, self.stage
+        # charged as the relayed evaluation's calls are: a forward at every stage
+        peer = await chain.caller._pick(first, self.num_samples, FORWARD_WEIGHT, excluded)
+        self.route = await chain._route(self.num_samples, first, peer, charge=FORWARD_WEIGHT)
+        return Attempt(peer, self.budget_s, self.budget_s)
+
+    async def send(self, attempt: Attempt) -> float:
+        chain = self.chain
+        message = evaluate_chain_message(
+            self.mb,
+            self.stage,
+            chain.digest,
+            chain.codec,
+            self.inputs,
+            self.labels,
+            self.route,
+            step=self.step,
+            timeout_s=self.budget_s,
+        )
+        return checked_loss(await chain.caller.client.call(attempt.peer, message, attempt.wait_s))
+
+    def classify(self, exc: BaseException, attempt: Attempt) -> FailureAction:
+        if isinstance(exc, ProtocolError):  # a malformed reply: nothing was kept, ask again
+            return FailureAction(Outcome.NEVER_RAN)
+        return on_request_failure(exc)  # raises bugs
+
+    def retry_with(self, failure: FailureAction) -> None:
+        pass  # an evaluation is asked for again as it was
+
+    def excludes(self, failure: FailureAction) -> bool:
+        return failure.outcome is not Outcome.NEXT_FAILED
+
+    def max_attempts(self) -> int:
+        return self.chain.caller.swarm.max_retries

@@ -435,30 +435,31 @@ class SwarmTrainer:
         done.add(stage)
 
     async def evaluate(self, dataset, max_samples: int) -> float:
-        """Mean loss over the first validation samples, computed through the swarm (forward only)."""
+        """Mean loss over the first validation samples, computed through the swarm (forward only), by the
+        same path as training: handed from server to server with direct hand-off (`--hand-off direct`),
+        through the trainer with `relay`."""
         total, count = 0.0, 0
         version = self.tracker.next_step if self.tracker is not None else None  # after our last step
+        vocab_size = self.cfg.model.vocab_size
         for i, (inputs, labels) in enumerate(
             dataset.ordered_batches(self.cfg.training.micro_batch_size, max_samples)
         ):
             mb, n = f"{self.options.trainer_id}.{self.options.incarnation}-eval{i}", int(inputs.shape[0])
-            x = encode(inputs, self.codec)
-            for stage in range(self.num_stages - 1):
-                x = (
-                    await self.caller.call(
-                        stage, "evaluate", mb, n, {"inputs": x}, FORWARD_WEIGHT, step=version
-                    )
-                ).tensors["outputs"]
-            reply = await self.caller.call(
-                self.num_stages - 1,
-                "evaluate",
-                mb,
-                n,
-                {"inputs": x, "labels": encode_labels(labels, self.cfg.model.vocab_size)},
-                FORWARD_WEIGHT,
-                step=version,
-            )
-            total += float(reply.header["loss"]) * n
+            x, first = encode(inputs, self.codec), self._direct_from(n)
+            for stage in range(first):
+                reply = await self.caller.call(
+                    stage, "evaluate", mb, n, {"inputs": x}, FORWARD_WEIGHT, step=version
+                )
+                x = reply.tensors["outputs"]
+            if self.chain is not None and first < self.num_stages - 1:
+                loss = await self.chain.evaluate(mb, n, x, encode_labels(labels, vocab_size), first, version)
+            else:
+                tensors = {"inputs": x, "labels": encode_labels(labels, vocab_size)}
+                reply = await self.caller.call(
+                    self.num_stages - 1, "evaluate", mb, n, tensors, FORWARD_WEIGHT, step=version
+                )
+                loss = float(reply.header["loss"])
+            total += loss * n
             count += n
         return total / max(count, 1)
 
