@@ -183,10 +183,12 @@ class SwarmTrainer:
         await self.caller.refresh()
 
     # training -----------------------------------------------------------------------------------
-    async def train(self, batches_from) -> TrainerResult:
+    async def train(self, batches_from, closes_wait_s: float = CLOSE_EXIT_WAIT_S) -> TrainerResult:
         """`batches_from(skip_samples)`: this shard's micro-batch stream after that many of its samples.
         Step k of the swarm takes the shard's samples [k * B/N, (k+1) * B/N): a trainer that starts at
-        the swarm's step (a restart, a late joiner) continues the data where that step is."""
+        the swarm's step (a restart, a late joiner) continues the data where that step is.
+        `closes_wait_s`: how long closes still being retried at the end are waited for (an evaluation
+        after training needs them: it asks for the parameters after our last step)."""
         opts, res = self.options, self.result
         await self._wait_for_every_stage()
         res.start_step = self._swarm_step()
@@ -237,7 +239,7 @@ class SwarmTrainer:
             self.tracker.truncate()  # stopped mid-step (Ctrl-C): the stages close it short
             if in_flight:
                 await asyncio.gather(*in_flight, return_exceptions=True)
-            await self._finish_closes()
+            await self._finish_closes(closes_wait_s)
         finally:
             res.elapsed_s = time.monotonic() - start
             res.steps_closed = self.tracker.closed_steps
@@ -305,11 +307,11 @@ class SwarmTrainer:
             self._close_tasks.add(task)
             task.add_done_callback(self._close_tasks.discard)
 
-    async def _finish_closes(self) -> None:
+    async def _finish_closes(self, wait_s: float) -> None:
         """At the end, wait a little for closes still being retried (to a peer that died since)."""
         if not self._close_tasks:
             return
-        _, pending = await asyncio.wait(set(self._close_tasks), timeout=CLOSE_EXIT_WAIT_S)
+        _, pending = await asyncio.wait(set(self._close_tasks), timeout=wait_s)
         for task in pending:
             task.cancel()
         if pending:
@@ -534,8 +536,10 @@ async def train_async(cfg: RunConfig, options: TrainerOptions, dht, batches_from
         loop.add_signal_handler(sig, trainer.stopping.set)
     await trainer.setup()
     remember_group_sockets()
-    result = await trainer.train(batches_from)
-    if options.eval_samples and val_set is not None and not trainer.stopping.is_set():
+    evaluating = bool(options.eval_samples and val_set is not None)
+    # a close to a server reachable only through a relay is retried until the relay is reserved
+    result = await trainer.train(batches_from, CLOSE_RETRY_S if evaluating else CLOSE_EXIT_WAIT_S)
+    if evaluating and not trainer.stopping.is_set():
         result.val_loss = await trainer.evaluate(val_set, options.eval_samples)
     summary = result.summary()
     if result.val_loss is not None:
