@@ -195,9 +195,8 @@ def _invalid_cases(cfg, stage: int) -> list[tuple[str, bytes]]:
     chain = Message("chain", {**forward.header, "route": [], "accumulate_after": []}, dict(forward.tensors))
     chain.tensors["labels"] = labels
     wrong_digest = request_message("forward_backward", "fz-9", stage, "0" * 16, "none", {"inputs": inputs})
-    evaluation = Message(
-        "evaluate_chain", {**forward.header, "route": []}, {"inputs": inputs, "labels": labels}
-    )
+    wire = {"inputs": forward.tensors["inputs"], "labels": labels}
+    evaluation = Message("evaluate_chain", {**forward.header, "route": []}, wire)
     wrong_evaluation = request_message("evaluate", "fz-8", stage, "0" * 16, "none", {"inputs": inputs})
     cases += [
         ("evaluate_chain", pack(evaluation)),  # stage 0: a route of the wrong length; the last: refused
