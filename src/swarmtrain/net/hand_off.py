@@ -61,17 +61,10 @@ def chain_message(
     **header,
 ) -> Message:
     """`accumulate[0]` is the receiving stage's flag, the rest belong to the stages of `route`."""
-    body = {
-        "mb": mb,
-        "stage": stage,
-        "digest": digest,
-        "codec": codec_name,
-        "route": route,
-        "accumulate": accumulate[0],
-        "accumulate_after": list(accumulate[1:]),
-        **header,
-    }
-    return Message(CHAIN_KIND, body, {"inputs": inputs, "labels": labels})
+    flags = {"accumulate": accumulate[0], "accumulate_after": list(accumulate[1:])}
+    return _hand_off_message(
+        CHAIN_KIND, mb, stage, digest, codec_name, inputs, labels, route, **flags, **header
+    )
 
 
 def validate_chain(message: Message, io: StageIO, digest: str, num_stages: int) -> ChainRequest:
@@ -94,8 +87,16 @@ def evaluate_chain_message(
     **header,
 ) -> Message:
     """A validation micro-batch handed along `route` (forward only, nothing kept); the reply is its loss."""
+    return _hand_off_message(
+        EVALUATE_CHAIN_KIND, mb, stage, digest, codec_name, inputs, labels, route, **header
+    )
+
+
+def _hand_off_message(
+    kind: str, mb: str, stage: int, digest: str, codec_name: str, inputs, labels, route, **header
+) -> Message:
     body = {"mb": mb, "stage": stage, "digest": digest, "codec": codec_name, "route": route, **header}
-    return Message(EVALUATE_CHAIN_KIND, body, {"inputs": inputs, "labels": labels})
+    return Message(kind, body, {"inputs": inputs, "labels": labels})
 
 
 def validate_evaluate_chain(message: Message, io: StageIO, digest: str, num_stages: int) -> ChainRequest:

@@ -193,7 +193,7 @@ class ChainHop:
             timeout_s = admitted.deadline_s - time.monotonic()
             if timeout_s <= 0:
                 break
-            message = self._next_evaluation(chain, outputs, timeout_s)
+            message = self._next_message(chain, outputs, timeout_s)
             try:
                 tokens = int(forward.inputs.shape[0] * forward.inputs.shape[1])
                 child = await self._uploads_to(peer).call(message, tokens, timeout_s)
@@ -207,32 +207,6 @@ class ChainHop:
                     return error_message(f"stage {stage} peer {peer} refused: {last_reason}", "bad_request")
             self.retries += 1
         return error_message(f"stage {stage}: no candidate evaluated, last: {last_reason}", NEXT_HOP_FAILED)
-
-    def _next_evaluation(self, chain: ChainRequest, outputs, timeout_s: float) -> Message:
-        forward, stage = chain.forward, self.io.stage + 1
-        if stage == self.num_stages - 1:
-            tensors = {"inputs": outputs, "labels": chain.labels}
-            return request_message(
-                "evaluate",
-                forward.micro_batch_id,
-                stage,
-                self.digest,
-                forward.codec,
-                tensors,
-                timeout_s=timeout_s,
-                step=forward.step,
-            )
-        return evaluate_chain_message(
-            forward.micro_batch_id,
-            stage,
-            self.digest,
-            forward.codec,
-            outputs,
-            chain.labels,
-            chain.route[1:],
-            timeout_s=timeout_s,
-            step=forward.step,
-        )
 
     async def _call_next(
         self, chain: ChainRequest, outputs, deadline_s: float
@@ -250,7 +224,7 @@ class ChainHop:
             timeout_s = (deadline_s - time.monotonic()) * (1 - 1 / (self.num_stages - self.io.stage))
             if timeout_s <= 0:
                 break
-            message = self._next_message(chain, outputs, flags, timeout_s)
+            message = self._next_message(chain, outputs, timeout_s, flags)
             try:
                 tokens = int(forward.inputs.shape[0] * forward.inputs.shape[1])
                 reply = await self._uploads_to(peer).call(message, tokens, timeout_s)
@@ -292,21 +266,22 @@ class ChainHop:
         """Uploads to the next stage that carried several micro-batches."""
         return sum(u.bundles for u in self._uploads.values())
 
-    def _next_message(self, chain: ChainRequest, outputs, flags: list[bool], timeout_s: float) -> Message:
+    def _next_message(
+        self, chain: ChainRequest, outputs, timeout_s: float, flags: list[bool] | None = None
+    ) -> Message:
+        """The call to the next stage: a training hand-off with the later stages' accumulate `flags`, an
+        evaluation without (`forward_backward` or `evaluate` at the last stage)."""
         forward, stage = chain.forward, self.io.stage + 1
+        sent = {"timeout_s": timeout_s, "step": forward.step}
         if stage == self.num_stages - 1:
+            kind = "evaluate" if flags is None else "forward_backward"
+            if flags is not None:
+                sent["accumulate"] = flags[0]
+            tensors = {"inputs": outputs, "labels": chain.labels}
             return request_message(
-                "forward_backward",
-                forward.micro_batch_id,
-                stage,
-                self.digest,
-                forward.codec,
-                {"inputs": outputs, "labels": chain.labels},
-                timeout_s=timeout_s,
-                accumulate=flags[0],
-                step=forward.step,
+                kind, forward.micro_batch_id, stage, self.digest, forward.codec, tensors, **sent
             )
-        return chain_message(
+        route = (
             forward.micro_batch_id,
             stage,
             self.digest,
@@ -314,10 +289,10 @@ class ChainHop:
             outputs,
             chain.labels,
             chain.route[1:],
-            flags,
-            timeout_s=timeout_s,
-            step=forward.step,
         )
+        if flags is None:
+            return evaluate_chain_message(*route, **sent)
+        return chain_message(*route, flags, **sent)
 
     def _hops(self, chain: ChainRequest, peer: str, reply: Message) -> list[HopReport]:
         stage, n = self.io.stage + 1, chain.forward.num_samples
