@@ -76,7 +76,8 @@ def test_two_replicas_with_the_batch_in_flight_match_local_training(make_swarm):
     # per-call timings (the simulator's calibration inputs): compute <= server time <= round trip
     # (direct hand-off: one chain call per micro-batch, timed by its stage-0 server's report)
     rpc = summary["rpc"]
-    assert set(rpc) == {"stage0_chain", "stage0_evaluate", "stage1_evaluate"}  # evaluations timed apart
+    # validation goes along the chain too (`evaluate_chain`) and is not timed: only training calls are
+    assert set(rpc) == {"stage0_chain"}
     assert rpc["stage0_chain"]["calls"] == summary["microbatches_completed"]
     for name, t in rpc.items():
         assert 0 < t["mean_compute_s"] <= t["mean_call_s"], (name, t)
