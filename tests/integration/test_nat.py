@@ -24,14 +24,13 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import subprocess
 import sys
-import time
 from contextlib import ExitStack
 
 import pytest
 
+from helper_records import wait_for_record
 from swarm_fixtures import FAST_SWARM
 from swarmtrain.runtime.harness import natbed, netbed
 from swarmtrain.runtime.harness.local_swarm import LocalSwarm, write_run_toml
@@ -94,21 +93,12 @@ def trainer_summary(swarm: LocalSwarm, name: str = "trainer") -> dict:
 # --- the NAT itself ----------------------------------------------------------------------------------
 
 LISTENER = """
-import socket, sys
+import json, socket, sys
 server = socket.create_server(("0.0.0.0", 0))
-print("listening", server.getsockname()[1], flush=True)
+print(json.dumps({"listening": server.getsockname()[1]}), flush=True)
 conn, (ip, _) = server.accept()
-print("accepted from", ip, flush=True)
+print(json.dumps({"accepted_from": ip}), flush=True)
 """
-
-
-def wait_for(proc: ManagedProcess, pattern: str, timeout_s: float = 20.0) -> re.Match:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if match := re.search(pattern, proc.log_text()):
-            return match
-        time.sleep(0.05)
-    raise AssertionError(f"{proc.name}: no {pattern!r} in {timeout_s} s:\n{proc.log_text()[-2000:]}")
 
 
 def connect_from(bed: NatTestbed, i: int, host: str, port: int, timeout_s: float = 3.0) -> str:
@@ -134,7 +124,7 @@ def test_the_nat_lets_connections_out_and_none_in(tmp_path):
         )
         inside = spawn("inside", 1)
         stack.callback(inside.kill)
-        port = int(wait_for(inside, r"listening (\d+)").group(1))
+        port = wait_for_record(inside, "listening", timeout_s=20.0)["listening"]
         # no route to the LAN from the public side; the NAT's own address has nothing behind it
         assert connect_from(bed, 0, bed.host(1), port) in ("OSError", "TimeoutError")
         assert connect_from(bed, 0, bed.router_host(), port) == "ConnectionRefusedError"
@@ -145,9 +135,9 @@ def test_the_nat_lets_connections_out_and_none_in(tmp_path):
 
         outside = spawn("outside", 0)
         stack.callback(outside.kill)
-        port = int(wait_for(outside, r"listening (\d+)").group(1))
+        port = wait_for_record(outside, "listening", timeout_s=20.0)["listening"]
         assert connect_from(bed, 1, bed.host(0), port) == "ok"  # out it goes, masqueraded
-        assert wait_for(outside, r"accepted from (\S+)").group(1) == bed.router_host()
+        assert wait_for_record(outside, "accepted_from", timeout_s=20.0)["accepted_from"] == bed.router_host()
         assert bed.lan_bytes_to(0) > 0
         # every public peer's name resolves in every namespace (the relay test's announcements)
         resolve = [sys.executable, "-c", f"import socket; print(socket.gethostbyname({bed.hostname(0)!r}))"]

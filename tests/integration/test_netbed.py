@@ -3,7 +3,6 @@ hold, nothing is left behind, and a hivemind DHT works across namespaces. Needs 
 
 from __future__ import annotations
 
-import re
 import signal
 import sys
 import time
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from helper_records import records, wait_for_record
 from swarmtrain.runtime.harness import netbed
 from swarmtrain.runtime.harness.netbed import WanTestbed
 from swarmtrain.runtime.procs import ManagedProcess
@@ -20,9 +20,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
 # Accepts `connections` connections; answers each with the number of bytes it received.
 SERVER = """
-import os, socket, sys
+import json, os, socket, sys
 server = socket.create_server((sys.argv[1], 0))
-print("listening", server.getsockname()[1], os.getpid(), os.getpgrp(), flush=True)
+print(json.dumps({"listening": server.getsockname()[1], "pid": os.getpid(), "pgid": os.getpgrp()}), flush=True)
 for _ in range(int(sys.argv[2])):
     conn, _ = server.accept()
     received = 0
@@ -34,14 +34,14 @@ for _ in range(int(sys.argv[2])):
 
 # Sends `size` bytes and waits for the server's count: the time covers the last byte's arrival.
 CLIENT = """
-import socket, sys, time
+import json, socket, sys, time
 host, port, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 start_s = time.monotonic()
 with socket.create_connection((host, port), timeout=30) as sock:
     sock.sendall(b"x" * size)
     sock.shutdown(socket.SHUT_WR)
     answer = sock.recv(64).decode()
-print("received", answer, "in", time.monotonic() - start_s, flush=True)
+print(json.dumps({"received": int(answer), "seconds": time.monotonic() - start_s}), flush=True)
 """
 
 DHT_CLIENT = """
@@ -84,17 +84,6 @@ def spawn(tmp_path):
         yield start
 
 
-def wait_for(proc: ManagedProcess, pattern: str, timeout_s: float = 30.0) -> re.Match:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if match := re.search(pattern, proc.log_text()):
-            return match
-        if not proc.alive and not re.search(pattern, proc.log_text()):
-            break
-        time.sleep(0.05)
-    raise AssertionError(f"{proc.name}: no {pattern!r} in {timeout_s} s; log:\n{proc.log_text()[-3000:]}")
-
-
 def finished_output(proc: ManagedProcess, timeout_s: float = 30.0) -> str:
     assert proc.proc.wait(timeout=timeout_s) == 0, proc.log_text()
     return proc.log_text()
@@ -102,8 +91,7 @@ def finished_output(proc: ManagedProcess, timeout_s: float = 30.0) -> str:
 
 def start_server(spawn, bed: WanTestbed, i: int, connections: int) -> tuple[ManagedProcess, int]:
     server = spawn(f"server{i}", bed.wrap(i, [sys.executable, "-c", SERVER, bed.host(i), str(connections)]))
-    port = int(wait_for(server, r"listening (\d+)").group(1))
-    return server, port
+    return server, wait_for_record(server, "listening")["listening"]
 
 
 def send_seconds(spawn, bed: WanTestbed, i: int, host: str, port: int, size_bytes: int) -> float:
@@ -112,9 +100,9 @@ def send_seconds(spawn, bed: WanTestbed, i: int, host: str, port: int, size_byte
         f"client{i}-{time.monotonic_ns()}",
         bed.wrap(i, [sys.executable, "-c", CLIENT, host, str(port), str(size_bytes)]),
     )
-    match = re.search(r"received (\d+) in (\S+)", finished_output(client))
-    assert match and int(match.group(1)) == size_bytes, client.log_text()
-    return float(match.group(2))
+    answers = [r for r in records(finished_output(client)) if "received" in r]
+    assert answers and answers[0]["received"] == size_bytes, client.log_text()
+    return float(answers[0]["seconds"])
 
 
 def test_peers_reach_each_other_and_wrap_keeps_pid_and_process_group(spawn):
@@ -123,9 +111,9 @@ def test_peers_reach_each_other_and_wrap_keeps_pid_and_process_group(spawn):
     with WanTestbed(2, up_mbit_s=None, down_mbit_s=None) as bed:
         assert bed.host(0) != bed.host(1)
         server, port = start_server(spawn, bed, 0, connections=2)
-        _, pid, pgid = wait_for(server, r"listening (\d+) (\d+) (\d+)").groups()
+        listening = wait_for_record(server, "listening")
         # `ip netns exec` execs the command: a launcher's process-group kill reaches the whole peer
-        assert int(pid) == server.pid and int(pgid) == server.pid
+        assert listening["pid"] == server.pid and listening["pgid"] == server.pid
         assert server.pid in bed.pids(0)
         assert send_seconds(spawn, bed, 1, bed.host(0), port, 1000) < 30
         # the root namespace reaches peers through the bridge's address
@@ -183,14 +171,14 @@ def test_nothing_is_left_after_the_context_even_when_the_body_raises(spawn):
         assert set(netbed.leftovers(bed.tag)) == bed.names()
     assert netbed.leftovers(bed.tag) == []
 
-    sleep = [sys.executable, "-c", "import time; print('inside', flush=True); time.sleep(600)"]
+    sleep = [sys.executable, "-c", "import time; print('{\"inside\": 1}', flush=True); time.sleep(600)"]
     with (
         pytest.raises(RuntimeError, match="body failed"),
         WanTestbed(2, up_mbit_s=8, down_mbit_s=None) as bed,
     ):
         sleepers = [spawn(f"sleeper{i}", bed.wrap(i, sleep)) for i in range(2)]
         for sleeper in sleepers:
-            wait_for(sleeper, "inside")
+            wait_for_record(sleeper, "inside")
         raise RuntimeError("body failed")
     assert netbed.leftovers(bed.tag) == []
     for sleeper in sleepers:  # close() killed what still ran inside
