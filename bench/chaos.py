@@ -388,6 +388,7 @@ def main() -> int:
             "request_timeout_s": 10.0,
             "averaging_timeout_s": 10.0,
             "announce_period_s": 1.0,
+            "rebalance_period_s": 0.0,  # the fleet the fault schedule strikes stays as started
         },
     }
     cfg = load_run_config(write_run_toml(workdir / "run.toml", "tiny", overrides))

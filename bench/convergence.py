@@ -540,7 +540,8 @@ def main() -> int:
     base.mkdir(parents=True, exist_ok=True)
     overrides = {
         "training": {"max_samples": args.samples},
-        "swarm": {"announce_period_s": 1.0, "local_steps": args.local_steps},
+        # rebalancing off: every row runs the same fleet (a move changes who computes, not what)
+        "swarm": {"announce_period_s": 1.0, "local_steps": args.local_steps, "rebalance_period_s": 0.0},
     }
     if args.layers_per_stage:
         overrides["model"] = {"num_layers": sum(args.layers_per_stage)}

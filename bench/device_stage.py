@@ -766,7 +766,7 @@ def _apply_defaults(args: argparse.Namespace) -> None:
 def write_configs(args, root: Path) -> tuple[RunConfig, Path, RunConfig, Path]:
     """The served rows' run file (the preset) and the batching rows' (its micro-batch and global batch)."""
     preset = get_preset(args.preset)
-    swarm = {"announce_period_s": ANNOUNCE_PERIOD_S}
+    swarm = {"announce_period_s": ANNOUNCE_PERIOD_S, "rebalance_period_s": 0.0}  # the fleet stays as started
     served_path = write_run_toml(root / "served.toml", args.preset, {"swarm": swarm})
     global_batch = batching_global_batch(
         preset.training.global_batch_size, args.batch_micro_batch, args.trainers

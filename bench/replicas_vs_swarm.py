@@ -930,7 +930,8 @@ def main() -> int:
     for config in configs:
         overrides: dict[str, dict] = {
             "training": {"max_samples": samples},
-            "swarm": {"announce_period_s": 1.0, "compression": setup.codec},
+            # rebalancing off: the fleets compared stay as started
+            "swarm": {"announce_period_s": 1.0, "compression": setup.codec, "rebalance_period_s": 0.0},
         }
         if config.h is not None:
             overrides["diloco"] = {"inner_steps": config.h}

@@ -8,7 +8,15 @@ from swarmtrain.config import load_run_config
 from swarmtrain.runtime.harness.local_swarm import LocalSwarm, write_run_toml
 
 # short timeouts so that a failure shows up in seconds, not minutes
-FAST_SWARM = {"request_timeout_s": 10.0, "averaging_timeout_s": 10.0, "announce_period_s": 1.0}
+# rebalancing off: a test that is not about moves pins its fleet (a server moved mid-test changes which
+# server a fault strikes and what is compared); tests of moves set a period, and test_rebalance_default
+# runs the default
+FAST_SWARM = {
+    "request_timeout_s": 10.0,
+    "averaging_timeout_s": 10.0,
+    "announce_period_s": 1.0,
+    "rebalance_period_s": 0.0,
+}
 STALL_DUMP_AFTER_S = 10.0  # no micro-batch completed for this long: every process's stacks are dumped
 DUMP_PRINT_CHARS = 30_000
 

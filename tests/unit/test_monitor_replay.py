@@ -37,9 +37,19 @@ def test_frames_have_the_live_snapshot_shape_and_follow_the_run():
     for frame in frames:
         assert set(frame) == set(live)
         assert set(frame["work"]) == set(live["work"])
+        assert set(frame["rebalance"]) == set(live["rebalance"])
         assert all(
             set(p)
-            == {"peer_id", "throughput_samples_per_s", "queue", "epoch", "state", "same_config", "addresses"}
+            == {
+                "peer_id",
+                "throughput_samples_per_s",
+                "limit",
+                "queue",
+                "epoch",
+                "state",
+                "same_config",
+                "addresses",
+            }
             for s in frame["stages"]
             for p in s["peers"]
         )

@@ -29,6 +29,7 @@ def snapshot(time_s, loss, stage1_peers=("B",), lost=0):
             "epoch": epoch,
             "state": "online",
             "same_config": True,
+            "limit": "compute",
         }
 
     return {
@@ -45,6 +46,11 @@ def snapshot(time_s, loss, stage1_peers=("B",), lost=0):
         ],
         "replicas": [],
         "work": {"samples_lost": lost, "retries": 3},
+        "rebalance": {
+            "period_s": 60.0,
+            "margin": 0.1,
+            "plan": [{"peer_id": "QmPeerA", "from": 0, "to": 1, "expected_samples_per_s": 20.0}],
+        },
     }
 
 
@@ -108,6 +114,9 @@ def test_page_shows_stages_bottleneck_trainers_and_events():
     assert "data-trainer='trainer'" in html and "<td class='num loss'>2.9</td>" in html
     assert "QmNewPeer joined stage 1 (online)" in html and "8 sample(s) of unapplied gradients lost" in html
     assert "fetch('fragment'" in html and "var periodMs = 2000;" in html
+    # each server's limiting resource and the balancer's plan, as `swarmtrain status` shows them
+    assert "<th>limited by</th>" in html and "<td>compute</td>" in html
+    assert "rebalancing every 60 s: the plan is QmPeerA 0-&gt;1" in html
     assert "http://" not in html.replace(
         'xmlns="http://www.w3.org/2000/svg"', ""
     )  # nothing loaded from outside

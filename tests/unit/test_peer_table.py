@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from swarmtrain.net.dht_records import StageAnnouncement
+from swarmtrain.net.dht_records import LAPSE_GRACE_S, StageAnnouncement
 from swarmtrain.runtime.trainer.peer_table import PeerTable
 
 pytestmark = pytest.mark.unit
@@ -41,8 +41,20 @@ def test_ban_lasts_until_the_peer_reannounces_or_expires():
     assert table.available(0) == ["b"]
     table.apply([{"a": _ann(0, at=time.time() + 1), "b": _ann(0)}])  # re-announced after the ban
     assert sorted(table.available(0)) == ["a", "b"]
-    table.apply([{"b": _ann(0)}])  # a's record expired: gone
+    table.apply([{"b": _ann(0)}], now_s=time.monotonic() + LAPSE_GRACE_S)  # a's record expired long ago
     assert table.routers[0].peers == ["b"]
+
+
+def test_a_peer_whose_record_lapsed_is_routed_to_for_the_grace_and_a_leaving_one_is_not():
+    """chaos --netbed, seed 0: the servers' DHT stores timed out while they served, their records lapsed
+    and the trainers saw no peer of either stage for 30 s (peers/stage [0, 0])."""
+    table = PeerTable(records=None, num_stages=1, digest="d")
+    table.apply([{"a": _ann(0), "b": _ann(0), "c": _ann(0)}], now_s=100.0)
+    table.ban(0, "c")
+    table.apply([{"b": _ann(0, state="offline")}], now_s=110.0)  # a and c lapsed, b leaves
+    assert table.routers[0].peers == ["a", "c"] and table.available(0) == ["a"]  # c stays banned
+    table.apply([{}], now_s=100.0 + LAPSE_GRACE_S)
+    assert table.routers[0].peers == []
 
 
 def test_faster_announced_peer_gets_more_work():

@@ -76,5 +76,8 @@ def test_the_monitor_shows_the_trainer_record_s_samples():
         def replicas(self, digest):
             return {}
 
+        def moves(self):
+            return {}
+
     [trainer] = swarm_snapshot(get_preset("tiny"), Records())["trainers"]
     assert trainer["samples"] == 640 and trainer["completed"] == 20 and trainer["loss"] == 2.5

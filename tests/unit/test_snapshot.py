@@ -1,5 +1,7 @@
 """The swarm snapshot behind `swarmtrain status`, on fake DHT records."""
 
+from dataclasses import replace
+
 import pytest
 
 from swarmtrain.config import get_preset
@@ -25,6 +27,11 @@ class FakeRecords:
 
     def replicas(self, digest):
         return self._replicas
+
+    def moves(self):
+        return self.leases
+
+    leases: dict = {}
 
 
 def announcement(stage, throughput, digest, state="online", version=3):
@@ -78,3 +85,29 @@ def test_an_empty_stage_is_the_bottleneck_and_an_empty_swarm_says_so():
     assert snap["bottleneck"] == 1 and snap["stages"][1]["peers"] == []
     empty = swarm_snapshot(cfg, FakeRecords(cfg, {}))
     assert "no peer of this run" in format_snapshot(empty)
+
+
+def test_the_snapshot_shows_each_servers_limit_and_the_balancers_plan():
+    """3+1 servers, stage 1 costing 3.3x as much per sample: `status` shows the plan every server
+    computes (two stage-0 servers move, the lowest peer ids among equals: 1+3), and with the first
+    move's lease stored, what is left of it (the lease counts as the move made)."""
+    cfg = get_preset("tiny")
+    d = cfg.digest()
+    peers = {
+        0: {name: announcement(0, 100.0, d) for name in ("A", "B", "C")},
+        1: {"D": announcement(1, 30.0, d)},
+    }
+    snap = swarm_snapshot(cfg, FakeRecords(cfg, peers))
+    assert snap["stages"][0]["peers"][0]["limit"] == "compute"
+    rebalance = snap["rebalance"]
+    assert rebalance["period_s"] == cfg.swarm.rebalance_period_s == 60.0
+    assert [(m["peer_id"], m["from"], m["to"]) for m in rebalance["plan"]] == [("A", 0, 1), ("B", 0, 1)]
+    assert rebalance["plan"][0]["expected_samples_per_s"] == 30.0  # 100 at stage 0's relative cost
+    assert "rebalancing every 60 s: the plan is A 0->1, B 0->1" in format_snapshot(snap)
+    leased = FakeRecords(cfg, peers)
+    leased.leases = {"A": {"from": 0, "to": 1, "rate": 30.0, "state": "moving"}}
+    assert [m["peer_id"] for m in swarm_snapshot(cfg, leased)["rebalance"]["plan"]] == ["B"]
+    off = swarm_snapshot(
+        cfg.replace(swarm=replace(cfg.swarm, rebalance_period_s=0.0)), FakeRecords(cfg, peers)
+    )
+    assert "rebalancing: off" in format_snapshot(off)

@@ -24,8 +24,8 @@ class Records:
     def __init__(self, peers: dict[str, StageAnnouncement]) -> None:
         self.peers = peers
 
-    def stage_peers(self, stage: int) -> dict[str, StageAnnouncement]:
-        return dict(self.peers)
+    def stage_peers(self, stage: int, with_offline: bool = False) -> dict[str, StageAnnouncement]:
+        return {p: a for p, a in self.peers.items() if with_offline or a.state != "offline"}
 
 
 class Client:
@@ -53,3 +53,19 @@ def test_live_peers_with_our_digest_are_connected_once_or_at_every_refresh(redia
     _refresh(peers, 3)
     assert peers.peers == {A}
     assert client.connects == [A] * (3 if redial else 1)
+
+
+def test_a_next_stage_peer_whose_record_lapsed_stays_a_candidate_for_the_grace():
+    """Its DHT stores may fail while it serves (the DHT's nodes are the servers, some cut off); one that
+    says "offline" is leaving and goes at once."""
+    from swarmtrain.net.dht_records import LAPSE_GRACE_S
+
+    records = Records({A: _ann(), C: _ann()})
+    peers = StagePeers(records, 0, "d1", Client())  # type: ignore[arg-type]
+    _refresh(peers, 1)
+    records.peers = {C: _ann(state="offline")}  # A's record lapsed, C leaves
+    _refresh(peers, 1)
+    assert peers.peers == {A}
+    peers._view._seen_at_s[A] -= LAPSE_GRACE_S  # as if the grace had passed since A was last listed
+    _refresh(peers, 1)
+    assert peers.peers == set()

@@ -118,7 +118,9 @@ def register(subparsers) -> None:
         type=non_negative_float,
         metavar="S",
         help="every S seconds (jittered) check whether this server should move to the bottleneck stage "
-        "(default: swarm.rebalance_period_s; 0: never move)",
+        "(default: swarm.rebalance_period_s, 60; 0: never move). A server moves only after serving two periods, "
+        "and only when the move raises the slowest stage's capacity by more than swarm.rebalance_margin "
+        "(10%%), so a balanced swarm stays put",
     )
     parser.add_argument(
         "--matchmaking-time-s",

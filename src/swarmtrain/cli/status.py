@@ -16,9 +16,11 @@ def register(subparsers) -> None:
         "status",
         help=HELP,
         description=HELP + ". Give the run's --preset/--config (run id, stages and the config digest "
-        "peers announce). --json prints {stages: [{index, peers: [{peer_id, throughput_samples_per_s, "
-        "queue, epoch, state, same_config, addresses}], throughput_samples_per_s}], bottleneck, trainers, "
-        "replicas, run_id, digest, time}.",
+        "peers announce). --json prints {stages: [{index, peers: [{peer_id, throughput_samples_per_s (the "
+        "capacity it announces), limit (the resource that limits it), queue, epoch, state, same_config, "
+        "addresses}], throughput_samples_per_s}], bottleneck, rebalance: {period_s, margin, plan: [{peer_id, "
+        "from, to, expected_samples_per_s}]} (the moves every server's balancer plans on these records "
+        "now), trainers, replicas, run_id, digest, time}.",
     )
     add_run_config_args(parser)
     add_network_args(parser)

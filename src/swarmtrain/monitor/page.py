@@ -13,6 +13,7 @@ from html import escape
 
 from swarmtrain.monitor.charts import fmt_number, line_chart, stage_bars
 from swarmtrain.monitor.events import short_id
+from swarmtrain.monitor.snapshot import format_plan
 
 MAX_PEER_ROWS = 12  # per stage; a thousand-peer simulated stage would bury the page
 MAX_EVENT_ROWS = 60  # in a scrolling box
@@ -99,6 +100,7 @@ def render_content(view: dict, meta: PageMeta) -> str:
         f"<div><h2>Recent events</h2><div class='events'>{_events(view.get('events', []), meta)}</div></div>",
         "</div>",
         "<h2>Stages and their peers</h2>",
+        _plan(snapshot),
         "<div class='grid3'>" + "".join(_stage_panel(s, snapshot) for s in snapshot["stages"]) + "</div>",
         _replicas(snapshot),
     ]
@@ -157,6 +159,14 @@ def _cards(snapshot: dict) -> str:
     return "<div class='cards'>" + "".join(cards) + "</div>"
 
 
+def _plan(snapshot: dict) -> str:
+    """The balancer's plan now (an older snapshot or a replayed one may have none)."""
+    rebalance = snapshot.get("rebalance")
+    if not rebalance:
+        return ""
+    return f"<p class='plan'>{escape(format_plan(rebalance))}</p>"
+
+
 def _stage_panel(stage: dict, snapshot: dict) -> str:
     index, peers = stage["index"], stage["peers"]
     mark = " <span class='bottleneck'>bottleneck</span>" if index == snapshot.get("bottleneck") else ""
@@ -169,18 +179,19 @@ def _stage_panel(stage: dict, snapshot: dict) -> str:
             f"<tr class='peer'><td title='{escape(peer['peer_id'])}'>{escape(short_id(peer['peer_id']))}</td>"
             f"<td>{escape(str(peer.get('state')))}{other}</td>"
             f"<td class='num'>{fmt_number(peer.get('throughput_samples_per_s'))}</td>"
+            f"<td>{escape(str(peer.get('limit', '-')))}</td>"
             f"<td class='num'>{fmt_number(peer.get('queue'))}</td><td class='num'>{fmt_number(peer.get('epoch'))}</td></tr>"
         )
     if len(peers) > MAX_PEER_ROWS:
         rows.append(
-            f"<tr><td colspan='5' class='muted'>... and {len(peers) - MAX_PEER_ROWS} more peers</td></tr>"
+            f"<tr><td colspan='6' class='muted'>... and {len(peers) - MAX_PEER_ROWS} more peers</td></tr>"
         )
     if not peers:
-        rows.append("<tr><td colspan='5' class='muted'>no peer announced</td></tr>")
+        rows.append("<tr><td colspan='6' class='muted'>no peer announced</td></tr>")
     return (
         f"<section class='panel stage' id='stage-{index}' data-peers='{len(peers)}'>"
         f"<h3>Stage {index}: {len(peers)} peer(s), {fmt_number(stage['throughput_samples_per_s'])} samples/s{mark}</h3>"
-        "<table><tr><th>peer</th><th>state</th><th>samples/s</th><th>queue</th><th>step</th></tr>"
+        "<table><tr><th>peer</th><th>state</th><th>samples/s</th><th>limited by</th><th>queue</th><th>step</th></tr>"
         + "".join(rows)
         + "</table></section>"
     )

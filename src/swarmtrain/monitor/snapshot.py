@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 
 from swarmtrain.config import RunConfig
+from swarmtrain.runtime.server.balancer import live_leases, swarm_plan
 
 # what servers publish in their metrics record (runtime/server/server_metrics.py) that the monitor shows
 SERVER_KEYS = ("stage", "step", "resyncs", "lost_samples", "duplicates", "recomputed", "late", "moved")
@@ -25,12 +26,14 @@ def swarm_snapshot(cfg: RunConfig, records) -> dict:
 
 def _snapshot(cfg: RunConfig, records, metrics: dict[str, dict]) -> dict:
     digest = cfg.digest()
-    stages = [_stage(i, records, digest) for i in range(cfg.swarm.num_stages)]
+    announced = {i: records.stage_peers(i) for i in range(cfg.swarm.num_stages)}
+    stages = [_stage(i, announced[i], records.stage_progress(i), digest) for i in announced]
     return {
         "run_id": cfg.swarm.run_id,
         "digest": digest,
         "stages": stages,
         "bottleneck": min(range(len(stages)), key=lambda i: stages[i]["throughput_samples_per_s"]),
+        "rebalance": _rebalance(cfg, announced, records.moves()),
         "trainers": _trainers(metrics),
         "replicas": _replicas(records.replicas(digest)),
         "time": time.time(),
@@ -82,14 +85,34 @@ def _total(values) -> int | float | None:
     return sum(numbers) if numbers else None
 
 
-def _stage(index: int, records, digest: str) -> dict:
-    progress = records.stage_progress(index)
+def _rebalance(cfg: RunConfig, announced: dict[int, dict], moves: dict[str, dict]) -> dict:
+    """The balancer's settings in the run file (a server's --rebalance-period-s overrides its period) and
+    the plan every server computes on these records now (runtime/server/balancer.swarm_plan)."""
+    swarm = cfg.swarm
+    plan = swarm_plan(announced, live_leases(moves), swarm.num_stages, cfg.digest(), swarm.rebalance_margin)
+    return {
+        "period_s": swarm.rebalance_period_s,
+        "margin": swarm.rebalance_margin,
+        "plan": [
+            {
+                "peer_id": move.peer,
+                "from": move.from_stage,
+                "to": move.to_stage,
+                "expected_samples_per_s": round(move.rate_samples_per_s, 2),
+            }
+            for move in plan
+        ],
+    }
+
+
+def _stage(index: int, announced: dict, progress: dict, digest: str) -> dict:
     peers = []
-    for peer_id, announcement in sorted(records.stage_peers(index).items()):
+    for peer_id, announcement in sorted(announced.items()):
         peers.append(
             {
                 "peer_id": peer_id,
                 "throughput_samples_per_s": announcement.throughput_samples_per_s,
+                "limit": announcement.limit,
                 "queue": announcement.queue_len,
                 "epoch": progress.get(peer_id, {}).get("epoch", announcement.state_version),
                 "state": announcement.state,
@@ -142,9 +165,10 @@ def format_snapshot(snapshot: dict) -> str:
         for p in stage["peers"]:
             note = "" if p["same_config"] else "  (other config: not used)"
             lines.append(
-                f"  {p['peer_id'][-12:]}  {p['throughput_samples_per_s']:8.1f} samples/s  queue {p['queue']:3d}  "
-                f"step {p['epoch']}  {p['state']}{note}"
+                f"  {p['peer_id'][-12:]}  {p['throughput_samples_per_s']:8.1f} samples/s ({p['limit']})  "
+                f"queue {p['queue']:3d}  step {p['epoch']}  {p['state']}{note}"
             )
+    lines.append(format_plan(snapshot["rebalance"]))
     for t in snapshot["trainers"]:
         loss = "-" if t["loss"] is None else f"{t['loss']:.4f}"
         lines.append(
@@ -158,3 +182,11 @@ def format_snapshot(snapshot: dict) -> str:
     if not any(s["peers"] for s in snapshot["stages"]) and not snapshot["replicas"]:
         lines.append("no peer of this run is announced (check --initial-peers and --preset/--config)")
     return "\n".join(lines)
+
+
+def format_plan(rebalance: dict) -> str:
+    """One line: the balancer's plan now, or why there is none."""
+    if rebalance["period_s"] <= 0:
+        return "rebalancing: off (period 0)"
+    moves = ", ".join(f"{m['peer_id'][-8:]} {m['from']}->{m['to']}" for m in rebalance["plan"])
+    return f"rebalancing every {rebalance['period_s']:g} s: the plan is {moves or 'no move'}"

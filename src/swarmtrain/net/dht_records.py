@@ -18,6 +18,7 @@ tolerates malformed values from other peers (skipped, never raised).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from swarmtrain.utils.logging import get_logger
@@ -78,6 +79,8 @@ class StageAnnouncement:
     behind_nat: bool = False
     # the TCP port of its direct data plane for hand-offs (net/data_plane.py); 0: none, use libp2p
     data_port: int = 0
+    # what limits the announced throughput; only compute is measured so far (runtime/server/capacity.py)
+    limit: str = "compute"
 
     def to_value(self) -> dict:
         return asdict(self)
@@ -96,14 +99,55 @@ class StageAnnouncement:
                 announced_at=float(value.get("announced_at", 0.0)),
                 behind_nat=value.get("behind_nat", False) is True,
                 data_port=_port(value.get("data_port", 0)),
+                limit=_limit(value.get("limit")),
             )
         except (KeyError, TypeError, ValueError):
             return None
 
 
+LIMITS = ("compute", "uplink", "downlink")
+
+
+def _limit(value) -> str:
+    """The limiting resource a record names; anything else (an older record's none) reads as compute."""
+    return value if value in LIMITS else "compute"
+
+
 def _port(value) -> int:
     """A TCP port from a record; anything else reads as none (0), like an older record's."""
     return value if isinstance(value, int) and not isinstance(value, bool) and 0 < value < 65536 else 0
+
+
+# How long a reader keeps routing to a peer whose record lapsed without saying "offline". The servers are
+# the DHT's nodes, so while some are cut off or frozen, the others' stores time out and their records
+# lapse as they serve: trainers saw no peer of either stage for 30 s while a replica of each served
+# (bench/chaos.py --netbed, seed 0; docs/LOG.md 2026-11-26). A dead peer is banned by its first failed
+# call; a leaving one says "offline" and is dropped at once.
+LAPSE_GRACE_S = 45.0
+
+
+@dataclass
+class StageView:
+    """One stage's usable peers as a reader keeps them between DHT reads: every peer a read lists as
+    `usable`, plus those missing from the read (not listed at all) that a read listed within `grace_s`."""
+
+    usable: Callable[[StageAnnouncement], bool] = lambda announcement: announcement.state == "online"
+    grace_s: float = LAPSE_GRACE_S
+    peers: dict[str, StageAnnouncement] = field(default_factory=dict)
+    _seen_at_s: dict[str, float] = field(default_factory=dict)
+
+    def update(self, found: dict[str, StageAnnouncement], now_s: float) -> dict[str, StageAnnouncement]:
+        """Fold one read (every record of the stage, "offline" ones included) in; returns `peers`."""
+        listed = {peer: a for peer, a in found.items() if self.usable(a)}
+        self._seen_at_s.update(dict.fromkeys(listed, now_s))
+        lapsed = {
+            peer: a
+            for peer, a in self.peers.items()
+            if peer not in found and now_s - self._seen_at_s[peer] < self.grace_s
+        }
+        self.peers = {**lapsed, **listed}
+        self._seen_at_s = {peer: self._seen_at_s[peer] for peer in self.peers}
+        return self.peers
 
 
 class RunRecords:
@@ -139,11 +183,12 @@ class RunRecords:
             stage_key(self.run_id, announcement.stage), peer_id, announcement.to_value(), ttl_s
         )
 
-    def stage_peers(self, stage: int) -> dict[str, StageAnnouncement]:
+    def stage_peers(self, stage: int, with_offline: bool = False) -> dict[str, StageAnnouncement]:
+        """The stage's announcements; "offline" ones (a peer that is leaving) only `with_offline`."""
         peers = {}
         for peer_id, value in self._get_dict(stage_key(self.run_id, stage)).items():
             parsed = StageAnnouncement.from_value(value) if isinstance(value, dict) else None
-            if parsed is not None and parsed.stage == stage and parsed.state != "offline":
+            if parsed is not None and parsed.stage == stage and (with_offline or parsed.state != "offline"):
                 peers[peer_id] = parsed
         return peers
 

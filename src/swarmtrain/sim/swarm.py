@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import heapq
 
-from swarmtrain.planner.rebalance import PeerLoad, RebalanceConfig, plan_moves, stage_for_new_peer
+from swarmtrain.planner.rebalance import Move, PeerLoad, RebalanceConfig, plan_moves, stage_for_new_peer
 from swarmtrain.planner.routing import FORWARD_WEIGHT, StageRouter
 from swarmtrain.sim.base import PeerState
 from swarmtrain.sim.network import Endpoint
@@ -203,6 +203,14 @@ class SwarmSimulation(PipelineSimulation):
 
     def _on_rebalance(self, _a=None, _b=None) -> None:
         self.refresh_rates(self.optimum())
+        for move in self.rebalance_plan():
+            self._move(self.peers[move.peer], move.to_stage)
+        self.engine.schedule(self._next_tick_s(), self._on_rebalance)
+
+    def rebalance_plan(self) -> list[Move]:
+        """The moves the policy makes on the peers' current rates (it changes nothing: timelines show it)."""
+        if not self.rebalance:
+            return []
         loads = []
         for peer in self.peers:
             if peer.live and peer.stage >= 0:
@@ -216,9 +224,7 @@ class SwarmSimulation(PipelineSimulation):
                         pending=not peer.serving,
                     )
                 )
-        for move in plan_moves(loads, self.num_stages, self.policy, max_moves=self.max_moves):
-            self._move(self.peers[move.peer], move.to_stage)
-        self.engine.schedule(self._next_tick_s(), self._on_rebalance)
+        return plan_moves(loads, self.num_stages, self.policy, max_moves=self.max_moves)
 
     def _move(self, peer: PeerState, target: int) -> None:
         self.metrics.counts["moves"] += 1

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from swarmtrain.sim import runner
 from swarmtrain.sim.metrics import SimResult
+from swarmtrain.sim.swarm import SwarmSimulation
 
 TIMELINE_FORMAT = "swarmtrain-timeline"
 TIMELINE_VERSION = 1
@@ -98,6 +99,7 @@ def frame(sim, now_s: float, samples_per_s: float) -> dict:
         "replicas": [],
         "servers": [],
         "moves": [],
+        "rebalance": _rebalance(sim),
         "work": {
             "microbatches_completed": None,
             "microbatches_failed": None,
@@ -108,6 +110,25 @@ def frame(sim, now_s: float, samples_per_s: float) -> dict:
         },
         "time": float(now_s),
         "source": "simulator",
+    }
+
+
+def _rebalance(sim) -> dict:
+    """The policy's settings and the plan it makes now, as `swarmtrain status` shows a live swarm's."""
+    moving = isinstance(sim, SwarmSimulation) and sim.rebalance
+    plan = sim.rebalance_plan() if moving else []
+    return {
+        "period_s": sim.config.rebalance_period_s if moving else 0.0,
+        "margin": sim.config.rebalance_margin,
+        "plan": [
+            {
+                "peer_id": sim.peers[move.peer].spec.peer_id,
+                "from": move.from_stage,
+                "to": move.to_stage,
+                "expected_samples_per_s": round(move.rate_samples_per_s, 2),
+            }
+            for move in plan
+        ],
     }
 
 
@@ -125,6 +146,7 @@ def _stage(sim, index: int) -> dict:
                     "epoch": step,
                     "state": "online" if peer.serving else "joining",  # joining: downloading the state
                     "same_config": True,
+                    "limit": "compute",
                     "addresses": [],
                 }
             )

@@ -39,7 +39,14 @@ EXTRA_KEYS = ("val_loss", "byte_frequency_val_loss")  # None when the run was cu
 # one process on the same samples, and val_loss / local_val_loss - 1; None when skipped
 REFERENCE_KEYS = ("local_val_loss", "val_loss_gap")
 EVAL_SAMPLES = 256  # validation samples evaluated through the swarm at the end (~1 s on tiny)
-DEMO_SWARM = {"announce_period_s": 1.0, "request_timeout_s": 15.0, "averaging_timeout_s": 15.0}
+# a short rebalancing period, so that a demo of a minute shows a move when its stages are uneven (servers
+# move only after two periods of serving)
+DEMO_SWARM = {
+    "announce_period_s": 1.0,
+    "request_timeout_s": 15.0,
+    "averaging_timeout_s": 15.0,
+    "rebalance_period_s": 10.0,
+}
 
 
 @dataclass
@@ -151,20 +158,12 @@ def _train(swarm: LocalSwarm, cfg, servers, options: DemoOptions, killed: list[s
         *options.trainer_args(),
     )
     trainer = swarm.processes["trainer"]
-    victim = next((n for n in reversed(list(servers)) if servers[n] == 0), None) if options.kill else None
     start, last_line = time.monotonic(), 0.0
     while trainer.alive:
         time.sleep(0.25)
         elapsed = time.monotonic() - start
-        if victim and not killed and elapsed >= options.duration_s / 2 and _completed(swarm) > 0:
-            swarm.kill(victim)
-            killed.append(victim)
-            print(
-                f"\n  >>> SIGKILLed {victim} (a stage-0 replica) at t={elapsed:.0f}s; the trainer must route "
-                "around it",
-                file=out,
-                flush=True,
-            )
+        if options.kill and not killed and elapsed >= options.duration_s / 2 and _completed(swarm) > 0:
+            _kill_a_replica(swarm, servers, elapsed, killed, out)
         if time.monotonic() - last_line >= 1.0:
             last_line = time.monotonic()
             _display(swarm, servers, elapsed, out)
@@ -172,6 +171,34 @@ def _train(swarm: LocalSwarm, cfg, servers, options: DemoOptions, killed: list[s
             print("\n  trainer did not finish in time; stopping it", file=out)
             return False
     return trainer.proc.returncode == 0
+
+
+def _kill_a_replica(swarm: LocalSwarm, servers, elapsed_s: float, killed: list[str], out) -> None:
+    """SIGKILL the last-started live server of a stage that has another (stage 0 first); the choice is
+    made now, since a rebalancing move may have left stage 0 a single server."""
+    stages = serving_stages(swarm, servers)
+    live = [n for n in servers if swarm.processes[n].alive]
+    for stage in sorted(set(stages.values())):
+        replicas = [n for n in live if stages[n] == stage]
+        if len(replicas) >= 2:
+            swarm.kill(replicas[-1])
+            killed.append(replicas[-1])
+            print(
+                f"\n  >>> SIGKILLed {replicas[-1]} (a stage-{stage} replica) at t={elapsed_s:.0f}s; the "
+                "trainer must route around it",
+                file=out,
+                flush=True,
+            )
+            return
+
+
+def serving_stages(swarm: LocalSwarm, servers: dict[str, int]) -> dict[str, int]:
+    """Each server's stage now: the one its ledger last said it serves (a rebalancing move changes it),
+    else the one it was started on."""
+    return {
+        name: (ready[-1]["stage"] if (ready := swarm.ledger_events(name, "ready")) else stage)
+        for name, stage in servers.items()
+    }
 
 
 def _completed(swarm: LocalSwarm) -> int:
@@ -184,7 +211,7 @@ def _display(swarm: LocalSwarm, servers: dict[str, int], elapsed_s: float, out) 
     recent = [e["loss"] for e in done[-16:]]
     loss = sum(recent) / len(recent) if recent else float("nan")
     alive: dict[int, int] = {}
-    for name, stage in servers.items():
+    for name, stage in serving_stages(swarm, servers).items():
         alive[stage] = alive.get(stage, 0) + int(swarm.processes[name].alive)
     peers = " ".join(f"s{stage}:{alive[stage]}" for stage in sorted(alive))
     line = (
@@ -204,6 +231,7 @@ def _summary(swarm: LocalSwarm, cfg, servers: dict[str, int], killed: list[str])
     started = sum(1 for e in events if e["e"] == "start")
     completed = {e["mb"] for e in events if e["e"] == "done"}
     lost = 0
+    servers = serving_stages(swarm, servers)
     for stage in set(servers.values()):
         ledgers = {n: read_ledger(swarm.ledger_path(n)) for n, s in servers.items() if s == stage}
         dead = {n for n in killed if servers.get(n) == stage}

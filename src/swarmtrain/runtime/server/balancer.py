@@ -80,6 +80,26 @@ def with_leases(loads: list[PeerLoad], leases: dict[str, dict]) -> list[PeerLoad
     ]
 
 
+def swarm_plan(
+    announced: dict[int, dict], leases: dict[str, dict], num_stages: int, digest: str, margin: float
+) -> list[Move]:
+    """The moves the balancer plans, every server's and `swarmtrain status`'s alike: on the stages'
+    announcements (stage -> peer -> StageAnnouncement), with every valid lease in `leases` counted as a
+    move already made."""
+    loads = loads_from_announcements(announced, digest)
+    costs = relative_stage_costs(loads, num_stages)
+    leases = {peer: lease for peer, lease in leases.items() if valid_lease(lease, num_stages)}
+    loads = with_leases(loads, leases)
+    return plan_moves(loads, num_stages, RebalanceConfig(margin), costs, max_moves=len(loads))
+
+
+def live_leases(moves: dict[str, dict]) -> dict[str, dict]:
+    """The leases of moves under way (proposed or committed): a released one's mover serves already."""
+    return {
+        peer: lease for peer, lease in moves.items() if isinstance(lease, dict) and lease.get("state") != DONE
+    }
+
+
 def lease_record(from_stage: int, to_stage: int, rate_samples_per_s: float, state: str) -> dict:
     return {"from": from_stage, "to": to_stage, "rate": rate_samples_per_s, "state": state}
 
@@ -172,18 +192,15 @@ class Balancer:
         return lease["state"] == MOVING or (lease["state"] == PROPOSED and peer < self.peer_id)
 
     def _my_move(self, records, counts) -> Move | None:
-        """Our part of the plan on the current records, with the leases `counts` keeps as done moves.
-        The leases are read last: the stage reads can take seconds, and a lease stored meanwhile counts."""
+        """Our part of the plan on the current records, with the leases `counts` keeps as done moves."""
         announced = {s: records.stage_peers(s) for s in range(self.num_stages)}
+        # read last: the stage reads can take seconds, and a lease stored meanwhile counts
         leases = {
             peer: lease
             for peer, lease in records.moves().items()
             if peer != self.peer_id and valid_lease(lease, self.num_stages) and counts(peer, lease)
         }
-        loads = loads_from_announcements(announced, self.digest)
-        costs = relative_stage_costs(loads, self.num_stages)
-        loads = with_leases(loads, leases)
-        plan = plan_moves(loads, self.num_stages, RebalanceConfig(self.margin), costs, max_moves=len(loads))
+        plan = swarm_plan(announced, leases, self.num_stages, self.digest, self.margin)
         self.last_plan = [f"{str(m.peer)[-8:]}:{m.from_stage}->{m.to_stage}" for m in plan]
         return next((move for move in plan if move.peer == self.peer_id), None)
 

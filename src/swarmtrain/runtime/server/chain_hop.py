@@ -19,11 +19,12 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
+from functools import partial
 
 from torch import Tensor
 
 from swarmtrain.net.data_plane import Address, DataPlaneClient, dial_address
-from swarmtrain.net.dht_records import RunRecords
+from swarmtrain.net.dht_records import RunRecords, StageView
 from swarmtrain.net.failures import NEXT_HOP_FAILED, Outcome, classify_failure, flags_after
 from swarmtrain.net.hand_off import (
     ChainRequest,
@@ -74,11 +75,14 @@ class StagePeers:
         self.peers: set[str] = set()
         self.data_addresses: dict[str, Address] = {}  # of the peers with a data plane
         self._connected: set[str] = set()
+        # a peer whose record lapsed stays a candidate for a while (its stores may fail as it serves)
+        self._view = StageView(usable=lambda announcement: announcement.state != "offline")
 
     async def refresh(self) -> None:
         loop = asyncio.get_running_loop()
-        found = await loop.run_in_executor(None, self.records.stage_peers, self.stage)
-        live = {p: a for p, a in found.items() if a.config_digest == self.digest and a.state != "offline"}
+        found = await loop.run_in_executor(None, partial(self.records.stage_peers, self.stage, True))
+        ours = {p: a for p, a in found.items() if a.config_digest == self.digest}
+        live = self._view.update(ours, time.monotonic())
         for peer, ann in live.items():
             if self.redial or peer not in self._connected:
                 await self.client.connect(peer, ann.addresses, timeout_s=2.0)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 
-from swarmtrain.net.dht_records import RunRecords, StageAnnouncement
+from swarmtrain.net.dht_records import RunRecords, StageAnnouncement, StageView
 from swarmtrain.net.reachability import ip_and_tcp_port
 from swarmtrain.planner.routing import StageRouter, can_hand_off
 from swarmtrain.utils.logging import get_logger
@@ -29,18 +29,21 @@ class PeerTable:
         self.digest = digest
         self.routers = [StageRouter() for _ in range(num_stages)]
         self.announcements: list[dict[str, StageAnnouncement]] = [{} for _ in range(num_stages)]
+        self.views = [StageView() for _ in range(num_stages)]
         self._banned_at: dict[str, float] = {}  # peer -> wall time of the ban
         self._warned_foreign: set[str] = set()
 
     def fetch(self) -> list[dict[str, StageAnnouncement]]:
         """Blocking DHT read of every stage's announcements (run in an executor)."""
-        return [self.records.stage_peers(stage) for stage in range(self.num_stages)]
+        return [self.records.stage_peers(stage, with_offline=True) for stage in range(self.num_stages)]
 
-    def apply(self, fetched: list[dict[str, StageAnnouncement]]) -> list[str]:
-        """Update routers from fetched records; returns peers seen for the first time."""
+    def apply(self, fetched: list[dict[str, StageAnnouncement]], now_s: float | None = None) -> list[str]:
+        """Update routers from fetched records; returns peers seen for the first time. A peer whose
+        record lapsed stays routable for a while (`StageView`)."""
+        now_s = time.monotonic() if now_s is None else now_s
         new_peers = []
         for stage, found in enumerate(fetched):
-            live = {}
+            ours = {}
             for peer, ann in found.items():
                 if ann.config_digest != self.digest:
                     if peer not in self._warned_foreign:
@@ -53,8 +56,8 @@ class PeerTable:
                             self.digest,
                         )
                     continue
-                if ann.state == "online":
-                    live[peer] = ann
+                ours[peer] = ann
+            live = self.views[stage].update(ours, now_s)
             router = self.routers[stage]
             for peer in router.peers:
                 if peer not in live:
