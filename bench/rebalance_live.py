@@ -16,6 +16,10 @@ adds. Two runs, one swarm at a time:
   balance is from the first decision to the last mover serving;
 - `auto`: N+1 servers started one after another with `--stage auto` (no rebalancing).
 
+With `--plain` the servers get no rebalancing flag, as the README starts them (the default period,
+60 s): the imbalanced fleet must be balanced within three periods of its servers being ready, and the
+`auto` fleet, balanced from the start, rebalances too and must make no move (issue 40).
+
 The prediction: the simulator (mode swarm-no-rebalance, the same code as `swarmtrain simulate`) on a
 fleet of pinned peers with each stage's measured seconds per sample at the quota and the measured
 per-call overhead as link latency (as experiments/calibrate_demo.py does), for N+1 and for the
@@ -26,6 +30,7 @@ servers in both runs (the imbalanced run's servers before and after the moves, a
 
     python bench/rebalance_live.py [--cpus-per-server 0.25] [--rebalance-period-s 10] [--summary-json P]
                                    [--layers-per-stage 1,7] [--global-batch-size 128] [--keep-logs DIR]
+                                   [--plain --duration-s 300 --auto-duration-s 600]
 """
 
 from __future__ import annotations
@@ -192,10 +197,9 @@ def run_imbalanced(args, config_path: Path, workdir: Path) -> dict:
         stage0 = STAGE0_NAMES[: args.stage0_servers]
         servers = {**{name: 0 for name in stage0}, "z": 1}
         for name, stage in servers.items():
-            swarm.start_server(
-                name, stage, "--rebalance-period-s", str(args.rebalance_period_s), "--metrics-period-s", "1"
-            )
+            swarm.start_server(name, stage, *period_args(args), "--metrics-period-s", "1")
         swarm.wait_ready(list(servers))
+        ready_at = time.time()
         quiet = cpu_snapshot(swarm, list(servers))
         time.sleep(IDLE_WINDOW_S)
         idle = idle_cpu_per_s(quiet, cpu_snapshot(swarm, list(servers)))
@@ -246,6 +250,7 @@ def run_imbalanced(args, config_path: Path, workdir: Path) -> dict:
             "first_decision_after_traffic_s": first_decision - started,
             "decision_spread_s": last_decision - first_decision,
             "time_to_balance_s": balanced_at - first_decision,
+            "balanced_after_ready_s": balanced_at - ready_at,
             "longest_move_s": max(c["seconds"] for c in costs_of_moves.values()),
             "before_samples_per_s": before,
             "after_samples_per_s": after,
@@ -262,18 +267,28 @@ def moved_record(swarm: LocalSwarm, name: str) -> dict:
     return json.loads(text.split(MOVED)[1].splitlines()[0])
 
 
+def period_args(args) -> list[str]:
+    """The servers' rebalancing flag: none with --plain (the run file's default period, as the README
+    starts servers)."""
+    return [] if args.plain else ["--rebalance-period-s", str(args.rebalance_period_s)]
+
+
 def run_auto(args, config_path: Path, workdir: Path) -> dict:
+    """N+1 servers placed by --stage auto: without --plain they never move (the fleet the simulator
+    predicts); with it they rebalance at the default period, and a move is what a balanced fleet must
+    not make."""
     with LocalSwarm(workdir, config_path, cpus_per_server=args.cpus_per_server) as swarm:
         swarm.start_dht()
         names = STAGE0_NAMES[: args.stage0_servers + 1]
+        pinned = [] if args.plain else ["--rebalance-period-s", "0"]
         for name in names:
-            swarm.start_server(name, "auto", "--metrics-period-s", "1")
+            swarm.start_server(name, "auto", *pinned, "--metrics-period-s", "1")
             swarm.wait_ready([name])
         stages = [swarm.ledger_events(n, "stage_choice")[0]["stage"] for n in names]
         quiet = cpu_snapshot(swarm, names)
         time.sleep(IDLE_WINDOW_S)
         idle = idle_cpu_per_s(quiet, cpu_snapshot(swarm, names))
-        duration_s = args.duration_s / 2
+        duration_s = args.auto_duration_s or args.duration_s / 2
         swarm.start_trainer("trainer", "--duration-s", str(duration_s), "--in-flight", str(args.in_flight))
         started = time.time()
         time.sleep(WARMUP_S)
@@ -284,6 +299,8 @@ def run_auto(args, config_path: Path, workdir: Path) -> dict:
         work = server_work(first, last, idle)
         return {
             "stages": stages,
+            "moves": sorted(move_events(swarm, names, "move")),
+            "duration_s": duration_s,
             "samples_per_s": rate,
             "windows": [{"stage_of": dict(zip(names, stages, strict=True)), "work_s_samples_steps": work}],
             "idle_cpu_per_s": idle,
@@ -294,7 +311,22 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--cpus-per-server", type=float, default=0.25)
-    parser.add_argument("--rebalance-period-s", type=float, default=10.0)
+    parser.add_argument(
+        "--rebalance-period-s", type=float, default=10.0, help="the servers' period (default 10)"
+    )
+    parser.add_argument(
+        "--plain",
+        action="store_true",
+        help="start the servers with no rebalancing flag, as the README does (the default period, 60 s): "
+        "the imbalanced fleet must balance within three periods of the servers being ready, and the "
+        "--stage auto fleet (balanced) must make no move; give --duration-s 300 or more",
+    )
+    parser.add_argument(
+        "--auto-duration-s",
+        type=float,
+        metavar="S",
+        help="the --stage auto run's training time (default: half of --duration-s)",
+    )
     parser.add_argument(
         "--duration-s", type=float, default=150.0, help="the imbalanced run's training time (default 150)"
     )
@@ -357,7 +389,7 @@ def main() -> int:
         cfg = load_run_config(config_path)
         print(
             f"imbalanced swarm ({args.stage0_servers}+1, {args.cpus_per_server} CPU per server, "
-            f"rebalancing every {args.rebalance_period_s} s) ...",
+            f"rebalancing every {'60 (the default)' if args.plain else args.rebalance_period_s} s) ...",
             flush=True,
         )
         imbalanced = run_imbalanced(args, config_path, Path(tmp) / "imbalanced")
@@ -412,6 +444,13 @@ def main() -> int:
         f"{mean_idle:.3f} CPU s/s per "
         f"server; windows: before {imbalanced['before_window_s']:.0f} s, after {imbalanced['after_window_s']:.0f} s"
     )
+    if args.plain:
+        period_s = cfg.swarm.rebalance_period_s
+        print(
+            f"default period {period_s:.0f} s: balanced {imbalanced['balanced_after_ready_s']:.0f} s after the "
+            f"servers were ready (three periods: {3 * period_s:.0f} s); the --stage auto fleet made "
+            f"{len(auto['moves'])} move(s) in {auto['duration_s'] / 60:.1f} min of training"
+        )
     if args.summary_json:
         report = {
             "imbalanced": imbalanced,

@@ -78,3 +78,31 @@ def test_keygen_never_overwrites(tmp_path, capsys):
     assert main(["keygen", str(key)]) == 0 and len(key.read_text().strip()) == 64
     assert main(["keygen", str(key)]) == 2
     assert "refusing to overwrite" in capsys.readouterr().err
+
+
+def test_a_server_started_as_the_readme_does_rebalances_every_60_s():
+    """Issue 40: rebalancing is on unless asked off. The server's run config gets the run file's period
+    (60 s by default), and --rebalance-period-s sets a server's own (0: never move)."""
+    from swarmtrain.cli.main import build_parser
+    from swarmtrain.cli.server import _with_checkpoint_overrides
+    from swarmtrain.config import get_preset
+
+    cfg = get_preset("tiny")
+    plain = build_parser().parse_args(
+        ["server", "--preset", "tiny", "--stage", "0", "--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/X"]
+    )
+    assert _with_checkpoint_overrides(cfg, plain).swarm.rebalance_period_s == 60.0
+    off = build_parser().parse_args(
+        [
+            "server",
+            "--preset",
+            "tiny",
+            "--stage",
+            "0",
+            "--initial-peers",
+            "/ip4/127.0.0.1/tcp/1/p2p/X",
+            "--rebalance-period-s",
+            "0",
+        ]
+    )
+    assert _with_checkpoint_overrides(cfg, off).swarm.rebalance_period_s == 0.0

@@ -176,3 +176,14 @@ def test_variability_makes_a_balanced_pipeline_queue():
 def test_variability_must_be_a_sane_coefficient_of_variation():
     with pytest.raises(ValueError, match="compute_cv"):
         SimConfig(compute_cv=-0.5)
+
+
+@pytest.mark.parametrize("fleet", [MIXED, make_fleet([("t4", 12)])], ids=["mixed", "uniform"])
+def test_a_balanced_fleet_makes_no_move_in_30_minutes_at_the_default_period(fleet):
+    """Issue 40: rebalancing is on by default, so its hysteresis must keep a balanced swarm still. The
+    fleet starts at the best allocation; 30 simulated minutes at the default period (60 s, as servers)."""
+    from swarmtrain.config import SwarmConfig
+
+    assert SimConfig().rebalance_period_s == SwarmConfig().rebalance_period_s == 60.0
+    summary = simulate(fleet, "swarm", duration_s=1800.0).summary
+    assert summary["moves"] == 0 and summary["samples"] > 0

@@ -5,7 +5,9 @@ why hivemind's matchmaking is too slow for that); hivemind's averager serves the
 (parameters + optimizer) to joining and lagging replicas, which download it with
 `load_state_from_peers`. What this wrapper adds:
 - the download is bounded (`load_state_from_peers` otherwise waits forever when the averager process
-  is gone) and failures come back as values, not exceptions;
+  is gone), a donor that goes silent is abandoned for the next within a chunk timeout (hivemind's own
+  download waited without a bound for a cut-off donor to open its stream), and failures come back as
+  values, not exceptions;
 - the state shared with joining peers comes from a callback of the owner (parameters + optimizer),
   and SIGINT is restored after start (hivemind sets it to ignored in the parent);
 - in a private run (`members_keys`), hivemind's averaging RPCs answer only peers that have a record
@@ -19,6 +21,7 @@ why hivemind's matchmaking is too slow for that); hivemind's averager serves the
 from __future__ import annotations
 
 import asyncio
+import random
 import signal
 import time
 from collections.abc import Callable, Sequence
@@ -27,9 +30,12 @@ from typing import AsyncIterator  # noqa: UP035 (hivemind's ServicerBase only re
 
 import torch
 from hivemind.averaging import DecentralizedAverager
-from hivemind.p2p import P2PContext
+from hivemind.compression import deserialize_torch_tensor
+from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
-from hivemind.utils import get_dht_time
+from hivemind.utils import MPFuture, ValueWithExpiration, get_dht_time
+from hivemind.utils.asyncio import aiter_with_timeout
+from hivemind.utils.streaming import combine_from_streaming
 
 from swarmtrain.net.dht_records import live_subkeys
 from swarmtrain.net.engine import restore_sigint
@@ -39,6 +45,9 @@ logger = get_logger(__name__)
 
 StateProvider = Callable[[], tuple[dict, Sequence[torch.Tensor]]]
 STATE_CHUNK_TIMEOUT_S = 15.0
+# the DHT read of who shares the state: a few of hivemind's 3 s DHT request timeouts (nodes frozen or cut
+# off hold a read that long)
+DONORS_READ_TIMEOUT_S = 15.0
 MEMBERS_REFRESH_S = 1.0  # at most one DHT read per second for unknown peers (a stranger's flood)
 
 
@@ -164,6 +173,67 @@ class StageAverager(DecentralizedAverager):
                 remaining_s = max(0.0, expiration_time - get_dht_time())
                 await asyncio.wait_for(self._state_updated.wait(), timeout=remaining_s)
 
+    # state download (in the averager's process) -------------------------------------------------------
+    async def _load_state_from_peers(self, future: MPFuture, timeout: float | None = None) -> None:
+        """The stage state from its donors, highest sharing priority first. hivemind's own version waits
+        without a bound for a donor to open the download stream (a donor whose link is cut holds the
+        joiner until libp2p gives up) and reads the donors with a blocking DHT call on this event loop;
+        here a donor that does not open the stream, or send its next part, within `next_chunk_timeout`
+        is abandoned for the next one, so a download is bounded by its donors' silence, not by a fixed
+        time, and a slow donor that keeps sending is never cut off."""
+        try:
+            for peer in await self._donors():
+                loaded = await self._download_from(peer)
+                if loaded is not None:
+                    future.set_result(loaded)
+                    return
+        except Exception as exc:  # a dead DHT or daemon: no state, the caller retries later
+            logger.info("state download failed: %r", exc)
+        finally:
+            if not future.done():
+                future.set_result(None)
+
+    async def _donors(self) -> list[PeerID]:
+        key = f"{self._matchmaking.group_key_manager.prefix}.all_averagers"
+        found = await asyncio.wait_for(
+            self.dht.get(key, latest=True, return_future=True), timeout=DONORS_READ_TIMEOUT_S
+        )
+        declared = found.value if found is not None and isinstance(found.value, dict) else {}
+        priority = {
+            PeerID(subkey): (float(entry.value), random.random())  # random: ties in any order
+            for subkey, entry in declared.items()
+            if isinstance(subkey, bytes)
+            and isinstance(entry, ValueWithExpiration)
+            and isinstance(entry.value, int | float)
+            and not isinstance(entry.value, bool)
+        }
+        return sorted((peer for peer in priority if peer != self.peer_id), key=priority.get, reverse=True)
+
+    async def _download_from(self, peer: PeerID) -> tuple[dict, list[torch.Tensor]] | None:
+        """The donor's (metadata, tensors), or None if it shares none or went silent."""
+        silence_s, started_s = self.next_chunk_timeout, time.monotonic()
+        metadata, tensors, parts = None, [], []
+        try:
+            stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
+            stream = await asyncio.wait_for(
+                stub.rpc_download_state(averaging_pb2.DownloadRequest()), timeout=silence_s
+            )
+            async for message in aiter_with_timeout(stream, timeout=silence_s):
+                if message.metadata:
+                    metadata = self.serializer.loads(message.metadata)
+                if message.tensor_part.dtype and parts:  # a part with a dtype starts the next tensor
+                    tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+                    parts = []
+                parts.append(message.tensor_part)
+            if parts:
+                tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+        except Exception as exc:
+            logger.info(
+                "state download from %s abandoned after %.1f s: %r", peer, time.monotonic() - started_s, exc
+            )
+            return None
+        return (metadata, tensors) if metadata else None
+
     # state sharing (called in this process by hivemind's background thread) ----------------------
     def get_current_state(self):
         metadata, tensors = self._state_provider()
@@ -172,8 +242,8 @@ class StageAverager(DecentralizedAverager):
     def download_state(self, timeout_s: float) -> tuple[dict, list[torch.Tensor]] | None:
         """Parameters and optimizer state from the stage peer with the highest sharing priority."""
         try:
-            # note: hivemind replaces a non-None timeout by its per-chunk request timeout (inverted
-            # condition); the overall bound is the .result(timeout) below
+            # a silent donor is abandoned within STATE_CHUNK_TIMEOUT_S (`_download_from`); `timeout_s`
+            # only caps a whole download that keeps making progress
             future = self.load_state_from_peers(wait=False, timeout=timeout_s)
             loaded = future.result(timeout=timeout_s)
         except Exception as exc:

@@ -69,6 +69,7 @@ from swarmtrain.runtime.server.stage_status import StageSnapshot, announcement_o
 from swarmtrain.runtime.server.stage_steps import StepCoordinator, StepSettings
 from swarmtrain.runtime.server.stage_sync import StageSynchronizer, SyncSettings
 from swarmtrain.runtime.server.stage_worker import StageWorker
+from swarmtrain.runtime.server.step_inbox import KEEP_STEPS_AHEAD
 from swarmtrain.utils.logging import get_logger
 
 if TYPE_CHECKING:  # hivemind is imported only once the process has prepared its environment
@@ -221,7 +222,11 @@ class StageService:
             alive=self.link.answers_ping,
             live_replicas=self.live_replicas,
             verify=self.link.is_stage_replica,
-            close_window=1 + cfg.training.max_staleness,
+            # an honest close is at most 1 + max_staleness steps past a replica still exchanging the
+            # step before, but a replica that was frozen is behind by more and catches up by steps: it
+            # refused step 136's close at 134, reached 136 a few seconds later and waited there with no
+            # close while its only peer was frozen (bench/chaos.py --netbed, seed 0: 36 s stall)
+            close_window=max(KEEP_STEPS_AHEAD, 1 + cfg.training.max_staleness),
         )
         self.sync = self._make_synchronizer()
         undo.callback(self.sync.stop)

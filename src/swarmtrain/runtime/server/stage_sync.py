@@ -53,7 +53,10 @@ class SyncSettings:
     heartbeat_s: float = 1.0
     progress_ttl_s: float = 4.0
     lag_grace_s: float = 3.0
-    download_timeout_s: float = 60.0
+    # a whole state download's cap while it makes progress (a donor that goes silent is abandoned within
+    # net/averaging.STATE_CHUNK_TIMEOUT_S): a billion-parameter stage's state with Adam is ~12 GB, minutes
+    # even at 1 Gbit/s, and a fixed 60 s failed every such download
+    download_timeout_s: float = 1800.0
     compute_timeout_s: float = 120.0
     num_stages: int = 1
     allow_fresh: bool = False  # --fresh-start: initial weights even when the swarm has stepped
