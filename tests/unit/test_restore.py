@@ -88,3 +88,12 @@ def test_a_replica_that_has_stepped_with_the_swarm_waits_a_request_timeout_befor
     assert behind_other_stages(30, 32, 0, 5.0, 3.0, False, False, restored=True) == "advance"
     # without a stranded grace (the default), only a restored replica advances
     assert behind_other_stages(1050, 1051, 0, 99.0, 3.0, False, False, restored=False) == "wait"
+
+
+def test_of_two_mismatched_replicas_the_one_that_skipped_steps_follows():
+    from swarmtrain.planner.restore import follows_on_mismatch
+
+    assert follows_on_mismatch("B", False, "A", False) and not follows_on_mismatch("A", False, "B", False)
+    assert follows_on_mismatch("A", True, "B", False)  # skipped: follows whatever the ids
+    assert not follows_on_mismatch("B", False, "A", True)
+    assert follows_on_mismatch("B", True, "A", True) and not follows_on_mismatch("A", True, "B", True)

@@ -379,3 +379,24 @@ def test_a_replica_far_behind_replays_at_once_while_its_peer_keeps_the_steps(tin
     ok = True
     sync.tick()
     assert len(replays) == 2 and averager.calls == [("download",)] * 2  # too far: not even tried
+
+
+def test_a_replica_that_skipped_steps_follows_its_peer_whatever_the_ids(make_sync, tiny_cfg):
+    """chaos --netbed, seed 0: s1-10 woke from a freeze 36 steps behind while its only peer was frozen,
+    adopted the other stages' step with its old parameters (behind_other_stages), and had the smaller id:
+    by id alone its peer, which had applied those 36 steps, threw them away when it woke."""
+    donor = StageWorker(tiny_cfg, tiny_cfg.stages()[1])
+    sync, worker, records, averager = make_sync(
+        peer="0", averager=FakeAverager(donor_state=donor.export_state())
+    )  # the smaller id
+    sync.skipped = True
+    sync._fp = (0, [1.0, 2.0])
+    records.progress["A"] = _peer(0, fp=[1.0, 2.5])
+    sync.tick()
+    assert ("download",) in averager.calls and not sync.skipped  # it took the peer's state
+    peer_sync, _, peer_records, peer_averager = make_sync(peer="B")  # the peer: larger id, did not skip
+    peer_sync._fp = (0, [1.0, 2.5])
+    peer_records.progress["A"] = dict(_peer(0, fp=[1.0, 2.0]), skipped=True)
+    peer_sync.tick()
+    assert peer_averager.calls == []
+    assert peer_records.progress.get("B") is None or peer_records.progress["B"].get("skipped") is not True

@@ -10,7 +10,9 @@ Pure decisions (no I/O), used by the server's synchronizer and unit-tested on th
   (an older checkpoint, or stages restarted from checkpoints of different steps) does so after a short
   grace period; one that has stepped with the swarm only once nothing of its step can still come (the
   step was applied by a replica of this stage that died, or by none), which is what a checkpoint
-  period and the loss of a dead peer's unsaved work bound.
+  period and the loss of a dead peer's unsaved work bound;
+- `follows_on_mismatch`: of two replicas whose parameters differ at the same step, which one resyncs
+  from the other.
 """
 
 from __future__ import annotations
@@ -95,3 +97,15 @@ def behind_other_stages(
     if untrained and not allow_fresh:
         return "refuse"
     return "advance"
+
+
+def follows_on_mismatch(peer_id: str, skipped: bool, other_id: str, other_skipped: bool) -> bool:
+    """Whether replica `peer_id` resyncs from `other_id`, their parameters differing at the same step.
+    One whose state skipped steps (it adopted the other stages' step without this stage's updates: its
+    stage peers were frozen or cut off, `behind_other_stages`) follows one that applied them; otherwise
+    the larger id follows. By id alone, a replica that woke from a freeze, adopted the swarm's step and
+    had the smaller id made its peer, which had applied the 36 steps it missed, throw them away
+    (bench/chaos.py --netbed, seed 0, docs/LOG.md 2026-11-26)."""
+    if skipped != other_skipped:
+        return skipped
+    return peer_id > other_id

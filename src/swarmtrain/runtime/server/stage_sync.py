@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from swarmtrain.config.errors import UserError
 from swarmtrain.net.protocol import ProtocolError
-from swarmtrain.planner.restore import behind_other_stages, choose_start
+from swarmtrain.planner.restore import behind_other_stages, choose_start, follows_on_mismatch
 from swarmtrain.runtime.ledger import Ledger
 from swarmtrain.runtime.server.compute import PRIORITY_SYNC, ComputeWorker
 from swarmtrain.runtime.server.stage_steps import MAX_REPLAY_STEPS
@@ -109,6 +109,9 @@ class StageSynchronizer:
         self.checkpoints, self.on_fatal, self.closing = checkpoints, on_fatal, closing
         self.untrained = True  # initial weights: never stepped, downloaded or restored
         self.restored = False  # state from a checkpoint (or --fresh-start), no step applied since
+        # our parameters lack updates the stage applied: we adopted the other stages' step (a peer that
+        # applied them wins a fingerprint mismatch, and donors without this are preferred)
+        self.skipped = False
         self._other_ahead_since_s: float | None = None
         # the epoch the last tick saw and since when: how long this replica has gone without a step
         self._seen_epoch: tuple[int, float] = (-1, time.monotonic())
@@ -165,7 +168,7 @@ class StageSynchronizer:
         self._refresh_fingerprint()
         log = logger.warning if start.lost_steps else logger.info
         log("stage %d starts at step %d from %s: %s", self.stage, start.epoch, start.source, start.reason)
-        self.averager.state_sharing_priority = float(self.worker.epoch)
+        self.averager.state_sharing_priority = self._sharing_priority()
         self.serving.set()
         self.publish()
 
@@ -198,7 +201,7 @@ class StageSynchronizer:
         if fingerprint is not None:  # None: a local step (swarm.local_steps), replicas differ until the round
             self._fp = (epoch, fingerprint)
         self.untrained = self.restored = False
-        self.averager.state_sharing_priority = float(self.worker.epoch)
+        self.averager.state_sharing_priority = self._sharing_priority()
 
     def tick(self) -> None:
         others, epoch = self._others(), self.worker.epoch
@@ -275,6 +278,8 @@ class StageSynchronizer:
                 other - epoch,
             )
             self.ledger.write("advance", epoch=other, skipped=other - epoch, lost=lost_samples)
+            self.skipped = True
+            self.averager.state_sharing_priority = self._sharing_priority()
             self._refresh_fingerprint()
             self._other_ahead_since_s = None
             self.on_epoch_moved()
@@ -319,7 +324,7 @@ class StageSynchronizer:
             logger.error("state download failed; serving the local state and retrying later")
         else:
             lost_samples, lost_ids = imported
-            self.untrained = self.restored = False
+            self.untrained = self.restored = self.skipped = False
             self.counters.resyncs += 1
             if lost_ids:
                 self.counters.lost_samples += lost_samples
@@ -328,7 +333,7 @@ class StageSynchronizer:
             self.on_epoch_moved()
         self._refresh_fingerprint()
         self._behind_since_s = None
-        self.averager.state_sharing_priority = float(self.worker.epoch)
+        self.averager.state_sharing_priority = self._sharing_priority()
         self.serving.set()
         self.publish()
 
@@ -355,14 +360,15 @@ class StageSynchronizer:
         return {p: v for p, v in progress.items() if p != self.peer_id and v.get("digest") == self.digest}
 
     def _diverged_from(self, others: dict[str, dict]) -> bool:
-        """A peer with a smaller id had other parameters than ours at the same step."""
+        """A peer we follow (`planner/restore.follows_on_mismatch`) had other parameters than ours at the
+        same step."""
         if self._fp is None:
             return False
         step, ours = self._fp
         for peer, value in others.items():
             theirs = value.get("fp")
             if (
-                peer < self.peer_id
+                follows_on_mismatch(self.peer_id, self.skipped, peer, value.get("skipped") is True)
                 and value.get("fp_epoch") == step
                 and isinstance(theirs, list)
                 and len(theirs) == 2
@@ -373,6 +379,11 @@ class StageSynchronizer:
                 ):
                     return True
         return False
+
+    def _sharing_priority(self) -> float:
+        """Donors are picked by the highest priority: the step, a state that skipped steps half a step
+        lower than one at the same step that did not."""
+        return self.worker.epoch - (0.5 if self.skipped else 0.0)
 
     @property
     def fingerprint(self) -> list | None:
@@ -403,6 +414,7 @@ class StageSynchronizer:
                 "serving": self.serving.is_set(),
                 "fp_epoch": None if self._fp is None else self._fp[0],
                 "fp": None if self._fp is None else self._fp[1],
+                "skipped": self.skipped,
             }
             try:
                 self.records.publish_progress(self.stage, self.peer_id, value, self.settings.progress_ttl_s)
