@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -125,6 +126,9 @@ class PeerState(Endpoint):
         self.backlog_until_s = 0.0  # when the compute already accepted (FIFO) will be done
 
 
+Observer = Callable[["Simulation", float], None]
+
+
 class Simulation:
     def __init__(
         self,
@@ -150,6 +154,7 @@ class Simulation:
         self.metrics = Metrics(self.metrics_stages())
         self._membership_changed = True
         self._optimum = 0.0
+        self._observer: Observer | None = None
 
     # to implement ------------------------------------------------------------------------------
     def metrics_stages(self) -> int:
@@ -185,7 +190,13 @@ class Simulation:
             self._membership_changed = False
         return self._optimum
 
-    def run(self) -> SimResult:
+    def audit(self) -> dict:
+        """Chunks whose path was checked against the pipeline's order (`SimConfig.audit`), and misses."""
+        return {"chunks": 0, "violations": 0}
+
+    def run(self, observer: Observer | None = None) -> SimResult:
+        """`observer(sim, now_s)`: called at each sample point the metrics recorded (a timeline's frame)."""
+        self._observer = observer
         cfg = self.config
         for i, peer in enumerate(self.peers):
             peer.live = i not in self.schedule.initially_offline
@@ -211,8 +222,10 @@ class Simulation:
         now = self.engine.now_s
         self.finish_accounting(now)
         live = sum(1 for p in self.peers if p.live)
-        self.metrics.sample(now, self.optimum(), live)
+        recorded = self.metrics.sample(now, self.optimum(), live)
         self._last_sample_s = now
+        if recorded and self._observer is not None:
+            self._observer(self, now)
 
     def _on_churn(self, index: int, event: str) -> None:
         peer = self.peers[index]

@@ -58,10 +58,11 @@ class Metrics:
         self._serving[stage] += delta
 
     # sampling ----------------------------------------------------------------------------------
-    def sample(self, now_s: float, optimal_samples_per_s: float, live_peers: int) -> None:
+    def sample(self, now_s: float, optimal_samples_per_s: float, live_peers: int) -> bool:
+        """Close the interval since the last sample; False (nothing recorded) for an empty one."""
         dt = now_s - self._last_sample_s
         if dt <= 0:
-            return
+            return False
         rate = (self.samples_completed - self._last_samples) / dt
         utilization = []
         for s in range(self.num_stages):
@@ -80,6 +81,7 @@ class Metrics:
         series["utilization"].append(utilization)
         self._optimal_integral += optimal_samples_per_s * dt
         self._last_sample_s, self._last_samples = now_s, self.samples_completed
+        return True
 
     # summary -----------------------------------------------------------------------------------
     def summary(self, duration_s: float, events: int) -> dict:

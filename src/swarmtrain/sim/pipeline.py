@@ -128,6 +128,9 @@ class PipelineSimulation(Simulation):
             self.dispatch,
         )
 
+    def audit(self) -> dict:
+        return {"chunks": self.audited_chunks, "violations": self.audit_violations}
+
     def refresh_rates(self, throughput_samples_per_s: float, sizes: list[int] | None = None) -> None:
         """What peers announce: their rate at each stage with the averaging traffic of a pipeline at the
         given throughput taken off their links (a peer that cannot keep up announces 0 there). The

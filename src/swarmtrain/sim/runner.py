@@ -21,7 +21,7 @@ import math
 import numpy as np
 
 from swarmtrain.config import RunConfig
-from swarmtrain.sim.base import SimConfig, Simulation
+from swarmtrain.sim.base import Observer, SimConfig, Simulation
 from swarmtrain.sim.churn import ChurnSchedule
 from swarmtrain.sim.costs import StageCosts, compute_s_per_sample, rate_table, stage_costs
 from swarmtrain.sim.entities import Fleet
@@ -80,7 +80,9 @@ def run_simulation(
     config: SimConfig,
     schedule: ChurnSchedule | None = None,
     global_batch_size: int | None = None,
+    observer: Observer | None = None,
 ) -> SimResult:
+    """`observer(sim, now_s)`: called at each recorded sample point (`sim/timeline.py` makes frames)."""
     costs = costs_for(run, global_batch_size)
     schedule = schedule or ChurnSchedule(())
     for peer in fleet.peers:
@@ -99,12 +101,9 @@ def run_simulation(
     live = [i for i in range(fleet.num_peers) if i not in schedule.initially_offline]
     start_optimum = optimal_allocation(table, costs, live).throughput_samples_per_s
     sim = build(fleet, costs, config, schedule, compute, table, live, start_optimum, run)
-    result = sim.run()
+    result = sim.run(observer)
     result.summary["start_optimal_samples_per_s"] = start_optimum
-    result.summary["audit"] = {
-        "chunks": getattr(sim, "audited_chunks", 0),
-        "violations": getattr(sim, "audit_violations", 0),
-    }
+    result.summary["audit"] = sim.audit()
     return result
 
 

@@ -37,40 +37,19 @@ def timeline_document(frames: list[dict], mode: str, duration_s: float, descript
 def run_with_timeline(
     fleet, run, config, schedule=None, global_batch_size=None
 ) -> tuple[SimResult, list[dict]]:
-    """`runner.run_simulation`, plus a frame at each sample point. The simulation object exists only
-    inside `run_simulation`, so `runner.build` is wrapped for the call to attach the recorder to what it
-    builds (restored afterwards, also on errors); the run itself is unchanged."""
+    """`runner.run_simulation`, plus a frame at each sample point the metrics recorded (an observer of
+    the run: the run itself is unchanged)."""
     if config.mode not in TIMELINE_MODES:
         raise ValueError(
             f"a timeline records the pipeline modes {', '.join(TIMELINE_MODES)}, not {config.mode}"
         )
     frames: list[dict] = []
-    build = runner.build
 
-    def build_and_record(*args, **kwargs):
-        sim = build(*args, **kwargs)
-        _record_frames(sim, frames)
-        return sim
+    def record(sim, now_s: float) -> None:
+        frames.append(frame(sim, now_s, sim.metrics.series["samples_per_s"][-1]))
 
-    runner.build = build_and_record
-    try:
-        result = runner.run_simulation(fleet, run, config, schedule, global_batch_size)
-    finally:
-        runner.build = build
+    result = runner.run_simulation(fleet, run, config, schedule, global_batch_size, observer=record)
     return result, frames
-
-
-def _record_frames(sim, frames: list[dict]) -> None:
-    """After each of the metrics' samples (the sample's rate is then in the series), append a frame."""
-    sample = sim.metrics.sample
-
-    def sample_then_frame(now_s: float, optimal_samples_per_s: float, live_peers: int) -> None:
-        sample(now_s, optimal_samples_per_s, live_peers)
-        series = sim.metrics.series
-        if series["time_s"] and series["time_s"][-1] == now_s:  # metrics skip empty intervals
-            frames.append(frame(sim, now_s, series["samples_per_s"][-1]))
-
-    sim.metrics.sample = sample_then_frame
 
 
 def frame(sim, now_s: float, samples_per_s: float) -> dict:
