@@ -242,17 +242,19 @@ def interchangeable_classes(*matrices: np.ndarray, attributes: Sequence[np.ndarr
     class's first device.
 
     Vectorised for any fleet size: swappable devices have rows holding the same values (only the
-    entries for each other and themselves trade places), so only devices with equal sorted rows are
-    compared, and each class's first device is compared with all its candidates at once. Swappability
-    is transitive for symmetric matrices, so comparing with the first member suffices."""
+    entries for each other and themselves trade places), so their rows have the same sum, sum of
+    squares, minimum and maximum; only devices with equal such keys (rounded to float32, as summing in
+    another order may change the last bits) are compared exactly, each class's first device with all
+    its candidates at once. Swappability is transitive for symmetric matrices, so comparing with the
+    first member suffices."""
     count = matrices[0].shape[0]
     stacked = np.concatenate([np.asarray(m, dtype=float) for m in matrices], axis=1)
-    signature = np.concatenate(
-        [np.sort(np.asarray(m, dtype=float), axis=1) for m in matrices]
-        + [np.asarray(a, dtype=float).reshape(count, 1) for a in attributes],
-        axis=1,
-    )
-    _, bucket = np.unique(signature, axis=0, return_inverse=True)
+    keys = [np.asarray(a, dtype=float).reshape(count) for a in attributes]
+    for matrix in matrices:
+        rows = np.asarray(matrix, dtype=float)
+        with np.errstate(over="ignore", invalid="ignore"):
+            keys += [rows.sum(axis=1), (rows * rows).sum(axis=1), rows.min(axis=1), rows.max(axis=1)]
+    _, bucket = np.unique(np.stack(keys, axis=1).astype(np.float32), axis=0, return_inverse=True)
     bucket = bucket.reshape(-1)
     class_of = np.full(count, -1, dtype=np.int64)
     next_class = 0
