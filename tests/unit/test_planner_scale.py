@@ -146,27 +146,30 @@ def test_large_groups_use_the_compiled_matching_with_the_same_bottleneck():
             graph.BITMASK_MATCHING_MAX = default
 
 
+def _is_pure(groups, sites) -> bool:
+    return all(len({sites[d] for d in g}) == 1 for g in groups)
+
+
 def test_structured_layouts_are_location_pure_and_ignore_numbering():
     model = gpt3_xl_model("four-places", 1024)
     scenario = model.scenario
     layouts = structured_layouts(model.pp_link_s, model.device_class, 16, scenario.sites)
-    for labels in layouts:
-        groups = labels_to_groups(labels, 16)
-        assert all(len({scenario.sites[d] for d in g}) == 1 for g in groups)
-        assert all(list(g) == list(range(g[0], g[0] + 64)) for g in groups)  # consecutive index order
+    first = labels_to_groups(layouts[0], 16)  # the pure layouts come first
+    assert _is_pure(first, scenario.sites)
+    assert all(list(g) == list(range(g[0], g[0] + 64)) for g in first)  # consecutive index order
+    assert not all(_is_pure(labels_to_groups(labels, 16), scenario.sites) for labels in layouts)  # + banded
     # Volunteers: every datacenter group is whole 8-GPU machines, every home group one region and tier.
     volunteers = gpt3_xl_model("volunteers", 256)
-    for labels in structured_layouts(
-        volunteers.pp_link_s, volunteers.device_class, 16, volunteers.scenario.sites
-    ):
-        for group in labels_to_groups(labels, 16):
-            sites = [volunteers.scenario.sites[d] for d in group]
-            gpus = {volunteers.scenario.gpu_names[d] for d in group}
-            assert len(gpus) == 1
-            if sites[0].startswith("dc"):
-                assert all(sites.count(site) == 8 for site in sites)  # whole machines
-            else:
-                assert len(set(sites)) == 1  # one region
+    sites = volunteers.scenario.sites
+    first = structured_layouts(volunteers.pp_link_s, volunteers.device_class, 16, sites)[0]
+    for group in labels_to_groups(first, 16):
+        sites = [volunteers.scenario.sites[d] for d in group]
+        gpus = {volunteers.scenario.gpu_names[d] for d in group}
+        assert len(gpus) == 1
+        if sites[0].startswith("dc"):
+            assert all(sites.count(site) == 8 for site in sites)  # whole machines
+        else:
+            assert len(set(sites)) == 1  # one region
     # Renumbering the devices renumbers the structured layout, so its cost is unchanged.
     shuffled, _ = relabel(scenario, seed=5)
     model_shuffled = CostModel(shuffled, model.workload)
@@ -227,3 +230,18 @@ def test_generated_fleets_have_their_shapes():
         generated_fleet("four-places", 100, 4)
     with pytest.raises(ScenarioError):
         generated_fleet("moon-base", 64, 8)
+
+
+@pytest.mark.parametrize(
+    ("name", "best_known_s"),
+    [
+        ("datacenter", 3.440),
+        ("spot", 31.636),
+        ("multi-university", 16.088),
+        ("regional", 34.804),
+        ("world-wide", 49.220),
+    ],
+)
+def test_banded_structured_layouts_hold_the_dt_fm_best_known_costs(name, best_known_s):
+    scenario, _ = relabel(COMMUNICATION_SCENARIOS[name](), seed=1)  # numbering must not matter
+    assert best_structured_cost(CostModel(scenario, WORKLOAD)) == pytest.approx(best_known_s, abs=5e-4)
