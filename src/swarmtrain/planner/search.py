@@ -61,7 +61,7 @@ class SearchConfig:
     local_search_patience: int = 60  # consecutive rejected swaps before a local search gives up
     guided_fraction: float = 0.7  # share of swap proposals aimed at the costliest group or edge
     constructive_seeds: bool = True  # first population: packed and striped starts besides random ones
-    structured_seeds: bool = True  # score the structured layouts first (see the module doc)
+    structured_seeds: bool = True  # score the structured layouts first (at scale always: its population)
     at_scale: bool | None = None  # None: at scale above SCALE_DEVICES devices or SCALE_STAGES stages
 
     def __post_init__(self) -> None:
