@@ -72,7 +72,13 @@ def test_search_beats_random_placement(name):
 def test_search_improves_on_random_starts_alone():
     """Without constructive seeds the memetic loop itself must still beat its own random starts."""
     model = CostModel(COMMUNICATION_SCENARIOS["regional"](), WORKLOAD)
-    config = SearchConfig(budget_evals=600, budget_s=1e9, local_search_patience=20, constructive_seeds=False)
+    config = SearchConfig(
+        budget_evals=600,
+        budget_s=1e9,
+        local_search_patience=20,
+        constructive_seeds=False,
+        structured_seeds=False,
+    )
     result = search_placement(model, config, seed=1)
     assert result.cost_s < 0.9 * result.best_cost_history_s[0]
 

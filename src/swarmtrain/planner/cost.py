@@ -15,8 +15,11 @@ sizes in Gbit (GB x 8) over bandwidth in Gbit/s:
 state of one pipeline's macro-batch crossing one stage boundary. The path order is the pipeline order
 and the matchings along it wire the D_DP pipelines.
 
-`CostModel` caches each group's DP cost and each pair's edge keyed by the groups' contents, so a
-search step that swaps two devices recomputes only the edges touching the two changed groups.
+`CostModel` caches each group's DP cost and each pair's edge keyed by the groups' contents (as classes
+of interchangeable devices, so two location-pure groups of one place share every entry), so a search
+step that swaps two devices recomputes only the edges touching the two changed groups. `ordered_score`
+prices a layout in a given pipeline order (`planner.incremental` keeps that price up to date swap by
+swap); `cost` and `score` take the best order.
 """
 
 from __future__ import annotations
@@ -35,7 +38,6 @@ from swarmtrain.planner.scenarios import Scenario
 
 GBIT_PER_GB = 8.0
 MAX_CACHE_ENTRIES = 400_000
-MAX_CLASSED_DEVICES = 512
 
 Group = tuple[int, ...]
 
@@ -105,7 +107,7 @@ class CostModel:
         self._dp_cache: dict[Group, tuple[float, float]] = {}  # keyed by _canonical(group)
         self._edge_cache: dict[tuple[Group, Group], tuple[float, float]] = {}
 
-    def _group(self, group: Group) -> tuple[float, float]:
+    def group_values(self, group: Group) -> tuple[float, float]:
         """(DP cost, mean over members of their DP link sums) of one group, memoized."""
         key = self._canonical(group)
         value = self._dp_cache.get(key)
@@ -118,7 +120,7 @@ class CostModel:
             self._dp_cache[key] = value
         return value
 
-    def _edge(self, a: Group, b: Group) -> tuple[float, float]:
+    def edge_values(self, a: Group, b: Group) -> tuple[float, float]:
         """(bottleneck matching value, mean link of the min-sum matching) between two groups, memoized."""
         key_a, key_b = self._canonical(a), self._canonical(b)
         key = (key_a, key_b) if key_a < key_b else (key_b, key_a)
@@ -137,7 +139,7 @@ class CostModel:
         return tuple(sorted(self.device_class[d] for d in group))
 
     def group_dp_cost(self, group: Group) -> float:
-        return self._group(group)[0]
+        return self.group_values(group)[0]
 
     def edge_matrices(self, groups: Sequence[Group]) -> tuple[np.ndarray, np.ndarray]:
         """Group x group (bottleneck edge, mean min-sum matched link) matrices."""
@@ -145,7 +147,7 @@ class CostModel:
         weights = np.zeros((2, count, count))
         for i in range(count):
             for j in range(i + 1, count):
-                weights[:, i, j] = weights[:, j, i] = self._edge(groups[i], groups[j])
+                weights[:, i, j] = weights[:, j, i] = self.edge_values(groups[i], groups[j])
         return weights[0], weights[1]
 
     def edge_matrix(self, groups: Sequence[Group]) -> np.ndarray:
@@ -160,11 +162,30 @@ class CostModel:
         """(cost, tie-break) for the search. The cost is a max of maxima, flat under most single swaps;
         the tie-break (mean group DP, mean member link sums, and the path over mean matched links) moves
         with every swap and so shows the search which way the cost will eventually drop."""
-        dp = [self._group(g) for g in groups]
+        dp = [self.group_values(g) for g in groups]
         bottleneck, soft = self.edge_matrices(groups)
         cost = max(d[0] for d in dp) + 2.0 * shortest_open_path_cost(bottleneck)
         tie_break = float(np.mean(dp, axis=0).sum()) + 2.0 * shortest_open_path_cost(soft)
         return cost, tie_break
+
+    def score_and_order(self, groups: Sequence[Group]) -> tuple[float, float, list[int]]:
+        """(cost, tie-break, pipeline order) with one path search instead of `score`'s two: the
+        tie-break takes the mean matched links along the cost's own order (what `ordered_score` prices),
+        so a search at scale compares full and incremental scores on one footing."""
+        bottleneck, _ = self.edge_matrices(groups)
+        _, order = shortest_open_path(bottleneck)
+        cost, tie_break = self.ordered_score([groups[k] for k in order])
+        return cost, tie_break, order
+
+    def ordered_score(self, ordered: Sequence[Group]) -> tuple[float, float]:
+        """(cost, tie-break) of the groups in this pipeline order: at least `cost`, equal to it in the
+        best order. The tie-break is the mean over groups of (DP cost + mean member link sum) plus twice
+        the mean matched links along the path."""
+        dp = np.array([self.group_values(g) for g in ordered])
+        edges = np.array([self.edge_values(a, b) for a, b in zip(ordered, ordered[1:], strict=False)])
+        edges = edges.reshape(-1, 2)
+        cost = float(dp[:, 0].max()) + 2.0 * float(edges[:, 0].sum())
+        return cost, float(dp.sum(axis=1).mean()) + 2.0 * float(edges[:, 1].sum())
 
     def describe(self, groups: Sequence[Sequence[int]]) -> PlanCost:
         """Full breakdown: pipeline order, per-group DP costs, path edges and the wired pipelines."""
@@ -215,32 +236,46 @@ def validate_layout(groups: object, scenario: Scenario) -> list[list[int]]:
     return [list(g) for g in groups]
 
 
-def interchangeable_classes(*matrices: np.ndarray) -> list[int]:
+def interchangeable_classes(*matrices: np.ndarray, attributes: Sequence[np.ndarray] = ()) -> list[int]:
     """Class id per device; two devices share a class when swapping them changes no link (e.g. two GPUs
-    of one machine). Found greedily: a device joins the first class all of whose members it matches."""
+    of one machine) and no attribute (e.g. speed and memory, if given). Ids count up in order of each
+    class's first device.
+
+    Vectorised for any fleet size: swappable devices have rows holding the same values (only the
+    entries for each other and themselves trade places), so their rows have the same sum, sum of
+    squares, minimum and maximum; only devices with equal such keys (rounded to float32, as summing in
+    another order may change the last bits) are compared exactly, each class's first device with all
+    its candidates at once. Swappability is transitive for symmetric matrices, so comparing with the
+    first member suffices."""
     count = matrices[0].shape[0]
-    if count > MAX_CLASSED_DEVICES:  # quadratic search; big fleets just get no cache sharing
-        return list(range(count))
     stacked = np.concatenate([np.asarray(m, dtype=float) for m in matrices], axis=1)
-    classes: list[list[int]] = []
-    class_of = [0] * count
+    keys = [np.asarray(a, dtype=float).reshape(count) for a in attributes]
+    for matrix in matrices:
+        rows = np.asarray(matrix, dtype=float)
+        with np.errstate(over="ignore", invalid="ignore"):
+            keys += [rows.sum(axis=1), (rows * rows).sum(axis=1), rows.min(axis=1), rows.max(axis=1)]
+    _, bucket = np.unique(np.stack(keys, axis=1).astype(np.float32), axis=0, return_inverse=True)
+    bucket = bucket.reshape(-1)
+    class_of = np.full(count, -1, dtype=np.int64)
+    next_class = 0
     for device in range(count):
-        for k, members in enumerate(classes):
-            if all(_swappable(stacked, device, other, count) for other in members):
-                members.append(device)
-                class_of[device] = k
-                break
-        else:
-            class_of[device] = len(classes)
-            classes.append([device])
-    return class_of
+        if class_of[device] >= 0:
+            continue
+        class_of[device] = next_class
+        candidates = np.flatnonzero((bucket == bucket[device]) & (class_of < 0))
+        if len(candidates):
+            class_of[candidates[_swappable(stacked, device, candidates, count)]] = next_class
+        next_class += 1
+    return [int(c) for c in class_of]
 
 
-def _swappable(stacked: np.ndarray, x: int, y: int, count: int) -> bool:
-    """Rows x and y agree on every device other than x and y (checked in each stacked matrix)."""
-    keep = np.ones(stacked.shape[1], dtype=bool)
-    keep[[x, y, x + count, y + count]] = False
-    return bool(np.array_equal(stacked[x, keep], stacked[y, keep]))
+def _swappable(stacked: np.ndarray, x: int, ys: np.ndarray, count: int) -> np.ndarray:
+    """Per y in ys: rows x and y agree on every device other than x and y (in each stacked matrix)."""
+    differ = stacked[ys] != stacked[x]
+    blocks = np.arange(0, stacked.shape[1], count)
+    differ[:, x + blocks] = False
+    differ[np.arange(len(ys))[:, None], ys[:, None] + blocks[None, :]] = False
+    return ~differ.any(axis=1)
 
 
 def labels_to_groups(labels: np.ndarray, num_groups: int) -> list[Group]:

@@ -11,9 +11,22 @@ slowest links across that edge, swapped with the outside device that links best)
 swaps; a swap is kept if it lowers the cost. The child replaces the worst individual if it is better
 and not already present.
 
-Every scored partition counts as one evaluation; the search stops at `budget_evals` evaluations or
-`budget_s` seconds, whichever comes first, and records the best cost after every evaluation.
-`objective` lets the compute-aware planner reuse the same search with another cost function.
+Structured layouts (`planner.structured`: stage groups cut from the fleet's clusters, location-pure
+where the places divide into whole groups) are scored first, so the search never returns a plan worse
+than the best of them. On a small fleet they are offered to the seeded population; at scale (more than
+`SCALE_DEVICES` devices or `SCALE_STAGES` stages, or `SearchConfig.at_scale`) they *are* the population,
+with jittered copies, because the other seeds cost seconds each there (packed and striped grow groups
+with a quadratic scan per group, random ones match every pair of groups afresh) and start at twice the
+structured cost. At scale the local search prices swaps incrementally in a fixed pipeline order
+(`planner.incremental`: two groups and up to four edges re-costed, no path search) and re-scores its
+result in full, which also re-orders the pipeline.
+
+Every priced partition counts as one evaluation; the search stops at `budget_evals` evaluations or
+`budget_s` seconds, whichever comes first, and records the best cost after every evaluation. Only full
+scores (exact DT-FM costs) become the best; a local search cut short by the budget has its result scored
+in full once more, so the returned cost is always `CostModel.cost` of the returned groups.
+`objective` lets the compute-aware planner reuse the same search with another cost function (its local
+search then scores in full).
 """
 
 from __future__ import annotations
@@ -25,12 +38,18 @@ from dataclasses import dataclass, field
 import numpy as np
 from scipy.optimize import linear_sum_assignment
 
-from swarmtrain.planner.cost import CostModel, Group, labels_to_groups
+from swarmtrain.planner.cost import CostModel, Group, interchangeable_classes, labels_to_groups
 from swarmtrain.planner.graph import shortest_open_path
+from swarmtrain.planner.incremental import OrderedLayout
 from swarmtrain.planner.seeds import packed_labels, random_labels, striped_labels
+from swarmtrain.planner.structured import structured_layouts
 from swarmtrain.utils.rng import make_rng
 
-Objective = Callable[[Sequence[Group]], tuple[float, float]]  # (cost, tie-break)
+# (cost, tie-break) or (cost, tie-break, pipeline order)
+Objective = Callable[[Sequence[Group]], tuple[float, float] | tuple[float, float, list[int]]]
+SCALE_DEVICES = 128  # above this many devices (or SCALE_STAGES stages) the search works at scale
+SCALE_STAGES = 8
+JITTER_FRACTION = 0.25  # a jittered seed swaps this share of a group's size of random device pairs
 
 
 @dataclass(frozen=True)
@@ -42,6 +61,8 @@ class SearchConfig:
     local_search_patience: int = 60  # consecutive rejected swaps before a local search gives up
     guided_fraction: float = 0.7  # share of swap proposals aimed at the costliest group or edge
     constructive_seeds: bool = True  # first population: packed and striped starts besides random ones
+    structured_seeds: bool = True  # score the structured layouts first (at scale always: its population)
+    at_scale: bool | None = None  # None: at scale above SCALE_DEVICES devices or SCALE_STAGES stages
 
     def __post_init__(self) -> None:
         if self.budget_evals < 1 or not self.budget_s > 0:
@@ -79,18 +100,31 @@ class _Tracker:
         self.time_to_best_s = 0.0
         self.history: list[float] = []
 
-    def score(self, groups: list[Group]) -> tuple[float, float]:
+    def score(self, groups: list[Group]) -> tuple:
+        self._check_budget()
+        return self.score_anyway(groups)
+
+    def score_anyway(self, groups: list[Group]) -> tuple:
+        """Score in full even with the budget spent (the last result of a local search cut short)."""
+        values = self.objective(groups)
+        self.evaluations += 1
+        if values[0] < self.best_cost:
+            self.best_cost, self.best_groups = values[0], list(groups)
+            self.evaluations_to_best, self.time_to_best_s = self.evaluations, self.elapsed_s()
+        self.history.append(self.best_cost)
+        return values
+
+    def count_priced(self) -> None:
+        """One incremental pricing: an evaluation, but an upper bound, so never a new best."""
+        self._check_budget()
+        self.evaluations += 1
+        self.history.append(self.best_cost)
+
+    def _check_budget(self) -> None:
         # The first evaluation always runs, so every search returns a placement.
         spent = self.evaluations >= self.config.budget_evals or self.elapsed_s() >= self.config.budget_s
         if spent and self.evaluations > 0:
             raise _BudgetSpent
-        cost, tie_break = self.objective(groups)
-        self.evaluations += 1
-        if cost < self.best_cost:
-            self.best_cost, self.best_groups = cost, list(groups)
-            self.evaluations_to_best, self.time_to_best_s = self.evaluations, self.elapsed_s()
-        self.history.append(self.best_cost)
-        return cost, tie_break
 
     def elapsed_s(self) -> float:
         return time.perf_counter() - self.start_s
@@ -102,11 +136,17 @@ class _Individual:
     groups: list[Group]
     cost: float
     tie_break: float
+    order: list[int] | None = None  # best pipeline order of `groups`, when the objective gives it
 
     def better_than(self, other: _Individual) -> bool:
-        if self.cost < other.cost * (1 - 1e-12):
-            return True
-        return self.cost <= other.cost * (1 + 1e-12) and self.tie_break < other.tie_break
+        return _better((self.cost, self.tie_break), (other.cost, other.tie_break))
+
+
+def _better(first: tuple[float, float], second: tuple[float, float]) -> bool:
+    """(cost, tie-break) pairs: a lower cost wins, a tie (to rounding) goes to the lower tie-break."""
+    if first[0] < second[0] * (1 - 1e-12):
+        return True
+    return first[0] <= second[0] * (1 + 1e-12) and first[1] < second[1]
 
 
 class PlacementSearch:
@@ -122,18 +162,26 @@ class PlacementSearch:
         self.num_devices = model.scenario.num_devices
         # Affinity used to propose moves: how badly two devices would share a group or a stage boundary.
         self.affinity_s = model.dp_link_s + model.pp_link_s
-        self.device_class = model.device_class
-        self.tracker = _Tracker(objective or model.score, config)
+        self.device_class = _swap_classes(model, objective)
+        large = self.num_devices > SCALE_DEVICES or self.num_groups > SCALE_STAGES
+        self.at_scale = large if config.at_scale is None else config.at_scale
+        # Incremental pricing is the DT-FM cost's; another objective is scored in full.
+        self.incremental = self.at_scale and objective is None
+        if objective is None:
+            objective = model.score_and_order if self.incremental else model.score
+        self.tracker = _Tracker(objective, config)
+        self._unscored: list[Group] | None = None  # a local search's result the budget cut off
 
     def run(self) -> SearchResult:
         try:
-            population = [self._local_search(self._seed(k)) for k in range(self.config.population_size)]
+            population = self._first_population()
             while True:
                 child = self._crossover(self._select(population), self._select(population))
                 child = self._local_search(child)
                 self._replace_worst(population, child)
         except _BudgetSpent:
-            pass
+            if self._unscored is not None:
+                self.tracker.score_anyway(self._unscored)
         t = self.tracker
         return SearchResult(
             t.best_groups,
@@ -148,6 +196,37 @@ class PlacementSearch:
     def _make(self, labels: np.ndarray) -> _Individual:
         groups = labels_to_groups(labels, self.num_groups)
         return _Individual(labels, groups, *self.tracker.score(groups))
+
+    def _first_population(self) -> list[_Individual]:
+        """Structured layouts first; then the seeds of `_seed` (small fleets, the structured ones
+        replacing worse seeds) or jittered copies of the best structured layouts (at scale)."""
+        structured = []
+        if self.config.structured_seeds or self.at_scale:
+            layouts = structured_layouts(
+                self.model.pp_link_s, self.model.device_class, self.num_groups, self.model.scenario.sites
+            )
+            structured = [self._make(labels) for labels in layouts]
+        if not self.at_scale:
+            population = [self._local_search(self._seed(k)) for k in range(self.config.population_size)]
+            for individual in structured:
+                self._replace_worst(population, individual)
+            return population
+        structured.sort(key=lambda ind: (ind.cost, ind.tie_break))
+        population = [self._local_search(ind) for ind in structured[: self.config.population_size]]
+        while len(population) < self.config.population_size:
+            parent = structured[len(population) % len(structured)]
+            population.append(self._local_search(self._make(self._jittered(parent.labels))))
+        return population
+
+    def _jittered(self, labels: np.ndarray) -> np.ndarray:
+        """A copy with random devices of different groups swapped, for a diverse population at scale."""
+        labels = labels.copy()
+        swaps = max(1, int(JITTER_FRACTION * self.num_devices / self.num_groups))
+        for _ in range(swaps):
+            x = int(self.rng.integers(self.num_devices))
+            y = int(self.rng.choice(np.flatnonzero(labels != labels[x])))
+            labels[x], labels[y] = labels[y], labels[x]
+        return labels
 
     def _seed(self, index: int) -> _Individual:
         """The first population cycles through constructive starts, then a random one: striped (by
@@ -207,19 +286,35 @@ class PlacementSearch:
                 mover = int(members[self.affinity_s[np.ix_(members, members)].sum(axis=1).argmax()])
                 counts[source] -= 1
             open_groups = np.flatnonzero(counts < size)
-            costs = [self.affinity_s[mover, labels == g].mean() if counts[g] else 0.0 for g in open_groups]
-            target = int(open_groups[int(np.argmin(costs))])
+            target = int(open_groups[int(np.argmin(self._fit(mover, labels, counts, open_groups)))])
             labels[mover] = target
             counts[target] += 1
         return labels
 
+    def _fit(self, mover: int, labels: np.ndarray, counts: np.ndarray, open_groups: np.ndarray) -> np.ndarray:
+        """Mean affinity of `mover` to each open group's members (0 for an empty group)."""
+        if not self.at_scale:  # the original per-group means, kept bit for bit on small fleets
+            return np.array(
+                [self.affinity_s[mover, labels == g].mean() if counts[g] else 0.0 for g in open_groups]
+            )
+        # One pass over the mover's row instead of one per group: thousands of movers at scale.
+        assigned = labels >= 0
+        sums = np.bincount(
+            labels[assigned], weights=self.affinity_s[mover, assigned], minlength=self.num_groups
+        )
+        members = np.bincount(labels[assigned], minlength=self.num_groups)
+        means = sums / np.maximum(members, 1)
+        return np.where(counts[open_groups] > 0, means[open_groups], 0.0)
+
     def _local_search(self, individual: _Individual) -> _Individual:
         if self.num_groups < 2:
             return individual  # one group: nothing to swap
+        if self.incremental:
+            return self._ordered_local_search(individual)
         rejected = 0
         critical = self._critical_groups(individual)
         while rejected < self.config.local_search_patience:
-            x, y = self._propose_swap(individual, critical)
+            x, y = self._propose_swap(individual.labels, critical)
             if self.device_class[x] == self.device_class[y]:
                 rejected += 1  # interchangeable devices: the swap changes nothing, spend no evaluation
                 continue
@@ -232,6 +327,33 @@ class PlacementSearch:
             else:
                 rejected += 1
         return individual
+
+    def _ordered_local_search(self, individual: _Individual) -> _Individual:
+        """The same swap local search, priced incrementally in the individual's pipeline order; the
+        result is scored in full (exact cost, best order) if any swap was kept."""
+        assert individual.order is not None
+        layout = OrderedLayout(self.model, [individual.groups[k] for k in individual.order])
+        rejected, improved = 0, False
+        critical = layout.critical()
+        try:
+            while rejected < self.config.local_search_patience:
+                x, y = self._propose_swap(layout.position, critical)
+                if self.device_class[x] == self.device_class[y]:
+                    rejected += 1
+                    continue
+                self.tracker.count_priced()
+                priced = layout.price_swap(x, y)
+                if _better((priced.cost_s, priced.tie_break), (layout.cost_s, layout.tie_break)):
+                    layout.apply(priced)
+                    rejected, improved = 0, True
+                    critical = layout.critical()
+                else:
+                    rejected += 1
+        except _BudgetSpent:
+            if improved and layout.cost_s < self.tracker.best_cost:
+                self._unscored = labels_to_groups(layout.labels(), self.num_groups)
+            raise
+        return self._make(layout.labels()) if improved else individual
 
     def _swapped(self, individual: _Individual, labels: np.ndarray, x: int, y: int) -> _Individual:
         groups = list(individual.groups)
@@ -252,13 +374,10 @@ class PlacementSearch:
             critical += [(order[k], order[k + 1]), (order[k + 1], order[k])]
         return critical
 
-    def _propose_swap(
-        self, individual: _Individual, critical: list[tuple[int, int | None]]
-    ) -> tuple[int, int]:
+    def _propose_swap(self, labels: np.ndarray, critical: list[tuple[int, int | None]]) -> tuple[int, int]:
         """A random swap, or one aimed at a critical group: move out its member with the costliest links
         (gradient links inside the group, or its best activation link across the critical edge) for the
         sampled outside device that links best (to the group's other members, or across that edge)."""
-        labels = individual.labels
         group, neighbour = critical[int(self.rng.integers(len(critical)))]
         members = np.flatnonzero(labels == group)
         if neighbour is None:
@@ -278,6 +397,16 @@ class PlacementSearch:
         if neighbour is not None:
             fit = self.model.pp_link_s[np.ix_(sample, across)].min(axis=1) + 1e-3 * fit
         return x, int(sample[int(np.argmin(fit))])
+
+
+def _swap_classes(model: CostModel, objective: Objective | None) -> list[int]:
+    """Devices whose swap changes nothing the objective sees: the cost model's link classes, split by
+    speed and memory when another objective (the compute-aware one) may look at them."""
+    scenario = model.scenario
+    if objective is None or not scenario.has_compute:
+        return model.device_class
+    attributes = (np.asarray(scenario.tflops), np.asarray(scenario.memory_gb))
+    return interchangeable_classes(scenario.latency_ms, scenario.bandwidth_gbps, attributes=attributes)
 
 
 def _pick_top(rng: np.random.Generator, scores: np.ndarray) -> int:
