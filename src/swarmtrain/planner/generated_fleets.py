@@ -118,6 +118,11 @@ def _volunteer_link(a: str, b: str, region_latency_ms: dict, dc_latency_ms: dict
         return (
             (20.0, 1_000.0)
             if a == b
-            else (float(region_latency_ms.get((a, b), region_latency_ms.get((b, a)))), 500.0)
+            else (
+                float(
+                    region_latency_ms[(a, b)] if (a, b) in region_latency_ms else region_latency_ms[(b, a)]
+                ),
+                500.0,
+            )
         )
     return float(dc_latency_ms[a if a_home else b]), 1_000.0

@@ -42,12 +42,12 @@ def community_labels(link_s: np.ndarray, device_class: Sequence[int], quantile: 
     if len(upper) == 0:
         return np.zeros(count, dtype=np.int64)
     threshold = float(np.quantile(upper, quantile))
-    device_class = np.asarray(device_class, dtype=np.int64)
-    _, first = np.unique(device_class, return_index=True)
+    classes = np.asarray(device_class, dtype=np.int64)
+    _, first = np.unique(classes, return_index=True)
     close = link_s[np.ix_(first, first)] <= threshold
     np.fill_diagonal(close, True)
     _, labels = connected_components(csr_matrix(close), directed=False)
-    return labels[device_class].astype(np.int64)
+    return labels[classes].astype(np.int64)
 
 
 def _sample_links(link_s: np.ndarray) -> np.ndarray:
