@@ -7,6 +7,7 @@ import functools
 
 import numpy as np
 import pytest
+from test_planner_search import random_fleet
 
 from swarmtrain.config import get_preset
 from swarmtrain.planner import graph
@@ -21,7 +22,7 @@ from swarmtrain.planner.generated_fleets import FLEET_SHAPES, generated_fleet
 from swarmtrain.planner.graph import shortest_open_path
 from swarmtrain.planner.hetero import ComputeModel, compare_compute_plans, compute_profile
 from swarmtrain.planner.incremental import OrderedLayout
-from swarmtrain.planner.scenarios import COMMUNICATION_SCENARIOS, Scenario, ScenarioError, relabel
+from swarmtrain.planner.scenarios import COMMUNICATION_SCENARIOS, ScenarioError, relabel
 from swarmtrain.planner.search import SearchConfig, search_placement
 from swarmtrain.planner.structured import structured_layouts
 
@@ -38,16 +39,6 @@ def gpt3_xl_model(shape: str, num_devices: int, num_stages: int = 16) -> CostMod
     scenario = generated_fleet(shape, num_devices, num_stages)
     samples = preset.training.global_batch_size // scenario.group_size
     return CostModel(scenario, workload_from_model(preset.model, num_stages, samples))
-
-
-def random_fleet(num_devices: int, num_stages: int, seed: int) -> Scenario:
-    rng = np.random.default_rng(seed)
-    position = rng.random((num_devices, 2)) * 100
-    latency = np.linalg.norm(position[:, None] - position[None], axis=2)
-    bandwidth = rng.uniform(0.5, 10, (num_devices, num_devices))
-    bandwidth = np.minimum(bandwidth, bandwidth.T)
-    np.fill_diagonal(bandwidth, np.inf)
-    return Scenario("random", latency, bandwidth, num_stages=num_stages)
 
 
 def best_structured_cost(model: CostModel) -> float:

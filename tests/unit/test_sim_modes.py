@@ -2,6 +2,7 @@
 
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from swarmtrain.config import get_preset
@@ -187,3 +188,35 @@ def test_a_balanced_fleet_makes_no_move_in_30_minutes_at_the_default_period(flee
     assert SimConfig().rebalance_period_s == SwarmConfig().rebalance_period_s == 60.0
     summary = simulate(fleet, "swarm", duration_s=1800.0).summary
     assert summary["moves"] == 0 and summary["samples"] > 0
+
+
+def _greedy_by_scan(rates):
+    """The greedy as it was written first: every peer scans every stage (the reference)."""
+    caps, stage_of = [0.0] * rates.shape[1], [-1] * rates.shape[0]
+    for p in np.argsort(-rates.max(axis=1), kind="stable").tolist():
+        row = rates[p].tolist()
+        best, best_cap = -1, float("inf")
+        for s in range(len(row)):
+            if row[s] > 0 and caps[s] < best_cap:
+                best, best_cap = s, caps[s]
+        if best >= 0:
+            stage_of[p] = best
+            caps[best] += row[best]
+    return stage_of, caps
+
+
+@pytest.mark.parametrize("seed,stages", [(seed, 7) for seed in range(5)] + [(5, 70)])
+def test_the_greedy_allocates_as_the_scan_did_bit_for_bit(seed, stages):
+    """Equal rows (ties), peers that can serve only some stages and none at all; above the polish size;
+    more stages than a row's bit code holds."""
+    from swarmtrain.sim.optimal import POLISH_MAX_PEERS, greedy_allocation
+
+    rng = np.random.default_rng(seed)
+    kinds = rng.choice([1.0, 2.5, 4.0], size=(POLISH_MAX_PEERS + 300, 1)) * rng.choice(
+        [1.0, 0.5], size=(1, 7)
+    )
+    rates = kinds * (rng.random(kinds.shape) > 0.05)  # a few infeasible stages
+    rates[:5] = 0.0  # peers that fit no stage
+    stage_of, caps = _greedy_by_scan(rates)
+    result = greedy_allocation(rates)
+    assert result.stage_of.tolist() == stage_of and list(result.capacities) == caps

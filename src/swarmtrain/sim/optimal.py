@@ -24,6 +24,7 @@ from swarmtrain.planner.rebalance import PeerLoad, RebalanceConfig, plan_moves
 from swarmtrain.sim.costs import RateTable, StageCosts
 
 POLISH_MAX_PEERS = 200
+MAX_CODED_STAGES = 62  # stages whose feasibility fits a row's bit code in an int64
 BISECTION_STEPS = 14
 
 
@@ -40,26 +41,42 @@ class Allocation:
 
 
 def greedy_allocation(rates: np.ndarray) -> Allocation:
-    """Fastest peer first onto the lowest-capacity stage it can serve."""
+    """Fastest peer first onto the lowest-capacity stage it can serve (ties: the lower index).
+
+    A peer's choice is `min` over the stages it can serve, a tuple shared by every peer with the same
+    feasible stages, keyed by the running capacities: the first minimum in index order, as a scan of the
+    stages picks, and capacities add up in the same order, so the allocation is bitwise a scan's. At
+    10,000 peers and 8 stages the scan in Python took 30 ms per call, and the optimum's bisection calls
+    this thousands of times in a simulated hour (docs/LOG.md 2026-11-26)."""
     num_peers, num_stages = rates.shape
     stage_of = np.full(num_peers, -1, dtype=np.int64)
     caps = [0.0] * num_stages
     if num_peers == 0:
         return Allocation(stage_of, tuple(caps))
     order = np.argsort(-rates.max(axis=1), kind="stable")
-    rows = rates.tolist()
+    feasible = _feasible_stages(rates > 0)
+    by_cap = caps.__getitem__
     for p in order.tolist():
-        row = rows[p]
-        best, best_cap = -1, float("inf")
-        for s in range(num_stages):
-            if row[s] > 0 and caps[s] < best_cap:
-                best, best_cap = s, caps[s]
-        if best >= 0:
+        stages = feasible[p]
+        if stages:
+            best = min(stages, key=by_cap)
+            caps[best] += rates.item(p, best)
             stage_of[p] = best
-            caps[best] += row[best]
     if num_peers <= POLISH_MAX_PEERS:
         return _polish(rates, stage_of)
     return Allocation(stage_of, tuple(caps))
+
+
+def _feasible_stages(positive: np.ndarray) -> list[tuple[int, ...]]:
+    """Per peer, the stages it can serve in index order; peers with the same ones share a tuple (found
+    by a bit code per row: `np.unique` over rows took 14 ms at 10,000 peers, the codes 1 ms)."""
+    num_stages = positive.shape[1]
+    if num_stages > MAX_CODED_STAGES:
+        return [tuple(np.flatnonzero(row).tolist()) for row in positive]
+    codes = positive.astype(np.int64) @ (np.int64(1) << np.arange(num_stages, dtype=np.int64))
+    unique, inverse = np.unique(codes, return_inverse=True)
+    shared = [tuple(s for s in range(num_stages) if code >> s & 1) for code in unique.tolist()]
+    return [shared[i] for i in inverse.reshape(-1).tolist()]
 
 
 def _polish(rates: np.ndarray, stage_of: np.ndarray) -> Allocation:
@@ -103,15 +120,21 @@ def _allocation_at(table: RateTable, costs: StageCosts, throughput_samples_per_s
         rates = table.rates(
             costs, throughput_samples_per_s, _sizes(Allocation(stage_of, ()), costs.num_stages)
         )
-        useless = [p for p, s in enumerate(stage_of.tolist()) if s >= 0 and rates[p, s] <= 0]
-        if not useless:
+        useless = (stage_of >= 0) & (_served(rates, stage_of) <= 0)
+        if not useless.any():
             break
         stage_of[useless] = -1
-    caps = [0.0] * costs.num_stages
-    for p, s in enumerate(stage_of.tolist()):
-        if s >= 0:
-            caps[s] += float(rates[p, s])
-    return Allocation(stage_of, tuple(caps))
+    serving = stage_of >= 0
+    # bincount adds in peer order, as a loop over the peers would: the same sums, bit for bit
+    caps = np.bincount(
+        stage_of[serving], weights=_served(rates, stage_of)[serving], minlength=costs.num_stages
+    )
+    return Allocation(stage_of, tuple(caps.tolist()))
+
+
+def _served(rates: np.ndarray, stage_of: np.ndarray) -> np.ndarray:
+    """Each peer's rate at its stage (at stage 0 for a peer serving none: mask those out)."""
+    return rates[np.arange(len(stage_of)), np.maximum(stage_of, 0)]
 
 
 def _sizes(alloc: Allocation, num_stages: int) -> list[int]:
