@@ -1,8 +1,8 @@
 """Forged `close` and `grads` in an open swarm (no run key): a stranger peer (a probe, neither a trainer
 of the run nor a replica) sends every forged case of the issue to the replicas of both stages while a
 trainer trains (2 replicas of stage 0, 1 of stage 1): closes naming unknown members, closes naming a
-replica that holds nothing, empty closes for the step after next, and `grads` with a close naming the
-stranger. Every replica must step on exactly the trainer's samples: every step applied once, none
+replica that holds nothing, empty closes for the step after next and for a step beyond the window a
+replica keeps closes for, and `grads` with a close naming the stranger. Every replica must step on exactly the trainer's samples: every step applied once, none
 skipped, no resync, no sample left out, nobody but the stage's replicas in any step's group, and the
 replicas of a stage end with equal parameters."""
 
@@ -16,6 +16,7 @@ from swarm_fixtures import TWO_REPLICAS_OF_STAGE_0, start_servers
 from swarmtrain.net.protocol import close_message, make_message
 from swarmtrain.runtime.harness.accounting import account_stage
 from swarmtrain.runtime.ledger import read_ledger
+from swarmtrain.runtime.server.step_inbox import KEEP_STEPS_AHEAD
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(300)]
 
@@ -78,6 +79,11 @@ class Forger:
             # whose micro-batches all failed sends, and it is acted on (ARCHITECTURE: Limit; CI once)
             if step + 2 < STEPS:
                 self.close(stage, step + 2, {}, "empty_after_next")
+            # beyond the steps a replica keeps closes for (KEEP_STEPS_AHEAD past its own, as gradients:
+            # one that was frozen catches up step by step): refused on arrival
+            beyond = step + KEEP_STEPS_AHEAD + 2  # past the window of a replica one step ahead too
+            if beyond < STEPS:
+                self.close(stage, beyond, {}, "beyond_the_window")
             if step + 1 < STEPS:
                 self.close(stage, step + 1, {}, "empty_next")
             # our own gradients, with a close naming us (and without)
@@ -105,7 +111,9 @@ def test_forged_closes_and_grads_change_no_step(make_swarm):
     assert swarm.wait_exit("trainer", 60) == 0, trainer.log_text()[-3000:]
     summary = json.loads(swarm.summary_path("trainer").read_text())
     print(f"forged rounds {rounds}, messages {forger.sent}, refused {len(forger.errors)}")
-    assert rounds >= 3 and all(forger.sent.get(case, 0) > 0 for case in ("unknown_members", "grads"))
+    assert rounds >= 3 and all(
+        forger.sent.get(case, 0) > 0 for case in ("unknown_members", "grads", "beyond_the_window")
+    )
 
     time.sleep(1.0)  # the last step's exchange and ledger lines
     infos = {stage: {p: stranger.info(p, want="params") for p in forger.peers[stage]} for stage in (0, 1)}
