@@ -20,6 +20,14 @@ With `--plain` the servers get no rebalancing flag, as the README starts them (t
 60 s): the imbalanced fleet must be balanced within three periods of its servers being ready, and the
 `auto` fleet, balanced from the start, rebalances too and must make no move (issue 40).
 
+With `--fleet link` (issue 40) the imbalance is a link's, not compute's: on the WAN test bed (every
+peer in a network namespace of its own; needs root) 2+2 servers of a model cut evenly (2,2), stage 1's
+two behind `--link-mbit-s` each way and stage 0's unlimited, activations uncompressed by default (so
+they, not the gradient exchange, fill the slow links). By compute the fleet is balanced; by the
+servers' link figures (runtime/server/capacity.py) stage 1 is the bottleneck, and a stage-0 server must
+move there. The prediction is the simulator's for the same peers and links, hand-offs direct (server to
+server, as the trainer's default), with the CPU costs fitted as below from this run alone.
+
 The prediction: the simulator (mode swarm-no-rebalance, the same code as `swarmtrain simulate`) on a
 fleet of pinned peers with each stage's measured seconds per sample at the quota and the measured
 per-call overhead as link latency (as experiments/calibrate_demo.py does), for N+1 and for the
@@ -31,6 +39,7 @@ servers in both runs (the imbalanced run's servers before and after the moves, a
     python bench/rebalance_live.py [--cpus-per-server 0.25] [--rebalance-period-s 10] [--summary-json P]
                                    [--layers-per-stage 1,7] [--global-batch-size 128] [--keep-logs DIR]
                                    [--plain --duration-s 300 --auto-duration-s 600]
+                                   [--fleet link --link-mbit-s 2 --link-compression none]
 """
 
 from __future__ import annotations
@@ -47,8 +56,10 @@ from pathlib import Path
 import numpy as np
 
 from swarmtrain.config import load_run_config
+from swarmtrain.runtime.harness import netbed
 from swarmtrain.runtime.harness.cpu_quota import CpuQuota, CpuQuotaError
 from swarmtrain.runtime.harness.local_swarm import LocalSwarm, write_run_toml
+from swarmtrain.runtime.harness.netbed import WanTestbed
 from swarmtrain.runtime.ledger import read_ledger
 from swarmtrain.runtime.server.server_metrics import metrics_from_log
 from swarmtrain.sim.base import SimConfig
@@ -143,32 +154,48 @@ def stage_seconds(fits, counts: list[int], batch: int, cpus: float, idle_cpu_per
 
 
 def predict(cfg, per_stage_s: list[float], counts: list[int], latency_s: float, in_flight: int) -> float:
-    peers = []
-    for stage, count in enumerate(counts):
-        for i in range(count):
-            times = tuple(per_stage_s[s] if s == stage else None for s in range(len(counts)))
-            spec = PeerSpec.from_device(f"stage{stage}-{i}", DEVICE_TYPES["cpu"], 0)
-            fields = {
-                **spec.__dict__,
-                "uplink_bytes_per_s": LOOPBACK_BYTES_PER_S,
-                "downlink_bytes_per_s": LOOPBACK_BYTES_PER_S,
-                "compute_s_per_sample": times,
-                "stage": stage,
-                "home_stage": stage,
-            }
-            peers.append(PeerSpec(**fields))
-    # as the runtime does it: the trainer relays every boundary tensor, so a micro-batch makes
-    # 2 (2S - 1) - 1 transfers for the 2S - 1 calls whose overhead was measured; steps are synchronous
-    calls = 2 * len(counts) - 1
-    per_transfer_s = latency_s * calls / (2 * calls - 1)
-    fleet = Fleet(tuple(peers), single_location(latency_s=per_transfer_s), "local swarm (measured)")
+    """The simulator's samples/s for `counts` servers per stage, every link as fast as loopback."""
+    peers = [(stage, LOOPBACK_BYTES_PER_S) for stage, count in enumerate(counts) for _ in range(count)]
+    return predict_peers(cfg, per_stage_s, peers, latency_s, in_flight, relay=True)
+
+
+def predict_peers(
+    cfg,
+    per_stage_s: list[float],
+    peers: list[tuple[int, float]],
+    latency_s: float,
+    in_flight: int,
+    relay: bool,
+) -> float:
+    """The simulator's samples/s for pinned peers given as (stage, link bytes/s each way). `relay`: the
+    trainer relays every boundary tensor (the cpu fleet's model of its measured per-call overhead);
+    else hand-offs go server to server, as the trainer's default `--hand-off direct` does."""
+    specs = []
+    num_stages = len(per_stage_s)
+    for i, (stage, link_bytes_per_s) in enumerate(peers):
+        times = tuple(per_stage_s[s] if s == stage else None for s in range(num_stages))
+        spec = PeerSpec.from_device(f"stage{stage}-{i}", DEVICE_TYPES["cpu"], 0)
+        fields = {
+            **spec.__dict__,
+            "uplink_bytes_per_s": link_bytes_per_s,
+            "downlink_bytes_per_s": link_bytes_per_s,
+            "compute_s_per_sample": times,
+            "stage": stage,
+            "home_stage": stage,
+        }
+        specs.append(PeerSpec(**fields))
+    per_transfer_s = latency_s
+    if relay:  # a micro-batch makes 2 (2S - 1) - 1 transfers for the 2S - 1 calls whose overhead was measured
+        calls = 2 * num_stages - 1
+        per_transfer_s = latency_s * calls / (2 * calls - 1)
+    fleet = Fleet(tuple(specs), single_location(latency_s=per_transfer_s), "local swarm (measured)")
     config = SimConfig(
         mode="swarm-no-rebalance",
         duration_s=300.0,
         chunk_samples=cfg.training.micro_batch_size,
         in_flight=in_flight,
         num_trainers=1,
-        relay_via_trainer=True,
+        relay_via_trainer=relay,
         trainer_link_bytes_per_s=LOOPBACK_BYTES_PER_S,
         max_staleness=cfg.training.max_staleness,
     )
@@ -191,11 +218,15 @@ def hop_latency_s(trainer_summary: dict) -> float:
     return sum(v["calls"] * v["mean_overhead_s"] for v in rpc.values()) / calls
 
 
-def run_imbalanced(args, config_path: Path, workdir: Path) -> dict:
-    with LocalSwarm(workdir, config_path, cpus_per_server=args.cpus_per_server) as swarm:
+def run_imbalanced(args, config_path: Path, workdir: Path, servers: dict[str, int], bed=None) -> dict:
+    """`servers`: name -> the stage it starts on; with a WAN test bed `bed`, each peer in a namespace of
+    its own (the DHT first, then the servers in order, the trainer last: `link_fleet`)."""
+    slots = {name: i for i, name in enumerate(["dht", *servers, "trainer"])} if bed is not None else None
+    with LocalSwarm(
+        workdir, config_path, cpus_per_server=args.cpus_per_server, netbed=bed, netbed_peers=slots
+    ) as swarm:
         swarm.start_dht()
-        stage0 = STAGE0_NAMES[: args.stage0_servers]
-        servers = {**{name: 0 for name in stage0}, "z": 1}
+        stage0 = [name for name, stage in servers.items() if stage == 0]
         for name, stage in servers.items():
             swarm.start_server(name, stage, *period_args(args), "--metrics-period-s", "1")
         swarm.wait_ready(list(servers))
@@ -307,6 +338,60 @@ def run_auto(args, config_path: Path, workdir: Path) -> dict:
         }
 
 
+def link_fleet(args, cfg, config_path: Path, tmp: Path) -> int:
+    """`--fleet link`: 2+2 servers, stage 1's behind a slow link, on the WAN test bed; the balancer must
+    move a stage-0 server to stage 1 by the servers' link figures (runtime/server/capacity.py)."""
+    servers = {"a": 0, "b": 0, "y": 1, "z": 1}
+    slow = {"y", "z"}
+    rate = args.link_mbit_s
+    limits = [rate if name in slow else None for name in ["dht", *servers, "trainer"]]
+    print(
+        f"link-limited swarm on the WAN test bed (2+2, stage 1's servers at {rate:g} Mbit/s each way, "
+        f"{args.cpus_per_server} CPU per server, activations {args.link_compression}, rebalancing every "
+        f"{'60 (the default)' if args.plain else args.rebalance_period_s} s) ...",
+        flush=True,
+    )
+    with WanTestbed(len(limits), up_mbit_s=limits, down_mbit_s=limits) as bed:
+        run = run_imbalanced(args, config_path, tmp / "link", servers, bed)
+    fits = fit_stage_costs(
+        [(w["stage_of"], w["work_s_samples_steps"]) for w in run["windows"]], cfg.swarm.num_stages
+    )
+    mean_idle = sum(run["idle_cpu_per_s"].values()) / len(run["idle_cpu_per_s"])
+    link_bytes_per_s = {name: rate * 1e6 / 8 if name in slow else LOOPBACK_BYTES_PER_S for name in servers}
+    final = {**servers, **{n: c["to"] for n, c in run["moves"].items()}}
+
+    def predicted(stage_of: dict[str, int]) -> float:
+        counts = [list(stage_of.values()).count(stage) for stage in range(cfg.swarm.num_stages)]
+        seconds = stage_seconds(fits, counts, cfg.training.global_batch_size, args.cpus_per_server, mean_idle)
+        peers = [(stage, link_bytes_per_s[name]) for name, stage in stage_of.items()]
+        return predict_peers(cfg, seconds, peers, 0.0, args.in_flight, relay=False)
+
+    sim_before, sim_after = predicted(servers), predicted(final)
+    after_label = "+".join(str(list(final.values()).count(s)) for s in range(cfg.swarm.num_stages))
+    rows = [
+        ["2+2 (before rebalancing)", run["before_samples_per_s"], sim_before],
+        [f"{after_label} (rebalanced)", run["after_samples_per_s"], sim_after],
+    ]
+    table = [[label, f"{m:.1f}", f"{p:.1f}", f"{100 * (m / p - 1):+.1f}%"] for label, m, p in rows]
+    print(format_table(["swarm", "measured samples/s", "simulator samples/s", "measured vs sim"], table))
+    gain, sim_gain = run["after_samples_per_s"] / run["before_samples_per_s"], sim_after / sim_before
+    moved = ", ".join(f"{name} -> stage {cost['to']}" for name, cost in run["moves"].items())
+    print(
+        f"after / before: {gain:.2f} (simulator {sim_gain:.2f}, {100 * (gain / sim_gain - 1):+.1f}%); "
+        f"moved: {moved}; balanced "
+        f"{run['balanced_after_ready_s']:.0f} s after the servers were ready"
+    )
+    print(
+        f"CPU ms per sample, per step by stage {[(round(1e3 * a, 2), round(1e3 * b, 1)) for a, b in fits]}; "
+        f"idle CPU baseline {mean_idle:.3f} CPU s/s per server; windows: before "
+        f"{run['before_window_s']:.0f} s, after {run['after_window_s']:.0f} s"
+    )
+    if args.summary_json:
+        report = {"link": run, "sim_before": sim_before, "sim_after": sim_after, "fits": fits}
+        Path(args.summary_json).write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="tiny")
@@ -341,9 +426,30 @@ def main() -> int:
     )
     parser.add_argument(
         "--layers-per-stage",
-        default="1,7",
         metavar="A,B",
-        help="layers of stage 0 and stage 1 (the model gets A+B layers; default 1,7)",
+        help="layers of stage 0 and stage 1 (the model gets A+B layers; default 1,7, and 2,2 with "
+        "--fleet link)",
+    )
+    parser.add_argument(
+        "--fleet",
+        choices=("cpu", "link"),
+        default="cpu",
+        help="cpu (default): N+1 servers, stage 1 the bottleneck by its compute; link: on the WAN test "
+        "bed (needs root), 2 servers on each stage, stage 1's behind --link-mbit-s each way and stage 0's "
+        "unlimited, compute balanced (layers 2,2): stage 1 is the bottleneck by its links alone",
+    )
+    parser.add_argument(
+        "--link-mbit-s",
+        type=float,
+        default=2.0,
+        metavar="R",
+        help="--fleet link: the stage-1 servers' rate limit each way (default 2)",
+    )
+    parser.add_argument(
+        "--link-compression",
+        default="none",
+        help="--fleet link: the activations' codec (default none: fp32, so the activations, not the "
+        "gradient exchange, fill the slow links)",
     )
     parser.add_argument(
         "--global-batch-size",
@@ -368,6 +474,11 @@ def main() -> int:
     except CpuQuotaError as exc:
         print(f"rebalance_live: {exc}", file=sys.stderr)
         return 2
+    if args.fleet == "link":
+        ok, why = netbed.available()
+        if not ok:
+            print(f"rebalance_live: --fleet link needs the WAN test bed: {why}", file=sys.stderr)
+            return 2
     with contextlib.ExitStack() as stack:
         if args.keep_logs:
             tmp = args.keep_logs
@@ -376,15 +487,15 @@ def main() -> int:
             tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="rebalance-live-"))
         # stage 1 holds most layers (default 3 of tiny's 4): the heavier stage, made the bottleneck by
         # N+1 servers
-        layers = [int(x) for x in args.layers_per_stage.split(",")]
+        layers_text = args.layers_per_stage or ("2,2" if args.fleet == "link" else "1,7")
+        layers = [int(x) for x in layers_text.split(",")]
         training = {"max_samples": 10**7}
         if args.global_batch_size:
             training["global_batch_size"] = args.global_batch_size
-        overrides = {
-            "training": training,
-            "model": {"num_layers": sum(layers)},
-            "swarm": {"layers_per_stage": layers},
-        }
+        swarm = {"layers_per_stage": layers}
+        if args.fleet == "link":
+            swarm["compression"] = args.link_compression
+        overrides = {"training": training, "model": {"num_layers": sum(layers)}, "swarm": swarm}
         config_path = write_run_toml(Path(tmp) / "run.toml", args.preset, overrides)
         cfg = load_run_config(config_path)
         print(
@@ -392,7 +503,10 @@ def main() -> int:
             f"rebalancing every {'60 (the default)' if args.plain else args.rebalance_period_s} s) ...",
             flush=True,
         )
-        imbalanced = run_imbalanced(args, config_path, Path(tmp) / "imbalanced")
+        if args.fleet == "link":
+            return link_fleet(args, cfg, config_path, Path(tmp))
+        servers = {**{name: 0 for name in STAGE0_NAMES[: args.stage0_servers]}, "z": 1}
+        imbalanced = run_imbalanced(args, config_path, Path(tmp) / "imbalanced", servers)
         print("--stage auto for every server from the start ...", flush=True)
         auto = run_auto(args, config_path, Path(tmp) / "auto")
     latency = imbalanced["hop_latency_s"]

@@ -27,6 +27,7 @@ from swarmtrain.net.data_plane import (
 )
 from swarmtrain.net.failures import Outcome, classify_failure
 from swarmtrain.net.identity import PeerIdentity
+from swarmtrain.net.link_meter import DOWN, METERED_MIN_BYTES, UP, LinkMeter
 from swarmtrain.net.protocol import Message, ProtocolError, error_message, make_message, pack, unpack
 from swarmtrain.net.transport import RemoteError
 
@@ -89,11 +90,14 @@ class Plane:
 
 
 @contextlib.asynccontextmanager
-async def _plane(run_key: RunKey | None = None, server_type: type = DataPlaneServer):
+async def _plane(run_key: RunKey | None = None, server_type: type = DataPlaneServer, metered: bool = False):
     handlers = Handlers()
-    server = server_type(handlers.answer, lambda kind: LIMIT_BYTES, SERVER_IDENTITY, run_key)
+    server_meter, client_meter = (LinkMeter(), LinkMeter()) if metered else (None, None)
+    server = server_type(
+        handlers.answer, lambda kind: LIMIT_BYTES, SERVER_IDENTITY, run_key, meter=server_meter
+    )
     await server.start("127.0.0.1")
-    client = DataPlaneClient(CALLER_IDENTITY, run_key)
+    client = DataPlaneClient(CALLER_IDENTITY, run_key, meter=client_meter)
     try:
         yield Plane(handlers, server, client)
     finally:
@@ -125,6 +129,27 @@ def test_a_call_is_acknowledged_before_the_work_and_answered_with_the_callers_id
         counted = plane.client.stats.snapshot()
         assert counted[(1, "forward_backward", "out")].messages == 1
         assert counted[(1, "forward_backward", "back")].messages == 1
+
+    _run(main())
+
+
+def test_both_ends_meter_the_large_frames_each_way_and_agree_on_their_bytes():
+    async def main():
+        async with _plane(metered=True) as plane:
+            plane.handlers.reply_bytes = 50_000  # the reply is a large frame too
+            for mb in ("a", "b", "c"):
+                await plane.call(mb, "forward_backward", size=8192)  # 64 KiB of values at 8 bits
+            await plane.call("small", "forward_backward", size=16)  # its request is not timed
+            server, client = plane.server.meter, plane.client.meter
+            await _until(lambda: server.totals(UP).bytes >= 4 * 50_000)  # the last reply's delivery
+            requests, replies = client.totals(UP), server.totals(UP)
+            assert requests.bytes == server.totals(DOWN).bytes  # what one end sent, the other received
+            assert replies.bytes == client.totals(DOWN).bytes
+            assert 3 * 8192 * 8 <= requests.bytes < 3 * 8192 * 8 + 3 * METERED_MIN_BYTES
+            assert 4 * 50_000 <= replies.bytes < 4 * 50_000 + 4 * METERED_MIN_BYTES
+            for totals in (requests, replies, server.totals(DOWN), client.totals(DOWN)):
+                assert totals.busy_s > 0
+            assert set(requests.partners) == {SERVER} and set(replies.partners) == {CALLER}
 
     _run(main())
 

@@ -42,12 +42,15 @@ sent, and the address is not tried again for `DIAL_COOLDOWN_S`: the caller uses 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import hashlib
 import ipaddress
 import json
 import secrets
 import socket
 import struct
+import termios
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -63,6 +66,7 @@ from hivemind.p2p import P2PContext, PeerID
 from swarmtrain.net import identity
 from swarmtrain.net.auth import RunKey
 from swarmtrain.net.identity import PeerIdentity
+from swarmtrain.net.link_meter import DOWN, METERED_MIN_BYTES, UP, LinkMeter
 from swarmtrain.net.protocol import DIRECT_KINDS, Message, ProtocolError, error_message, pack
 from swarmtrain.net.reachability import ip_and_tcp_port
 from swarmtrain.net.transport import MAX_DRAIN_S, MAX_REPLY_BYTES, TransportStats, checked_reply
@@ -91,6 +95,11 @@ DIAL_COOLDOWN_S = 60.0  # after a failed dial, libp2p carries the hand-offs to t
 # round trip, stalled; on the test bed at 10 Mbit/s direct 8-bit did 26.6 samples/s with BBR, 27.5 with
 # cubic (docs/LOG.md). cubic is Linux's usual default anyway
 DEFAULT_CONGESTION = "cubic"
+_DELIVERY_POLL_S = 0.01  # how often an upload checks that the peer acknowledged all of it
+# Linux's struct tcp_info: eight one-byte fields, then 32-bit ones; milliseconds since the last data
+# segment came, and since the last acknowledgement came, are the 12th and 13th of those
+_TCP_INFO_BYTES = 104
+_LAST_DATA_RECV, _LAST_ACK_RECV = 8 + 11 * 4, 8 + 12 * 4
 _HEADER = struct.Struct("!BBQQ")
 _HELLO_LENGTH = struct.Struct("!I")
 _MAX_HELLO_BYTES = 4096
@@ -111,6 +120,37 @@ class DialFailed(ConnectionError):
 
 
 _refused_congestion: set[str] = set()  # algorithms the system would not give us (logged once each)
+
+
+def _unacknowledged_bytes(writer: asyncio.StreamWriter) -> int:
+    """Bytes written to `writer` that its peer has not acknowledged yet: asyncio's buffer plus the
+    socket's send queue (Linux's TIOCOUTQ: unsent and unacknowledged). Where the system cannot tell,
+    the send queue reads as empty, and an upload's time ends when the kernel took its last byte."""
+    pending = writer.transport.get_write_buffer_size()
+    sock = writer.get_extra_info("socket")
+    if sock is None:
+        return pending
+    try:
+        raw = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
+    except (OSError, ValueError):  # closed meanwhile, or not a TCP socket
+        return pending
+    return pending + struct.unpack("i", raw)[0]
+
+
+def _kernel_time_s(writer: asyncio.StreamWriter, field_offset: int) -> float | None:
+    """When (time.monotonic) the kernel last saw what a TCP_INFO field of `field_offset` counts the
+    milliseconds since (`_LAST_DATA_RECV`, `_LAST_ACK_RECV`); None where the system cannot tell."""
+    sock = writer.get_extra_info("socket")
+    option = getattr(socket, "TCP_INFO", None)
+    if sock is None or option is None:
+        return None
+    try:
+        raw = sock.getsockopt(socket.IPPROTO_TCP, option, _TCP_INFO_BYTES)
+    except (OSError, ValueError):
+        return None
+    if len(raw) < field_offset + 4:
+        return None
+    return time.monotonic() - struct.unpack_from("I", raw, field_offset)[0] / 1e3
 
 
 def set_congestion_control(writer: asyncio.StreamWriter, name: str | None) -> None:
@@ -177,12 +217,25 @@ class _Seal:
 
 
 class _Channel:
-    """One connection after its handshake: frames out (whole, in order) and in."""
+    """One connection after its handshake: frames out (whole, in order) and in. With a `meter`, its
+    large frames are timed (net/link_meter.py): a download from its header to its last byte, an upload
+    from its first write until the peer's TCP has acknowledged every byte sent (a busy spell of the
+    connection may hold several frames), each counted for `remote` (the peer at the other end)."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, seal: _Seal) -> None:
+    def __init__(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        seal: _Seal,
+        meter: LinkMeter | None = None,
+        remote: str = "",
+    ) -> None:
         self.reader, self.writer, self._seal = reader, writer, seal
+        self.meter, self.remote = meter, remote
         self._sending = asyncio.Lock()
         self.partner: _Channel | None = None  # the other connection of its link, closed with this one
+        self._uploading = 0  # bytes of the busy spell under way (0: none), delivered when it ends
+        self._delivery: asyncio.Task | None = None
 
     async def send(self, kind_type: int, exchange: int, body: bytes, kind: str = "") -> None:
         kind_bytes = kind.encode()
@@ -192,6 +245,7 @@ class _Channel:
             if self.writer.is_closing():  # aborted or closed meanwhile: writing would only log warnings
                 raise ConnectionResetError("the data-plane connection is closed")
             body = self._seal.seal(head, body)
+            self._upload_begins(len(head) + len(body))
             self.writer.write(head)
             self.writer.write(body)
             try:  # a peer that stops reading must not hold our buffers (and this lock) for ever
@@ -199,6 +253,29 @@ class _Channel:
             except TimeoutError:
                 self.writer.transport.abort()  # close() would wait for the unread bytes to go
                 raise ConnectionResetError(f"the peer read nothing for {WRITE_STALL_S:.0f} s") from None
+
+    def _upload_begins(self, size: int) -> None:
+        if self.meter is None or size < METERED_MIN_BYTES:
+            return
+        if not self._uploading:
+            self.meter.started(UP, self.remote)
+            self._delivery = asyncio.ensure_future(self._until_delivered(self.meter))
+        self._uploading += size
+
+    async def _until_delivered(self, meter: LinkMeter) -> None:
+        """Ends the upload's busy spell once nothing of ours is unsent or unacknowledged; polled, the
+        first check after 1 ms, then at most every `_DELIVERY_POLL_S`."""
+        delivered, ended_s, delay_s = 0, None, 0.001
+        try:
+            while self._sending.locked() or _unacknowledged_bytes(self.writer):
+                if self.writer.is_closing():
+                    return  # not delivered: counted as nothing
+                await asyncio.sleep(delay_s)
+                delay_s = min(2 * delay_s, _DELIVERY_POLL_S)
+            delivered, ended_s = self._uploading, _kernel_time_s(self.writer, _LAST_ACK_RECV)
+        finally:
+            meter.stopped(UP, self.remote, delivered, ended_s)
+            self._uploading = 0
 
     async def head(self, idle_s: float | None = None) -> _Head:
         """The next frame's header; its first byte may take `idle_s` (None: for ever), the rest of it
@@ -214,19 +291,36 @@ class _Channel:
         return _Head(kind_type, kind, size, exchange, raw + kind_bytes)
 
     async def body(self, head: _Head) -> bytes:
-        parts, size = [], head.size
-        while size > 0:
-            part = await self._exactly(min(size, _CHUNK_BYTES))
-            parts.append(part)
-            size -= len(part)
+        parts = []
+        async with self._download(head):
+            size = head.size
+            while size > 0:
+                part = await self._exactly(min(size, _CHUNK_BYTES))
+                parts.append(part)
+                size -= len(part)
         data = b"".join(parts)
         return self._seal.open(head.raw, data)
 
     async def skip(self, head: _Head) -> None:
-        size = head.size
-        while size > 0:
-            size -= len(await self._exactly(min(size, _CHUNK_BYTES)))
+        async with self._download(head):
+            size = head.size
+            while size > 0:
+                size -= len(await self._exactly(min(size, _CHUNK_BYTES)))
         self._seal.skip()
+
+    @contextlib.asynccontextmanager
+    async def _download(self, head: _Head):
+        """Times a large frame's body for the meter (from its header, read just before)."""
+        if self.meter is None or head.size < METERED_MIN_BYTES:
+            yield
+            return
+        self.meter.started(DOWN, self.remote)
+        delivered, ended_s = 0, None
+        try:
+            yield
+            delivered, ended_s = len(head.raw) + head.size, _kernel_time_s(self.writer, _LAST_DATA_RECV)
+        finally:
+            self.meter.stopped(DOWN, self.remote, delivered, ended_s)
 
     async def _exactly(self, size: int) -> bytes:
         """`size` bytes of a frame under way: a sender that stalls mid-frame is cut off."""
@@ -427,8 +521,10 @@ class DataPlaneServer:
         me: PeerIdentity,
         run_key: RunKey | None,
         congestion: str | None = DEFAULT_CONGESTION,
+        meter: LinkMeter | None = None,
     ) -> None:
         self.answer, self.limit, self.me, self.run_key = answer, limit, me, run_key
+        self.meter = meter  # times this port's large frames (net/link_meter.py)
         self.peer_id = me.peer_id
         self.congestion = congestion
         self.port = 0
@@ -484,7 +580,7 @@ class DataPlaneServer:
             hello, seal = await asyncio.wait_for(
                 _server_handshake(reader, writer, self.me, self.run_key), HANDSHAKE_TIMEOUT_S
             )
-            channel = _Channel(reader, writer, seal)
+            channel = _Channel(reader, writer, seal, self.meter, hello.caller)
             if hello.role == REPLIES:
                 await self._hold_replies(hello, channel)
             else:
@@ -733,8 +829,10 @@ class DataPlaneClient:
         run_key: RunKey | None = None,
         stats: TransportStats | None = None,
         congestion: str | None = DEFAULT_CONGESTION,
+        meter: LinkMeter | None = None,
     ) -> None:
         self.me, self.run_key, self.congestion = me, run_key, congestion
+        self.meter = meter  # times the links' large frames (net/link_meter.py)
         peer_id = self.peer_id = me.peer_id
         self.stats = stats or TransportStats()
         self.dials = 0  # links opened (tests: a link serves many calls)
@@ -816,4 +914,4 @@ class DataPlaneClient:
         except BaseException:
             writer.close()
             raise
-        return _Channel(reader, writer, seal)
+        return _Channel(reader, writer, seal, self.meter, peer)

@@ -25,6 +25,7 @@ import numpy as np
 
 from swarmtrain.config import ModelConfig, StageSpec, sizes
 from swarmtrain.config.run import LOWBIT_COMPRESSION
+from swarmtrain.planner.link_capacity import limited_rates, link_samples_per_s
 from swarmtrain.sim.entities import PeerSpec
 
 BYTES_PER_VALUE = {
@@ -169,10 +170,10 @@ class RateTable:
         down_left = np.maximum(self.downlink_bytes_per_s[:, None] - avg[None, :], 0.0)
         up_need = np.array([costs.up_bytes_per_sample(s) for s in range(costs.num_stages)])
         down_need = np.array([costs.down_bytes_per_sample(s) for s in range(costs.num_stages)])
-        with np.errstate(divide="ignore"):
-            up_cap = np.where(up_need > 0, up_left / np.where(up_need > 0, up_need, 1.0), np.inf)
-            down_cap = np.where(down_need > 0, down_left / np.where(down_need > 0, down_need, 1.0), np.inf)
-        return np.minimum(self.compute_rate, np.minimum(up_cap, down_cap))
+        # the same decision a live server makes from its measurements (planner/link_capacity.py)
+        up_cap = link_samples_per_s(up_left, up_need[None, :])
+        down_cap = link_samples_per_s(down_left, down_need[None, :])
+        return limited_rates(self.compute_rate, up_cap, down_cap)
 
 
 def rate_table(peers: list[PeerSpec], compute_s: list[tuple[float, ...]]) -> RateTable:

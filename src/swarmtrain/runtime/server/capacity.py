@@ -26,12 +26,21 @@ Samples count once their backward ran here, after the job's CPU was counted (run
 so a window never holds samples without their CPU. The estimate is the ratio of sums over the last `BUSY_WINDOWS` windows with samples, not an EMA: from a
 start-up figure far off, an EMA of weight 0.3 took about 25 windows (50 s) to settle, and the balancer's
 plan changed under it. Windows weigh by their samples, so one with a couple of samples cannot swing it.
+
+A server's links may limit it before its compute does. `LinkCapacityMeter` reads, over the same
+windows, what each direction of the data plane's links carried and how long it was busy
+(net/link_meter.py), and planner/link_capacity.py turns that into samples per second per direction and
+the server's figure, min(compute, uplink, downlink), with the resource that limits it. Traffic over
+libp2p (relayed hand-offs, the gradient exchange) is not timed: a server without data-plane traffic
+announces its compute figure.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+
+from swarmtrain.planner.link_capacity import Transfers, link_rate_bytes_per_s, link_samples_per_s
 
 BUSY_WINDOWS = 8  # announce windows with samples in the estimate (16 s at the default 2 s period)
 
@@ -78,3 +87,73 @@ class CapacityMeter:
         if total_samples >= self.min_samples:
             self.samples_per_work_s = total_samples / sum(w for _, w in self._busy)
         return self.samples_per_work_s
+
+
+@dataclass
+class _LinkWindow:
+    samples: int
+    directions: dict  # direction -> (bytes, busy s, {partner: (bytes, busy s)}), this window's share
+
+
+@dataclass
+class LinkCapacityMeter:
+    """Samples per second each direction of the server's links could carry (None: not measured, as a
+    server whose traffic goes over libp2p), from the data plane's `LinkMeter` totals read at every
+    announcement; the same windows and warm-up as `CapacityMeter`, decided by planner/link_capacity.py.
+    """
+
+    min_samples: int = 0
+    warmup_samples: int = 0
+    uplink_samples_per_s: float | None = None
+    downlink_samples_per_s: float | None = None
+    _mark: tuple[int, dict] | None = None  # (samples, {direction: DirectionTotals}) at the last reading
+    _windows: deque = field(default_factory=lambda: deque(maxlen=BUSY_WINDOWS))
+
+    def update(self, samples: int, totals: dict) -> None:
+        """`totals`: {"up": DirectionTotals, "down": DirectionTotals}, running (net/link_meter.py)."""
+        if self._mark is None or samples - self._mark[0] < 0:
+            self._mark = (samples, totals)
+            return
+        d_samples = samples - self._mark[0]
+        if self.warmup_samples > 0:  # a fresh stage's first transfers start cold: not measured
+            if d_samples >= self.warmup_samples:
+                self.warmup_samples, self._mark = 0, (samples, totals)
+            return
+        if d_samples <= 0:
+            return  # nothing served since: the figures stand
+        window = _LinkWindow(d_samples, {d: _difference(totals[d], self._mark[1][d]) for d in totals})
+        self._mark = (samples, totals)
+        self._windows.append(window)
+        served = sum(w.samples for w in self._windows)
+        if served >= self.min_samples:
+            self.uplink_samples_per_s = self._samples_per_s("up", served)
+            self.downlink_samples_per_s = self._samples_per_s("down", served)
+
+    def _samples_per_s(self, direction: str, served: int) -> float | None:
+        total_bytes = sum(w.directions[direction][0] for w in self._windows)
+        total_busy_s = sum(w.directions[direction][1] for w in self._windows)
+        partners: dict[str, list[float]] = {}
+        for w in self._windows:
+            for name, (num_bytes, busy_s) in w.directions[direction][2].items():
+                entry = partners.setdefault(name, [0.0, 0.0])
+                entry[0] += num_bytes
+                entry[1] += busy_s
+        rate = link_rate_bytes_per_s(
+            Transfers(total_bytes, total_busy_s), [Transfers(b, s) for b, s in partners.values()]
+        )
+        if rate is None:
+            return None
+        return link_samples_per_s(rate, total_bytes / served)
+
+
+def _difference(now, before) -> tuple[float, float, dict]:
+    """What a direction carried between two readings of its running totals; a partner evicted and seen
+    again meanwhile (its totals restarted) counts from zero."""
+    partners = {}
+    for name, (num_bytes, busy_s) in now.partners.items():
+        old_bytes, old_busy_s = before.partners.get(name, (0, 0.0))
+        if num_bytes < old_bytes or busy_s < old_busy_s:
+            old_bytes, old_busy_s = 0, 0.0
+        if num_bytes > old_bytes:
+            partners[name] = (num_bytes - old_bytes, busy_s - old_busy_s)
+    return now.bytes - before.bytes, now.busy_s - before.busy_s, partners

@@ -40,6 +40,7 @@ from swarmtrain.net.engine import (
     start_dht,
     visible_addresses,
 )
+from swarmtrain.net.link_meter import LinkMeter
 from swarmtrain.net.protocol import Message, error_message, namespace
 from swarmtrain.net.transport import StageClient, StageServicer
 from swarmtrain.runtime.faults import NO_FAULTS, FaultHooks
@@ -90,6 +91,8 @@ class _Endpoints:
     servicer: StageServicer
     data_server: DataPlaneServer | None = None
     data_client: DataPlaneClient | None = None
+    # what the data plane's links carried while serving this stage (runtime/server/capacity.py)
+    link_meter: LinkMeter = field(default_factory=LinkMeter)
 
 
 @dataclass(frozen=True)
@@ -290,10 +293,17 @@ class ServerProcess:
         endpoints = _Endpoints(p2p, servicer)
         if self.options.data_port is not None:
             congestion = self.options.data_congestion
-            endpoints.data_client = DataPlaneClient(self.identity, run_key, servicer.stats, congestion)
+            endpoints.data_client = DataPlaneClient(
+                self.identity, run_key, servicer.stats, congestion, endpoints.link_meter
+            )
             if not self.node.behind_nat:  # nobody could dial it; it still dials the next stage's
                 endpoints.data_server = DataPlaneServer(
-                    servicer.answer_direct, servicer.limit, self.identity, run_key, congestion
+                    servicer.answer_direct,
+                    servicer.limit,
+                    self.identity,
+                    run_key,
+                    congestion,
+                    endpoints.link_meter,
                 )
                 await endpoints.data_server.start(self.options.network.host, self.options.data_port)
         service.start_serving(
@@ -303,6 +313,7 @@ class ServerProcess:
                 data=endpoints.data_client,
                 data_port=endpoints.data_server.port if endpoints.data_server is not None else 0,
                 data_server=endpoints.data_server,
+                link_meter=endpoints.link_meter if self.options.data_port is not None else None,
             )
         )
         await servicer.add_p2p_handlers(p2p, namespace=namespace(self.cfg))

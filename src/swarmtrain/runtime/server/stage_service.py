@@ -40,6 +40,7 @@ from swarmtrain.model.device import CPU_FP32, ComputeDevice, busy_clock_s
 from swarmtrain.net.bundle import MAX_BUNDLE_ITEMS
 from swarmtrain.net.dht_records import RunRecords, StageAnnouncement, progress_key, stage_key
 from swarmtrain.net.engine import shutdown_quietly
+from swarmtrain.net.link_meter import DOWN, UP, LinkMeter
 from swarmtrain.net.protocol import (
     BUNDLE_KIND,
     TRAINING_KINDS,
@@ -49,9 +50,10 @@ from swarmtrain.net.protocol import (
     max_grads_message_bytes,
     namespace,
 )
+from swarmtrain.planner.link_capacity import limited_capacity
 from swarmtrain.runtime.faults import FaultHooks
 from swarmtrain.runtime.ledger import Ledger
-from swarmtrain.runtime.server.capacity import CapacityMeter
+from swarmtrain.runtime.server.capacity import CapacityMeter, LinkCapacityMeter
 from swarmtrain.runtime.server.chain_hop import ChainHop, HopClients, StagePeers
 from swarmtrain.runtime.server.compute import (
     PRIORITY_BACKWARD,
@@ -123,6 +125,7 @@ class Transport:
     data: DataPlaneClient | None = None  # hand-offs to the next stage, where it has a data plane
     data_port: int = 0  # our data plane's, announced; 0: none (off, or behind a NAT)
     data_server: DataPlaneServer | None = None  # that data plane (its limits' counters in `info`)
+    link_meter: LinkMeter | None = None  # what the data plane's links carried (link capacity)
 
 
 class StageService:
@@ -177,6 +180,10 @@ class StageService:
         )
         self.capacity = CapacityMeter(
             self._start_samples_per_s or probe_samples_per_s(self.worker, cfg, options.compute),
+            min_samples=4 * cfg.training.micro_batch_size,
+            warmup_samples=4 * cfg.training.micro_batch_size,
+        )
+        self.link_capacity = LinkCapacityMeter(
             min_samples=4 * cfg.training.micro_batch_size,
             warmup_samples=4 * cfg.training.micro_batch_size,
         )
@@ -456,6 +463,10 @@ class StageService:
         stats = transport.stats if transport is not None else TransportStats()
         data_server = transport.data_server if transport is not None else None
         sent = stats.sent() if transport is not None else ByteCount()
+        links = self.link_capacity
+        capacity, limit = limited_capacity(
+            self.capacity.samples_per_work_s, links.uplink_samples_per_s, links.downlink_samples_per_s
+        )
         return StageSnapshot(
             stage=self.spec.index,
             digest=self.digest,
@@ -469,7 +480,11 @@ class StageService:
             pending_samples=w.unapplied_samples,
             serving=self.serving,
             draining=self.draining,
-            capacity_samples_per_s=self.capacity.samples_per_work_s,
+            capacity_samples_per_s=capacity,
+            limit=limit,
+            compute_samples_per_s=self.capacity.samples_per_work_s,
+            uplink_samples_per_s=links.uplink_samples_per_s,
+            downlink_samples_per_s=links.downlink_samples_per_s,
             queue_len=self.compute.queue_len,
             busy_s=self.compute.busy_s,
             work_s=self._work_s() if work_s is None else work_s,
@@ -492,6 +507,9 @@ class StageService:
         """Publish this replica's record (online, joining or offline) and return it."""
         work_s = self._work_s()
         self.capacity.update(self.admission.samples_done, work_s)
+        meter = self._transport.link_meter if self._transport is not None else None
+        if meter is not None:
+            self.link_capacity.update(self.admission.samples_done, {d: meter.totals(d) for d in (UP, DOWN)})
         announcement = announcement_of(self.snapshot(work_s), state)
         # an offline record too: the DHT replaces a record only by one that expires later, so a short-lived
         # offline record was refused and trainers kept routing to a stopped server until it expired

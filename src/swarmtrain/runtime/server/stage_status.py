@@ -27,7 +27,7 @@ class StageSnapshot:
     pending_samples: int  # accumulated, not yet applied
     serving: bool  # False while the stage state downloads
     draining: bool  # leaving the stage
-    capacity_samples_per_s: float  # samples per second of micro-batch work (runtime/server/capacity.py)
+    capacity_samples_per_s: float  # samples per second it could serve (runtime/server/capacity.py)
     queue_len: int  # jobs waiting for the compute thread
     busy_s: float  # compute thread busy time (wall)
     work_s: float  # micro-batch work (CPU seconds) the capacity is measured from
@@ -44,6 +44,12 @@ class StageSnapshot:
     sync: dict = field(default_factory=dict)  # the synchronizer's counters (resyncs, lost samples, ...)
     steps: dict = field(default_factory=dict)  # the step coordinator's counters
     data_plane: dict = field(default_factory=dict)  # the data plane's limits and counters ({}: none)
+    # what the capacity is the least of (runtime/server/capacity.py): compute, and each direction of
+    # the data plane's links where measured (None: not), and which of them limits it
+    limit: str = "compute"
+    compute_samples_per_s: float | None = None
+    uplink_samples_per_s: float | None = None
+    downlink_samples_per_s: float | None = None
 
 
 def info_header(snap: StageSnapshot, names: list[str]) -> dict:
@@ -66,6 +72,7 @@ def info_header(snap: StageSnapshot, names: list[str]) -> dict:
         },
         "direct_in": snap.direct_in,
         "data_plane": snap.data_plane,
+        "capacity": capacity_of(snap),
         "device": snap.device,
         "sync": dict(snap.sync),
         "steps": dict(snap.steps),
@@ -86,7 +93,23 @@ def announcement_of(snap: StageSnapshot, state: str | None = None) -> StageAnnou
         state=state,
         behind_nat=snap.behind_nat,
         data_port=snap.data_port,
+        limit=snap.limit,
     )
+
+
+def capacity_of(snap: StageSnapshot) -> dict:
+    """The capacity and what it is the least of, samples/s rounded (None: a link not measured)."""
+
+    def rounded(value: float | None) -> float | None:
+        return None if value is None else round(value, 2)
+
+    return {
+        "samples_per_s": rounded(snap.capacity_samples_per_s),
+        "limit": snap.limit,
+        "compute": rounded(snap.compute_samples_per_s),
+        "uplink": rounded(snap.uplink_samples_per_s),
+        "downlink": rounded(snap.downlink_samples_per_s),
+    }
 
 
 def metrics_of(snap: StageSnapshot, moved: dict | None = None) -> ServerMetrics:

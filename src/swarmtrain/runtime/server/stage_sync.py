@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from swarmtrain.config.errors import UserError
+from swarmtrain.net.dht_records import StageView
 from swarmtrain.net.protocol import ProtocolError
 from swarmtrain.planner.restore import behind_other_stages, choose_start, follows_on_mismatch
 from swarmtrain.runtime.ledger import Ledger
@@ -124,6 +125,10 @@ class StageSynchronizer:
         self._behind_since_s: float | None = None
         self._publish_now = threading.Event()
         self._threads: list[threading.Thread] = []
+        # the stage's progress records as last read, a lapsed one kept for a grace: a replica's store
+        # can time out while the DHT is stressed (links cut, peers frozen), and a lag check blind to a
+        # peer ahead left a replica at one step for 90 s (bench/chaos.py --netbed, docs/LOG.md)
+        self._progress: StageView[dict] = StageView(usable=lambda value: True)
 
     # life cycle ---------------------------------------------------------------------------------
     def join(self) -> None:
@@ -355,8 +360,8 @@ class StageSynchronizer:
             time.sleep(JOIN_RETRY_S)
 
     def _others(self) -> dict[str, dict]:
-        """Progress of the stage's other replicas with our config (a DHT read)."""
-        progress = self.records.stage_progress(self.stage)
+        """Progress of the stage's other replicas with our config (a DHT read; a lapsed record for a while)."""
+        progress = self._progress.update(self.records.stage_progress(self.stage), time.monotonic())
         return {p: v for p, v in progress.items() if p != self.peer_id and v.get("digest") == self.digest}
 
     def _diverged_from(self, others: dict[str, dict]) -> bool:
