@@ -498,13 +498,13 @@ def main() -> int:
         overrides = {"training": training, "model": {"num_layers": sum(layers)}, "swarm": swarm}
         config_path = write_run_toml(Path(tmp) / "run.toml", args.preset, overrides)
         cfg = load_run_config(config_path)
+        if args.fleet == "link":
+            return link_fleet(args, cfg, config_path, Path(tmp))
         print(
             f"imbalanced swarm ({args.stage0_servers}+1, {args.cpus_per_server} CPU per server, "
             f"rebalancing every {'60 (the default)' if args.plain else args.rebalance_period_s} s) ...",
             flush=True,
         )
-        if args.fleet == "link":
-            return link_fleet(args, cfg, config_path, Path(tmp))
         servers = {**{name: 0 for name in STAGE0_NAMES[: args.stage0_servers]}, "z": 1}
         imbalanced = run_imbalanced(args, config_path, Path(tmp) / "imbalanced", servers)
         print("--stage auto for every server from the start ...", flush=True)

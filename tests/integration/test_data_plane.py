@@ -141,7 +141,9 @@ def test_both_ends_meter_the_large_frames_each_way_and_agree_on_their_bytes():
                 await plane.call(mb, "forward_backward", size=8192)  # 64 KiB of values at 8 bits
             await plane.call("small", "forward_backward", size=16)  # its request is not timed
             server, client = plane.server.meter, plane.client.meter
-            await _until(lambda: server.totals(UP).bytes >= 4 * 50_000)  # the last reply's delivery
+            # an upload counts once its sender saw it acknowledged (polled): the last ones' deliveries
+            await _until(lambda: server.totals(UP).bytes >= 4 * 50_000)
+            await _until(lambda: client.totals(UP).bytes >= 3 * 8192 * 8)
             requests, replies = client.totals(UP), server.totals(UP)
             assert requests.bytes == server.totals(DOWN).bytes  # what one end sent, the other received
             assert replies.bytes == client.totals(DOWN).bytes

@@ -143,3 +143,30 @@ def test_a_spell_ends_when_the_kernel_saw_its_last_byte_not_when_a_busy_process_
     clock.now_s = 7.0
     busy.stop(ended_s=9.0)  # a kernel time after now counts as now
     assert busy.busy_s() == 4.0
+
+
+def test_a_call_to_a_fast_stage_mate_shows_the_link_is_not_what_slows_transfers_to_a_slow_stage():
+    """A stage-0 server whose data-plane partners all sit behind slow links reads them as its own link;
+    its gradient exchange with a stage-0 replica (a libp2p call) shows its link is fast."""
+    clock = FakeClock()
+    meter = LinkMeter(clock)
+    links = LinkCapacityMeter()
+    links.update(0, _read(meter))
+    for _ in range(4):  # 8 samples of activations (128 kB) to the slow stage-1 server: 0.5 s each
+        meter.started(UP, "slow")
+        clock.now_s += 0.5
+        meter.stopped(UP, "slow", 128_000)
+    links.update(32, _read(meter))
+    assert links.uplink_samples_per_s == pytest.approx(16.0)  # 256 kB/s / 16 kB per sample
+    meter.call(UP, "mate", 400_000, 0.04)  # the step's gradient sums to a replica: 10 MB/s
+    meter.call(UP, "mate", 1_000, 0.04)  # too small to time: no evidence
+    totals = meter.totals(UP)
+    assert totals.bytes == 4 * 128_000 and totals.busy_s == 2.0  # calls stay out of the union
+    assert totals.partners["mate"] == (400_000, 0.04)
+    for _ in range(4):
+        meter.started(UP, "slow")
+        clock.now_s += 0.5
+        meter.stopped(UP, "slow", 128_000)
+    links.update(64, _read(meter))
+    # 10 MB/s over 16 kB per sample of data-plane traffic
+    assert links.uplink_samples_per_s == pytest.approx(10e6 / 16_000)

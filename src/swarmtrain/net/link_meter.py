@@ -13,6 +13,12 @@ makes a download look shorter, never longer: a wait for the CPU does not pass fo
 
 Only frames of at least `METERED_MIN_BYTES` are timed: a small frame's time is the path's latency, not
 its rate, and acknowledgements queue behind bulk data on the same uplink.
+
+Calls over libp2p (net/transport.py) add evidence per partner, not to the union (`call`). They matter
+for attribution: a transfer is as slow as the slower of the sender's uplink and the receiver's
+downlink, and a stage-0 server whose every data-plane partner is a stage-1 server behind a slow link
+cannot tell from those transfers alone whose link is slow. Its gradient exchange with its own stage's
+replicas (libp2p) shows its own link's speed.
 """
 
 from __future__ import annotations
@@ -71,25 +77,38 @@ class DirectionTotals:
     partners: dict[str, tuple[int, float]]
 
 
+class _Partner:
+    """What one partner's transfers in a direction carried: the data plane's, timed as a union (`busy`),
+    and calls timed whole (`call_s`, `LinkMeter.call`)."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.busy = BusyClock(clock)
+        self.bytes = 0
+        self.call_s = 0.0
+
+    def busy_s(self) -> float:
+        return self.busy.busy_s() + self.call_s
+
+
 class _Direction:
     def __init__(self, clock: Callable[[], float]) -> None:
         self.clock = clock
         self.all = BusyClock(clock)
         self.bytes = 0
-        self.partners: OrderedDict[str, list] = OrderedDict()  # partner -> [BusyClock, bytes]
+        self.partners: OrderedDict[str, _Partner] = OrderedDict()
 
-    def partner(self, name: str) -> list | None:
+    def partner(self, name: str) -> _Partner | None:
         entry = self.partners.get(name)
         if entry is None:
             if len(self.partners) >= MAX_PARTNERS and not self._make_room():
                 return None
-            entry = self.partners[name] = [BusyClock(self.clock), 0]
+            entry = self.partners[name] = _Partner(self.clock)
         self.partners.move_to_end(name)
         return entry
 
     def _make_room(self) -> bool:
-        for name, (busy, _) in self.partners.items():
-            if not busy.active:
+        for name, entry in self.partners.items():
+            if not entry.busy.active:
                 del self.partners[name]
                 return True
         return False
@@ -108,7 +127,7 @@ class LinkMeter:
             d.all.start()
             entry = d.partner(partner)
             if entry is not None:
-                entry[0].start()
+                entry.busy.start()
 
     def stopped(self, direction: str, partner: str, num_bytes: int, ended_s: float | None = None) -> None:
         """The transfer ended (at `ended_s` on this meter's clock, if earlier than now); `num_bytes` it
@@ -119,11 +138,24 @@ class LinkMeter:
             d.bytes += num_bytes
             entry = d.partners.get(partner)
             if entry is not None:
-                entry[0].stop(ended_s)
-                entry[1] += num_bytes
+                entry.busy.stop(ended_s)
+                entry.bytes += num_bytes
+
+    def call(self, direction: str, partner: str, num_bytes: int, seconds: float) -> None:
+        """A transfer timed whole by a call (libp2p: an upload until the receiver says it has all of
+        it, a download from its first chunk to its last): evidence of the partner's rate only. Such a
+        time may hold more than the transfer (opening a stream, a busy event loop), which makes the
+        evidence weaker, never wrong; kept out of the union, where it could hide a saturated link."""
+        if num_bytes < METERED_MIN_BYTES or seconds <= 0:
+            return
+        with self._lock:
+            entry = self._directions[direction].partner(partner)
+            if entry is not None:
+                entry.bytes += num_bytes
+                entry.call_s += seconds
 
     def totals(self, direction: str) -> DirectionTotals:
         with self._lock:
             d = self._directions[direction]
-            partners = {name: (entry[1], entry[0].busy_s()) for name, entry in d.partners.items()}
+            partners = {name: (entry.bytes, entry.busy_s()) for name, entry in d.partners.items()}
             return DirectionTotals(d.bytes, d.all.busy_s(), partners)

@@ -23,6 +23,7 @@ from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import runtime_pb2
 
 from swarmtrain.net.auth import RunKey
+from swarmtrain.net.link_meter import DOWN, UP, LinkMeter
 from swarmtrain.net.protocol import (
     HAND_OFF_KINDS,
     MICRO_BATCH_KINDS,
@@ -126,14 +127,19 @@ def _chunks(data: bytes) -> list[bytes]:
     return [bytes(view[i : i + CHUNK_BYTES]) for i in range(0, len(data), CHUNK_BYTES)] or [b""]
 
 
-async def _collect(stream: AsyncIterator, max_bytes: int, drain_s: float = 0.0) -> bytes:
+async def _collect(
+    stream: AsyncIterator, max_bytes: int, drain_s: float = 0.0, timing: list[float] | None = None
+) -> bytes:
     """Join a stream's chunks. Past `max_bytes`, read and discard the rest for up to `drain_s`
     seconds before refusing (`too_large`): a server that stops reading mid-upload closes the stream
     under the sender, which then sees a broken pipe instead of the answer (seen here at 2x and 3x the
-    limit; p2pd resets the stream and the answer is lost)."""
+    limit; p2pd resets the stream and the answer is lost). `timing` gets the last chunk's arrival
+    (time.monotonic)."""
     parts, size = [], 0
     deadline_s = time.monotonic() + drain_s
     async for item in stream:
+        if timing is not None:
+            timing[:] = [time.monotonic()]
         size += len(item.metadata)
         if size <= max_bytes:
             parts.append(item.metadata)
@@ -144,17 +150,22 @@ async def _collect(stream: AsyncIterator, max_bytes: int, drain_s: float = 0.0) 
     return b"".join(parts)
 
 
-async def _collect_reply(stream: AsyncIterator, received: asyncio.Event | None = None) -> bytes:
+async def _collect_reply(
+    stream: AsyncIterator, received: asyncio.Event | None = None, arrived: list[float] | None = None
+) -> bytes:
     """A reply stream. A server that refuses a request before reading all of it (too large) answers
     and closes the stream; our upload then fails with a broken pipe after the answer arrived, and
     hivemind raises that at the stream's end: the complete answer is what counts. The first chunk
-    (empty when the server acknowledges the request before working on it) sets `received`."""
+    (empty when the server acknowledges the request before working on it) sets `received`, and its
+    arrival (time.monotonic) goes to `arrived`."""
     parts: list[bytes] = []
     size = 0
     try:
         async for item in stream:
             if received is not None:
                 received.set()
+            if arrived is not None and not arrived:
+                arrived.append(time.monotonic())
             parts.append(item.metadata)
             size += len(item.metadata)
             if size > MAX_REPLY_BYTES:
@@ -199,6 +210,7 @@ class StageServicer(ServicerBase):
         self.max_micro_batch_bytes = max_micro_batch_bytes or max_message_bytes
         self.stats = stats or TransportStats()
         self.run_key = run_key  # a private run: only peers holding it are answered
+        self.meter: LinkMeter | None = None  # times the requests that come in (net/link_meter.py)
 
     async def rpc_forward(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
@@ -278,8 +290,11 @@ class StageServicer(ServicerBase):
         )
 
     async def _serve(self, kind: str, requests, context: P2PContext):
+        # from the stream's opening (a request of one chunk, as a replica's gradient sums often are,
+        # has no earlier chunk to time from) to its last chunk: evidence of our downlink's rate
+        opened_s, timing = time.monotonic(), []
         try:
-            data = await _collect(requests, self.limit(kind), drain_s=MAX_DRAIN_S)
+            data = await _collect(requests, self.limit(kind), drain_s=MAX_DRAIN_S, timing=timing)
         except ProtocolError as exc:
             packed = pack(error_message(str(exc), exc.code))
         else:
@@ -288,6 +303,8 @@ class StageServicer(ServicerBase):
             # `received`) instead of all at once at a fair share of its link, which delivered them
             # together and left this stage idle meanwhile (bench/wan.py)
             yield runtime_pb2.ExpertResponse(metadata=b"")
+            if self.meter is not None and timing:
+                self.meter.call(DOWN, context.remote_id.to_base58(), len(data), timing[0] - opened_s)
             packed = await self.answer_bytes(kind, data, context)
         for chunk in _chunks(packed):
             yield runtime_pb2.ExpertResponse(metadata=chunk)
@@ -365,6 +382,7 @@ class StageClient:
         self.stats = stats or TransportStats()
         # a private run: every request carries our membership token (a keyed hash of our peer id)
         self._token = run_key.token(p2p.peer_id.to_base58()) if run_key is not None else None
+        self.meter: LinkMeter | None = None  # times the requests that go out (net/link_meter.py)
 
     async def call(
         self, peer: str, message: Message, timeout_s: float, received: asyncio.Event | None = None
@@ -422,8 +440,13 @@ class StageClient:
 
         if kind not in STREAM_KINDS:
             raise ValueError(f"no handler for message kind {kind!r}")
+        start_s = time.monotonic()
         stream = await getattr(stub, f"rpc_{kind}")(requests())
-        return await _collect_reply(stream, received)
+        arrived: list[float] = []
+        reply = await _collect_reply(stream, received, arrived)
+        if self.meter is not None and arrived:  # the server acknowledges once it has all of the request
+            self.meter.call(UP, peer, len(data), arrived[0] - start_s)
+        return reply
 
     async def connect(self, peer: str, addresses: list[str], timeout_s: float) -> bool:
         """Best effort: tell our p2pd where a peer listens (its DHT may not know it yet), through the

@@ -291,6 +291,8 @@ class ServerProcess:
         # one byte and CPU count for what this server receives and what it hands to the next stage
         client = StageClient(p2p, namespace(self.cfg), stats=servicer.stats, run_key=run_key)
         endpoints = _Endpoints(p2p, servicer)
+        # libp2p calls are evidence of our links' rates too (net/link_meter.py says why)
+        servicer.meter = client.meter = endpoints.link_meter
         if self.options.data_port is not None:
             congestion = self.options.data_congestion
             endpoints.data_client = DataPlaneClient(
@@ -313,7 +315,7 @@ class ServerProcess:
                 data=endpoints.data_client,
                 data_port=endpoints.data_server.port if endpoints.data_server is not None else 0,
                 data_server=endpoints.data_server,
-                link_meter=endpoints.link_meter if self.options.data_port is not None else None,
+                link_meter=endpoints.link_meter,
             )
         )
         await servicer.add_p2p_handlers(p2p, namespace=namespace(self.cfg))
