@@ -29,6 +29,21 @@ def test_measured_throughput_shifts_the_split():
     assert counts["b"] / counts["a"] == pytest.approx(3.0, rel=0.05)
 
 
+def test_a_peer_that_announces_less_than_its_reports_show_gets_no_more_than_it_announced():
+    """A hop's report times the peer's own work, not the slow link its activations crossed: a
+    link-limited peer (announced 10 samples/s) reports like a fast one, and gets work by its capacity."""
+    router = StageRouter(ema_alpha=1.0)
+    for peer in ("fast", "behind_a_slow_link"):
+        router.add_peer(peer, 100.0)
+        router.report(peer, 8, 8 / 100.0, 3.0)  # forward and backward of 8 samples at 100 per s
+    router.set_capacity("fast", 100.0)
+    router.set_capacity("behind_a_slow_link", 10.0)
+    counts = Counter(router.choose(0.0, 8, 3.0) for _ in range(110))
+    assert counts == {"fast": 100, "behind_a_slow_link": 10}
+    router.set_capacity("behind_a_slow_link", 0.0)  # no figure: the cap stands
+    assert router.throughput("behind_a_slow_link") == pytest.approx(300.0)  # weighted: 3 per sample
+
+
 def test_new_peer_enters_at_the_current_minimum():
     router = StageRouter()
     router.add_peer("a", 10.0)

@@ -31,9 +31,16 @@ FORWARD_CHARGE = FORWARD_WEIGHT + BACKWARD_WEIGHT
 
 @dataclass
 class PeerState:
-    throughput_samples_per_s: float
+    throughput_samples_per_s: float  # observed end to end (EMA), in weighted samples per second
     virtual_finish_s: float
     banned_until_s: float = float("-inf")
+    # what the peer says it can serve, in the same units (`set_capacity`): its observed figure may
+    # leave out what limits it (a hop's report times the peer's own work, not the link the activations
+    # crossed to reach it), so dispatch never assumes more than this
+    capacity_samples_per_s: float = float("inf")
+
+    def rate(self) -> float:
+        return min(self.throughput_samples_per_s, self.capacity_samples_per_s)
 
 
 class StageRouter:
@@ -62,6 +69,12 @@ class StageRouter:
         tput = throughput_samples_per_s if throughput_samples_per_s and throughput_samples_per_s > 0 else None
         self._peers[peer] = PeerState(tput or self._typical_throughput(), start_s)
         self._push(peer)
+
+    def set_capacity(self, peer: PeerId, samples_per_s: float) -> None:
+        """The peer's announced capacity, in samples/s of whole forward and backward work (charged
+        `FORWARD_CHARGE` each); ignored unless positive."""
+        if peer in self._peers and samples_per_s > 0:
+            self._peers[peer].capacity_samples_per_s = samples_per_s * FORWARD_CHARGE
 
     def remove_peer(self, peer: PeerId) -> None:
         self._peers.pop(peer, None)  # stale heap entries are skipped lazily
@@ -120,7 +133,7 @@ class StageRouter:
         if chosen is None:
             return None
         state = self._peers[chosen]
-        state.virtual_finish_s += weight * num_samples / state.throughput_samples_per_s
+        state.virtual_finish_s += weight * num_samples / state.rate()
         self._push(chosen)
         return chosen
 

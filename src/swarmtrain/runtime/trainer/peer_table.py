@@ -67,6 +67,7 @@ class PeerTable:
                 if peer not in router.peers:
                     router.add_peer(peer, ann.throughput_samples_per_s)
                     new_peers.append(peer)
+                router.set_capacity(peer, ann.throughput_samples_per_s)
                 banned_at = self._banned_at.get(peer)
                 if banned_at is not None and (
                     ann.announced_at > banned_at or time.time() - banned_at > MAX_BAN_S
