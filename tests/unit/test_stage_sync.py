@@ -126,6 +126,19 @@ def test_diverged_replica_with_larger_id_resyncs(make_sync):
     assert ("download",) not in averager2.calls
 
 
+def test_a_lapsed_record_counts_for_the_lag_but_its_fingerprint_is_not_compared(make_sync):
+    sync, worker, records, averager = make_sync(peer="B")
+    records.progress["A"] = _peer(0, fp=[1.0, 2.5])
+    sync.tick()  # no fingerprint of ours yet: nothing compared; A's record is kept
+    del records.progress["A"]  # A resynced since, but its store timed out: the record lapsed
+    sync._fp = (0, [1.0, 2.0])
+    sync.tick()
+    assert ("download",) not in averager.calls  # a kept record's fingerprint may predate a resync
+    records.progress["A"] = _peer(0, fp=[1.0, 2.5])  # a current record that differs does count
+    sync.tick()
+    assert ("download",) in averager.calls
+
+
 def test_fingerprints_of_different_steps_are_not_compared(make_sync):
     sync, _, records, averager = make_sync(peer="B")
     sync._fp = (3, [1.0, 2.0])
