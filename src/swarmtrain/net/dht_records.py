@@ -20,7 +20,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Generic, TypeVar
 
 from swarmtrain.planner.link_capacity import COMPUTE, DOWNLINK, UPLINK
 from swarmtrain.utils.logging import get_logger
@@ -126,21 +125,19 @@ def _port(value) -> int:
 # (bench/chaos.py --netbed, seed 0; docs/LOG.md 2026-11-26). A dead peer is banned by its first failed
 # call; a leaving one says "offline" and is dropped at once.
 LAPSE_GRACE_S = 45.0
-V = TypeVar("V")
 
 
 @dataclass
-class StageView(Generic[V]):
+class StageView:
     """One stage's usable peers as a reader keeps them between DHT reads: every peer a read lists as
-    `usable`, plus those missing from the read (not listed at all) that a read listed within `grace_s`.
-    Records are announcements (`StageAnnouncement`) or a stage's progress records (dicts)."""
+    `usable`, plus those missing from the read (not listed at all) that a read listed within `grace_s`."""
 
-    usable: Callable[[V], bool] = lambda announcement: announcement.state == "online"  # type: ignore[attr-defined]
+    usable: Callable[[StageAnnouncement], bool] = lambda announcement: announcement.state == "online"
     grace_s: float = LAPSE_GRACE_S
-    peers: dict[str, V] = field(default_factory=dict)
+    peers: dict[str, StageAnnouncement] = field(default_factory=dict)
     _seen_at_s: dict[str, float] = field(default_factory=dict)
 
-    def update(self, found: dict[str, V], now_s: float) -> dict[str, V]:
+    def update(self, found: dict[str, StageAnnouncement], now_s: float) -> dict[str, StageAnnouncement]:
         """Fold one read (every record of the stage, "offline" ones included) in; returns `peers`."""
         listed = {peer: a for peer, a in found.items() if self.usable(a)}
         self._seen_at_s.update(dict.fromkeys(listed, now_s))

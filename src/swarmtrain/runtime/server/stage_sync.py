@@ -28,7 +28,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from swarmtrain.config.errors import UserError
-from swarmtrain.net.dht_records import StageView
 from swarmtrain.net.protocol import ProtocolError
 from swarmtrain.planner.restore import behind_other_stages, choose_start, follows_on_mismatch
 from swarmtrain.runtime.ledger import Ledger
@@ -125,11 +124,6 @@ class StageSynchronizer:
         self._behind_since_s: float | None = None
         self._publish_now = threading.Event()
         self._threads: list[threading.Thread] = []
-        # the stage's progress records as last read, a lapsed one kept for a grace: a replica's store
-        # can time out while the DHT is stressed (links cut, peers frozen), and a lag check blind to a
-        # peer ahead left a replica at one step for 90 s (bench/chaos.py --netbed, docs/LOG.md)
-        self._progress: StageView[dict] = StageView(usable=lambda value: True)
-        self._fresh: dict[str, dict] = {}
 
     # life cycle ---------------------------------------------------------------------------------
     def join(self) -> None:
@@ -226,7 +220,7 @@ class StageSynchronizer:
             self._behind_since_s = None
         elif ahead > KEEP_STEPS_AHEAD or lagging:
             self.resync(f"peers are {ahead} step(s) ahead (we are at {epoch})")
-        elif self._diverged_from(self._fresh):
+        elif self._diverged_from(others):
             self.resync("parameters diverged from a peer after a partial exchange")
         elif ahead <= 0 and (
             self.restored or self.untrained or now - self._seen_epoch[1] >= self.settings.lag_grace_s
@@ -361,14 +355,8 @@ class StageSynchronizer:
             time.sleep(JOIN_RETRY_S)
 
     def _others(self) -> dict[str, dict]:
-        """Progress of the stage's other replicas with our config (a DHT read; a lapsed record for a
-        while). `_fresh` keeps what the read itself listed: a kept record's fingerprint may predate its
-        replica's resync, and a divergence is judged on current records only."""
-        read = self.records.stage_progress(self.stage)
-        self._fresh = self._ours(read)
-        return self._ours(self._progress.update(read, time.monotonic()))
-
-    def _ours(self, progress: dict[str, dict]) -> dict[str, dict]:
+        """Progress of the stage's other replicas with our config (a DHT read)."""
+        progress = self.records.stage_progress(self.stage)
         return {p: v for p, v in progress.items() if p != self.peer_id and v.get("digest") == self.digest}
 
     def _diverged_from(self, others: dict[str, dict]) -> bool:
