@@ -30,9 +30,10 @@ plan changed under it. Windows weigh by their samples, so one with a couple of s
 A server's links may limit it before its compute does. `LinkCapacityMeter` reads, over the same
 windows, what each direction of the data plane's links carried and how long it was busy
 (net/link_meter.py), and planner/link_capacity.py turns that into samples per second per direction and
-the server's figure, min(compute, uplink, downlink), with the resource that limits it. Traffic over
-libp2p (relayed hand-offs, the gradient exchange) is not timed: a server without data-plane traffic
-announces its compute figure.
+the server's figure, min(compute, uplink, downlink), with the resource that limits it. Calls over
+libp2p (the gradient exchange, relayed hand-offs) add evidence of a direction's rate per partner, but
+the bytes per sample are the data plane's only: a server without data-plane traffic reads its links as
+limiting nothing and announces its compute figure.
 """
 
 from __future__ import annotations
@@ -97,8 +98,8 @@ class _LinkWindow:
 
 @dataclass
 class LinkCapacityMeter:
-    """Samples per second each direction of the server's links could carry (None: not measured, as a
-    server whose traffic goes over libp2p), from the data plane's `LinkMeter` totals read at every
+    """Samples per second each direction of the server's links could carry (None: nothing timed yet;
+    infinite: timed, but no data-plane byte per sample), from the `LinkMeter` totals read at every
     announcement; the same windows and warm-up as `CapacityMeter`, decided by planner/link_capacity.py.
     """
 

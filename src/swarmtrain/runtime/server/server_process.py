@@ -91,7 +91,8 @@ class _Endpoints:
     servicer: StageServicer
     data_server: DataPlaneServer | None = None
     data_client: DataPlaneClient | None = None
-    # what the data plane's links carried while serving this stage (runtime/server/capacity.py)
+    # what this server's links carried while serving this stage: the data plane's frames and the
+    # libp2p calls (net/link_meter.py, runtime/server/capacity.py)
     link_meter: LinkMeter = field(default_factory=LinkMeter)
 
 
