@@ -19,8 +19,19 @@ SAMPLES = 4096
 EVAL_SAMPLES = 256
 
 
-def test_two_replicas_with_the_batch_in_flight_match_local_training(make_swarm):
-    swarm, cfg = make_swarm("tiny", {"training": {"max_samples": SAMPLES, "eval_samples": EVAL_SAMPLES}})
+@pytest.mark.parametrize(
+    "exchange",
+    # the stage-0 replicas' gradient sums in fp32 (the default), and blockwise 8-bit with the rounding
+    # carried to the next step (runtime/server/sums_codec.py): the replicas must still hold identical
+    # parameters and match local training
+    ["none", pytest.param("8bit", marks=pytest.mark.slow)],
+)
+def test_two_replicas_with_the_batch_in_flight_match_local_training(make_swarm, exchange):
+    overrides = {
+        "training": {"max_samples": SAMPLES, "eval_samples": EVAL_SAMPLES},
+        "swarm": {"exchange_compression": exchange},
+    }
+    swarm, cfg = make_swarm("tiny", overrides)
     swarm.start_dht()
     for name, stage in (("s0a", 0), ("s0b", 0), ("s1", 1)):
         swarm.start_server(name, stage)
@@ -40,6 +51,7 @@ def test_two_replicas_with_the_batch_in_flight_match_local_training(make_swarm):
     steps = SAMPLES // cfg.training.global_batch_size
     print(
         f"val loss after {SAMPLES} samples: swarm {summary['val_loss']:.4f} (2+1 servers, 8-bit, "
+        f"exchange {exchange}, "
         f"{in_flight} in flight, {summary['samples_per_s']:.1f} samples/s), local {local.final_val_loss:.4f}; "
         f"steps per server {[i.header['epoch'] for i in infos.values()]}"
     )

@@ -8,12 +8,14 @@ from swarmtrain.planner.deadlines import (
     CHECK_RATIO,
     DEADLINE_FLOOR_S,
     DEADLINE_RATIO,
+    EXCHANGE_PING_RATIO,
     MIN_CALLS,
     PING_TIMEOUT_FLOOR_S,
     UNMEASURED_CHECK_S,
     CallTimes,
     check_after_s,
     deadline_s,
+    exchange_ping_timeout_s,
     ping_timeout_s,
 )
 
@@ -76,3 +78,12 @@ def test_a_ping_gets_at_least_as_long_as_the_peers_usual_call():
     assert ping_timeout_s(None) == PING_TIMEOUT_FLOOR_S
     assert ping_timeout_s(_times(*[0.1] * 10)) == PING_TIMEOUT_FLOOR_S
     assert ping_timeout_s(_times(*[3.0] * 10)) == pytest.approx(3.0)
+
+
+def test_a_stage_ping_waits_for_one_exchange_each_way():
+    """A stage ping queues behind the sums on one libp2p connection: twice the exchange, floored."""
+    assert exchange_ping_timeout_s(None) == PING_TIMEOUT_FLOOR_S
+    assert exchange_ping_timeout_s(_times(*[0.01] * 10)) == PING_TIMEOUT_FLOOR_S  # a LAN
+    slow_link = _times(*[2.0] * 10)  # ~1 MB of sums at 4 Mbit/s
+    assert exchange_ping_timeout_s(slow_link) == pytest.approx(EXCHANGE_PING_RATIO * 2.0)
+    assert exchange_ping_timeout_s(_times(*[1.0, 3.0] * 10)) > EXCHANGE_PING_RATIO * 2.0  # its spread too

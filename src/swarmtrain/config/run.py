@@ -18,6 +18,9 @@ COMPRESSION_CHOICES = (
     *(f"{bits}bit{suffix}" for bits in (4, 3, 2) for suffix in ("", "-rht")),
 )
 LOWBIT_COMPRESSION = COMPRESSION_CHOICES[3:]  # below 8 bits: part of the run digest
+# what a stage's gradient exchange can carry (runtime/server/sums_codec.py): lossless or to within a
+# block's rounding; below 8 bits error feedback would carry most of a step's gradient to later steps
+EXCHANGE_COMPRESSION_CHOICES = ("none", "float16", "8bit")
 # what a DiLoCo all-reduce can carry (hivemind's codecs)
 DILOCO_COMPRESSION_CHOICES = ("none", "float16", "8bit")
 
@@ -98,6 +101,9 @@ class SwarmConfig:
     announce_period_s: float = 2.0
     request_timeout_s: float = 30.0
     averaging_timeout_s: float = 30.0  # a step's gradient exchange between a stage's replicas
+    # the codec of that exchange (a local knob, not in the digest: every replica adds the same tensors
+    # whatever each one sends; runtime/server/sums_codec.py)
+    exchange_compression: str = "none"
     max_retries: int = 5
     # a stage's replicas step on their own gradients and average every `local_steps` steps (DiLoCo's
     # pseudo-gradients and outer step, [diloco]); 1: every step averages the gradient (the default)
@@ -126,6 +132,11 @@ class SwarmConfig:
         if self.compression not in COMPRESSION_CHOICES:
             raise ConfigError(
                 f"swarm.compression must be one of {', '.join(COMPRESSION_CHOICES)}, got {self.compression!r}"
+            )
+        if self.exchange_compression not in EXCHANGE_COMPRESSION_CHOICES:
+            raise ConfigError(
+                f"swarm.exchange_compression must be one of {', '.join(EXCHANGE_COMPRESSION_CHOICES)}, "
+                f"got {self.exchange_compression!r}"
             )
         for name in ("announce_period_s", "request_timeout_s", "averaging_timeout_s"):
             if getattr(self, name) <= 0:

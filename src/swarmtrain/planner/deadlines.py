@@ -37,6 +37,7 @@ UNMEASURED_CHECK_S = 1.0  # before MIN_CALLS calls were measured
 # a ping is a few milliseconds on a LAN; on a slow link it may queue behind a transfer on the same
 # connection, so it is given at least as long as the peer's usual call
 PING_TIMEOUT_FLOOR_S = 1.0
+EXCHANGE_PING_RATIO = 2.0  # a stage ping queues behind one exchange each way (`exchange_ping_timeout_s`)
 
 
 @dataclass(frozen=True)
@@ -77,3 +78,15 @@ def check_after_s(times: CallTimes | None, cap_s: float) -> float:
 def ping_timeout_s(times: CallTimes | None) -> float:
     """How long a peer's event loop may take to answer a ping before the peer is taken for frozen."""
     return max(PING_TIMEOUT_FLOOR_S, times.mean_s if times is not None else 0.0)
+
+
+def exchange_ping_timeout_s(times: CallTimes | None) -> float:
+    """How long a stage peer may take to answer a ping before it is taken for frozen, from its step
+    exchanges (`times`: the calls that sent it our gradient sums). A ping shares one libp2p connection
+    with the sums: on a slow link it waits behind ours on the way there and behind the peer's on the
+    way back. With the floor alone, stage-1 replicas behind 4 Mbit/s links took each other for frozen
+    several times a run and stepped without each other's sums (bench/rebalance_live.py --fleet link)."""
+    if times is None:
+        return PING_TIMEOUT_FLOOR_S
+    usual_s = times.mean_s + CHECK_SPREAD * times.var_s2**0.5
+    return max(PING_TIMEOUT_FLOOR_S, EXCHANGE_PING_RATIO * usual_s)

@@ -16,6 +16,10 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from swarmtrain.runtime.server.sums_codec import WireSums
 
 ERRORS = ("timeout", "connection", "refused", "truncated")
 
@@ -86,11 +90,11 @@ class FailureInjector:
         return _InjectedClient(self, client)
 
     def wrap_sender(
-        self, me: str, send: Callable[[str, int, int, list], Awaitable[bool]]
-    ) -> Callable[[str, int, int, list], Awaitable[bool]]:
+        self, me: str, send: Callable[[str, int, int, WireSums], Awaitable[bool]]
+    ) -> Callable[[str, int, int, WireSums], Awaitable[bool]]:
         """A StepCoordinator `send_grads` that reports a lost send (False) where a rule says."""
 
-        async def injected(peer: str, step: int, samples: int, sums: list) -> bool:
+        async def injected(peer: str, step: int, samples: int, sums: WireSums) -> bool:
             for rule in self._grads:
                 if (
                     rule.times > 0

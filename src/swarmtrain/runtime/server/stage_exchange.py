@@ -11,6 +11,8 @@ counts as answered, a send fails).
 
 from __future__ import annotations
 
+import time
+from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,11 +29,12 @@ from swarmtrain.net.protocol import (
     validate_step_means,
     validate_step_means_request,
 )
-from swarmtrain.planner.deadlines import PING_TIMEOUT_FLOOR_S
+from swarmtrain.planner.deadlines import CallTimes, exchange_ping_timeout_s
 from swarmtrain.runtime.faults import FaultHooks, nan_like
 from swarmtrain.runtime.server.stage_desk import Handler
 from swarmtrain.runtime.server.stage_steps import StepCoordinator
 from swarmtrain.runtime.server.stage_worker import StageWorker, all_finite
+from swarmtrain.runtime.server.sums_codec import SumsCodec, WireSums
 from swarmtrain.utils.logging import get_logger
 
 if TYPE_CHECKING:  # hivemind is imported only once the process has prepared its environment
@@ -40,6 +43,7 @@ if TYPE_CHECKING:  # hivemind is imported only once the process has prepared its
 logger = get_logger(__name__)
 
 GRADS_ATTEMPTS = 3  # a cut-off stream is retried; a dead peer is not waited for
+MAX_TIMED_PEERS = 64  # stage peers whose exchange times are kept
 
 
 class StagePeerLink:
@@ -58,6 +62,8 @@ class StagePeerLink:
         self.averaging_timeout_s, self.request_timeout_s = averaging_timeout_s, request_timeout_s
         self.param_shapes = [tuple(p.shape) for p in worker.params]
         self.client: StageClient | None = None  # the process's, once the stage serves
+        # by peer, most recent last: how long sending it our sums took (a ping's timeout, below)
+        self._exchange_times: OrderedDict[str, CallTimes] = OrderedDict()
 
     def attach(self, client: StageClient) -> None:
         self.client = client
@@ -80,25 +86,35 @@ class StagePeerLink:
         )
 
     async def _ping_reply(self, peer: str) -> Message | None:
-        """A stage peer's answer to our stage ping within planner/deadlines.py's ping floor, or None
-        (no answer, or not a peer id)."""
+        """A stage peer's answer to our stage ping within what our exchanges with it take
+        (planner/deadlines.py), or None (no answer, or not a peer id)."""
         assert self.client is not None  # checked by the callers
         message = ping_message(self.spec.index, self.digest)
-        return await self.client.ping_reply(peer, message, PING_TIMEOUT_FLOOR_S)
+        timeout_s = exchange_ping_timeout_s(self._exchange_times.get(peer))
+        return await self.client.ping_reply(peer, message, timeout_s)
 
-    async def send_grads(self, peer: str, step: int, samples: int, sums: list[torch.Tensor]) -> bool:
-        """One replica's gradient sums of a step to a stage peer; False if the peer is gone or refuses."""
+    def _observe_exchange(self, peer: str, took_s: float) -> None:
+        times = self._exchange_times.pop(peer, CallTimes()).observed(took_s)
+        self._exchange_times[peer] = times
+        while len(self._exchange_times) > MAX_TIMED_PEERS:  # peers come and go over a long run
+            self._exchange_times.popitem(last=False)
+
+    async def send_grads(self, peer: str, step: int, samples: int, sums: WireSums) -> bool:
+        """One replica's gradient sums of a step to a stage peer, as encoded once for every peer; False if
+        the peer is gone or refuses."""
         from swarmtrain.net.transport import RemoteError
 
         if self.client is None:
             return False  # steps run only while serving
         header = {"step": step, "samples": samples, "stage": self.spec.index, "digest": self.digest}
         if self.faults.sends_nan(step):  # a faulty replica (tests); its scaling is in the accumulation
-            sums = nan_like(sums)
-        message = make_message("grads", header, dict(zip(self.worker.names, sums, strict=True)), "none")
+            sums = SumsCodec().encode(nan_like(sums.tensors))
+        message = Message("grads", header, dict(zip(self.worker.names, sums.encoded, strict=True)))
         for attempt in range(GRADS_ATTEMPTS):
             try:
+                start_s = time.monotonic()
                 await self.client.call(peer, message, timeout_s=self.averaging_timeout_s)
+                self._observe_exchange(peer, time.monotonic() - start_s)
                 return True
             except Exception as exc:  # the trainer's failure table (net/failures.py); a bug is raised
                 failure = on_request_failure(exc)

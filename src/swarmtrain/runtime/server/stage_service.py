@@ -72,6 +72,7 @@ from swarmtrain.runtime.server.stage_steps import StepCoordinator, StepSettings
 from swarmtrain.runtime.server.stage_sync import StageSynchronizer, SyncSettings
 from swarmtrain.runtime.server.stage_worker import StageWorker
 from swarmtrain.runtime.server.step_inbox import KEEP_STEPS_AHEAD
+from swarmtrain.runtime.server.sums_codec import SumsCodec
 from swarmtrain.utils.logging import get_logger
 
 if TYPE_CHECKING:  # hivemind is imported only once the process has prepared its environment
@@ -234,6 +235,7 @@ class StageService:
             # refused step 136's close at 134, reached 136 a few seconds later and waited there with no
             # close while its only peer was frozen (bench/chaos.py --netbed, seed 0: 36 s stall)
             close_window=max(KEEP_STEPS_AHEAD, 1 + cfg.training.max_staleness),
+            sums_codec=SumsCodec(cfg.swarm.exchange_compression),
         )
         self.sync = self._make_synchronizer()
         undo.callback(self.sync.stop)

@@ -74,12 +74,14 @@ from swarmtrain.runtime.server.stage_members import LiveReplicas, Verify
 from swarmtrain.runtime.server.stage_worker import StageWorker
 from swarmtrain.runtime.server.step_inbox import PendingStep, StepCounters, StepInbox, short
 from swarmtrain.runtime.server.step_versions import VersionGate
+from swarmtrain.runtime.server.sums_codec import SumsCodec, WireSums
 from swarmtrain.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
-# (peer, step, samples, gradient sums) -> False when the peer is unreachable (gone)
-GradSender = Callable[[str, int, int, list[torch.Tensor]], Awaitable[bool]]
+# (peer, step, samples, gradient sums as encoded once for every peer) -> False when the peer is
+# unreachable (gone)
+GradSender = Callable[[str, int, int, WireSums], Awaitable[bool]]
 OnStep = Callable[[int, list[float] | None], None]  # (epoch, parameter fingerprint or None)
 Alive = Callable[[str], Awaitable[bool]]  # does this peer's event loop answer a ping?
 # The mean gradients of recent steps are kept for replicas that missed them (`replay`): at least
@@ -119,13 +121,16 @@ class StepCoordinator:
         live_replicas: LiveReplicas | None = None,
         verify: Verify | None = None,
         close_window: int = 1,
+        sums_codec: SumsCodec | None = None,
     ) -> None:
         """`live_replicas`: the stage's live replicas from the DHT (None: not checked, tests); `verify`:
         a direct check of a peer the view lacks (None: only the view counts); `close_window`:
-        1 + max_staleness (see `close_refusal`)."""
+        1 + max_staleness (see `close_refusal`); `sums_codec`: how this replica's sums go to its stage
+        peers (None: uncompressed)."""
         self.worker, self.compute, self.peer_id = worker, compute, peer_id
         self._close_wait_s: float | None = None  # moving average: reaching a step -> deciding it
         self.settings = settings
+        self.sums_codec = sums_codec or SumsCodec()
         self.sums_out = SumsOut(peer_id, send_grads, alive, settings.probe_after_s)
         self.ledger = ledger or Ledger(None)
         self.on_step = on_step  # after every step (applied or skipped) with the new parameters' fingerprint
@@ -269,17 +274,18 @@ class StepCoordinator:
         if self.worker.outer is not None:
             await self._finish_local(state, start, bucket, start_s)
             return
-        answered, final = await self._exchange(state, start, bucket.samples, bucket.grad_sums)
+        sums = await self._on_compute(lambda: self.sums_codec.encode(bucket.grad_sums))
+        answered, final = await self._exchange(state, start, bucket.samples, sums)
         if self.worker.epoch != step:
             return  # a resync moved us on meanwhile
-        contributions, missing = self._contributions(state, final, bucket)
+        contributions, missing = self._contributions(state, final, bucket, sums)
         if not answered or missing:
             self.counters.partial_exchanges += 1
             logger.warning("step %d: no gradients from %s; stepping without them", step, list(missing))
         await self._apply(step, contributions, bucket.micro_batch_ids, start_s)
 
     async def _exchange(
-        self, state: PendingStep, start: StepDecision, own: int, sums: list[torch.Tensor]
+        self, state: PendingStep, start: StepDecision, own: int, sums: WireSums
     ) -> tuple[bool, StepDecision]:
         """Send our sums and wait for the members'; (whether all came, the close finally acted on)."""
         if start.lenient:  # as before the checks: named members count with whatever they send
@@ -300,9 +306,11 @@ class StepCoordinator:
             state.decision = settle_step(candidates, self.peer_id, own, _counts(state), set(), True)
         return answered, state.decision or start
 
-    def _contributions(self, state: PendingStep, final: StepDecision, bucket) -> tuple[dict, tuple[str, ...]]:
+    def _contributions(
+        self, state: PendingStep, final: StepDecision, bucket, sums: WireSums
+    ) -> tuple[dict, tuple[str, ...]]:
         """The sums this replica adds for the step, by peer in peer order, and the members whose sums do
-        not count (`step_contributions`)."""
+        not count (`step_contributions`); our own are `sums` as the peers decode them."""
         step, own = state.step, bucket.samples
         if not final.complete:
             self.counters.timed_out_closes += 1
@@ -331,7 +339,7 @@ class StepCoordinator:
         # (with our own sums appended last, 3 replicas drifted apart by rounding, ~1e-9 per run)
         contributions = {peer: state.received[peer] for peer in chosen.peers}
         if chosen.own:
-            contributions[self.peer_id] = (own, bucket.grad_sums)
+            contributions[self.peer_id] = (own, sums.tensors)
         return dict(sorted(contributions.items())), chosen.missing
 
     async def _finish_local(self, state: PendingStep, decision: StepDecision, bucket, start_s: float) -> None:
@@ -344,14 +352,15 @@ class StepCoordinator:
         await self._apply(step, own, bucket.micro_batch_ids, start_s, hold_epoch=sync)
         if not sync or self.worker.epoch != step:
             return
-        samples, delta = await self._on_compute(self.worker.pseudo_gradient)
+        samples, raw_delta = await self._on_compute(self.worker.pseudo_gradient)
+        delta = await self._on_compute(lambda: self.sums_codec.encode(raw_delta))
         others = (decision.participants | set(decision.members)) - {self.peer_id}
         self.sums_out.send(state, others, samples, delta)
         complete = await self._wait_for_sums(state, others)
         if self.worker.epoch != step:
             return  # a resync moved us on meanwhile
         contributions = {p: state.received[p] for p in sorted(others) if p in state.received}
-        contributions[self.peer_id] = (samples, delta)
+        contributions[self.peer_id] = (samples, delta.tensors)
         contributions = {p: c for p, c in sorted(contributions.items()) if c[0] > 0}
         if not complete:
             self.counters.partial_exchanges += 1
@@ -476,7 +485,7 @@ class SumsOut:
         self._tasks: set[asyncio.Task] = set()
 
     def send_where_named(
-        self, state: PendingStep, due: list[StepDecision], own: int, sums: list[torch.Tensor], sent: set[str]
+        self, state: PendingStep, due: list[StepDecision], own: int, sums: WireSums, sent: set[str]
     ) -> None:
         """Our sealed sums, with their real count, to the participants of every `due` candidate naming us:
         where the count is what the candidate says they confirm it, elsewhere they tell its members at
@@ -505,9 +514,7 @@ class SumsOut:
                 state.unreachable.update(silent)
                 state.changed.set()
 
-    def send(
-        self, state: PendingStep, peers: AbstractSet[str], samples: int, sums: list[torch.Tensor]
-    ) -> None:
+    def send(self, state: PendingStep, peers: AbstractSet[str], samples: int, sums: WireSums) -> None:
         """Send our sums to `peers` in the background: the step waits for the other members' sums, never
         for a send (a hung participant must not stall the stage)."""
         for peer in sorted(set(peers) - {self.peer_id}):
