@@ -21,6 +21,7 @@ from swarmtrain.config import get_preset
 from swarmtrain.sim.base import SimConfig
 from swarmtrain.sim.churn import churn_schedule
 from swarmtrain.sim.fleet import synthetic_fleet
+from swarmtrain.sim.heap import keep_freed_memory
 from swarmtrain.sim.report import format_table
 from swarmtrain.sim.runner import run_simulation
 
@@ -47,6 +48,7 @@ def main() -> int:
         sizes = [int(x) for x in args.sizes.split(",")]
     except ValueError:
         parser.error(f"--sizes takes integers separated by commas, got {args.sizes!r}")
+    keep_freed_memory()  # as `swarmtrain simulate` does
     runs = []
     for num_peers in sizes:
         print(f"{num_peers} peers x {args.duration_s:.0f} simulated s ...", flush=True)

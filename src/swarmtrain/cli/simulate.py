@@ -205,10 +205,12 @@ def _fleet(args, num_stages: int):
 def run(args: argparse.Namespace) -> int:
     from swarmtrain.sim.base import MODES, SimConfig
     from swarmtrain.sim.churn import churn_schedule, load_trace, write_trace
+    from swarmtrain.sim.heap import keep_freed_memory
     from swarmtrain.sim.report import human_bytes, summaries_table
     from swarmtrain.sim.runner import run_simulation
 
     start = time.perf_counter()  # the CLI, not the engine, measures wall time
+    keep_freed_memory()  # a large fleet's arrays are allocated and freed thousands of times a run
     if args.choose_mode:
         return _choose_mode(args, start)
     if args.h_values is not None:

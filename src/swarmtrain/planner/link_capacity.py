@@ -53,8 +53,10 @@ def link_samples_per_s(rate_bytes_per_s, bytes_per_sample):
     """Samples per second a direction carries at `rate_bytes_per_s` (floats or numpy arrays); infinite
     where a sample costs it no byte."""
     rate, need = np.asarray(rate_bytes_per_s, dtype=float), np.asarray(bytes_per_sample, dtype=float)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        samples = np.where(need > 0, rate / np.where(need > 0, need, 1.0), np.inf)
+    # divides only where a sample needs bytes (the simulator calls this thousands of times on 10,000 x S
+    # arrays: a division of every element and two selects took 0.4 ms a call)
+    out = np.full(np.broadcast_shapes(rate.shape, need.shape), np.inf)
+    samples = np.divide(rate, need, out=out, where=need > 0)
     return float(samples) if samples.ndim == 0 else samples
 
 

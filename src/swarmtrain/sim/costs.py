@@ -19,6 +19,7 @@ Cost model (documented here once; the modes and the optimum use exactly these nu
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -66,6 +67,16 @@ class StageCosts:
         last = stage == self.num_stages - 1
         return (0.0 if last else self.activation_bytes_per_sample) + (
             self.activation_bytes_per_sample if stage > 0 else 0.0
+        )
+
+    @functools.cached_property
+    def bytes_per_sample_by_stage(self) -> tuple[np.ndarray, np.ndarray]:
+        """(up, down) bytes per sample of every stage, as arrays (the optimum reads them thousands of
+        times a run)."""
+        stages = range(self.num_stages)
+        return (
+            np.array([self.up_bytes_per_sample(s) for s in stages]),
+            np.array([self.down_bytes_per_sample(s) for s in stages]),
         )
 
     @property
@@ -168,8 +179,7 @@ class RateTable:
         avg = 2 * np.asarray(costs.averaging_bytes) * share * steps_per_s  # bytes/s per direction, per stage
         up_left = np.maximum(self.uplink_bytes_per_s[:, None] - avg[None, :], 0.0)
         down_left = np.maximum(self.downlink_bytes_per_s[:, None] - avg[None, :], 0.0)
-        up_need = np.array([costs.up_bytes_per_sample(s) for s in range(costs.num_stages)])
-        down_need = np.array([costs.down_bytes_per_sample(s) for s in range(costs.num_stages)])
+        up_need, down_need = costs.bytes_per_sample_by_stage
         # the same decision a live server makes from its measurements (planner/link_capacity.py)
         up_cap = link_samples_per_s(up_left, up_need[None, :])
         down_cap = link_samples_per_s(down_left, down_need[None, :])
