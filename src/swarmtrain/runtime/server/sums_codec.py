@@ -21,7 +21,6 @@ Why: on a slow link the exchange was the stage's bottleneck. `tiny`'s stage of t
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 
@@ -29,13 +28,21 @@ from swarmtrain.config.run import EXCHANGE_COMPRESSION_CHOICES
 from swarmtrain.net import codec
 
 
-@dataclass(frozen=True)
 class WireSums:
     """One step's sums: `tensors` what every replica counts (the decoding of `encoded`), `encoded`
-    what goes on the wire. Iterating gives `tensors`."""
+    what goes on the wire. Iterating gives `tensors`. Uncompressed sums are encoded when first sent:
+    a replica alone in its stage sends nothing, and a big stage's fp32 bytes are a copy of its
+    gradients."""
 
-    tensors: list[torch.Tensor]
-    encoded: list[codec.EncodedTensor]
+    def __init__(self, tensors: list[torch.Tensor], encoded: list[codec.EncodedTensor] | None = None) -> None:
+        self.tensors = tensors
+        self._encoded = encoded
+
+    @property
+    def encoded(self) -> list[codec.EncodedTensor]:
+        if self._encoded is None:
+            self._encoded = [codec.encode(t, "none") for t in self.tensors]
+        return self._encoded
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         return iter(self.tensors)
@@ -59,7 +66,7 @@ class SumsCodec:
     def encode(self, sums: list[torch.Tensor]) -> WireSums:
         """The sums plus what earlier encodings dropped, encoded; keeps what this encoding drops."""
         if self.codec_name == "none":
-            return WireSums(list(sums), [codec.encode(t, "none") for t in sums])
+            return WireSums(list(sums))
         if self.residual is not None and _same_shapes(self.residual, sums):
             corrected = [t + r for t, r in zip(sums, self.residual, strict=True)]
         else:
