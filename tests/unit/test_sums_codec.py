@@ -89,11 +89,13 @@ class WireNet:
     def __init__(self, worker: StageWorker):
         self.nodes: dict[str, StepCoordinator] = {}
         self.names, self.shapes = worker.names, [tuple(p.shape) for p in worker.params]
+        self.codecs: set[str] = set()  # what the sent tensors were encoded with
 
     def sender(self, me: str):
         async def send(peer, step, samples, sums):
             header = {"step": step, "samples": samples, "stage": 1, "digest": "d"}
             sent = Message("grads", header, dict(zip(self.names, sums.encoded, strict=True)))
+            self.codecs |= {t.codec for t in sent.tensors.values()}
             message = unpack(pack(sent), 2**30)
             _, _, received = validate_grads(message, 1, "d", self.names, self.shapes)
             self.nodes[peer].inbox.on_grads(me, step, samples, received)
@@ -142,6 +144,7 @@ def test_replicas_that_compress_differently_still_apply_identical_parameters(tin
             single.apply_step(step, [m.clone() for m in true_means[-1]], bucket.samples)
         for task in tasks:
             task.cancel()
+        assert net.codecs == {"8bit", "none"}
         for node in nodes.values():
             assert node.counters.partial_exchanges == 0 and node.worker.samples_seen == 72
             for p, q in zip(node.worker.params, nodes["C"].worker.params, strict=True):
@@ -191,3 +194,50 @@ def test_a_stage_peer_is_pinged_with_as_long_as_exchanges_with_it_take(tiny_cfg,
     first, measured, other = asyncio.run(scenario())
     assert first == other == PING_TIMEOUT_FLOOR_S
     assert measured == pytest.approx(want_s, rel=0.25)
+
+
+def test_local_steps_with_8bit_pseudo_gradients_end_each_round_identical(tiny_cfg, start_compute):
+    """swarm.local_steps = 2 (DiLoCo): the outer round's pseudo-gradients go 8-bit, and both replicas
+    still end the round with bit-identical parameters."""
+    import dataclasses
+
+    cfg = tiny_cfg.replace(swarm=dataclasses.replace(tiny_cfg.swarm, local_steps=2))
+    generator = torch.Generator().manual_seed(4)
+    batches = [
+        (torch.randn(8, 64, 64, generator=generator), torch.randint(0, 256, (8, 64), generator=generator))
+        for _ in range(4)
+    ]
+
+    async def scenario():
+        net = WireNet(StageWorker(cfg, cfg.stages()[1]))
+        settings = StepSettings(close_timeout_s=5.0, exchange_timeout_s=5.0, poll_s=0.05)
+        nodes = {}
+        for name in ("A", "B"):
+            worker = StageWorker(cfg, cfg.stages()[1])
+            nodes[name] = net.nodes[name] = StepCoordinator(
+                worker, start_compute(), name, net.sender(name), settings, sums_codec=SumsCodec("8bit")
+            )
+        tasks = [asyncio.create_task(n.run()) for n in nodes.values()]
+        for step in range(2):
+            for i, name in enumerate(nodes):
+                x, y = batches[2 * step + i]
+                request = StageRequest("forward_backward", f"{name}{step}", "none", x, labels=y, step=step)
+                nodes[name].worker.forward(request)  # the step loop waits for a close meanwhile
+            for node in nodes.values():
+                node.inbox.on_close(step, 0, 1, {"A": 8, "B": 8}, sorted(nodes))
+            deadline = time.monotonic() + 20
+            while not all(n.worker.epoch == step + 1 for n in nodes.values()):
+                assert time.monotonic() < deadline, "timed out"
+                await asyncio.sleep(0.01)
+            if step == 0:  # a local step: each on its own gradient
+                a, b = (n.worker.params for n in nodes.values())
+                assert not all(torch.equal(p, q) for p, q in zip(a, b, strict=True))
+        for task in tasks:
+            task.cancel()
+        a, b = (n.worker for n in nodes.values())
+        assert all(n.counters.last_group_size == 2 for n in nodes.values())
+        assert net.codecs == {"8bit"}  # the round's pseudo-gradients went compressed
+        assert a.samples_since_sync == 0 and a.epoch == 2
+        assert all(torch.equal(p, q) for p, q in zip(a.params, b.params, strict=True))
+
+    asyncio.run(scenario())
