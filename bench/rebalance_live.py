@@ -25,8 +25,9 @@ peer in a network namespace of its own; needs root) 2+2 servers of a model cut e
 two behind `--link-mbit-s` each way and stage 0's unlimited, activations uncompressed by default (so
 they, not the gradient exchange, fill the slow links). By compute the fleet is balanced; by the
 servers' link figures (runtime/server/capacity.py) stage 1 is the bottleneck, and a stage-0 server must
-move there. The prediction is the simulator's for the same peers and links, hand-offs direct (server to
-server, as the trainer's default), with the CPU costs fitted as below from this run alone.
+move there. The prediction is the simulator's for the same peers and links (a slow link as the TCP
+payload its rate carries, `netbed.tcp_payload_bytes_per_s`: the rate counts frames), hand-offs direct
+(server to server, as the trainer's default), with the CPU costs fitted as below from this run alone.
 
 The prediction: the simulator (mode swarm-no-rebalance, the same code as `swarmtrain simulate`) on a
 fleet of pinned peers with each stage's measured seconds per sample at the quota and the measured
@@ -71,7 +72,7 @@ from swarmtrain.sim.runner import run_simulation
 
 LOOPBACK_BYTES_PER_S = 10e9 / 8
 WARMUP_S = 8.0
-IDLE_WINDOW_S = 6.0  # servers ready, no trainer yet: their idle CPU baseline
+IDLE_WINDOW_S = 10.0  # servers ready, no trainer yet: their idle CPU and (on the bed) link baseline
 MOVED = "rebalancing: moved here "
 STAGE0_NAMES = "abcdefg"
 MIN_WORK_SHARE = 0.3  # never count less than this share of a window's CPU as work (a baseline read high)
@@ -233,9 +234,10 @@ def run_imbalanced(args, config_path: Path, workdir: Path, servers: dict[str, in
             swarm.start_server(name, stage, *period_args(args), "--metrics-period-s", "1")
         swarm.wait_ready(list(servers))
         ready_at = time.time()
-        quiet = cpu_snapshot(swarm, list(servers))
+        quiet, quiet_links = cpu_snapshot(swarm, list(servers)), link_snapshot(bed, slots)
         time.sleep(IDLE_WINDOW_S)
         idle = idle_cpu_per_s(quiet, cpu_snapshot(swarm, list(servers)))
+        idle_links = idle_link_bytes_per_s(quiet_links, link_snapshot(bed, slots))
         trainer_args = ["--duration-s", str(args.duration_s), "--in-flight", str(args.in_flight)]
         swarm.start_trainer("trainer", *trainer_args, "--log-period-s", "2")
         started = time.time()
@@ -290,9 +292,27 @@ def run_imbalanced(args, config_path: Path, workdir: Path, servers: dict[str, in
             "before_window_s": first_decision - started - WARMUP_S,
             "after_window_s": time.time() - balanced_at - WARMUP_S / 2,
             "idle_cpu_per_s": idle,
+            "idle_link_bytes_per_s": idle_links,
             "hop_latency_s": hop_latency_s(summary),
             "in_flight": args.in_flight,
         }
+
+
+def link_snapshot(bed, slots: dict[str, int] | None) -> dict[str, tuple[float, int, int]]:
+    """Per server on the test bed: (time, frame bytes uploaded, downloaded) so far; none off the bed."""
+    if bed is None or slots is None:
+        return {}
+    return {name: (time.monotonic(), *bed.link_bytes(i)) for name, i in slots.items()}
+
+
+def idle_link_bytes_per_s(first: dict, last: dict) -> dict[str, float]:
+    """Per server, the busier direction's frame bytes per second between two snapshots: with no
+    trainer yet, what the control plane (DHT records, announcements, pings) takes of its link."""
+    out = {}
+    for name, (t0, up0, down0) in first.items():
+        t1, up1, down1 = last[name]
+        out[name] = max(up1 - up0, down1 - down0) / max(t1 - t0, 1e-9)
+    return out
 
 
 def moved_record(swarm: LocalSwarm, name: str) -> dict:
@@ -360,37 +380,58 @@ def link_fleet(args, cfg, config_path: Path, tmp: Path) -> int:
         [(w["stage_of"], w["work_s_samples_steps"]) for w in run["windows"]], cfg.swarm.num_stages
     )
     mean_idle = sum(run["idle_cpu_per_s"].values()) / len(run["idle_cpu_per_s"])
-    link_bytes_per_s = {name: rate * 1e6 / 8 if name in slow else LOOPBACK_BYTES_PER_S for name in servers}
     final = {**servers, **{n: c["to"] for n, c in run["moves"].items()}}
+    control = run["idle_link_bytes_per_s"]
 
-    def predicted(stage_of: dict[str, int]) -> float:
+    def predicted(stage_of: dict[str, int], less_control: bool) -> float:
+        """The simulator's links carry payload; the bed's limit counts frames (headers too) and, with
+        `less_control`, what the control plane took of each slow link while the servers idled."""
         counts = [list(stage_of.values()).count(stage) for stage in range(cfg.swarm.num_stages)]
         seconds = stage_seconds(fits, counts, cfg.training.global_batch_size, args.cpus_per_server, mean_idle)
-        peers = [(stage, link_bytes_per_s[name]) for name, stage in stage_of.items()]
+        links = {
+            name: netbed.tcp_payload_bytes_per_s(rate, control[name] if less_control else 0.0)
+            if name in slow
+            else LOOPBACK_BYTES_PER_S
+            for name in servers
+        }
+        peers = [(stage, links[name]) for name, stage in stage_of.items()]
         return predict_peers(cfg, seconds, peers, 0.0, args.in_flight, relay=False)
 
-    sim_before, sim_after = predicted(servers), predicted(final)
+    sim_before, sim_after = predicted(servers, True), predicted(final, True)
+    bare_before, bare_after = predicted(servers, False), predicted(final, False)
     after_label = "+".join(str(list(final.values()).count(s)) for s in range(cfg.swarm.num_stages))
     rows = [
-        ["2+2 (before rebalancing)", run["before_samples_per_s"], sim_before],
-        [f"{after_label} (rebalanced)", run["after_samples_per_s"], sim_after],
+        ["2+2 (before rebalancing)", run["before_samples_per_s"], sim_before, bare_before],
+        [f"{after_label} (rebalanced)", run["after_samples_per_s"], sim_after, bare_after],
     ]
-    table = [[label, f"{m:.1f}", f"{p:.1f}", f"{100 * (m / p - 1):+.1f}%"] for label, m, p in rows]
-    print(format_table(["swarm", "measured samples/s", "simulator samples/s", "measured vs sim"], table))
+    table = [
+        [label, f"{m:.1f}", f"{p:.1f}", f"{100 * (m / p - 1):+.1f}%", f"{b:.1f}"] for label, m, p, b in rows
+    ]
+    headers = ["swarm", "measured samples/s", "simulator samples/s", "measured vs sim", "sim, no control"]
+    print(format_table(headers, table))
     gain, sim_gain = run["after_samples_per_s"] / run["before_samples_per_s"], sim_after / sim_before
     moved = ", ".join(f"{name} -> stage {cost['to']}" for name, cost in run["moves"].items())
     print(
-        f"after / before: {gain:.2f} (simulator {sim_gain:.2f}, {100 * (gain / sim_gain - 1):+.1f}%); "
-        f"moved: {moved}; balanced "
+        f"after / before: {gain:.2f} (simulator {sim_gain:.2f}, {100 * (gain / sim_gain - 1):+.1f}%; with "
+        f"the links' whole payload {bare_after / bare_before:.2f}); moved: {moved}; balanced "
         f"{run['balanced_after_ready_s']:.0f} s after the servers were ready"
     )
+    idle_kb = ", ".join(f"{name} {control[name] / 1e3:.1f}" for name in sorted(slow))
     print(
         f"CPU ms per sample, per step by stage {[(round(1e3 * a, 2), round(1e3 * b, 1)) for a, b in fits]}; "
-        f"idle CPU baseline {mean_idle:.3f} CPU s/s per server; windows: before "
+        f"idle CPU baseline {mean_idle:.3f} CPU s/s per server; control plane on the slow links "
+        f"(idle, kB/s of frames) {idle_kb}; windows: before "
         f"{run['before_window_s']:.0f} s, after {run['after_window_s']:.0f} s"
     )
     if args.summary_json:
-        report = {"link": run, "sim_before": sim_before, "sim_after": sim_after, "fits": fits}
+        report = {
+            "link": run,
+            "sim_before": sim_before,
+            "sim_after": sim_after,
+            "sim_before_no_control": bare_before,
+            "sim_after_no_control": bare_after,
+            "fits": fits,
+        }
         Path(args.summary_json).write_text(json.dumps(report, indent=2) + "\n")
     return 0
 

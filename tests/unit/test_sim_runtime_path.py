@@ -121,3 +121,64 @@ def test_synchronous_steps_drain_the_pipeline_every_step():
     assert delayed["samples_per_s"] == pytest.approx(32 / (32 * c), rel=0.03)
     one_behind = swarm(max_staleness=1, **kw)
     assert synchronous["samples_per_s"] < one_behind["samples_per_s"] <= delayed["samples_per_s"] * 1.01
+
+
+def test_direct_hand_offs_carry_the_labels_to_the_last_stage():
+    """As net/hand_off.py sends them: the trainer sends stage 0 the ids and the labels, and each forward
+    hop carries the labels on; relayed, the trainer sends them with the last stage's request only."""
+    costs = costs_for(TINY)
+    act, tokens = costs.activation_bytes_per_sample, costs.token_bytes_per_sample
+    assert costs.label_bytes_per_sample == tokens  # int64 per position, like the ids
+    summary = swarm()
+    per_sample = {k: v / summary["samples"] for k, v in summary["bytes_by_kind"].items()}
+    assert per_sample["tokens"] == pytest.approx(2 * tokens, rel=0.02)
+    assert per_sample["activations"] == pytest.approx(act + tokens, rel=0.02)
+    # the analytic per-stage figures the optimum and the rates use say the same
+    assert costs.down_bytes_per_sample(0) == pytest.approx(2 * tokens + act)
+    assert costs.up_bytes_per_sample(0) == pytest.approx(act + tokens)
+    assert costs.down_bytes_per_sample(1) == pytest.approx(act + tokens)
+    assert costs.up_bytes_per_sample(1) == pytest.approx(act)
+
+
+def _steps(closes_at_return: bool):
+    from types import SimpleNamespace
+
+    from swarmtrain.sim.engine import EventQueue
+    from swarmtrain.sim.metrics import Metrics
+    from swarmtrain.sim.stage_steps import StageSteps
+
+    engine = EventQueue()
+    steps = StageSteps(
+        costs_for(TINY),
+        0,
+        [{}, {}],
+        engine,
+        Metrics(2),
+        closed_step=lambda: 0,
+        release=lambda chunk: None,
+        closes_at_return=closes_at_return,
+    )
+    chunks = [SimpleNamespace(samples=8, step=0) for _ in range(4)]
+    for chunk in chunks:
+        steps.assign(chunk, 0)
+    for chunk in chunks:  # every chunk's fused call at the last stage finished
+        steps.progress(1, chunk, SimpleNamespace(samples_since_step=0.0))
+    engine.run(1.0)
+    return steps, chunks, engine
+
+
+def test_a_stage_handed_off_to_directly_applies_a_step_once_its_chunks_are_back_at_the_trainer():
+    """The trainer closes a stage once it knows each chunk finished there, and direct hand-offs report
+    a chunk's hops only when it returns (runtime/trainer/step_tracker.py): the last stage's step waits for
+    the return, where relayed calls (closes_at_return False) let it apply at once."""
+    relayed, _, _ = _steps(closes_at_return=False)
+    assert relayed.applied == [-1, 0]
+    direct, chunks, engine = _steps(closes_at_return=True)
+    assert direct.applied == [-1, -1]
+    for chunk in chunks[:-1]:
+        direct.returned(chunk)
+    engine.run(2.0)
+    assert direct.applied == [-1, -1]
+    direct.returned(chunks[-1])
+    engine.run(3.0)
+    assert direct.applied == [-1, 0]  # stage 0 still waits for its own backwards

@@ -11,7 +11,9 @@ Cost model (documented here once; the modes and the optimum use exactly these nu
   serve the stage (rate 0);
 - traffic per sample at a stage: the downlink receives the forward input (token ids at stage 0) and,
   except at the last stage, the output gradient; the uplink sends the forward output and, except at
-  stage 0, the input gradient. Boundary tensors are seq x d values at the configured compression;
+  stage 0, the input gradient. Boundary tensors are seq x d values at the configured compression. The
+  labels (int64 like the ids) ride every forward hop to the last stage, as the runtime's direct
+  hand-offs carry them (net/hand_off.py);
 - averaging: each time a stage has processed a global batch, every peer of the stage sends and receives
   about 2 x its fp16 gradients (butterfly all-reduce), so averaging costs each peer
   `2 * grad_fp16_bytes * T / global_batch` bytes/s per direction at pipeline throughput T.
@@ -59,15 +61,20 @@ class StageCosts:
     def num_stages(self) -> int:
         return len(self.flops_per_sample)
 
+    @property
+    def label_bytes_per_sample(self) -> float:
+        """The labels: one int64 per position, like the token ids."""
+        return self.token_bytes_per_sample
+
     def down_bytes_per_sample(self, stage: int) -> float:
         first = self.token_bytes_per_sample if stage == 0 else self.activation_bytes_per_sample
-        return first + (self.activation_bytes_per_sample if stage < self.num_stages - 1 else 0.0)
+        grad = self.activation_bytes_per_sample if stage < self.num_stages - 1 else 0.0
+        return first + self.label_bytes_per_sample + grad
 
     def up_bytes_per_sample(self, stage: int) -> float:
         last = stage == self.num_stages - 1
-        return (0.0 if last else self.activation_bytes_per_sample) + (
-            self.activation_bytes_per_sample if stage > 0 else 0.0
-        )
+        forward = 0.0 if last else self.activation_bytes_per_sample + self.label_bytes_per_sample
+        return forward + (self.activation_bytes_per_sample if stage > 0 else 0.0)
 
     @functools.cached_property
     def bytes_per_sample_by_stage(self) -> tuple[np.ndarray, np.ndarray]:

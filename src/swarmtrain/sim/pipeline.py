@@ -126,6 +126,7 @@ class PipelineSimulation(Simulation):
             self.metrics,
             self.closed_step,
             self.dispatch,
+            closes_at_return=not self.config.relay_via_trainer,
         )
 
     def audit(self) -> dict:
@@ -208,9 +209,12 @@ class PipelineSimulation(Simulation):
             if relay:  # the runtime sends the stage's input again with the gradient of its output
                 return "gradients", k * (act + (tokens if chunk.stage == 0 else act))
             return "gradients", k * act * (2 if chunk.recompute else 1)
+        # the labels (int64, as the ids): relayed, the trainer sends them to the last stage; handed off
+        # directly, they ride every forward hop there (net/hand_off.py)
+        labels = k * self.costs.label_bytes_per_sample if not relay or chunk.stage == self.last else 0.0
         if chunk.stage == 0:
-            return "tokens", k * tokens + (k * tokens if relay and self.last == 0 else 0.0)
-        return "activations", k * act + (k * tokens if relay and chunk.stage == self.last else 0.0)
+            return "tokens", k * tokens + labels
+        return "activations", k * act + labels
 
     def _send(self, chunk: Chunk, peer: PeerState) -> None:
         now = self.engine.now_s
@@ -359,6 +363,7 @@ class PipelineSimulation(Simulation):
             ]
             if chunk.log != expected:
                 self.audit_violations += 1
+        self.steps.returned(chunk)
         self.on_chunk_done(chunk)
 
     # membership --------------------------------------------------------------------------------

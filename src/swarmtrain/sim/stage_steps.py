@@ -6,6 +6,11 @@ background (overlapped with compute, as with delayed parameter updates). With it
 are synchronous as in the runtime: a stage applies step s once the step is closed and all of its
 chunks finished there, after an exchange nothing overlaps, and a forward of a step-s chunk waits
 (`gate`) until the stage applied step s - 1 - max_staleness.
+
+A stage learns that its part of step s is over from the trainer's close (runtime/trainer/step_tracker.py),
+and a trainer learns that a chunk finished a stage from that call's answer. Relayed, every call answers
+the trainer; handed off directly (`closes_at_return`), a chunk's hops report only when it returns from
+stage 0, so every stage's close waits for the step's last chunk to come back.
 """
 
 from __future__ import annotations
@@ -32,10 +37,12 @@ class StageSteps:
         metrics: Metrics,
         closed_step: Callable[[], float],
         release: Callable[[Chunk], None],
+        closes_at_return: bool = False,
     ) -> None:
         """`members`: the serving peers of each stage (shared with the simulation); `closed_step`: the
         highest step no trainer adds samples to any more; `release`: dispatch a chunk that waited for
-        its step's turn."""
+        its step's turn; `closes_at_return`: a stage's close waits for the step's chunks to return
+        (direct hand-offs, see above)."""
         S = costs.num_stages
         self.costs, self.max_staleness, self.members = costs, max_staleness, members
         self.engine, self.metrics = engine, metrics
@@ -49,6 +56,8 @@ class StageSteps:
         self.step_done: list[dict[int, float]] = [{} for _ in range(S)]
         self.step_issued: dict[int, float] = {}
         self.gated: list[list[Chunk]] = [[] for _ in range(S)]
+        self.closes_at_return = closes_at_return
+        self.step_returned: dict[int, float] = {}  # samples of each step back at their trainer
 
     def gate(self, chunk: Chunk) -> bool:
         """Park a forward whose step is too far ahead of its stage (the runtime parks it until the stage
@@ -81,13 +90,24 @@ class StageSteps:
             self.next_step[stage] += self.costs.global_batch_size
             self._average(stage)
 
+    def returned(self, chunk: Chunk) -> None:
+        """The chunk is back at its trainer (its stage-0 backward finished)."""
+        if self.max_staleness is None or not self.closes_at_return:
+            return
+        self.step_returned[chunk.step] = self.step_returned.get(chunk.step, 0.0) + chunk.samples
+        for stage in range(self.costs.num_stages):
+            self.try_apply(stage)
+
     def try_apply(self, stage: int) -> None:
         """Apply the stage's next step once it is closed and all its samples finished there: after the
         gradient exchange between the stage's peers, which (unlike delayed updates) nothing overlaps."""
         k = self.applied[stage] + 1
         if self.applying[stage] or k > self._closed_step():
             return
-        if self.step_done[stage].get(k, 0.0) < self.step_issued.get(k, 0.0):
+        issued = self.step_issued.get(k, 0.0)
+        if self.step_done[stage].get(k, 0.0) < issued:
+            return
+        if self.closes_at_return and self.step_returned.get(k, 0.0) < issued:
             return
         self.applying[stage] = True
         self.engine.schedule(self._average(stage, foreground=True), self._on_applied, stage, k)
@@ -96,6 +116,8 @@ class StageSteps:
         self.applying[stage] = False
         self.applied[stage] = step
         self.step_done[stage].pop(step, None)
+        if self.closes_at_return and all(a >= step for a in self.applied):
+            self.step_returned.pop(step, None)
         if self.gated[stage]:
             parked, self.gated[stage] = self.gated[stage], []
             for chunk in parked:  # those still too early park again

@@ -51,6 +51,10 @@ _TBF_LATENCY_MS = 100
 # delivers less than the rate it is given
 _TBF_MIN_BURST_BYTES = 32 * 1024
 _TBF_BURST_S = 0.02
+# tbf counts whole Ethernet frames. A full TCP segment on the bed's veths (MTU 1500, Linux's default
+# TCP timestamps on) carries 1448 bytes of payload in a frame of 1514 (14 Ethernet, 20 IP, 32 TCP)
+_TCP_PAYLOAD_BYTES_PER_FRAME = 1448
+_FRAME_BYTES = 1514
 
 _open_beds: set[WanTestbed] = set()
 
@@ -250,6 +254,16 @@ def cleanup_leftovers(prefix: str = PREFIX, include_live: bool = False) -> list[
 # --- rate limits ----------------------------------------------------------------------------------
 
 
+def tcp_payload_bytes_per_s(rate_mbit_s: float, busy_frame_bytes_per_s: float = 0.0) -> float:
+    """At most what one direction of a link limited to `rate_mbit_s` carries as TCP payload, when
+    other traffic already takes `busy_frame_bytes_per_s` of it (frames, as `link_bytes` counts them):
+    the rate counts frames, and every full segment's headers take 66 of its 1514 bytes (4.4%). A
+    simulator's link figure is payload (sim/costs.py counts tensors' bytes), so a prediction for the
+    bed takes this."""
+    free_bytes_per_s = max(rate_mbit_s * 1e6 / 8 - busy_frame_bytes_per_s, 0.0)
+    return free_bytes_per_s * _TCP_PAYLOAD_BYTES_PER_FRAME / _FRAME_BYTES
+
+
 def _tbf_args(rate_mbit_s: float) -> list[str]:
     rate_bytes_per_s = rate_mbit_s * 1e6 / 8
     burst_bytes = max(_TBF_MIN_BURST_BYTES, int(rate_bytes_per_s * _TBF_BURST_S))
@@ -443,6 +457,13 @@ class WanTestbed:
         _set_egress_limit(self.namespace(i), self._peer_veth(i), up_mbit_s)
         _set_egress_limit(None, self._host_veth(i), down_mbit_s)
         self.up_mbit_s[i], self.down_mbit_s[i] = up_mbit_s, down_mbit_s
+
+    def link_bytes(self, i: int) -> tuple[int, int]:
+        """(uploaded, downloaded): the bytes of the frames peer i has sent and received so far, as its
+        limits count them (the bridge's end of its veth: what it receives the peer sent)."""
+        self._started_subnet()
+        stats = Path("/sys/class/net") / self._host_veth(self._index(i)) / "statistics"
+        return int((stats / "rx_bytes").read_text()), int((stats / "tx_bytes").read_text())
 
     def cut(self, i: int) -> None:
         """Cut peer i's link (its bridge-side veth down): packets to and from it are dropped, open
