@@ -91,6 +91,29 @@ class WireNet:
         self.names, self.shapes = worker.names, [tuple(p.shape) for p in worker.params]
         self.codecs: set[str] = set()  # what the sent tensors were encoded with
 
+    def coordinators(self, cfg, codecs: dict[str, str], start_compute) -> dict[str, StepCoordinator]:
+        """A replica of stage 1 per name, sending its sums with that name's codec over this net."""
+        settings = StepSettings(close_timeout_s=5.0, exchange_timeout_s=5.0, poll_s=0.05)
+        for name, codec_name in codecs.items():
+            worker = StageWorker(cfg, cfg.stages()[1])
+            self.nodes[name] = StepCoordinator(
+                worker, start_compute(), name, self.sender(name), settings, sums_codec=SumsCodec(codec_name)
+            )
+        return dict(self.nodes)
+
+    async def train_step(self, step: int, batches: dict, reached) -> None:
+        """Each replica's micro-batch of `step` (name -> (inputs, labels), 8 samples), the close naming
+        them all, then until `reached(node)` holds for every replica."""
+        for name, (x, y) in batches.items():
+            request = StageRequest("forward_backward", f"{name}{step}", "none", x, labels=y, step=step)
+            self.nodes[name].worker.forward(request)  # the step loop waits for a close meanwhile
+        for node in self.nodes.values():
+            node.inbox.on_close(step, 0, 1, dict.fromkeys(self.nodes, 8), sorted(self.nodes))
+        deadline = time.monotonic() + 20
+        while not all(reached(n) for n in self.nodes.values()):
+            assert time.monotonic() < deadline, "timed out"
+            await asyncio.sleep(0.01)
+
     def sender(self, me: str):
         async def send(peer, step, samples, sums):
             header = {"step": step, "samples": samples, "stage": 1, "digest": "d"}
@@ -117,28 +140,15 @@ def test_replicas_that_compress_differently_still_apply_identical_parameters(tin
         single = StageWorker(tiny_cfg, tiny_cfg.stages()[1])
         true_means: list[list[torch.Tensor]] = []
         net = WireNet(single)
-        settings = StepSettings(close_timeout_s=5.0, exchange_timeout_s=5.0, poll_s=0.05)
-        nodes = {}
-        for name, codec_name in (("A", "8bit"), ("B", "8bit"), ("C", "none")):
-            worker = StageWorker(tiny_cfg, tiny_cfg.stages()[1])
-            nodes[name] = net.nodes[name] = StepCoordinator(
-                worker, start_compute(), name, net.sender(name), settings, sums_codec=SumsCodec(codec_name)
-            )
+        nodes = net.coordinators(tiny_cfg, {"A": "8bit", "B": "8bit", "C": "none"}, start_compute)
         tasks = [asyncio.create_task(n.run()) for n in nodes.values()]
         for step in range(3):
-            for i, name in enumerate(nodes):
-                x, y = batches[3 * step + i]
-                request = StageRequest("forward_backward", f"{name}{step}", "none", x, labels=y, step=step)
-                nodes[name].worker.forward(request)  # the step loop waits for a close meanwhile
+            mine = {name: batches[3 * step + i] for i, name in enumerate(nodes)}
+            for name, (x, y) in mine.items():
                 single.forward(
                     StageRequest("forward_backward", f"s{name}{step}", "none", x, labels=y, step=step)
                 )
-            for node in nodes.values():
-                node.inbox.on_close(step, 0, 1, {"A": 8, "B": 8, "C": 8}, sorted(nodes))
-            deadline = time.monotonic() + 20
-            while not all(n.counters.steps == step + 1 for n in nodes.values()):
-                assert time.monotonic() < deadline, "timed out"
-                await asyncio.sleep(0.01)
+            await net.train_step(step, mine, lambda n, done=step + 1: n.counters.steps == done)
             bucket = single.seal(step)
             true_means.append([g / bucket.samples for g in bucket.grad_sums])
             single.apply_step(step, [m.clone() for m in true_means[-1]], bucket.samples)
@@ -210,25 +220,11 @@ def test_local_steps_with_8bit_pseudo_gradients_end_each_round_identical(tiny_cf
 
     async def scenario():
         net = WireNet(StageWorker(cfg, cfg.stages()[1]))
-        settings = StepSettings(close_timeout_s=5.0, exchange_timeout_s=5.0, poll_s=0.05)
-        nodes = {}
-        for name in ("A", "B"):
-            worker = StageWorker(cfg, cfg.stages()[1])
-            nodes[name] = net.nodes[name] = StepCoordinator(
-                worker, start_compute(), name, net.sender(name), settings, sums_codec=SumsCodec("8bit")
-            )
+        nodes = net.coordinators(cfg, {"A": "8bit", "B": "8bit"}, start_compute)
         tasks = [asyncio.create_task(n.run()) for n in nodes.values()]
         for step in range(2):
-            for i, name in enumerate(nodes):
-                x, y = batches[2 * step + i]
-                request = StageRequest("forward_backward", f"{name}{step}", "none", x, labels=y, step=step)
-                nodes[name].worker.forward(request)  # the step loop waits for a close meanwhile
-            for node in nodes.values():
-                node.inbox.on_close(step, 0, 1, {"A": 8, "B": 8}, sorted(nodes))
-            deadline = time.monotonic() + 20
-            while not all(n.worker.epoch == step + 1 for n in nodes.values()):
-                assert time.monotonic() < deadline, "timed out"
-                await asyncio.sleep(0.01)
+            mine = {name: batches[2 * step + i] for i, name in enumerate(nodes)}
+            await net.train_step(step, mine, lambda n, done=step + 1: n.worker.epoch == done)
             if step == 0:  # a local step: each on its own gradient
                 a, b = (n.worker.params for n in nodes.values())
                 assert not all(torch.equal(p, q) for p, q in zip(a, b, strict=True))
