@@ -25,9 +25,12 @@ peer in a network namespace of its own; needs root) 2+2 servers of a model cut e
 two behind `--link-mbit-s` each way and stage 0's unlimited, activations uncompressed by default (so
 they, not the gradient exchange, fill the slow links). By compute the fleet is balanced; by the
 servers' link figures (runtime/server/capacity.py) stage 1 is the bottleneck, and a stage-0 server must
-move there. The prediction is the simulator's for the same peers and links (a slow link as the TCP
-payload its rate carries, `netbed.tcp_payload_bytes_per_s`: the rate counts frames), hand-offs direct
-(server to server, as the trainer's default), with the CPU costs fitted as below from this run alone.
+move there. The prediction is the simulator's for the same peers and links, hand-offs direct (server
+to server, as the trainer's default), with the CPU costs fitted as below from this run alone. A slow
+link enters it as the TCP payload its rate carries (`netbed.tcp_payload_bytes_per_s`: the rate counts
+frames) less the frames the control plane (DHT records, announcements, lease polls) sent on it while
+the servers idled before training (`WanTestbed.link_bytes`; the simulator models no control plane);
+the table also gives the prediction without that last part.
 
 The prediction: the simulator (mode swarm-no-rebalance, the same code as `swarmtrain simulate`) on a
 fleet of pinned peers with each stage's measured seconds per sample at the quota and the measured
