@@ -28,8 +28,9 @@ servers' link figures (runtime/server/capacity.py) stage 1 is the bottleneck, an
 move there. The prediction is the simulator's for the same peers and links, hand-offs direct (server
 to server, as the trainer's default), with the CPU costs fitted as below from this run alone. A slow
 link enters it as the TCP payload its rate carries (`netbed.tcp_payload_bytes_per_s`: the rate counts
-frames) less the frames the control plane (DHT records, announcements, lease polls) sent on it while
-the servers idled before training (`WanTestbed.link_bytes`; the simulator models no control plane);
+frames) less the bytes the control plane (DHT records, announcements, lease polls: small packets,
+counted with their headers) sent on it while the servers idled before training
+(`WanTestbed.link_bytes`; the simulator models no control plane);
 the table also gives the prediction without that last part.
 
 The prediction: the simulator (mode swarm-no-rebalance, the same code as `swarmtrain simulate`) on a
@@ -423,7 +424,7 @@ def link_fleet(args, cfg, config_path: Path, tmp: Path) -> int:
     print(
         f"CPU ms per sample, per step by stage {[(round(1e3 * a, 2), round(1e3 * b, 1)) for a, b in fits]}; "
         f"idle CPU baseline {mean_idle:.3f} CPU s/s per server; control plane on the slow links "
-        f"(idle, kB/s of frames) {idle_kb}; windows: before "
+        f"(idle, kB/s with headers) {idle_kb}; windows: before "
         f"{run['before_window_s']:.0f} s, after {run['after_window_s']:.0f} s"
     )
     if args.summary_json:

@@ -256,7 +256,7 @@ def cleanup_leftovers(prefix: str = PREFIX, include_live: bool = False) -> list[
 
 def tcp_payload_bytes_per_s(rate_mbit_s: float, busy_frame_bytes_per_s: float = 0.0) -> float:
     """At most what one direction of a link limited to `rate_mbit_s` carries as TCP payload, when
-    other traffic already takes `busy_frame_bytes_per_s` of it (frames, as `link_bytes` counts them):
+    other traffic already takes `busy_frame_bytes_per_s` of it (as `link_bytes` counts them):
     the rate counts frames, and every full segment's headers take 66 of its 1514 bytes (4.4%). A
     simulator's link figure is payload (sim/costs.py counts tensors' bytes), so a prediction for the
     bed takes this."""
@@ -459,8 +459,11 @@ class WanTestbed:
         self.up_mbit_s[i], self.down_mbit_s[i] = up_mbit_s, down_mbit_s
 
     def link_bytes(self, i: int) -> tuple[int, int]:
-        """(uploaded, downloaded): the bytes of the frames peer i has sent and received so far, as its
-        limits count them (the bridge's end of its veth: what it receives the peer sent)."""
+        """(uploaded, downloaded): the bytes of the packets peer i has sent and received so far, headers
+        included, counted on the bridge's end of its veth (what it receives the peer sent). A packet is
+        counted as the kernel passed it: a segmentation-offloaded one carries many segments under one
+        set of headers, so bulk transfers read up to ~4% below their frames; small packets (the control
+        plane's) are counted whole."""
         self._started_subnet()
         stats = Path("/sys/class/net") / self._host_veth(self._index(i)) / "statistics"
         return int((stats / "rx_bytes").read_text()), int((stats / "tx_bytes").read_text())
