@@ -27,33 +27,49 @@ def test_a_partial_round_is_repaired_from_the_other_members_mean(make_swarm):
         assert swarm.wait_exit(name, 240) == 0, swarm.processes[name].log_text()[-3000:]
     a, b = (json.loads(swarm.summary_path(f"replica{k}").read_text()) for k in range(2))
 
-    def logs() -> str:
-        return "\n".join(
-            f"--- replica{k}\n{swarm.processes[f'replica{k}'].log_text()[-4000:]}" for k in range(2)
+    # pytest cuts a long assertion message short: on a failure the outcomes and both logs are in the output
+    for r in (a, b):
+        print(
+            {
+                k: r[k]
+                for k in ("round_outcomes", "rounds_partial", "rounds_repaired", "repair_bytes_received")
+            }
         )
+    logs = [swarm.processes[f"replica{k}"].log_text() for k in range(2)]
+    try:
+        check_outcomes(a, b, cfg)
+    except AssertionError:
+        for k, log in enumerate(logs):
+            print(f"--- replica{k}\n{log}")
+        raise
+    for log in logs:  # the repair's P2P client is closed on exit (asyncio reported its tasks pending)
+        assert "Task was destroyed" not in log and "Exception ignored" not in log, log[-3000:]
 
-    print(
-        {k: a[k] for k in ("rounds_averaged", "rounds_partial", "rounds_repaired", "repair_bytes_received")}
-    )
 
+def check_outcomes(a: dict, b: dict, cfg) -> None:
+    """`a`, `b`: the summaries of replica 0 and of replica 1 (which withholds results once)."""
     rounds = SAMPLES // cfg.training.global_batch_size // cfg.diloco.inner_steps  # 8
     assert a["outer_steps"] == b["outer_steps"] == rounds
     # the injected round: replica 0 repairs it from replica 1's mean, and replica 1 (which got replica
     # 0's results) applies it as a full round: neither downloads a state for it
     repaired = [k for k, outcome in a["round_outcomes"].items() if outcome == "repaired"]
     # (a round that came back partial on its own may be repaired too, on both replicas: CI once saw 2)
-    assert any(b["round_outcomes"][k] == "averaged" for k in repaired), (a, b, logs())
+    assert any(b["round_outcomes"][k] == "averaged" for k in repaired), (
+        a["round_outcomes"],
+        b["round_outcomes"],
+    )
     # Under CI's load a round was also lost naturally, in 3 CI runs of many (hivemind's reducer got 50% of
     # its inputs; or replica 0 averaged a round alone and replica 1 resynced: docs/LOG.md, 2026-11-23 and
     # 2026-11-24). That is the designed recovery, not the repair under test: allow one such round, and a
     # state download only by a replica that resynced a round.
     natural = {k for r in (a, b) for k, outcome in r["round_outcomes"].items() if outcome != "averaged"}
-    assert len(natural - set(repaired)) <= 1, (a["round_outcomes"], b["round_outcomes"], logs())
+    assert len(natural - set(repaired)) <= 1, (a["round_outcomes"], b["round_outcomes"])
     for r in (a, b):
         assert (r["state_bytes_received"] > 0) == (r["rounds_resynced"] > 0), r
-    # each repair fetched one mean in the run's codec: one round's payload, not the 5x-model state
+    # each repair fetched one mean in the run's codec and a bit per value (where that mean is the member's
+    # own value): about one round's payload, not the 5x-model state
     elements = sum(p.numel() for p in build_model(cfg.model).parameters())
-    one_mean = elements * WIRE_BYTES_PER_ELEMENT[cfg.diloco.compression]
+    one_mean = elements * (WIRE_BYTES_PER_ELEMENT[cfg.diloco.compression] + 1 / 8)
     assert 0.5 * one_mean <= a["repair_bytes_received"] / a["rounds_repaired"] <= 1.1 * one_mean
     assert a["fingerprint"] == pytest.approx(b["fingerprint"], rel=5e-3)
     assert a["val_loss"] == pytest.approx(b["val_loss"], rel=5e-3)

@@ -203,6 +203,38 @@ def test_a_partial_all_reduce_is_filled_from_another_members_mean():
     assert unaveraged_fraction(mine, filled) == 0.0
 
 
+def test_values_both_members_kept_local_are_combined_alike_on_both():
+    """A reducer that gave up on a late sender reduces its part from itself alone: both members hold
+    their own values there. Each fills them with the same weighted mean (taking the other's value
+    swapped them, and the replicas differed: CI), and the rest as before."""
+    from swarmtrain.net.outer_averaging import fill_unaveraged
+
+    a_sent, b_sent = [torch.tensor([1.0, 2.0, 3.0, 4.0])], [torch.tensor([5.0, 6.0, 7.0, 9.0])]
+    # part 1 (values 0-1) reduced by a, part 2 (values 2-3) by b; a gave up on b's input for value 1,
+    # whose result then never went back to b; b's results for value 3 never came back to a
+    a_avg = [torch.tensor([3.0, 2.0, 5.0, 4.0])]
+    b_avg = [torch.tensor([3.0, 6.0, 5.0, 6.5])]
+    a_local, b_local = [a_avg[0] == a_sent[0]], [b_avg[0] == b_sent[0]]
+    weights = (1.0, 3.0)  # a trained 1 sample for every 3 of b's
+    a_filled = fill_unaveraged(a_sent, a_avg, b_avg, b_local, weights)
+    b_filled = fill_unaveraged(b_sent, b_avg, a_avg, a_local, weights[::-1])
+    torch.testing.assert_close(a_filled[0], torch.tensor([3.0, (2.0 + 3 * 6.0) / 4, 5.0, 6.5]))
+    assert torch.equal(a_filled[0], b_filled[0])
+
+
+def test_a_round_mean_says_where_it_is_the_members_own_value():
+    """The `round_mean` reply's bits per value: packed 8 to a byte, and refused when they do not fit."""
+    from swarmtrain.runtime.replica.round_repair import _pack_bits, _unpack_bits
+
+    mask = torch.rand(3, 7) > 0.5
+    packed = _pack_bits(mask)
+    assert packed.dtype == torch.uint8 and packed.numel() == 3
+    assert torch.equal(_unpack_bits(packed, mask.shape), mask)
+    for bad in (packed[:2], packed.float(), packed.reshape(1, 3)):
+        with pytest.raises(ValueError):
+            _unpack_bits(bad, mask.shape)
+
+
 @pytest.mark.parametrize("bad", [float("nan"), 1e3])
 def test_a_mean_that_is_not_finite_or_implausibly_long_is_refused(bad):
     from swarmtrain.net.outer_averaging import fill_unaveraged

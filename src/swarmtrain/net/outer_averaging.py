@@ -241,20 +241,35 @@ def unaveraged_fraction(mine: Sequence[torch.Tensor], averaged: Sequence[torch.T
 
 
 def fill_unaveraged(
-    mine: Sequence[torch.Tensor], averaged: Sequence[torch.Tensor], other_mean: Sequence[torch.Tensor]
+    mine: Sequence[torch.Tensor],
+    averaged: Sequence[torch.Tensor],
+    other_mean: Sequence[torch.Tensor],
+    other_local: Sequence[torch.Tensor] | None = None,
+    weights: tuple[float, float] = (1.0, 1.0),
 ) -> list[torch.Tensor]:
-    """`averaged` with the values that came back unchanged (kept local by a partial all-reduce) taken from
-    another member's mean of the same round. Raises ValueError for a mean that is not finite there or
-    implausibly long (see FILL_NORM_RATIO)."""
+    """`averaged` with the values that stayed local (kept by a partial all-reduce) taken from another
+    member's mean of the same round.
+
+    `other_local` (bool, per tensor): where that member's "mean" is its own value too. A reducer that
+    gave up on a sender reduces its part from the others alone, and in a group of two that is its own
+    value: both members then hold their own values there, and taking the other's swapped them (the
+    replicas differed and one downloaded the state next round; CI). There the two values are combined,
+    weighted by `weights` (ours, theirs: the samples each contributed), which both members compute alike.
+    Raises ValueError for a mean that is not finite there or implausibly long (see FILL_NORM_RATIO)."""
     filled = []
     kept_sq = theirs_sq = 0.0
-    for own, avg, other in zip(mine, averaged, other_mean, strict=True):
+    mine_w, theirs_w = weights
+    for i, (own, avg, other) in enumerate(zip(mine, averaged, other_mean, strict=True)):
         kept = avg == own
         if not bool(torch.isfinite(other[kept]).all()):
             raise ValueError("the mean is not finite where ours stayed local")
         kept_sq += float(own[kept].double().square().sum())
         theirs_sq += float(other[kept].double().square().sum())
-        filled.append(torch.where(kept, other, avg))
+        value = other
+        if other_local is not None:
+            both = other_local[i]
+            value = torch.where(both, (mine_w * own + theirs_w * other) / (mine_w + theirs_w), other)
+        filled.append(torch.where(kept, value, avg))
     if theirs_sq**0.5 > FILL_NORM_RATIO * kept_sq**0.5 + 1e-12:
         raise ValueError(
             f"the mean is {(theirs_sq / max(kept_sq, 1e-30)) ** 0.5:.3g}x longer than ours there"

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -54,6 +55,7 @@ PEER_POLL_S = 0.2
 # everyone expected is already at the round's end: hivemind's matchmaking only has to gather them
 MATCHMAKING_S = 1.0
 GROUP_TIMEOUT_S = 10.0
+ROUND_WEIGHT_FLOOR = 1e-3  # a joiner at the round's end trained nothing in it: a small weight, not zero
 DOWNLOAD_TIMEOUT_S = 60.0
 LINGER_S = 30.0  # at the run's end: how long a replica stays for another still finishing its last round
 ANCHOR_NORM_RATIO = 3.0  # a downloaded model whose norm is beyond this many times ours is refused
@@ -318,6 +320,11 @@ class ReplicaPeer:
                 return others
             time.sleep(PEER_POLL_S)
 
+    @property
+    def _weight(self) -> float:
+        """This replica's weight in the round's all-reduce: the samples it trained in the round."""
+        return float(self.round_samples or ROUND_WEIGHT_FLOOR)
+
     def _average(self, group_target: int, k: int) -> RoundResult | None:
         self.averager.set_group_target(group_target)
         gather = {
@@ -332,12 +339,12 @@ class ReplicaPeer:
         self.summary.corrupted_rounds_sent += self._sent is not honest
         result = self.averager.average(
             self._sent,
-            weight=self.round_samples or 1e-3,  # a joiner at the round's end trained nothing in it
+            weight=self._weight,
             gather=gather,
             timeout_s=GROUP_TIMEOUT_S,
         )
         if result is not None:
-            self.repair.offer(k, result.averaged)  # members whose round came back partial may ask
+            self.repair.offer(k, result.averaged, self._sent)  # members whose round came back partial may ask
         return result
 
     def _repaired(self, result: RoundResult, k: int) -> RoundResult:
@@ -345,13 +352,15 @@ class ReplicaPeer:
         `result` unchanged (still partial) when they could not fill it."""
         self.summary.rounds_partial += 1
         before = self.repair.bytes_received
-        others = [p for p in result.gathered if p != self.peer_id]
-        merged = self.repair.repair(k, self._sent, result.averaged, others)
+        # the weights the all-reduce used: each member's samples of the round (ours as `_average` gave it)
+        weights = {p: _member_weight(g) for p, g in result.gathered.items()}
+        weights[self.peer_id] = self._weight
+        merged = self.repair.repair(k, self._sent, result.averaged, weights, self.peer_id)
         self.summary.repair_bytes_received += self.repair.bytes_received - before
         if merged is None:
             return result
         self.summary.rounds_repaired += 1
-        self.repair.offer(k, merged)
+        self.repair.offer(k, merged, self._sent)
         logger.info("outer step %d: partial all-reduce repaired from a member's mean", k)
         return dataclasses.replace(result, averaged=merged, complete=True)
 
@@ -504,6 +513,14 @@ class ReplicaPeer:
             m.rounds_resynced,
         )
         logger.info("%s", m.log_line())
+
+
+def _member_weight(gathered: dict) -> float:
+    """A member's weight in a round from what it gathered (its samples), as it gave it to the all-reduce."""
+    samples = gathered.get("samples")
+    if isinstance(samples, int | float) and math.isfinite(samples) and samples > 0:
+        return float(samples)
+    return ROUND_WEIGHT_FLOOR
 
 
 def _averaged_outcome(result: RoundResult, repair_tried: bool) -> str:
