@@ -205,6 +205,7 @@ def predict_peers(
         relay_via_trainer=relay,
         trainer_link_bytes_per_s=LOOPBACK_BYTES_PER_S,
         max_staleness=cfg.training.max_staleness,
+        stage_exchange="all-to-all",  # as the servers exchange their sums (swarm.exchange_compression)
     )
     return run_simulation(fleet, cfg, config).summary["samples_per_s"]
 

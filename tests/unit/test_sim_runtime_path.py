@@ -182,3 +182,50 @@ def test_a_stage_handed_off_to_directly_applies_a_step_once_its_chunks_are_back_
     direct.returned(chunks[-1])
     engine.run(3.0)
     assert direct.applied == [-1, 0]  # stage 0 still waits for its own backwards
+
+
+def test_the_stage_exchange_costs_each_peer_what_its_topology_and_codec_send():
+    costs = costs_for(TINY, exchange="all-to-all")
+    params = costs.params[0]
+    assert costs.exchange_bytes(0, 1) == 0.0
+    assert costs.exchange_bytes(0, 3) == 2 * 4 * params  # fp32 sums to each of the 2 others
+    butterfly = costs_for(TINY)
+    assert butterfly.exchange_bytes(0, 3) == pytest.approx(2 * 2 * params * 2 / 3)
+    eight_bit = TINY.replace(swarm=replace(TINY.swarm, exchange_compression="8bit"))
+    assert costs_for(eight_bit, exchange="all-to-all").exchange_bytes(0, 3) == pytest.approx(
+        2 * (1 + 4 / 256) * params
+    )
+    with pytest.raises(ValueError):
+        SimConfig(stage_exchange="ring")
+
+
+def test_the_live_all_to_all_exchange_loads_the_stage_links_by_its_codec():
+    """Two replicas per stage, synchronous steps, links of 1 MB/s: per step a peer sends its stage's
+    sums once (fp32: 4 B per parameter) where a butterfly all-reduce of two moves fp16 both ways (2 B),
+    and 8-bit sums about 1 B. The exchange holds up the next step, so fewer bytes train faster."""
+    peers = tuple(peer(f"s{s}-{k}", s) for s in (0, 1) for k in range(2))
+    fleet = Fleet(peers, single_location(latency_s=0.001))
+
+    def run(run_cfg, exchange):
+        config = SimConfig(
+            mode="swarm-no-rebalance",
+            duration_s=120.0,
+            chunk_samples=8,
+            in_flight=8,
+            num_trainers=1,
+            max_staleness=0,
+            stage_exchange=exchange,
+        )
+        return run_simulation(fleet, run_cfg, config).summary
+
+    eight_bit = TINY.replace(swarm=replace(TINY.swarm, exchange_compression="8bit"))
+    results = {
+        "butterfly": run(TINY, "butterfly"),
+        "fp32": run(TINY, "all-to-all"),
+        "8bit": run(eight_bit, "all-to-all"),
+    }
+    per_sample = {k: r["bytes_by_kind"]["averaging"] / r["samples"] for k, r in results.items()}
+    assert per_sample["fp32"] == pytest.approx(2 * per_sample["butterfly"], rel=0.05)
+    assert per_sample["8bit"] == pytest.approx((1 + 4 / 256) / 2 * per_sample["butterfly"], rel=0.05)
+    speed = {k: r["samples_per_s"] for k, r in results.items()}
+    assert speed["fp32"] < speed["butterfly"] < speed["8bit"]

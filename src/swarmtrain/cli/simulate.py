@@ -138,6 +138,15 @@ def register(subparsers) -> None:
     )
     p.add_argument("--rebalance-period-s", type=positive_float, default=60.0, metavar="T")
     p.add_argument(
+        "--stage-exchange",
+        choices=("butterfly", "all-to-all"),
+        default="butterfly",
+        help="how a stage's peers exchange gradients each step. butterfly (default): SWARM's all-reduce of "
+        "fp16 gradients, 2 (n-1)/n of them each way per peer; all-to-all: what the runtime does today, "
+        "each peer's sums to every other peer of its stage in the run's swarm.exchange_compression "
+        "((n-1) x them each way), which grows with the stage's size",
+    )
+    p.add_argument(
         "--event-budget",
         type=positive_int,
         metavar="N",
@@ -242,6 +251,7 @@ def run(args: argparse.Namespace) -> int:
             compute_cv=args.compute_cv,
             latency_cv=args.latency_cv,
             local_batch_samples=args.local_batch_samples,
+            stage_exchange=args.stage_exchange,
         )
         if args.timeline_json:
             from swarmtrain.sim.timeline import run_with_timeline
@@ -338,6 +348,7 @@ def _choose_mode(args: argparse.Namespace, start: float) -> int:
         compute_cv=args.compute_cv,
         latency_cv=args.latency_cv,
         local_batch_samples=args.local_batch_samples,
+        stage_exchange=args.stage_exchange,
         num_samples=30,
     )
     h_values = args.h_values or DEFAULT_H_VALUES

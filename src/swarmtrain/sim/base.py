@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from swarmtrain.sim.churn import ChurnSchedule
-from swarmtrain.sim.costs import RateTable, StageCosts
+from swarmtrain.sim.costs import STAGE_EXCHANGES, RateTable, StageCosts
 from swarmtrain.sim.engine import EventQueue
 from swarmtrain.sim.entities import Fleet, PeerSpec
 from swarmtrain.sim.metrics import Metrics, SimResult
@@ -61,6 +61,9 @@ class SimConfig:
     # micro-batch of step s only after it has applied step s - 1 - k, and applies a step once all of its
     # samples finished there and its peers exchanged their gradients (0: the runtime's default)
     max_staleness: int | None = None
+    # how a stage's peers exchange gradients (sim/costs.py): "butterfly", SWARM's fp16 all-reduce, or
+    # "all-to-all", the live runtime's sums to every stage peer in the run's swarm.exchange_compression
+    stage_exchange: str = "butterfly"
     gpipe_micro_batches: int | None = None  # chunks per pipeline step
     # Variability (coefficient of variation, gamma-distributed, mean kept) of each compute task and
     # each transfer's latency in SWARM and GPipe modes; 0 = deterministic.
@@ -76,6 +79,8 @@ class SimConfig:
             raise ValueError("duration_s must be positive")
         if not (0 <= self.compute_cv < 10 and 0 <= self.latency_cv < 10):
             raise ValueError("compute_cv and latency_cv must be in [0, 10)")
+        if self.stage_exchange not in STAGE_EXCHANGES:
+            raise ValueError(f"stage_exchange must be one of {', '.join(STAGE_EXCHANGES)}")
         if self.max_staleness is not None and self.max_staleness < 0:
             raise ValueError("max_staleness must be None or >= 0")
         if not self.replica_averaging_bytes_per_param > 0 or not self.trainer_link_bytes_per_s > 0:

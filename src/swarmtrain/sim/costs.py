@@ -14,9 +14,12 @@ Cost model (documented here once; the modes and the optimum use exactly these nu
   stage 0, the input gradient. Boundary tensors are seq x d values at the configured compression. The
   labels (int64 like the ids) ride every forward hop to the last stage, as the runtime's direct
   hand-offs carry them (net/hand_off.py);
-- averaging: each time a stage has processed a global batch, every peer of the stage sends and receives
-  about 2 x its fp16 gradients (butterfly all-reduce), so averaging costs each peer
-  `2 * grad_fp16_bytes * T / global_batch` bytes/s per direction at pipeline throughput T.
+- averaging: each time a stage has processed a global batch, its peers exchange gradients
+  (`StageCosts.exchange_bytes`). `butterfly` (the default, SWARM's hivemind all-reduce): every peer of
+  an n-peer stage sends and receives 2 (n - 1) / n x its fp16 gradients. `all-to-all` (what the live
+  runtime does, runtime/server/stage_exchange.py): every peer sends its gradient sums, in the run's
+  `swarm.exchange_compression`, to each of the n - 1 others and receives theirs. At pipeline throughput
+  T a peer spends `exchange_bytes * T / global_batch` bytes/s per direction on it.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ BYTES_PER_VALUE = {
     **{name: (8 * int(name[0]) + 2) / 64 for name in LOWBIT_COMPRESSION},
 }
 TOKEN_BYTES = 8  # int64 token ids
+STAGE_EXCHANGES = ("butterfly", "all-to-all")
 TRAIN_STATE_BYTES_PER_PARAM = 16  # fp32 params, grads, Adam m and v
 ACTIVATION_BYTES_PER_TOKEN_PER_D = 34
 
@@ -56,6 +60,25 @@ class StageCosts:
     token_bytes_per_sample: float
     micro_batch_size: int
     global_batch_size: int
+    exchange: str = "butterfly"  # how a stage's peers exchange gradients: one of STAGE_EXCHANGES
+    exchange_bytes_per_param: float = float(sizes.FP16_BYTES)
+
+    def __post_init__(self) -> None:
+        if self.exchange not in STAGE_EXCHANGES:
+            raise ValueError(f"exchange must be one of {', '.join(STAGE_EXCHANGES)}, got {self.exchange!r}")
+
+    def exchange_bytes(self, stage: int, num_peers: int | None) -> float:
+        """Bytes each peer of `stage` sends, and receives, in one step's gradient exchange among
+        `num_peers` peers. None: a large stage (a butterfly's 2x the payload; all-to-all's least, one
+        partner's sums, since its real cost grows without bound)."""
+        payload = self.params[stage] * self.exchange_bytes_per_param
+        if num_peers is None:
+            return 2 * payload if self.exchange == "butterfly" else payload
+        if num_peers < 2:
+            return 0.0
+        if self.exchange == "all-to-all":
+            return payload * (num_peers - 1)
+        return 2 * payload * (num_peers - 1) / num_peers
 
     @property
     def num_stages(self) -> int:
@@ -105,7 +128,11 @@ def stage_costs(
     compression: str,
     micro_batch_size: int,
     global_batch_size: int,
+    exchange: str = "butterfly",
+    exchange_compression: str = "none",
 ) -> StageCosts:
+    """`exchange_compression` (the run's `swarm.exchange_compression`) sets the all-to-all exchange's
+    bytes per parameter; a butterfly all-reduce moves fp16."""
     act_mem_per_layer = ACTIVATION_BYTES_PER_TOKEN_PER_D * model.seq_len * model.d_model * micro_batch_size
     params = tuple(sizes.params_per_stage(model, s) for s in stages)
     return StageCosts(
@@ -121,6 +148,10 @@ def stage_costs(
         token_bytes_per_sample=float(model.seq_len * TOKEN_BYTES),
         micro_batch_size=micro_batch_size,
         global_batch_size=global_batch_size,
+        exchange=exchange,
+        exchange_bytes_per_param=(
+            BYTES_PER_VALUE[exchange_compression] if exchange == "all-to-all" else float(sizes.FP16_BYTES)
+        ),
     )
 
 
@@ -177,13 +208,12 @@ class RateTable:
     ) -> np.ndarray:
         """Samples/s of each peer at each stage, capped by its links after averaging at throughput T.
 
-        A butterfly all-reduce among n peers moves 2 (n - 1) / n of the payload each way; without
-        `peers_per_stage` the factor is taken as 1 (large stages)."""
+        The exchange's bytes per peer follow `StageCosts.exchange_bytes`; without `peers_per_stage`
+        every stage is taken as large."""
         steps_per_s = throughput_samples_per_s / costs.global_batch_size
-        share = np.ones(costs.num_stages)
-        if peers_per_stage is not None:
-            share = np.array([(n - 1) / n if n > 1 else 0.0 for n in peers_per_stage])
-        avg = 2 * np.asarray(costs.averaging_bytes) * share * steps_per_s  # bytes/s per direction, per stage
+        sizes_ = peers_per_stage if peers_per_stage is not None else [None] * costs.num_stages
+        per_step = np.array([costs.exchange_bytes(s, n) for s, n in enumerate(sizes_)])
+        avg = per_step * steps_per_s  # bytes/s per direction, per stage
         up_left = np.maximum(self.uplink_bytes_per_s[:, None] - avg[None, :], 0.0)
         down_left = np.maximum(self.downlink_bytes_per_s[:, None] - avg[None, :], 0.0)
         up_need, down_need = costs.bytes_per_sample_by_stage

@@ -35,13 +35,17 @@ MAX_TRAINERS = 8
 PEERS_PER_TRAINER = 500  # each trainer has its own, staler view of peers: fewer trainers route better
 
 
-def costs_for(run: RunConfig, global_batch_size: int | None = None) -> StageCosts:
+def costs_for(
+    run: RunConfig, global_batch_size: int | None = None, exchange: str = "butterfly"
+) -> StageCosts:
     return stage_costs(
         run.model,
         run.stages(),
         run.swarm.compression,
         run.training.micro_batch_size,
         global_batch_size or run.training.global_batch_size,
+        exchange=exchange,
+        exchange_compression=run.swarm.exchange_compression,
     )
 
 
@@ -83,7 +87,7 @@ def run_simulation(
     observer: Observer | None = None,
 ) -> SimResult:
     """`observer(sim, now_s)`: called at each recorded sample point (`sim/timeline.py` makes frames)."""
-    costs = costs_for(run, global_batch_size)
+    costs = costs_for(run, global_batch_size, config.stage_exchange)
     schedule = schedule or ChurnSchedule(())
     for peer in fleet.peers:
         for stage in (peer.stage, peer.home_stage):

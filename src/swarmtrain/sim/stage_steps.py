@@ -130,7 +130,7 @@ class StageSteps:
         n = len(members)
         now = self.engine.now_s
         done = now
-        per_peer = 2 * self.costs.averaging_bytes[stage] * (n - 1) / n if n > 1 else 0.0
+        per_peer = self.costs.exchange_bytes(stage, n)
         for peer in members.values():
             if per_peer and foreground:
                 peer.reserve_both(now, per_peer)
