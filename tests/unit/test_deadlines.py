@@ -12,6 +12,7 @@ from swarmtrain.planner.deadlines import (
     MIN_CALLS,
     PING_TIMEOUT_FLOOR_S,
     UNMEASURED_CHECK_S,
+    UNMEASURED_EXCHANGE_BYTES_PER_S,
     CallTimes,
     check_after_s,
     deadline_s,
@@ -87,3 +88,16 @@ def test_a_stage_ping_waits_for_one_exchange_each_way():
     slow_link = _times(*[2.0] * 10)  # ~1 MB of sums at 4 Mbit/s
     assert exchange_ping_timeout_s(slow_link) == pytest.approx(EXCHANGE_PING_RATIO * 2.0)
     assert exchange_ping_timeout_s(_times(*[1.0, 3.0] * 10)) > EXCHANGE_PING_RATIO * 2.0  # its spread too
+
+
+def test_a_first_stage_ping_waits_for_our_sums_at_a_slow_links_rate():
+    """Before any exchange with the peer is timed, the timeout follows the size of our sums: 1 MB of fp32
+    sums takes 2 s each way at 4 Mbit/s, which the floor alone took for a freeze."""
+    fp32_sums = 1_000_000
+    assert exchange_ping_timeout_s(None, fp32_sums) == pytest.approx(
+        EXCHANGE_PING_RATIO * fp32_sums / UNMEASURED_EXCHANGE_BYTES_PER_S
+    )
+    assert exchange_ping_timeout_s(None, fp32_sums) > 2 * 2.0  # behind one exchange each way at 4 Mbit/s
+    assert exchange_ping_timeout_s(None, 10_000) == PING_TIMEOUT_FLOOR_S  # small sums: the floor
+    slow_link = _times(*[2.0] * 10)
+    assert exchange_ping_timeout_s(slow_link, fp32_sums) == exchange_ping_timeout_s(slow_link)  # measured

@@ -38,6 +38,8 @@ UNMEASURED_CHECK_S = 1.0  # before MIN_CALLS calls were measured
 # connection, so it is given at least as long as the peer's usual call
 PING_TIMEOUT_FLOOR_S = 1.0
 EXCHANGE_PING_RATIO = 2.0  # a stage ping queues behind one exchange each way (`exchange_ping_timeout_s`)
+# before a stage peer's first exchange is timed: a slow link's rate (the test bed's slow links are 4 Mbit/s)
+UNMEASURED_EXCHANGE_BYTES_PER_S = 2e6 / 8
 
 
 @dataclass(frozen=True)
@@ -80,13 +82,17 @@ def ping_timeout_s(times: CallTimes | None) -> float:
     return max(PING_TIMEOUT_FLOOR_S, times.mean_s if times is not None else 0.0)
 
 
-def exchange_ping_timeout_s(times: CallTimes | None) -> float:
+def exchange_ping_timeout_s(times: CallTimes | None, sums_bytes: int = 0) -> float:
     """How long a stage peer may take to answer a ping before it is taken for frozen, from its step
     exchanges (`times`: the calls that sent it our gradient sums). A ping shares one libp2p connection
     with the sums: on a slow link it waits behind ours on the way there and behind the peer's on the
     way back. With the floor alone, stage-1 replicas behind 4 Mbit/s links took each other for frozen
-    several times a run and stepped without each other's sums (bench/rebalance_live.py --fleet link)."""
+    several times a run and stepped without each other's sums (bench/rebalance_live.py --fleet link).
+    Before the first exchange with the peer is timed, its size (`sums_bytes`, ours) at a slow link's
+    rate: with the floor there, fp32 sums (1 MB on `tiny`) made every new member of a stage behind
+    4 Mbit/s look frozen at its first step, and the stage resynced after the partial exchange."""
     if times is None:
-        return PING_TIMEOUT_FLOOR_S
+        unmeasured_s = EXCHANGE_PING_RATIO * sums_bytes / UNMEASURED_EXCHANGE_BYTES_PER_S
+        return max(PING_TIMEOUT_FLOOR_S, unmeasured_s)
     usual_s = times.mean_s + CHECK_SPREAD * times.var_s2**0.5
     return max(PING_TIMEOUT_FLOOR_S, EXCHANGE_PING_RATIO * usual_s)

@@ -64,6 +64,7 @@ class StagePeerLink:
         self.client: StageClient | None = None  # the process's, once the stage serves
         # by peer, most recent last: how long sending it our sums took (a ping's timeout, below)
         self._exchange_times: OrderedDict[str, CallTimes] = OrderedDict()
+        self._sums_bytes = 0  # the size of the last sums we sent: a ping's timeout before any is timed
 
     def attach(self, client: StageClient) -> None:
         self.client = client
@@ -90,7 +91,7 @@ class StagePeerLink:
         (planner/deadlines.py), or None (no answer, or not a peer id)."""
         assert self.client is not None  # checked by the callers
         message = ping_message(self.spec.index, self.digest)
-        timeout_s = exchange_ping_timeout_s(self._exchange_times.get(peer))
+        timeout_s = exchange_ping_timeout_s(self._exchange_times.get(peer), self._sums_bytes)
         return await self.client.ping_reply(peer, message, timeout_s)
 
     def _observe_exchange(self, peer: str, took_s: float) -> None:
@@ -110,6 +111,7 @@ class StagePeerLink:
         if self.faults.sends_nan(step):  # a faulty replica (tests); its scaling is in the accumulation
             sums = SumsCodec().encode(nan_like(sums.tensors))
         message = Message("grads", header, dict(zip(self.worker.names, sums.encoded, strict=True)))
+        self._sums_bytes = sum(len(t.payload) for t in message.tensors.values())
         for attempt in range(GRADS_ATTEMPTS):
             try:
                 start_s = time.monotonic()
