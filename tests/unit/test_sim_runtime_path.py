@@ -30,19 +30,22 @@ def peer(name, stage=None, link=LINK, compute=1e-5):
     )
 
 
-def swarm(compute=1e-5, link=LINK, latency_s=0.001, **kw):
-    peers = (peer("s0", 0, link, compute), peer("s1", 1, link, compute))
+def swarm(
+    compute=1e-5, link=LINK, latency_s=0.001, replicas=1, run_cfg=TINY, duration_s=60.0, in_flight=4, **kw
+):
+    """`replicas` peers on each of tiny's two stages, one trainer."""
+    peers = tuple(peer(f"s{s}-{k}", s, link, compute) for s in (0, 1) for k in range(replicas))
     fleet = Fleet(peers, single_location(latency_s=latency_s))
     config = SimConfig(
         mode="swarm-no-rebalance",
-        duration_s=60.0,
+        duration_s=duration_s,
         chunk_samples=8,
-        in_flight=4,
+        in_flight=in_flight,
         num_trainers=1,
         audit=True,
         **kw,
     )
-    return run_simulation(fleet, TINY, config).summary
+    return run_simulation(fleet, run_cfg, config).summary
 
 
 def test_defaults_are_the_peer_to_peer_model():
@@ -203,20 +206,16 @@ def test_the_live_all_to_all_exchange_loads_the_stage_links_by_its_codec():
     """Two replicas per stage, synchronous steps, links of 1 MB/s: per step a peer sends its stage's
     sums once (fp32: 4 B per parameter) where a butterfly all-reduce of two moves fp16 both ways (2 B),
     and 8-bit sums about 1 B. The exchange holds up the next step, so fewer bytes train faster."""
-    peers = tuple(peer(f"s{s}-{k}", s) for s in (0, 1) for k in range(2))
-    fleet = Fleet(peers, single_location(latency_s=0.001))
 
     def run(run_cfg, exchange):
-        config = SimConfig(
-            mode="swarm-no-rebalance",
+        return swarm(
+            replicas=2,
+            run_cfg=run_cfg,
             duration_s=120.0,
-            chunk_samples=8,
             in_flight=8,
-            num_trainers=1,
             max_staleness=0,
             stage_exchange=exchange,
         )
-        return run_simulation(fleet, run_cfg, config).summary
 
     eight_bit = TINY.replace(swarm=replace(TINY.swarm, exchange_compression="8bit"))
     results = {
