@@ -62,8 +62,12 @@ def check_outcomes(a: dict, b: dict, cfg) -> None:
     # its inputs; or replica 0 averaged a round alone and replica 1 resynced: docs/LOG.md, 2026-11-23 and
     # 2026-11-24). That is the designed recovery, not the repair under test: allow one such round, and a
     # state download only by a replica that resynced a round.
-    natural = {k for r in (a, b) for k, outcome in r["round_outcomes"].items() if outcome != "averaged"}
-    assert len(natural - set(repaired)) <= 1, (a["round_outcomes"], b["round_outcomes"])
+    natural = {int(k) for r in (a, b) for k, outcome in r["round_outcomes"].items() if outcome != "averaged"}
+    natural -= {int(k) for k in repaired}
+    # one lost round is one event with its recovery: a resync in the next round is that recovery (under
+    # load replica 1's all-reduce failed alone in round 6 and it resynced round 7: docs/LOG.md)
+    events = [k for k in natural if not (k - 1 in natural and _only_resynced(a, b, k))]
+    assert len(events) <= 1, (a["round_outcomes"], b["round_outcomes"])
     for r in (a, b):
         assert (r["state_bytes_received"] > 0) == (r["rounds_resynced"] > 0), r
     # each repair fetched one mean in the run's codec and a bit per value (where that mean is the member's
@@ -73,3 +77,8 @@ def check_outcomes(a: dict, b: dict, cfg) -> None:
     assert 0.5 * one_mean <= a["repair_bytes_received"] / a["rounds_repaired"] <= 1.1 * one_mean
     assert a["fingerprint"] == pytest.approx(b["fingerprint"], rel=5e-3)
     assert a["val_loss"] == pytest.approx(b["val_loss"], rel=5e-3)
+
+
+def _only_resynced(a: dict, b: dict, k: int) -> bool:
+    """Round k was averaged or resynced on both replicas (no new loss in it)."""
+    return all(r["round_outcomes"].get(str(k)) in ("averaged", "resynced") for r in (a, b))
