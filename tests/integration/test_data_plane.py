@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import os
 import socket
+import time
 from dataclasses import dataclass
 
 import pytest
@@ -137,6 +138,7 @@ def test_both_ends_meter_the_large_frames_each_way_and_agree_on_their_bytes():
     async def main():
         async with _plane(metered=True) as plane:
             plane.handlers.reply_bytes = 50_000  # the reply is a large frame too
+            begun_s = time.monotonic()
             for mb in ("a", "b", "c"):
                 await plane.call(mb, "forward_backward", size=8192)  # 64 KiB of values at 8 bits
             await plane.call("small", "forward_backward", size=16)  # its request is not timed
@@ -149,8 +151,11 @@ def test_both_ends_meter_the_large_frames_each_way_and_agree_on_their_bytes():
             assert replies.bytes == client.totals(DOWN).bytes
             assert 3 * 8192 * 8 <= requests.bytes < 3 * 8192 * 8 + 3 * METERED_MIN_BYTES
             assert 4 * 50_000 <= replies.bytes < 4 * 50_000 + 4 * METERED_MIN_BYTES
+            # a frame's busy time may be 0: the kernel's times (TCP_INFO, in jiffies of up to 4 ms) can put
+            # a loopback transfer's end before the process began it, which the meter counts as no evidence
+            # of a slow link (tests/unit/test_link_capacity.py); CI saw 0.0 once
             for totals in (requests, replies, server.totals(DOWN), client.totals(DOWN)):
-                assert totals.busy_s > 0
+                assert 0 <= totals.busy_s <= time.monotonic() - begun_s
             assert set(requests.partners) == {SERVER} and set(replies.partners) == {CALLER}
 
     _run(main())

@@ -12,7 +12,11 @@ import torch
 from swarmtrain.config import ConfigError
 from swarmtrain.net import codec
 from swarmtrain.net.protocol import Message, StageRequest, pack, unpack, validate_grads
-from swarmtrain.planner.deadlines import PING_TIMEOUT_FLOOR_S
+from swarmtrain.planner.deadlines import (
+    EXCHANGE_PING_RATIO,
+    PING_TIMEOUT_FLOOR_S,
+    UNMEASURED_EXCHANGE_BYTES_PER_S,
+)
 from swarmtrain.runtime.faults import FaultHooks
 from swarmtrain.runtime.server.stage_exchange import StagePeerLink
 from swarmtrain.runtime.server.stage_steps import StepCoordinator, StepSettings
@@ -202,7 +206,13 @@ def test_a_stage_peer_is_pinged_with_as_long_as_exchanges_with_it_take(tiny_cfg,
         return client.ping_timeouts_s
 
     first, measured, other = asyncio.run(scenario())
-    assert first == other == PING_TIMEOUT_FLOOR_S
+    assert first == PING_TIMEOUT_FLOOR_S  # nothing sent yet
+    # a peer not timed yet, once we have sent sums: their size at a slow link's rate, both ways
+    worker = StageWorker(tiny_cfg, tiny_cfg.stages()[1])
+    sums_bytes = sum(4 * p.numel() for p in worker.params)
+    assert other == pytest.approx(
+        EXCHANGE_PING_RATIO * sums_bytes / UNMEASURED_EXCHANGE_BYTES_PER_S, rel=0.01
+    )
     assert measured == pytest.approx(want_s, rel=0.25)
 
 
@@ -231,9 +241,12 @@ def test_local_steps_with_8bit_pseudo_gradients_end_each_round_identical(tiny_cf
         for task in tasks:
             task.cancel()
         a, b = (n.worker for n in nodes.values())
-        assert all(n.counters.last_group_size == 2 for n in nodes.values())
+        # (failed about 1 run in 10 here at c11706b too, which assertion unknown: the messages say it)
+        sizes = {name: n.counters.last_group_size for name, n in nodes.items()}
+        assert all(size == 2 for size in sizes.values()), sizes
         assert net.codecs == {"8bit"}  # the round's pseudo-gradients went compressed
-        assert a.samples_since_sync == 0 and a.epoch == 2
-        assert all(torch.equal(p, q) for p, q in zip(a.params, b.params, strict=True))
+        assert a.samples_since_sync == 0 and a.epoch == 2, (a.samples_since_sync, a.epoch, b.epoch)
+        differ = [i for i, (p, q) in enumerate(zip(a.params, b.params, strict=True)) if not torch.equal(p, q)]
+        assert not differ, (differ, sizes, a.epoch, b.epoch)
 
     asyncio.run(scenario())
