@@ -197,3 +197,9 @@ def test_forged_closes_to_an_idle_swarm_move_no_epoch(make_swarm):
     for stage in (0, 1):
         epochs = {stranger.info(p).header["epoch"] for p in forger.peers[stage]}
         assert len(epochs) == 1 and epochs.pop() > 2, (stage, epochs)
+    # the forged short closes kept while idle decide nothing once the trainer's samples come (their grace
+    # counts from a replica's first samples of the step): before, 2 of 4 runs had a replica step on one
+    # ("holds 16 samples, the close says 4") and resync
+    after = {p: stranger.info(p).header for p in replicas}
+    for peer, info in after.items():
+        assert info["steps"]["disagreeing_closes"] == 0 and info["sync"]["resyncs"] == 0, (peer, info)

@@ -34,6 +34,8 @@ def test_whole_swarm_stop_and_restart_resumes_at_the_step_it_reached(make_swarm,
     start_servers(swarm, SERVERS)
     swarm.start_trainer("trainer", "--max-samples", "1024", "--in-flight", "4")
     assert swarm.wait_exit("trainer", 300) == 0, swarm.processes["trainer"].log_text()[-3000:]
+    first = json.loads((swarm.workdir / "trainer.summary.json").read_text())
+    assert first["microbatches_failed"] == 0 and first["retries_not_accumulated"] <= 2, first
     _, val_set = build_datasets(cfg)
     before, loss_before = _state(make_swarm, cfg, swarm, val_set)
     swarm.stop_all()  # SIGTERM: each server writes its final checkpoint
@@ -47,10 +49,16 @@ def test_whole_swarm_stop_and_restart_resumes_at_the_step_it_reached(make_swarm,
     print(f"val loss before the stop {loss_before:.4f}, after the restart {loss_after:.4f}")
     assert loss_after == pytest.approx(loss_before, rel=0.03)
     by_stage = lambda infos, stage: [i for i in infos.values() if i.header["stage"] == stage]  # noqa: E731
+    # a retry sent without accumulating (see below; CI once in the first run) leaves its stage one
+    # micro-batch short of the trainer's samples: the restart must bring back exactly what was reached
+    short_before = cfg.training.micro_batch_size * (first["retries_not_accumulated"] > 0)
     for stage in (0, 1):
         reference = by_stage(before, stage)[0]
+        assert reference.header["epoch"] == steps, reference.header
+        assert 1024 - short_before <= reference.header["samples_seen"] <= 1024, (reference.header, first)
         for info in by_stage(after, stage):
-            assert (info.header["epoch"], info.header["samples_seen"]) == (steps, 1024)
+            reached = (reference.header["epoch"], reference.header["samples_seen"])
+            assert (info.header["epoch"], info.header["samples_seen"]) == reached
             for name in reference.tensors:
                 assert torch.equal(info.tensor(name), reference.tensor(name)), name
 
@@ -68,4 +76,4 @@ def test_whole_swarm_stop_and_restart_resumes_at_the_step_it_reached(make_swarm,
     final, _ = _state(make_swarm, cfg, again, val_set)
     for info in final.values():
         assert info.header["epoch"] == steps + 8, info.header
-        assert 1024 + 256 - short <= info.header["samples_seen"] <= 1024 + 256, (info.header, trainer_log)
+        assert 1024 + 256 - short_before - short <= info.header["samples_seen"] <= 1024 + 256, (info.header, trainer_log)

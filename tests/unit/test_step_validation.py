@@ -504,6 +504,23 @@ def test_a_close_short_of_our_samples_waits_a_grace_then_decides_without_them():
     assert _decide(short, own=16, now=5.0, reached_s=0.0) is None  # no grace given: only the fallback
 
 
+def test_a_short_close_kept_while_idle_waits_its_grace_from_the_first_samples():
+    """A forger's close naming A short (4) came while the swarm was idle, long after A reached the step.
+    Its grace counts from A's first samples of the step, not from reaching it: the next trainer's first
+    micro-batch does not let it decide the step, and the trainer's close, within the grace, does
+    (before: it decided at once, and the replica resynced; tests/faults/test_forged_steps.py)."""
+    forged = [_c({"A": 4, "B": 4}, sender="F", at=1.0)]
+    assert _decide(forged, own=8, now=60.0, reached_s=0.0, held_s=59.8, short_grace_s=1.0) is None
+    honest = _c({"A": 32, "B": 32}, sender="T1", at=60.3)
+    d = _decide([*forged, honest], own=32, now=60.5, reached_s=0.0, held_s=59.8, short_grace_s=1.0)
+    assert d is not None and d.members["A"] == 32
+    d = _decide(forged, own=8, now=61.0, reached_s=0.0, held_s=59.8, short_grace_s=1.0)
+    assert d is not None and d.members["A"] == 4  # no better close came within the grace: as before
+    # a trainer's own short close comes after its micro-batches: counted from when it became due
+    assert _decide(forged, own=8, now=1.5, reached_s=0.0, held_s=0.2, short_grace_s=1.0) is None
+    assert _decide(forged, own=8, now=2.5, reached_s=0.0, held_s=0.2, short_grace_s=1.0) is not None
+
+
 def test_an_empty_close_after_reaching_the_step_is_graced_one_sent_before_is_not():
     """Every micro-batch of a trainer failed at this stage: its close names nobody and comes after the
     replica reached the step (graced). A forger's empty close for a later step comes before (fallback)."""

@@ -101,6 +101,7 @@ def decide_step(
     reached_s: float = float("-inf"),
     short_grace_s: float | None = None,
     heard_peers: bool = False,
+    held_s: float | None = None,
 ) -> StepDecision | None:
     """Whether this replica closes its step now (seals its sums and sends them): the candidate it starts
     with, or None (wait). `own_samples`: what it accumulated for the step; `received`: the sample counts
@@ -113,15 +114,20 @@ def decide_step(
     A replica the candidate does not name, or a candidate naming nobody, thus needs a confirmation: a
     forged close does not make a replica close its step before the trainer's data is there. A candidate
     naming this replica with fewer samples than it holds (a trainer that missed the reply of a
-    micro-batch accumulated here) is acted on `short_grace_s` after it became due and this replica
-    reached the step, when no better one came meanwhile (every replica then counts this one's real
-    samples); so is a candidate naming nobody, when this replica holds nothing and the candidate came
-    after it reached the step (all of a trainer's micro-batches failed at this stage; a forger's empty
-    close for a later step comes before). None: only at the lenient fallback. When no
-    candidate passes for `close_timeout_s` after one became due and this replica reached the step
-    (`reached_s`: a close sent long before starts no clock), the best one is returned `lenient`: a stage
-    must not stall when a trainer died mid-step or every micro-batch of a step failed. For a candidate
-    naming members, the fallback needs honest activity in the step: samples of its own, or gradients
+    micro-batch accumulated here) is acted on `short_grace_s` after it became due, this replica reached
+    the step and first held samples of it (`held_s`), when no better one came meanwhile (every replica
+    then counts this one's real samples). The grace counts from the first samples because a trainer's
+    close comes after its micro-batches: a forger's short close kept while the swarm was idle had
+    waited out a grace counted from reaching the step and decided the step at the next trainer's first
+    micro-batch, ahead of the trainer's close (2 of 4 runs of tests/faults/test_forged_steps.py, each
+    followed by a resync; CI's failure of that test, with failed micro-batches, kept no server logs).
+    So is a candidate naming nobody, when this replica holds nothing and the candidate came after it
+    reached the step (all of a trainer's micro-batches failed at this stage; a forger's empty close for
+    a later step comes before). None: only at the lenient fallback. When no candidate passes for
+    `close_timeout_s` after one became due, this replica reached the step and (if it holds any) first
+    held samples of it (a close sent long before starts no clock), the best one is returned `lenient`: a
+    stage must not stall when a trainer died mid-step or every micro-batch of a step failed. For a
+    candidate naming members, the fallback needs honest activity in the step: samples of its own, or gradients
     from a live replica (`heard_peers`); a replica holding nothing that hears nobody would otherwise step
     on members it cannot verify (in an idle open swarm, forged closes moved one replica's epoch after the
     timeout and left the stage's replicas disagreeing: issue 38). When a trainer died mid-step, the
@@ -135,7 +141,7 @@ def decide_step(
         score, _, _ = _evidence(candidate, peer_id, own_samples, received, frozenset())
         consistent, mine = score[0], candidate.members.get(peer_id, 0)
         confirmed = any(p != peer_id and received.get(p) == n for p, n in candidate.members.items())
-        since_s = now_s - max(candidate.due_s, reached_s)
+        since_s = now_s - max(candidate.due_s, reached_s, float("-inf") if held_s is None else held_s)
         graced = short_grace_s is not None and since_s >= short_grace_s
         short = 0 < mine < own_samples and graced
         # a trainer whose micro-batches all failed here closes with nobody; a forger's empty close for a

@@ -189,17 +189,21 @@ class StepCoordinator:
         if self._replaying or not state.closes:
             return False
         bucket = self.worker.buckets.get(state.step)
+        own = bucket.samples if bucket is not None else 0
+        if own and state.held_s is None:
+            state.held_s = time.monotonic()
         live = self.inbox.live()
         heard_peers = any(live is None or peer in live for peer in state.received)
         state.decision = decide_step(
             self._candidates(state),
             self.peer_id,
-            bucket.samples if bucket is not None else 0,
+            own,
             _counts(state),
             time.monotonic(),
             self.settings.close_timeout_s,
             confirm=self.worker.outer is None,
             reached_s=state.reached_s,
+            held_s=state.held_s,
             short_grace_s=self._short_grace_s(),
             heard_peers=heard_peers,
         )

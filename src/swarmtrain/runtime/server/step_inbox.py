@@ -35,6 +35,7 @@ class PendingStep:
     closes: dict[str, Close] = field(default_factory=dict)  # by sender: its latest close of the step
     decision: StepDecision | None = None  # set once the step is closed
     reached_s: float | None = None  # when this replica's step loop reached this step
+    held_s: float | None = None  # when the step loop first saw samples of this step held here
     received: dict[str, tuple[int, list[torch.Tensor]]] = field(default_factory=dict)
     unreachable: set[str] = field(default_factory=set)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
