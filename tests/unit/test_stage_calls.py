@@ -14,8 +14,10 @@ from swarmtrain.net.dht_records import StageAnnouncement
 from swarmtrain.net.failures import NEXT_HOP_FAILED
 from swarmtrain.net.protocol import Message
 from swarmtrain.net.transport import RemoteError, TruncatedReply
+from swarmtrain.planner import deadlines
 from swarmtrain.runtime.trainer import call_policy, stage_calls
 from swarmtrain.runtime.trainer.chain_calls import ChainCaller
+from swarmtrain.runtime.trainer.hedging import SilentPastDeadline
 from swarmtrain.runtime.trainer.peer_table import PeerTable
 
 pytestmark = pytest.mark.unit
@@ -279,33 +281,31 @@ def test_a_fatal_answer_fails_a_chain_at_once():
     assert len(client.calls) == 1
 
 
-def test_a_peer_is_waited_for_by_its_own_deadline_once_its_usual_time_is_known(monkeypatch):
-    """The first calls wait the request timeout; once MIN_CALLS answered, a peer's wait is its deadline
-    (planner/deadlines.py), here the floor since it answers at once: capped by the request timeout."""
+def test_a_peers_deadline_is_learned_and_every_call_may_take_the_request_timeout(monkeypatch):
+    """Until MIN_CALLS answered, a peer's deadline is the request timeout; then it is its own (planner/
+    deadlines.py), here the floor since it answers at once. The deadline only applies once the peer goes
+    silent (runtime/trainer/hedging.py): every call itself may take the request timeout."""
     from swarmtrain.planner import deadlines
 
     monkeypatch.setattr(deadlines, "DEADLINE_FLOOR_S", 1.5)
     table, client = SpyTable([[A, B]]), ScriptedClient()
     caller = _caller(client, table)
+    assert caller.deadline_s(0, "backward", A, TIMEOUT_S) == TIMEOUT_S
     for _ in range(deadlines.MIN_CALLS + 1):
         _call(caller, prefer=A)
-    assert client.timeouts_s[: deadlines.MIN_CALLS] == [TIMEOUT_S] * deadlines.MIN_CALLS
-    assert client.timeouts_s[-1] == 1.5 < TIMEOUT_S
+    assert client.timeouts_s == [TIMEOUT_S] * (deadlines.MIN_CALLS + 1)
+    assert caller.deadline_s(0, "backward", A, TIMEOUT_S) == 1.5 < TIMEOUT_S
     assert caller.deadline_s(0, "backward", B, TIMEOUT_S) == TIMEOUT_S  # B's time is not known yet
 
 
-def test_a_timeout_at_a_peers_own_deadline_bans_it_as_frozen(monkeypatch):
-    """Silent past its own deadline, before the request timeout: banned until it announces again."""
-    from swarmtrain.planner import deadlines
-
-    monkeypatch.setattr(deadlines, "DEADLINE_FLOOR_S", 1.5)
-    table, client = SpyTable([[A, B]]), ScriptedClient()
-    caller = _caller(client, table)
-    for _ in range(deadlines.MIN_CALLS):
-        _call(caller, prefer=A)
-    client.failures.append(TimeoutError())
-    assert _call(caller, prefer=A)[1] == B
-    assert client.timeouts_s[-2] == 1.5 and table.is_banned(A) and caller.timeouts == 1
+def test_only_a_silent_peers_timeout_bans_it_as_frozen():
+    """A call given up at a silent peer's deadline (`SilentPastDeadline`) bans it until it announces again;
+    a call that ran out the request timeout while its peer answered pings does not."""
+    for failure, banned in ((SilentPastDeadline("silent"), True), (TimeoutError(), False)):
+        table, client = SpyTable([[A, B]]), ScriptedClient(failure)
+        caller = _caller(client, table)
+        assert _call(caller, prefer=A)[1] == B
+        assert table.is_banned(A) == banned and caller.timeouts == 1, failure
 
 
 # frozen peers: pinged, banned, hedged (runtime/trainer/hedging.py) --------------------------------------
@@ -331,8 +331,10 @@ class FreezableClient(ScriptedClient):
             raise TimeoutError()
         if kind == "ping":
             return Message("result", {"epoch": 0})
-        if peer in self.slow:
-            await asyncio.sleep(self.slow_s)
+        if peer in self.slow:  # as the real client: past `timeout_s`, the call times out
+            await asyncio.sleep(min(self.slow_s, timeout_s))
+            if self.slow_s > timeout_s:
+                raise TimeoutError()
         return self.reply(peer, message)
 
 
@@ -391,6 +393,63 @@ def test_a_busy_peer_that_answers_pings_is_waited_for_and_never_hedged(quick_che
     pings = [c for c in client.calls if c[1] == "ping"]
     assert len(pings) >= 2 and {c[0] for c in pings} == {A}
     assert not table.bans and (caller.frozen, caller.hedges) == (0, 0)
+
+
+def _measured(caller, peer, kind, call_s, stage=0):
+    for _ in range(deadlines.MIN_CALLS):
+        caller.observe(stage, kind, peer, call_s)
+
+
+def test_a_peer_slower_than_its_deadline_that_answers_pings_is_waited_for(quick_checks, monkeypatch):
+    """The link fleet with fp32 sums (bench/rebalance_live.py): the only stage-0 replica's chains waited
+    4-6 s at stage 1 for its step's exchange, past the replica's 5 s deadline, and each was retried
+    without accumulating. A peer that answers pings is waited for up to the request timeout: one call,
+    no retry, no ban."""
+    monkeypatch.setattr(deadlines, "DEADLINE_FLOOR_S", 0.1)
+    table, client = SpyTable([[A]]), FreezableClient(slow={A}, slow_s=0.4, reply=_acc_reply)
+    caller = _caller(client, table)
+    _measured(caller, A, "backward", 0.01)
+    assert caller.deadline_s(0, "backward", A, TIMEOUT_S) == 0.1
+    reply, answered_by = _call(caller, "backward", prefer=A)
+    assert answered_by == A and reply.header["acc"] == 8
+    assert [c for c in client.calls if c[1] == "backward"] == [(A, "backward", None)]
+    assert not table.bans and (caller.timeouts, caller.retries, caller.not_accumulated) == (0, 0, 0)
+
+
+def test_a_chain_slower_than_its_deadline_whose_peers_answer_pings_is_waited_for(quick_checks, monkeypatch):
+    """The same for a chain (the trainer's default hand-off): no retry, every stage accumulates."""
+    monkeypatch.setattr(deadlines, "DEADLINE_FLOOR_S", 0.1)
+    table = SpyTable([[A], [C]])
+    client = FreezableClient(slow={A}, slow_s=0.4, reply=_routed_chain_reply)
+    caller = _caller(client, table)
+    _measured(caller, A, "chain", 0.01)
+    tokens = codec.encode(torch.zeros(2, 4, dtype=torch.int64), "none")
+    chains = ChainCaller(caller, num_stages=2, digest="d", codec="none")
+    loss, hops, _ = asyncio.run(chains.run("t.0-1", 0, 8, tokens, tokens))
+    assert loss == 1.5 and [(h.peer, h.acc) for h in hops] == [(A, 8), (C, 8)]
+    assert _chain_flags(client) == [(True, True)] and not table.bans
+    assert (caller.timeouts, caller.retries, caller.hedges) == (0, 0, 0)
+
+
+def test_a_silent_peer_nobody_can_replace_is_given_up_at_its_deadline(quick_checks, monkeypatch):
+    """No other replica to take a copy: the silent peer's call ends at its deadline, not at the request
+    timeout, and the peer is banned as frozen."""
+    monkeypatch.setattr(deadlines, "DEADLINE_FLOOR_S", 0.3)
+    table, client = SpyTable([[A]]), FreezableClient(frozen={A}, reply=_acc_reply)
+    caller = _caller(client, table)
+    _measured(caller, A, "backward", 0.01)
+    message = Message("backward", {"mb": "t.0-1", "accumulate": True})
+    attempt = call_policy.Attempt(A, 0.3, TIMEOUT_S)
+
+    async def hedged():
+        start_s = asyncio.get_running_loop().time()
+        with pytest.raises(SilentPastDeadline):
+            await caller._hedged(0, "backward", A, message, attempt, 8, 1.0)
+        return asyncio.get_running_loop().time() - start_s
+
+    took_s = asyncio.run(hedged())
+    assert 0.3 <= took_s < TIMEOUT_S
+    assert client.calls[0] == (A, "backward", True) and (A, "ping", None) in client.calls
 
 
 def _hedged_chain(client, table):

@@ -17,8 +17,9 @@ Long before that deadline a caller asks a peer that is past its usual time wheth
 (`check_after_s`): a `ping` its event loop answers at once however busy its compute thread is
 (`ping_timeout_s`). A silent peer is frozen: the call is hedged on another replica
 (runtime/trainer/hedging.py). A peer that answers the ping is only slow (a long step wait, a busy
-core) and is waited for, so a noisy machine costs no work; that is why the check can come this early
-while the deadline keeps its generous floor.
+core) and is waited for, up to the request timeout, so a noisy machine costs no work; that is why the
+check can come this early while the deadline keeps its generous floor. The deadline thus ends only the
+call of a peer that went silent and that no other replica could take over.
 """
 
 from __future__ import annotations

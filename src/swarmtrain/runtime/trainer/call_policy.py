@@ -41,10 +41,10 @@ class Attempt:
     """One try of a call: the peer it goes to and its deadline."""
 
     peer: str
-    wait_s: (
-        float  # its deadline: below `cap_s` for a peer that is usually fast (a frozen one is given up early)
-    )
-    cap_s: float  # the call's whole timeout, which a peer that kept us waiting is charged
+    # its deadline: below `cap_s` for a peer that is usually fast, so that one that went silent (frozen)
+    # is given up early (runtime/trainer/hedging.py)
+    wait_s: float
+    cap_s: float  # the call's whole timeout (a peer that answers pings is waited for this long)
 
 
 class CallPlan(Protocol, Generic[T_co]):
@@ -71,10 +71,10 @@ class CallPlan(Protocol, Generic[T_co]):
     def max_attempts(self) -> int: ...
 
 
-def frozen_or(failure: FailureAction, early_deadline: bool) -> FailureAction:
-    """A timeout at the peer's own deadline, before the request timeout: the peer is taken for frozen and
-    banned until it announces itself again (at the request timeout itself, as before: not banned)."""
-    if failure.timed_out and early_deadline and not failure.ban:
+def frozen_or(failure: FailureAction, silent: bool) -> FailureAction:
+    """A timeout at the peer's own deadline after it stopped answering pings: the peer is taken for
+    frozen and banned until it announces itself again (at the request timeout, as before: not banned)."""
+    if failure.timed_out and silent and not failure.ban:
         return FailureAction(failure.outcome, ban=True, timed_out=True)
     return failure
 
@@ -95,7 +95,9 @@ async def run_call(caller: StageCaller, plan: CallPlan[T]) -> T:
         except Exception as exc:
             failure = plan.classify(exc, chosen)  # raises what is a bug, not a failure
             error = exc
-        reason = f"no answer in {chosen.wait_s:.1f}s" if failure.timed_out else f"{error!r:.160}"
+        reason = f"{error!r:.160}"
+        if failure.timed_out:  # given up at the deadline when the peer went silent, else at the cap
+            reason = f"no answer in {chosen.wait_s if failure.ban else chosen.cap_s:.1f}s"
         account_failure(caller, plan, chosen, failure)
         stage, peer = plan.stage, chosen.peer
         if failure.outcome is Outcome.FATAL:

@@ -30,7 +30,12 @@ from swarmtrain.net.protocol import Message, ProtocolError
 from swarmtrain.planner.deadlines import check_after_s, ping_timeout_s
 from swarmtrain.planner.routing import BACKWARD_WEIGHT, FORWARD_CHARGE, FORWARD_WEIGHT
 from swarmtrain.runtime.trainer.call_policy import PERSISTENT_ATTEMPTS, Attempt, frozen_or, run_call
-from swarmtrain.runtime.trainer.hedging import first_success, silent_while
+from swarmtrain.runtime.trainer.hedging import (
+    SilentPastDeadline,
+    first_success,
+    silent_while,
+    within_deadline,
+)
 from swarmtrain.runtime.trainer.stage_calls import StageCaller
 from swarmtrain.utils.logging import get_logger
 
@@ -61,12 +66,14 @@ class ChainCaller:
         return await run_call(self.caller, _EvaluationPlan(self, mb, n, inputs, labels, first, step))
 
     async def _attempt(
-        self, message: Message, peer: str, route: list[list[str]], wait_s: float, n: int, first: int
+        self, message: Message, peer: str, route: list[list[str]], attempt: Attempt, n: int, first: int
     ):
         """One chain from `peer` (stage `first`) along `route`, hedged on a new route when a peer of it
-        is silent: (loss, hop reports, input gradient) of whichever answers first."""
-        caller, start_s = self.caller, time.monotonic()
-        call = asyncio.ensure_future(caller.client.call(peer, message, wait_s))
+        is silent: (loss, hop reports, input gradient) of whichever answers first. While the peers
+        answer pings the chain is waited for up to `attempt.cap_s`; once one is silent, until the
+        deadline (runtime/trainer/hedging.py)."""
+        caller, start_s, wait_s = self.caller, time.monotonic(), attempt.wait_s
+        call = asyncio.ensure_future(caller.client.call(peer, message, attempt.cap_s))
         times = caller.call_times.get((first, "chain", peer))
         waited_on = [(first, peer)] + [(stage, c[0]) for stage, c in enumerate(route, start=first + 1)]
 
@@ -76,6 +83,7 @@ class ChainCaller:
         hedge = None
         silent = await silent_while(call, check_after_s(times, wait_s), probe)
         if silent:
+            call = asyncio.ensure_future(within_deadline(call, start_s + wait_s))
             hedge = self._hedge(message, n, wait_s, silent, first)
         if hedge is None:
             return self._finished(await call, [[peer], *route], n, time.monotonic() - start_s, first)
@@ -207,13 +215,13 @@ class _ChainPlan:
     async def send(self, attempt: Attempt) -> tuple[float, list[HopReport], EncodedTensor | None]:
         assert self.message is not None  # `choose` made it
         return await self.chain._attempt(
-            self.message, attempt.peer, self.route, attempt.wait_s, self.num_samples, self.stage
+            self.message, attempt.peer, self.route, attempt, self.num_samples, self.stage
         )
 
     def classify(self, exc: BaseException, attempt: Attempt) -> FailureAction:
         if isinstance(exc, ProtocolError):  # a malformed report: the chain may have run
             return FailureAction(Outcome.MAYBE_APPLIED)
-        return frozen_or(on_request_failure(exc), attempt.wait_s < attempt.cap_s)  # raises bugs
+        return frozen_or(on_request_failure(exc), isinstance(exc, SilentPastDeadline))  # raises bugs
 
     def retry_with(self, failure: FailureAction) -> None:
         flags = flags_after(self.flags, failure.outcome)

@@ -5,8 +5,16 @@ A frozen peer (SIGSTOP, a host that lost power, a partition) keeps its sockets o
 nothing: a call to it is only given up on at its deadline, seconds later, and its step cannot close
 meanwhile. So a call that runs past its peer's usual time makes the caller ping the peers it waits on
 (planner/deadlines.py: `check_after_s`, `ping_timeout_s`). A peer whose event loop answers is busy,
-not frozen: the call goes on. A silent one is treated as dead (banned until it announces itself
-again) and the call is hedged: a copy goes to another replica, and the first answer wins.
+not frozen: the call goes on, up to the request timeout. A silent one is treated as dead (banned until
+it announces itself again) and the call is hedged: a copy goes to another replica, and the first answer
+wins; with no other replica to take a copy, the silent peer's call is given up at its deadline
+(`within_deadline`).
+
+The deadline used to be the call's own timeout, whatever the pings said. On the test bed's link fleet
+with fp32 gradient sums (bench/rebalance_live.py), a stage-1 replica's step exchange over a 4 Mbit/s
+link took 4-6 s, and chains waiting at stage 1 for that step ran past the 5 s deadline of the one
+stage-0 replica, which answered every ping: each was retried without accumulating and its peer banned
+for a moment, and the swarm's steps went from 5 s to 14-22 s apart.
 
 At most once: the copy never accumulates gradients anywhere (the frozen peer, or a later stage it
 already reached, may hold the micro-batch and apply it when it wakes). If the copy wins, the step
@@ -18,6 +26,7 @@ loser's answer is discarded: its call is cancelled.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -36,6 +45,21 @@ async def silent_while(call: asyncio.Future, check_after_s: float, probe: Callab
         silent = await probe()
         if silent and not call.done():
             return silent
+
+
+class SilentPastDeadline(TimeoutError):
+    """A call given up at its deadline because its peer stopped answering pings (taken for frozen)."""
+
+
+async def within_deadline(call: asyncio.Future[T], deadline_at_s: float) -> T:
+    """`call`'s result, given up (and cancelled) at `deadline_at_s` (time.monotonic()): a call whose
+    peer went silent. Its own failure is raised as it is."""
+    try:
+        return await asyncio.wait_for(call, max(deadline_at_s - time.monotonic(), 0.0))
+    except TimeoutError as exc:
+        if call.cancelled():  # ours: the deadline passed
+            raise SilentPastDeadline("the peer went silent and its deadline passed") from exc
+        raise
 
 
 async def first_success(primary: asyncio.Future[T], hedge: asyncio.Future[T]) -> tuple[bool, T]:

@@ -50,7 +50,12 @@ from swarmtrain.runtime.trainer.call_policy import (
     frozen_or,
     run_call,
 )
-from swarmtrain.runtime.trainer.hedging import first_success, silent_while
+from swarmtrain.runtime.trainer.hedging import (
+    SilentPastDeadline,
+    first_success,
+    silent_while,
+    within_deadline,
+)
 from swarmtrain.runtime.trainer.peer_table import PeerTable
 from swarmtrain.utils.logging import get_logger
 
@@ -187,26 +192,29 @@ class StageCaller:
         kind: str,
         peer: str,
         message: Message,
-        wait_s: float,
+        attempt: Attempt,
         num_samples: int,
         charge: float,
     ) -> tuple[Message, str]:
         """The reply to `message` and the peer that gave it: `peer`, or, when `peer` went silent, another
-        peer of the stage sent a copy that accumulates nothing (runtime/trainer/hedging.py)."""
-        call = asyncio.ensure_future(self.client.call(peer, message, wait_s))
+        peer of the stage sent a copy that accumulates nothing (runtime/trainer/hedging.py). A peer
+        that answers pings is waited for up to `attempt.cap_s`; a silent one until its deadline."""
+        start_s = time.monotonic()
+        call = asyncio.ensure_future(self.client.call(peer, message, attempt.cap_s))
         times = self.call_times.get((stage, kind, peer))
 
         async def probe() -> list[tuple[int, str]]:
             return await self.silent_peers([(stage, peer)], ping_timeout_s(times))
 
-        if not await silent_while(call, check_after_s(times, wait_s), probe):
+        if not await silent_while(call, check_after_s(times, attempt.wait_s), probe):
             return await call, peer
+        call = asyncio.ensure_future(within_deadline(call, start_s + attempt.wait_s))
         other = self.table.choose(stage, num_samples, charge, exclude={peer})
         if other is None:  # nobody to hedge on: wait for the silent peer until its deadline
             return await call, peer
         self.treat_as_frozen([(stage, peer)])
         self.hedges += 1
-        copy = asyncio.ensure_future(self.client.call(other, _accumulating_nothing(message), wait_s))
+        copy = asyncio.ensure_future(self.client.call(other, _accumulating_nothing(message), attempt.wait_s))
         hedge_won, reply = await first_success(call, copy)
         self.hedges_won += hedge_won
         logger.info(
@@ -341,7 +349,7 @@ class _RelayPlan:
     async def send(self, attempt: Attempt) -> tuple[Message, str]:
         caller, stage, peer = self.caller, self.stage, attempt.peer
         reply, answered_by = await caller._hedged(
-            stage, self.kind, peer, self.message, attempt.wait_s, self.num_samples, self.cost
+            stage, self.kind, peer, self.message, attempt, self.num_samples, self.cost
         )
         if answered_by == peer:  # a hedge's time (started late) measures nobody's usual time
             elapsed_s = time.monotonic() - self._start_s
@@ -353,7 +361,7 @@ class _RelayPlan:
         return reply, answered_by
 
     def classify(self, exc: BaseException, attempt: Attempt) -> FailureAction:
-        return frozen_or(on_request_failure(exc), attempt.wait_s < attempt.cap_s)  # raises bugs
+        return frozen_or(on_request_failure(exc), isinstance(exc, SilentPastDeadline))  # raises bugs
 
     def retry_with(self, failure: FailureAction) -> None:
         message = self.message
