@@ -152,6 +152,7 @@ class ServerProcess:
             self.cfg.digest(),
             swarm.rebalance_period_s,
             swarm.rebalance_margin,
+            self.cfg.training.global_batch_size,
         )
 
     # the outer loop -----------------------------------------------------------------------------
