@@ -79,7 +79,9 @@ class ChainCaller:
         # chain waiting while the peers we would otherwise ping answer, and the wait past the deadline
         # is only for chains whose peers all answer (the likely cause of a 46.9 s stall in netbed chaos,
         # seed 0, that ended when a frozen stage-1 replica was resumed; docs/LOG.md)
-        waited_on = [(first, peer)] + [(stage, p) for stage, c in enumerate(route, start=first + 1) for p in c]
+        waited_on = [(first, peer)] + [
+            (stage, p) for stage, c in enumerate(route, start=first + 1) for p in c
+        ]
 
         async def probe() -> list[tuple[int, str]]:
             return await caller.silent_peers(waited_on, ping_timeout_s(times))
