@@ -120,12 +120,3 @@ def test_behind_nat_travels_in_the_announcement_and_an_older_record_means_public
     assert not table.can_hand_off(0, "P", "Q")  # two NATs, two LANs
     assert not table.can_hand_off(0, "P", "R")  # R is behind a NAT too and announces no LAN
     assert table.can_hand_off(0, "P", "S") and table.can_hand_off(0, "P", "unknown")
-
-
-def test_exchange_seconds_travel_in_the_announcement_and_a_bad_or_older_value_reads_as_none():
-    ann = StageAnnouncement(1, ["/ip4/203.0.113.7/tcp/1"], 10.0, 0, "d", 0, exchange_s=1.8)
-    assert StageAnnouncement.from_value(ann.to_value()).exchange_s == 1.8
-    older = {k: v for k, v in ann.to_value().items() if k != "exchange_s"}
-    assert StageAnnouncement.from_value(older).exchange_s == 0.0
-    for bad in (float("nan"), float("inf"), -1.0, 1e9, True, "2", None):
-        assert StageAnnouncement.from_value({**ann.to_value(), "exchange_s": bad}).exchange_s == 0.0, bad

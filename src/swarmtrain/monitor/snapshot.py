@@ -89,14 +89,7 @@ def _rebalance(cfg: RunConfig, announced: dict[int, dict], moves: dict[str, dict
     """The balancer's settings in the run file (a server's --rebalance-period-s overrides its period) and
     the plan every server computes on these records now (runtime/server/balancer.swarm_plan)."""
     swarm = cfg.swarm
-    plan = swarm_plan(
-        announced,
-        live_leases(moves),
-        swarm.num_stages,
-        cfg.digest(),
-        swarm.rebalance_margin,
-        cfg.training.global_batch_size,
-    )
+    plan = swarm_plan(announced, live_leases(moves), swarm.num_stages, cfg.digest(), swarm.rebalance_margin)
     return {
         "period_s": swarm.rebalance_period_s,
         "margin": swarm.rebalance_margin,

@@ -17,7 +17,6 @@ tolerates malformed values from other peers (skipped, never raised).
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -83,9 +82,6 @@ class StageAnnouncement:
     data_port: int = 0
     # what limits the announced throughput: compute, or a direction of its links (runtime/server/capacity.py)
     limit: str = "compute"
-    # seconds its stage's gradient exchange takes it per step (runtime/server/stage_steps.py): the
-    # balancer prices it (planner/rebalance.effective_capacity)
-    exchange_s: float = 0.0
 
     def to_value(self) -> dict:
         return asdict(self)
@@ -105,7 +101,6 @@ class StageAnnouncement:
                 behind_nat=value.get("behind_nat", False) is True,
                 data_port=_port(value.get("data_port", 0)),
                 limit=_limit(value.get("limit")),
-                exchange_s=_seconds(value.get("exchange_s", 0.0)),
             )
         except (KeyError, TypeError, ValueError):
             return None
@@ -117,17 +112,6 @@ LIMITS = (COMPUTE, UPLINK, DOWNLINK)
 def _limit(value) -> str:
     """The limiting resource a record names; anything else (an older record's none) reads as compute."""
     return value if value in LIMITS else "compute"
-
-
-MAX_EXCHANGE_S = 3600.0
-
-
-def _seconds(value) -> float:
-    """A duration from a record: finite, 0 to `MAX_EXCHANGE_S`; anything else reads as 0, like an older
-    record's none."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        return 0.0
-    return float(value) if 0 <= value <= MAX_EXCHANGE_S else 0.0
 
 
 def _port(value) -> int:

@@ -10,8 +10,7 @@ The rule for one move (`choose_move`):
 - a candidate is a peer p of another stage a that keeps at least `min_peers_per_stage` serving peers
   after the move and can serve b (positive throughput there);
 - hysteresis: after the move the donor must stay *above* the old bottleneck by the margin,
-  `C_a - thr_p > C_b * (1 + margin)`, and the target must gain (with exchanges priced, a mover whose
-  exchange is slow can cost a stage more than its samples add). So a move always raises the pair's minimum strictly above the old
+  `C_a - thr_p > C_b * (1 + margin)`. So a move always raises the pair's minimum strictly above the old
   minimum; capacities sorted ascending increase lexicographically with every move, hence no sequence
   of moves on unchanged data can cycle (in particular no ping-pong between two equal stages, which the
   naive "move from most loaded to least loaded" rule does);
@@ -22,18 +21,6 @@ The rule for one move (`choose_move`):
   picking strictly by the largest minimum named a different mover in every server's plan (proposals
   withdrawn and made again for 13 s before a plan of 3 moves was committed, bench/rebalance_live.py).
   Every candidate in the band still raises the pair's minimum above the old bottleneck.
-
-With `RebalanceConfig.batch_samples` (the live balancer: servers step synchronously), a stage's capacity
-also pays the gradient exchange its members measured per step (`effective_capacity`): on the test bed's
-link fleet with fp32 sums, the swarm ran at ~100 samples/s with both stages' summed figures at 650-790,
-because stage 1's exchange over 4 Mbit/s links took ~2 s of every 5 s step; the plan then took stage 0
-(one server) for the bottleneck and moved a slow-linked stage-1 server there, and the swarm fell to
-40-50 (bench/rebalance_live.py; docs/LOG.md). A mover takes its own exchange time along; the other
-members' times are taken as unchanged by a move. With the all-to-all exchange a member more costs each
-member of the target a little more and a member fewer saves the donor's a little, so the plan slightly
-overrates the target after a move and underrates the donor: never a move the margin would refuse for
-the donor's sake. The hysteresis argument above holds as it is: a stage's capacity is a function of
-its members' figures alone.
 
 A peer's throughput at another stage comes from `throughput_by_stage` when the caller knows it (the
 simulator does), otherwise it is scaled by relative stage cost (compute per sample), defaulting to equal
@@ -59,7 +46,6 @@ class PeerLoad:
     queue_len: float = 0.0
     throughput_by_stage: tuple[float, ...] | None = None  # samples/s it would reach at each stage
     pending: bool = False
-    exchange_s: float = 0.0  # seconds its stage's gradient exchange takes it per step, as it measured
 
 
 @dataclass(frozen=True)
@@ -67,9 +53,6 @@ class RebalanceConfig:
     margin: float = 0.1  # hysteresis: the donor must stay above the old bottleneck by this fraction
     min_peers_per_stage: int = 1
     mover_tolerance: float = 0.2  # candidates within this fraction of the best move are equal (by peer id)
-    # samples per optimizer step: with it, a stage's capacity pays its members' step exchange
-    # (`effective_capacity`); 0 prices no exchange (the simulator's rates already include it)
-    batch_samples: int = 0
 
     def __post_init__(self) -> None:
         if self.margin < 0:
@@ -78,8 +61,6 @@ class RebalanceConfig:
             raise ValueError("min_peers_per_stage must be >= 1 (a stage must never be emptied)")
         if not 0 <= self.mover_tolerance < 1:
             raise ValueError("mover_tolerance must be in [0, 1)")
-        if self.batch_samples < 0:
-            raise ValueError("batch_samples must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -92,28 +73,11 @@ class Move:
     rate_samples_per_s: float = 0.0  # the mover's expected throughput at the target stage
 
 
-def effective_capacity(samples_per_s: float, exchange_weight: float, batch_samples: int) -> float:
-    """A stage's samples/s when its members serve `samples_per_s` together and each step also waits
-    for their gradient exchange, which nothing overlaps (synchronous steps): `exchange_weight` is the
-    sum over members of samples/s x exchange seconds, so the wait is their mean weighted by what each
-    serves. batch / (batch / samples_per_s + wait); `samples_per_s` itself when `batch_samples` is 0."""
-    if batch_samples <= 0 or samples_per_s <= 0:
-        return samples_per_s
-    return batch_samples / (batch_samples / samples_per_s + exchange_weight / samples_per_s)
-
-
-def _stage_sums(loads: Sequence[PeerLoad], num_stages: int) -> tuple[list[float], list[float]]:
-    """Per stage: the members' samples/s, and their sum of samples/s x exchange seconds."""
-    rates, weights = [0.0] * num_stages, [0.0] * num_stages
+def stage_capacities(loads: Sequence[PeerLoad], num_stages: int) -> list[float]:
+    capacities = [0.0] * num_stages
     for load in loads:
-        rates[load.stage] += load.throughput_samples_per_s
-        weights[load.stage] += load.throughput_samples_per_s * load.exchange_s
-    return rates, weights
-
-
-def stage_capacities(loads: Sequence[PeerLoad], num_stages: int, batch_samples: int = 0) -> list[float]:
-    rates, weights = _stage_sums(loads, num_stages)
-    return [effective_capacity(r, w, batch_samples) for r, w in zip(rates, weights, strict=True)]
+        capacities[load.stage] += load.throughput_samples_per_s
+    return capacities
 
 
 def stage_queues(loads: Sequence[PeerLoad], num_stages: int) -> list[float]:
@@ -161,9 +125,7 @@ def choose_move(
     """At most one move toward the bottleneck stage, or None (see the module docstring for the rule)."""
     if num_stages < 2 or not loads:
         return None
-    batch = config.batch_samples
-    rates, weights = _stage_sums(loads, num_stages)
-    capacities = [effective_capacity(r, w, batch) for r, w in zip(rates, weights, strict=True)]
+    capacities = stage_capacities(loads, num_stages)
     queues = stage_queues(loads, num_stages)
     target = bottleneck_stage(capacities, queues)
     serving = [0] * num_stages
@@ -177,14 +139,10 @@ def choose_move(
         if load.pending or source == target or serving[source] - 1 < config.min_peers_per_stage:
             continue
         gain = rate_at(load, target, stage_cost)
-        rate, exchange_s = load.throughput_samples_per_s, load.exchange_s
-        donor_after = effective_capacity(rates[source] - rate, weights[source] - rate * exchange_s, batch)
+        donor_after = capacities[source] - load.throughput_samples_per_s
         if gain <= 0 or donor_after <= floor:
             continue
-        target_after = effective_capacity(rates[target] + gain, weights[target] + gain * exchange_s, batch)
-        if target_after <= capacities[target]:  # its exchange would cost the target more than it adds
-            continue
-        pair_min = min(donor_after, target_after)
+        pair_min = min(donor_after, capacities[target] + gain)
         candidates.append(Move(load.peer, source, target, capacities[target], pair_min, gain))
     if not candidates:
         return None

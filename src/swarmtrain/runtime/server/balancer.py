@@ -49,16 +49,11 @@ def loads_from_announcements(announced: dict[int, dict], digest: str) -> list[Pe
             if (
                 a.config_digest == digest
                 and a.state in ("online", "joining")
-                and _finite_nonnegative(a.throughput_samples_per_s, a.queue_len, a.exchange_s)
+                and _finite_nonnegative(a.throughput_samples_per_s, a.queue_len)
             ):
                 loads.append(
                     PeerLoad(
-                        peer,
-                        stage,
-                        a.throughput_samples_per_s,
-                        a.queue_len,
-                        pending=a.state == "joining",
-                        exchange_s=a.exchange_s,
+                        peer, stage, a.throughput_samples_per_s, a.queue_len, pending=a.state == "joining"
                     )
                 )
     return loads
@@ -86,22 +81,16 @@ def with_leases(loads: list[PeerLoad], leases: dict[str, dict]) -> list[PeerLoad
 
 
 def swarm_plan(
-    announced: dict[int, dict],
-    leases: dict[str, dict],
-    num_stages: int,
-    digest: str,
-    margin: float,
-    batch_samples: int = 0,
+    announced: dict[int, dict], leases: dict[str, dict], num_stages: int, digest: str, margin: float
 ) -> list[Move]:
     """The moves the balancer plans, every server's and `swarmtrain status`'s alike: on the stages'
     announcements (stage -> peer -> StageAnnouncement), with every valid lease in `leases` counted as a
-    move already made; `batch_samples` (the run's global batch) prices each stage's step exchange."""
+    move already made."""
     loads = loads_from_announcements(announced, digest)
     costs = relative_stage_costs(loads, num_stages)
     leases = {peer: lease for peer, lease in leases.items() if valid_lease(lease, num_stages)}
     loads = with_leases(loads, leases)
-    config = RebalanceConfig(margin, batch_samples=batch_samples)
-    return plan_moves(loads, num_stages, config, costs, max_moves=len(loads))
+    return plan_moves(loads, num_stages, RebalanceConfig(margin), costs, max_moves=len(loads))
 
 
 def live_leases(moves: dict[str, dict]) -> dict[str, dict]:
@@ -137,7 +126,6 @@ class Balancer:
     digest: str
     period_s: float
     margin: float
-    batch_samples: int = 0  # the run's global batch: each stage's step exchange is priced per step
     serving_since_s: float | None = None
     # between proposing and committing: a proposal another server stores meanwhile becomes visible.
     # Without it two servers deciding 1 s apart each re-read before the other's store and both moved
@@ -212,7 +200,7 @@ class Balancer:
             for peer, lease in records.moves().items()
             if peer != self.peer_id and valid_lease(lease, self.num_stages) and counts(peer, lease)
         }
-        plan = swarm_plan(announced, leases, self.num_stages, self.digest, self.margin, self.batch_samples)
+        plan = swarm_plan(announced, leases, self.num_stages, self.digest, self.margin)
         self.last_plan = [f"{str(m.peer)[-8:]}:{m.from_stage}->{m.to_stage}" for m in plan]
         return next((move for move in plan if move.peer == self.peer_id), None)
 

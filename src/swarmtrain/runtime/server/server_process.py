@@ -152,7 +152,6 @@ class ServerProcess:
             self.cfg.digest(),
             swarm.rebalance_period_s,
             swarm.rebalance_margin,
-            self.cfg.training.global_batch_size,
         )
 
     # the outer loop -----------------------------------------------------------------------------

@@ -94,7 +94,6 @@ def announcement_of(snap: StageSnapshot, state: str | None = None) -> StageAnnou
         behind_nat=snap.behind_nat,
         data_port=snap.data_port,
         limit=snap.limit,
-        exchange_s=float(snap.steps.get("mean_exchange_s", 0.0)),
     )
 
 

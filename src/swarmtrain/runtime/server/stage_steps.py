@@ -432,7 +432,6 @@ class StepCoordinator:
         c.solo_steps += len(contributions) <= 1
         c.last_group_size = len(contributions)
         c.last_exchange_s = time.monotonic() - start_s
-        c.mean_exchange_s = smoothed_exchange_s(c.mean_exchange_s, c.last_exchange_s, first=c.steps == 1)
         group = {p: n for p, (n, _) in contributions.items()}
         self.ledger.write(
             "step",
@@ -540,11 +539,3 @@ class SumsOut:
 
 def _counts(state: PendingStep) -> dict[str, int]:
     return {peer: samples for peer, (samples, _) in state.received.items()}
-
-
-EXCHANGE_EWMA_WEIGHT = 0.3  # ~the last 6 steps: a figure that follows a move within a minute or two
-
-
-def smoothed_exchange_s(mean_s: float, last_s: float, first: bool) -> float:
-    """The announced exchange seconds per step: an exponentially weighted mean (the first step's alone)."""
-    return last_s if first else mean_s + EXCHANGE_EWMA_WEIGHT * (last_s - mean_s)

@@ -50,8 +50,6 @@ class StepCounters:
     unconfirmed_samples: int = 0  # accumulated here, but no trainer listed this replica
     last_group_size: int = 0
     last_exchange_s: float = 0.0
-    # what a step's exchange costs this replica, smoothed (announced: the balancer prices it per step)
-    mean_exchange_s: float = 0.0
     clipped_contributions: int = 0  # a replica's sums far above the others' (net/robust.py)
     replayed_steps: int = 0  # steps this replica missed and applied from a peer's mean gradients
     refused_closes: int = 0  # closes not kept: an applied step, too far ahead, or too many senders
