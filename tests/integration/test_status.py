@@ -1,5 +1,5 @@
 """`swarmtrain status --json` against a live local swarm: the shape the issue names, every announced
-peer, the trainer, and the bottleneck."""
+peer, the trainer, the bottleneck, and the rate the swarm runs at."""
 
 import json
 import subprocess
@@ -24,7 +24,9 @@ def test_status_json_against_a_live_swarm(make_swarm):
         out = subprocess.run(command, capture_output=True, text=True, timeout=90)
         assert out.returncode == 0, out.stderr[-2000:]
         snap = json.loads(out.stdout)
-        if snap["trainers"] and [len(s["peers"]) for s in snap["stages"]] == [2, 1]:
+        # the swarm's rate is known once replicas applied a few steps (runtime/server/step_rate.py)
+        running = snap["rebalance"]["observed_samples_per_s"]
+        if snap["trainers"] and [len(s["peers"]) for s in snap["stages"]] == [2, 1] and running:
             break
         assert time.monotonic() < deadline, snap
         time.sleep(1)

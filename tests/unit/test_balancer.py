@@ -5,7 +5,13 @@ two periods."""
 import pytest
 
 from swarmtrain.net.dht_records import StageAnnouncement
-from swarmtrain.runtime.server.balancer import Balancer, loads_from_announcements, valid_lease
+from swarmtrain.runtime.server.balancer import (
+    Balancer,
+    loads_from_announcements,
+    observed_samples_per_s,
+    swarm_plan,
+    valid_lease,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -199,3 +205,36 @@ def test_joining_peers_count_as_pending_and_foreign_or_offline_peers_not_at_all(
     assert [load.pending for load in loads if load.peer == "j"] == [True]
     # a joiner already on its way to stage 1 makes it 20 vs 20: nobody moves
     assert all(balancer(p).decide(Records(peers), now_s=100.0) is None for p in "abd")
+
+
+def test_the_swarms_observed_rate_is_the_median_of_its_online_replicas_figures():
+    def at(rate, digest="d", state="online"):
+        a = ann(0, 10.0, digest, state)
+        a.swarm_samples_per_s = rate
+        return a
+
+    announced = {0: {"a": at(90.0), "b": at(100.0), "c": at(0.0)}, 1: {"d": at(400.0), "e": at(1.0, "x")}}
+    assert observed_samples_per_s(announced, "d") == 100.0  # c knows nothing; e runs another config
+    announced[1]["f"] = at(5.0, state="joining")
+    assert observed_samples_per_s(announced, "d") == 100.0
+    assert observed_samples_per_s({0: {"c": at(0.0)}}, "d") is None
+
+
+def test_a_swarm_far_below_its_capacities_makes_no_move_that_barely_lifts_the_bottleneck():
+    """The fp32 link fleet after its first move (planner test of the same loads): with the rate every
+    replica announces, nobody is named; without it (older records), y is."""
+
+    def at(stage, capacity, rate):
+        a = ann(stage, capacity)
+        a.swarm_samples_per_s = rate
+        return a
+
+    fleet = {
+        0: {"a": at(0, 646.0, 100.0)},
+        1: {"b": at(1, 700.0, 100.0), "y": at(1, 20.0, 98.0), "z": at(1, 73.0, 101.0)},
+    }
+    assert swarm_plan(fleet, {}, 2, "d", 0.1) == []
+    for peers in fleet.values():
+        for a in peers.values():
+            a.swarm_samples_per_s = 0.0
+    assert [m.peer for m in swarm_plan(fleet, {}, 2, "d", 0.1)] == ["y"]

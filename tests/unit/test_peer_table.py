@@ -120,3 +120,13 @@ def test_behind_nat_travels_in_the_announcement_and_an_older_record_means_public
     assert not table.can_hand_off(0, "P", "Q")  # two NATs, two LANs
     assert not table.can_hand_off(0, "P", "R")  # R is behind a NAT too and announces no LAN
     assert table.can_hand_off(0, "P", "S") and table.can_hand_off(0, "P", "unknown")
+
+
+def test_the_swarms_rate_travels_in_the_announcement_and_a_bad_or_older_value_reads_as_unknown():
+    ann = StageAnnouncement(1, ["/ip4/203.0.113.7/tcp/1"], 10.0, 0, "d", 0, swarm_samples_per_s=98.5)
+    assert StageAnnouncement.from_value(ann.to_value()).swarm_samples_per_s == 98.5
+    older = {k: v for k, v in ann.to_value().items() if k != "swarm_samples_per_s"}
+    assert StageAnnouncement.from_value(older).swarm_samples_per_s == 0.0
+    for bad in (float("nan"), float("inf"), -1.0, 1e12, True, "2", None):
+        value = {**ann.to_value(), "swarm_samples_per_s": bad}
+        assert StageAnnouncement.from_value(value).swarm_samples_per_s == 0.0, bad

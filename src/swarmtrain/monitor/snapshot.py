@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 
 from swarmtrain.config import RunConfig
-from swarmtrain.runtime.server.balancer import live_leases, swarm_plan
+from swarmtrain.runtime.server.balancer import live_leases, observed_samples_per_s, swarm_plan
 
 # what servers publish in their metrics record (runtime/server/server_metrics.py) that the monitor shows
 SERVER_KEYS = ("stage", "step", "resyncs", "lost_samples", "duplicates", "recomputed", "late", "moved")
@@ -80,6 +80,10 @@ def work_totals(trainers: list[dict], servers: list[dict]) -> dict:
     }
 
 
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 2)
+
+
 def _total(values) -> int | float | None:
     numbers = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
     return sum(numbers) if numbers else None
@@ -93,6 +97,7 @@ def _rebalance(cfg: RunConfig, announced: dict[int, dict], moves: dict[str, dict
     return {
         "period_s": swarm.rebalance_period_s,
         "margin": swarm.rebalance_margin,
+        "observed_samples_per_s": _rounded(observed_samples_per_s(announced, cfg.digest())),
         "plan": [
             {
                 "peer_id": move.peer,
@@ -189,4 +194,6 @@ def format_plan(rebalance: dict) -> str:
     if rebalance["period_s"] <= 0:
         return "rebalancing: off (period 0)"
     moves = ", ".join(f"{m['peer_id'][-8:]} {m['from']}->{m['to']}" for m in rebalance["plan"])
-    return f"rebalancing every {rebalance['period_s']:g} s: the plan is {moves or 'no move'}"
+    observed = rebalance.get("observed_samples_per_s")  # an older snapshot has none
+    running = "" if observed is None else f" (the swarm runs at {observed:g} samples/s)"
+    return f"rebalancing every {rebalance['period_s']:g} s{running}: the plan is {moves or 'no move'}"

@@ -17,6 +17,7 @@ tolerates malformed values from other peers (skipped, never raised).
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -82,6 +83,9 @@ class StageAnnouncement:
     data_port: int = 0
     # what limits the announced throughput: compute, or a direction of its links (runtime/server/capacity.py)
     limit: str = "compute"
+    # the swarm's samples per second as this replica's applied steps show it (runtime/server/step_rate.py);
+    # 0: not known. The balancer models what its stages' capacities do not explain (planner/rebalance.py)
+    swarm_samples_per_s: float = 0.0
 
     def to_value(self) -> dict:
         return asdict(self)
@@ -101,6 +105,7 @@ class StageAnnouncement:
                 behind_nat=value.get("behind_nat", False) is True,
                 data_port=_port(value.get("data_port", 0)),
                 limit=_limit(value.get("limit")),
+                swarm_samples_per_s=_rate(value.get("swarm_samples_per_s", 0.0)),
             )
         except (KeyError, TypeError, ValueError):
             return None
@@ -112,6 +117,17 @@ LIMITS = (COMPUTE, UPLINK, DOWNLINK)
 def _limit(value) -> str:
     """The limiting resource a record names; anything else (an older record's none) reads as compute."""
     return value if value in LIMITS else "compute"
+
+
+MAX_RATE_SAMPLES_PER_S = 1e9
+
+
+def _rate(value) -> float:
+    """A rate from a record: finite, 0 to `MAX_RATE_SAMPLES_PER_S`; anything else reads as 0 (not known),
+    like an older record's none."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return 0.0
+    return float(value) if 0 <= value <= MAX_RATE_SAMPLES_PER_S else 0.0
 
 
 def _port(value) -> int:

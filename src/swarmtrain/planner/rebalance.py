@@ -22,6 +22,23 @@ The rule for one move (`choose_move`):
   withdrawn and made again for 13 s before a plan of 3 moves was committed, bench/rebalance_live.py).
   Every candidate in the band still raises the pair's minimum above the old bottleneck.
 
+What the swarm really runs at (`plan_moves(observed_samples_per_s=...)`, the live balancer): the
+capacities say what each stage could serve, but a swarm of synchronous steps also waits at every step
+for work no stage's figure carries (the pipeline's drain, a stage's gradient exchange): on the test bed's
+link fleet with fp32 sums the swarm ran at ~100 samples/s while its stages' sums were 646 and ~790,
+because stage 1's exchange over 4 Mbit/s links took ~2 of every ~5 s step. The plan then took stage 0
+for the bottleneck by 8%, moved a slow-linked server there, and the swarm fell to 40 (docs/LOG.md).
+So the swarm's seconds per sample are modelled as 1 / (lowest capacity) + an overhead, the overhead
+being what the observed rate leaves over (`step_overhead_s`), taken as unchanged by a move; a plan's
+moves are kept only in groups that each raise the predicted samples/s by `min_gain` (5%) over the
+group before (`worthwhile_moves`). That move above would have gained under 2%. Groups, not single moves:
+with two stages tied for the bottleneck the first move alone raises nothing. Dropping moves from a
+plan's end cannot create a cycle, so the argument above holds. Pricing each member's exchange into its
+stage's capacity instead (an announced `exchange_s`) was tried and reverted: on `tiny` with a batch of
+32 the seconds from sealing a step to applying it are mostly noisy optimizer work, and the pricing
+moved a server back (docs/LOG.md, 2026-11-26). The simulator passes no observed rate: its rates
+already take the exchange off the links.
+
 A peer's throughput at another stage comes from `throughput_by_stage` when the caller knows it (the
 simulator does), otherwise it is scaled by relative stage cost (compute per sample), defaulting to equal
 costs; `relative_stage_costs` estimates those costs from what the peers announce (the live balancer). `pending` peers are on their way into a stage (downloading its state): they count toward its
@@ -53,6 +70,8 @@ class RebalanceConfig:
     margin: float = 0.1  # hysteresis: the donor must stay above the old bottleneck by this fraction
     min_peers_per_stage: int = 1
     mover_tolerance: float = 0.2  # candidates within this fraction of the best move are equal (by peer id)
+    # with the swarm's observed rate: each group of moves must raise its predicted samples/s this much
+    min_gain: float = 0.05
 
     def __post_init__(self) -> None:
         if self.margin < 0:
@@ -61,6 +80,8 @@ class RebalanceConfig:
             raise ValueError("min_peers_per_stage must be >= 1 (a stage must never be emptied)")
         if not 0 <= self.mover_tolerance < 1:
             raise ValueError("mover_tolerance must be in [0, 1)")
+        if self.min_gain < 0:
+            raise ValueError("min_gain must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -159,14 +180,18 @@ def plan_moves(
     config: RebalanceConfig = RebalanceConfig(),
     stage_cost: Sequence[float] | None = None,
     max_moves: int = 1,
+    observed_samples_per_s: float | None = None,
 ) -> list[Move]:
     """Apply `choose_move` up to `max_moves` times, each time on the loads as the previous moves leave them.
 
     A moved peer becomes pending in its target stage (counted there, never moved again in this plan),
-    so a batch of moves cannot overshoot. With `max_moves=1` this is exactly `choose_move`.
+    so a batch of moves cannot overshoot. With `observed_samples_per_s` (what the swarm runs at now)
+    only the moves worth their cost are kept (`worthwhile_moves`). With `max_moves=1` and no observed
+    rate this is exactly `choose_move`.
     """
     current = list(loads)
     moves: list[Move] = []
+    capacities = [stage_capacities(current, num_stages)]
     for _ in range(max_moves):
         move = choose_move(current, num_stages, config, stage_cost)
         if move is None:
@@ -182,7 +207,42 @@ def plan_moves(
                     pending=True,
                 )
                 break
-    return moves
+        capacities.append(stage_capacities(current, num_stages))
+    if observed_samples_per_s is None:
+        return moves
+    return moves[: worthwhile_moves(capacities, observed_samples_per_s, config.min_gain)]
+
+
+def step_overhead_s(capacities: Sequence[float], observed_samples_per_s: float) -> float | None:
+    """Seconds per sample the swarm spends beyond its bottleneck stage's work: 1 / observed - 1 / lowest
+    capacity, at least 0; None when either rate is not positive (nothing to model)."""
+    low = min(capacities, default=0.0)
+    if low <= 0 or not observed_samples_per_s > 0:
+        return None
+    return max(0.0, 1 / observed_samples_per_s - 1 / low)
+
+
+def predicted_samples_per_s(capacities: Sequence[float], overhead_s: float) -> float:
+    """The swarm's samples/s with these stage capacities and `overhead_s` per sample on top."""
+    low = min(capacities)
+    return 0.0 if low <= 0 else 1 / (1 / low + overhead_s)
+
+
+def worthwhile_moves(
+    capacities: Sequence[Sequence[float]], observed_samples_per_s: float, min_gain: float
+) -> int:
+    """How many of a plan's moves to make: `capacities[k]` are the stages' capacities after its first k
+    moves. Moves are taken in groups, each raising the predicted samples/s by `min_gain` over the last
+    group's (module docstring); all of them when the overhead cannot be modelled."""
+    overhead_s = step_overhead_s(capacities[0], observed_samples_per_s)
+    if overhead_s is None:
+        return len(capacities) - 1
+    kept, kept_rate = 0, predicted_samples_per_s(capacities[0], overhead_s)
+    for k in range(1, len(capacities)):
+        rate = predicted_samples_per_s(capacities[k], overhead_s)
+        if rate >= kept_rate * (1 + min_gain):
+            kept, kept_rate = k, rate
+    return kept
 
 
 def relative_stage_costs(loads: Sequence[PeerLoad], num_stages: int) -> list[float] | None:

@@ -78,7 +78,7 @@ def frame(sim, now_s: float, samples_per_s: float) -> dict:
         "replicas": [],
         "servers": [],
         "moves": [],
-        "rebalance": _rebalance(sim),
+        "rebalance": _rebalance(sim, samples_per_s),
         "work": {
             "microbatches_completed": None,
             "microbatches_failed": None,
@@ -92,13 +92,15 @@ def frame(sim, now_s: float, samples_per_s: float) -> dict:
     }
 
 
-def _rebalance(sim) -> dict:
-    """The policy's settings and the plan it makes now, as `swarmtrain status` shows a live swarm's."""
+def _rebalance(sim, samples_per_s: float) -> dict:
+    """The policy's settings and the plan it makes now, as `swarmtrain status` shows a live swarm's (the
+    simulator plans on its peers' rates alone: they already take the step's exchange off the links)."""
     moving = isinstance(sim, SwarmSimulation) and sim.rebalance
     plan = sim.rebalance_plan() if moving else []
     return {
         "period_s": sim.config.rebalance_period_s if moving else 0.0,
         "margin": sim.config.rebalance_margin,
+        "observed_samples_per_s": round(float(samples_per_s), 2),
         "plan": [
             {
                 "peer_id": sim.peers[move.peer].spec.peer_id,

@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -85,12 +86,25 @@ def swarm_plan(
 ) -> list[Move]:
     """The moves the balancer plans, every server's and `swarmtrain status`'s alike: on the stages'
     announcements (stage -> peer -> StageAnnouncement), with every valid lease in `leases` counted as a
-    move already made."""
+    move already made, and only moves worth their cost at the rate the swarm runs at."""
     loads = loads_from_announcements(announced, digest)
     costs = relative_stage_costs(loads, num_stages)
     leases = {peer: lease for peer, lease in leases.items() if valid_lease(lease, num_stages)}
     loads = with_leases(loads, leases)
-    return plan_moves(loads, num_stages, RebalanceConfig(margin), costs, max_moves=len(loads))
+    observed = observed_samples_per_s(announced, digest)
+    return plan_moves(loads, num_stages, RebalanceConfig(margin), costs, len(loads), observed)
+
+
+def observed_samples_per_s(announced: dict[int, dict], digest: str) -> float | None:
+    """What the swarm runs at: the median of its serving replicas' figures (each from the steps it
+    applied; a median, so one replica's odd figure does not move it); None when nobody knows."""
+    figures = [
+        a.swarm_samples_per_s
+        for peers in announced.values()
+        for a in peers.values()
+        if a.config_digest == digest and a.state == "online" and a.swarm_samples_per_s > 0
+    ]
+    return statistics.median(figures) if figures else None
 
 
 def live_leases(moves: dict[str, dict]) -> dict[str, dict]:

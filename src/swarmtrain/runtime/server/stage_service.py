@@ -487,6 +487,7 @@ class StageService:
             compute_samples_per_s=self.capacity.samples_per_work_s,
             uplink_samples_per_s=links.uplink_samples_per_s,
             downlink_samples_per_s=links.downlink_samples_per_s,
+            swarm_samples_per_s=self.steps.step_rate.samples_per_s(time.monotonic()),
             queue_len=self.compute.queue_len,
             busy_s=self.compute.busy_s,
             work_s=self._work_s() if work_s is None else work_s,

@@ -50,6 +50,7 @@ class StageSnapshot:
     compute_samples_per_s: float | None = None
     uplink_samples_per_s: float | None = None
     downlink_samples_per_s: float | None = None
+    swarm_samples_per_s: float = 0.0  # the swarm's rate as the steps applied here show it (0: not known)
 
 
 def info_header(snap: StageSnapshot, names: list[str]) -> dict:
@@ -94,6 +95,7 @@ def announcement_of(snap: StageSnapshot, state: str | None = None) -> StageAnnou
         behind_nat=snap.behind_nat,
         data_port=snap.data_port,
         limit=snap.limit,
+        swarm_samples_per_s=snap.swarm_samples_per_s,
     )
 
 

@@ -73,6 +73,7 @@ from swarmtrain.runtime.server.compute import PRIORITY_SYNC, ComputeWorker
 from swarmtrain.runtime.server.stage_members import LiveReplicas, Verify
 from swarmtrain.runtime.server.stage_worker import StageWorker
 from swarmtrain.runtime.server.step_inbox import PendingStep, StepCounters, StepInbox, short
+from swarmtrain.runtime.server.step_rate import StepRate
 from swarmtrain.runtime.server.step_versions import VersionGate
 from swarmtrain.runtime.server.sums_codec import SumsCodec, WireSums
 from swarmtrain.utils.logging import get_logger
@@ -135,6 +136,7 @@ class StepCoordinator:
         self.ledger = ledger or Ledger(None)
         self.on_step = on_step  # after every step (applied or skipped) with the new parameters' fingerprint
         self.counters = StepCounters()
+        self.step_rate = StepRate()  # the swarm's samples/s as the steps applied here show it (announced)
         # the closes and sums heard, by step (`on_close`, `on_grads`): what the step loop decides on
         self.inbox = StepInbox(
             lambda: self.worker.epoch, peer_id, self.counters, live_replicas, verify, close_window
@@ -277,6 +279,7 @@ class StepCoordinator:
         bucket = await self._on_compute(lambda: self.worker.seal(step))
         if self.worker.outer is not None:
             await self._finish_local(state, start, bucket, start_s)
+            self.step_rate.applied(sum(start.members.values()), time.monotonic())
             return
         sums = await self._on_compute(lambda: self.sums_codec.encode(bucket.grad_sums))
         answered, final = await self._exchange(state, start, bucket.samples, sums)
@@ -287,6 +290,8 @@ class StepCoordinator:
             self.counters.partial_exchanges += 1
             logger.warning("step %d: no gradients from %s; stepping without them", step, list(missing))
         await self._apply(step, contributions, bucket.micro_batch_ids, start_s)
+        # the close's count: the whole swarm's samples of the step, whoever of this stage sent sums
+        self.step_rate.applied(sum(final.members.values()), time.monotonic())
 
     async def _exchange(
         self, state: PendingStep, start: StepDecision, own: int, sums: WireSums
