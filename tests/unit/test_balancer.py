@@ -220,21 +220,25 @@ def test_the_swarms_observed_rate_is_the_median_of_its_online_replicas_figures()
     assert observed_samples_per_s({0: {"c": at(0.0)}}, "d") is None
 
 
-def test_a_swarm_far_below_its_capacities_makes_no_move_that_barely_lifts_the_bottleneck():
-    """The fp32 link fleet after its first move (planner test of the same loads): with the rate every
-    replica announces, nobody is named; without it (older records), y is."""
+def test_an_idling_bottleneck_makes_no_move_that_barely_lifts_it():
+    """The fp32 link fleet after its first move (planner test of the same loads): with the busy fractions
+    every replica announces, nobody is named and the log says what was held back; without them (older
+    records), y is."""
 
-    def at(stage, capacity, rate):
+    def at(stage, capacity, busy):
         a = ann(stage, capacity)
-        a.swarm_samples_per_s = rate
+        a.utilization = busy
         return a
 
     fleet = {
-        0: {"a": at(0, 646.0, 100.0)},
-        1: {"b": at(1, 700.0, 100.0), "y": at(1, 20.0, 98.0), "z": at(1, 73.0, 101.0)},
+        0: {"a": at(0, 646.0, 0.3)},
+        1: {"b": at(1, 700.0, 0.3), "y": at(1, 20.0, 0.9), "z": at(1, 73.0, 0.9)},
     }
     assert swarm_plan(fleet, {}, 2, "d", 0.1) == []
+    y = balancer("y")
+    assert y.decide(Records(fleet), now_s=100.0) is None
+    assert y.last_plan == ["(held back, the bottleneck busy 30% of the time: y:1->0)"]
     for peers in fleet.values():
         for a in peers.values():
-            a.swarm_samples_per_s = 0.0
+            a.utilization = 0.0
     assert [m.peer for m in swarm_plan(fleet, {}, 2, "d", 0.1)] == ["y"]

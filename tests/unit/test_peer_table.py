@@ -130,3 +130,13 @@ def test_the_swarms_rate_travels_in_the_announcement_and_a_bad_or_older_value_re
     for bad in (float("nan"), float("inf"), -1.0, 1e12, True, "2", None):
         value = {**ann.to_value(), "swarm_samples_per_s": bad}
         assert StageAnnouncement.from_value(value).swarm_samples_per_s == 0.0, bad
+
+
+def test_the_busy_fraction_travels_in_the_announcement_and_a_bad_or_older_value_reads_as_unknown():
+    ann = StageAnnouncement(1, ["/ip4/203.0.113.7/tcp/1"], 10.0, 0, "d", 0, utilization=0.42)
+    assert StageAnnouncement.from_value(ann.to_value()).utilization == 0.42
+    older = {k: v for k, v in ann.to_value().items() if k != "utilization"}
+    assert StageAnnouncement.from_value(older).utilization == 0.0
+    for bad in (float("nan"), float("inf"), -0.1, 1.5, True, "0.5", None):
+        value = {**ann.to_value(), "utilization": bad}
+        assert StageAnnouncement.from_value(value).utilization == 0.0, bad

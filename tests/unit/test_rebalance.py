@@ -1,6 +1,7 @@
 """The pure rebalancing policy on hand-made loads."""
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -8,12 +9,12 @@ from swarmtrain.planner.rebalance import (
     PeerLoad,
     RebalanceConfig,
     bottleneck_stage,
+    bottleneck_utilization,
     choose_move,
     plan_moves,
     relative_stage_costs,
     stage_capacities,
     stage_for_new_peer,
-    step_overhead_s,
     worthwhile_moves,
 )
 
@@ -181,76 +182,77 @@ def test_stage_for_new_peer_is_the_bottleneck_it_can_serve():
 
 
 # The link fleet of bench/rebalance_live.py with fp32 sums after its first move: a alone on stage 0,
-# b (unlimited) and the slow-linked y and z on stage 1, while the swarm ran at ~100 samples/s.
+# b (unlimited) and the slow-linked y and z on stage 1, while the swarm ran at ~100 samples/s: a's
+# compute busy ~30% of the time (the rest of each ~5 s step went to stage 1's exchange).
 LINK_FLEET_AFTER = [
-    PeerLoad("a", 0, 646.0),
-    PeerLoad("b", 1, 700.0),
-    PeerLoad("y", 1, 20.0),
-    PeerLoad("z", 1, 73.0),
+    PeerLoad("a", 0, 646.0, utilization=0.3),
+    PeerLoad("b", 1, 700.0, utilization=0.3),
+    PeerLoad("y", 1, 20.0, utilization=0.9),
+    PeerLoad("z", 1, 73.0, utilization=0.9),
 ]
 
 
-def test_a_move_that_barely_lifts_the_bottleneck_is_not_made_when_the_swarm_runs_far_below_it():
-    """Live, this plan moved y to stage 0 and the swarm fell from ~100 to ~40 samples/s: stage 1's
-    exchange, in no capacity, held ~2 s of every 5 s step. Modelled, the move gains 0.5%."""
+def test_a_move_that_barely_lifts_an_idling_bottleneck_is_not_made():
+    """Live, this plan moved y to stage 0 and the swarm fell from ~100 to ~40 samples/s. Weighed by the
+    bottleneck's 30% busy time, lifting it from 646 to 666 gains the swarm under 1%."""
     moved = plan_moves(LINK_FLEET_AFTER, 2, max_moves=4)
     assert [(m.peer, m.from_stage, m.to_stage) for m in moved] == [("y", 1, 0)]
-    assert plan_moves(LINK_FLEET_AFTER, 2, max_moves=4, observed_samples_per_s=100.0) == []
-    # a swarm that runs at its capacities gets the move as before: 646 -> 666 is 3% below the 5% asked,
-    # and a larger gap is made up
-    assert plan_moves(LINK_FLEET_AFTER, 2, max_moves=4, observed_samples_per_s=646.0) == []
-    wider = [PeerLoad("a", 0, 600.0), *LINK_FLEET_AFTER[1:]]
-    assert (
-        plan_moves(wider, 2, max_moves=4, observed_samples_per_s=600.0)
-        == plan_moves(wider, 2, max_moves=4)
-        != []
-    )
+    assert plan_moves(LINK_FLEET_AFTER, 2, max_moves=4, weigh=True) == []
+    assert bottleneck_utilization(LINK_FLEET_AFTER, 2) == pytest.approx(0.3)
+    # busy all the time, the same 3% would not be worth a move either; a larger gap is made up
+    saturated = [replace(load, utilization=1.0) for load in LINK_FLEET_AFTER]
+    assert plan_moves(saturated, 2, max_moves=4, weigh=True) == []
+    wider = [replace(saturated[0], throughput_samples_per_s=500.0), *saturated[1:]]
+    assert plan_moves(wider, 2, max_moves=4, weigh=True) == plan_moves(wider, 2, max_moves=4) != []
 
 
-def test_a_move_that_lifts_a_link_starved_bottleneck_is_made_however_slow_the_swarm_runs():
-    """The same fleet before it: stage 1 is y and z alone (93 samples/s of link), the swarm runs at 40."""
+def test_a_move_that_lifts_a_busy_link_starved_bottleneck_is_made():
+    """The same fleet before it: stage 1 is y and z alone, their links busy 80% of the time."""
     before = [
-        PeerLoad("a", 0, 646.0),
-        PeerLoad("b", 0, 700.0),
-        PeerLoad("y", 1, 20.0),
-        PeerLoad("z", 1, 73.0),
+        PeerLoad("a", 0, 646.0, utilization=0.2),
+        PeerLoad("b", 0, 700.0, utilization=0.2),
+        PeerLoad("y", 1, 20.0, utilization=0.8),
+        PeerLoad("z", 1, 73.0, utilization=0.8),
     ]
-    moved = plan_moves(before, 2, max_moves=4, observed_samples_per_s=40.0)
+    moved = plan_moves(before, 2, max_moves=4, weigh=True)
     assert [(m.from_stage, m.to_stage) for m in moved] == [(0, 1)]
+
+
+def test_without_a_busy_fraction_the_plan_is_not_weighed():
+    unknown = [replace(load, utilization=None) for load in LINK_FLEET_AFTER]
+    assert plan_moves(unknown, 2, max_moves=4, weigh=True) == plan_moves(unknown, 2, max_moves=4) != []
 
 
 def test_moves_count_in_groups_so_two_stages_tied_for_the_bottleneck_both_get_a_peer():
     """[100, 100, 300]: the first move alone lifts nothing (the other stage stays at 100); together the
     two lift the swarm's minimum to 150."""
-    current = loads([100.0], [100.0], [50.0] * 6)
+    current = [replace(load, utilization=0.9) for load in loads([100.0], [100.0], [50.0] * 6)]
     unfiltered = plan_moves(current, 3, max_moves=8)
     assert [(m.from_stage, m.to_stage) for m in unfiltered] == [(2, 0), (2, 1)]
-    assert plan_moves(current, 3, max_moves=8, observed_samples_per_s=90.0) == unfiltered
-    assert worthwhile_moves([[100.0, 100.0, 300.0], [150.0, 100.0, 250.0]], 90.0, 0.05) == 0
+    assert plan_moves(current, 3, max_moves=8, weigh=True) == unfiltered
+    assert worthwhile_moves([[100.0, 100.0, 300.0], [150.0, 100.0, 250.0]], 0.9, 0.1) == 0
 
 
 def test_worthwhile_moves_keeps_a_prefix_each_group_gaining_the_minimum():
     caps = [[100.0, 400.0], [104.0, 396.0], [110.0, 390.0], [112.0, 388.0]]
-    # overhead 0 (the swarm runs at its bottleneck): 104 is +4%, 110 is +10% over 100, 112 is +1.8% over 110
-    assert worthwhile_moves(caps, 100.0, 0.05) == 2
-    assert worthwhile_moves(caps, 100.0, 0.0) == 3
-    # a swarm at half its bottleneck: the same capacities gain half as much; only 112 clears 5%
-    assert step_overhead_s(caps[0], 50.0) == pytest.approx(0.01)
-    assert worthwhile_moves(caps, 50.0, 0.05) == 3
-    assert worthwhile_moves(caps, 50.0, 0.1) == 0
-    # an unknown or impossible rate models nothing: every move stands
-    assert worthwhile_moves(caps, 0.0, 0.05) == 3
-    assert worthwhile_moves([[0.0, 400.0], [10.0, 390.0]], 50.0, 0.05) == 1
+    # busy all the time: 104 is +4%, 110 is +10% over 100, 112 is +1.8% over 110
+    assert worthwhile_moves(caps, 1.0, 0.05) == 2
+    assert worthwhile_moves(caps, 1.0, 0.0) == 3
+    # busy half the time, the same capacities gain about half as much: only 112 clears 5%
+    assert worthwhile_moves(caps, 0.5, 0.05) == 3
+    assert worthwhile_moves(caps, 0.5, 0.1) == 0
+    assert worthwhile_moves(caps, 0.0, 0.01) == 0  # an idle bottleneck: capacity there buys nothing
+    assert worthwhile_moves([[0.0, 400.0], [10.0, 390.0]], 0.5, 0.1) == 1  # an empty stage: every move
 
 
-def test_a_filtered_plan_is_a_prefix_of_the_plan_on_capacities_alone():
+def test_a_weighed_plan_is_a_prefix_of_the_plan_on_capacities_alone():
     rng = random.Random(7)
     for _ in range(50):
         stages = rng.randint(2, 5)
         current = [
-            PeerLoad(f"p{i}", rng.randrange(stages), rng.uniform(1, 10)) for i in range(rng.randint(2, 25))
+            PeerLoad(f"p{i}", rng.randrange(stages), rng.uniform(1, 10), utilization=rng.uniform(0, 1))
+            for i in range(rng.randint(2, 25))
         ]
         plan = plan_moves(current, stages, max_moves=25)
-        low = min(stage_capacities(current, stages))
-        filtered = plan_moves(current, stages, max_moves=25, observed_samples_per_s=rng.uniform(0.1, 1) * low)
-        assert filtered == plan[: len(filtered)]
+        weighed = plan_moves(current, stages, max_moves=25, weigh=True)
+        assert weighed == plan[: len(weighed)]

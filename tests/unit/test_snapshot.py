@@ -112,12 +112,12 @@ def test_the_snapshot_shows_each_servers_limit_and_the_balancers_plan():
     )
     assert "rebalancing: off" in format_snapshot(off)
     assert rebalance["observed_samples_per_s"] is None  # no replica announced the swarm's rate
-    for a in peers[0].values():
-        # a swarm held at 1 sample/s by something no stage's figure shows (one slow trainer, say): lifting
-        # the bottleneck from 30 to 90 would gain it 2%
-        a.swarm_samples_per_s = 1.0
+    for a in [*peers[0].values(), *peers[1].values()]:
+        # stage 1 (the bottleneck) busy 5% of the time: the swarm waits on something no stage's figure
+        # shows (one slow trainer, say), and lifting stage 1 from 30 to 90 would gain it 3%
+        a.swarm_samples_per_s, a.utilization = 2.0, 0.05
     running = swarm_snapshot(cfg, FakeRecords(cfg, peers))["rebalance"]
-    assert running["observed_samples_per_s"] == 1.0 and running["plan"] == []
-    assert "rebalancing every 60 s (the swarm runs at 1 samples/s): the plan is no move" in format_plan(
+    assert running["observed_samples_per_s"] == 2.0 and running["plan"] == []
+    assert "rebalancing every 60 s (the swarm runs at 2 samples/s): the plan is no move" in format_plan(
         running
     )

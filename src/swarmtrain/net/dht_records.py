@@ -86,6 +86,8 @@ class StageAnnouncement:
     # the swarm's samples per second as this replica's applied steps show it (runtime/server/step_rate.py);
     # 0: not known. The balancer models what its stages' capacities do not explain (planner/rebalance.py)
     swarm_samples_per_s: float = 0.0
+    # the busy fraction of the resource that limits it (runtime/server/step_rate.Utilization); 0: not known
+    utilization: float = 0.0
 
     def to_value(self) -> dict:
         return asdict(self)
@@ -106,6 +108,7 @@ class StageAnnouncement:
                 data_port=_port(value.get("data_port", 0)),
                 limit=_limit(value.get("limit")),
                 swarm_samples_per_s=_rate(value.get("swarm_samples_per_s", 0.0)),
+                utilization=_fraction(value.get("utilization", 0.0)),
             )
         except (KeyError, TypeError, ValueError):
             return None
@@ -128,6 +131,12 @@ def _rate(value) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         return 0.0
     return float(value) if 0 <= value <= MAX_RATE_SAMPLES_PER_S else 0.0
+
+
+def _fraction(value) -> float:
+    """A fraction from a record, 0 to 1; anything else reads as 0 (not known)."""
+    rate = _rate(value)
+    return rate if rate <= 1 else 0.0
 
 
 def _port(value) -> int:

@@ -22,22 +22,28 @@ The rule for one move (`choose_move`):
   withdrawn and made again for 13 s before a plan of 3 moves was committed, bench/rebalance_live.py).
   Every candidate in the band still raises the pair's minimum above the old bottleneck.
 
-What the swarm really runs at (`plan_moves(observed_samples_per_s=...)`, the live balancer): the
-capacities say what each stage could serve, but a swarm of synchronous steps also waits at every step
-for work no stage's figure carries (the pipeline's drain, a stage's gradient exchange): on the test bed's
-link fleet with fp32 sums the swarm ran at ~100 samples/s while its stages' sums were 646 and ~790,
-because stage 1's exchange over 4 Mbit/s links took ~2 of every ~5 s step. The plan then took stage 0
-for the bottleneck by 8%, moved a slow-linked server there, and the swarm fell to 40 (docs/LOG.md).
-So the swarm's seconds per sample are modelled as 1 / (lowest capacity) + an overhead, the overhead
-being what the observed rate leaves over (`step_overhead_s`), taken as unchanged by a move; a plan's
-moves are kept only in groups that each raise the predicted samples/s by `min_gain` (5%) over the
-group before (`worthwhile_moves`). That move above would have gained under 2%. Groups, not single moves:
-with two stages tied for the bottleneck the first move alone raises nothing. Dropping moves from a
-plan's end cannot create a cycle, so the argument above holds. Pricing each member's exchange into its
-stage's capacity instead (an announced `exchange_s`) was tried and reverted: on `tiny` with a batch of
-32 the seconds from sealing a step to applying it are mostly noisy optimizer work, and the pricing
-moved a server back (docs/LOG.md, 2026-11-26). The simulator passes no observed rate: its rates
-already take the exchange off the links.
+How busy the bottleneck is (`plan_moves(weigh=True)`, the live balancer): the capacities say what
+each stage could serve, but a swarm of synchronous steps also waits at every step for work no stage's
+figure carries (the pipeline's drain, a stage's gradient exchange). On the test bed's link fleet with
+fp32 sums the swarm ran at ~100 samples/s while its stages' sums were 646 and ~790, because stage 1's
+exchange over 4 Mbit/s links took ~2 of every ~5 s step; the plan took stage 0 for the bottleneck by
+8%, moved a slow-linked server there, and the swarm fell to 40 (docs/LOG.md). So each server announces
+the busy fraction of the resource that limits it (`PeerLoad.utilization`), and the bottleneck stage's
+(weighted by figures) says how much of the swarm's time its work is: with u of it, a move that lifts
+the lowest capacity from C to C' makes the swarm's seconds per sample u C / C' + (1 - u) of today's
+(the rest taken as unchanged by a move). A plan's moves are kept only in groups that each raise that
+predicted rate by `min_gain` (10%) over the group before (`worthwhile_moves`); groups, not single moves,
+because with two stages tied for the bottleneck the first move alone lifts nothing. Dropping moves
+from a plan's end cannot create a cycle, so the argument above holds.
+
+Why busy fractions and not the swarm's observed rate against the capacities: servers held to a CPU
+quota read capacities per CPU second, 4x what a quarter of a CPU serves, so 1 / observed - 1 / capacity
+took the quota for step overhead and held back the second move of 3+1 -> 1+3 (bench/rebalance_live.py
+--plain, docs/LOG.md); a busy fraction is a wall-clock reading whatever the figure's calibration.
+Pricing each member's exchange into its stage's capacity (an announced `exchange_s`) was tried and
+reverted: on `tiny` with a batch of 32 the seconds from sealing a step to applying it are mostly noisy
+optimizer work, and the pricing moved a server back (docs/LOG.md, 2026-11-26). The simulator does not
+weigh: its rates already take the exchange off the links.
 
 A peer's throughput at another stage comes from `throughput_by_stage` when the caller knows it (the
 simulator does), otherwise it is scaled by relative stage cost (compute per sample), defaulting to equal
@@ -63,6 +69,7 @@ class PeerLoad:
     queue_len: float = 0.0
     throughput_by_stage: tuple[float, ...] | None = None  # samples/s it would reach at each stage
     pending: bool = False
+    utilization: float | None = None  # busy fraction of the resource that limits it (None: not known)
 
 
 @dataclass(frozen=True)
@@ -70,8 +77,9 @@ class RebalanceConfig:
     margin: float = 0.1  # hysteresis: the donor must stay above the old bottleneck by this fraction
     min_peers_per_stage: int = 1
     mover_tolerance: float = 0.2  # candidates within this fraction of the best move are equal (by peer id)
-    # with the swarm's observed rate: each group of moves must raise its predicted samples/s this much
-    min_gain: float = 0.05
+    # weighed by the bottleneck's busy fraction: each group of moves must raise the swarm's predicted
+    # samples/s this much
+    min_gain: float = 0.1
 
     def __post_init__(self) -> None:
         if self.margin < 0:
@@ -180,14 +188,14 @@ def plan_moves(
     config: RebalanceConfig = RebalanceConfig(),
     stage_cost: Sequence[float] | None = None,
     max_moves: int = 1,
-    observed_samples_per_s: float | None = None,
+    weigh: bool = False,
 ) -> list[Move]:
     """Apply `choose_move` up to `max_moves` times, each time on the loads as the previous moves leave them.
 
     A moved peer becomes pending in its target stage (counted there, never moved again in this plan),
-    so a batch of moves cannot overshoot. With `observed_samples_per_s` (what the swarm runs at now)
-    only the moves worth their cost are kept (`worthwhile_moves`). With `max_moves=1` and no observed
-    rate this is exactly `choose_move`.
+    so a batch of moves cannot overshoot. With `weigh`, only the moves worth their cost at the
+    bottleneck's busy fraction are kept (`worthwhile_moves`). With `max_moves=1` and no weighing this
+    is exactly `choose_move`.
     """
     current = list(loads)
     moves: list[Move] = []
@@ -208,38 +216,37 @@ def plan_moves(
                 )
                 break
         capacities.append(stage_capacities(current, num_stages))
-    if observed_samples_per_s is None:
+    utilization = bottleneck_utilization(loads, num_stages) if weigh else None
+    if utilization is None:
         return moves
-    return moves[: worthwhile_moves(capacities, observed_samples_per_s, config.min_gain)]
+    return moves[: worthwhile_moves(capacities, utilization, config.min_gain)]
 
 
-def step_overhead_s(capacities: Sequence[float], observed_samples_per_s: float) -> float | None:
-    """Seconds per sample the swarm spends beyond its bottleneck stage's work: 1 / observed - 1 / lowest
-    capacity, at least 0; None when either rate is not positive (nothing to model)."""
-    low = min(capacities, default=0.0)
-    if low <= 0 or not observed_samples_per_s > 0:
-        return None
-    return max(0.0, 1 / observed_samples_per_s - 1 / low)
+def bottleneck_utilization(loads: Sequence[PeerLoad], num_stages: int) -> float | None:
+    """The busy fraction of the bottleneck stage's serving peers, weighted by their figures; None when
+    none of them reported one."""
+    target = bottleneck_stage(stage_capacities(loads, num_stages), stage_queues(loads, num_stages))
+    weighted, weight = 0.0, 0.0
+    for load in loads:
+        if load.stage == target and not load.pending and load.utilization is not None:
+            weighted += load.throughput_samples_per_s * load.utilization
+            weight += load.throughput_samples_per_s
+    return weighted / weight if weight > 0 else None
 
 
-def predicted_samples_per_s(capacities: Sequence[float], overhead_s: float) -> float:
-    """The swarm's samples/s with these stage capacities and `overhead_s` per sample on top."""
-    low = min(capacities)
-    return 0.0 if low <= 0 else 1 / (1 / low + overhead_s)
-
-
-def worthwhile_moves(
-    capacities: Sequence[Sequence[float]], observed_samples_per_s: float, min_gain: float
-) -> int:
+def worthwhile_moves(capacities: Sequence[Sequence[float]], utilization: float, min_gain: float) -> int:
     """How many of a plan's moves to make: `capacities[k]` are the stages' capacities after its first k
-    moves. Moves are taken in groups, each raising the predicted samples/s by `min_gain` over the last
-    group's (module docstring); all of them when the overhead cannot be modelled."""
-    overhead_s = step_overhead_s(capacities[0], observed_samples_per_s)
-    if overhead_s is None:
+    moves, `utilization` the bottleneck's busy fraction now. Moves are taken in groups, each raising the
+    predicted samples/s by `min_gain` over the last group's (module docstring); all of them when no
+    stage has capacity now."""
+    low = min(capacities[0], default=0.0)
+    if low <= 0:
         return len(capacities) - 1
-    kept, kept_rate = 0, predicted_samples_per_s(capacities[0], overhead_s)
+    u = min(max(utilization, 0.0), 1.0)
+    kept, kept_rate = 0, 1.0  # rates relative to today's
     for k in range(1, len(capacities)):
-        rate = predicted_samples_per_s(capacities[k], overhead_s)
+        after = min(capacities[k])
+        rate = 1 / (u * low / after + (1 - u)) if after > 0 else 0.0
         if rate >= kept_rate * (1 + min_gain):
             kept, kept_rate = k, rate
     return kept

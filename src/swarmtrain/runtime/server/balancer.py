@@ -34,7 +34,14 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-from swarmtrain.planner.rebalance import Move, PeerLoad, RebalanceConfig, plan_moves, relative_stage_costs
+from swarmtrain.planner.rebalance import (
+    Move,
+    PeerLoad,
+    RebalanceConfig,
+    bottleneck_utilization,
+    plan_moves,
+    relative_stage_costs,
+)
 from swarmtrain.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -54,7 +61,12 @@ def loads_from_announcements(announced: dict[int, dict], digest: str) -> list[Pe
             ):
                 loads.append(
                     PeerLoad(
-                        peer, stage, a.throughput_samples_per_s, a.queue_len, pending=a.state == "joining"
+                        peer,
+                        stage,
+                        a.throughput_samples_per_s,
+                        a.queue_len,
+                        pending=a.state == "joining",
+                        utilization=a.utilization if 0 < a.utilization <= 1 else None,
                     )
                 )
     return loads
@@ -82,17 +94,21 @@ def with_leases(loads: list[PeerLoad], leases: dict[str, dict]) -> list[PeerLoad
 
 
 def swarm_plan(
-    announced: dict[int, dict], leases: dict[str, dict], num_stages: int, digest: str, margin: float
+    announced: dict[int, dict],
+    leases: dict[str, dict],
+    num_stages: int,
+    digest: str,
+    margin: float,
+    weigh: bool = True,
 ) -> list[Move]:
     """The moves the balancer plans, every server's and `swarmtrain status`'s alike: on the stages'
     announcements (stage -> peer -> StageAnnouncement), with every valid lease in `leases` counted as a
-    move already made, and only moves worth their cost at the rate the swarm runs at."""
+    move already made, and (`weigh`) only moves worth their cost at the bottleneck's busy fraction."""
     loads = loads_from_announcements(announced, digest)
     costs = relative_stage_costs(loads, num_stages)
     leases = {peer: lease for peer, lease in leases.items() if valid_lease(lease, num_stages)}
     loads = with_leases(loads, leases)
-    observed = observed_samples_per_s(announced, digest)
-    return plan_moves(loads, num_stages, RebalanceConfig(margin), costs, len(loads), observed)
+    return plan_moves(loads, num_stages, RebalanceConfig(margin), costs, len(loads), weigh)
 
 
 def observed_samples_per_s(announced: dict[int, dict], digest: str) -> float | None:
@@ -215,7 +231,17 @@ class Balancer:
             if peer != self.peer_id and valid_lease(lease, self.num_stages) and counts(peer, lease)
         }
         plan = swarm_plan(announced, leases, self.num_stages, self.digest, self.margin)
-        self.last_plan = [f"{str(m.peer)[-8:]}:{m.from_stage}->{m.to_stage}" for m in plan]
+        self.last_plan = [_named(m) for m in plan]
+        # for the log: the moves the capacities alone want that the bottleneck's busy fraction says are
+        # not worth it
+        held = swarm_plan(announced, leases, self.num_stages, self.digest, self.margin, weigh=False)[
+            len(plan) :
+        ]
+        if held:
+            loads = loads_from_announcements(announced, self.digest)
+            busy = bottleneck_utilization(loads, self.num_stages) or 0.0
+            names = ", ".join(map(_named, held))
+            self.last_plan.append(f"(held back, the bottleneck busy {busy:.0%} of the time: {names})")
         return next((move for move in plan if move.peer == self.peer_id), None)
 
     def settle(self) -> None:
@@ -235,6 +261,10 @@ class Balancer:
         the new incarnation's "online" records and trainers saw the moved server as joining, and routed
         nothing to it, for that long (measured in bench/rebalance_live.py)."""
         records.announce(self.peer_id, announcement, ttl_s)
+
+
+def _named(move: Move) -> str:
+    return f"{str(move.peer)[-8:]}:{move.from_stage}->{move.to_stage}"
 
 
 def move_record(move_from: int, move_to: int, started_s: float, download_bytes: int) -> str:

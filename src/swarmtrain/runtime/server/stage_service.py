@@ -50,7 +50,7 @@ from swarmtrain.net.protocol import (
     max_grads_message_bytes,
     namespace,
 )
-from swarmtrain.planner.link_capacity import limited_capacity
+from swarmtrain.planner.link_capacity import COMPUTE, DOWNLINK, UPLINK, limited_capacity
 from swarmtrain.runtime.faults import FaultHooks
 from swarmtrain.runtime.ledger import Ledger
 from swarmtrain.runtime.server.capacity import CapacityMeter, LinkCapacityMeter
@@ -72,6 +72,7 @@ from swarmtrain.runtime.server.stage_steps import StepCoordinator, StepSettings
 from swarmtrain.runtime.server.stage_sync import StageSynchronizer, SyncSettings
 from swarmtrain.runtime.server.stage_worker import StageWorker
 from swarmtrain.runtime.server.step_inbox import KEEP_STEPS_AHEAD
+from swarmtrain.runtime.server.step_rate import Utilization
 from swarmtrain.runtime.server.sums_codec import SumsCodec
 from swarmtrain.utils.logging import get_logger
 
@@ -188,6 +189,7 @@ class StageService:
             min_samples=4 * cfg.training.micro_batch_size,
             warmup_samples=4 * cfg.training.micro_batch_size,
         )
+        self.utilization = Utilization()  # how busy its compute thread and links are (announced)
         self.averager = StageAverager(
             self.worker.params,
             node.dht,
@@ -469,6 +471,7 @@ class StageService:
         capacity, limit = limited_capacity(
             self.capacity.samples_per_work_s, links.uplink_samples_per_s, links.downlink_samples_per_s
         )
+        swarm_samples_per_s = self.steps.step_rate.samples_per_s(time.monotonic())
         return StageSnapshot(
             stage=self.spec.index,
             digest=self.digest,
@@ -487,7 +490,9 @@ class StageService:
             compute_samples_per_s=self.capacity.samples_per_work_s,
             uplink_samples_per_s=links.uplink_samples_per_s,
             downlink_samples_per_s=links.downlink_samples_per_s,
-            swarm_samples_per_s=self.steps.step_rate.samples_per_s(time.monotonic()),
+            swarm_samples_per_s=swarm_samples_per_s,
+            # only while the swarm steps: an idle swarm's resources idle for want of work, not of capacity
+            utilization=(self.utilization.fraction(limit) or 0.0) if swarm_samples_per_s > 0 else 0.0,
             queue_len=self.compute.queue_len,
             busy_s=self.compute.busy_s,
             work_s=self._work_s() if work_s is None else work_s,
@@ -511,8 +516,12 @@ class StageService:
         work_s = self._work_s()
         self.capacity.update(self.admission.samples_done, work_s)
         meter = self._transport.link_meter if self._transport is not None else None
+        busy_s = {COMPUTE: self.compute.busy_s}
         if meter is not None:
-            self.link_capacity.update(self.admission.samples_done, {d: meter.totals(d) for d in (UP, DOWN)})
+            totals = {d: meter.totals(d) for d in (UP, DOWN)}
+            self.link_capacity.update(self.admission.samples_done, totals)
+            busy_s.update({UPLINK: totals[UP].busy_s, DOWNLINK: totals[DOWN].busy_s})
+        self.utilization.update(time.monotonic(), busy_s)
         announcement = announcement_of(self.snapshot(work_s), state)
         # an offline record too: the DHT replaces a record only by one that expires later, so a short-lived
         # offline record was refused and trainers kept routing to a stopped server until it expired

@@ -51,6 +51,7 @@ class StageSnapshot:
     uplink_samples_per_s: float | None = None
     downlink_samples_per_s: float | None = None
     swarm_samples_per_s: float = 0.0  # the swarm's rate as the steps applied here show it (0: not known)
+    utilization: float = 0.0  # busy fraction of the resource named by `limit` (0: not known)
 
 
 def info_header(snap: StageSnapshot, names: list[str]) -> dict:
@@ -96,6 +97,7 @@ def announcement_of(snap: StageSnapshot, state: str | None = None) -> StageAnnou
         data_port=snap.data_port,
         limit=snap.limit,
         swarm_samples_per_s=snap.swarm_samples_per_s,
+        utilization=snap.utilization,
     )
 
 
