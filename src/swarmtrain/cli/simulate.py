@@ -136,6 +136,26 @@ def register(subparsers) -> None:
         metavar="CV",
         help="variability of each transfer's latency, as --compute-cv (default 0)",
     )
+    p.add_argument(
+        "--call-overhead-s",
+        type=_overhead_s,
+        default=0.0,
+        metavar="T",
+        help="fixed cost of every compute call on a stage peer (Python, dispatch, kernel launches), added "
+        "to the samples' compute; on small micro-batches it is most of a call. A call is one simulated "
+        "micro-batch (--chunk-samples, which may stand for several real ones) or a batch of them "
+        "(default 0; SWARM and GPipe modes)",
+    )
+    p.add_argument(
+        "--max-batch-samples",
+        type=_batch_samples,
+        default=0,
+        metavar="N",
+        help="request batching, as a live server's --max-batch-tokens: a peer starting a call takes its "
+        "queued micro-batches of the same stage, kind and step with it, oldest first, up to N samples, "
+        "as one call (default 0: off). It saves the per-call cost only, so it helps only with "
+        "--call-overhead-s > 0; each part's results wait for the whole call",
+    )
     p.add_argument("--rebalance-period-s", type=positive_float, default=60.0, metavar="T")
     p.add_argument(
         "--stage-exchange",
@@ -178,6 +198,23 @@ def _cv(text: str) -> float:
     value = non_negative_float(text)
     if value >= 10:
         raise argparse.ArgumentTypeError(f"a coefficient of variation below 10 is expected, got {text}")
+    return value
+
+
+def _overhead_s(text: str) -> float:
+    value = non_negative_float(text)
+    if value == float("inf"):
+        raise argparse.ArgumentTypeError("expected a finite number of seconds")
+    return value
+
+
+def _batch_samples(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0 (0: no batching), got {value}")
     return value
 
 
@@ -252,6 +289,8 @@ def run(args: argparse.Namespace) -> int:
             latency_cv=args.latency_cv,
             local_batch_samples=args.local_batch_samples,
             stage_exchange=args.stage_exchange,
+            call_overhead_s=args.call_overhead_s,
+            max_batch_samples=args.max_batch_samples,
         )
         if args.timeline_json:
             from swarmtrain.sim.timeline import run_with_timeline
@@ -334,6 +373,11 @@ def _choose_mode(args: argparse.Namespace, start: float) -> int:
                 f"--choose-mode simulates SWARM and async replicas itself, each for its own duration; drop {flag}"
                 + (" (use --churn MODEL)" if flag == "--trace" else "")
             )
+    if args.call_overhead_s or args.max_batch_samples:
+        raise UserError(
+            "--choose-mode compares SWARM with async replicas, whose local steps have no per-call cost; "
+            "drop --call-overhead-s and --max-batch-samples"
+        )
     run_cfg = _run_config(args)
     fleet = _fleet(args, run_cfg.swarm.num_stages)
     base = SimConfig(

@@ -69,6 +69,15 @@ class SimConfig:
     # each transfer's latency in SWARM and GPipe modes; 0 = deterministic.
     compute_cv: float = 0.0
     latency_cv: float = 0.0
+    # SWARM and GPipe stage requests. `call_overhead_s`: a fixed cost of every compute call on a peer
+    # (Python, dispatch, kernel launches), added to the call's samples / rate. `max_batch_samples` > 0:
+    # a peer starting a call takes its oldest queued chunk and the oldest queued chunks of the same
+    # stage, kind (forward or backward) and step after it, up to this many samples, as one call (the
+    # live server's --max-batch-tokens); 0 = every chunk is its own call. Batching saves only the
+    # per-call cost: with `call_overhead_s` 0 it saves no compute, and as a call's first parts wait for
+    # the whole call, it can cost throughput where the micro-batches in flight do not cover that wait.
+    call_overhead_s: float = 0.0
+    max_batch_samples: int = 0
     audit: bool = False  # record every micro-batch's stage visits (tests)
     record_events: bool = False  # keep (time, seq, handler) of every event; summary gets its digest
 
@@ -79,6 +88,12 @@ class SimConfig:
             raise ValueError("duration_s must be positive")
         if not (0 <= self.compute_cv < 10 and 0 <= self.latency_cv < 10):
             raise ValueError("compute_cv and latency_cv must be in [0, 10)")
+        if not 0 <= self.call_overhead_s < float("inf"):  # written so that NaN fails too
+            raise ValueError(
+                f"call_overhead_s must be a finite number of seconds >= 0, got {self.call_overhead_s}"
+            )
+        if self.max_batch_samples < 0:
+            raise ValueError(f"max_batch_samples must be >= 0 (0: no batching), got {self.max_batch_samples}")
         if self.stage_exchange not in STAGE_EXCHANGES:
             raise ValueError(f"stage_exchange must be one of {', '.join(STAGE_EXCHANGES)}")
         if self.max_staleness is not None and self.max_staleness < 0:

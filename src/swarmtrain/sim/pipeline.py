@@ -10,6 +10,12 @@ tensor (in the runtime it relays them), so a retry is re-sent from the trainer. 
 and the trainer sends the request (with a backward, the stage's input again; with the last stage's
 forward, the labels), over the trainer's link of `trainer_link_bytes_per_s` each way.
 
+Compute calls: each chunk is one call on its peer, costing `SimConfig.call_overhead_s` (a fixed
+per-call cost, 0 by default) plus its samples' compute. With `SimConfig.max_batch_samples` a peer that
+starts a call takes the oldest queued chunk and the oldest queued chunks of the same kind after it (same
+stage, forward or backward, and step, as the live server's batch key) up to that many samples, and runs
+them as one call (`_take_call`); each part's results go on when the call is done.
+
 When a stage steps (its gradient all-reduce, which occupies both directions of its peers' links, and with
 `SimConfig.max_staleness` which step it applies) is sim/stage_steps.py's; a failed peer loses the samples it
 had accumulated since the stage's last step.
@@ -19,8 +25,11 @@ Subclasses decide which peer serves a chunk (`choose_peer`) and what happens whe
 
 from __future__ import annotations
 
+from collections import deque
+
 from swarmtrain.planner.routing import BACKWARD_WEIGHT, FORWARD_CHARGE, FORWARD_WEIGHT
-from swarmtrain.sim.base import PeerState, Simulation
+from swarmtrain.sim.base import Observer, PeerState, Simulation
+from swarmtrain.sim.metrics import SimResult
 from swarmtrain.sim.network import Endpoint
 from swarmtrain.sim.stage_steps import StageSteps
 from swarmtrain.utils.rng import make_rng
@@ -116,6 +125,10 @@ class PipelineSimulation(Simulation):
         self.audit_violations = 0
         self.audited_chunks = 0
         self.variability = Variability(self.config.compute_cv, self.config.latency_cv, self.config.seed)
+        self.call_overhead_s = self.config.call_overhead_s
+        self.max_batch_samples = self.config.max_batch_samples
+        self.batched_calls = 0  # calls that took two chunks or more, and those chunks
+        self.batched_chunks = 0
         # synchronous steps only where chunks are numbered by step (`SimConfig.max_staleness`)
         max_staleness = self.config.max_staleness if self.numbers_steps else None
         self.steps = StageSteps(
@@ -131,6 +144,12 @@ class PipelineSimulation(Simulation):
 
     def audit(self) -> dict:
         return {"chunks": self.audited_chunks, "violations": self.audit_violations}
+
+    def run(self, observer: Observer | None = None) -> SimResult:
+        result = super().run(observer)
+        if self.max_batch_samples:  # only then: default summaries keep their keys
+            result.summary.update(batched_calls=self.batched_calls, batched_chunks=self.batched_chunks)
+        return result
 
     def refresh_rates(self, throughput_samples_per_s: float, sizes: list[int] | None = None) -> None:
         """What peers announce: their rate at each stage with the averaging traffic of a pipeline at the
@@ -267,6 +286,10 @@ class PipelineSimulation(Simulation):
         now = self.engine.now_s
         peer = self.peers[chunk.peer]
         duration = self._duration(peer, chunk)
+        if not (self.max_batch_samples and peer.busy and self._joins_call(peer, chunk)):
+            duration += self.call_overhead_s  # a call of its own
+        # With batching this is when all the compute accepted so far is done, an upper bound on when
+        # the chunk's call is (it may join a call ahead of others queued).
         done = (peer.backlog_until_s if peer.busy and peer.backlog_until_s > now else now) + duration
         # Requests have a deadline (`request_timeout_s`): one that would answer too late (deep queue,
         # or an uplink backed up by averaging) is given up and retried elsewhere, as a trainer does.
@@ -281,6 +304,9 @@ class PipelineSimulation(Simulation):
             self._start_compute(peer, chunk)
 
     def _duration(self, peer: PeerState, chunk: Chunk) -> float:
+        """The chunk's compute without the per-call cost. The compute noise factor is the chunk's own
+        (drawn per request at `_send`), so a batched call costs exactly what its parts would alone
+        minus the shared per-call costs, and turning batching on draws the same random numbers."""
         full = peer.compute_s[chunk.stage] * chunk.samples * chunk.compute_factor
         if chunk.backward:
             return full * (1.0 if chunk.recompute else 2.0 / 3.0)
@@ -303,7 +329,62 @@ class PipelineSimulation(Simulation):
         now = self.engine.now_s
         peer.busy = True
         peer.busy_since_s = now
-        self.engine.schedule(now + self._duration(peer, chunk), self._on_computed, chunk, chunk.attempt)
+        duration = self._duration(peer, chunk) + self.call_overhead_s
+        self.engine.schedule(now + duration, self._on_computed, chunk, chunk.attempt)
+
+    def _start_next(self, peer: PeerState) -> None:
+        """The next call from the peer's (non-empty) queue, with batching on."""
+        parts = self._take_call(peer)
+        if len(parts) == 1:
+            self._start_compute(peer, parts[0])
+            return
+        self._start_call(peer, parts)
+
+    @staticmethod
+    def _same_call(a: Chunk, b: Chunk) -> bool:
+        """The live server's batch key: same stage, kind (forward or backward) and step."""
+        return a.stage == b.stage and a.backward == b.backward and a.step == b.step
+
+    def _take_call(self, peer: PeerState) -> list[Chunk]:
+        """The oldest queued chunk and the oldest of its kind after it, up to `max_batch_samples` in
+        all; as the server, it stops at the first that does not fit."""
+        queue = peer.queue
+        first = queue.popleft()
+        parts, samples, room = [first], first.samples, True
+        kept: deque[Chunk] = deque()
+        for chunk in queue:
+            if room and self._same_call(first, chunk):
+                if samples + chunk.samples <= self.max_batch_samples:
+                    parts.append(chunk)
+                    samples += chunk.samples
+                    continue
+                room = False
+            kept.append(chunk)
+        if len(parts) > 1:
+            peer.queue = kept
+        return parts
+
+    def _joins_call(self, peer: PeerState, chunk: Chunk) -> bool:
+        """Whether `chunk`, queued now, shares a call with chunks already queued. `_take_call` packs
+        each kind's queued chunks into calls in order, a new call where the next does not fit, so the
+        chunk joins the last call of its kind if that has room."""
+        limit, fill = self.max_batch_samples, 0
+        for queued in peer.queue:
+            if self._same_call(chunk, queued):
+                fill = queued.samples if fill + queued.samples > limit else fill + queued.samples
+        return fill > 0 and fill + chunk.samples <= limit
+
+    def _start_call(self, peer: PeerState, parts: list[Chunk]) -> None:
+        """One call for several chunks: one per-call cost and each part's compute."""
+        now = self.engine.now_s
+        peer.busy = True
+        peer.busy_since_s = now
+        duration = self.call_overhead_s
+        for chunk in parts:
+            duration += self._duration(peer, chunk)
+        self.batched_calls += 1
+        self.batched_chunks += len(parts)
+        self.engine.schedule(now + duration, self._on_call_computed, parts, parts[0].attempt)
 
     def _time_out(self, chunk: Chunk, peer: PeerState, when_s: float, expected_s: float) -> None:
         peer.held.pop(chunk.id, None)
@@ -324,6 +405,7 @@ class PipelineSimulation(Simulation):
     def _on_computed(self, chunk: Chunk, attempt: int) -> None:
         if attempt != chunk.attempt:
             return
+        # `_end_call` and `_hand_back` written out: this runs for every call of every chunk
         now = self.engine.now_s
         peer = self.peers[chunk.peer]
         s = chunk.stage
@@ -331,15 +413,53 @@ class PipelineSimulation(Simulation):
         self.metrics.stage_busy_s[s] += now - since
         peer.busy = False
         del peer.held[chunk.id]
-        # What a trainer measures: the request until the response is back, so the output's wait on this
-        # peer's uplink counts (otherwise a peer with a slow uplink looks fast and gets flooded).
         self.on_computed_report(
             chunk, peer, self._weight(chunk), self._answered_s(peer, chunk, now) - chunk.sent_s
         )
         if chunk.log is not None:
             chunk.log.append((s, chunk.backward or s == self.last))
         if peer.queue:
-            self._start_compute(peer, peer.queue.popleft())
+            if self.max_batch_samples:
+                self._start_next(peer)
+            else:
+                self._start_compute(peer, peer.queue.popleft())
+        self._advance(peer, chunk)
+
+    def _on_call_computed(self, parts: list[Chunk], attempt: int) -> None:
+        """A batched call is done: every part's results go on, as if each had been its own call."""
+        first = parts[0]
+        # Only `abandon` voids a queued or computing chunk, and it voids all the peer holds at once:
+        # the first part stands for the call.
+        if attempt != first.attempt:
+            return
+        peer = self.peers[first.peer]
+        self._end_call(peer, first.stage)
+        for chunk in parts:
+            self._hand_back(peer, chunk)
+        if peer.queue:
+            self._start_next(peer)  # batching is on: only `_start_next` makes batched calls
+        for chunk in parts:
+            self._advance(peer, chunk)
+
+    def _end_call(self, peer: PeerState, stage: int) -> None:
+        """Busy time counts once per call, however many chunks it held."""
+        since = peer.busy_since_s if peer.busy_since_s > self._last_sample_s else self._last_sample_s
+        self.metrics.stage_busy_s[stage] += self.engine.now_s - since
+        peer.busy = False
+
+    def _hand_back(self, peer: PeerState, chunk: Chunk) -> None:
+        """The peer answers the chunk's request."""
+        del peer.held[chunk.id]
+        # What a trainer measures: the request until the response is back, so the output's wait on this
+        # peer's uplink counts (otherwise a peer with a slow uplink looks fast and gets flooded).
+        answered_s = self._answered_s(peer, chunk, self.engine.now_s)
+        self.on_computed_report(chunk, peer, self._weight(chunk), answered_s - chunk.sent_s)
+        if chunk.log is not None:
+            chunk.log.append((chunk.stage, chunk.backward or chunk.stage == self.last))
+
+    def _advance(self, peer: PeerState, chunk: Chunk) -> None:
+        """The chunk, computed at its stage on `peer`, goes to its next stage (or home)."""
+        s = chunk.stage
         chunk.src = peer.index
         if not chunk.backward and s < self.last:
             chunk.path[s] = peer.index
@@ -386,7 +506,9 @@ class PipelineSimulation(Simulation):
         self._membership_changed = True
 
     def abandon(self, peer: PeerState) -> list[Chunk]:
-        """Void everything the peer holds (queued, computing, arriving); the caller re-sends them."""
+        """Void everything the peer holds (queued, computing, arriving); the caller re-sends them. A
+        batched call's parts stay in `held` until the call ends, so a call of several chunks is voided
+        whole (`_on_call_computed` sees the first part's new attempt)."""
         now = self.engine.now_s
         if peer.busy:
             start = peer.busy_since_s if peer.busy_since_s > self._last_sample_s else self._last_sample_s
