@@ -18,6 +18,7 @@ from swarmtrain.planner.deadlines import (
     deadline_s,
     exchange_ping_timeout_s,
     ping_timeout_s,
+    silent_deadline_s,
 )
 
 pytestmark = pytest.mark.unit
@@ -101,3 +102,17 @@ def test_a_first_stage_ping_waits_for_our_sums_at_a_slow_links_rate():
     assert exchange_ping_timeout_s(None, 10_000) == PING_TIMEOUT_FLOOR_S  # small sums: the floor
     slow_link = _times(*[2.0] * 10)
     assert exchange_ping_timeout_s(slow_link, fp32_sums) == exchange_ping_timeout_s(slow_link)  # measured
+
+
+def test_a_silent_peer_not_yet_measured_is_given_up_at_the_floor_not_the_request_timeout():
+    """Found in netbed chaos: a replica started 11 s before its link was cut held chains for the whole
+    request timeout while pings said it was silent."""
+    assert silent_deadline_s(None, CAP_S) == DEADLINE_FLOOR_S < CAP_S
+    assert silent_deadline_s(_times(*[0.1] * (MIN_CALLS - 1)), CAP_S) == DEADLINE_FLOOR_S
+    assert silent_deadline_s(None, 2.0) == 2.0  # never past the call's own deadline
+    measured = _times(*[2.0] * MIN_CALLS)
+    assert (
+        silent_deadline_s(measured, deadline_s(measured, CAP_S))
+        == deadline_s(measured, CAP_S)
+        > DEADLINE_FLOOR_S
+    )

@@ -452,6 +452,28 @@ def test_a_silent_peer_nobody_can_replace_is_given_up_at_its_deadline(quick_chec
     assert client.calls[0] == (A, "backward", True) and (A, "ping", None) in client.calls
 
 
+def test_a_silent_peer_never_measured_is_given_up_at_the_floor_not_the_request_timeout(
+    quick_checks, monkeypatch
+):
+    """A replica that went silent before its calls were measured: its deadline is the whole request
+    timeout, but once pings say it is silent the call ends at the floor (netbed chaos: a fresh replica
+    whose link was cut held every chain for 20 s)."""
+    monkeypatch.setattr(deadlines, "DEADLINE_FLOOR_S", 0.3)
+    table, client = SpyTable([[A]]), FreezableClient(frozen={A}, reply=_acc_reply)
+    caller = _caller(client, table)
+    message = Message("backward", {"mb": "t.0-1", "accumulate": True})
+    attempt = call_policy.Attempt(A, TIMEOUT_S, TIMEOUT_S)  # what an unmeasured peer's deadline is
+
+    async def hedged():
+        start_s = asyncio.get_running_loop().time()
+        with pytest.raises(SilentPastDeadline):
+            await caller._hedged(0, "backward", A, message, attempt, 8, 1.0)
+        return asyncio.get_running_loop().time() - start_s
+
+    took_s = asyncio.run(hedged())
+    assert 0.3 <= took_s < TIMEOUT_S / 2
+
+
 def _hedged_chain(client, table):
     caller = _caller(client, table)
     tokens = codec.encode(torch.zeros(2, 4, dtype=torch.int64), "none")

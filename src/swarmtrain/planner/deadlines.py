@@ -69,6 +69,17 @@ def deadline_s(times: CallTimes | None, cap_s: float) -> float:
     return min(cap_s, max(DEADLINE_FLOOR_S, usual_s))
 
 
+def silent_deadline_s(times: CallTimes | None, wait_s: float) -> float:
+    """How long after its start a call whose peer went silent (answers no ping) is given up: its
+    deadline `wait_s` once the peer's calls were measured; before that, `DEADLINE_FLOOR_S` at most. An
+    unmeasured peer's deadline is the whole request timeout, and a stage-0 replica started during
+    netbed chaos whose link was cut 11 s later kept both trainers' chains for 20 s each while the
+    trainers logged it as not answering pings: a 40.8 s stall (seed 0; docs/LOG.md, 2026-11-27)."""
+    if times is None or times.calls < MIN_CALLS:
+        return min(wait_s, DEADLINE_FLOOR_S)
+    return wait_s
+
+
 def check_after_s(times: CallTimes | None, cap_s: float) -> float:
     """How long a call to this peer runs before we ask whether the peer is alive (and again every as
     long while it runs): max(floor, ratio x mean, mean + spread x std), at most `cap_s`."""

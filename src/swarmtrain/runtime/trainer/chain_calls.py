@@ -27,7 +27,7 @@ from swarmtrain.net.hand_off import (
     validate_hops,
 )
 from swarmtrain.net.protocol import Message, ProtocolError
-from swarmtrain.planner.deadlines import check_after_s, ping_timeout_s
+from swarmtrain.planner.deadlines import check_after_s, ping_timeout_s, silent_deadline_s
 from swarmtrain.planner.routing import BACKWARD_WEIGHT, FORWARD_CHARGE, FORWARD_WEIGHT
 from swarmtrain.runtime.trainer.call_policy import PERSISTENT_ATTEMPTS, Attempt, frozen_or, run_call
 from swarmtrain.runtime.trainer.hedging import (
@@ -89,7 +89,7 @@ class ChainCaller:
         hedge = None
         silent = await silent_while(call, check_after_s(times, wait_s), probe)
         if silent:
-            call = asyncio.ensure_future(within_deadline(call, start_s + wait_s))
+            call = asyncio.ensure_future(within_deadline(call, start_s + silent_deadline_s(times, wait_s)))
             hedge = self._hedge(message, n, wait_s, silent, first)
         if hedge is None:
             return self._finished(await call, [[peer], *route], n, time.monotonic() - start_s, first)

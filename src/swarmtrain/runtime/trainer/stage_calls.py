@@ -42,6 +42,7 @@ from swarmtrain.planner.deadlines import (
     check_after_s,
     deadline_s,
     ping_timeout_s,
+    silent_deadline_s,
 )
 from swarmtrain.runtime.trainer.call_policy import (
     PERSISTENT_ATTEMPTS,
@@ -208,7 +209,9 @@ class StageCaller:
 
         if not await silent_while(call, check_after_s(times, attempt.wait_s), probe):
             return await call, peer
-        call = asyncio.ensure_future(within_deadline(call, start_s + attempt.wait_s))
+        call = asyncio.ensure_future(
+            within_deadline(call, start_s + silent_deadline_s(times, attempt.wait_s))
+        )
         other = self.table.choose(stage, num_samples, charge, exclude={peer})
         if other is None:  # nobody to hedge on: wait for the silent peer until its deadline
             return await call, peer
