@@ -8,7 +8,13 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from swarmtrain.cli.common import non_negative_float, positive_float, positive_int, write_summary_json
+from swarmtrain.cli.common import (
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    write_summary_json,
+)
 from swarmtrain.config.errors import UserError
 
 MODE_CHOICES = ("swarm", "swarm-no-rebalance", "gpipe", "async-replicas", "all")
@@ -148,7 +154,7 @@ def register(subparsers) -> None:
     )
     p.add_argument(
         "--max-batch-samples",
-        type=_batch_samples,
+        type=non_negative_int,
         default=0,
         metavar="N",
         help="request batching, as a live server's --max-batch-tokens: a peer starting a call takes its "
@@ -205,16 +211,6 @@ def _overhead_s(text: str) -> float:
     value = non_negative_float(text)
     if value == float("inf"):
         raise argparse.ArgumentTypeError("expected a finite number of seconds")
-    return value
-
-
-def _batch_samples(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0 (0: no batching), got {value}")
     return value
 
 

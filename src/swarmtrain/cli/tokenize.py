@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from swarmtrain.cli.common import positive_int
+from swarmtrain.cli.common import non_negative_int, positive_int
 from swarmtrain.cli.tokenizer import SOURCES_HELP
 
 HELP = "tokenize a corpus into token shards that training reads by memory map (data.source = DIR)"
@@ -18,16 +18,6 @@ def _fraction(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}") from None
     if not 0 <= value < 1:
         raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {value}")
-    return value
-
-
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
     return value
 
 
@@ -80,7 +70,7 @@ def register(subparsers) -> None:
     )
     parser.add_argument(
         "--val-tokens",
-        type=_count,
+        type=non_negative_int,
         default=DEFAULT_VAL_TOKENS,
         metavar="N",
         help=f"stop holding out documents once validation has N tokens; 0 holds out none (default: "
