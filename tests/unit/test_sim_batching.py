@@ -6,6 +6,7 @@ import json
 from dataclasses import replace
 
 import pytest
+from test_sim_cli import run_cli
 
 from swarmtrain.config import get_preset
 from swarmtrain.sim.base import SimConfig
@@ -194,21 +195,10 @@ def test_negative_settings_are_refused():
         SimConfig(max_batch_samples=-1)
 
 
-def _cli(capsys, *argv):
-    from swarmtrain.cli.main import main
-
-    try:
-        code = main(["simulate", *argv])
-    except SystemExit as exc:  # argparse errors
-        code = exc.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
 def test_cli_flags_reach_the_simulation(tmp_path, capsys):
     path = tmp_path / "s.json"
     quick = ["--num-peers", "8", "--duration-s", "60", "--chunk-samples", "32", "--summary-json", str(path)]
-    code, _, err = _cli(capsys, *quick, "--call-overhead-s", "0.05", "--max-batch-samples", "128")
+    code, _, err = run_cli(capsys, *quick, "--call-overhead-s", "0.05", "--max-batch-samples", "128")
     assert code == 0, err
     summary = json.loads(path.read_text())
     assert summary["batched_calls"] > 0 and summary["batched_chunks"] > summary["batched_calls"]
@@ -217,5 +207,5 @@ def test_cli_flags_reach_the_simulation(tmp_path, capsys):
         (["--max-batch-samples", "1.5"], "--max-batch-samples"),
         (["--call-overhead-s", "0.01", "--choose-mode"], "per-call cost"),
     ):
-        code, _, err = _cli(capsys, *quick, *argv)
+        code, _, err = run_cli(capsys, *quick, *argv)
         assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
