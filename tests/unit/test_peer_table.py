@@ -45,6 +45,18 @@ def test_ban_lasts_until_the_peer_reannounces_or_expires():
     assert table.routers[0].peers == ["b"]
 
 
+def test_a_close_goes_to_banned_replicas_too_but_only_to_the_stage_it_closes():
+    """netbed chaos, seed 0: a stage-1 replica banned while frozen woke up without the closes sent
+    meanwhile, waited 10 s for each, and every micro-batch of the next step waited on it."""
+    table = PeerTable(records=None, num_stages=2, digest="d")
+    table.apply([{"a": _ann(0), "b": _ann(0)}, {"x": _ann(1), "y": _ann(1)}])
+    table.ban(1, "y")
+    assert table.available(1) == ["x"]
+    assert table.close_recipients(1, {}) == {"x", "y"}
+    assert table.close_recipients(1, {"x": 8, "new": 8}) == {"x", "y", "new"}  # a member we never saw
+    assert table.close_recipients(0, {}) == {"a", "b"}
+
+
 def test_a_peer_whose_record_lapsed_is_routed_to_for_the_grace_and_a_leaving_one_is_not():
     """chaos --netbed, seed 0: the servers' DHT stores timed out while they served, their records lapsed
     and the trainers saw no peer of either stage for 30 s (peers/stage [0, 0])."""

@@ -7,7 +7,9 @@ import time
 import pytest
 import torch
 
-from swarmtrain.net.protocol import StageRequest
+from swarmtrain.net.protocol import Message, StageRequest
+from swarmtrain.runtime.server.chain_hop import Admitted
+from swarmtrain.runtime.server.stage_desk import Admission, MicroBatchDesk
 from swarmtrain.runtime.server.stage_steps import StepCoordinator, StepSettings
 from swarmtrain.runtime.server.stage_worker import StageWorker
 from swarmtrain.runtime.trainer.step_tracker import StepTracker
@@ -371,6 +373,41 @@ def test_a_replica_that_missed_steps_replays_them_from_a_peers_means(tiny_cfg, m
         assert a.means_of(5) is None and not await c.replay(1, 32, a.means_of(1)[1])
         _train(c.worker, micro_batches[:1], step=2, prefix="c")  # samples of its own: not replayed
         assert not await c.replay(2, 32, a.means_of(1)[1])
+
+    asyncio.run(scenario())
+
+
+def test_a_replica_trailing_its_stage_refuses_requests_at_once_and_lets_go_of_held_ones(
+    tiny_cfg, micro_batches, start_compute
+):
+    """Netbed chaos, seed 0: a replica 38 steps behind (its link just back) held two micro-batches for
+    12 s while it replayed, and the stage closed their step without them. Once a trainer's close shows
+    the stage far past it, a request it would hold is refused (the caller tries another replica), and
+    one already held is let go; a request it can serve soon, and an evaluation, are still admitted."""
+
+    async def scenario():
+        node = (await _replicas(tiny_cfg, ["C"], Net(), start_compute))["C"]
+        desk = MicroBatchDesk(tiny_cfg, None, None, "", node.worker, None, node, Admission(lambda: True), None)
+        x, y = micro_batches[0]
+
+        def admit(step, kind="forward_backward"):
+            request = StageRequest(kind, f"m{step}", "none", x, labels=y, step=step)
+            return asyncio.create_task(desk._admit(request, {"timeout_s": 5.0}))
+
+        held = admit(9)
+        await asyncio.sleep(0.1)
+        assert not held.done()  # no close says the stage is ahead: the whole stage may be behind
+        assert not node.inbox.on_close(9, 0, 1, {"A": 8}, ["A", "C"], "t")  # too far ahead to keep
+        answer = await asyncio.wait_for(held, 1.0)
+        assert isinstance(answer, Message) and answer.header["code"] == "unavailable"
+        assert "behind its stage" in answer.header["error"]
+        refused = await asyncio.wait_for(admit(10), 1.0)
+        assert isinstance(refused, Message) and refused.header["code"] == "unavailable"
+        assert isinstance(await asyncio.wait_for(admit(0), 1.0), Admitted)  # its own step runs
+        evaluation = admit(9, "evaluate")  # an evaluation names the parameters it must see: it waits
+        await asyncio.sleep(0.1)
+        assert not evaluation.done()
+        evaluation.cancel()
 
     asyncio.run(scenario())
 

@@ -4,8 +4,10 @@
 `Admission` is the serving and draining state a micro-batch is admitted under: refused while the
 replica downloads the stage state or drains, counted while it runs (a drain waits for those). The
 `MicroBatchDesk` is built when the stage starts serving, complete: its hop to the next stage (none at
-the last stage) is given to it. A request is validated (net/protocol.py), waits for the parameters of
-its step (`StepCoordinator.versions`, runtime/server/step_versions.py), then runs on the compute thread, alone or batched with
+the last stage) is given to it. A request is validated (net/protocol.py), is refused at once while
+this replica trails its stage by more than a close can (`StepCoordinator.trails_stage`: the caller tries
+another replica), waits for the parameters of its step (`StepCoordinator.versions`,
+runtime/server/step_versions.py), then runs on the compute thread, alone or batched with
 others (stage_batches.py); a chain goes on to the next stage through `ChainHop`.
 """
 
@@ -241,12 +243,28 @@ class MicroBatchDesk:
             return error_message(
                 f"step {request.step} is already applied here (at {self.worker.epoch})", "stale"
             )
-        draining = self.admission
-        if not await self.steps.versions.wait(need, deadline_s, abandon=lambda: draining.draining):
+        draining, step = self.admission, request.step
+
+        def trailing() -> bool:
+            return not request.evaluate and self.steps.trails_stage(step)
+
+        if trailing():
+            return self._trailing_answer(step)
+        if not await self.steps.versions.wait(need, deadline_s, lambda: draining.draining or trailing()):
             if draining.draining:
                 return leaving_answer()
+            if trailing():
+                return self._trailing_answer(step)
             return error_message(f"parameters of step {need} not ready in time", "timeout")
         return Admitted(arrived_s, deadline_s, time.monotonic() - arrived_s)
+
+    def _trailing_answer(self, step: int) -> Message:
+        closed = self.steps.inbox.newest_close
+        return error_message(
+            f"this replica is at step {self.worker.epoch}, behind its stage (step {closed} was closed): "
+            f"catching up, step {step} cannot run here yet; try another",
+            "unavailable",
+        )
 
 
 def _answer_of(outcome: Message | BaseException) -> Message:

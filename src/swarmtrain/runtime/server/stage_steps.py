@@ -67,6 +67,7 @@ from swarmtrain.planner.step_decision import (
     short_close_grace_s,
     step_candidates,
     step_contributions,
+    trails_stage,
 )
 from swarmtrain.runtime.ledger import Ledger
 from swarmtrain.runtime.server.compute import PRIORITY_SYNC, ComputeWorker
@@ -139,7 +140,13 @@ class StepCoordinator:
         self.step_rate = StepRate()  # the swarm's samples/s as the steps applied here show it (announced)
         # the closes and sums heard, by step (`on_close`, `on_grads`): what the step loop decides on
         self.inbox = StepInbox(
-            lambda: self.worker.epoch, peer_id, self.counters, live_replicas, verify, close_window
+            lambda: self.worker.epoch,
+            peer_id,
+            self.counters,
+            live_replicas,
+            verify,
+            close_window,
+            on_left_behind=lambda: self.versions.changed(),
         )
         self.pending = self.inbox.pending
         # the mean gradients of the last steps applied here, for replicas that missed them (`replay`);
@@ -164,6 +171,12 @@ class StepCoordinator:
             except Exception:  # keep stepping; a bug here must not silently stop the stage
                 logger.exception("step %d failed", step)
                 await asyncio.sleep(self.settings.poll_s)
+
+    def trails_stage(self, step: int) -> bool:
+        """Should a training request of `step` be refused at once: this replica trails its stage
+        (planner/step_decision.py's `trails_stage`)."""
+        inbox = self.inbox
+        return trails_stage(step, self.worker.epoch, inbox.newest_close, inbox.close_window)
 
     async def _wait(self, step: int, ready: Callable[[PendingStep], bool], timeout_s: float | None = None):
         """Until `ready(state)`; False if the epoch moved (resync) or `timeout_s` passed."""

@@ -68,14 +68,19 @@ class StepInbox:
         live_replicas: LiveReplicas | None = None,
         verify: Verify | None = None,
         close_window: int = 1,
+        on_left_behind: Callable[[], None] = lambda: None,
     ) -> None:
         """`epoch`: the next step this replica applies; `live_replicas`: the stage's live replicas from
         the DHT (None: not checked, tests); `verify`: a direct check of a peer the view lacks (None: only
-        the view counts); `close_window`: 1 + max_staleness (see `close_refusal`)."""
+        the view counts); `close_window`: 1 + max_staleness (see `close_refusal`); `on_left_behind()`:
+        a close came further past this replica's epoch than any before (requests held here look again,
+        `trails_stage`)."""
         self._epoch, self.peer_id, self.counters = epoch, peer_id, counters
         self.members = StageMembers(live_replicas, verify, on_change=self.wake)
         self.close_window = close_window
+        self.on_left_behind = on_left_behind
         self.pending: dict[int, PendingStep] = {}
+        self.newest_close = -1  # the highest step any close named, kept or not: how far the stage went
 
     def on_close(
         self, step: int, shard: int, shard_count: int, members: dict, participants: list, sender: str = ""
@@ -83,6 +88,10 @@ class StepInbox:
         """A trainer's close (fields checked by net/protocol.py's `validate_close`); False if not kept.
         Kept closes are only candidates: the step loop decides which one, if any, it acts on."""
         refusal = close_refusal(step, self._epoch(), self.close_window)
+        if step > self.newest_close:
+            self.newest_close = step
+            if step > self._epoch() + self.close_window:
+                self.on_left_behind()
         state = self.state(step) if refusal is None else None
         if state is not None and sender not in state.closes and len(state.closes) >= MAX_CLOSES_PER_STEP:
             refusal = f"already {len(state.closes)} senders closed step {step}"

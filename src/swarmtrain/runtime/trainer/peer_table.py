@@ -115,6 +115,13 @@ class PeerTable:
         self.routers[stage].unban(peer)
         self._banned_at.pop(peer, None)
 
+    def close_recipients(self, stage: int, members: dict[str, int]) -> set[str]:
+        """Who hears a close of `stage`: every replica of it we know of, banned ones too, and the
+        members. A replica banned as frozen that wakes up then holds the close and applies the step
+        with the others; one never told waited a whole close timeout for it (and then applied the step
+        short, diverging) while every micro-batch of the next step waited on it (netbed chaos, seed 0)."""
+        return set(self.routers[stage].peers) | set(members)
+
     def available(self, stage: int) -> list[str]:
         return self.routers[stage].available(time.monotonic())
 

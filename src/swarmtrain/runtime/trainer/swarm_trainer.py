@@ -289,8 +289,9 @@ class SwarmTrainer:
     def _close(self, step: int, stage: int, members: dict[str, int]) -> None:
         """Tell every replica of `stage` we know of that `step` is over there (and who has it)."""
         # a banned member (gone, or frozen) is waited for by nobody: its samples are not counted. It is
-        # still told: a frozen one that wakes up applies the step with the others instead of resyncing
-        participants = set(self.table.available(stage)) | set(members)
+        # still told, as every banned replica is: a frozen one that wakes up applies the step with the
+        # others instead of waiting for the close or resyncing
+        participants = self.table.close_recipients(stage, members)
         members = {p: n for p, n in members.items() if not self.table.is_banned(p)}
         message = close_message(
             step,
