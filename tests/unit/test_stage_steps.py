@@ -387,7 +387,9 @@ def test_a_replica_trailing_its_stage_refuses_requests_at_once_and_lets_go_of_he
 
     async def scenario():
         node = (await _replicas(tiny_cfg, ["C"], Net(), start_compute))["C"]
-        desk = MicroBatchDesk(tiny_cfg, None, None, "", node.worker, None, node, Admission(lambda: True), None)
+        desk = MicroBatchDesk(
+            tiny_cfg, None, None, "", node.worker, None, node, Admission(lambda: True), None
+        )
         x, y = micro_batches[0]
 
         def admit(step, kind="forward_backward"):
@@ -397,7 +399,9 @@ def test_a_replica_trailing_its_stage_refuses_requests_at_once_and_lets_go_of_he
         held = admit(9)
         await asyncio.sleep(0.1)
         assert not held.done()  # no close says the stage is ahead: the whole stage may be behind
+        assert not node.left_behind()
         assert not node.inbox.on_close(9, 0, 1, {"A": 8}, ["A", "C"], "t")  # too far ahead to keep
+        assert node.left_behind()  # the sync thread now asks its peers' epochs directly
         answer = await asyncio.wait_for(held, 1.0)
         assert isinstance(answer, Message) and answer.header["code"] == "unavailable"
         assert "behind its stage" in answer.header["error"]

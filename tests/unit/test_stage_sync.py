@@ -381,6 +381,52 @@ def test_a_replica_far_behind_replays_at_once_while_its_peer_keeps_the_steps(tin
     assert len(replays) == 2 and averager.calls == [("download",)] * 2  # too far: not even tried
 
 
+def test_a_replica_a_close_shows_far_behind_asks_its_peers_directly_when_the_dht_shows_nobody(
+    tiny_cfg, start_compute
+):
+    """Netbed chaos, seed 0: a stage-1 replica woke 23 steps behind while the progress records of its
+    peer had lapsed (the DHT's stores timed out), and that peer froze before the records showed it. A
+    close far past its epoch makes it ask its peers' epochs with a ping (`peers_ahead`) and replay from
+    the furthest at once; a failed replay downloads; without such a close nothing is asked."""
+    from swarmtrain.runtime.server.step_inbox import KEEP_STEPS_AHEAD
+
+    replays, asked, ok = [], [], True
+    answers: dict[str, int] = {}
+
+    def replay(peer, start, end):
+        replays.append((peer, start, end))
+        return ok
+
+    def peers_ahead():
+        asked.append(dict(answers))
+        return dict(answers)
+
+    worker = StageWorker(tiny_cfg, tiny_cfg.stages()[1])
+    records, averager = FakeRecords(), FakeAverager()
+    sync = StageSynchronizer(
+        worker,
+        start_compute(),
+        averager,
+        records,
+        "B",
+        "d",
+        SyncSettings(lag_grace_s=60.0),
+        replay_missed=replay,
+        peers_ahead=peers_ahead,
+    )
+    sync.tick()  # no close showed it behind: nobody answers, nothing happens
+    assert replays == [] and averager.calls == [] and len(asked) == 1
+    answers.update(A=KEEP_STEPS_AHEAD + 5, C=KEEP_STEPS_AHEAD + 2)
+    sync.tick()
+    assert replays == [("A", 0, KEEP_STEPS_AHEAD + 5)] and averager.calls == []  # the furthest peer
+    ok = False
+    sync.tick()
+    assert len(replays) == 2 and averager.calls == [("download",)]
+    answers.update(A=KEEP_STEPS_AHEAD, C=1)  # within the window: the lag rules of the DHT path decide
+    sync.tick()
+    assert len(replays) == 2 and averager.calls == [("download",)]
+
+
 def test_a_replica_that_skipped_steps_follows_its_peer_whatever_the_ids(make_sync, tiny_cfg):
     """chaos --netbed, seed 0: s1-10 woke from a freeze 36 steps behind while its only peer was frozen,
     adopted the other stages' step with its old parameters (behind_other_stages), and had the smaller id:

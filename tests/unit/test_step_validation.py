@@ -15,12 +15,12 @@ from swarmtrain.planner.step_decision import (
     Close,
     StepDecision,
     close_refusal,
-    trails_stage,
     decide_step,
     settle_step,
     short_close_grace_s,
     step_candidates,
     step_contributions,
+    trails_stage,
 )
 from swarmtrain.runtime.server.stage_members import LiveReplicas
 from swarmtrain.runtime.server.stage_steps import StepCoordinator, StepSettings

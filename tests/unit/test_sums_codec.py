@@ -232,6 +232,7 @@ def test_local_steps_with_8bit_pseudo_gradients_end_each_round_identical(tiny_cf
         net = WireNet(StageWorker(cfg, cfg.stages()[1]))
         nodes = net.coordinators(cfg, {"A": "8bit", "B": "8bit"}, start_compute)
         tasks = [asyncio.create_task(n.run()) for n in nodes.values()]
+
         # a step is over once the coordinator dropped its pending state: it records the round's counters in
         # the same turn of the loop. The epoch alone moves earlier, inside the compute job, and a check
         # on it read B's group size of the local step before (CI: {'A': 2, 'B': 1})
@@ -255,3 +256,48 @@ def test_local_steps_with_8bit_pseudo_gradients_end_each_round_identical(tiny_cf
         assert not differ, (differ, sizes, a.epoch, b.epoch)
 
     asyncio.run(scenario())
+
+
+class PingAnswers:
+    """A stage client whose pings answer with the header given per peer (None: no answer)."""
+
+    def __init__(self, headers: dict):
+        self.headers = headers
+
+    async def ping_reply(self, peer, message, timeout_s):
+        header = self.headers.get(peer)
+        return None if header is None else Message("result", header)
+
+
+def test_a_stage_peers_epoch_counts_only_from_a_replica_of_this_stage_and_run(tiny_cfg):
+    """A trailing replica asks its peers' epochs directly (`StagePeerLink.epoch_of`): only a peer
+    answering as a replica of the same stage and digest, with a whole non-negative epoch, is believed."""
+    spec = tiny_cfg.stages()[1]
+    link = StagePeerLink(spec, "d", StageWorker(tiny_cfg, spec), FaultHooks(), 5.0, 5.0)
+    ours = {"stage": spec.index, "digest": "d"}
+    link.attach(
+        PingAnswers(
+            {
+                "ok": {**ours, "epoch": 7},
+                "other-stage": {**ours, "stage": spec.index + 1, "epoch": 7},
+                "other-run": {**ours, "digest": "x", "epoch": 7},
+                "bad": {**ours, "epoch": -1},
+                "bool": {**ours, "epoch": True},
+                "text": {**ours, "epoch": "7"},
+            }
+        )
+    )
+
+    async def epochs():
+        peers = ["ok", "other-stage", "other-run", "bad", "bool", "text", "silent"]
+        return {peer: await link.epoch_of(peer) for peer in peers}
+
+    assert asyncio.run(epochs()) == {
+        "ok": 7,
+        "other-stage": None,
+        "other-run": None,
+        "bad": None,
+        "bool": None,
+        "text": None,
+        "silent": None,
+    }

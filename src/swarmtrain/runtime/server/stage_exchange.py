@@ -78,13 +78,24 @@ class StagePeerLink:
     async def is_stage_replica(self, peer: str) -> bool:
         """Does `peer` answer a ping as a replica of this stage of this run (same stage, same digest)? A
         peer that does not answer, answers with an error, or serves something else is not one."""
+        return await self._replica_reply(peer) is not None
+
+    async def epoch_of(self, peer: str) -> int | None:
+        """The epoch `peer` answers a stage ping with as a replica of this stage; None when it is none."""
+        reply = await self._replica_reply(peer)
+        epoch = None if reply is None else reply.header.get("epoch")
+        return epoch if isinstance(epoch, int) and not isinstance(epoch, bool) and epoch >= 0 else None
+
+    async def _replica_reply(self, peer: str) -> Message | None:
         if self.client is None:
-            return False
+            return None
         reply = await self._ping_reply(peer)
-        return reply is not None and (reply.header.get("stage"), reply.header.get("digest")) == (
+        if reply is None or (reply.header.get("stage"), reply.header.get("digest")) != (
             self.spec.index,
             self.digest,
-        )
+        ):
+            return None
+        return reply
 
     async def _ping_reply(self, peer: str) -> Message | None:
         """A stage peer's answer to our stage ping within what our exchanges with it take

@@ -83,6 +83,8 @@ if TYPE_CHECKING:  # hivemind is imported only once the process has prepared its
 logger = get_logger(__name__)
 
 DRAIN_POLL_S = 0.05
+# the pings that ask a trailing replica's stage peers their epochs (each bounded by its own deadline)
+PEER_EPOCHS_TIMEOUT_S = 10.0
 # a record lives this many announce periods: one missed announcement does not drop a live server
 ANNOUNCE_TTL_PERIODS = 3
 
@@ -275,6 +277,7 @@ class StageService:
             closing=self._closing,
             on_epoch_moved=self.steps.versions.changed_threadsafe,
             replay_missed=self._replay_missed,
+            peers_ahead=self._peers_ahead,
         )
 
     def _closing(self) -> bool:
@@ -439,6 +442,24 @@ class StageService:
             future.cancel()
             logger.info("replaying steps %d-%d from %s failed: %r", start, end - 1, peer[-8:], exc)
             return False
+
+    def _peers_ahead(self) -> dict[str, int]:
+        """(sync thread) When a trainer's close showed this replica far behind its stage, the epochs its
+        stage peers answer a ping with; {} otherwise, or when asking failed."""
+        if self.link.client is None or not self.steps.left_behind():
+            return {}
+        future = asyncio.run_coroutine_threadsafe(self._peer_epochs(), self.node.loop)
+        try:
+            return future.result(timeout=PEER_EPOCHS_TIMEOUT_S)
+        except Exception as exc:  # the loop is shutting down, or the pings outlived the timeout
+            future.cancel()
+            logger.info("asking the stage peers' epochs failed: %r", exc)
+            return {}
+
+    async def _peer_epochs(self) -> dict[str, int]:
+        peers = sorted(set(self.steps.inbox.live() or ()) - {self.peer_id})
+        epochs = await asyncio.gather(*(self.link.epoch_of(peer) for peer in peers))
+        return {peer: epoch for peer, epoch in zip(peers, epochs, strict=True) if epoch is not None}
 
     async def _replay_from(self, peer: str, start: int, end: int) -> bool:
         for step in range(start, end):

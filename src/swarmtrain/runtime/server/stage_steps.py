@@ -178,6 +178,11 @@ class StepCoordinator:
         inbox = self.inbox
         return trails_stage(step, self.worker.epoch, inbox.newest_close, inbox.close_window)
 
+    def left_behind(self) -> bool:
+        """A trainer closed a step here further past this replica's epoch than an honest close can
+        come: another replica ran it, and this one must replay or download what it missed."""
+        return self.trails_stage(self.inbox.newest_close)
+
     async def _wait(self, step: int, ready: Callable[[PendingStep], bool], timeout_s: float | None = None):
         """Until `ready(state)`; False if the epoch moved (resync) or `timeout_s` passed."""
         deadline_s = None if timeout_s is None else time.monotonic() + timeout_s

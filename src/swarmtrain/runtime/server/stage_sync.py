@@ -6,7 +6,8 @@ module runs on its own threads and works from shared state in the DHT:
   (fp: a fingerprint of its parameters at step fp_epoch);
 - a replica joining a stage whose replicas have already stepped downloads their parameters and
   optimizer state (`load_state_from_peers`) before serving;
-- a replica that sees a peer more than `KEEP_STEPS_AHEAD` steps ahead, or ahead at all for longer
+- a replica that sees a peer more than `KEEP_STEPS_AHEAD` steps ahead (in the DHT, or by asking its
+  peers directly once a trainer's close came that far past its epoch), or ahead at all for longer
   than `lag_grace_s` (replicas finish a step's exchange a few milliseconds apart, which is no lag),
   replays the steps it missed from a peer's mean gradients when it holds no samples of its own and the
   peer still keeps them (up to `MAX_REPLAY_STEPS`, bounded by the peer's memory); otherwise it stops
@@ -96,12 +97,15 @@ class StageSynchronizer:
         closing: Callable[[], bool] = lambda: False,
         on_epoch_moved: Callable[[], None] = lambda: None,
         replay_missed: Callable[[str, int, int], bool] = lambda peer, start, end: False,
+        peers_ahead: Callable[[], dict[str, int]] = dict,
     ) -> None:
         """`checkpoints`: a StageCheckpointer to restore from (None: no checkpoints); `on_fatal`: stop
         the server with this message (a replica that must not serve); `closing`: whether the step this
         replica is at is being closed (the step coordinator holds it); `on_epoch_moved`: called (on
         this object's thread) after a download or restore moved the epoch; `replay_missed(peer, start,
-        end)`: apply steps start..end-1 from that peer's mean gradients, True when done."""
+        end)`: apply steps start..end-1 from that peer's mean gradients, True when done;
+        `peers_ahead()`: when a trainer's close showed this replica far behind its stage, the epochs its
+        stage peers answer a ping with ({} otherwise)."""
         self.worker, self.compute, self.averager, self.records = worker, compute, averager, records
         self.peer_id, self.digest, self.settings = peer_id, digest, settings
         self.stage = worker.spec.index
@@ -120,6 +124,7 @@ class StageSynchronizer:
         self.stop_event = threading.Event()
         self.on_epoch_moved = on_epoch_moved
         self.replay_missed = replay_missed
+        self.peers_ahead = peers_ahead
         self._fp: tuple[int, list[float]] | None = None  # (step, parameter fingerprint at that step)
         self._behind_since_s: float | None = None
         self._publish_now = threading.Event()
@@ -204,6 +209,8 @@ class StageSynchronizer:
         self.averager.state_sharing_priority = self._sharing_priority()
 
     def tick(self) -> None:
+        if self._caught_up_directly():
+            return
         others, epoch = self._others(), self.worker.epoch
         ahead = max((v["epoch"] for v in others.values()), default=epoch) - epoch
         now = time.monotonic()
@@ -230,6 +237,22 @@ class StageSynchronizer:
             self._check_other_stages(epoch, now)
         else:
             self._other_ahead_since_s = None
+
+    def _caught_up_directly(self) -> bool:
+        """A trainer's close showed this replica far behind its stage: it asks its peers' epochs with a
+        ping and replays (or downloads) at once, without the DHT's progress records, which lapse while
+        the swarm is partitioned. Netbed chaos, seed 0: a stage-1 replica woke 23 steps behind, the only
+        replica ahead froze before the records showed it, and the stage stalled until this one gave up
+        its peer's updates and adopted the other stages' step. True when it acted (the tick ends)."""
+        epoch, peers = self.worker.epoch, self.peers_ahead()
+        ahead = max(peers.values(), default=epoch) - epoch
+        if ahead <= KEEP_STEPS_AHEAD:
+            return False
+        if self._replayed({peer: {"epoch": e} for peer, e in peers.items()}, epoch, ahead):
+            self._behind_since_s = None
+        else:
+            self.resync(f"peers are {ahead} step(s) ahead (we are at {epoch}; asked directly)")
+        return True
 
     def _replayed(self, others: dict[str, dict], epoch: int, ahead: int) -> bool:
         """A replica a few steps behind holding no samples of its own (it was no participant of those

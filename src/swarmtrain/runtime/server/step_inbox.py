@@ -91,6 +91,9 @@ class StepInbox:
         if step > self.newest_close:
             self.newest_close = step
             if step > self._epoch() + self.close_window:
+                # whoever ran it is a peer to catch up from: one the view lacks is checked now
+                named = [peer for peer, n in members.items() if int(n) > 0]
+                self.members.check_unknown(unknown_members(named, self.peer_id, self.live()))
                 self.on_left_behind()
         state = self.state(step) if refusal is None else None
         if state is not None and sender not in state.closes and len(state.closes) >= MAX_CLOSES_PER_STEP:
