@@ -158,7 +158,13 @@ def make_joiner(tiny_cfg, start_compute, tmp_path):
     made = []
 
     def make(
-        checkpoint_from=None, averager=None, allow_fresh=False, lag_grace_s=3.0, wait_s=0.0, stranded_s=30.0
+        checkpoint_from=None,
+        averager=None,
+        allow_fresh=False,
+        lag_grace_s=3.0,
+        wait_s=0.0,
+        stranded_s=30.0,
+        peers_ahead=lambda: None,
     ):
         worker = StageWorker(tiny_cfg, tiny_cfg.stages()[1])
         identity = {"run_id": "r", "digest": tiny_cfg.digest()}
@@ -189,6 +195,7 @@ def make_joiner(tiny_cfg, start_compute, tmp_path):
             settings,
             checkpoints=checkpointer,
             on_fatal=fatal.append,
+            peers_ahead=peers_ahead,
         )
         return sync, worker, records, fatal
 
@@ -311,6 +318,38 @@ def test_a_replica_whose_stage_peer_died_with_a_step_adopts_the_other_stages_ste
     sync.stop()
 
 
+def test_a_replica_left_behind_whose_peers_ahead_are_silent_adopts_the_swarms_step_after_a_lag_grace(
+    make_joiner, tiny_cfg
+):
+    """Netbed chaos, seed 0: a stage-1 replica woke 30 steps behind and the only replica ahead froze for
+    26.6 s; the frozen one's progress record still showed it ahead, so the sync thread tried to replay
+    from it and the stage stalled 33 s. Left behind (a trainer's close came far past its epoch) and with
+    no peer answering a ping ahead of it, it adopts the other stages' step after the lag grace, not the
+    request timeout, and tries no replay or download from the record of the silent peer."""
+    import time
+
+    donor = _donor(tiny_cfg, 3)
+    sync, worker, records, fatal = make_joiner(
+        averager=FakeAverager(donor_state=donor.export_state()),
+        lag_grace_s=0.1,
+        stranded_s=60.0,
+        peers_ahead=lambda: {},  # left behind, and nobody that answers is ahead
+    )
+    records.by_stage[0] = {"X": _peer(3)}
+    records.progress["A"] = _peer(3)
+    sync.join()
+    downloads = len(sync.averager.calls)
+    records.progress["A"] = _peer(33)  # the frozen replica's record, still there
+    records.by_stage[0] = {"X": _peer(34)}
+    sync.tick()
+    assert worker.epoch == 3 and sync._other_ahead_since_s is not None  # within the grace
+    time.sleep(0.2)
+    sync.tick()
+    assert worker.epoch == 34 and sync.skipped and fatal == [] and sync.serving.is_set()
+    assert len(sync.averager.calls) == downloads  # nothing asked of the silent peer
+    sync.stop()
+
+
 def test_a_truncated_download_is_refused_and_the_replica_serves_on(make_sync, tiny_cfg):
     """The chaos bench: a donor died mid-stream, the state had too few tensors; the tick raised and the
     replica never served again."""
@@ -391,15 +430,15 @@ def test_a_replica_a_close_shows_far_behind_asks_its_peers_directly_when_the_dht
     from swarmtrain.runtime.server.step_inbox import KEEP_STEPS_AHEAD
 
     replays, asked, ok = [], [], True
-    answers: dict[str, int] = {}
+    answers: dict[str, int] | None = None
 
     def replay(peer, start, end):
         replays.append((peer, start, end))
         return ok
 
     def peers_ahead():
-        asked.append(dict(answers))
-        return dict(answers)
+        asked.append(answers)
+        return None if answers is None else dict(answers)
 
     worker = StageWorker(tiny_cfg, tiny_cfg.stages()[1])
     records, averager = FakeRecords(), FakeAverager()
@@ -414,15 +453,15 @@ def test_a_replica_a_close_shows_far_behind_asks_its_peers_directly_when_the_dht
         replay_missed=replay,
         peers_ahead=peers_ahead,
     )
-    sync.tick()  # no close showed it behind: nobody answers, nothing happens
-    assert replays == [] and averager.calls == [] and len(asked) == 1
-    answers.update(A=KEEP_STEPS_AHEAD + 5, C=KEEP_STEPS_AHEAD + 2)
+    sync.tick()  # no close showed it behind: nothing is asked, nothing happens
+    assert replays == [] and averager.calls == [] and asked == [None]
+    answers = {"A": KEEP_STEPS_AHEAD + 5, "C": KEEP_STEPS_AHEAD + 2}
     sync.tick()
     assert replays == [("A", 0, KEEP_STEPS_AHEAD + 5)] and averager.calls == []  # the furthest peer
     ok = False
     sync.tick()
     assert len(replays) == 2 and averager.calls == [("download",)]
-    answers.update(A=KEEP_STEPS_AHEAD, C=1)  # within the window: the lag rules of the DHT path decide
+    answers = {"A": KEEP_STEPS_AHEAD, "C": 1}  # within the window: the lag rules of the DHT path decide
     sync.tick()
     assert len(replays) == 2 and averager.calls == [("download",)]
 

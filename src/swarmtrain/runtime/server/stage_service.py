@@ -443,18 +443,19 @@ class StageService:
             logger.info("replaying steps %d-%d from %s failed: %r", start, end - 1, peer[-8:], exc)
             return False
 
-    def _peers_ahead(self) -> dict[str, int]:
+    def _peers_ahead(self) -> dict[str, int] | None:
         """(sync thread) When a trainer's close showed this replica far behind its stage, the epochs its
-        stage peers answer a ping with; {} otherwise, or when asking failed."""
+        stage peers answer a ping with (a silent one is left out); None otherwise, or when asking
+        failed."""
         if self.link.client is None or not self.steps.left_behind():
-            return {}
+            return None
         future = asyncio.run_coroutine_threadsafe(self._peer_epochs(), self.node.loop)
         try:
             return future.result(timeout=PEER_EPOCHS_TIMEOUT_S)
         except Exception as exc:  # the loop is shutting down, or the pings outlived the timeout
             future.cancel()
             logger.info("asking the stage peers' epochs failed: %r", exc)
-            return {}
+            return None
 
     async def _peer_epochs(self) -> dict[str, int]:
         peers = sorted(set(self.steps.inbox.live() or ()) - {self.peer_id})

@@ -97,7 +97,7 @@ class StageSynchronizer:
         closing: Callable[[], bool] = lambda: False,
         on_epoch_moved: Callable[[], None] = lambda: None,
         replay_missed: Callable[[str, int, int], bool] = lambda peer, start, end: False,
-        peers_ahead: Callable[[], dict[str, int]] = dict,
+        peers_ahead: Callable[[], dict[str, int] | None] = lambda: None,
     ) -> None:
         """`checkpoints`: a StageCheckpointer to restore from (None: no checkpoints); `on_fatal`: stop
         the server with this message (a replica that must not serve); `closing`: whether the step this
@@ -105,7 +105,7 @@ class StageSynchronizer:
         this object's thread) after a download or restore moved the epoch; `replay_missed(peer, start,
         end)`: apply steps start..end-1 from that peer's mean gradients, True when done;
         `peers_ahead()`: when a trainer's close showed this replica far behind its stage, the epochs its
-        stage peers answer a ping with ({} otherwise)."""
+        stage peers answer a ping with (None otherwise)."""
         self.worker, self.compute, self.averager, self.records = worker, compute, averager, records
         self.peer_id, self.digest, self.settings = peer_id, digest, settings
         self.stage = worker.spec.index
@@ -240,18 +240,28 @@ class StageSynchronizer:
 
     def _caught_up_directly(self) -> bool:
         """A trainer's close showed this replica far behind its stage: it asks its peers' epochs with a
-        ping and replays (or downloads) at once, without the DHT's progress records, which lapse while
-        the swarm is partitioned. Netbed chaos, seed 0: a stage-1 replica woke 23 steps behind, the only
-        replica ahead froze before the records showed it, and the stage stalled until this one gave up
-        its peer's updates and adopted the other stages' step. True when it acted (the tick ends)."""
-        epoch, peers = self.worker.epoch, self.peers_ahead()
-        ahead = max(peers.values(), default=epoch) - epoch
-        if ahead <= KEEP_STEPS_AHEAD:
+        ping and replays (or downloads) from the furthest at once, without the DHT's progress records,
+        which lapse while the swarm is partitioned and may list a peer that froze. When no peer that
+        answers is ahead, those that ran the steps are frozen or cut off: it waits for them a lag grace,
+        not a request timeout, before it adopts the other stages' step (its peer wins when it wakes:
+        `follows_on_mismatch`). Netbed chaos, seed 0: a stage-1 replica woke 23-30 steps behind, the only
+        replica ahead froze 3 s later for 26.6 s, and the stage stalled until one of them moved (31-33 s:
+        a replay from the frozen peer held this thread, or the adoption waited out a request timeout).
+        True when this tick is done."""
+        peers = self.peers_ahead()
+        if peers is None:
             return False
-        if self._replayed({peer: {"epoch": e} for peer, e in peers.items()}, epoch, ahead):
-            self._behind_since_s = None
-        else:
-            self.resync(f"peers are {ahead} step(s) ahead (we are at {epoch}; asked directly)")
+        epoch = self.worker.epoch
+        ahead = max(peers.values(), default=epoch) - epoch
+        if ahead > KEEP_STEPS_AHEAD:
+            if self._replayed({peer: {"epoch": e} for peer, e in peers.items()}, epoch, ahead):
+                self._behind_since_s = None
+            else:
+                self.resync(f"peers are {ahead} step(s) ahead (we are at {epoch}; asked directly)")
+            return True
+        if ahead > 0:
+            return False  # a peer that answers is a few steps ahead: the lag rules below decide
+        self._check_other_stages(epoch, time.monotonic(), stranded_grace_s=self.settings.lag_grace_s)
         return True
 
     def _replayed(self, others: dict[str, dict], epoch: int, ahead: int) -> bool:
@@ -269,8 +279,9 @@ class StageSynchronizer:
         self.publish()
         return True
 
-    def _check_other_stages(self, epoch: int, now: float) -> None:
-        """No replica of this stage is ahead: are the other stages, for longer than a step takes?"""
+    def _check_other_stages(self, epoch: int, now: float, stranded_grace_s: float | None = None) -> None:
+        """No replica of this stage is ahead: are the other stages, for longer than a step takes?
+        `stranded_grace_s`: instead of the settings' (no replica that answers is ahead)."""
         other = self._other_stages_step()
         if other <= epoch:
             self._other_ahead_since_s = None
@@ -286,7 +297,7 @@ class StageSynchronizer:
             self.settings.allow_fresh,
             self.closing(),
             self.restored,
-            self.settings.stranded_grace_s,
+            self.settings.stranded_grace_s if stranded_grace_s is None else stranded_grace_s,
         )
         if action == "advance":
             lost_samples, lost_ids = self._on_compute(lambda: self.worker.advance_to(other))
