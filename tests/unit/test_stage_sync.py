@@ -324,29 +324,45 @@ def test_a_replica_left_behind_whose_peers_ahead_are_silent_adopts_the_swarms_st
     """Netbed chaos, seed 0: a stage-1 replica woke 30 steps behind and the only replica ahead froze for
     26.6 s; the frozen one's progress record still showed it ahead, so the sync thread tried to replay
     from it and the stage stalled 33 s. Left behind (a trainer's close came far past its epoch) and with
-    no peer answering a ping ahead of it, it adopts the other stages' step after the lag grace, not the
-    request timeout, and tries no replay or download from the record of the silent peer."""
+    a peer that does not answer a ping and none that answers ahead of it, it adopts the other stages'
+    step after the lag grace, not the request timeout, and tries no replay or download from the record
+    of the silent peer. With every peer answering (a forged close), the wait stays a request timeout."""
     import time
 
     donor = _donor(tiny_cfg, 3)
+    answers: dict = {"A": 3}  # left behind, and the peer answers at our step: a forged close?
     sync, worker, records, fatal = make_joiner(
         averager=FakeAverager(donor_state=donor.export_state()),
         lag_grace_s=0.1,
         stranded_s=60.0,
-        peers_ahead=lambda: {},  # left behind, and nobody that answers is ahead
+        peers_ahead=lambda: answers,
     )
     records.by_stage[0] = {"X": _peer(3)}
     records.progress["A"] = _peer(3)
     sync.join()
-    downloads = len(sync.averager.calls)
     records.progress["A"] = _peer(33)  # the frozen replica's record, still there
     records.by_stage[0] = {"X": _peer(34)}
+    answers["C"] = 3
+    sync.tick()
+    time.sleep(0.2)
+    sync.tick()
+    assert worker.epoch == 3  # every peer answers: a request timeout's grace, as without the close
+    downloads = len(sync.averager.calls)  # (A's record sent those two ticks to download, as before)
+    answers.update(A=None)  # A, the replica that ran the steps, froze
+    sync._other_ahead_since_s = None
     sync.tick()
     assert worker.epoch == 3 and sync._other_ahead_since_s is not None  # within the grace
     time.sleep(0.2)
     sync.tick()
     assert worker.epoch == 34 and sync.skipped and fatal == [] and sync.serving.is_set()
     assert len(sync.averager.calls) == downloads  # nothing asked of the silent peer
+    answers.clear()  # a view with no peer left (their records lapsed): adopted as soon
+    records.by_stage[0] = {"X": _peer(40)}
+    sync._other_ahead_since_s = None
+    sync.tick()
+    time.sleep(0.2)
+    sync.tick()
+    assert worker.epoch == 40
     sync.stop()
 
 
@@ -455,7 +471,7 @@ def test_a_replica_a_close_shows_far_behind_asks_its_peers_directly_when_the_dht
     )
     sync.tick()  # no close showed it behind: nothing is asked, nothing happens
     assert replays == [] and averager.calls == [] and asked == [None]
-    answers = {"A": KEEP_STEPS_AHEAD + 5, "C": KEEP_STEPS_AHEAD + 2}
+    answers = {"A": KEEP_STEPS_AHEAD + 5, "C": KEEP_STEPS_AHEAD + 2, "D": None}  # D: silent
     sync.tick()
     assert replays == [("A", 0, KEEP_STEPS_AHEAD + 5)] and averager.calls == []  # the furthest peer
     ok = False

@@ -443,10 +443,10 @@ class StageService:
             logger.info("replaying steps %d-%d from %s failed: %r", start, end - 1, peer[-8:], exc)
             return False
 
-    def _peers_ahead(self) -> dict[str, int] | None:
-        """(sync thread) When a trainer's close showed this replica far behind its stage, the epochs its
-        stage peers answer a ping with (a silent one is left out); None otherwise, or when asking
-        failed."""
+    def _peers_ahead(self) -> dict[str, int | None] | None:
+        """(sync thread) When a trainer's close showed this replica far behind its stage, the epoch each
+        stage peer answers a ping with (None: silent, or no replica of this stage); None otherwise, or
+        when asking failed."""
         if self.link.client is None or not self.steps.left_behind():
             return None
         future = asyncio.run_coroutine_threadsafe(self._peer_epochs(), self.node.loop)
@@ -457,10 +457,10 @@ class StageService:
             logger.info("asking the stage peers' epochs failed: %r", exc)
             return None
 
-    async def _peer_epochs(self) -> dict[str, int]:
+    async def _peer_epochs(self) -> dict[str, int | None]:
         peers = sorted(set(self.steps.inbox.live() or ()) - {self.peer_id})
         epochs = await asyncio.gather(*(self.link.epoch_of(peer) for peer in peers))
-        return {peer: epoch for peer, epoch in zip(peers, epochs, strict=True) if epoch is not None}
+        return dict(zip(peers, epochs, strict=True))
 
     async def _replay_from(self, peer: str, start: int, end: int) -> bool:
         for step in range(start, end):

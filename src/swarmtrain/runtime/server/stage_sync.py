@@ -97,15 +97,15 @@ class StageSynchronizer:
         closing: Callable[[], bool] = lambda: False,
         on_epoch_moved: Callable[[], None] = lambda: None,
         replay_missed: Callable[[str, int, int], bool] = lambda peer, start, end: False,
-        peers_ahead: Callable[[], dict[str, int] | None] = lambda: None,
+        peers_ahead: Callable[[], dict[str, int | None] | None] = lambda: None,
     ) -> None:
         """`checkpoints`: a StageCheckpointer to restore from (None: no checkpoints); `on_fatal`: stop
         the server with this message (a replica that must not serve); `closing`: whether the step this
         replica is at is being closed (the step coordinator holds it); `on_epoch_moved`: called (on
         this object's thread) after a download or restore moved the epoch; `replay_missed(peer, start,
         end)`: apply steps start..end-1 from that peer's mean gradients, True when done;
-        `peers_ahead()`: when a trainer's close showed this replica far behind its stage, the epochs its
-        stage peers answer a ping with (None otherwise)."""
+        `peers_ahead()`: when a trainer's close showed this replica far behind its stage, the epoch each
+        stage peer answers a ping with, None for a silent one (None for all: no such close)."""
         self.worker, self.compute, self.averager, self.records = worker, compute, averager, records
         self.peer_id, self.digest, self.settings = peer_id, digest, settings
         self.stage = worker.spec.index
@@ -247,20 +247,23 @@ class StageSynchronizer:
         `follows_on_mismatch`). Netbed chaos, seed 0: a stage-1 replica woke 23-30 steps behind, the only
         replica ahead froze 3 s later for 26.6 s, and the stage stalled until one of them moved (31-33 s:
         a replay from the frozen peer held this thread, or the adoption waited out a request timeout).
-        True when this tick is done."""
+        A forged close cannot shorten the wait: every peer that answers the ping is believed, and only a
+        silent one (which a forger cannot make of an honest peer), or a view with no peer left, counts as
+        frozen. True when this tick is done."""
         peers = self.peers_ahead()
         if peers is None:
             return False
         epoch = self.worker.epoch
-        ahead = max(peers.values(), default=epoch) - epoch
+        answered = {peer: e for peer, e in peers.items() if e is not None}
+        ahead = max(answered.values(), default=epoch) - epoch
         if ahead > KEEP_STEPS_AHEAD:
-            if self._replayed({peer: {"epoch": e} for peer, e in peers.items()}, epoch, ahead):
+            if self._replayed({peer: {"epoch": e} for peer, e in answered.items()}, epoch, ahead):
                 self._behind_since_s = None
             else:
                 self.resync(f"peers are {ahead} step(s) ahead (we are at {epoch}; asked directly)")
             return True
-        if ahead > 0:
-            return False  # a peer that answers is a few steps ahead: the lag rules below decide
+        if ahead > 0 or (answered and len(answered) == len(peers)):
+            return False  # a peer that answers is a few steps ahead, or none is silent: the rules below
         self._check_other_stages(epoch, time.monotonic(), stranded_grace_s=self.settings.lag_grace_s)
         return True
 
