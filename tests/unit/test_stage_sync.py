@@ -36,11 +36,12 @@ class FakeAverager:
 
 @pytest.fixture
 def make_sync(tiny_cfg, start_compute):
-    def make(peer="B", averager=None, lag_grace_s=3.0):
+    def make(peer="B", averager=None, lag_grace_s=3.0, **callbacks):
+        """`callbacks`: StageSynchronizer's keyword callbacks (replay_missed, peers_ahead, ...)."""
         worker = StageWorker(tiny_cfg, tiny_cfg.stages()[1])
         records, averager = FakeRecords(), averager or FakeAverager()
         settings = SyncSettings(lag_grace_s=lag_grace_s)
-        sync = StageSynchronizer(worker, start_compute(), averager, records, peer, "d", settings)
+        sync = StageSynchronizer(worker, start_compute(), averager, records, peer, "d", settings, **callbacks)
         return sync, worker, records, averager
 
     return make
@@ -436,9 +437,7 @@ def test_a_replica_far_behind_replays_at_once_while_its_peer_keeps_the_steps(tin
     assert len(replays) == 2 and averager.calls == [("download",)] * 2  # too far: not even tried
 
 
-def test_a_replica_a_close_shows_far_behind_asks_its_peers_directly_when_the_dht_shows_nobody(
-    tiny_cfg, start_compute
-):
+def test_a_replica_a_close_shows_far_behind_asks_its_peers_directly_when_the_dht_shows_nobody(make_sync):
     """Netbed chaos, seed 0: a stage-1 replica woke 23 steps behind while the progress records of its
     peer had lapsed (the DHT's stores timed out), and that peer froze before the records showed it. A
     close far past its epoch makes it ask its peers' epochs with a ping (`peers_ahead`) and replay from
@@ -456,18 +455,8 @@ def test_a_replica_a_close_shows_far_behind_asks_its_peers_directly_when_the_dht
         asked.append(answers)
         return None if answers is None else dict(answers)
 
-    worker = StageWorker(tiny_cfg, tiny_cfg.stages()[1])
-    records, averager = FakeRecords(), FakeAverager()
-    sync = StageSynchronizer(
-        worker,
-        start_compute(),
-        averager,
-        records,
-        "B",
-        "d",
-        SyncSettings(lag_grace_s=60.0),
-        replay_missed=replay,
-        peers_ahead=peers_ahead,
+    sync, worker, records, averager = make_sync(
+        lag_grace_s=60.0, replay_missed=replay, peers_ahead=peers_ahead
     )
     sync.tick()  # no close showed it behind: nothing is asked, nothing happens
     assert replays == [] and averager.calls == [] and asked == [None]
