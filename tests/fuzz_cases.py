@@ -1,5 +1,7 @@
 """Malformed protocol messages for fuzz tests: seeded mutations of valid forward, backward, evaluate,
-evaluate_chain, close, grads and info messages (byte flips, truncation, header fields replaced by hostile JSON, descriptor edits)."""
+evaluate_chain, close, grads and info messages (byte flips, truncation, header fields replaced by hostile JSON, descriptor edits);
+and hostile identities for the data plane's handshake (public keys that are no key, of another type or
+size, or not the claimed peer id's, and signatures of garbage)."""
 
 from __future__ import annotations
 
@@ -8,9 +10,12 @@ import random
 import struct
 
 import torch
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec, ed25519, rsa
+from hivemind.proto import crypto_pb2
 
 from swarmtrain.config import RunConfig
-from swarmtrain.net import protocol
+from swarmtrain.net import identity, protocol
 from swarmtrain.net.hand_off import evaluate_chain_message, validate_evaluate_chain
 from swarmtrain.net.protocol import Message, StageIO, encode_labels, pack, request_message
 
@@ -177,3 +182,73 @@ def locally_rejected(kind: str, data: bytes, cfg: RunConfig, stage: int) -> bool
     except protocol.ProtocolError:
         return True
     return False
+
+
+# hostile identities ---------------------------------------------------------------------------------
+class HostileIdentity:
+    """What a handshake uses of a PeerIdentity (`peer_id`, `public_key`, `sign`), each as a stranger
+    chooses: a "public key" that may be no key, a peer id that may not be its hash, any signature."""
+
+    def __init__(
+        self, public_key: bytes, peer_id: str | None = None, signature: bytes | None = None, signer=None
+    ):
+        self.public_key = public_key
+        self.peer_id = peer_id if peer_id is not None else identity.peer_id_of(public_key)  # self-made
+        self._signature, self._signer = signature, signer
+
+    def sign(self, data: bytes) -> bytes:
+        if self._signer is not None:
+            return self._signer.sign(data)
+        return self._signature if self._signature is not None else b"\x01" * 256
+
+
+def _key_protobuf(key_type: int, data: bytes) -> bytes:
+    return crypto_pb2.PublicKey(key_type=key_type, data=data).SerializeToString()
+
+
+def _der(key) -> bytes:
+    return key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+
+
+def hostile_identities(real: identity.PeerIdentity) -> list[tuple[str, HostileIdentity]]:
+    """(description, identity) of identities no handshake may accept, for a side that knows the real
+    identity `real` (its public key and peer id, not its private key). Self-made ones claim the peer id
+    their bytes hash to (so they pass the hash check and must fail at decoding); the others claim
+    `real`'s peer id."""
+    small_rsa = rsa.generate_private_key(public_exponent=65537, key_size=1024)
+    ec_key = ec.generate_private_key(ec.SECP256R1())
+    ed_key = ed25519.Ed25519PrivateKey.generate()
+    ed_raw = ed_key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    impostor = identity.PeerIdentity.generate()
+    rng = random.Random(55)
+    real_key = real.public_key
+    self_made = [
+        ("one byte 0xff", b"\xff"),
+        ("1200 random bytes", rng.randbytes(1200)),
+        ("a truncated real key", real_key[: len(real_key) // 2]),
+        ("a protobuf of no fields but an unknown one", b"\x18\x01"),
+        ("key type 99 with a real key's DER", b"\x08\x63" + real_key[2:]),
+        ("an RSA protobuf whose data is no DER", _key_protobuf(crypto_pb2.RSA, b"\x30\x03junk")),
+        ("an RSA protobuf of empty data", _key_protobuf(crypto_pb2.RSA, b"")),
+        ("an Ed25519 key", _key_protobuf(crypto_pb2.Ed25519, ed_raw)),
+        ("an EC key labelled RSA", _key_protobuf(crypto_pb2.RSA, _der(ec_key.public_key()))),
+        ("an RSA key of 1024 bits", _key_protobuf(crypto_pb2.RSA, _der(small_rsa.public_key()))),
+    ]
+    cases = [(f"self-made: {name}", HostileIdentity(key)) for name, key in self_made]
+    cases += [
+        ("the real peer id, one byte 0xff as its key", HostileIdentity(b"\xff", real.peer_id)),
+        ("the real peer id, an Ed25519 key", HostileIdentity(self_made[7][1], real.peer_id)),
+        (
+            "the real peer id and key, a signature of one byte",
+            HostileIdentity(real_key, real.peer_id, b"\x00"),
+        ),
+        (
+            "the real peer id and key, a signature of 1200 bytes",
+            HostileIdentity(real_key, real.peer_id, b"\xff" * 1200),
+        ),
+        (
+            "the real peer id, a key of its own that signs",
+            HostileIdentity(impostor.public_key, real.peer_id, signer=impostor),
+        ),
+    ]
+    return cases

@@ -3,10 +3,13 @@ the work, one link for every exchange with answers in any order, failures of the
 knows (net/failures.py), dials that fail before sending anything, a silent link dropped, congestion
 control set where permitted; in every run each side proves its libp2p identity and what crosses the
 wire is sealed (an eavesdropper reads nothing, a changed byte ends the link), and in private runs only
-holders of the run key get in; the limits on what an untrusted caller can make a server hold."""
+holders of the run key get in; identities that are no key, or not the claimed peer id's, refused on
+both sides (an error and one log line at the server, a failed dial at the client); the limits on what an untrusted caller can make a server hold."""
 
 import asyncio
 import contextlib
+import json
+import logging
 import os
 import socket
 import time
@@ -16,6 +19,7 @@ import pytest
 import torch
 from hivemind.p2p import PeerID
 
+from fuzz_cases import HostileIdentity, hostile_identities
 from swarmtrain.net import data_plane
 from swarmtrain.net.auth import RunKey
 from swarmtrain.net.data_plane import (
@@ -401,14 +405,141 @@ async def _closed_by_server(channel, within_s: float) -> bool:
 def test_a_hello_of_nested_json_is_refused_and_the_server_serves_on():
     async def main():
         async with _plane() as plane:
-            for hello in (b"[" * 4000 + b"]" * 4000, b'{"a":' * 1000 + b"1" + b"}" * 1000, b"\xff" * 100):
+            hellos = {  # nested deeper than the JSON parser recurses, within the hello's size limit
+                b"[" * 2000 + b"]" * 2000: "malformed",
+                b'{"":[' * 550 + b"1" + b"]}" * 550: "malformed",
+                b"\xff" * 100: "malformed",
+                b"[" * 4000 + b"]" * 4000: "8000 bytes",  # over the limit: refused unread
+            }
+            for hello, refusal in hellos.items():
                 reader, writer = await asyncio.open_connection(*plane.address)
                 writer.write(data_plane._HELLO_LENGTH.pack(len(hello)) + hello)
-                assert await asyncio.wait_for(reader.read(), TIMEOUT_S) == b""  # closed, nothing said
+                said = await asyncio.wait_for(reader.read(), TIMEOUT_S)  # until the server closes
+                assert refusal in json.loads(said[data_plane._HELLO_LENGTH.size :])["error"]
                 writer.close()
             assert (await plane.call("a")).header["mb"] == "a"
 
     _run(main())
+
+
+def _no_traceback_or_error(records) -> None:
+    """What a stranger's bytes may make a process log: one-line refusals, never an exception's
+    traceback, an error or asyncio's "Unhandled exception in client_connected_cb"."""
+    for record in records:
+        assert record.exc_info is None and record.levelno < logging.ERROR, record.getMessage()
+        assert "\n" not in record.getMessage() and "Unhandled" not in record.getMessage(), record.getMessage()
+
+
+@pytest.mark.parametrize("private", [False, True], ids=["public", "private"])
+def test_undecodable_or_foreign_identities_are_refused_with_an_error_and_one_log_line(caplog, private):
+    """A caller whose public key is no key (a self-made identity: the peer id its bytes hash to passes
+    the hash check), of another type or size, or not the claimed peer id's, is told why and logged in
+    one line; in a private run too, where the key is checked before the run key's proof."""
+    run_key = RunKey(os.urandom(32)) if private else None
+    hostile = hostile_identities(CALLER_IDENTITY)
+
+    async def main():
+        async with _plane(run_key) as plane:
+            for description, stranger in hostile:
+                for role in (data_plane.REPLIES, data_plane.REQUESTS):
+                    reader, writer = await asyncio.open_connection(*plane.address)
+                    with pytest.raises(ProtocolError, match="refused: .*could not prove") as refused:
+                        await data_plane._client_handshake(
+                            reader, writer, stranger, SERVER, run_key, os.urandom(16).hex(), role
+                        )
+                    assert "\n" not in str(refused.value), description
+                    assert await asyncio.wait_for(reader.read(), TIMEOUT_S) == b"", description  # closed
+                    writer.close()
+            assert plane.handlers.calls == []
+            assert (await plane.call("a")).header["mb"] == "a"  # and it serves a real caller on
+
+    with caplog.at_level(logging.DEBUG):
+        _run(main())
+    refusals = [r for r in caplog.records if "refused a handshake" in r.getMessage()]
+    assert len(refusals) == 2 * len(hostile), [r.getMessage() for r in refusals]
+    _no_traceback_or_error(caplog.records)
+
+
+def test_a_server_with_an_undecodable_or_foreign_identity_is_a_failed_dial(caplog):
+    """The client's side: a server whose key is no key or not the peer id the client means to reach is a
+    `DialFailed` (a connection failure the retry table knows: the peer is gone), never another error."""
+    hostile = hostile_identities(SERVER_IDENTITY)
+
+    async def main():
+        handlers = Handlers()
+        for description, stranger in hostile:
+            server = DataPlaneServer(handlers.answer, lambda kind: LIMIT_BYTES, stranger, None)
+            await server.start("127.0.0.1")
+            client = DataPlaneClient(CALLER_IDENTITY)
+            try:
+                with pytest.raises(DialFailed, match="could not prove") as failed:
+                    await client.call(("127.0.0.1", server.port), stranger.peer_id, _hand_off("a"), TIMEOUT_S)
+                assert classify_failure(failed.value) is Outcome.GONE, description
+            finally:
+                client.close()
+                await server.close()
+        assert handlers.calls == []
+
+    with caplog.at_level(logging.DEBUG):
+        _run(main())
+    _no_traceback_or_error(caplog.records)
+
+
+GARBAGE_REPLIES = [  # what a peer that is no data-plane server (or a hostile one) may answer a hello with
+    b"\xff" * 4,
+    data_plane._HELLO_LENGTH.pack(2**31),
+    data_plane._HELLO_LENGTH.pack(3) + b"[1]",
+    data_plane._HELLO_LENGTH.pack(6000) + b"[" * 6000,
+    data_plane._HELLO_LENGTH.pack(4000) + b"[" * 2000 + b"]" * 2000,
+    data_plane._HELLO_LENGTH.pack(2) + b"\xff\xfe",
+    b"HTTP/1.1 400 Bad Request\r\n\r\n",
+]
+
+
+def _fields(**fields) -> bytes:
+    data = json.dumps(fields).encode()
+    return data_plane._HELLO_LENGTH.pack(len(data)) + data
+
+
+def test_a_peer_that_answers_garbage_is_a_failed_dial(caplog):
+    """Whatever a peer answers a hello with (bytes of no message, deep JSON, fields of every wrong type,
+    a key that is no key for the peer id it claims) is a `DialFailed` the retry table knows."""
+    undecodable = HostileIdentity(b"\xff")
+    replies = GARBAGE_REPLIES + [
+        _fields(error={"a": [1]}),
+        _fields(peer=[undecodable.peer_id]),
+        _fields(peer=undecodable.peer_id),
+        _fields(peer=undecodable.peer_id, nonce="00" * 16, dh=[1], key="ff", sig="01"),
+        _fields(peer=undecodable.peer_id, nonce="00" * 16, dh="00" * 32, key="ff", sig="01"),
+        _fields(peer=undecodable.peer_id, nonce="00" * 16, dh="09" + "00" * 31, key="ff", sig="01" * 256),
+        _fields(peer=undecodable.peer_id, nonce="00" * 16, dh="09" + "00" * 31, key=None, sig=None),
+    ]
+
+    async def main():
+        for reply in replies:
+
+            async def answer(reader, writer, reply=reply):
+                with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+                    await reader.readexactly(data_plane._HELLO_LENGTH.size)
+                    writer.write(reply)
+                    await writer.drain()
+                    await reader.read()
+                writer.close()
+
+            server = await asyncio.start_server(answer, "127.0.0.1", 0)
+            client = DataPlaneClient(CALLER_IDENTITY)
+            try:
+                address = ("127.0.0.1", server.sockets[0].getsockname()[1])
+                with pytest.raises(DialFailed) as failed:
+                    await client.call(address, undecodable.peer_id, _hand_off("a"), TIMEOUT_S)
+                assert classify_failure(failed.value) is Outcome.GONE, reply[:40]
+            finally:
+                client.close()
+                server.close()
+
+    with caplog.at_level(logging.DEBUG):
+        _run(main())
+    _no_traceback_or_error(caplog.records)
 
 
 def test_a_frame_that_stops_arriving_is_cut_off(monkeypatch):

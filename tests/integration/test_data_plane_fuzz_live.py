@@ -1,10 +1,14 @@
 """Fuzzing the data plane's open port (net/data_plane.py) of live stage servers at the frame level while
-a trainer trains through them (stopped with Ctrl-C afterwards): garbage, bad handshakes, invalid messages of every hand-off kind to
+a trainer trains through them (stopped with Ctrl-C afterwards): garbage, bad handshakes, identities whose
+public key is no key (self-made: claiming the peer id its bytes hash to; or claiming a real peer's id) or
+not the claimed peer id's, in both connection roles, invalid messages of every hand-off kind to
 every stage (alone and bundled, and replayed), frames of absurd or unfinished lengths, wrong frame
 types, half-open and idle connections, and large unfinished frames on many links. Asserted: every
-invalid message gets a protocol error (never `internal`), every misbehaving connection is closed, the
-memory a caller can make a server hold stays within its budget and is all released, the trainer
-finishes its run with no failed micro-batch, and no log shows a traceback."""
+invalid message gets a protocol error (never `internal`), every refused handshake an error message and
+one log line at the server, every misbehaving connection is closed, the memory a caller can make a
+server hold stays within its budget and is all released, the trainer finishes its run with no failed
+micro-batch, and no log shows a traceback (the processes log an exception in one line: none may name
+one asyncio could not hand to a handler either)."""
 
 from __future__ import annotations
 
@@ -18,12 +22,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from fuzz_cases import locally_rejected, mutations, valid_messages
+from fuzz_cases import HostileIdentity, hostile_identities, locally_rejected, mutations, valid_messages
 from swarm_fixtures import start_servers
 from swarmtrain.net import data_plane
 from swarmtrain.net.bundle import MAX_BUNDLE_ITEMS, bundle_message
 from swarmtrain.net.identity import PeerIdentity
-from swarmtrain.net.protocol import Message, StageIO, encode_labels, pack, request_message, unpack
+from swarmtrain.net.protocol import (
+    Message,
+    ProtocolError,
+    StageIO,
+    encode_labels,
+    pack,
+    request_message,
+    unpack,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -73,6 +85,11 @@ def test_the_data_plane_refuses_what_strangers_send_and_the_swarm_trains_on(make
         log = proc.log_text()
         assert "Traceback" not in log, f"{name}:\n{log[-4000:]}"
         assert "internal error" not in log and "failed:" not in log, f"{name}:\n{log[-4000:]}"
+        # an exception no handler caught, reported in one line by the process's logging
+        assert "Unhandled exception" not in log and "DecodeError" not in log, f"{name}:\n{log[-4000:]}"
+    for stage, name in names.items():  # each refused identity in one line of the server's log
+        refused = swarm.processes[name].log_text().count("data plane: refused a handshake")
+        assert refused >= report[f"stage {stage}"]["hostile identities"], (name, refused)
 
 
 async def _attack_all(cfg, targets, swarm, names) -> dict:
@@ -82,6 +99,7 @@ async def _attack_all(cfg, targets, swarm, names) -> dict:
         report[f"stage {stage}"] = {
             "garbage": await _garbage(address),
             "bad hellos": await _bad_hellos(address, peer),
+            "hostile identities": await _hostile_identities(address, peer, [p for p, _ in targets.values()]),
             "invalid messages": await _invalid_messages(address, peer, cfg, stage),
             "bad frames": await _bad_frames(address, peer),
             "idle connections": await _idle_connections(address),
@@ -113,7 +131,7 @@ async def _garbage(address) -> int:
 
 async def _bad_hellos(address, server: str) -> int:
     good = {
-        "protocol": "swarmtrain-data/1",
+        "protocol": data_plane._PROTOCOL,
         "peer": FUZZER,
         "to": server,
         "nonce": "00" * 16,
@@ -129,7 +147,7 @@ async def _bad_hellos(address, server: str) -> int:
         json.dumps({**good, "role": "requests", "peer": "not a peer id"}).encode(),
         json.dumps({**good, "role": "both"}).encode(),
         json.dumps({**good, "role": "requests", "link": "l" * 65}).encode(),
-        json.dumps({**good, "role": "requests"}).encode(),  # valid, then no replies connection comes
+        json.dumps({**good, "role": "requests"}).encode(),  # no key exchange, no public key
     ]
     for hello in hellos:
         reader, writer = await asyncio.open_connection(*address)
@@ -141,6 +159,30 @@ async def _bad_hellos(address, server: str) -> int:
     assert await _closed(reader)
     writer.close()
     return len(hellos) + 1
+
+
+async def _hostile_identities(address, server: str, swarm_peers: list[str]) -> int:
+    """Handshakes as identities whose public key is no key or not the peer id claimed: self-made ones,
+    the fuzzer's own peer id, and the swarm's real peers' ids with one byte 0xff as their key. Each is
+    refused with an error message and the connection closed, in both roles."""
+    cases = [hostile for _, hostile in hostile_identities(FUZZER_IDENTITY)]
+    cases += [HostileIdentity(b"\xff", peer) for peer in swarm_peers]
+    for hostile in cases:
+        for role in (data_plane.REPLIES, data_plane.REQUESTS):
+            reader, writer = await asyncio.open_connection(*address)
+            try:
+                await data_plane._client_handshake(
+                    reader, writer, hostile, server, None, os.urandom(16).hex(), role
+                )
+            except ProtocolError as exc:
+                assert str(exc).startswith("refused: ") and "could not prove" in str(exc), exc
+            else:
+                raise AssertionError(
+                    f"the server accepted {hostile.peer_id} with key {hostile.public_key[:8]!r}"
+                )
+            assert await _closed(reader)
+            writer.close()
+    return 2 * len(cases)
 
 
 class _RawLink:

@@ -1,11 +1,14 @@
 """Thousands of malformed messages through the server's own parse-and-validate path: every one is
-refused with ProtocolError (an error answer), none raises anything else (a traceback, `internal`)."""
+refused with ProtocolError (an error answer), none raises anything else (a traceback, `internal`); and
+the data plane's identity check (net/identity.py) given public keys that are no key, of another type or
+size, or not the claimed peer id's: each is no key (IdentityError, a failed verification), nothing else.
+The handshakes themselves meet these identities in tests/integration/test_data_plane.py."""
 
 import pytest
 
-from fuzz_cases import locally_rejected, mutations, valid_messages
+from fuzz_cases import hostile_identities, locally_rejected, mutations, valid_messages
 from swarmtrain.config import get_preset
-from swarmtrain.net import protocol
+from swarmtrain.net import identity, protocol
 
 pytestmark = pytest.mark.unit
 
@@ -33,3 +36,16 @@ def test_deep_nesting_and_huge_integers_are_bad_requests():
         with pytest.raises(protocol.ProtocolError) as info:
             protocol.unpack(data, 1 << 20)
         assert info.value.code == "bad_request"
+
+
+def test_undecodable_and_foreign_identities_are_no_key_never_an_exception():
+    real = identity.PeerIdentity.generate()
+    data = b"a handshake transcript"
+    assert identity.verify(real.peer_id, real.public_key, data, real.sign(data))  # the control
+    for description, hostile in hostile_identities(real):
+        assert not identity.verify(hostile.peer_id, hostile.public_key, data, hostile.sign(data)), description
+        if description.startswith("self-made") and "type 99" not in description:
+            # its bytes hash to the peer id it claims: refused for what they are, not for the hash
+            with pytest.raises(identity.IdentityError, match="decodable|RSA") as refused:
+                identity.public_key_of(hostile.peer_id, hostile.public_key)
+            assert "\n" not in str(refused.value), description

@@ -55,3 +55,57 @@ def test_auto_relay_forces_private_reachability_and_nothing_else_does():
     assert _dht_options(PeerNetwork(use_auto_relay=True))["force_reachability"] == "private"
     assert "force_reachability" not in _dht_options(PeerNetwork())
     assert "force_reachability" not in _dht_options(PeerNetwork(client_mode=True))
+
+
+HOSTILE_REQUESTS = [
+    b"[" * 5000 + b"]" * 5000,  # deeper than the JSON parser recurses
+    b'{"addrs":' + b"[" * 3000 + b"]" * 3000 + b"}",
+    b'{"addrs": 5}',
+    b'{"addrs": [{"a": 1}]}',
+    b'{"addrs": "/ip4/1.2.3.4/tcp/5"}',
+    b"[]",
+    b"\xff\xfe",
+    b'{"addrs": [' + b"9" * 4400 + b"]}",  # beyond Python's 4,300-digit integer limit
+    b'{"addrs": ["' + b"x" * (1 << 17) + b'"]}',
+]
+
+
+def test_a_malformed_dial_back_request_is_refused_with_a_reason_and_nothing_is_dialed():
+    import asyncio
+    import json
+    from types import SimpleNamespace
+
+    from hivemind.proto import runtime_pb2
+
+    assert r.announced_addrs(b'{"addrs": ["/ip4/1.2.3.4/tcp/5"]}') == ["/ip4/1.2.3.4/tcp/5"]
+    assert r.announced_addrs(b"") == []
+
+    class NoPeers:
+        async def list_peers(self):
+            raise AssertionError("a malformed request must dial nothing")
+
+    context = SimpleNamespace(remote_id=PEER)
+    for metadata in HOSTILE_REQUESTS:
+        with pytest.raises(ValueError) as refused:
+            r.announced_addrs(metadata)
+        assert "\n" not in str(refused.value)
+        request = runtime_pb2.ExpertRequest(metadata=metadata)
+        response = asyncio.run(r._dial_back(NoPeers(), request, context))
+        answer = json.loads(response.metadata)
+        assert answer["reachable"] is None and answer["error"], metadata[:40]
+
+
+def test_a_malformed_dial_back_answer_is_no_verdict():
+    answers = [r.checked_answer(m) for m in HOSTILE_REQUESTS]
+    answers += [
+        r.checked_answer(m)
+        for m in (b'{"reachable": "no"}', b'{"reachable": false, "tried": 3}', b"null", b'{"reachable": 0}')
+    ]
+    assert all(a is None or a == {"reachable": None, "tried": []} for a in answers), answers  # no verdict
+    no = r.checked_answer(b'{"reachable": false, "tried": ["1.2.3.4:5", {"a": 1}]}')
+    assert no == {"reachable": False, "tried": ["1.2.3.4:5", "{'a': 1}"]}
+    assert r.unreachable_reason([no, *answers]) is not None  # the one verdict counts, the rest are none
+    assert r.checked_answer(b'{"reachable": null, "error": "a request that is not JSON"}') == {
+        "reachable": None,
+        "tried": [],
+    }

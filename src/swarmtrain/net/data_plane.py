@@ -437,6 +437,7 @@ async def _client_handshake(
         raise ProtocolError(f"reached {str(reply.get('peer')):.60}, not {server}")
     _field(reply, "nonce", _NONCE_BYTES)
     their_key, shared = _field(reply, "key"), _shared(ephemeral, reply)  # checked before any use
+    _check_key(server, their_key, f"the server could not prove it is {server}")
     session = _Session(_transcript(hello, reply), shared, run_key)
     if not identity.verify(server, their_key, session.signed("server"), _field(reply, "sig")):
         raise ProtocolError(f"the server could not prove it is {server}")
@@ -455,24 +456,36 @@ async def _client_handshake(
 async def _server_handshake(
     reader: asyncio.StreamReader, writer: asyncio.StreamWriter, me: PeerIdentity, run_key: RunKey | None
 ) -> tuple[_Hello, _Seal]:
-    """Who calls, proven, and the frames' seal."""
+    """Who calls, proven, and the frames' seal. A caller that fails any check (a malformed message, a
+    key that is not its peer id's or no key at all, no proof) is told why in one error message and the
+    refusal is logged in one line: what a stranger sends raises ProtocolError here, nothing else."""
+    try:
+        return await _proven_caller(reader, writer, me, run_key)
+    except ProtocolError as exc:
+        logger.info("data plane: refused a handshake from %s: %s", _remote_ip(writer), exc)
+        with contextlib.suppress(OSError, RuntimeError):  # the caller may have gone already
+            await _say(writer, {"error": str(exc)})
+        raise
+
+
+async def _proven_caller(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, me: PeerIdentity, run_key: RunKey | None
+) -> tuple[_Hello, _Seal]:
     hello = await _hear(reader)
     caller, link, role = str(hello.get("peer", "")), str(hello.get("link", "")), hello.get("role")
-    refusal = None
     if hello.get("protocol") != _PROTOCOL:
-        refusal = f"protocol {str(hello.get('protocol')):.40} is not {_PROTOCOL}"
-    elif hello.get("to") != me.peer_id:
-        refusal = f"this is {me.peer_id}, not {str(hello.get('to')):.60}"
-    elif not _is_peer_id(caller):
-        refusal = "a malformed peer id"
-    elif role not in (REQUESTS, REPLIES) or not 0 < len(link) <= 64:
-        refusal = "a malformed link"
-    if refusal is not None:
-        await _say(writer, {"error": refusal})
-        raise ProtocolError(refusal)
+        raise ProtocolError(f"protocol {str(hello.get('protocol')):.40} is not {_PROTOCOL}")
+    if hello.get("to") != me.peer_id:
+        raise ProtocolError(f"this is {me.peer_id}, not {str(hello.get('to')):.60}")
+    if not _is_peer_id(caller):
+        raise ProtocolError("a malformed peer id")
+    if role not in (REQUESTS, REPLIES) or not 0 < len(link) <= 64:
+        raise ProtocolError("a malformed link")
     _field(hello, "nonce", _NONCE_BYTES)
     ephemeral, dh = _ephemeral()
     their_key, shared = _field(hello, "key"), _shared(ephemeral, hello)  # checked before any use
+    # the key is checked before we sign anything for it
+    _check_key(caller, their_key, f"{caller[-8:]} could not prove it holds its peer id's key")
     reply = {
         "peer": me.peer_id,
         "nonce": secrets.token_hex(_NONCE_BYTES),
@@ -485,18 +498,25 @@ async def _server_handshake(
         reply["proof"] = session.proof("server")
     await _say(writer, reply)
     answer = await _hear(reader)
-    refusal = None
     if not identity.verify(caller, their_key, session.signed("client"), _field(answer, "sig")):
-        refusal = f"{caller[-8:]} could not prove it holds its peer id's key"
-    elif run_key is not None and not secrets.compare_digest(
-        str(answer.get("proof")), session.proof("client")
-    ):
-        refusal = f"{caller[-8:]} holds no valid run key"
-    if refusal is not None:
-        await _say(writer, {"error": refusal})
-        raise ProtocolError(refusal, "unauthorized")
+        raise ProtocolError(f"{caller[-8:]} could not prove it holds its peer id's key", "unauthorized")
+    if run_key is not None and not secrets.compare_digest(str(answer.get("proof")), session.proof("client")):
+        raise ProtocolError(f"{caller[-8:]} holds no valid run key", "unauthorized")
     await _say(writer, {"ok": True})
     return _Hello(caller, link, role), session.seal("server")
+
+
+def _check_key(peer_id: str, public_key: bytes, refusal: str) -> None:
+    """ProtocolError(`refusal` and the reason) unless `public_key` is a usable libp2p key of `peer_id`
+    (net/identity.py): bytes that hash to the claimed peer id can still be no key at all."""
+    try:
+        identity.public_key_of(peer_id, public_key)
+    except identity.IdentityError as exc:
+        raise ProtocolError(f"{refusal}: {exc}", "unauthorized") from None
+
+
+def _remote_ip(writer: asyncio.StreamWriter) -> str:
+    return str((writer.get_extra_info("peername") or ("?",))[0])
 
 
 def _is_peer_id(text: str) -> bool:

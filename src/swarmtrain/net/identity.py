@@ -6,6 +6,10 @@ hivemind's identity files (`--identity-path`) hold an RSA private key as a libp2
 protobuf (DER inside). A peer id is the sha2-256 multihash of the protobuf-serialized public key, so a
 public key proves which peer id it belongs to, and a signature under it proves the signer holds that
 peer id's key. Signatures are RSA-PSS with SHA-256.
+
+A public key comes from a stranger (a data-plane handshake): anything it can send, bytes that are not
+a protobuf, a protobuf of another key type, DER of no key or of a key out of range, reads as no key
+(`IdentityError` from `public_key_of`, False from `verify`), never another exception.
 """
 
 from __future__ import annotations
@@ -15,9 +19,10 @@ import os
 from pathlib import Path
 
 import multihash
-from cryptography.exceptions import InvalidSignature
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import padding, rsa
+from google.protobuf.message import DecodeError
 from hivemind.p2p import PeerID
 from hivemind.proto import crypto_pb2
 
@@ -76,23 +81,35 @@ def peer_id_of(public_key: bytes) -> str:
     return PeerID(digest).to_base58()
 
 
-def verify(peer_id: str, public_key: bytes, data: bytes, signature: bytes) -> bool:
-    """Whether `signature` over `data` was made with the private key of `public_key`, and that key is
-    `peer_id`'s. False for anything malformed."""
+def public_key_of(peer_id: str, public_key: bytes) -> rsa.RSAPublicKey:
+    """The RSA key that `public_key` (protobuf-serialized, as a caller sent it) holds, if it is
+    `peer_id`'s and of a size we accept; IdentityError, with the reason in one line, for anything else."""
     if peer_id_of(public_key) != peer_id:
-        return False
+        raise IdentityError("the public key is not the one its peer id names")
     try:
         proto = crypto_pb2.PublicKey.FromString(public_key)
         key = serialization.load_der_public_key(proto.data)
-    except (ValueError, TypeError):
-        return False
+    # protobuf's DecodeError is no ValueError; a DER key of an algorithm the backend lacks raises
+    # UnsupportedAlgorithm: both are a stranger's bytes, not a bug here
+    except (DecodeError, ValueError, TypeError, UnsupportedAlgorithm):
+        raise IdentityError("the public key is not a decodable libp2p key") from None
     if proto.key_type != crypto_pb2.RSA or not isinstance(key, rsa.RSAPublicKey):
-        return False
+        raise IdentityError("the public key is not an RSA key, which hivemind uses")
     if not RSA_BITS <= key.key_size <= MAX_RSA_BITS:
+        raise IdentityError(f"an RSA key of {key.key_size} bits (accepted: {RSA_BITS} to {MAX_RSA_BITS})")
+    return key
+
+
+def verify(peer_id: str, public_key: bytes, data: bytes, signature: bytes) -> bool:
+    """Whether `signature` over `data` was made with the private key of `public_key`, and that key is
+    `peer_id`'s. False for anything malformed."""
+    try:
+        key = public_key_of(peer_id, public_key)
+    except IdentityError:
         return False
     try:
         key.verify(signature, data, _PSS, hashes.SHA256())
-    except InvalidSignature:
+    except (InvalidSignature, ValueError, TypeError):  # a signature of any length or content: not valid
         return False
     return True
 

@@ -31,6 +31,7 @@ ASK_TIMEOUT_S = 10.0  # the whole request: its dials plus the round trip
 _MAX_PORTS = 4  # ports of one asker the asked peer dials (a peer announces one or two)
 _DIALS_AT_ONCE = 4  # requests one peer serves concurrently; the rest wait
 _ASK_AT_MOST = 3  # initial peers asked
+MAX_REQUEST_BYTES = 1 << 16  # a request names a few addresses (a few hundred bytes each at most)
 
 _dial_slots: asyncio.Semaphore | None = None  # made in the DHT process's event loop
 
@@ -102,12 +103,15 @@ async def _dial_back(p2p, request, context):
     from hivemind.proto import runtime_pb2
 
     global _dial_slots
+    try:
+        announced = announced_addrs(request.metadata)
+    except ValueError as exc:  # a malformed request: answered with the reason, nothing dialed
+        logger.info("refused a dial-back request from %s: %s", context.remote_id, exc)
+        return runtime_pb2.ExpertResponse(
+            metadata=json.dumps({"reachable": None, "error": str(exc)}).encode()
+        )
     _dial_slots = _dial_slots or asyncio.Semaphore(_DIALS_AT_ONCE)
     async with _dial_slots:
-        try:
-            announced = [str(a) for a in json.loads(request.metadata or b"{}").get("addrs", [])]
-        except (ValueError, AttributeError):
-            announced = []
         observed = [
             str(a) for info in await p2p.list_peers() if info.peer_id == context.remote_id for a in info.addrs
         ]
@@ -118,6 +122,38 @@ async def _dial_back(p2p, request, context):
         "tried": [f"{ip}:{port}" for ip, port in targets],
     }
     return runtime_pb2.ExpertResponse(metadata=json.dumps(reply).encode())
+
+
+def announced_addrs(metadata: bytes) -> list[str]:
+    """The addresses a dial-back request announces (a stranger's bytes); ValueError, with the reason in
+    one line, for anything but a JSON object whose `addrs` is a list of strings."""
+    if len(metadata) > MAX_REQUEST_BYTES:
+        raise ValueError(f"a request of {len(metadata)} bytes (at most {MAX_REQUEST_BYTES})")
+    try:
+        fields = json.loads(metadata or b"{}")
+    except RecursionError:  # deeply nested JSON
+        raise ValueError("a request that nests too deeply") from None
+    except ValueError:  # not JSON, not UTF-8, an integer beyond Python's digit limit
+        raise ValueError("a request that is not JSON") from None
+    addrs = fields.get("addrs", []) if isinstance(fields, dict) else None
+    if not isinstance(addrs, list) or not all(isinstance(a, str) for a in addrs):
+        raise ValueError("a request without a list of addresses")
+    return addrs
+
+
+def checked_answer(metadata: bytes) -> dict | None:
+    """A dial-back answer (an asked peer's bytes) as `unreachable_reason` reads it: {"reachable": True,
+    False or None, "tried": [str]}; None (no verdict) for anything malformed."""
+    try:
+        fields = json.loads(metadata)
+    except (ValueError, RecursionError):  # RecursionError: deeply nested JSON
+        return None
+    if not isinstance(fields, dict):
+        return None
+    reachable, tried = fields.get("reachable"), fields.get("tried", [])
+    if not (reachable is None or isinstance(reachable, bool)) or not isinstance(tried, list):  # 0 == False
+        return None
+    return {"reachable": reachable, "tried": [str(t)[:64] for t in tried[: 4 * _MAX_PORTS]]}
 
 
 async def _tcp_connects(ip: str, port: int) -> bool:
@@ -156,10 +192,13 @@ async def _ask(p2p, peer_id: str, request) -> dict | None:
             PeerID.from_base58(peer_id), DIAL_BACK, request, runtime_pb2.ExpertResponse
         )
         response = await asyncio.wait_for(call, ASK_TIMEOUT_S)
-        return json.loads(response.metadata)
     except Exception as exc:  # an older peer without the handler, a timeout: no verdict from it
         logger.debug("no dial-back answer from %s: %r", peer_id, exc)
         return None
+    answer = checked_answer(response.metadata)
+    if answer is None:
+        logger.info("a malformed dial-back answer from %s: no verdict from it", peer_id)
+    return answer
 
 
 def check_reachable(dht, initial_peers: list[str], visible_addrs: list[str]) -> str | None:
