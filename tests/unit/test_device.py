@@ -361,3 +361,21 @@ def test_busy_clock_on_a_real_gpu_returns_after_the_queued_kernels_ran():
     queued.record()  # completes when every kernel launched above has run
     busy_clock_s(device)
     assert queued.query()  # the clock was read after they ran, not while they were queued
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_forward_graphs_are_kept_within_the_device_default_budget(device, tiny_cfg):
+    """`--cache-mb` unset: 512 MB on CPU; on CUDA the memory free once the stage is built, less 10% of
+    the card and two micro-batches' graphs. Graphs are sized in the compute dtype (bf16: half of fp32)."""
+    from swarmtrain.model.device import CPU_GRAPH_BUDGET_BYTES
+
+    spec = tiny_cfg.stages()[0]
+    fp32 = StageWorker(tiny_cfg, spec, compute=ComputeDevice(torch.device(device), "fp32"))
+    bf16 = StageWorker(tiny_cfg, spec, compute=ComputeDevice(torch.device(device), "bf16"))
+    assert abs(2 * bf16._entry_bytes_per_sample - fp32._entry_bytes_per_sample) <= 2
+    if device == "cpu":
+        assert fp32.cache_max_bytes == bf16.cache_max_bytes == CPU_GRAPH_BUDGET_BYTES
+    else:
+        free_bytes, total_bytes = torch.cuda.mem_get_info()
+        assert 0 < fp32.cache_max_bytes <= free_bytes - 0.1 * total_bytes
+    assert StageWorker(tiny_cfg, spec, cache_max_bytes=1 << 20).cache_max_bytes == 1 << 20

@@ -106,9 +106,11 @@ def register(subparsers) -> None:
     parser.add_argument(
         "--cache-mb",
         type=positive_int,
-        default=512,
-        help="memory for those activations, estimated from the model shape; the oldest are dropped first "
-        "and recomputed if their backward comes (default: 512)",
+        default=None,
+        help="memory for those activations, estimated from the model shape and --dtype; the oldest are "
+        "dropped first and recomputed if their backward comes (default: on CUDA the device memory free once "
+        "the stage is built, less 10%% of the card and two micro-batches' room; on CPU 512). The server "
+        "prints it when it is ready",
     )
     parser.add_argument(
         "--ledger", metavar="PATH", help="append a JSON line per accumulated/applied micro-batch"
@@ -187,7 +189,7 @@ def run(args: argparse.Namespace, faults: FaultHooks | None = None) -> int:
         stage = choice.stage
     stage_options = StageOptions(
         cache_size=args.cache_size,
-        cache_max_bytes=args.cache_mb << 20,
+        cache_max_bytes=None if args.cache_mb is None else args.cache_mb << 20,
         min_matchmaking_time_s=args.matchmaking_time_s,
         checkpoint_dir=args.checkpoint_dir,
         fresh_start=args.fresh_start,

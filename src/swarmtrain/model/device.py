@@ -8,8 +8,9 @@ peers compute in. fp16's narrow range needs a loss scaler (`grad_scaler`); bf16 
 needs none. bf16 autocast runs on CPU too, which is how the mixed-precision path is tested here.
 
 The CUDA-only code is the two branches marked "CUDA" below (a pinned staging copy, a synchronize before
-reading the clock). This project has no GPU machine: those branches have never run on a GPU (the busy
-clock's is run on CPU against a fake torch.cuda.synchronize in tests/unit/test_device.py).
+reading the clock), and net/device_bytes.py's staging buffers. They run in the `gpu` test tier
+(tests/unit/test_device.py, tests/unit/test_codec_device.py); on CPU the busy clock's is run against a
+fake torch.cuda.synchronize.
 """
 
 from __future__ import annotations
@@ -83,25 +84,48 @@ class ComputeDevice:
         return torch.amp.GradScaler(self.device.type) if self.dtype == "fp16" else None
 
     def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A received (host) tensor on the compute device."""
-        if self.device.type != "cuda":
+        """A received tensor on the compute device (one a stage decoded there already stays as it is)."""
+        if tensor.device == self.device or self.device.type != "cuda":
             return tensor.to(self.device)
         # CUDA: through a pinned host buffer, so the copy is a DMA that does not block this thread; the
-        # caching host allocator keeps the buffer until the copy on the current stream has run
+        # caching host allocator keeps the buffer until the copy on the current stream has run. Only
+        # small tensors come this way (token ids, labels): float ones arrive decoded on the device
         return tensor.pin_memory().to(self.device, non_blocking=True)
 
-    def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A result for the wire: fp32 (the codecs' input; autocast's bf16/fp16 outputs are cast back) on
-        the host (blocking on CUDA: the bytes must exist before they are serialized)."""
+    def wire(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A result for the wire, where it was computed: fp32 (the codecs' input; autocast's bf16/fp16
+        outputs are cast back), detached. The codec encodes it on the device and only the payload's
+        bytes come to the host (net/device_bytes.py)."""
         out = tensor.detach()
         if out.is_floating_point() and out.dtype != torch.float32:
             out = out.float()
-        return out.cpu()
+        return out
+
+    def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`wire(tensor)` on the host (blocking on CUDA: the values must exist before they are read)."""
+        return self.wire(tensor).cpu()
+
+    def graph_budget_bytes(self, micro_batch_bytes: int) -> int:
+        """How much memory the forward graphs kept for backwards may take by default. On CUDA: the device's
+        free memory now (call it once the stage's parameters and optimizer state exist), less 10% of the
+        card and two micro-batches' graphs of working room (a forward, a backward's gradients); on CPU
+        `CPU_GRAPH_BUDGET_BYTES`: host memory is shared with every other process of the machine."""
+        if self.device.type != "cuda":
+            return CPU_GRAPH_BUDGET_BYTES
+        free_bytes, total_bytes = torch.cuda.mem_get_info(self.device)
+        return max(0, int(free_bytes - 0.1 * total_bytes) - 2 * micro_batch_bytes)
+
+    @property
+    def bytes_per_value(self) -> int:
+        """Bytes of one activation value in this compute dtype."""
+        return torch.empty((), dtype=DTYPES[self.dtype]).element_size()
 
     def describe(self) -> str:
         return f"{self.device} {self.dtype}"
 
 
+# a CPU server's default: 64 forward-only requests of a full batch once grew a server to 1.7 GB
+CPU_GRAPH_BUDGET_BYTES = 512 << 20
 CPU_FP32 = ComputeDevice(torch.device("cpu"), "fp32")  # the default of every API that takes a ComputeDevice
 
 

@@ -21,8 +21,9 @@ and the pipeline-compression papers built on it). Payload: 64 values in 2 + 8 * 
 to a whole block.
 
 Integer and bool tensors are never compressed (token ids, labels): any codec sends them raw.
-Everything is vectorized torch on the calling thread; no numpy round trips, no Python loops over
-blocks. hivemind's own 8-bit codecs fail under numpy 2 and are ~10x slower (docs/DESIGN.md section 4).
+Everything is vectorized torch on the tensor's device (a stage server's GPU: net/device_bytes.py moves
+only payload bytes between it and the host); no numpy round trips, no Python loops over blocks.
+hivemind's own 8-bit codecs fail under numpy 2 and are ~10x slower (docs/DESIGN.md section 4).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from swarmtrain.config.run import COMPRESSION_CHOICES, LOWBIT_COMPRESSION
+from swarmtrain.net import device_bytes
 
 CODECS = COMPRESSION_CHOICES
 BLOCK_SIZE = 256
@@ -42,6 +44,7 @@ LOWBIT_BLOCK = 64
 LOWBIT: dict[str, tuple[int, bool]] = {
     name: (int(name[0]), name.endswith("-rht")) for name in LOWBIT_COMPRESSION
 }
+SCALED = ("8bit", *LOWBIT)  # the codecs whose payload starts with per-block scales
 
 # dtype names on the wire; a closed set, so a peer cannot make us build an arbitrary dtype
 DTYPES: dict[str, torch.dtype] = {
@@ -105,29 +108,54 @@ def effective_codec(dtype: torch.dtype, codec: str) -> str:
 
 
 def encode(tensor: torch.Tensor, codec: str, stochastic: bool = False) -> EncodedTensor:
-    """Encode a CPU tensor (any layout) with `codec`; integer tensors are sent as they are.
-    `stochastic`: unbiased stochastic rounding (for gradients) in the codecs below 8 bits."""
+    """Encode a tensor (any layout, on any device: the arithmetic runs where it is, only the payload's
+    bytes come to the host) with `codec`; integer tensors are sent as they are. `stochastic`: unbiased
+    stochastic rounding (for gradients) in the codecs below 8 bits."""
     if tensor.dtype not in DTYPE_NAMES:
         raise CodecError(f"unsupported dtype {tensor.dtype}")
     tensor = tensor.detach()
-    if tensor.device.type != "cpu":
-        tensor = tensor.cpu()
     applied = effective_codec(tensor.dtype, codec)
     flat = tensor.contiguous().view(-1)
-    if applied == "none":
-        payload = _to_bytes(flat)
+    if flat.numel() == 0:
+        payload = b""
+    elif applied == "none":
+        payload = device_bytes.download(_as_bytes(flat))
     elif applied == "float16":
-        payload = _to_bytes(flat.to(torch.float16))
+        payload = device_bytes.download(_as_bytes(flat.to(torch.float16)))
     elif applied == "8bit":
-        payload = _encode_8bit(flat)
+        payload = device_bytes.download(_encode_8bit(flat))
     else:
         bits, rotated = LOWBIT[applied]
-        payload = _encode_lowbit(flat, bits, rotated, stochastic)
+        payload = device_bytes.download(_encode_lowbit(flat, bits, rotated, stochastic))
     return EncodedTensor(applied, DTYPE_NAMES[tensor.dtype], tuple(tensor.shape), payload)
 
 
-def decode(encoded: EncodedTensor) -> torch.Tensor:
-    """Inverse of `encode`; raises CodecError when the payload size does not match the description."""
+def decode(encoded: EncodedTensor, device: torch.device | None = None) -> torch.Tensor:
+    """Inverse of `encode`, computed on `device` (None: the host), where only the payload's bytes are
+    copied; raises CodecError when the payload does not match its description or its block scales are
+    not finite (checked on the host bytes before anything is copied)."""
+    dtype = _checked_description(encoded)
+    numel = encoded.numel
+    if numel == 0:
+        return torch.empty(encoded.shape, dtype=dtype, device=device)
+    if encoded.codec in SCALED:
+        _checked_scales(encoded)
+    payload = device_bytes.upload(encoded.payload, device)
+    if encoded.codec == "none":
+        flat = _view(payload, dtype, numel)
+        if payload.device.type == "cpu":
+            flat = flat.clone()  # own the memory: the host view is read-only
+    elif encoded.codec == "float16":
+        flat = _view(payload, torch.float16, numel).to(dtype)
+    elif encoded.codec == "8bit":
+        flat = _decode_8bit(payload, numel, dtype)
+    else:
+        bits, rotated = LOWBIT[encoded.codec]
+        flat = _decode_lowbit(payload, numel, bits, rotated).to(dtype)
+    return flat.view(encoded.shape)
+
+
+def _checked_description(encoded: EncodedTensor) -> torch.dtype:
     if encoded.dtype not in DTYPES:
         raise CodecError(f"unknown dtype {encoded.dtype!r}")
     dtype = DTYPES[encoded.dtype]
@@ -137,25 +165,45 @@ def decode(encoded: EncodedTensor) -> torch.Tensor:
         raise CodecError(f"codec {encoded.codec} cannot carry {encoded.dtype}")
     if any(d < 0 for d in encoded.shape):
         raise CodecError(f"negative dimension in shape {encoded.shape}")
-    numel = encoded.numel
-    expected = payload_size(encoded.codec, dtype, numel)
+    expected = payload_size(encoded.codec, dtype, encoded.numel)
     if len(encoded.payload) != expected:
         raise CodecError(
             f"payload of {len(encoded.payload)} bytes, expected {expected} for {encoded.codec} "
             f"{encoded.dtype}{list(encoded.shape)}"
         )
-    if numel == 0:
-        return torch.empty(encoded.shape, dtype=dtype)
-    if encoded.codec == "none":
-        flat = _from_bytes(encoded.payload, dtype, numel).clone()  # own the memory: the buffer is read-only
-    elif encoded.codec == "float16":
-        flat = _from_bytes(encoded.payload, torch.float16, numel).to(dtype)
-    elif encoded.codec == "8bit":
-        flat = _decode_8bit(encoded.payload, numel, dtype)
-    else:
-        bits, rotated = LOWBIT[encoded.codec]
-        flat = _decode_lowbit(encoded.payload, numel, bits, rotated).to(dtype)
-    return flat.view(encoded.shape)
+    return dtype
+
+
+# block scales, read on the host ----------------------------------------------------------------
+def _host_scales(encoded: EncodedTensor) -> torch.Tensor:
+    """A scaled codec's per-block scales (8-bit) or steps (below 8 bits) as fp32, from the host bytes:
+    one value per 64 or 256, so reading them costs next to nothing and needs no device."""
+    payload = device_bytes.host_view(encoded.payload)
+    if encoded.codec == "8bit":
+        return _view(payload, torch.float32, -(-encoded.numel // BLOCK_SIZE))
+    return _view(payload, torch.int16, -(-encoded.numel // LOWBIT_BLOCK)).view(torch.bfloat16).float()
+
+
+def _checked_scales(encoded: EncodedTensor) -> None:
+    if not bool(torch.isfinite(_host_scales(encoded)).all()):
+        kind = "block scales" if encoded.codec == "8bit" else "block steps"
+        raise CodecError(f"{encoded.codec} payload has non-finite {kind}")
+
+
+def magnitude_bound(encoded: EncodedTensor) -> float | None:
+    """An upper bound on every |value| the payload decodes to, read from its block scales on the host
+    (no decoding; nan or inf when a scale is not finite); None for the codecs without scales (`none`,
+    `float16`), whose values must be looked at. 8-bit: codes lie in [-128, 127], so 128 x the largest
+    scale (an encoder's codes stop at 127: honest values reach 127/128 of the bound). Below 8 bits:
+    codes centred on (2^bits - 1) / 2, times the step; `-rht` rotates each block of 64 back by an
+    orthogonal matrix, which moves a value at most to the block's length, sqrt(64) x its largest."""
+    if encoded.codec not in SCALED or encoded.numel == 0:
+        return None if encoded.codec not in SCALED else 0.0
+    largest = float(_host_scales(encoded).abs().max())
+    if encoded.codec == "8bit":
+        return 128.0 * largest
+    bits, rotated = LOWBIT[encoded.codec]
+    return largest * (2**bits - 1) / 2 * (LOWBIT_BLOCK**0.5 if rotated else 1.0)
 
 
 def payload_size(codec: str, dtype: torch.dtype, numel: int) -> int:
@@ -170,46 +218,39 @@ def payload_size(codec: str, dtype: torch.dtype, numel: int) -> int:
 
 
 # 8-bit ------------------------------------------------------------------------------------------
-def _encode_8bit(flat: torch.Tensor) -> bytes:
+def _encode_8bit(flat: torch.Tensor) -> torch.Tensor:
+    """The payload as a uint8 tensor beside `flat`: fp32 block scales, then one int8 code per value,
+    each written in place (no concatenation copy)."""
     numel = flat.numel()
-    if numel == 0:
-        return b""
     if flat.dtype != torch.float32:
         flat = flat.float()
+    num_blocks = -(-numel // BLOCK_SIZE)
+    out = torch.empty(4 * num_blocks + numel, dtype=torch.uint8, device=flat.device)
+    scales, codes = out[: 4 * num_blocks].view(torch.float32), out[4 * num_blocks :].view(torch.int8)
     full = numel - numel % BLOCK_SIZE
-    parts_q, parts_scale = [], []
     if full:
-        q, scale = _quantize_blocks(flat[:full].view(-1, BLOCK_SIZE))
-        parts_q.append(q.view(-1))
-        parts_scale.append(scale)
+        _quantize_blocks(flat[:full].view(-1, BLOCK_SIZE), codes[:full], scales[: full // BLOCK_SIZE])
     if full < numel:  # the ragged tail is its own (short) block: no padding copy of the whole tensor
-        q, scale = _quantize_blocks(flat[full:].view(1, -1))
-        parts_q.append(q.view(-1))
-        parts_scale.append(scale)
-    scales = parts_scale[0] if len(parts_scale) == 1 else torch.cat(parts_scale)
-    codes = parts_q[0] if len(parts_q) == 1 else torch.cat(parts_q)
-    return _to_bytes(scales) + _to_bytes(codes)
+        _quantize_blocks(flat[full:].view(1, -1), codes[full:], scales[-1:])
+    return out
 
 
-def _quantize_blocks(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """blocks: (num_blocks, block) fp32 -> int8 codes of the same shape and fp32 scales (num_blocks,)."""
+def _quantize_blocks(blocks: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
+    """blocks: (num_blocks, block) fp32 -> `codes` (int8, flat) and `scales` (fp32, num_blocks)."""
     absmax = blocks.abs().amax(dim=1)  # measured 4x faster than aminmax(dim=1) on one core
-    scale = absmax / _QMAX
+    torch.div(absmax, _QMAX, out=scales)
     # a zero block has scale 0: multiply by 0 instead of dividing by it
     inverse = torch.where(absmax > 0, _QMAX / absmax, torch.zeros_like(absmax))
     scaled = blocks * inverse.unsqueeze(1)
-    codes = scaled.round_().to(torch.int8)
-    return codes, scale
+    codes.view(blocks.shape).copy_(scaled.round_())  # integral already: the cast is exact
 
 
-def _decode_8bit(payload: bytes, numel: int, dtype: torch.dtype) -> torch.Tensor:
+def _decode_8bit(payload: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
     num_blocks = -(-numel // BLOCK_SIZE)
-    scales = _from_bytes(payload, torch.float32, num_blocks)
-    codes = _from_bytes(payload, torch.int8, numel, offset=num_blocks * 4)
-    if not bool(torch.isfinite(scales).all()):
-        raise CodecError("8-bit payload has non-finite block scales")
+    scales = _view(payload, torch.float32, num_blocks)
+    codes = _view(payload, torch.int8, numel, offset=num_blocks * 4)
     full = numel - numel % BLOCK_SIZE
-    out = torch.empty(numel, dtype=torch.float32)
+    out = torch.empty(numel, dtype=torch.float32, device=payload.device)
     if full:
         # int8 * fp32 promotes to fp32 inside one kernel: no separate int->float pass
         torch.mul(
@@ -234,37 +275,51 @@ def _rotation() -> torch.Tensor:
 
 
 _ROTATION = _rotation()  # rows are orthonormal: x @ R.T rotates a block, y @ R rotates it back
-_random = threading.local()  # a generator per thread: stochastic rounding never touches torch's global RNG
+_random = threading.local()  # generators per thread: stochastic rounding never touches torch's global RNG
+_constants: dict[tuple[str, torch.device], torch.Tensor] = {}  # the tables below, copied to each device once
 
 
-def _generator() -> torch.Generator:
-    generator = getattr(_random, "generator", None)
-    if generator is None:
-        generator = _random.generator = torch.Generator()
+def _on(name: str, table: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A constant table on `device` (a copy made once per device)."""
+    if device.type == "cpu":
+        return table
+    key = (name, device)
+    if key not in _constants:
+        _constants[key] = table.to(device)
+    return _constants[key]
+
+
+def _generator(device: torch.device) -> torch.Generator:
+    """This thread's generator for `device`, seeded from the operating system's entropy."""
+    generators = getattr(_random, "generators", None)
+    if generators is None:
+        generators = _random.generators = {}
+    if device not in generators:
+        generator = torch.Generator(device=device)
         generator.seed()
-    return generator
+        generators[device] = generator
+    return generators[device]
 
 
-def _encode_lowbit(flat: torch.Tensor, bits: int, rotated: bool, stochastic: bool) -> bytes:
-    numel = flat.numel()
-    if numel == 0:
-        return b""
+def _encode_lowbit(flat: torch.Tensor, bits: int, rotated: bool, stochastic: bool) -> torch.Tensor:
+    """The payload as a uint8 tensor beside `flat`: bf16 block steps, then the packed codes."""
+    device = flat.device
     blocks = _padded_blocks(flat.float())
     if rotated:
-        blocks = blocks @ _ROTATION.T
+        blocks = blocks @ _on("rotation", _ROTATION, device).T
     top = float(2**bits - 1)
     # the step is rounded up to bf16 (2 bytes, fp32's range: a gradient's 1e-9 does not underflow as in
     # fp16) before the codes are computed, so the codes are exact for the step the receiver decodes with
     step = (blocks.abs().amax(dim=1) * (2.0 * (1 + 2**-7) / top)).to(torch.bfloat16)
     step_fp32 = step.float()
     inverse = torch.where(step_fp32 > 0, 1.0 / step_fp32, torch.zeros_like(step_fp32))
-    scaled = torch.addcmul(torch.full((), top / 2), blocks, inverse.unsqueeze(1))  # in [0, top]
+    scaled = torch.addcmul(torch.full((), top / 2, device=device), blocks, inverse.unsqueeze(1))  # in [0, top]
     if stochastic:
-        scaled.add_(torch.rand(scaled.shape, generator=_generator())).floor_()
+        scaled.add_(torch.rand(scaled.shape, generator=_generator(device), device=device)).floor_()
     else:
         scaled.round_()
     codes = scaled.clamp_(0, top).to(torch.uint8)
-    return _to_bytes(step.view(torch.int16)) + _to_bytes(_pack(codes.view(-1), bits))
+    return torch.cat([step.view(torch.uint8), _pack(codes.view(-1), bits)])
 
 
 def _padded_blocks(flat: torch.Tensor) -> torch.Tensor:
@@ -274,16 +329,14 @@ def _padded_blocks(flat: torch.Tensor) -> torch.Tensor:
     return flat.view(-1, LOWBIT_BLOCK)
 
 
-def _decode_lowbit(payload: bytes, numel: int, bits: int, rotated: bool) -> torch.Tensor:
+def _decode_lowbit(payload: torch.Tensor, numel: int, bits: int, rotated: bool) -> torch.Tensor:
     num_blocks = -(-numel // LOWBIT_BLOCK)
-    step = _from_bytes(payload, torch.int16, num_blocks).view(torch.bfloat16).float()
-    if not bool(torch.isfinite(step).all()):
-        raise CodecError(f"{bits}-bit payload has non-finite block steps")
-    codes = _unpack(_from_bytes(payload, torch.uint8, num_blocks * 8 * bits, offset=2 * num_blocks), bits)
+    step = _view(payload, torch.int16, num_blocks).view(torch.bfloat16).float()
+    codes = _unpack(_view(payload, torch.uint8, num_blocks * 8 * bits, offset=2 * num_blocks), bits)
     centred = codes.view(num_blocks, LOWBIT_BLOCK).float().sub_((2**bits - 1) / 2)
     blocks = centred.mul_(step.unsqueeze(1))
     if rotated:
-        blocks = blocks @ _ROTATION
+        blocks = blocks @ _on("rotation", _ROTATION, payload.device)
     return blocks.view(-1)[:numel]
 
 
@@ -296,36 +349,28 @@ def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     if bits == 4:  # two per byte: the common case, without 64-bit words
         pairs = codes.view(-1, 2)
         return pairs[:, 0] | (pairs[:, 1] << 4)
-    words = (codes.view(-1, 8).to(torch.int64) << _SHIFTS[bits]).sum(dim=1)
-    return ((words.unsqueeze(1) >> _BYTE_SHIFTS[bits]) & 0xFF).to(torch.uint8).view(-1)
+    shifts = _on(f"shifts{bits}", _SHIFTS[bits], codes.device)
+    byte_shifts = _on(f"byte_shifts{bits}", _BYTE_SHIFTS[bits], codes.device)
+    words = (codes.view(-1, 8).to(torch.int64) << shifts).sum(dim=1)
+    return ((words.unsqueeze(1) >> byte_shifts) & 0xFF).to(torch.uint8).view(-1)
 
 
 def _unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     if bits == 4:
         return torch.stack([packed & 0x0F, packed >> 4], dim=1).view(-1)
-    words = (packed.view(-1, bits).to(torch.int64) << _BYTE_SHIFTS[bits]).sum(dim=1)
-    return ((words.unsqueeze(1) >> _SHIFTS[bits]) & (2**bits - 1)).to(torch.uint8).view(-1)
+    shifts = _on(f"shifts{bits}", _SHIFTS[bits], packed.device)
+    byte_shifts = _on(f"byte_shifts{bits}", _BYTE_SHIFTS[bits], packed.device)
+    words = (packed.view(-1, bits).to(torch.int64) << byte_shifts).sum(dim=1)
+    return ((words.unsqueeze(1) >> shifts) & (2**bits - 1)).to(torch.uint8).view(-1)
 
 
 # raw bytes ----------------------------------------------------------------------------------------
-def _to_bytes(flat: torch.Tensor) -> bytes:
-    if flat.numel() == 0:
-        return b""
-    return flat.contiguous().view(torch.uint8).numpy().tobytes()
+def _as_bytes(flat: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's memory as uint8 (a view: no copy)."""
+    return flat.contiguous().view(-1).view(torch.uint8)
 
 
-def _from_bytes(buffer: bytes, dtype: torch.dtype, count: int, offset: int = 0) -> torch.Tensor:
-    """A read-only view of `count` values at `offset`: callers must not write into it."""
-    if count == 0:
-        return torch.empty(0, dtype=dtype)
-    view = memoryview(buffer)[offset : offset + count * _itemsize(dtype)]
-    return _frombuffer(view, dtype)
-
-
-def _frombuffer(view: memoryview, dtype: torch.dtype) -> torch.Tensor:
-    import warnings
-
-    with warnings.catch_warnings():
-        # torch warns that the buffer is not writable; every caller copies or computes a new tensor
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(view, dtype=dtype)
+def _view(payload: torch.Tensor, dtype: torch.dtype, count: int, offset: int = 0) -> torch.Tensor:
+    """`count` values of `dtype` at byte `offset` of a uint8 payload, as a view (on its device)."""
+    size = _itemsize(dtype)
+    return payload[offset : offset + count * size].view(dtype)

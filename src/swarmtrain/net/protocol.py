@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import struct
 from dataclasses import dataclass, field
 
@@ -129,9 +130,10 @@ class Message:
     header: dict = field(default_factory=dict)
     tensors: dict[str, codec.EncodedTensor] = field(default_factory=dict)
 
-    def tensor(self, name: str) -> torch.Tensor:
+    def tensor(self, name: str, device: torch.device | None = None) -> torch.Tensor:
+        """A tensor decoded on `device` (None: the host)."""
         try:
-            return codec.decode(self.tensors[name])
+            return codec.decode(self.tensors[name], device)
         except codec.CodecError as exc:
             raise ProtocolError(f"tensor {name!r}: {exc}") from None
 
@@ -277,9 +279,14 @@ class StageIO:
     vocab_size: int
     max_batch: int
     ignore_label: int = -100
+    # where received float tensors are decoded: the stage's compute device (None: the host), so only
+    # their wire bytes cross to it (net/device_bytes.py)
+    device: torch.device | None = None
 
     @classmethod
-    def from_config(cls, model: ModelConfig, spec: StageSpec, max_batch: int) -> StageIO:
+    def from_config(
+        cls, model: ModelConfig, spec: StageSpec, max_batch: int, device: torch.device | None = None
+    ) -> StageIO:
         return cls(
             spec.index,
             spec.is_first,
@@ -289,6 +296,7 @@ class StageIO:
             model.vocab_size,
             max_batch,
             model.pad_token_id,
+            device,
         )
 
     def max_message_bytes(self) -> int:
@@ -299,7 +307,7 @@ class StageIO:
 
 @dataclass
 class StageRequest:
-    """A validated forward or backward request, tensors decoded."""
+    """A validated forward or backward request, tensors decoded (float ones on the stage's device)."""
 
     kind: str
     micro_batch_id: str
@@ -371,7 +379,7 @@ def validate_request(message: Message, io: StageIO, digest: str) -> StageRequest
     if io.is_last:
         request.labels = _checked_labels(message, io, batch, seq)
     if message.kind == "backward":
-        request.grad_outputs = _checked_float(message, "grad_outputs", (batch, seq, io.wire_dim))
+        request.grad_outputs = _checked_float(message, "grad_outputs", (batch, seq, io.wire_dim), io.device)
     return request
 
 
@@ -403,7 +411,7 @@ def _checked_inputs(message: Message, io: StageIO) -> torch.Tensor:
             raise ProtocolError(f"token ids must be in [0, {io.vocab_size})")
         return tokens
     _check_shape(desc, 3, io)
-    return _checked_float(message, "inputs", tuple(desc.shape))
+    return _checked_float(message, "inputs", tuple(desc.shape), io.device)
 
 
 def _check_shape(desc: codec.EncodedTensor, ndim: int, io: StageIO) -> None:
@@ -420,26 +428,45 @@ def _check_shape(desc: codec.EncodedTensor, ndim: int, io: StageIO) -> None:
         )
 
 
-def _checked_float(message: Message, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+def _checked_float(
+    message: Message, name: str, shape: tuple[int, ...], device: torch.device | None = None
+) -> torch.Tensor:
+    """A float tensor of `shape`, decoded on `device` (None: the host) and checked: finite, bounded."""
     desc = message.tensors[name]
     if tuple(desc.shape) != tuple(shape):
         raise ProtocolError(f"{name} must have shape {list(shape)}, got {list(desc.shape)}")
     if not codec.DTYPES[desc.dtype].is_floating_point:
         raise ProtocolError(f"{name} must be floating point, got {desc.dtype}")
-    tensor = message.tensor(name).float()
-    if not bool(torch.isfinite(tensor).all()):
-        raise ProtocolError(f"{name} contains NaN or inf")
-    largest = float(tensor.abs().max()) if tensor.numel() else 0.0
-    if largest > MAX_ABS_VALUE:
-        raise ProtocolError(f"{name} has |value| up to {largest:.3g}, beyond the bound of {MAX_ABS_VALUE:g}")
+    tensor = message.tensor(name, device).float()
+    checked_values(name, desc, tensor)
     return tensor
 
 
-def checked_grad_reply(reply: Message, batch_seq: tuple[int, int], wire_dim: int) -> torch.Tensor:
-    """The gradient of a stage's outputs, as the next stage's reply carries it (a direct hand-off)."""
+def checked_values(name: str, desc: codec.EncodedTensor, tensor: torch.Tensor) -> None:
+    """Refuse NaN, inf and |values| beyond `MAX_ABS_VALUE` in `tensor`, the decoding of `desc`. The block
+    scales of the 8-bit and lower codecs bound every value they decode to (`codec.magnitude_bound`, read
+    on the host: 1/256 or 1/64 of the values, nothing decoded or synchronized), which settles an honest
+    message; otherwise (raw floats, a bound above the limit) one pass over the values on their device,
+    whose two extremes are all that comes back to the host (NaN and inf show in them)."""
+    bound = codec.magnitude_bound(desc)
+    if (bound is not None and bound <= MAX_ABS_VALUE) or tensor.numel() == 0:
+        return
+    low, high = (float(v) for v in torch.stack(torch.aminmax(tensor)).cpu())
+    if not (math.isfinite(low) and math.isfinite(high)):
+        raise ProtocolError(f"{name} contains NaN or inf")
+    largest = max(-low, high)
+    if largest > MAX_ABS_VALUE:
+        raise ProtocolError(f"{name} has |value| up to {largest:.3g}, beyond the bound of {MAX_ABS_VALUE:g}")
+
+
+def checked_grad_reply(
+    reply: Message, batch_seq: tuple[int, int], wire_dim: int, device: torch.device | None = None
+) -> torch.Tensor:
+    """The gradient of a stage's outputs, as the next stage's reply carries it (a direct hand-off),
+    decoded on `device`."""
     if "grad_inputs" not in reply.tensors:
         raise ProtocolError("the next stage's reply carries no grad_inputs")
-    return _checked_float(reply, "grad_inputs", (*batch_seq, wire_dim))
+    return _checked_float(reply, "grad_inputs", (*batch_seq, wire_dim), device)
 
 
 LABEL_DTYPES = ("int16", "int32", "int64")

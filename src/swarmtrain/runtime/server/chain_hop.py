@@ -232,7 +232,9 @@ class ChainHop:
             try:
                 tokens = int(forward.inputs.shape[0] * forward.inputs.shape[1])
                 reply = await self._uploads_to(peer).call(message, tokens, timeout_s)
-                grad = checked_grad_reply(reply, tuple(forward.inputs.shape[:2]), self.io.wire_dim)
+                grad = checked_grad_reply(
+                    reply, tuple(forward.inputs.shape[:2]), self.io.wire_dim, self.io.device
+                )
                 return reply, self._hops(chain, peer, reply), grad
             except ProtocolError as exc:  # a malformed reply: it may have applied, like a cut-off one
                 outcome, last_reason = Outcome.MAYBE_APPLIED, str(exc)

@@ -321,10 +321,12 @@ class ServerProcess:
         )
         await servicer.add_p2p_handlers(p2p, namespace=namespace(self.cfg))
         logger.info(  # launchers wait for this line: everything (incl. sockets) exists from here on
-            "stage %d replica %s ready (epoch %d); addresses: %s",
+            "stage %d replica %s ready (epoch %d, %s, forward graphs kept within %d MB); addresses: %s",
             service.spec.index,
             self.node.peer_id,
             service.worker.epoch,
+            service.options.compute.describe(),
+            service.worker.cache_max_bytes >> 20,
             " ".join(self.node.addresses),
         )
         # the same, for programs (runtime/harness/local_swarm.py's `ready_events`): once per stage served

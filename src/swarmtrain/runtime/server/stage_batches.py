@@ -133,7 +133,7 @@ def _evaluate(worker: StageWorker, requests: list[StageRequest]) -> list[Message
                 loss = worker.module.loss(outputs[a:b], worker.compute.to_device(request.labels))
                 replies.append(make_message("result", {"mb": mb, "loss": float(loss)}, {}, request.codec))
             else:
-                tensors = {"outputs": worker.compute.to_host(outputs[a:b])}
+                tensors = {"outputs": worker.compute.wire(outputs[a:b])}
                 replies.append(make_message("result", {"mb": mb}, tensors, request.codec))
     return replies
 
@@ -151,7 +151,7 @@ def _forward_group(worker: StageWorker, requests: list[StageRequest]) -> list[Me
         worker.cache_put(request.micro_batch_id, entry)
         worker.counters["forward"] += 1
         worker.counters["samples_forward"] += request.num_samples
-        tensors = {"outputs": worker.compute.to_host(outputs[a:b])}
+        tensors = {"outputs": worker.compute.wire(outputs[a:b])}
         replies.append(make_message("result", {"mb": request.micro_batch_id}, tensors, request.codec))
     return replies
 
@@ -179,7 +179,7 @@ def _fused(worker: StageWorker, requests: list[StageRequest]) -> list[Message | 
     for request, loss, (a, b) in zip(requests, losses, spans, strict=True):
         worker.counters["fused"] += 1
         worker.counters["samples_forward"] += request.num_samples
-        tensors = {"grad_inputs": worker.compute.to_host(grads[-1][a:b])} if wants_input_grad else {}
+        tensors = {"grad_inputs": worker.compute.wire(grads[-1][a:b])} if wants_input_grad else {}
         header = {"mb": request.micro_batch_id, "loss": float(loss.detach()), "acc": request.num_samples}
         replies.append(make_message("result", header, tensors, request.codec))
     return replies
@@ -237,7 +237,7 @@ def _group_backward(worker: StageWorker, group: Group, requests: list[StageReque
     for request in requests:
         a, b = spans[request.micro_batch_id]
         worker.counters["backward"] += 1
-        tensors = {"grad_inputs": worker.compute.to_host(grads[-1][a:b])} if wants_input_grad else {}
+        tensors = {"grad_inputs": worker.compute.wire(grads[-1][a:b])} if wants_input_grad else {}
         header = {"mb": request.micro_batch_id, "acc": request.num_samples}
         outcomes[request.micro_batch_id] = make_message("result", header, tensors, request.codec)
     return outcomes

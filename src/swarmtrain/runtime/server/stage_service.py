@@ -94,7 +94,7 @@ class StageOptions:
     """How the process builds every stage it serves (the command line's settings)."""
 
     cache_size: int = 64
-    cache_max_bytes: int = 512 << 20
+    cache_max_bytes: int | None = None  # None: the device's default (StageWorker)
     max_batch: int | None = None  # default: 4 micro-batches
     sync_tick_s: float = 0.5
     min_matchmaking_time_s: float = 1.0
@@ -155,7 +155,7 @@ class StageService:
         self.digest = cfg.digest()
         self.peer_id = node.peer_id
         max_batch = options.max_batch or 4 * cfg.training.micro_batch_size
-        self.io = StageIO.from_config(cfg.model, self.spec, max_batch)
+        self.io = StageIO.from_config(cfg.model, self.spec, max_batch, options.compute.device)
         self._transport: Transport | None = None
         self.hop: ChainHop | None = None  # this stage's part of direct hand-offs, while serving
         self.callers: StagePeers | None = None  # behind a NAT: the stage before, kept connected
@@ -527,7 +527,7 @@ class StageService:
             fp32_bytes_out=sent.fp32_bytes,
             fingerprint=self.sync.fingerprint,
             worker=dict(w.counters),
-            cache={"entries": len(w.cache), "bytes": w.cache_bytes},
+            cache={"entries": len(w.cache), "bytes": w.cache_bytes, "budget_bytes": w.cache_max_bytes},
             sync=dict(vars(self.sync.counters)),
             steps=dict(vars(self.steps.counters)),
             data_plane=data_server.status() if data_server is not None else {},

@@ -75,7 +75,7 @@ class StageWorker:
         spec: StageSpec,
         cache_size: int = 64,
         ledger: Ledger | None = None,
-        cache_max_bytes: int = 512 << 20,
+        cache_max_bytes: int | None = None,
         init_from_hf: str | Path | None = None,
         fault_grad_scale: float = 1.0,
         compute: ComputeDevice = CPU_FP32,
@@ -84,7 +84,8 @@ class StageWorker:
         (only this stage's tensors are read); they are what a stage with no trained replica or
         checkpoint starts from, like the seed's weights would be. `fault_grad_scale`: a byzantine
         replica's factor on its gradient sums (tests; runtime/faults.py). `compute`: the device and the
-        autocast dtype."""
+        autocast dtype. `cache_max_bytes`: memory for kept forward graphs (None: the device's default,
+        `ComputeDevice.graph_budget_bytes`, read once the parameters and optimizer state exist)."""
         self.cfg, self.spec, self.compute = cfg, spec, compute
         self.module = build_stage(cfg.model, spec, seed=cfg.training.seed)
         if init_from_hf is not None:  # before the optimizer and the live copy are made from the parameters
@@ -102,10 +103,15 @@ class StageWorker:
         self.samples_since_sync = 0
         self.cache: OrderedDict[str, CacheEntry] = OrderedDict()
         self.cache_size = cache_size
-        # bounded in bytes too: 64 forward-only requests of a full batch grew a server to 1.7 GB
-        self.cache_max_bytes = cache_max_bytes
         self.cache_bytes = 0
-        self._entry_bytes_per_sample = saved_activation_bytes_per_sample(cfg.model, spec)
+        self._entry_bytes_per_sample = saved_activation_bytes_per_sample(
+            cfg.model, spec, compute.bytes_per_value
+        )
+        if cache_max_bytes is None:
+            cache_max_bytes = compute.graph_budget_bytes(
+                cfg.training.micro_batch_size * self._entry_bytes_per_sample
+            )
+        self.cache_max_bytes = cache_max_bytes  # bounded in bytes: graphs of large stages are GBs
         self.ledger = ledger or Ledger(None)
         self.state_lock = threading.Lock()  # parameters/optimizer vs. export to joining peers
         self.epoch = 0  # optimizer steps applied = the global step whose micro-batches come next
@@ -145,7 +151,7 @@ class StageWorker:
         return make_message(
             "result",
             {"mb": request.micro_batch_id},
-            {"outputs": self.compute.to_host(outputs)},
+            {"outputs": self.compute.wire(outputs)},
             request.codec,
         )
 
@@ -164,7 +170,7 @@ class StageWorker:
         grad_inputs, accumulated = self._backpropagate(
             request, entry.outputs, grad_outputs, entry.inputs, entry.params
         )
-        tensors = {} if grad_inputs is None else {"grad_inputs": self.compute.to_host(grad_inputs)}
+        tensors = {} if grad_inputs is None else {"grad_inputs": self.compute.wire(grad_inputs)}
         return make_message("result", {"mb": mb, "acc": accumulated}, tensors, request.codec)
 
     def _forward_last(self, request: StageRequest) -> Message:
@@ -181,7 +187,7 @@ class StageWorker:
         self.counters["fused"] += 1
         self.counters["samples_forward"] += n
         grad_inputs, accumulated = self._backpropagate(request, loss * n, None, inputs, params)
-        tensors = {} if grad_inputs is None else {"grad_inputs": self.compute.to_host(grad_inputs)}
+        tensors = {} if grad_inputs is None else {"grad_inputs": self.compute.wire(grad_inputs)}
         header = {"mb": mb, "loss": float(loss.detach()), "acc": accumulated}
         return make_message("result", header, tensors, request.codec)
 
