@@ -30,10 +30,13 @@ $(VENV)/.installed: pyproject.toml
 quickstart: setup
 	$(BIN)/swarmtrain demo --preset tiny $(QUICKSTART_ARGS)
 
+# the size bounds of docs/DESIGN.md section 3 are tests/unit/test_size_ratchet.py (run by `test`); the
+# duplicate-code ratchet is tools/check_duplicates.py (pylint's similarity checker, ~15 s on 2 cores)
 lint: setup
-	$(BIN)/ruff check src tests bench experiments
+	$(BIN)/ruff check src tests bench experiments tools
 	$(BIN)/lint-imports
 	$(BIN)/mypy
+	$(BIN)/python tools/check_duplicates.py
 
 # the default tier (unit, integration, faults: <= 15 minutes on 2 cores); `test-slow` runs the long ones
 # (chaos schedules, end-to-end user flows, long parity runs). CI runs both.
