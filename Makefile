@@ -13,7 +13,7 @@ TORCH_INDEX_ARGS = --timeout 5 --retries 0 --index-url $(TORCH_INDEX) --extra-in
 QUICKSTART_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup quickstart test test-slow lint bench clean
+.PHONY: setup quickstart test test-slow lint bench clean gpu-check
 
 setup: $(VENV)/.installed
 
@@ -51,3 +51,10 @@ bench: setup
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .ruff_cache
+
+# The GPU check (issue 53), on a CUDA machine: the gpu tests, bench/device_stage.py for gpt2-small and
+# llama-125m in bf16 and fp32 and the host path, in one table (tools/gpu/check.sh). WHEELS=DIR installs
+# a wheelhouse from tools/gpu/wheelhouse.sh offline first (for machines without internet access)
+WHEELS ?=
+gpu-check:
+	PYTHON=$(if $(wildcard $(BIN)/python),$(BIN)/python,python3) bash tools/gpu/check.sh $(WHEELS)

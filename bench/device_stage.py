@@ -247,7 +247,22 @@ def served_entry(dtype: str, local_before: dict, local_after: dict, run: dict) -
         "local_spread": local_spread(local_before, local_after),
         "run": run,
         "served_over_local": ratio(run.get("samples_per_s"), local_sps),
+        "shared_bound": shared_bound(local),
+        "served_over_shared_bound": ratio(run.get("samples_per_s"), shared_bound(local)),
+        "recomputed_share": ratio(
+            (run.get("servers") or {}).get("recomputed"), (run.get("servers") or {}).get("backward")
+        ),
     }
+
+
+def shared_bound(local_by_stage: dict[str, float | None]) -> float | None:
+    """What servers that share one device can serve together, samples/s: each sample takes every
+    stage's local time on it in turn, so 1 / sum(1 / local samples/s of each stage). The slowest stage
+    alone bounds a swarm whose servers each have a device of their own."""
+    rates = list(local_by_stage.values())
+    if not rates or any(r is None or r <= 0 for r in rates):
+        return None
+    return 1.0 / sum(1.0 / r for r in rates if r is not None)
 
 
 def batching_entry(trainers: int, tokens: int, off: dict, on: dict) -> dict:
@@ -309,7 +324,8 @@ def served_lines(report: dict) -> list[str]:
     lines = [
         f"served vs local (micro-batch {s['micro_batch']}, 1 trainer, batching off; samples/s)",
         f"  {'dtype':5s} {'local stage' + ' / stage'.join(str(i) for i in range(s['num_stages'])):>26s} "
-        f"{'served':>9s} {'served/local':>12s} {'cores srv/trn':>13s} {'fail':>4s}",
+        f"{'served':>9s} {'served/local':>12s} {'shared bound':>12s} {'served/bound':>12s} "
+        f"{'recomp':>6s} {'cores srv/trn':>13s} {'fail':>4s}",
     ]
     for entry in report["served"]:
         local = entry["local_samples_per_s"]
@@ -317,8 +333,14 @@ def served_lines(report: dict) -> list[str]:
         run = entry["run"]
         lines.append(
             f"  {entry['dtype']:5s} {locals_text:>26s} {_sps(run)} "
-            f"{_num(entry['served_over_local'], '.3f', 12)} {_cores(run):>13s} {_failed(run):>4s}"
+            f"{_num(entry['served_over_local'], '.3f', 12)} {_num(entry.get('shared_bound'), '.1f', 12)} "
+            f"{_num(entry.get('served_over_shared_bound'), '.3f', 12)} "
+            f"{_num(entry.get('recomputed_share'), '.0%', 6)} {_cores(run):>13s} {_failed(run):>4s}"
         )
+    lines.append(
+        "  served/local: over the slowest local stage (servers with a device each); shared bound: "
+        "1 / sum(1 / local) (servers sharing one device, as here); recomp: backwards that recomputed"
+    )
     for entry in report["served"]:
         if (entry.get("local_spread") or 0.0) > LOCAL_SPREAD_WARNING:
             lines.append(

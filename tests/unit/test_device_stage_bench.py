@@ -217,10 +217,17 @@ def _row(lines: list[str], *first: str) -> list[str]:
     return next(line.split() for line in lines if line.split()[: len(first)] == list(first))
 
 
+def test_shared_bound_is_the_harmonic_sum_of_the_stages():
+    assert bench.shared_bound({"0": 100.0, "1": 100.0, "2": 50.0}) == pytest.approx(25.0)
+    assert bench.shared_bound({"0": 100.0, "1": None}) is None and bench.shared_bound({}) is None
+
+
 def test_tables_show_samples_ratios_cores_and_failures():
     lines = bench.report_lines(fake_report({"skipped": "device cpu: no accelerator"}))
     text = "\n".join(lines)
-    assert _row(lines, "fp32") == ["fp32", "900.0", "/", "1000.0", "450.0", "0.500", "1.60/0.30", "0"]
+    # the shared-device bound of stages at 900 and 1000 samples/s: 1 / (1/900 + 1/1000) = 473.7
+    fp32 = ["fp32", "900.0", "/", "1000.0", "450.0", "0.500", "473.7", "0.950", "0%", "1.60/0.30", "0"]
+    assert _row(lines, "fp32") == fp32
     assert _row(lines, "bf16")[4:6] == ["150.0", "0.500"]
     # bf16's stage 0 read 200 before and 400 after: the machine was busy, and the table says so
     assert "! bf16: local before and after the swarm differ by up to 67%" in text

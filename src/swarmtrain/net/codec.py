@@ -313,7 +313,8 @@ def _encode_lowbit(flat: torch.Tensor, bits: int, rotated: bool, stochastic: boo
     step = (blocks.abs().amax(dim=1) * (2.0 * (1 + 2**-7) / top)).to(torch.bfloat16)
     step_fp32 = step.float()
     inverse = torch.where(step_fp32 > 0, 1.0 / step_fp32, torch.zeros_like(step_fp32))
-    scaled = torch.addcmul(torch.full((), top / 2, device=device), blocks, inverse.unsqueeze(1))  # in [0, top]
+    half = torch.full((), top / 2, device=device)
+    scaled = torch.addcmul(half, blocks, inverse.unsqueeze(1))  # in [0, top]
     if stochastic:
         scaled.add_(torch.rand(scaled.shape, generator=_generator(device), device=device)).floor_()
     else:

@@ -131,8 +131,7 @@ class Message:
     tensors: dict[str, codec.EncodedTensor] = field(default_factory=dict)
 
     def tensor(self, name: str, device: torch.device | None = None) -> torch.Tensor:
-        """A tensor decoded on `device` (None: the host)."""
-        try:
+        try:  # decoded on `device` (None: the host)
             return codec.decode(self.tensors[name], device)
         except codec.CodecError as exc:
             raise ProtocolError(f"tensor {name!r}: {exc}") from None
@@ -279,9 +278,7 @@ class StageIO:
     vocab_size: int
     max_batch: int
     ignore_label: int = -100
-    # where received float tensors are decoded: the stage's compute device (None: the host), so only
-    # their wire bytes cross to it (net/device_bytes.py)
-    device: torch.device | None = None
+    device: torch.device | None = None  # where float tensors are decoded (net/device_bytes.py); None: host
 
     @classmethod
     def from_config(
@@ -443,11 +440,9 @@ def _checked_float(
 
 
 def checked_values(name: str, desc: codec.EncodedTensor, tensor: torch.Tensor) -> None:
-    """Refuse NaN, inf and |values| beyond `MAX_ABS_VALUE` in `tensor`, the decoding of `desc`. The block
-    scales of the 8-bit and lower codecs bound every value they decode to (`codec.magnitude_bound`, read
-    on the host: 1/256 or 1/64 of the values, nothing decoded or synchronized), which settles an honest
-    message; otherwise (raw floats, a bound above the limit) one pass over the values on their device,
-    whose two extremes are all that comes back to the host (NaN and inf show in them)."""
+    """Refuse NaN, inf and |values| over `MAX_ABS_VALUE` in `tensor`, the decoding of `desc`: settled by
+    the block scales of a scaled codec (`codec.magnitude_bound`, on the host: nothing decoded or waited
+    for), else by one pass on the values' device whose two extremes come back (NaN and inf show there)."""
     bound = codec.magnitude_bound(desc)
     if (bound is not None and bound <= MAX_ABS_VALUE) or tensor.numel() == 0:
         return

@@ -320,15 +320,7 @@ class ServerProcess:
             )
         )
         await servicer.add_p2p_handlers(p2p, namespace=namespace(self.cfg))
-        logger.info(  # launchers wait for this line: everything (incl. sockets) exists from here on
-            "stage %d replica %s ready (epoch %d, %s, forward graphs kept within %d MB); addresses: %s",
-            service.spec.index,
-            self.node.peer_id,
-            service.worker.epoch,
-            service.options.compute.describe(),
-            service.worker.cache_max_bytes >> 20,
-            " ".join(self.node.addresses),
-        )
+        logger.info("%s", _ready_line(service, self.node))  # launchers wait for this line
         # the same, for programs (runtime/harness/local_swarm.py's `ready_events`): once per stage served
         self.ledger.write(
             "ready", stage=service.spec.index, peer=self.node.peer_id, epoch=service.worker.epoch
@@ -447,3 +439,12 @@ class ServerProcess:
         )
         self.ledger.write("move", to=move.to_stage, bottleneck=move.bottleneck_before_samples_per_s)
         await service.drain(DRAIN_TIMEOUT_S)
+
+
+def _ready_line(service: StageService, node: Node) -> str:
+    """The line launchers wait for (local_swarm.READY_MARKER): everything, sockets included, exists."""
+    worker, compute = service.worker, service.options.compute.describe()
+    return (
+        f"stage {service.spec.index} replica {node.peer_id} ready (epoch {worker.epoch}, {compute}, forward "
+        f"graphs kept within {worker.cache_max_bytes >> 20} MB); addresses: {' '.join(node.addresses)}"
+    )

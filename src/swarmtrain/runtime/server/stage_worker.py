@@ -104,14 +104,7 @@ class StageWorker:
         self.cache: OrderedDict[str, CacheEntry] = OrderedDict()
         self.cache_size = cache_size
         self.cache_bytes = 0
-        self._entry_bytes_per_sample = saved_activation_bytes_per_sample(
-            cfg.model, spec, compute.bytes_per_value
-        )
-        if cache_max_bytes is None:
-            cache_max_bytes = compute.graph_budget_bytes(
-                cfg.training.micro_batch_size * self._entry_bytes_per_sample
-            )
-        self.cache_max_bytes = cache_max_bytes  # bounded in bytes: graphs of large stages are GBs
+        self.cache_max_bytes, self._entry_bytes_per_sample = self._graph_sizes(cache_max_bytes)
         self.ledger = ledger or Ledger(None)
         self.state_lock = threading.Lock()  # parameters/optimizer vs. export to joining peers
         self.epoch = 0  # optimizer steps applied = the global step whose micro-batches come next
@@ -132,6 +125,16 @@ class StageWorker:
             skipped_steps=0,
             samples_forward=0,
         )
+
+    def _graph_sizes(self, cache_max_bytes: int | None) -> tuple[int, int]:
+        """(memory for kept forward graphs, one sample's graph bytes in the compute dtype): a large stage's
+        graphs are GBs. None: the device's default, read now that the parameters and state exist."""
+        per_sample = saved_activation_bytes_per_sample(
+            self.cfg.model, self.spec, self.compute.bytes_per_value
+        )
+        if cache_max_bytes is None:
+            cache_max_bytes = self.compute.graph_budget_bytes(self.cfg.training.micro_batch_size * per_sample)
+        return cache_max_bytes, per_sample
 
     # requests -----------------------------------------------------------------------------------
     def forward(self, request: StageRequest) -> Message:

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The GPU check anyone can rerun (issue 53), on a CUDA machine, within about 8 minutes: the `gpu` tests,
+# bench/device_stage.py for gpt2-small and llama-125m in bf16 and fp32, the host path per micro-batch, and
+# one table of what they measured (tools/gpu/summary.py).
+#   Usage: tools/gpu/check.sh [WHEELS_DIR]   (or: make gpu-check [WHEELS=DIR])
+# WHEELS_DIR: a wheelhouse from tools/gpu/wheelhouse.sh, installed offline into $SITE (default
+# /tmp/swarmtrain-site) for the image's python3; without it the current environment must have swarmtrain's
+# dependencies (e.g. `make setup` with a CUDA torch, see the README). Logs and JSON go to $OUT (default
+# ./gpu-out). Environment: PYTHON, PRESETS, DTYPES, DUR (window seconds), T_TESTS / T_BENCH (limits, s).
+set -uo pipefail
+root=$(cd "$(dirname "$0")/../.." && pwd); cd "$root"
+OUT=${OUT:-$root/gpu-out}; mkdir -p "$OUT"
+PYTHON=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
+if [ -n "${1:-}" ]; then
+    site=${SITE:-/tmp/swarmtrain-site}
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$site" "$1"/*.whl \
+        || { echo "gpu-check: installing the wheels of $1 failed"; exit 2; }
+    chmod +x "$site"/hivemind/hivemind_cli/p2pd "$site"/bin/* 2>/dev/null
+    export PYTHONPATH="$site:$root/src" PATH="$site/bin:$PATH"
+    mkdir -p "$site/bin" && printf '#!/bin/sh\nexec %s -m swarmtrain.cli.main "$@"\n' "$PYTHON" > "$site/bin/swarmtrain"
+    chmod +x "$site/bin/swarmtrain"
+fi
+"$PYTHON" -c "import torch, hivemind, swarmtrain; assert torch.cuda.is_available(), 'torch sees no CUDA device'; \
+print('torch', torch.__version__, torch.cuda.get_device_name(), 'hivemind', hivemind.__version__)" \
+    || { echo "gpu-check: needs torch with a CUDA device and swarmtrain's dependencies (see above)"; exit 2; }
+echo "== gpu tests ($(date +%T))"
+timeout "${T_TESTS:-120}" "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider -o addopts="" tests \
+    > "$OUT/gpu_tests.log" 2>&1; echo "gpu tests: exit $?, $(tail -1 "$OUT/gpu_tests.log")"
+for preset in ${PRESETS:-gpt2-small llama-125m}; do
+    echo "== bench/device_stage.py $preset ($(date +%T))"
+    timeout "${T_BENCH:-170}" "$PYTHON" bench/device_stage.py --device cuda --preset "$preset" \
+        --dtypes "${DTYPES:-bf16,fp32}" --trainers 4 --duration-s "${DUR:-8}" --warmup-s 2 \
+        --local-duration-s 2 --summary-json "$OUT/device_stage_$preset.json" > "$OUT/device_stage_$preset.log" 2>&1
+    echo "device_stage $preset: exit $?"
+done
+echo "== bench/host_path.py ($(date +%T))"
+timeout 60 "$PYTHON" bench/host_path.py --device cuda > "$OUT/host_path.log" 2>&1; cat "$OUT/host_path.log"
+"$PYTHON" tools/gpu/summary.py "$OUT"/device_stage_*.json | tee "$OUT/summary.txt"
