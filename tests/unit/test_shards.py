@@ -59,7 +59,13 @@ def text_dir(tmp_path_factory):
 
 
 def run_tokenize(sources, tok_file, out, **kwargs):
-    options = {"shard_tokens": SHARD, "val_fraction": 0.2, "progress": False, "chunk_chars": 3000}
+    options = {
+        "shard_tokens": SHARD,
+        "val_fraction": 0.2,
+        "seq_len": 16,
+        "progress": False,
+        "chunk_chars": 3000,
+    }
     options.update(kwargs)
     return tokenize([str(s) for s in sources], str(tok_file), out, **options)
 
@@ -256,7 +262,7 @@ def test_resume_after_sigkill_is_byte_identical(tmp_path, text_dir, shards_dir, 
                 os.kill(os.getpid(), signal.SIGKILL)
 
         tokenize([{str(text_dir)!r}], {str(tok_file)!r}, {str(out)!r}, shard_tokens={SHARD}, val_fraction=0.2,
-                 progress=False, chunk_chars=3000, checkpoint_every_s=0, on_chunk=kill)
+                 seq_len=16, progress=False, chunk_chars=3000, checkpoint_every_s=0, on_chunk=kill)
         """
     )
     killed = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120)
@@ -279,7 +285,17 @@ def test_rerun_with_other_settings_is_refused(tmp_path, text_dir, shards_dir, to
 
 def test_cli_tokenize(tmp_path, text_dir, tok_file, capsys):
     out = tmp_path / "out"
-    argv = ["tokenize", "--tokenizer", str(tok_file), "--out", str(out), "--shard-tokens", "1000"]
+    argv = [
+        "tokenize",
+        "--tokenizer",
+        str(tok_file),
+        "--out",
+        str(out),
+        "--shard-tokens",
+        "1000",
+        "--seq-len",
+        "16",
+    ]
     assert main([*argv, "--val-fraction", "0.2", "--no-progress", str(text_dir)]) == 0
     line = capsys.readouterr().out.strip()
     assert f"tokenized {len(DOCS)} documents into {out}" in line and "tokens/s" in line
@@ -312,17 +328,31 @@ def encoded(tok_file, docs):
     return [tuple(tok.encode(d).ids) + (0,) for d in docs]
 
 
+def expected_validation(tok_file, docs, window):
+    """What validation holds when no hash falls below --val-fraction: the distinct texts in hash order,
+    each with all its copies, until they hold `window` tokens."""
+    texts = sorted(set(docs), key=document_hash)
+    out, tokens = [], 0
+    for text, ids in zip(texts, encoded(tok_file, texts), strict=True):
+        if tokens >= window:
+            break
+        out += [ids] * docs.count(text)
+        tokens += len(ids) * docs.count(text)
+    return out
+
+
 def test_small_corpus_gets_the_smallest_hash_as_validation_with_a_warning(tmp_path, tok_file, capsys):
     docs = small_corpus(tmp_path / "texts")
-    argv = ["tokenize", "--tokenizer", str(tok_file), "--no-progress"]  # default --val-fraction 0.01
+    # default --val-fraction 0.01; a window of 5 tokens, which the smallest hash's document holds alone
+    argv = ["tokenize", "--tokenizer", str(tok_file), "--no-progress", "--seq-len", "4"]
     assert main([*argv, "--out", str(tmp_path / "out"), str(tmp_path / "texts")]) == 0
     captured = capsys.readouterr()
     assert "1 val shard(s)" in captured.out and "(1 documents)" in captured.out
     warning = captured.err.strip().splitlines()
     assert len(warning) == 1 and warning[0].startswith(
-        "warning: 30 documents are too few for --val-fraction 0.01"
+        "warning: 30 documents are too few for --val-fraction 0.01 to hold out one window of 5 tokens"
     )
-    assert "smallest hash" in warning[0] and "larger --val-fraction" in warning[0]
+    assert "smallest hashes" in warning[0] and "larger --val-fraction" in warning[0]
 
     out = tmp_path / "out"
     assert [p.name for p in sorted(out.glob("val-*.tok"))] == ["val-00000.tok"]
@@ -332,7 +362,7 @@ def test_small_corpus_gets_the_smallest_hash_as_validation_with_a_warning(tmp_pa
     assert sorted(train) == sorted(encoded(tok_file, [d for d in docs if d != smallest]))  # disjoint, all
     manifest = read_manifest(out)
     assert manifest["complete"] and manifest["progress"]["val_documents"] == 1
-    assert manifest["progress"]["val_fallback"] and manifest["progress"]["reserve"] is None
+    assert manifest["progress"]["val_fallback"] and manifest["progress"]["reserve"] == []
     _, val_data = build_datasets(_cfg(out, tok_file, seq_len=4))  # what the trainer refused before
     assert len(val_data) >= 1
 
@@ -345,15 +375,22 @@ def test_small_corpus_gets_the_smallest_hash_as_validation_with_a_warning(tmp_pa
     assert "is already complete" in captured.out and "too few for --val-fraction" in captured.err
 
 
-def test_small_corpus_split_is_a_property_of_the_corpus(tmp_path, tok_file):
-    """Chunk after chunk (and resumed after an interruption that left a document held back), in
-    another order, and with a copy of the held-out document: the same validation text, never in training."""
+@pytest.mark.parametrize("seq_len", [4, 150])
+def test_small_corpus_split_is_a_property_of_the_corpus(tmp_path, tok_file, seq_len):
+    """Chunk after chunk (and resumed after an interruption that left documents held back), in
+    another order, and with a copy of the smallest hash's document: the same validation text, at least
+    one window, never in training. A window of 5 tokens takes one document, one of 151 several."""
     docs = small_corpus(tmp_path / "texts")
+    window = seq_len + 1
     smallest = min(docs, key=document_hash)
     options = {"val_fraction": DEFAULT_VAL_FRACTION, "chunk_chars": 600, "checkpoint_every_s": 0}
+    options["seq_len"] = seq_len
     whole = tmp_path / "whole"
     summary = run_tokenize([tmp_path / "texts"], tok_file, whole, **options)
-    assert summary.val_fallback and summary.val_documents == 1 and summary.documents == 30
+    expected = expected_validation(tok_file, docs, window)
+    assert summary.val_fallback and summary.documents == 30 and summary.val_documents == len(expected)
+    assert split_documents(whole, "val") == expected and summary.val_tokens >= window
+    assert (len(expected) > 1) == (seq_len > 4)
 
     out = tmp_path / "interrupted"
 
@@ -364,7 +401,7 @@ def test_small_corpus_split_is_a_property_of_the_corpus(tmp_path, tok_file):
     with pytest.raises(_Interrupt):
         run_tokenize([tmp_path / "texts"], tok_file, out, on_chunk=interrupt, **options)
     progress = read_manifest(out)["progress"]
-    assert 0 < progress["documents"] < 30 and progress["reserve"] is not None  # held back, not written
+    assert 0 < progress["documents"] < 30 and progress["reserve"]  # held back, not written
     assert progress["val_tokens"] == 0 and not progress["val_fallback"]
     resumed = run_tokenize([tmp_path / "texts"], tok_file, out, **options)
     assert resumed.resumed_documents == progress["documents"] and resumed.val_fallback
@@ -372,12 +409,74 @@ def test_small_corpus_split_is_a_property_of_the_corpus(tmp_path, tok_file):
 
     reordered = tmp_path / "reordered"
     reordered.mkdir()
-    for i, doc in enumerate(reversed(docs + [smallest])):  # another order, the held-out text twice
+    for i, doc in enumerate(reversed(docs + [smallest])):  # another order, the smallest hash's text twice
         (reordered / f"doc-{i:03d}.txt").write_text(doc, encoding="utf-8")
     summary = run_tokenize([reordered], tok_file, tmp_path / "out2", **options)
     train, val = split_documents(tmp_path / "out2", "train"), split_documents(tmp_path / "out2", "val")
-    assert summary.val_fallback and val == encoded(tok_file, [smallest]) * 2  # duplicates land together
-    assert set(train).isdisjoint(val) and sorted(train) == sorted(split_documents(whole, "train"))
+    assert summary.val_fallback and val == expected_validation(tok_file, docs + [smallest], window)
+    assert val[:2] == encoded(tok_file, [smallest]) * 2  # duplicates land together
+    assert set(train).isdisjoint(val) and set(train) | set(val) == set(encoded(tok_file, docs))
+
+
+def test_thirty_short_files_give_llama_tiny_a_validation_window_and_it_trains(tmp_path, capsys):
+    """The issue's case: 30 short files, every default, the bundled tokenizer. tokenize knows the window
+    from the presets that use the tokenizer (llama-tiny: 64 + 1 tokens), holds out enough documents for
+    one, and `train-local --preset llama-tiny` trains on the shards with validation."""
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    rng = random.Random(3)
+    for i in range(30):  # ~15-25 tokens each: no single document holds a window
+        (texts / f"note-{i:02d}.txt").write_text(" ".join(rng.choice(WORDS[:24]) for _ in range(8)) + "\n")
+    out = tmp_path / "shards"
+    argv = [
+        "tokenize",
+        "--tokenizer",
+        "swarmtrain:llama-tiny",
+        "--no-progress",
+        "--out",
+        str(out),
+        str(texts),
+    ]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert "one window of 65 tokens (--seq-len 64 + 1)" in captured.err, captured.err
+    manifest = read_manifest(out)
+    assert manifest["settings"]["seq_len"] == 64 and manifest["progress"]["val_documents"] > 1
+    assert manifest["progress"]["val_tokens"] >= 65 and manifest["progress"]["train_tokens"] >= 65
+
+    summary = tmp_path / "summary.json"
+    train = ["train-local", "--preset", "llama-tiny", "--data", str(out), "--max-samples", "32"]
+    assert main([*train, "--summary-json", str(summary), "--threads", "1", "--no-progress"]) == 0
+    result = json.loads(summary.read_text())
+    assert np.isfinite(result["initial_val_loss"]) and np.isfinite(result["final_val_loss"]), result
+
+
+def test_a_corpus_too_small_for_a_window_each_is_a_one_line_error_naming_the_flag(tmp_path, tok_file, capsys):
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    for i, doc in enumerate(make_docs(3, seed=4)):
+        (texts / f"doc-{i}.txt").write_text(doc, encoding="utf-8")
+    argv = ["tokenize", "--tokenizer", str(tok_file), "--no-progress", str(texts)]
+    assert main([*argv, "--out", str(tmp_path / "out"), "--seq-len", "4000"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("swarmtrain tokenize: error: ")
+    assert "too few for a window of 4001 tokens" in err[0] and "--seq-len" in err[0], err[0]
+    assert not read_manifest(tmp_path / "out")["complete"]  # never marked usable
+
+    # settings under which no shard could hold a window: refused before anything is written
+    for flag, value in (("--val-tokens", "100"), ("--shard-tokens", "150")):
+        assert main([*argv, "--out", str(tmp_path / flag), "--seq-len", "4000", flag, value]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"{flag} {value} is less than one window of 4001 tokens" in err[0], err
+        assert f"use {flag} >= 4001" in err[0] and not (tmp_path / flag).exists()
+
+
+def test_shards_without_a_window_name_the_tokenize_flag_that_fixes_them(tmp_path, tok_file):
+    out = tmp_path / "out"
+    small_corpus(tmp_path / "texts")
+    run_tokenize([tmp_path / "texts"], tok_file, out, val_fraction=DEFAULT_VAL_FRACTION, seq_len=4)
+    with pytest.raises(DataError, match=r"not one sample of 501 tokens .*--out with --seq-len 500"):
+        build_datasets(_cfg(out, tok_file, seq_len=500))
 
 
 def test_a_corpus_that_cannot_be_split_is_a_one_line_error(tmp_path, tok_file, capsys):

@@ -23,7 +23,7 @@ def _fraction(text: str) -> float:
 
 def register(subparsers) -> None:
     from swarmtrain.data.shards import DEFAULT_SHARD_TOKENS
-    from swarmtrain.data.tokenize_job import DEFAULT_VAL_FRACTION, DEFAULT_VAL_TOKENS
+    from swarmtrain.data.tokenize_job import DEFAULT_SEQ_LEN, DEFAULT_VAL_FRACTION, DEFAULT_VAL_TOKENS
 
     parser = subparsers.add_parser(
         "tokenize",
@@ -32,9 +32,11 @@ def register(subparsers) -> None:
         "the tokenizer's end-of-text id after each into DIR/train-NNNNN.tok and DIR/val-NNNNN.tok (fixed-size "
         "shards, uint16 or uint32 tokens after a 256-byte header) plus DIR/manifest.json. Memory does not "
         "grow with the corpus. A document goes to validation when a hash of its text falls below "
-        "--val-fraction (until --val-tokens), so the splits never share a document; if none does (a corpus "
-        "too small for the fraction), the document with the smallest hash does, with a warning. A corpus of "
-        "a single document cannot be split and is an error. Interrupted (Ctrl-C, "
+        "--val-fraction (until --val-tokens), so the splits never share a document. Validation holds at least "
+        "one window of --seq-len + 1 tokens, what training reads: if the fraction gives less (a small "
+        "corpus), the documents with the smallest hashes complete it, with a warning. A corpus that cannot "
+        "give training and validation a window each (a single document, too few tokens) is an error. "
+        "Interrupted (Ctrl-C, "
         "kill, crash)? Run the same command again: it continues from the last checkpoint and writes the "
         "same shards an uninterrupted run would. Train with data.source = DIR (and data.tokenizer = T to "
         "have the tokenizer checked against the shards).",
@@ -77,6 +79,15 @@ def register(subparsers) -> None:
         f"{DEFAULT_VAL_TOKENS:,})",
     )
     parser.add_argument(
+        "--seq-len",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="the model.seq_len of the run that will train on the shards: validation (and training) then "
+        "hold at least one window of N + 1 tokens (default: the longest seq_len of the presets that use "
+        f"--tokenizer, 64 for swarmtrain:llama-tiny; {DEFAULT_SEQ_LEN} for any other tokenizer)",
+    )
+    parser.add_argument(
         "--max-bytes",
         type=positive_int,
         default=None,
@@ -107,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
             shard_tokens=args.shard_tokens,
             val_fraction=args.val_fraction,
             val_tokens=args.val_tokens,
+            seq_len=args.seq_len,
             max_bytes=args.max_bytes,
             workers=args.workers,
             progress=not args.no_progress,
@@ -121,10 +133,11 @@ def run(args: argparse.Namespace) -> int:
     print(summary.line())
     if summary.val_fallback:
         print(
-            f"warning: {summary.documents:,} documents are too few for --val-fraction {args.val_fraction} "
-            f"(no hash fell below it): validation holds the document with the smallest hash "
-            f"({summary.val_documents:,} document(s), {summary.val_tokens:,} tokens); for more, rerun into "
-            f"a new --out with a larger --val-fraction",
+            f"warning: {summary.documents:,} documents are too few for --val-fraction {args.val_fraction} to "
+            f"hold out one window of {summary.seq_len + 1} tokens (--seq-len {summary.seq_len} + 1): "
+            f"validation holds the documents with the smallest hashes ({summary.val_documents:,} "
+            f"document(s), {summary.val_tokens:,} tokens); for more, rerun into a new --out with a larger "
+            f"--val-fraction",
             file=sys.stderr,
         )
     elif summary.val_tokens == 0:

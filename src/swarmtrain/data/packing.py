@@ -107,11 +107,14 @@ def _shard_datasets(cfg: RunConfig) -> tuple[ShardDataset, ShardDataset]:
             f"no validation shards (val-*.tok) in {shards.path}: tokenize again with a larger --val-fraction"
         )
     train, val = ShardDataset(shards.train, cfg.model.seq_len), ShardDataset(shards.val, cfg.model.seq_len)
+    seq_len = cfg.model.seq_len
     for name, dataset in (("training", train), ("validation", val)):
         if len(dataset) < 1:
+            # shards tokenized for a shorter --seq-len (or before tokenize knew one): it holds a window now
             raise DataError(
                 f"the {name} shards in {shards.path} hold {dataset.tokens} tokens: not one sample of "
-                f"{cfg.model.seq_len + 1} tokens"
+                f"{seq_len + 1} tokens (model.seq_len {seq_len} + 1): tokenize again into a new --out with "
+                f"--seq-len {seq_len}, which gives training and validation a window each or says what is missing"
             )
     return train, val
 

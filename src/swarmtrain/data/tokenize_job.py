@@ -11,25 +11,30 @@ Validation documents are those whose content hash falls below `val_fraction` (un
 split holds `val_tokens` tokens): a property of the document, so a document is in exactly one split,
 duplicates land together, and the choice does not depend on the order or on where a run was resumed.
 
-A corpus too small for `val_fraction` (no hash below it: 30 documents at 0.01 miss 74% of the time)
-still gets a validation split: until a document goes to validation, the one with the smallest hash so
-far (with its identical copies) is held back from training; if the corpus ends with none in
-validation, that document is it (TokenizeSummary.val_fallback), otherwise it is written to training
-when the first validation document comes. The result is still a property of the corpus, not of the
-order or of a resume. A corpus of one document (or of copies of one text) cannot be split: a DataError,
-for one document before anything is written. `val_fraction` 0 or `val_tokens` 0 ask for no validation
-split, and get none.
+The validation split must hold at least one window of the run's `seq_len` + 1 tokens, or training
+refuses it ("not one sample"). `seq_len` is the run's, given (`--seq-len`) or, by default, the longest
+of the presets that use this tokenizer (64 for swarmtrain:llama-tiny; `DEFAULT_SEQ_LEN` for a
+tokenizer no preset names). A corpus too small for `val_fraction` to give that (no hash below it: 30
+documents at 0.01 miss 74% of the time; or a few short documents below it) still gets it: while
+validation holds less than one window, the documents with the smallest hashes so far (identical copies
+together), as few as hold a window between them, are held back from training (`_HeldBack`); if the
+corpus ends with validation short of a window, the smallest of them complete it
+(TokenizeSummary.val_fallback), otherwise they are written to training once validation holds a window.
+The result is still a property of the corpus, not of the order or of a resume. A corpus that cannot
+give both splits a window (one document, copies of one text, too few tokens) is a DataError, for one
+document before anything is written; so are shards or a `val_tokens` cap smaller than a window.
+`val_fraction` 0 or `val_tokens` 0 ask for no validation split, and get none.
 
 Resume: every `checkpoint_every_s` (at a chunk boundary, so both streams end on a document) the
 writers are fsynced and manifest.json records how many source documents are done, how many tokens
-each split holds and which document is held back (its index, hash and copies). A rerun of the same
-command skips those documents (reading the held-back one again on the way), cuts the partial shards
+each split holds and which documents are held back (index, hash and copies of each). A rerun of the same
+command skips those documents (reading the held-back ones again on the way), cuts the partial shards
 back to the recorded lengths and continues; the shards are byte-identical to an uninterrupted run's.
 """
 
 from __future__ import annotations
 
-import collections
+import bisect
 import hashlib
 import itertools
 import os
@@ -44,6 +49,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from swarmtrain.config.presets import PRESETS
 from swarmtrain.data.corpus import DataError
 from swarmtrain.data.shards import (
     DEFAULT_SHARD_TOKENS,
@@ -62,6 +68,9 @@ DEFAULT_VAL_TOKENS = 2**23  # 8M tokens: thousands of validation windows, a negl
 CHUNK_CHARS = 2**20  # text per encode_batch call: ~0.1-0.3 s of work, ~30 MB of Encoding objects at most
 _QUEUE_CHUNKS = 4  # chunks read ahead of the encoder
 CHECKPOINT_EVERY_S = 10.0
+# the run's sequence length when neither --seq-len nor a preset using the tokenizer says: gpt2-small's
+# and llama-125m's, so validation holds at least 1,025 tokens (a negligible share of a real corpus)
+DEFAULT_SEQ_LEN = 1024
 # settings a resumed run must share with the run that started the directory
 _SETTING_KEYS = (
     "sources",
@@ -70,6 +79,7 @@ _SETTING_KEYS = (
     "shard_tokens",
     "val_fraction",
     "val_tokens",
+    "seq_len",
     "max_bytes",
 )
 
@@ -88,8 +98,9 @@ class TokenizeSummary:
     seconds: float  # this run
     resumed_documents: int = 0  # documents a resumed run found already done
     already_complete: bool = False
-    # no hash fell below val_fraction: validation is the document with the smallest hash (and its copies)
+    # val_fraction held out less than a window: the documents with the smallest hashes completed it
     val_fallback: bool = False
+    seq_len: int = DEFAULT_SEQ_LEN  # validation and training hold at least one window of seq_len + 1
 
     @property
     def tokens_per_s(self) -> float:
@@ -116,21 +127,135 @@ def document_hash(doc: str) -> int:
     return int.from_bytes(digest, "little")
 
 
+def default_seq_len(tokenizer: str) -> int:
+    """The sequence length a run on this tokenizer's shards uses, as far as tokenize can tell: the longest
+    of the presets whose data.tokenizer it is, else DEFAULT_SEQ_LEN."""
+    lengths = [p().model.seq_len for p in PRESETS.values() if p().data.tokenizer == tokenizer]
+    return max(lengths, default=DEFAULT_SEQ_LEN)
+
+
+def _check_window(seq_len: int, shard_tokens: int, val_tokens: int, hold_out: bool) -> None:
+    """DataError, naming the flag, for settings under which no shard of a split could hold a window."""
+    window = seq_len + 1
+    if shard_tokens < window:
+        raise DataError(
+            f"--shard-tokens {shard_tokens:,} is less than one window of {window} tokens (--seq-len {seq_len} "
+            f"+ 1): no shard would hold a sample; use --shard-tokens >= {window}"
+        )
+    if hold_out and val_tokens < window:
+        raise DataError(
+            f"--val-tokens {val_tokens:,} is less than one window of {window} tokens (--seq-len {seq_len} + 1): "
+            f"validation would hold no sample; use --val-tokens >= {window}, or 0 for no validation split"
+        )
+
+
 @dataclass
 class _Reserve:
-    """The document held back from training while no document is in validation: the smallest hash so
-    far, its ids (with EOS), the source index of its first copy and how many identical copies were read."""
+    """A document held back from training while validation holds less than one window: its hash, its
+    ids (with EOS), the source index of its first copy and how many identical copies were read."""
 
     index: int
     hash: int
     ids: np.ndarray
     copies: int = 1
 
+    @property
+    def tokens(self) -> int:
+        return len(self.ids) * self.copies
+
     def record(self) -> dict:
         return {"document": self.index, "hash": f"{self.hash:016x}", "copies": self.copies}
 
     def parts(self) -> list[np.ndarray]:
         return [self.ids] * self.copies
+
+
+class _HeldBack:
+    """The documents with the smallest hashes read so far, as few as hold `window` tokens between them
+    (all of them while they hold less), in hash order. A document pushed out never belongs again: those
+    with smaller hashes hold a window already, and only gain copies and company. So which documents are
+    held is a property of the documents read, not of their order."""
+
+    def __init__(self, window: int, entries: Sequence[_Reserve] = ()) -> None:
+        self.window = window
+        self.entries = sorted(entries, key=lambda e: e.hash)
+
+    def offer(self, index: int, digest64: int, ids: np.ndarray) -> list[np.ndarray]:
+        """Hold this document if it is among the smallest; returns what is held no longer (training's)."""
+        for entry in self.entries:
+            if entry.hash == digest64 and np.array_equal(entry.ids, ids):
+                entry.copies += 1  # duplicates land together
+                return []
+        bisect.insort(self.entries, _Reserve(index, digest64, ids), key=lambda e: e.hash)
+        released: list[np.ndarray] = []
+        while len(self.entries) > 1 and sum(e.tokens for e in self.entries[:-1]) >= self.window:
+            released += self.entries.pop().parts()
+        return released
+
+    def release(self) -> list[np.ndarray]:
+        """Everything held, for training."""
+        parts = [part for entry in self.entries for part in entry.parts()]
+        self.entries = []
+        return parts
+
+
+class _Split:
+    """Which split each document goes to (see the module docstring), and what validation holds."""
+
+    def __init__(self, hold_out: bool, val_fraction: float, val_tokens: int, window: int, done: dict) -> None:
+        self.hold_out, self.window = hold_out, window
+        self.threshold, self.max_val_tokens = val_fraction * 2**64, val_tokens
+        self.val_tokens, self.val_documents = done["val_tokens"], done["val_documents"]
+        self.fallback = bool(done.get("val_fallback"))
+        self.held = _HeldBack(window)
+        self.one_text = False  # every document was the same text (set by `finish`)
+
+    def chunk(self, first: int, arrays: Sequence[np.ndarray], hashes: Sequence[int]) -> tuple[list, list]:
+        """(training's, validation's) token arrays of a chunk whose first document is number `first`."""
+        train: list[np.ndarray] = []
+        val: list[np.ndarray] = []
+        for offset, (ids, digest64) in enumerate(zip(arrays, hashes, strict=True)):
+            if self.hold_out and digest64 < self.threshold and self.val_tokens < self.max_val_tokens:
+                val.append(ids)
+                self.val_tokens += len(ids)
+                self.val_documents += 1
+                if self.val_tokens >= self.window:  # validation holds a window: the held ones are training's
+                    train += self.held.release()
+            elif not self.hold_out or self.val_tokens >= self.window:
+                train.append(ids)
+            else:
+                train += self.held.offer(first + offset, digest64, ids)
+        return train, val
+
+    def finish(self, documents: int) -> tuple[list, list]:
+        """At the corpus' end, (training's, validation's) share of what is held: the smallest hashes
+        complete validation to a window."""
+        entries = self.held.entries
+        self.one_text = len(entries) == 1 and entries[0].copies == documents
+        val: list[np.ndarray] = []
+        while entries and self.val_tokens < self.window:
+            entry = entries.pop(0)
+            val += entry.parts()
+            self.val_tokens += entry.tokens
+            self.val_documents += entry.copies
+            self.fallback = True
+        return self.held.release(), val
+
+    def check(self, train_tokens: int, documents: int, sources: Sequence[str], out: Path) -> None:
+        """DataError unless both splits hold a window (when validation is asked for)."""
+        if not self.hold_out or min(train_tokens, self.val_tokens) >= self.window:
+            return
+        where, incomplete = ", ".join(sources), f"(and delete {out}, which holds this incomplete run)"
+        if self.one_text:
+            raise DataError(
+                f"all {documents:,} documents of {where} are the same text, which cannot be split into "
+                f"training and validation: give tokenize different documents {incomplete}"
+            )
+        raise DataError(
+            f"{where} holds {train_tokens + self.val_tokens:,} tokens, too few for a window of {self.window} "
+            f"tokens (--seq-len {self.window - 1} + 1) in both training and validation: give tokenize more "
+            f"text, or pass --seq-len with the run's model.seq_len if it is shorter {incomplete}"
+        )
 
 
 def tokenize(
@@ -142,6 +267,7 @@ def tokenize(
     shard_tokens: int = DEFAULT_SHARD_TOKENS,
     val_fraction: float = DEFAULT_VAL_FRACTION,
     val_tokens: int = DEFAULT_VAL_TOKENS,
+    seq_len: int | None = None,
     max_bytes: int | None = None,
     workers: int | None = None,
     progress: bool = True,
@@ -153,9 +279,13 @@ def tokenize(
     of `shard_tokens` tokens in `out_dir`, resuming a run that was interrupted there. `workers` caps the
     tokenizer's threads (only before this process first encodes a batch). `on_chunk(n)` is called after
     the n-th chunk is written (tests use it to interrupt a run at a known point). With val_fraction and
-    val_tokens above 0 the validation split is never empty (see the module docstring)."""
+    val_tokens above 0 both splits hold at least one window of `seq_len` + 1 tokens (None: the
+    tokenizer's `default_seq_len`), or this raises DataError (see the module docstring)."""
     if shard_tokens <= 0 or val_tokens < 0 or not 0 <= val_fraction < 1 or chunk_chars <= 0:
         raise DataError("need shard_tokens > 0, val_tokens >= 0, 0 <= val_fraction < 1")
+    seq_len = default_seq_len(tokenizer) if seq_len is None else seq_len
+    hold_out = val_fraction > 0 and val_tokens > 0  # a validation split is asked for
+    _check_window(seq_len, shard_tokens, val_tokens, hold_out)
     if workers:
         # rayon reads this when it builds its thread pool, at this process's first parallel encode
         os.environ["RAYON_NUM_THREADS"] = str(workers)
@@ -170,6 +300,7 @@ def tokenize(
         "shard_tokens": shard_tokens,
         "val_fraction": val_fraction,
         "val_tokens": val_tokens,
+        "seq_len": seq_len,
         "max_bytes": max_bytes,
     }
     identity = {
@@ -184,27 +315,14 @@ def tokenize(
     if manifest.get("complete"):
         return _summary(manifest, out, digest, done["documents"], 0, 0.0, already_complete=True)
 
-    hold_out = val_fraction > 0 and val_tokens > 0  # a validation split is asked for
     dtype = token_dtype(vocab)
     docs = iter_documents(sources, text_field, max_bytes)
-    reserve: _Reserve | None = None
+    split = _Split(hold_out, val_fraction, val_tokens, seq_len + 1, done)
     if done["documents"] == 0:
-        # read the first documents before writing anything, so a wrong --text-field, an empty source or
-        # a corpus that cannot be split fails without leaving a directory behind
-        first = list(itertools.islice(docs, 2))
-        if not first:
-            raise DataError(f"no text in {', '.join(sources)}")
-        if len(first) == 1 and hold_out:
-            raise DataError(
-                f"{', '.join(sources)} holds a single document, which cannot be split into training and "
-                f"validation: give tokenize at least 2 documents (e.g. 2 or more files; a text file is one "
-                f"document up to {TEXT_BLOCK_BYTES // 2**20} MiB)"
-            )
-        docs = itertools.chain(first, docs)
-    elif done.get("reserve"):
-        reserve = _recover_reserve(docs, done["documents"], done["reserve"], tok, eos, dtype)
+        docs = _first_documents(docs, sources, hold_out)
     else:
-        docs = itertools.islice(docs, done["documents"], None)
+        docs, held = _skip_done(docs, done["documents"], done.get("reserve") or [], tok, eos, dtype)
+        split.held = _HeldBack(seq_len + 1, held)
     out.mkdir(parents=True, exist_ok=True)
     write_manifest(out, manifest)
 
@@ -217,10 +335,7 @@ def tokenize(
     train = ShardWriter(out, "train", tokens_written=done["train_tokens"], **common)
     val = ShardWriter(out, "val", tokens_written=done["val_tokens"], **common)
     reader = _ChunkReader(docs, chunk_chars, hold_out)
-    resumed = done["documents"]
-    documents, val_documents = done["documents"], done["val_documents"]
-    val_fallback = bool(done.get("val_fallback"))
-    threshold = val_fraction * 2**64
+    resumed = documents = done["documents"]
     new_tokens = 0
     bar = tqdm(
         desc="tokenize",
@@ -237,44 +352,28 @@ def tokenize(
         val.sync()
         done.update(
             documents=documents,
-            val_documents=val_documents,
+            val_documents=split.val_documents,
             train_tokens=train.tokens_written,
             val_tokens=val.tokens_written,
-            reserve=reserve.record() if reserve is not None else None,
-            val_fallback=val_fallback,
+            reserve=[entry.record() for entry in split.held.entries],
+            val_fallback=split.fallback,
         )
         manifest["shards"] = train.shards() + val.shards()
         manifest["complete"] = complete
         write_manifest(out, manifest)
 
+    def write(train_parts: list[np.ndarray], val_parts: list[np.ndarray]) -> None:
+        if train_parts:
+            train.write(np.concatenate(train_parts))
+        if val_parts:
+            val.write(np.concatenate(val_parts))
+
     reader.start()
     try:
         for chunk_index, (texts, hashes) in enumerate(reader, 1):
             arrays = encode_batch(tok, texts, eos, dtype)
-            train_parts, val_parts, val_pending = [], [], 0
-            for offset, (ids, digest64) in enumerate(zip(arrays, hashes, strict=True)):
-                if hold_out and digest64 < threshold and val.tokens_written + val_pending < val_tokens:
-                    val_parts.append(ids)
-                    val_pending += len(ids)
-                    if reserve is not None:  # validation has a document: the held-back one is training's
-                        train_parts += reserve.parts()
-                        reserve = None
-                elif not hold_out or val_documents or val_parts:
-                    train_parts.append(ids)
-                elif reserve is None or digest64 < reserve.hash:
-                    if reserve is not None:
-                        train_parts += reserve.parts()
-                    reserve = _Reserve(documents + offset, digest64, ids)
-                elif digest64 == reserve.hash and np.array_equal(ids, reserve.ids):
-                    reserve.copies += 1  # duplicates land together
-                else:
-                    train_parts.append(ids)
-            if train_parts:
-                train.write(np.concatenate(train_parts))
-            if val_parts:
-                val.write(np.concatenate(val_parts))
+            write(*split.chunk(documents, arrays, hashes))
             documents += len(texts)
-            val_documents += len(val_parts)
             new_tokens += sum(len(a) for a in arrays)
             bar.update(len(texts))
             bar.set_postfix_str(
@@ -285,16 +384,8 @@ def tokenize(
             if time.monotonic() - last_checkpoint >= checkpoint_every_s:
                 checkpoint()
                 last_checkpoint = time.monotonic()
-        if reserve is not None:  # no hash fell below val_fraction: the smallest one is validation
-            if reserve.copies == documents:
-                raise DataError(
-                    f"all {documents:,} documents of {', '.join(sources)} are the same text, which cannot be "
-                    f"split into training and validation: give tokenize different documents (and delete "
-                    f"{out}, which holds this incomplete run)"
-                )
-            val.write(np.concatenate(reserve.parts()))
-            val_documents += reserve.copies
-            reserve, val_fallback = None, True
+        write(*split.finish(documents))
+        split.check(train.tokens_written, documents, sources, out)
         train.finish()
         val.finish()
         checkpoint(complete=True)
@@ -306,20 +397,43 @@ def tokenize(
     return _summary(manifest, out, digest, resumed, new_tokens, time.monotonic() - started)
 
 
-def _recover_reserve(
-    docs: Iterator[str], done: int, record: dict, tok: Any, eos: int, dtype: np.dtype
-) -> _Reserve:
-    """Skip the `done` documents of `docs` (consuming them), keeping the held-back one `record` names."""
-    index, expected = record["document"], int(record["hash"], 16)
-    prefix = itertools.islice(docs, done)
-    text = next(itertools.islice(prefix, index, None), None)
-    collections.deque(prefix, maxlen=0)
-    if text is None or document_hash(text) != expected:
+def _first_documents(docs: Iterator[str], sources: Sequence[str], hold_out: bool) -> Iterator[str]:
+    """`docs`, after reading the first ones before anything is written, so that a wrong --text-field,
+    an empty source or a corpus of one document fails without leaving a directory behind."""
+    first = list(itertools.islice(docs, 2))
+    if not first:
+        raise DataError(f"no text in {', '.join(sources)}")
+    if len(first) == 1 and hold_out:
         raise DataError(
-            f"document {index} of the sources is not the one the interrupted run held back for validation: "
-            f"the sources changed since; use another --out, or delete it to start over"
+            f"{', '.join(sources)} holds a single document, which cannot be split into training and "
+            f"validation: give tokenize at least 2 documents (e.g. 2 or more files; a text file is one "
+            f"document up to {TEXT_BLOCK_BYTES // 2**20} MiB)"
         )
-    return _Reserve(index, expected, encode_batch(tok, [text], eos, dtype)[0], record["copies"])
+    return itertools.chain(first, docs)
+
+
+def _skip_done(
+    docs: Iterator[str], done: int, records: list[dict], tok: Any, eos: int, dtype: np.dtype
+) -> tuple[Iterator[str], list[_Reserve]]:
+    """`docs` after the `done` documents an interrupted run finished (consumed here), and the documents
+    it held back, which `records` name, read again on the way."""
+    wanted = {record["document"]: record for record in records}
+    held = []
+    for index, text in enumerate(itertools.islice(docs, done)):
+        record = wanted.pop(index, None)
+        if record is None:
+            continue
+        if document_hash(text) != int(record["hash"], 16):
+            wanted[index] = record  # reported below
+            break
+        ids = encode_batch(tok, [text], eos, dtype)[0]
+        held.append(_Reserve(index, int(record["hash"], 16), ids, record["copies"]))
+    if wanted:
+        raise DataError(
+            f"document {min(wanted)} of the sources is not the one the interrupted run held back for "
+            f"validation: the sources changed since; use another --out, or delete it to start over"
+        )
+    return docs, held
 
 
 def _start_or_resume(out: Path, settings: dict, identity: dict) -> dict:
@@ -380,6 +494,7 @@ def _summary(
         resumed_documents=resumed,
         already_complete=already_complete,
         val_fallback=bool(done.get("val_fallback")),
+        seq_len=manifest["settings"]["seq_len"],
     )
 
 
