@@ -103,3 +103,51 @@ def test_size_math_matches_a_hand_count_and_gpt3_xl():
     middle = xl.stages()[3]
     assert sizes.params_per_stage(xl.model, middle) == 3 * sizes.params_per_layer(xl.model)
     assert 1.2e9 < sizes.total_params(xl.model) < 1.5e9
+
+
+def _variants(cfg):
+    """Configs around `cfg`, each changing one thing the digest does or does not take."""
+    swarm, model = cfg.swarm, cfg.model
+    return {
+        "base": cfg,
+        "4bit": cfg.replace(swarm=dataclasses.replace(swarm, compression="4bit")),
+        "2bit-rht": cfg.replace(swarm=dataclasses.replace(swarm, compression="2bit-rht")),
+        "none": cfg.replace(swarm=dataclasses.replace(swarm, compression="none")),  # same digest as 8bit
+        "float16": cfg.replace(swarm=dataclasses.replace(swarm, compression="float16")),
+        "d_model": cfg.replace(model=dataclasses.replace(model, d_model=model.d_model * 2)),
+        "seed": _with_training(cfg, seed=cfg.training.seed + 1),
+        "eval": _with_training(cfg, eval_samples=cfg.training.eval_samples + 1),  # same digest
+        "local_steps": cfg.replace(swarm=dataclasses.replace(swarm, local_steps=2)),
+        "llama": get_preset("llama-tiny"),
+    }
+
+
+def test_the_settings_summary_names_exactly_what_makes_two_digests_differ(tiny_cfg):
+    from swarmtrain.config.run import differing_settings
+
+    variants = _variants(tiny_cfg)
+    for a_name, a in variants.items():
+        for b_name, b in variants.items():
+            differ = differing_settings(a.settings_summary(), b.settings_summary())
+            assert bool(differ) == (a.digest() != b.digest()), (a_name, b_name, differ)
+    base, four = variants["base"].settings_summary(), variants["4bit"].settings_summary()
+    assert differing_settings(four, base) == [("swarm.compression", '"4bit"', '"8bit"')]
+    assert differing_settings(base, variants["d_model"].settings_summary()) == [
+        ("model.d_model", "64", "128")
+    ]
+    local = differing_settings(base, variants["local_steps"].settings_summary())
+    assert ("swarm.local_steps", "default", "2") in local  # a setting the digest takes only when set
+    summary = variants["llama"].settings_summary()
+    assert summary["model.arch"] == '"llama"' and summary["swarm.compression"] == '"8bit"'
+    assert all(len(v) <= 64 for v in summary.values())
+
+
+def test_a_long_setting_is_summarized_by_a_prefix_and_a_hash(tiny_cfg):
+    many = tiny_cfg.replace(
+        model=dataclasses.replace(tiny_cfg.model, num_layers=40),
+        swarm=dataclasses.replace(tiny_cfg.swarm, num_stages=20),
+    )
+    other = many.replace(swarm=dataclasses.replace(many.swarm, layers_per_stage=(1,) * 19 + (21,)))
+    stages = many.settings_summary()["swarm.stages"]
+    assert len(stages) <= 64 and "...#" in stages
+    assert other.settings_summary()["swarm.stages"] != stages  # another cut, another summary

@@ -1,11 +1,13 @@
-"""A trainer's peer table: digest filtering, bans until re-announcement, departure of expired peers."""
+"""A trainer's peer table: digest filtering, bans until re-announcement, departure of expired peers,
+and a stage of foreign digests only: an error naming the settings after a grace."""
 
+import dataclasses
 import time
 
 import pytest
 
 from swarmtrain.net.dht_records import LAPSE_GRACE_S, StageAnnouncement
-from swarmtrain.runtime.trainer.peer_table import PeerTable
+from swarmtrain.runtime.trainer.peer_table import MISMATCH_GRACE_S, PeerTable, RunMismatch
 
 pytestmark = pytest.mark.unit
 
@@ -152,3 +154,59 @@ def test_the_busy_fraction_travels_in_the_announcement_and_a_bad_or_older_value_
     for bad in (float("nan"), float("inf"), -0.1, 1.5, True, "0.5", None):
         value = {**ann.to_value(), "utilization": bad}
         assert StageAnnouncement.from_value(value).utilization == 0.0, bad
+
+
+def _settings(compression="8bit"):
+    from swarmtrain.config import get_preset
+
+    cfg = get_preset("tiny")
+    return cfg.replace(swarm=dataclasses.replace(cfg.swarm, compression=compression)).settings_summary()
+
+
+def _foreign(stage, state="online", settings=None):
+    return dataclasses.replace(_ann(stage, digest="theirs", state=state), settings=settings or {})
+
+
+def test_a_stage_of_foreign_peers_only_is_a_mismatch_after_the_grace_naming_the_settings():
+    table = PeerTable(records=None, num_stages=2, digest="ours", settings=_settings("4bit"))
+    t0 = time.monotonic()
+    eight = _settings("8bit")
+    table.apply(
+        [{"a": _foreign(0, settings=eight), "b": _foreign(0, settings=eight)}, {"z": _ann(1, "ours")}], t0
+    )
+    assert table.mismatch(t0 + MISMATCH_GRACE_S - 1) is None  # not yet: a swarm may be restarting
+    table.apply(
+        [{"a": _foreign(0, settings=eight), "b": _foreign(0, settings=eight)}, {"z": _ann(1, "ours")}], t0 + 5
+    )
+    error = table.mismatch(t0 + MISMATCH_GRACE_S)
+    assert error is not None and "\n" not in error and error.startswith("stage 0 has had only servers")
+    assert "(2 with config digest theirs, this run ours)" in error
+    assert "swarm.compression: this run 4bit, the servers 8bit" in error and "--compression" in error
+    with pytest.raises(RunMismatch):  # a user's error: one line and exit 2 at the CLI
+        raise RunMismatch(error)
+
+
+def test_no_mismatch_while_a_peer_of_ours_serves_joins_or_no_peer_is_there():
+    table = PeerTable(records=None, num_stages=1, digest="ours", settings=_settings())
+    t0 = time.monotonic()
+    table.apply([{}], t0)  # nobody yet: servers may still be starting
+    table.apply([{"f": _foreign(0, state="offline")}], t0 + 1)  # a foreign one leaving does not count
+    assert table.mismatch(t0 + 10 * MISMATCH_GRACE_S) is None
+    table.apply([{"f": _foreign(0), "j": _ann(0, "ours", state="joining")}], t0 + 2)  # ours is coming
+    assert table.mismatch(t0 + 10 * MISMATCH_GRACE_S) is None
+    table.apply([{"f": _foreign(0)}], t0 + 3)  # the clock starts now
+    assert table.mismatch(t0 + 3 + MISMATCH_GRACE_S - 0.1) is None
+    table.apply([{"f": _foreign(0), "o": _ann(0, "ours")}], t0 + 4)  # one of ours serves: reset
+    table.apply([{"f": _foreign(0)}], t0 + 4 + LAPSE_GRACE_S + 1)  # its record lapsed: the clock again
+    assert table.mismatch(t0 + 4 + LAPSE_GRACE_S + 1 + MISMATCH_GRACE_S - 0.1) is None
+    error = table.mismatch(t0 + 4 + LAPSE_GRACE_S + 1 + MISMATCH_GRACE_S)
+    assert error is not None and "announce their settings" in error  # an older server: no settings
+
+
+def test_an_announcement_carries_its_settings_and_malformed_ones_read_as_none():
+    ann = dataclasses.replace(_ann(0), settings=_settings())
+    assert StageAnnouncement.from_value(ann.to_value()).settings == ann.settings
+    older = {k: v for k, v in ann.to_value().items() if k != "settings"}
+    assert StageAnnouncement.from_value(older).settings == {}
+    for bad in ("x", ["a"], {"a": 1}, {1: "a"}, {"a": "x" * 1000}, {f"k{i}": "v" for i in range(1000)}):
+        assert StageAnnouncement.from_value({**ann.to_value(), "settings": bad}).settings == {}

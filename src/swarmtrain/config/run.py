@@ -232,6 +232,23 @@ class RunConfig:
         down to 8 bits (every message names its own, and they train alike); a codec below 8 bits is in
         it, since what a stage receives then differs enough to change the run's result.
         """
+        text = json.dumps(self._digest_payload(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def settings_summary(self) -> dict[str, str]:
+        """What `digest` is made of, flat ({"model.d_model": "64", ...}, each value compact JSON, a long
+        one shortened to a prefix and a hash of the rest), plus `swarm.compression` even where the digest
+        leaves it out. Announced beside the digest (net/dht_records.py), so that a peer whose digest
+        differs can say which settings do (`differing_settings`), not only that something does."""
+        flat = {
+            f"{section}.{name}": _short_json(value)
+            for section, values in self._digest_payload().items()
+            for name, value in values.items()
+        }
+        flat["swarm.compression"] = _short_json(self.swarm.compression)
+        return flat
+
+    def _digest_payload(self) -> dict[str, dict]:
         training = dataclasses.asdict(self.training)
         for local_only in ("eval_every_samples", "eval_samples"):
             training.pop(local_only)
@@ -248,8 +265,32 @@ class RunConfig:
         if diloco != _outer_step_settings(DilocoConfig()) or self.swarm.local_steps != 1:
             # only runs that change the outer step get a new digest (older digests stay valid)
             payload["diloco"] = diloco
-        text = json.dumps(payload, sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
+        return payload
+
+
+_SHORT_JSON_CHARS = 64  # a summary's value is at most this long (a stage cut of many stages is not)
+
+
+def _short_json(value: object) -> str:
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"))
+    if len(text) <= _SHORT_JSON_CHARS:
+        return text
+    return f"{text[:40]}...#{hashlib.sha256(text.encode()).hexdigest()[:12]}"
+
+
+def differing_settings(ours: dict[str, str], theirs: dict[str, str]) -> list[tuple[str, str, str]]:
+    """(setting, our value, their value) of the settings two `settings_summary` dicts disagree on, in
+    which their digests differ; a value missing from one is "default" (a setting the digest takes only
+    when it is not). The codec counts only where one side is below 8 bits, as in the digest."""
+    out = []
+    for name in sorted(set(ours) | set(theirs)):
+        mine, other = ours.get(name, "default"), theirs.get(name, "default")
+        if mine == other:
+            continue
+        if name == "swarm.compression" and not {mine, other} & {json.dumps(c) for c in LOWBIT_COMPRESSION}:
+            continue  # 8 bits or more: every message names its own codec, and they train alike
+        out.append((name, mine, other))
+    return out
 
 
 def _model_settings(model: ModelConfig) -> dict:

@@ -2,7 +2,8 @@
 
 Keys (docs/DESIGN.md section 4), one subkey per peer (its base58 peer id), every subkey with its own
 expiration so that dead peers disappear by themselves:
-- `{run}.stage{i}`          -> StageAnnouncement (addresses, throughput, queue, digest, state version)
+- `{run}.stage{i}`          -> StageAnnouncement (addresses, throughput, queue, digest and what it is
+                               made of, state version)
 - `{run}.stage{i}.progress` -> {epoch, samples, ready, params_digest, time}: drives intra-stage steps
 - `{run}.metrics`           -> {role, stage, step, loss, samples_per_s, time, ...}
 - `{run}.replicas`          -> {digest, outer_step, inner_step, samples_per_s, fp, time}: whole-model
@@ -88,6 +89,9 @@ class StageAnnouncement:
     swarm_samples_per_s: float = 0.0
     # the busy fraction of the resource that limits it (runtime/server/step_rate.Utilization); 0: not known
     utilization: float = 0.0
+    # what its config digest is made of (RunConfig.settings_summary): a reader whose digest differs can
+    # name the settings that do. {}: not announced (an older server)
+    settings: dict[str, str] = field(default_factory=dict)
 
     def to_value(self) -> dict:
         return asdict(self)
@@ -109,6 +113,7 @@ class StageAnnouncement:
                 limit=_limit(value.get("limit")),
                 swarm_samples_per_s=_rate(value.get("swarm_samples_per_s", 0.0)),
                 utilization=_fraction(value.get("utilization", 0.0)),
+                settings=_settings(value.get("settings")),
             )
         except (KeyError, TypeError, ValueError):
             return None
@@ -137,6 +142,21 @@ def _fraction(value) -> float:
     """A fraction from a record, 0 to 1; anything else reads as 0 (not known)."""
     rate = _rate(value)
     return rate if rate <= 1 else 0.0
+
+
+MAX_SETTINGS = 128  # a settings summary holds ~40; more, or a key or value longer than below, is none
+MAX_SETTING_CHARS = 128
+
+
+def _settings(value) -> dict[str, str]:
+    """A settings summary from a record (str -> str, bounded); anything else reads as none ({})."""
+    if not isinstance(value, dict) or len(value) > MAX_SETTINGS:
+        return {}
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        return {}
+    if any(len(k) > MAX_SETTING_CHARS or len(v) > MAX_SETTING_CHARS for k, v in value.items()):
+        return {}
+    return dict(value)
 
 
 def _port(value) -> int:

@@ -544,7 +544,7 @@ class StageService:
             self.link_capacity.update(self.admission.samples_done, totals)
             busy_s.update({UPLINK: totals[UP].busy_s, DOWNLINK: totals[DOWN].busy_s})
         self.utilization.update(time.monotonic(), busy_s)
-        announcement = announcement_of(self.snapshot(work_s), state)
+        announcement = announcement_of(self.snapshot(work_s), state, self.cfg.settings_summary())
         # an offline record too: the DHT replaces a record only by one that expires later, so a short-lived
         # offline record was refused and trainers kept routing to a stopped server until it expired
         self.node.records.announce(self.peer_id, announcement, self.announce_ttl_s)
@@ -555,7 +555,7 @@ class StageService:
         return ANNOUNCE_TTL_PERIODS * self.cfg.swarm.announce_period_s
 
     def announcement(self, state: str | None = None) -> StageAnnouncement:
-        return announcement_of(self.snapshot(), state)
+        return announcement_of(self.snapshot(), state, self.cfg.settings_summary())
 
     def metrics(self) -> ServerMetrics:
         return metrics_of(self.snapshot())

@@ -82,8 +82,11 @@ def info_header(snap: StageSnapshot, names: list[str]) -> dict:
     }
 
 
-def announcement_of(snap: StageSnapshot, state: str | None = None) -> StageAnnouncement:
-    """The DHT record trainers route by; `state` (default: from the snapshot) online, joining or offline."""
+def announcement_of(
+    snap: StageSnapshot, state: str | None = None, settings: dict[str, str] | None = None
+) -> StageAnnouncement:
+    """The DHT record trainers route by; `state` (default: from the snapshot) online, joining or offline;
+    `settings`: what the digest is made of (RunConfig.settings_summary)."""
     state = state or ("offline" if snap.draining else "online" if snap.serving else "joining")
     return StageAnnouncement(
         stage=snap.stage,
@@ -98,6 +101,7 @@ def announcement_of(snap: StageSnapshot, state: str | None = None) -> StageAnnou
         limit=snap.limit,
         swarm_samples_per_s=snap.swarm_samples_per_s,
         utilization=snap.utilization,
+        settings=dict(settings or {}),
     )
 
 

@@ -6,12 +6,19 @@ Bans follow docs/DESIGN.md section 5: a peer that failed with a connection error
 record expires (it disappears) or it re-announces after the ban; the trainer also lifts a ban when the
 peer answers a ping again (`StageCaller.recheck_banned`: its announcement may not reach us while the
 DHT's own nodes are cut off or frozen).
+
+A stage whose announced peers all run another config digest is a mismatch, not a wait: once it has
+been so for a grace (`mismatch`), the trainer stops with a one-line error naming the settings that
+differ, from what the servers announce their digest is made of (RunConfig.settings_summary).
 """
 
 from __future__ import annotations
 
+import collections
 import time
 
+from swarmtrain.config.errors import UserError
+from swarmtrain.config.run import differing_settings
 from swarmtrain.net.dht_records import RunRecords, StageAnnouncement, StageView
 from swarmtrain.net.reachability import ip_and_tcp_port
 from swarmtrain.planner.routing import StageRouter, can_hand_off
@@ -20,18 +27,33 @@ from swarmtrain.utils.logging import get_logger
 logger = get_logger(__name__)
 
 MAX_BAN_S = 60.0
+# how long a stage may show peers of other digests only before the trainer stops: long enough for a
+# swarm restarted with a new config to replace its old records (they expire within 3 announce periods,
+# 6 s by default) and for its servers to announce themselves as joining, short enough that a mistake
+# is an error within half a minute of starting, not a wait for ever
+MISMATCH_GRACE_S = 20.0
+
+
+class RunMismatch(UserError):
+    """Every peer of a stage runs other settings than ours: no trainer of this config can use it."""
 
 
 class PeerTable:
-    def __init__(self, records: RunRecords, num_stages: int, digest: str) -> None:
+    def __init__(
+        self, records: RunRecords, num_stages: int, digest: str, settings: dict[str, str] | None = None
+    ) -> None:
         self.records = records
         self.num_stages = num_stages
         self.digest = digest
+        self.settings = settings or {}  # what our digest is made of (RunConfig.settings_summary)
         self.routers = [StageRouter() for _ in range(num_stages)]
         self.announcements: list[dict[str, StageAnnouncement]] = [{} for _ in range(num_stages)]
         self.views = [StageView() for _ in range(num_stages)]
         self._banned_at: dict[str, float] = {}  # peer -> wall time of the ban
         self._warned_foreign: set[str] = set()
+        # per stage: since when (monotonic) it shows peers of other digests and none of ours
+        self._unmatched_since: list[float | None] = [None] * num_stages
+        self._foreign: list[dict[str, StageAnnouncement]] = [{} for _ in range(num_stages)]
 
     def fetch(self) -> list[dict[str, StageAnnouncement]]:
         """Blocking DHT read of every stage's announcements (run in an executor)."""
@@ -58,6 +80,7 @@ class PeerTable:
                     continue
                 ours[peer] = ann
             live = self.views[stage].update(ours, now_s)
+            self._watch_mismatch(stage, live, found, now_s)
             router = self.routers[stage]
             for peer in router.peers:
                 if peer not in live:
@@ -76,6 +99,45 @@ class PeerTable:
                     del self._banned_at[peer]
             self.announcements[stage] = live
         return new_peers
+
+    def _watch_mismatch(
+        self, stage: int, live: dict, found: dict[str, StageAnnouncement], now_s: float
+    ) -> None:
+        foreign = {p: a for p, a in found.items() if a.config_digest != self.digest and a.state != "offline"}
+        self._foreign[stage] = foreign
+        # a peer of ours still joining (downloading the stage's state) is coming: no mismatch
+        joining = any(a.config_digest == self.digest and a.state != "offline" for a in found.values())
+        if live or joining or not foreign:
+            self._unmatched_since[stage] = None
+        elif self._unmatched_since[stage] is None:
+            self._unmatched_since[stage] = now_s
+
+    def mismatch(self, now_s: float, grace_s: float = MISMATCH_GRACE_S) -> str | None:
+        """The one-line error when a stage has shown peers of other digests only for `grace_s`; None
+        while every stage has a peer of ours, or none at all (servers may still be starting)."""
+        for stage, since in enumerate(self._unmatched_since):
+            if since is not None and now_s - since >= grace_s:
+                return self._mismatch_error(stage, now_s - since)
+        return None
+
+    def _mismatch_error(self, stage: int, waited_s: float) -> str:
+        """The error naming the settings our digest and the stage's most common foreign one differ in."""
+        foreign = self._foreign[stage]
+        digest, count = collections.Counter(a.config_digest for a in foreign.values()).most_common(1)[0]
+        theirs = next(a.settings for a in foreign.values() if a.config_digest == digest)
+        if theirs:
+            differ = differing_settings(self.settings, theirs)
+            named = "; ".join(
+                f"{name}: this run {_shown(a)}, the servers {_shown(b)}" for name, a, b in differ
+            )
+            named = named or "settings this version does not list"
+        else:
+            named = "they do not announce their settings (an older version)"
+        return (
+            f"stage {stage} has had only servers of other settings for {waited_s:.0f} s ({count} with config "
+            f"digest {digest}, this run {self.digest}): {named}. Start the trainer with the servers' settings "
+            f"(the same run file and flags, e.g. --compression), or the servers with this run's"
+        )
 
     def choose(self, stage: int, num_samples: int, weight: float, exclude=()) -> str | None:
         return self.routers[stage].choose(time.monotonic(), num_samples, weight, exclude)
@@ -127,6 +189,11 @@ class PeerTable:
 
     def peers_per_stage(self) -> list[int]:
         return [len(self.available(stage)) for stage in range(self.num_stages)]
+
+
+def _shown(value: str) -> str:
+    """A settings-summary value as a user writes it: a JSON string without its quotes."""
+    return value[1:-1] if len(value) >= 2 and value[0] == value[-1] == '"' else value
 
 
 def _ips(ann: StageAnnouncement) -> list[str]:

@@ -57,7 +57,7 @@ from swarmtrain.runtime.trainer.hedging import (
     silent_while,
     within_deadline,
 )
-from swarmtrain.runtime.trainer.peer_table import PeerTable
+from swarmtrain.runtime.trainer.peer_table import PeerTable, RunMismatch
 from swarmtrain.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -307,13 +307,17 @@ class StageCaller:
             await self.wait_a_moment(stage)
 
     async def wait_a_moment(self, stage: int) -> None:
-        """`stage` has no usable peer: say so now and then, wait, refresh the DHT view."""
+        """`stage` has no usable peer: say so now and then, wait, refresh the DHT view. RunMismatch once
+        a stage has shown peers of other config digests only for a grace (PeerTable.mismatch)."""
         now = time.monotonic()
         if now - self._last_no_peer_log[stage] >= NO_PEER_LOG_PERIOD_S:
             self._last_no_peer_log[stage] = now
             logger.warning("stage %d has no live peer; waiting for a server to announce itself", stage)
         await asyncio.sleep(min(1.0, self.swarm.announce_period_s / 2))
         await self.refresh()
+        mismatch = self.table.mismatch(time.monotonic())
+        if mismatch is not None:
+            raise RunMismatch(mismatch)
 
 
 class _RelayPlan:

@@ -37,7 +37,7 @@ from swarmtrain.runtime.ledger import Ledger
 from swarmtrain.runtime.procs import remember_group_sockets
 from swarmtrain.runtime.trainer.call_policy import retry_delay_s
 from swarmtrain.runtime.trainer.chain_calls import ChainCaller
-from swarmtrain.runtime.trainer.peer_table import PeerTable
+from swarmtrain.runtime.trainer.peer_table import PeerTable, RunMismatch
 from swarmtrain.runtime.trainer.stage_calls import StageCaller
 from swarmtrain.runtime.trainer.step_tracker import StepTracker
 from swarmtrain.runtime.trainer.stop_agreement import STOP_POLL_S, StopAgreement
@@ -152,7 +152,7 @@ class SwarmTrainer:
         self.num_stages = cfg.swarm.num_stages
         self.digest = cfg.digest()
         self.records = RunRecords(dht, cfg.swarm.run_id)
-        self.table = PeerTable(self.records, self.num_stages, self.digest)
+        self.table = PeerTable(self.records, self.num_stages, self.digest, cfg.settings_summary())
         self.ledger = Ledger(options.ledger_path)
         self.result = TrainerResult()
         self.stopping = asyncio.Event()
@@ -163,6 +163,7 @@ class SwarmTrainer:
         self._close_tasks: set[asyncio.Task] = set()
         self._start_s = time.monotonic()
         self.stop_agreement: StopAgreement | None = None  # where --duration-s ends the run, once training
+        self.mismatch: RunMismatch | None = None  # a stage's peers all run other settings: the run ends
         t = cfg.training
         step_samples, rest = divmod(t.global_batch_size, options.shard_count)
         if rest or step_samples % t.micro_batch_size:
@@ -252,6 +253,8 @@ class SwarmTrainer:
         --duration-s only at a step boundary, so that every step is a whole global batch; with several
         shards on a time limit, only at the step they all agreed on (planner/stop_step.py)."""
         while True:
+            if self.mismatch is not None:  # a micro-batch found a stage of other settings only
+                raise self.mismatch
             if self.stopping.is_set():
                 return False
             if self.tracker.step_in_progress:
@@ -348,6 +351,10 @@ class SwarmTrainer:
         n = int(input_ids.shape[0])
         try:
             loss = await self.forward_backward(mb, step, input_ids, labels)
+        except RunMismatch as exc:  # no retry can help: the run ends with the error (`_keep_going`)
+            self.mismatch = exc
+            self.stopping.set()
+            return
         except Exception as exc:  # MicroBatchFailed, or a bug: count it, never lose the task silently
             self.result.failed += 1
             self.ledger.write("failed", mb=mb, reason=str(exc))
