@@ -335,3 +335,59 @@ def test_swapped_model_peak_is_within_its_prediction():
     predicted = swapped.predicted_peak
     assert predicted.total_bytes <= swapped.budget_bytes
     _check(predicted.total_bytes, measured, f"{swapped.plan.num_groups} groups, {predicted}")
+
+
+def _wide_vocab(arch: str):
+    """A model whose head outweighs its blocks, as a 50k vocabulary does: the head's moment decides."""
+    return dataclasses.replace(_tiny(arch), vocab_size=4096)
+
+
+def _chunked(model, min_chunks: int, micro_batch_size: int = 2):
+    """The first SwappedGPT, budgets falling in 2% steps, whose head runs on the device in at least
+    `min_chunks` chunks of the sequence."""
+    whole = SwappedGPT(model, float("inf"), "cpu", micro_batch_size).predicted_peak.total_bytes
+    for percent in range(100, 0, -2):
+        swapped = SwappedGPT(model, whole * percent / 100, "cpu", micro_batch_size)
+        if swapped.outer_on_device and swapped.head_chunks >= min_chunks:
+            return swapped
+    raise AssertionError(f"no budget runs the head on the device in {min_chunks}+ chunks")
+
+
+@pytest.mark.parametrize("arch", ["gpt", "llama-tied"])
+def test_a_head_too_large_for_the_budget_runs_in_chunks_on_the_device(arch):
+    """Where the head's logits would not fit beside the plan, the head and loss run forward and backward on
+    chunks of the sequence, on the device, instead of on the host (the GPU run's 102x); the gradients and
+    the loss are the resident model's."""
+    cfg = _wide_vocab(arch)
+    model, reference = build_model(cfg, seed=4), build_model(cfg, seed=4)
+    swapped = _chunked(model, min_chunks=4)
+    # one chunk fewer would not fit: the planner takes the fewest chunks that do
+    fewer = swapped._head_moment(swapped.costs, swapped.plan, 2 / swapped.head_chunks)
+    assert fewer.total_bytes > swapped.budget_bytes
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=gen)
+        labels = tokens.clone()
+        labels[0, :5] = cfg.pad_token_id
+        (reference(tokens, labels) * 0.5).backward()
+        loss = swapped.loss_and_backward(tokens, labels, 0.5)
+        assert loss == pytest.approx(reference(tokens, labels).item(), abs=1e-5)
+    ref = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, ref[name].grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_a_chunked_head_peak_is_within_its_prediction():
+    model = build_model(_wide_vocab("gpt"), seed=0)
+    swapped = _chunked(model, min_chunks=4, micro_batch_size=MICRO_BATCH)
+    tokens = torch.randint(0, 4096, (MICRO_BATCH, model.cfg.seq_len))
+
+    def step():
+        swapped.loss_and_backward(tokens, tokens, 1.0)
+
+    step()
+    predicted = swapped.predicted_peak
+    assert predicted.total_bytes <= swapped.budget_bytes
+    what = f"{swapped.head_chunks} head chunks, {predicted}"
+    _check(predicted.total_bytes, measured_peak_bytes(step), what)

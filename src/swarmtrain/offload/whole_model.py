@@ -1,7 +1,10 @@
 """A whole model (a stage with embeddings and head) trained through the layer swapper: the blocks live in
 host memory and stream through `device` in the groups of a swap plan sized to a memory budget; the
 embeddings, final norm and head ("outer" parameters) are copied to the device for each micro-batch when
-they fit in the budget next to the plan, else they run where their host copies are.
+they fit in the budget next to the plan, else they run where their host copies are (slow: a 50k-vocabulary
+head on one host core was the GPU run's 102x). The head's logit-sized tensors are what usually does not
+fit: the head and loss then run forward and backward on `head_chunks` chunks of the sequence in turn,
+the fewest whose moment fits, so only one chunk's logits exist at a time.
 
 The plan counts what is really on the device (plan.py): per group parameters, gradients and the
 activations autograd saves in the recomputed forward, measured once per kind of layer at construction on
@@ -52,18 +55,21 @@ class _Embed(nn.Module):
 
 
 class _HeadLoss(nn.Module):
-    """The head and the mean next-token loss (DecoderStage.forward's), logits freed inside."""
+    """The head and the next-token loss (DecoderStage.forward's, summed), logits freed inside."""
 
     def __init__(self, stage: DecoderStage) -> None:
         super().__init__()
         self.stage = stage
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The loss summed over the tokens (the caller divides by the counted ones: the head runs on
+        chunks of the sequence, whose sums add up to the whole's)."""
         logits = self.stage.head(hidden)
         return F.cross_entropy(
             logits.reshape(-1, logits.shape[-1]).float(),
             labels.reshape(-1),
             ignore_index=self.stage.cfg.pad_token_id,
+            reduction="sum",
         )
 
 
@@ -108,15 +114,15 @@ class SwappedGPT:
         blocks = list(self.model.layers.values())
         costs = self._measure(micro_batch_size)
         try:
-            plan, head = self._plan_with_outer_on_device(costs)
+            plan, head, chunks = self._plan_with_outer_on_device(costs)
             outer_on_device = True
         except SwapPlanError as on_device:
-            logger.info("embeddings and head stay on the host: %s", on_device)
+            logger.warning("embeddings and head stay on the host, computed there (slow): %s", on_device)
             in_flight = HIDDEN_STATES_IN_FLIGHT * costs.hidden_bytes
             plan, outer_on_device = self._plan_blocks(costs, working_bytes=in_flight), False
-            head = PeakBytes("head and loss on the host")
+            head, chunks = PeakBytes("head and loss on the host"), 1
         self.micro_batch_size, self.costs, self.plan = micro_batch_size, costs, plan
-        self.outer_on_device, self.head_moment = outer_on_device, head
+        self.outer_on_device, self.head_moment, self.head_chunks = outer_on_device, head, chunks
         self.swapper = LayerSwapper(blocks, plan, self.device)
         pin = outer_on_device and self.device.type == "cuda"
         self._outer = HostParams(self.model, pin=pin, skip_prefix=BLOCKS_PREFIX)
@@ -135,26 +141,38 @@ class SwappedGPT:
             checkpoint_bytes=costs.hidden_bytes,
         )
 
-    def _plan_with_outer_on_device(self, costs: MicroBatchCosts) -> tuple[SwapPlan, PeakBytes]:
+    def _plan_with_outer_on_device(self, costs: MicroBatchCosts) -> tuple[SwapPlan, PeakBytes, int]:
+        """The plan, the head's moment and the fewest chunks of the sequence the head must run in for
+        that moment to fit (logit-sized tensors of a 50k vocabulary outweigh everything else there)."""
         # the outer parameters, their gradients and what the embedding saved stay for the whole micro-batch
         outer = 2 * costs.outer_param_bytes + costs.embed_activation_bytes
         plan = self._plan_blocks(costs, working_bytes=HIDDEN_STATES_IN_FLIGHT * costs.hidden_bytes + outer)
+        seq_len = self.model.cfg.seq_len
+        chunks = 1
+        while True:
+            head = self._head_moment(costs, plan, -(-seq_len // chunks) / seq_len)
+            if head.total_bytes <= self.budget_bytes:
+                return plan, head, chunks
+            if chunks >= seq_len:
+                raise SwapPlanError(
+                    f"the head's moment needs {head.total_bytes:.3g} B of {self.budget_bytes:.3g} B "
+                    f"even one token at a time"
+                )
+            chunks = min(2 * chunks, seq_len)
+
+    def _head_moment(self, costs: MicroBatchCosts, plan: SwapPlan, share: float) -> PeakBytes:
+        """Between the blocks' forward and backward: the last group resident, every checkpoint, the blocks'
+        output and its gradient, and for one chunk of `share` of the tokens the head's saved tensors and
+        the loss's two logit-sized gradients."""
         last_start, last_end = plan.groups[-1] if plan.groups else (0, 0)
-        # between the blocks' forward and backward: the last group resident, every checkpoint, the blocks'
-        # output and its gradient, the head's saved tensors and the loss's two logit-sized gradients
-        head = PeakBytes(
+        return PeakBytes(
             "head and loss",
             params_bytes=costs.outer_param_bytes + sum(costs.block_param_bytes[last_start:last_end]),
             grads_bytes=costs.outer_param_bytes,
-            activations_bytes=costs.head_activation_bytes + 2 * costs.logits_fp32_bytes,
+            activations_bytes=share * (costs.head_activation_bytes + 2 * costs.logits_fp32_bytes),
             checkpoints_bytes=plan.num_groups * costs.hidden_bytes,
             working_bytes=2 * costs.hidden_bytes + costs.embed_activation_bytes,
         )
-        if head.total_bytes > self.budget_bytes:
-            raise SwapPlanError(
-                f"the head's moment needs {head.total_bytes:.3g} B of {self.budget_bytes:.3g} B"
-            )
-        return plan, head
 
     def _measure(self, micro_batch_size: int) -> MicroBatchCosts:
         """Each piece's device bytes for `micro_batch_size` sequences of cfg.seq_len, autograd's saved
@@ -196,8 +214,7 @@ class SwappedGPT:
         x = functional_call(self._embed, params, (inputs.to(outer_device),))
         hidden = self.swapper.forward(x.detach().to(self.device))
         leaf = hidden.detach().to(outer_device).requires_grad_(True)
-        loss = functional_call(self._head_loss, params, (leaf, labels.to(outer_device)))
-        (loss * scale).backward()
+        loss = self._head_and_loss(params, leaf, labels.to(outer_device), scale)
         assert leaf.grad is not None
         grad_x = self.swapper.backward(leaf.grad.to(self.device))
         x.backward(grad_x.to(outer_device))
@@ -205,7 +222,23 @@ class SwappedGPT:
             grads = [params[f"stage.{name}"].grad for name in self._outer.names]
             self.swapper.transfers.send_grads([self._outer], [grads])
             self.swapper.transfers.wait_grads()
-        return float(loss.item())
+        return loss
+
+    def _head_and_loss(
+        self, params: dict[str, torch.Tensor], leaf: torch.Tensor, labels: torch.Tensor, scale: float
+    ) -> float:
+        """The mean loss over the counted tokens; `loss * scale` back-propagated into `leaf.grad` and the
+        outer parameters, the head running forward and backward on `head_chunks` chunks of the sequence
+        in turn, so only one chunk's logits exist at a time."""
+        counted = int((labels != self.model.cfg.pad_token_id).sum())
+        chunk = -(-leaf.shape[1] // self.head_chunks)
+        total = torch.zeros((), device=leaf.device)
+        for start in range(0, leaf.shape[1], chunk):
+            rows = slice(start, start + chunk)
+            summed = functional_call(self._head_loss, params, (leaf[:, rows], labels[:, rows]))
+            (summed * (scale / max(counted, 1))).backward()
+            total += summed.detach()  # read once at the end: no wait for the device per chunk
+        return float(total) / counted if counted else float("nan")
 
     def _outer_params(self) -> tuple[Fetched | None, dict[str, torch.Tensor]]:
         """Parameters the embedding and head run with: leaves over device copies (their gradients sent to
