@@ -5,6 +5,7 @@ then the pure checks one by one. Every replica must step on exactly the honest s
 end with the same parameters as one worker that applied those samples."""
 
 import asyncio
+import dataclasses
 import time
 
 import pytest
@@ -21,6 +22,7 @@ from swarmtrain.planner.step_decision import (
     step_candidates,
     step_contributions,
     trails_stage,
+    vouched_senders,
 )
 from swarmtrain.runtime.server.stage_members import LiveReplicas
 from swarmtrain.runtime.server.stage_steps import StepCoordinator, StepSettings
@@ -234,6 +236,72 @@ def test_an_empty_close_for_a_later_step_skips_no_step(tiny_cfg, micro_batches, 
         await _until(lambda: all(n.counters.steps == 3 for n in nodes.values()))
         await _stop(tasks)
         _assert_honest(nodes, _reference(tiny_cfg, steps), 3)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("forged", [4, 12])
+def test_a_strangers_short_close_decides_no_step_while_the_trainers_is_late(
+    tiny_cfg, micro_batches, start_compute, forged
+):
+    """A stranger's close naming B with fewer samples than B holds (what tests/faults/test_forged_steps.py
+    sends every round), kept past the short-close grace because the trainer's close came late. Before: B
+    acted on it after the grace, applied its own 16 samples without A's ("holds 16 samples, the close
+    says 12: all counted", one `disagreeing_closes`) while A applied all 32: the replicas differed. Its
+    sender's closes were never found true, so only the trainer's close decides."""
+
+    async def scenario():
+        net = Net()
+        settings = dataclasses.replace(_settings(), short_close_grace_s=0.2)
+        nodes = _replicas(tiny_cfg, ["A", "B"], net, start_compute, settings)
+        tasks = await _start(nodes)
+        steps = [[(micro_batches[:1], "a0"), (micro_batches[1:2], "b0")]]
+        for name, (batches, prefix) in zip("AB", steps[0], strict=True):
+            _train(nodes[name].worker, batches, 0, prefix)
+        _close(nodes, 0, {"A": 8, "B": 8})  # the trainer's closes were found true before
+        await _until(lambda: all(n.worker.epoch == 1 for n in nodes.values()))
+        assert all(TRAINER in n.inbox.trusted for n in nodes.values())
+        steps.append([(micro_batches[2:4], "a1"), (micro_batches[4:6], "b1")])
+        for name, (batches, prefix) in zip("AB", steps[1], strict=True):
+            _train(nodes[name].worker, batches, 1, prefix)
+        _close(nodes, 1, {"B": forged}, sender=STRANGER)
+        await asyncio.sleep(0.5)  # past the grace, counted from B's first samples and from the close
+        assert all(n.worker.epoch == 1 for n in nodes.values())
+        assert not any(b.sealed for n in nodes.values() for b in n.worker.buckets.values())
+        _close(nodes, 1, {"A": 16, "B": 16})  # the trainer's, late
+        await _until(lambda: all(n.counters.steps == 2 for n in nodes.values()))
+        await _stop(tasks)
+        _assert_honest(nodes, _reference(tiny_cfg, steps), 2)
+        assert all(n.counters.disagreeing_closes == 0 for n in nodes.values())
+        assert all(STRANGER not in n.inbox.trusted for n in nodes.values())
+
+    asyncio.run(scenario())
+
+
+def test_a_trainers_short_close_decides_after_the_grace_once_its_closes_were_found_true(
+    tiny_cfg, micro_batches, start_compute
+):
+    """The trainer missed the reply of a micro-batch accumulated here (its close names A with 8 of 16):
+    A closed a step on that trainer's close before, so it acts on the short one after the grace, not the
+    fallback, and counts all 16 samples."""
+
+    async def scenario():
+        net = Net()
+        settings = dataclasses.replace(_settings(), short_close_grace_s=0.2)
+        nodes = _replicas(tiny_cfg, ["A"], net, start_compute, settings)
+        tasks = await _start(nodes)
+        steps = [[(micro_batches[:1], "a0")], [(micro_batches[1:3], "a1")]]
+        _train(nodes["A"].worker, micro_batches[:1], 0, "a0")
+        _close(nodes, 0, {"A": 8})
+        await _until(lambda: nodes["A"].worker.epoch == 1)
+        _train(nodes["A"].worker, micro_batches[1:3], 1, "a1")
+        start = time.monotonic()
+        _close(nodes, 1, {"A": 8})
+        await _until(lambda: nodes["A"].counters.steps == 2)
+        assert time.monotonic() - start < 2.0  # the grace, not the 5 s fallback
+        await _stop(tasks)
+        _assert_honest(nodes, _reference(tiny_cfg, steps), 2)
+        assert nodes["A"].counters.disagreeing_closes == 1
 
     asyncio.run(scenario())
 
@@ -520,6 +588,38 @@ def test_a_short_close_kept_while_idle_waits_its_grace_from_the_first_samples():
     # a trainer's own short close comes after its micro-batches: counted from when it became due
     assert _decide(forged, own=8, now=1.5, reached_s=0.0, held_s=0.2, short_grace_s=1.0) is None
     assert _decide(forged, own=8, now=2.5, reached_s=0.0, held_s=0.2, short_grace_s=1.0) is not None
+
+
+def test_a_short_close_decides_after_the_grace_only_from_senders_whose_closes_were_found_true():
+    """A short count needs no knowledge of the replica, so a stranger's short close waits for the fallback
+    however late the trainer's close comes; a trainer whose closes were found true here gets the grace
+    (its first close, short, the fallback too), and a merged candidate only when all its senders do."""
+    kw = dict(own=16, reached_s=0.0, held_s=0.0, short_grace_s=1.0)
+    forged = [_c({"A": 4}, sender=STRANGER, at=0.0)]
+    assert _decide(forged, now=9.0, trusted={TRAINER}, **kw) is None
+    d = _decide(forged, now=10.5, trusted={TRAINER}, **kw)
+    assert d is not None and d.lenient  # the fallback, as for any close no check passes
+    short = [_c({"A": 8}, at=0.0)]
+    d = _decide(short, now=1.5, trusted={TRAINER}, **kw)
+    assert d is not None and not d.lenient and d.members["A"] == 8
+    assert _decide(short, now=1.5, trusted=set(), **kw) is None
+    merged = [_c({"A": 8}, TRAINER, 0, 2, at=0.0), _c({"B": 8}, STRANGER, 1, 2, at=0.0)]
+    assert _decide(merged, now=1.5, trusted={TRAINER}, **kw) is None
+    d = _decide(merged, now=1.5, trusted={TRAINER, STRANGER}, **kw)
+    assert d is not None and dict(d.members) == {"A": 8, "B": 8}
+
+
+def test_only_the_senders_of_closes_that_data_bore_out_are_trusted():
+    (honest,) = step_candidates([_c({"A": 8, "B": 8})], "A", LIVE, 10.0)
+    assert vouched_senders(honest, "A", 8, {}) == {TRAINER}  # what A holds
+    assert vouched_senders(honest, "A", 16, {}) == frozenset()  # short: nothing bore it out
+    assert vouched_senders(honest, "C", 0, {"B": 8}) == {TRAINER}  # B's gradients confirm it
+    assert vouched_senders(honest, "C", 0, {"B": 4}) == frozenset()
+    assert vouched_senders(dataclasses.replace(honest, lenient=True), "A", 8, {}) == frozenset()
+    # a stranger's empty close for another shard merges into the trainer's: it names nobody to check
+    closes = [_c({"A": 8}, TRAINER, 0, 2, at=0.0), _c({}, STRANGER, 1, 2, at=0.0)]
+    merged = max(step_candidates(closes, "A", LIVE, 10.0), key=lambda c: c.closes)
+    assert merged.senders == {TRAINER, STRANGER} and vouched_senders(merged, "A", 8, {}) == {TRAINER}
 
 
 def test_an_empty_close_after_reaching_the_step_is_graced_one_sent_before_is_not():

@@ -42,6 +42,8 @@ class StepDecision:
     first_s: float  # when its first close arrived
     due_s: float  # when it can be acted on: complete, or the close timeout after its first close
     lenient: bool = False  # no candidate passed the checks in time: acted on as before them
+    senders: frozenset[str] = frozenset()  # who sent the closes it merges
+    naming: frozenset[str] = frozenset()  # those of them whose close names a member
 
 
 def close_refusal(step: int, epoch: int, window: int) -> str | None:
@@ -99,7 +101,10 @@ def step_candidates(
         participants = frozenset().union(*(c.participants for c in combo)) | set(members)
         if live is not None:
             participants = frozenset(p for p in participants if p in live or p in members)
-        out.append(StepDecision(members, participants - {peer_id}, len(combo), complete, first_s, due_s))
+        senders = frozenset(c.sender for c in combo)
+        naming = frozenset(c.sender for c in combo if c.members)
+        candidate = StepDecision(members, participants - {peer_id}, len(combo), complete, first_s, due_s)
+        out.append(dataclasses.replace(candidate, senders=senders, naming=naming))
     return out
 
 
@@ -115,6 +120,7 @@ def decide_step(
     short_grace_s: float | None = None,
     heard_peers: bool = False,
     held_s: float | None = None,
+    trusted: AbstractSet[str] | None = None,
 ) -> StepDecision | None:
     """Whether this replica closes its step now (seals its sums and sends them): the candidate it starts
     with, or None (wait). `own_samples`: what it accumulated for the step; `received`: the sample counts
@@ -129,11 +135,10 @@ def decide_step(
     naming this replica with fewer samples than it holds (a trainer that missed the reply of a
     micro-batch accumulated here) is acted on `short_grace_s` after it became due, this replica reached
     the step and first held samples of it (`held_s`), when no better one came meanwhile (every replica
-    then counts this one's real samples). The grace counts from the first samples because a trainer's
-    close comes after its micro-batches: a forger's short close kept while the swarm was idle had
-    waited out a grace counted from reaching the step and decided the step at the next trainer's first
-    micro-batch, ahead of the trainer's close (2 of 4 runs of tests/faults/test_forged_steps.py, each
-    followed by a resync; CI's failure of that test, with failed micro-batches, kept no server logs).
+    then counts this one's real samples), and only when all its closes come from `trusted` senders
+    (None: not checked; why: `vouched_senders`). The grace counts from the first samples because a
+    trainer's close comes after its micro-batches: a forger's short close kept while the swarm was idle
+    would otherwise decide the step at the next trainer's first micro-batch.
     So is a candidate naming nobody, when this replica holds nothing and the candidate came after it
     reached the step (all of a trainer's micro-batches failed at this stage; a forger's empty close for
     a later step comes before). None: only at the lenient fallback. When no candidate passes for
@@ -156,7 +161,7 @@ def decide_step(
         confirmed = any(p != peer_id and received.get(p) == n for p, n in candidate.members.items())
         since_s = now_s - max(candidate.due_s, reached_s, float("-inf") if held_s is None else held_s)
         graced = short_grace_s is not None and since_s >= short_grace_s
-        short = 0 < mine < own_samples and graced
+        short = 0 < mine < own_samples and graced and (trusted is None or candidate.senders <= trusted)
         # a trainer whose micro-batches all failed here closes with nobody; a forger's empty close for a
         # later step is sent before this replica gets there, so only one that came after may be graced
         empty = not candidate.members and own_samples == 0 and candidate.first_s >= reached_s and graced
@@ -169,6 +174,27 @@ def decide_step(
     if best is not None:
         return best[1]
     return None if fallback is None else fallback[1]
+
+
+def vouched_senders(
+    decision: StepDecision, peer_id: str, own_samples: int, received: Mapping[str, int]
+) -> frozenset[str]:
+    """Whose closes a replica trusts after applying `decision` (`decide_step`'s `trusted`: only theirs
+    may decide a step short of its samples): the senders of its closes that name a member, when data
+    bore it out: it names this replica with exactly the samples it held, or a member's gradients came
+    with exactly the samples it names. Nobody after a lenient decision or one no data confirmed (a
+    short or empty close), and not the sender of an empty close merged into it (nothing to check).
+    Time alone does not tell a forger's short close from a trainer's: the trainer's close can come later
+    than any grace (a slow replica holding the step's last micro-batch, a loaded host), and a forged
+    close naming only this replica then made it apply its own sums without the other members', which
+    applied the trainer's. A stranger gains trust only by knowing what the replicas hold (the limit of
+    open runs, ARCHITECTURE); a trainer's first close, if short, waits for the fallback."""
+    if decision.lenient:
+        return frozenset()
+    members = decision.members
+    mine = members.get(peer_id, 0)
+    confirmed = any(p != peer_id and received.get(p) == n for p, n in members.items())
+    return decision.naming if (mine > 0 and mine == own_samples) or confirmed else frozenset()
 
 
 def short_close_grace_s(usual_wait_s: float | None, floor_s: float, close_timeout_s: float) -> float:

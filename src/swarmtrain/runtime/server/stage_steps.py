@@ -31,6 +31,9 @@ at its own step; its members must be live replicas of this stage (or this replic
 attributes to this replica must equal what this replica accumulated for the step, unless another
 member's gradients confirm the close exactly (then this replica's samples are left out as
 `unconfirmed`); a replica the close does not name, or a close naming nobody, needs such a confirmation.
+A close naming this replica short of its samples (the trainer missed a reply) decides after a grace,
+but only when its sender's closes were found true here before (`StepInbox.trusted`): a stranger's
+short close needs no knowledge of the replica, and time alone does not tell it from a trainer's.
 `grads` come only from live replicas and count only from a member of the decided close whose sample
 count equals the close's. A close that fails these checks is logged and not acted on, and the honest
 close, when it comes, decides. Only when no close passes for `close_timeout_s` after one became due (a
@@ -68,6 +71,7 @@ from swarmtrain.planner.step_decision import (
     step_candidates,
     step_contributions,
     trails_stage,
+    vouched_senders,
 )
 from swarmtrain.runtime.ledger import Ledger
 from swarmtrain.runtime.server.compute import PRIORITY_SYNC, ComputeWorker
@@ -226,6 +230,7 @@ class StepCoordinator:
             held_s=state.held_s,
             short_grace_s=self._short_grace_s(),
             heard_peers=heard_peers,
+            trusted=self.inbox.trusted.keys(),
         )
         if state.decision is not None and not state.decision.lenient:
             took_s = time.monotonic() - state.reached_s
@@ -344,11 +349,17 @@ class StepCoordinator:
             logger.warning("step %d: the closes of %d trainer(s) came, not of all", step, final.closes)
         mine = final.members.get(self.peer_id, 0)
         chosen = step_contributions(final, self.peer_id, own, _counts(state))
+        self.inbox.vouch(vouched_senders(final, self.peer_id, own, _counts(state)))
         if mine and own != mine:
             self.counters.disagreeing_closes += 1
             verdict = "all counted" if chosen.own else "left out"
             logger.warning(
-                "step %d: this replica holds %d samples, the close says %d: %s", step, own, mine, verdict
+                "step %d: this replica holds %d samples, the close of %s says %d: %s",
+                step,
+                own,
+                [short(p) for p in sorted(final.senders)],
+                mine,
+                verdict,
             )
         if own and not chosen.own:  # the trainers do not confirm these: the others cannot count them
             self.counters.unconfirmed_samples += own
@@ -374,6 +385,7 @@ class StepCoordinator:
         pseudo-gradients (weighted by samples since the last round) with the step's participants in
         peer order and take the outer step, so all end the round with the same parameters."""
         step = state.step
+        self.inbox.vouch(vouched_senders(decision, self.peer_id, bucket.samples, _counts(state)))
         own = {self.peer_id: (bucket.samples, bucket.grad_sums)} if bucket.samples else {}
         sync = self.worker.is_sync_step(step)
         await self._apply(step, own, bucket.micro_batch_ids, start_s, hold_epoch=sync)

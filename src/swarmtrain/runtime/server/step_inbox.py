@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
@@ -27,6 +27,7 @@ logger = get_logger(__name__)
 KEEP_STEPS_AHEAD = 4  # closes/grads this far ahead are kept; a replica further behind resyncs
 MAX_CLOSES_PER_STEP = 64  # distinct senders of closes kept per step (an honest run has one per trainer)
 MAX_HELD_GRADS = 4  # per step: sums kept from peers our view of the stage lacks (pinged meanwhile)
+MAX_TRUSTED_SENDERS = 256  # senders of closes found true, the latest kept (an honest run: its trainers)
 
 
 @dataclass
@@ -81,6 +82,9 @@ class StepInbox:
         self.on_left_behind = on_left_behind
         self.pending: dict[int, PendingStep] = {}
         self.newest_close = -1  # the highest step any close named, kept or not: how far the stage went
+        # senders whose closes this replica applied and found true (`vouched_senders`), oldest first:
+        # only theirs may decide a step no data confirms (`decide_step`'s `trusted`)
+        self.trusted: dict[str, None] = {}
 
     def on_close(
         self, step: int, shard: int, shard_count: int, members: dict, participants: list, sender: str = ""
@@ -156,6 +160,15 @@ class StepInbox:
         back by that entry never adopted the other stages' step after a whole-swarm crash)."""
         state = self.pending.get(step)
         return state is not None and (bool(state.closes) or bool(state.received))
+
+    def vouch(self, senders: Iterable[str]) -> None:
+        """`senders`' closes were found true: trust them, forgetting the longest unheard of beyond
+        `MAX_TRUSTED_SENDERS` (a sender gets in only by a close found true)."""
+        for sender in senders:
+            self.trusted.pop(sender, None)
+            self.trusted[sender] = None
+        while len(self.trusted) > MAX_TRUSTED_SENDERS:
+            del self.trusted[next(iter(self.trusted))]
 
     def live(self) -> AbstractSet[str] | None:
         """The stage's live replicas as this replica knows them (None: not checked)."""
