@@ -162,3 +162,22 @@ def test_a_stage_decodes_requests_on_its_device(device, tiny_cfg):
     )
     request = protocol.validate_request(protocol.unpack(protocol.pack(message), 1 << 30), io, tiny_cfg.digest())
     assert request.inputs.device.type == device and request.grad_outputs.device.type == device
+
+
+@pytest.mark.gpu
+def test_decoding_on_a_side_stream_is_ordered_before_later_work():
+    """On CUDA a message is copied and decoded on a side stream while compute is queued on the current
+    one; work queued after the decode sees the decoded values, and their memory outlives the side stream."""
+    device = torch.device("cuda")
+    busy = torch.randn(2048, 2048, device=device)
+    for _ in range(10):  # compute queued on the current stream, still running while the decode is issued
+        busy = torch.tanh(busy @ busy)
+    expected = []
+    results = []
+    for seed in range(8):
+        encoded = codec.encode(activations(seed=seed), "8bit")
+        expected.append(codec.decode(encoded) * 2)
+        results.append(codec.decode(encoded, device) * 2)  # queued on the current stream
+    for got, want in zip(results, expected, strict=True):
+        assert torch.equal(got.cpu(), want)
+    assert bool(torch.isfinite(busy).all())

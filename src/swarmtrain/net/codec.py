@@ -140,6 +140,12 @@ def decode(encoded: EncodedTensor, device: torch.device | None = None) -> torch.
         return torch.empty(encoded.shape, dtype=dtype, device=device)
     if encoded.codec in SCALED:
         _checked_scales(encoded)
+    with device_bytes.side_stream(device) as hand_over:  # overlaps the compute queued on a GPU
+        return hand_over(_decoded(encoded, dtype, device))
+
+
+def _decoded(encoded: EncodedTensor, dtype: torch.dtype, device: torch.device | None) -> torch.Tensor:
+    numel = encoded.numel
     payload = device_bytes.upload(encoded.payload, device)
     if encoded.codec == "none":
         flat = _view(payload, dtype, numel)

@@ -11,12 +11,20 @@ On CUDA both directions go through page-locked staging buffers kept per thread a
 - a download copies into the staging buffer and waits for it (the bytes must exist before they are
   framed), then takes them as a Python `bytes`.
 On CPU an upload is a zero-copy read-only view of the bytes and a download one copy.
+
+`side_stream(device)`: on CUDA, a received message's copy and decoding run on a side stream of the
+receiving thread, so they overlap the compute already queued on the device's current stream; that
+stream then waits for them (work queued after, the request's own forward included, sees the decoded
+values), and the decoded tensor is marked used there, so the caching allocator does not hand its memory
+to the side stream while a kernel of the current stream may still read it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import warnings
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -63,6 +71,39 @@ def download(payload: torch.Tensor) -> bytes:
     event.record()
     event.synchronize()
     return staged.numpy().tobytes()
+
+
+@contextlib.contextmanager
+def side_stream(device: torch.device | None) -> Iterator[Callable[[torch.Tensor], torch.Tensor]]:
+    """Run the enclosed copies and kernels on this thread's side stream of a CUDA `device` (elsewhere:
+    in place); yields `hand_over(tensor)`, which makes a tensor made there safe to use on the current
+    stream."""
+    if device is None or device.type != "cuda":
+        yield _as_is
+        return
+    current = torch.cuda.current_stream(device)
+    side = _side(device)
+
+    def hand_over(tensor: torch.Tensor) -> torch.Tensor:
+        tensor.record_stream(current)
+        return tensor
+
+    with torch.cuda.stream(side):
+        yield hand_over
+    current.wait_stream(side)
+
+
+def _as_is(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def _side(device: torch.device) -> torch.cuda.Stream:
+    streams = getattr(_staging, "streams", None)
+    if streams is None:
+        streams = _staging.streams = {}
+    if device not in streams:
+        streams[device] = torch.cuda.Stream(device)
+    return streams[device]
 
 
 def _buffer(direction: str, device: torch.device, size: int) -> tuple[torch.Tensor, torch.cuda.Event]:
