@@ -11,7 +11,7 @@ One row per codec (and, below 8 bits, once more with stochastic rounding, as gra
 The target for 8-bit is > 1 GB/s (issue 3).
 
 Below the table, what the data plane adds to every hand-off since its frames are sealed in every run
-(net/data_plane.py): AES-GCM seal and open in GB/s of 8-bit payload, next to the 8-bit codec's encode,
+(net/secure_link.py): AES-GCM seal and open in GB/s of 8-bit payload, next to the 8-bit codec's encode,
 and the CPU time of one connection's handshake (an RSA-2048 signature and verification and an X25519
 exchange per side).
 """
@@ -71,12 +71,12 @@ def measure(name: str, numel: int, repeats: int, stochastic: bool = False) -> di
 
 def measure_seal(numel: int, repeats: int) -> dict:
     """The data plane's per-frame sealing on an 8-bit payload, and one handshake's CPU time."""
-    from swarmtrain.net import data_plane
+    from swarmtrain.net import secure_link
     from swarmtrain.net.identity import PeerIdentity, verify
 
     payload = codec.encode(torch.randn(numel), "8bit").payload
     key = bytes(32)
-    sender, receiver = data_plane._Seal(key, b"c->s", b"s->c"), data_plane._Seal(key, b"s->c", b"c->s")
+    sender, receiver = secure_link.Seal(key, b"c->s", b"s->c"), secure_link.Seal(key, b"s->c", b"c->s")
     sealed = sender.seal(b"head", payload)
     seal_s = _best_s(lambda: sender.seal(b"head", payload), repeats)
 
@@ -89,9 +89,9 @@ def measure_seal(numel: int, repeats: int) -> dict:
     signature = peer.sign(b"transcript")
 
     def handshake_side() -> None:
-        ours, _ = data_plane._ephemeral()
-        theirs, dh = data_plane._ephemeral()
-        data_plane._shared(ours, {"dh": dh})
+        ours, _ = secure_link._ephemeral()
+        theirs, dh = secure_link._ephemeral()
+        secure_link._shared(ours, {"dh": dh})
         me.sign(b"transcript")
         verify(peer.peer_id, peer.public_key, b"transcript", signature)
 

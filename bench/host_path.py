@@ -12,8 +12,8 @@ its outputs) and its own reply (the gradient of its inputs). Each row is the CPU
 path, the mean of --repeats after 2 untimed ones, on real code:
 
 - receive: a sealed frame read from a TCP connection on 127.0.0.1 by the data plane's channel (a second thread
-  writes it), without the unsealing (`_Channel.body` minus `_Seal.open`), twice;
-- unseal / seal: AES-GCM of the frame's body (`_Seal.open`, `_Seal.seal`), twice each;
+  writes it), without the unsealing (`Channel.body` minus `Seal.open`), twice;
+- unseal / seal: AES-GCM of the frame's body (`Seal.open`, `Seal.seal`), twice each;
 - unpack / pack: bytes <-> message (`protocol.unpack`, `protocol.pack`), twice each;
 - check: the validation of the incoming float tensor beyond its decoding (`protocol.checked_values`:
   finite, bounded), twice;
@@ -45,7 +45,8 @@ import torch
 from swarmtrain.config import get_preset
 from swarmtrain.model.device import ComputeDevice, DeviceError
 from swarmtrain.net import codec, protocol
-from swarmtrain.net.data_plane import REQUEST, _Channel, _Seal
+from swarmtrain.net.framing import REQUEST, Channel
+from swarmtrain.net.secure_link import Seal
 
 TWICE = 2  # each step happens twice per micro-batch at a middle stage (forward and backward)
 OUTSIDE_CODEC = ("receive", "unseal", "unpack", "check", "copy in", "copy out", "pack", "seal", "send")
@@ -77,16 +78,17 @@ class Loopback:
         self.ours, self.theirs = _tcp_pair()
         self.reader, self.writer = loop.run_until_complete(asyncio.open_connection(sock=self.ours))
         key = bytes(16)
-        self.channel = _Channel(self.reader, self.writer, _Seal(key, b"rqst", b"rqst"))
-        self.their_seal = _Seal(key, b"rqst", b"rqst")  # the peer's side of the same direction
+        self.channel = Channel(self.reader, self.writer, Seal(key, b"rqst", b"rqst"))
+        self.their_seal = Seal(key, b"rqst", b"rqst")  # the peer's side of the same direction
         self._peer: queue.Queue = queue.Queue()
         threading.Thread(target=self._serve_peer, daemon=True).start()
 
     def frame(self, body: bytes) -> bytes:
-        """What the peer sends: a header and the sealed body (as `_Channel.send` writes them)."""
-        from swarmtrain.net.data_plane import _HEADER, _TAG_BYTES
+        """What the peer sends: a header and the sealed body (as `Channel.send` writes them)."""
+        from swarmtrain.net.framing import HEADER
+        from swarmtrain.net.secure_link import TAG_BYTES
 
-        head = _HEADER.pack(REQUEST, 1, len(body) + _TAG_BYTES, 7) + b"x"
+        head = HEADER.pack(REQUEST, 1, len(body) + TAG_BYTES, 7) + b"x"
         return head + self.their_seal.seal(head, body)
 
     def receive(self, frame: bytes) -> bytes:
@@ -149,11 +151,11 @@ def measure(preset: str, codec_name: str, device: str, repeats: int) -> dict[str
     link = Loopback(loop)
     try:
         frame = link.frame(packed)
-        seal = _Seal(bytes(16), b"rply", b"rply")
+        seal = Seal(bytes(16), b"rply", b"rply")
         sealed = seal.seal(b"h", packed)
         rows = {
             "receive+unseal": cpu_ms(lambda: link.receive(frame), repeats),
-            "unseal": cpu_ms(lambda: _Seal(bytes(16), b"rply", b"rply").open(b"h", sealed), repeats),
+            "unseal": cpu_ms(lambda: Seal(bytes(16), b"rply", b"rply").open(b"h", sealed), repeats),
             "unpack": cpu_ms(lambda: protocol.unpack(packed, limit), repeats),
             "decode": cpu_ms(lambda: protocol.unpack(packed, limit).tensor("outputs", compute.device), repeats),
             "check": cpu_ms(lambda: protocol.checked_values("outputs", message.tensors["outputs"], on_device), repeats),

@@ -20,20 +20,20 @@ import torch
 from hivemind.p2p import PeerID
 
 from fuzz_cases import HostileIdentity, hostile_identities
-from swarmtrain.net import data_plane
+from swarmtrain.net import data_plane, framing, secure_link
 from swarmtrain.net.auth import RunKey
 from swarmtrain.net.data_plane import (
     DIAL_COOLDOWN_S,
     DataPlaneClient,
     DataPlaneServer,
     DialFailed,
-    _Seal,
-    set_congestion_control,
 )
 from swarmtrain.net.failures import Outcome, classify_failure
 from swarmtrain.net.identity import PeerIdentity
 from swarmtrain.net.link_meter import DOWN, METERED_MIN_BYTES, UP, LinkMeter
 from swarmtrain.net.protocol import Message, ProtocolError, error_message, make_message, pack, unpack
+from swarmtrain.net.secure_link import Seal
+from swarmtrain.net.tcp_tuning import set_congestion_control
 from swarmtrain.net.transport import RemoteError
 
 pytestmark = pytest.mark.integration
@@ -248,7 +248,7 @@ def test_in_a_private_run_only_key_holders_get_in():
 
 def test_a_sealed_frame_hides_its_body_and_fails_if_altered():
     key = os.urandom(32)
-    sender, receiver = _Seal(key, b"c->s", b"s->c"), _Seal(key, b"s->c", b"c->s")
+    sender, receiver = Seal(key, b"c->s", b"s->c"), Seal(key, b"s->c", b"c->s")
     body = pack(_hand_off("a"))
     sealed = sender.seal(b"head", body)
     assert body[:64] not in sealed and len(sealed) == len(body) + 16
@@ -390,8 +390,8 @@ async def _raw_link(plane: Plane, link: str = "a" * 32, roles=("replies", "reque
     channels = []
     for role in roles:
         reader, writer = await asyncio.open_connection(*plane.address)
-        seal = await data_plane._client_handshake(reader, writer, CALLER_IDENTITY, SERVER, None, link, role)
-        channels.append(data_plane._Channel(reader, writer, seal))
+        seal = await secure_link.client_handshake(reader, writer, CALLER_IDENTITY, SERVER, None, link, role)
+        channels.append(framing.Channel(reader, writer, seal))
     return channels
 
 
@@ -413,9 +413,9 @@ def test_a_hello_of_nested_json_is_refused_and_the_server_serves_on():
             }
             for hello, refusal in hellos.items():
                 reader, writer = await asyncio.open_connection(*plane.address)
-                writer.write(data_plane._HELLO_LENGTH.pack(len(hello)) + hello)
+                writer.write(secure_link._HELLO_LENGTH.pack(len(hello)) + hello)
                 said = await asyncio.wait_for(reader.read(), TIMEOUT_S)  # until the server closes
-                assert refusal in json.loads(said[data_plane._HELLO_LENGTH.size :])["error"]
+                assert refusal in json.loads(said[secure_link._HELLO_LENGTH.size :])["error"]
                 writer.close()
             assert (await plane.call("a")).header["mb"] == "a"
 
@@ -441,10 +441,10 @@ def test_undecodable_or_foreign_identities_are_refused_with_an_error_and_one_log
     async def main():
         async with _plane(run_key) as plane:
             for description, stranger in hostile:
-                for role in (data_plane.REPLIES, data_plane.REQUESTS):
+                for role in (secure_link.REPLIES, secure_link.REQUESTS):
                     reader, writer = await asyncio.open_connection(*plane.address)
                     with pytest.raises(ProtocolError, match="refused: .*could not prove") as refused:
-                        await data_plane._client_handshake(
+                        await secure_link.client_handshake(
                             reader, writer, stranger, SERVER, run_key, os.urandom(16).hex(), role
                         )
                     assert "\n" not in str(refused.value), description
@@ -487,18 +487,18 @@ def test_a_server_with_an_undecodable_or_foreign_identity_is_a_failed_dial(caplo
 
 GARBAGE_REPLIES = [  # what a peer that is no data-plane server (or a hostile one) may answer a hello with
     b"\xff" * 4,
-    data_plane._HELLO_LENGTH.pack(2**31),
-    data_plane._HELLO_LENGTH.pack(3) + b"[1]",
-    data_plane._HELLO_LENGTH.pack(6000) + b"[" * 6000,
-    data_plane._HELLO_LENGTH.pack(4000) + b"[" * 2000 + b"]" * 2000,
-    data_plane._HELLO_LENGTH.pack(2) + b"\xff\xfe",
+    secure_link._HELLO_LENGTH.pack(2**31),
+    secure_link._HELLO_LENGTH.pack(3) + b"[1]",
+    secure_link._HELLO_LENGTH.pack(6000) + b"[" * 6000,
+    secure_link._HELLO_LENGTH.pack(4000) + b"[" * 2000 + b"]" * 2000,
+    secure_link._HELLO_LENGTH.pack(2) + b"\xff\xfe",
     b"HTTP/1.1 400 Bad Request\r\n\r\n",
 ]
 
 
 def _fields(**fields) -> bytes:
     data = json.dumps(fields).encode()
-    return data_plane._HELLO_LENGTH.pack(len(data)) + data
+    return secure_link._HELLO_LENGTH.pack(len(data)) + data
 
 
 def test_a_peer_that_answers_garbage_is_a_failed_dial(caplog):
@@ -520,7 +520,7 @@ def test_a_peer_that_answers_garbage_is_a_failed_dial(caplog):
 
             async def answer(reader, writer, reply=reply):
                 with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
-                    await reader.readexactly(data_plane._HELLO_LENGTH.size)
+                    await reader.readexactly(secure_link._HELLO_LENGTH.size)
                     writer.write(reply)
                     await writer.drain()
                     await reader.read()
@@ -543,12 +543,12 @@ def test_a_peer_that_answers_garbage_is_a_failed_dial(caplog):
 
 
 def test_a_frame_that_stops_arriving_is_cut_off(monkeypatch):
-    monkeypatch.setattr(data_plane, "FRAME_STALL_S", 0.5)
+    monkeypatch.setattr(framing, "FRAME_STALL_S", 0.5)
 
     async def main():
         async with _plane() as plane:
             _, requests = await _raw_link(plane)
-            head = data_plane._HEADER.pack(data_plane.REQUEST, 5, 1000, 1) + b"chain"
+            head = framing.HEADER.pack(framing.REQUEST, 5, 1000, 1) + b"chain"
             requests.writer.write(head + b"x" * 500)  # half of the body, then nothing
             assert await _closed_by_server(requests, 5.0)
             assert plane.server.status()["held_bytes"] == 0
@@ -649,7 +649,7 @@ def test_requests_over_a_links_limit_or_the_byte_budget_are_refused_unread(monke
 
 
 def test_a_caller_that_reads_no_replies_loses_its_link(monkeypatch):
-    monkeypatch.setattr(data_plane, "WRITE_STALL_S", 1.0)
+    monkeypatch.setattr(framing, "WRITE_STALL_S", 1.0)
 
     async def main():
         async with _plane() as plane:
@@ -657,7 +657,7 @@ def test_a_caller_that_reads_no_replies_loses_its_link(monkeypatch):
             _, requests = await _raw_link(plane)
             body = pack(_hand_off("a"))
             for exchange in range(1, 5):
-                await requests.send(data_plane.REQUEST, exchange, body, "chain")
+                await requests.send(framing.REQUEST, exchange, body, "chain")
             # the link goes, then each answer task ends (its send fails) and releases its request's bytes
             await _until(lambda: plane.server.status()["connections"] == 0)
             await _until(lambda: plane.server.status()["answers_under_way"] == 0)

@@ -24,7 +24,7 @@ import torch
 
 from fuzz_cases import HostileIdentity, hostile_identities, locally_rejected, mutations, valid_messages
 from swarm_fixtures import start_servers
-from swarmtrain.net import data_plane
+from swarmtrain.net import data_plane, framing, secure_link
 from swarmtrain.net.bundle import MAX_BUNDLE_ITEMS, bundle_message
 from swarmtrain.net.identity import PeerIdentity
 from swarmtrain.net.protocol import (
@@ -131,7 +131,7 @@ async def _garbage(address) -> int:
 
 async def _bad_hellos(address, server: str) -> int:
     good = {
-        "protocol": data_plane._PROTOCOL,
+        "protocol": secure_link._PROTOCOL,
         "peer": FUZZER,
         "to": server,
         "nonce": "00" * 16,
@@ -151,11 +151,11 @@ async def _bad_hellos(address, server: str) -> int:
     ]
     for hello in hellos:
         reader, writer = await asyncio.open_connection(*address)
-        writer.write(data_plane._HELLO_LENGTH.pack(len(hello)) + hello)
+        writer.write(secure_link._HELLO_LENGTH.pack(len(hello)) + hello)
         assert await _closed(reader)
         writer.close()
     reader, writer = await asyncio.open_connection(*address)  # a length far over the limit
-    writer.write(data_plane._HELLO_LENGTH.pack(2**31))
+    writer.write(secure_link._HELLO_LENGTH.pack(2**31))
     assert await _closed(reader)
     writer.close()
     return len(hellos) + 1
@@ -168,10 +168,10 @@ async def _hostile_identities(address, server: str, swarm_peers: list[str]) -> i
     cases = [hostile for _, hostile in hostile_identities(FUZZER_IDENTITY)]
     cases += [HostileIdentity(b"\xff", peer) for peer in swarm_peers]
     for hostile in cases:
-        for role in (data_plane.REPLIES, data_plane.REQUESTS):
+        for role in (secure_link.REPLIES, secure_link.REQUESTS):
             reader, writer = await asyncio.open_connection(*address)
             try:
-                await data_plane._client_handshake(
+                await secure_link.client_handshake(
                     reader, writer, hostile, server, None, os.urandom(16).hex(), role
                 )
             except ProtocolError as exc:
@@ -194,19 +194,19 @@ class _RawLink:
     @classmethod
     async def open(cls, address, server: str) -> _RawLink:
         link, channels = os.urandom(16).hex(), []
-        for role in (data_plane.REPLIES, data_plane.REQUESTS):
+        for role in (secure_link.REPLIES, secure_link.REQUESTS):
             reader, writer = await asyncio.open_connection(*address)
-            seal = await data_plane._client_handshake(
+            seal = await secure_link.client_handshake(
                 reader, writer, FUZZER_IDENTITY, server, None, link, role
             )
-            channels.append(data_plane._Channel(reader, writer, seal))
+            channels.append(framing.Channel(reader, writer, seal))
         return cls(*channels)
 
     async def reply(self) -> Message:
         while True:
             head = await asyncio.wait_for(self.replies.head(), REPLY_WITHIN_S)
             body = await self.replies.body(head)
-            if head.kind_type == data_plane.REPLY:
+            if head.kind_type == framing.REPLY:
                 return unpack(body, data_plane.MAX_REPLY_BYTES)
 
     async def drain_acks(self) -> None:
@@ -262,7 +262,7 @@ async def _invalid_messages(address, server: str, cfg, stage: int) -> dict:
         cases = _invalid_cases(cfg, stage)
         for exchange, (kind, data) in enumerate(cases, start=1):
             for _ in range(2 if exchange % 5 == 0 else 1):  # every fifth frame replayed as it was
-                await link.requests.send(data_plane.REQUEST, exchange, data, kind)
+                await link.requests.send(framing.REQUEST, exchange, data, kind)
                 reply = await link.reply()
                 code = _error_code(reply)
                 assert code != "internal", (kind, reply.header)
@@ -284,12 +284,12 @@ def _error_code(reply: Message) -> str:
 
 
 async def _bad_frames(address, server: str) -> int:
-    head = data_plane._HEADER
+    head = framing.HEADER
     frames = [
-        head.pack(data_plane.ACK, 0, 0, 1),  # a frame type only servers send
-        head.pack(data_plane.REQUEST, 5, 0, 1) + b"grads",  # a kind the data plane does not carry
-        head.pack(data_plane.REQUEST, 5, 0, 1) + b"ch\xffin",  # not ASCII
-        head.pack(data_plane.REQUEST, 5, 10, 1) + b"chain" + b"x" * 5,  # half a frame, then EOF
+        head.pack(framing.ACK, 0, 0, 1),  # a frame type only servers send
+        head.pack(framing.REQUEST, 5, 0, 1) + b"grads",  # a kind the data plane does not carry
+        head.pack(framing.REQUEST, 5, 0, 1) + b"ch\xffin",  # not ASCII
+        head.pack(framing.REQUEST, 5, 10, 1) + b"chain" + b"x" * 5,  # half a frame, then EOF
     ]
     for frame in frames:
         link = await _RawLink.open(address, server)
@@ -298,7 +298,7 @@ async def _bad_frames(address, server: str) -> int:
         assert await _closed(link.replies.reader)
         link.close()
     link = await _RawLink.open(address, server)  # a length far over the limit: refused, then dropped
-    link.requests.writer.write(head.pack(data_plane.REQUEST, 5, 2**40, 1) + b"chain")
+    link.requests.writer.write(head.pack(framing.REQUEST, 5, 2**40, 1) + b"chain")
     reply = await link.reply()
     assert reply.header.get("code") == "too_large", reply.header
     link.close()
@@ -326,7 +326,7 @@ async def _big_unfinished_frames(address, server: str, cfg, stage: int, pid: int
     links = [await _RawLink.open(address, server) for _ in range(BIG_FRAME_LINKS)]
     chunk = b"\0" * (1 << 20)
     for exchange, link in enumerate(links, start=1):
-        link.requests.writer.write(data_plane._HEADER.pack(data_plane.REQUEST, 6, size, exchange) + b"bundle")
+        link.requests.writer.write(framing.HEADER.pack(framing.REQUEST, 6, size, exchange) + b"bundle")
         left = size - 1
         while left:
             link.requests.writer.write(chunk[: min(left, len(chunk))])

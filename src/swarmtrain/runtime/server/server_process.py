@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from swarmtrain.config import RunConfig
-from swarmtrain.net.data_plane import DEFAULT_CONGESTION, DataPlaneClient, DataPlaneServer
+from swarmtrain.net.data_plane import DataPlaneClient, DataPlaneServer
 from swarmtrain.net.dht_records import RunRecords
 from swarmtrain.net.engine import (
     PeerNetwork,
@@ -42,6 +42,7 @@ from swarmtrain.net.engine import (
 )
 from swarmtrain.net.link_meter import LinkMeter
 from swarmtrain.net.protocol import Message, error_message, namespace
+from swarmtrain.net.tcp_tuning import DEFAULT_CONGESTION
 from swarmtrain.net.transport import StageClient, StageServicer
 from swarmtrain.runtime.faults import NO_FAULTS, FaultHooks
 from swarmtrain.runtime.ledger import Ledger
