@@ -1,5 +1,5 @@
 """A peer's libp2p identity in this process, for what libp2p does not carry: the data plane's handshake
-(net/data_plane.py) signs with the key the peer's `p2pd` runs with, and checks that a caller's public
+(net/secure_link.py) signs with the key the peer's `p2pd` runs with, and checks that a caller's public
 key is the one its peer id names.
 
 hivemind's identity files (`--identity-path`) hold an RSA private key as a libp2p `PrivateKey`
