@@ -58,7 +58,7 @@ def test_a_backward_that_times_out_is_retried_elsewhere_without_accumulating(cal
     # A may still apply its copy: B returns the input gradient but must not accumulate it too
     assert answered_by == B and reply.header["acc"] == 0
     assert client.calls == [(B, "backward", "t.0-3", False)]
-    assert (caller.timeouts, caller.not_accumulated, table.is_banned(A)) == (1, 1, False)
+    assert (caller.stats.timeouts, caller.stats.not_accumulated, table.is_banned(A)) == (1, 1, False)
     assert faults.fired == [("fail_call", "backward", A, "t.0-3", "timeout")]
     _, answered_by = _backward(caller, "t.0-4")  # the rule fired once: A serves the next one
     assert answered_by == A and client.calls[-1] == (A, "backward", "t.0-4", True)
@@ -70,14 +70,14 @@ def test_a_backward_to_a_dead_peer_is_accumulated_by_the_next_and_the_dead_one_b
     reply, answered_by = _backward(caller, "t.0-5")
     assert answered_by == B and reply.header["acc"] == 8  # A's accumulator died with it
     assert client.calls == [(B, "backward", "t.0-5", True)]
-    assert table.is_banned(A) and caller.connection_errors == 1
+    assert table.is_banned(A) and caller.stats.connection_errors == 1
 
 
 def test_a_refused_forward_twice_then_served(caller):
     caller, faults, client, _ = caller
     faults.fail_call("forward", error="refused", times=2)
     asyncio.run(caller.call_peer(0, "forward", "t.0-6", 8, {}, 1.0, step=0))
-    assert len(faults.fired) == 2 and len(client.calls) == 1 and caller.retries == 2
+    assert len(faults.fired) == 2 and len(client.calls) == 1 and caller.stats.retries == 2
 
 
 def test_an_exchange_that_loses_a_member_leaves_both_replicas_partial(tiny_cfg, start_compute):

@@ -1,12 +1,18 @@
-"""The two waits a hedged call is made of (runtime/trainer/hedging.py): `silent_while` (wait for a call,
-asking now and then which of its peers are silent) and `first_success` (the first of two calls to
-succeed wins, the other is cancelled; both failing raises the original's failure)."""
+"""Hedging (runtime/trainer/hedging.py): the waits a hedged call is made of, `silent_while` (wait for a
+call, asking now and then which of its peers are silent) and `first_success` (the first of two calls to
+succeed wins, the other is cancelled; both failing raises the original's failure), and `Hedger`, the one
+helper the relayed calls and the chains hedge through (their own tests: test_stage_calls.py)."""
 
 import asyncio
+import time
 
 import pytest
+from test_stage_calls import A, B, SpyTable
 
-from swarmtrain.runtime.trainer.hedging import first_success, silent_while
+from swarmtrain.config import SwarmConfig
+from swarmtrain.planner import deadlines
+from swarmtrain.runtime.trainer.call_policy import Attempt, CallStats, PeerChoice
+from swarmtrain.runtime.trainer.hedging import Copy, Hedger, SilentPastDeadline, first_success, silent_while
 
 pytestmark = pytest.mark.unit
 
@@ -88,3 +94,75 @@ def test_peers_that_answer_are_asked_again_until_one_is_silent():
             call.cancel()
 
     assert asyncio.run(wait()) == ["frozen"] and answers == []
+
+
+# Hedger ------------------------------------------------------------------------------------------------
+WAIT_S = 0.3  # the silent peer's deadline in these tests
+
+
+@pytest.fixture
+def quick_checks(monkeypatch):
+    """Ping a call's peers after 50 ms; a ping gets 50 ms."""
+    monkeypatch.setattr(deadlines, "UNMEASURED_CHECK_S", 0.05)
+    monkeypatch.setattr(deadlines, "PING_TIMEOUT_FLOOR_S", 0.05)
+
+
+def _hedged(original, copy=None, silent=(A,)):
+    """`Hedger.call` on `original` (a call to A at stage 0), with `copy()` (a call to B; None: nobody can
+    take one) when a peer of `silent` does not answer pings. Returns (its result, or the
+    exception it raised; the stats; the table; the pings; what `copy_around` was asked)."""
+    table, stats, pings, asked = SpyTable([[A, B]]), CallStats(), [], []
+
+    async def silent_peers(pairs, timeout_s):
+        pings.append(pairs)
+        return [pair for pair in pairs if pair[1] in silent]
+
+    def copy_around(silent_pairs):
+        asked.append(silent_pairs)
+        return None if copy is None else Copy(B, copy())
+
+    async def run():
+        hedger = Hedger(PeerChoice(table, SwarmConfig(), asyncio.Event(), refresh=None), stats, silent_peers)
+        try:
+            return await hedger.call(original, Attempt(A, WAIT_S, 3.0), None, [(0, A)], copy_around, "a call")
+        except Exception as exc:
+            return exc
+
+    return asyncio.run(run()), stats, table, pings, asked
+
+
+def _counters(stats):
+    return stats.frozen, stats.hedges, stats.hedges_won
+
+
+def test_a_call_answered_in_its_usual_time_is_neither_pinged_nor_hedged(quick_checks):
+    result, stats, table, pings, asked = _hedged(_answer("original", 0.01), lambda: _answer("copy", 0.01))
+    assert result == (None, "original") and pings == [] and asked == []
+    assert _counters(stats) == (0, 0, 0) and table.bans == []
+
+
+def test_a_silent_peer_is_banned_as_frozen_and_a_copy_raced_against_it(quick_checks):
+    result, stats, table, pings, asked = _hedged(_answer("original", 10.0), lambda: _answer("copy", 0.01))
+    copy, answer = result
+    assert (copy.peer, answer) == (B, "copy") and asked == [[(0, A)]] and pings[0] == [(0, A)]
+    assert _counters(stats) == (1, 1, 1) and table.bans == [(0, A)]
+
+
+def test_the_original_still_wins_when_it_answers_first(quick_checks):
+    result, stats, table, _, _ = _hedged(_answer("original", 0.15), lambda: _answer("copy", 5.0))
+    assert result == (None, "original")
+    assert _counters(stats) == (1, 1, 0) and table.bans == [(0, A)]  # it was silent: banned all the same
+
+
+def test_with_nobody_to_take_a_copy_a_silent_peers_call_ends_at_its_deadline(quick_checks):
+    start_s = time.monotonic()
+    result, stats, table, _, asked = _hedged(_answer("original", 10.0))
+    assert isinstance(result, SilentPastDeadline) and WAIT_S <= time.monotonic() - start_s < 2.0
+    assert asked == [[(0, A)]]
+    assert _counters(stats) == (0, 0, 0) and table.bans == []  # run_call bans it, as any timed-out peer
+
+
+def test_a_peer_that_answers_pings_is_waited_for_past_its_deadline(quick_checks):
+    result, stats, table, pings, asked = _hedged(_answer("original", 2 * WAIT_S), silent=())
+    assert result == (None, "original") and asked == [] and len(pings) >= 2
+    assert _counters(stats) == (0, 0, 0) and table.bans == []

@@ -115,7 +115,7 @@ def test_a_backward_a_later_stage_holds_is_retried_until_it_lands(monkeypatch, p
         reply, answered_by = asyncio.run(call)
         assert reply.header["acc"] == 8 and answered_by == peer and client.calls == 9
     else:
-        with pytest.raises(stage_calls.MicroBatchFailed):
+        with pytest.raises(call_policy.MicroBatchFailed):
             asyncio.run(call)
         assert client.calls == 3
 

@@ -88,6 +88,11 @@ def _caller(client, table, **swarm):
     return stage_calls.StageCaller(client, table, config, "d", "none", asyncio.Event())
 
 
+def _counted(caller, names):
+    """The counters `names` (space-separated) of the caller's `CallStats`, in that order."""
+    return tuple(getattr(caller.stats, name) for name in names.split())
+
+
 def _call(caller, kind="backward", prefer=A, **header):
     return asyncio.run(caller.call_peer(0, kind, "t.0-1", 8, {}, 1.0, prefer=prefer, step=0, **header))
 
@@ -120,8 +125,8 @@ def test_an_accumulating_call_is_retried_elsewhere_without_accumulating_only_if_
     assert answered_by == B and reply.header["acc"] == 8
     assert client.calls == [(A, kind, None), (B, kind, accumulate)]
     assert (table.is_banned(A), table.bans) == (banned, [(0, A)] if banned else [])
-    assert (caller.timeouts, caller.connection_errors, caller.not_accumulated) == counters
-    assert caller.retries == 1
+    assert _counted(caller, "timeouts connection_errors not_accumulated") == counters
+    assert caller.stats.retries == 1
     # a timeout is charged to the silent peer's throughput; the answer to the one that answered
     charged = [(0, A, TIMEOUT_S)] if isinstance(exc, TimeoutError) else []
     assert table.reports[:-1] == charged and table.reports[-1][:2] == (0, B)
@@ -134,14 +139,15 @@ def test_a_forward_never_carries_an_accumulate_flag(exc, accumulate, banned, cou
     _, answered_by = _call(caller, "forward")
     assert answered_by == B and client.calls == [(A, "forward", None), (B, "forward", None)]
     assert table.is_banned(A) == banned
-    assert (caller.timeouts, caller.connection_errors, caller.not_accumulated) == counters[:2] + (0,)
+    assert _counted(caller, "timeouts connection_errors not_accumulated") == counters[:2] + (0,)
 
 
 def test_a_call_sent_without_accumulating_is_not_counted_again():
     table, client = SpyTable([[A, B]]), ScriptedClient(TimeoutError())
     caller = _caller(client, table)
     _call(caller, accumulate=False)
-    assert client.calls == [(A, "backward", False), (B, "backward", False)] and caller.not_accumulated == 0
+    assert client.calls == [(A, "backward", False), (B, "backward", False)]
+    assert caller.stats.not_accumulated == 0
 
 
 def test_the_flag_is_cleared_once_and_stays_cleared():
@@ -152,16 +158,16 @@ def test_the_flag_is_cleared_once_and_stays_cleared():
     _, answered_by = _call(caller)
     assert client.calls[:2] == [(A, "backward", None), (B, "backward", False)]
     assert client.calls[2] == (answered_by, "backward", False) and len(client.calls) == 3
-    assert (caller.not_accumulated, caller.retries, caller.timeouts) == (1, 2, 1)
+    assert _counted(caller, "not_accumulated retries timeouts") == (1, 2, 1)
 
 
 @pytest.mark.parametrize("code", ["bad_request", "too_large", "version", "unauthorized"])
 def test_a_fatal_answer_fails_at_once(code):
     table, client = SpyTable([[A, B]]), ScriptedClient(RemoteError(code, "no"))
     caller = _caller(client, table)
-    with pytest.raises(stage_calls.MicroBatchFailed, match=f"refused the backward of .*{code}"):
+    with pytest.raises(call_policy.MicroBatchFailed, match=f"refused the backward of .*{code}"):
         _call(caller)
-    assert client.calls == [(A, "backward", None)] and caller.retries == 0 and table.bans == []
+    assert client.calls == [(A, "backward", None)] and caller.stats.retries == 0 and table.bans == []
 
 
 @pytest.mark.parametrize("exc", [KeyError("bug"), ValueError("bug")])
@@ -170,17 +176,17 @@ def test_a_bug_is_raised_not_retried(exc):
     caller = _caller(client, table)
     with pytest.raises(type(exc)):
         _call(caller)
-    assert len(client.calls) == 1 and caller.retries == 0 and table.bans == []
+    assert len(client.calls) == 1 and caller.stats.retries == 0 and table.bans == []
 
 
 def test_retries_are_bounded_and_every_peer_is_tried_again_once_all_failed():
     table = SpyTable([[A, B]])
     client = ScriptedClient(*(RemoteError("unavailable", "busy") for _ in range(10)))
     caller = _caller(client, table, max_retries=2)
-    with pytest.raises(stage_calls.MicroBatchFailed, match="3 attempts failed, last: .*unavailable"):
+    with pytest.raises(call_policy.MicroBatchFailed, match="3 attempts failed, last: .*unavailable"):
         _call(caller)
     peers = [peer for peer, _, _ in client.calls]
-    assert peers[:2] == [A, B] and peers[2] in (A, B) and len(peers) == 3 and caller.retries == 2
+    assert peers[:2] == [A, B] and peers[2] in (A, B) and len(peers) == 3 and caller.stats.retries == 2
 
 
 def test_a_persistent_call_keeps_trying_up_to_its_own_budget(monkeypatch):
@@ -188,9 +194,9 @@ def test_a_persistent_call_keeps_trying_up_to_its_own_budget(monkeypatch):
     table = SpyTable([[A, B]])
     client = ScriptedClient(*(RemoteError("internal", "bug") for _ in range(10)))  # maybe applied, no ban
     caller = _caller(client, table, max_retries=1)
-    with pytest.raises(stage_calls.MicroBatchFailed, match="7 attempts failed, last: .*internal"):
+    with pytest.raises(call_policy.MicroBatchFailed, match="7 attempts failed, last: .*internal"):
         _call(caller, persistent=True)
-    assert len(client.calls) == 7 and (caller.retries, caller.not_accumulated) == (6, 1)
+    assert len(client.calls) == 7 and _counted(caller, "retries not_accumulated") == (6, 1)
 
 
 def test_the_preferred_peer_gets_the_first_attempt_charged_nothing():
@@ -268,15 +274,15 @@ def test_a_chain_retry_clears_the_flags_of_the_stages_that_may_hold_the_micro_ba
     assert [hop.acc for hop in hops] == [8 if f else 0 for f in retry_flags]
     first = client.calls[0][0]
     assert table.is_banned(first) == banned and ((0, first) in table.bans) == banned
-    assert (caller.timeouts, caller.connection_errors, caller.not_accumulated) == counters
-    assert caller.retries == 1
+    assert _counted(caller, "timeouts connection_errors not_accumulated") == counters
+    assert caller.stats.retries == 1
     assert ((0, first, TIMEOUT_S * 2) in table.reports) == isinstance(exc, TimeoutError)
 
 
 def test_a_fatal_answer_fails_a_chain_at_once():
     table = SpyTable([[A, B], [C]])
     client = ScriptedClient(RemoteError("unauthorized", "no key"), reply=_chain_reply)
-    with pytest.raises(stage_calls.MicroBatchFailed, match="refused the chain"):
+    with pytest.raises(call_policy.MicroBatchFailed, match="refused the chain"):
         _chain(client, table)
     assert len(client.calls) == 1
 
@@ -290,12 +296,12 @@ def test_a_peers_deadline_is_learned_and_every_call_may_take_the_request_timeout
     monkeypatch.setattr(deadlines, "DEADLINE_FLOOR_S", 1.5)
     table, client = SpyTable([[A, B]]), ScriptedClient()
     caller = _caller(client, table)
-    assert caller.deadline_s(0, "backward", A, TIMEOUT_S) == TIMEOUT_S
+    assert caller.peers.deadline_s(0, "backward", A, TIMEOUT_S) == TIMEOUT_S
     for _ in range(deadlines.MIN_CALLS + 1):
         _call(caller, prefer=A)
     assert client.timeouts_s == [TIMEOUT_S] * (deadlines.MIN_CALLS + 1)
-    assert caller.deadline_s(0, "backward", A, TIMEOUT_S) == 1.5 < TIMEOUT_S
-    assert caller.deadline_s(0, "backward", B, TIMEOUT_S) == TIMEOUT_S  # B's time is not known yet
+    assert caller.peers.deadline_s(0, "backward", A, TIMEOUT_S) == 1.5 < TIMEOUT_S
+    assert caller.peers.deadline_s(0, "backward", B, TIMEOUT_S) == TIMEOUT_S  # B's time is not known yet
 
 
 def test_only_a_silent_peers_timeout_bans_it_as_frozen():
@@ -305,7 +311,7 @@ def test_only_a_silent_peers_timeout_bans_it_as_frozen():
         table, client = SpyTable([[A, B]]), ScriptedClient(failure)
         caller = _caller(client, table)
         assert _call(caller, prefer=A)[1] == B
-        assert table.is_banned(A) == banned and caller.timeouts == 1, failure
+        assert table.is_banned(A) == banned and caller.stats.timeouts == 1, failure
 
 
 # frozen peers: pinged, banned, hedged (runtime/trainer/hedging.py) --------------------------------------
@@ -369,13 +375,7 @@ def test_a_frozen_peer_is_banned_and_its_call_hedged_on_another_replica_without_
     assert answered_by == B and reply.header["acc"] == 0  # the copy accumulated nothing
     assert client.calls == [(A, "backward", None), (A, "ping", None), (B, "backward", False)]
     assert table.is_banned(A) and table.bans == [(0, A)]
-    assert (caller.frozen, caller.hedges, caller.hedges_won, caller.timeouts, caller.retries) == (
-        1,
-        1,
-        1,
-        0,
-        0,
-    )
+    assert _counted(caller, "frozen hedges hedges_won timeouts retries") == (1, 1, 1, 0, 0)
     assert table.reports == []  # a hedge's time measures nobody's usual time
 
 
@@ -392,12 +392,12 @@ def test_a_busy_peer_that_answers_pings_is_waited_for_and_never_hedged(quick_che
     assert answered_by == A and reply.header["acc"] == 8
     pings = [c for c in client.calls if c[1] == "ping"]
     assert len(pings) >= 2 and {c[0] for c in pings} == {A}
-    assert not table.bans and (caller.frozen, caller.hedges) == (0, 0)
+    assert not table.bans and _counted(caller, "frozen hedges") == (0, 0)
 
 
 def _measured(caller, peer, kind, call_s, stage=0):
     for _ in range(deadlines.MIN_CALLS):
-        caller.observe(stage, kind, peer, call_s)
+        caller.peers.observe(stage, kind, peer, call_s)
 
 
 def test_a_peer_slower_than_its_deadline_that_answers_pings_is_waited_for(quick_checks, monkeypatch):
@@ -409,11 +409,11 @@ def test_a_peer_slower_than_its_deadline_that_answers_pings_is_waited_for(quick_
     table, client = SpyTable([[A]]), FreezableClient(slow={A}, slow_s=0.4, reply=_acc_reply)
     caller = _caller(client, table)
     _measured(caller, A, "backward", 0.01)
-    assert caller.deadline_s(0, "backward", A, TIMEOUT_S) == 0.1
+    assert caller.peers.deadline_s(0, "backward", A, TIMEOUT_S) == 0.1
     reply, answered_by = _call(caller, "backward", prefer=A)
     assert answered_by == A and reply.header["acc"] == 8
     assert [c for c in client.calls if c[1] == "backward"] == [(A, "backward", None)]
-    assert not table.bans and (caller.timeouts, caller.retries, caller.not_accumulated) == (0, 0, 0)
+    assert not table.bans and _counted(caller, "timeouts retries not_accumulated") == (0, 0, 0)
 
 
 def test_a_chain_slower_than_its_deadline_whose_peers_answer_pings_is_waited_for(quick_checks, monkeypatch):
@@ -428,7 +428,7 @@ def test_a_chain_slower_than_its_deadline_whose_peers_answer_pings_is_waited_for
     loss, hops, _ = asyncio.run(chains.run("t.0-1", 0, 8, tokens, tokens))
     assert loss == 1.5 and [(h.peer, h.acc) for h in hops] == [(A, 8), (C, 8)]
     assert _chain_flags(client) == [(True, True)] and not table.bans
-    assert (caller.timeouts, caller.retries, caller.hedges) == (0, 0, 0)
+    assert _counted(caller, "timeouts retries hedges") == (0, 0, 0)
 
 
 def test_a_silent_peer_nobody_can_replace_is_given_up_at_its_deadline(quick_checks, monkeypatch):
@@ -463,7 +463,7 @@ def _given_up_after_s(caller, attempt) -> float:
     async def hedged():
         start_s = asyncio.get_running_loop().time()
         with pytest.raises(SilentPastDeadline):
-            await caller._hedged(0, "backward", A, message, attempt, 8, 1.0)
+            await caller.hedged(0, message, attempt, 8, 1.0)
         return asyncio.get_running_loop().time() - start_s
 
     return asyncio.run(hedged())
@@ -490,7 +490,7 @@ def test_a_chain_whose_stage_0_peer_is_frozen_is_hedged_on_the_other_accumulatin
     assert _chain_flags(client) == [(True, True), (False, False)]
     pinged = {c[0] for c in client.calls if c[1] == "ping"}
     assert pinged == {A, C} and table.bans == [(0, A)]
-    assert (caller.frozen, caller.hedges, caller.hedges_won, caller.timeouts) == (1, 1, 1, 0)
+    assert _counted(caller, "frozen hedges hedges_won timeouts") == (1, 1, 1, 0)
 
 
 def test_a_chain_waiting_on_a_frozen_later_stage_is_hedged_on_a_route_around_it(quick_checks):
@@ -509,7 +509,7 @@ def test_a_call_every_live_peer_answers_stale_fails_at_once():
     """Every replica of the stage is past the micro-batch's step: no retry can run it for that step."""
     stale = [RemoteError("stale", "step 3 is already applied here (at 4)") for _ in range(2)]
     table, client = SpyTable([[A, B]]), ScriptedClient(*stale)
-    with pytest.raises(stage_calls.MicroBatchFailed, match="applied the step of t.0-1 without it"):
+    with pytest.raises(call_policy.MicroBatchFailed, match="applied the step of t.0-1 without it"):
         _call(_caller(client, table, max_retries=10), "backward")
     assert [c[0] for c in client.calls] == [A, B]
 
@@ -517,7 +517,7 @@ def test_a_call_every_live_peer_answers_stale_fails_at_once():
 def test_a_chain_every_stage_0_peer_answers_stale_fails_at_once():
     stale = [RemoteError("stale", "step 3 is already applied here (at 4)") for _ in range(2)]
     table, client = SpyTable([[A, B], [C]]), ScriptedClient(*stale, reply=_chain_reply)
-    with pytest.raises(stage_calls.MicroBatchFailed, match="without it"):
+    with pytest.raises(call_policy.MicroBatchFailed, match="without it"):
         _chain(client, table, max_retries=10)
     assert sorted(c[0] for c in client.calls) == sorted([A, B])
 

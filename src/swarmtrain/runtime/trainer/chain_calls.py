@@ -3,17 +3,17 @@
 the route to a stage-0 peer, and gets back the loss and one report per stage.
 
 Retries follow the one call policy of the trainer (runtime/trainer/call_policy.py, with the relayed
-path): the failed call's outcome says which stages may have applied the micro-batch (`flags_after`),
+path; peers are chosen and their answers recorded through its `PeerChoice`): the failed call's outcome says which stages may have applied the micro-batch (`flags_after`),
 the retry asks those not to accumulate again, and while any stage may hold it the retry is persistent
 (giving up would leave the stages disagreeing on the step's batch), as the relayed path's backward is. A stage-0 peer that is gone (or answers `digest_mismatch`) is banned; a chain whose
 later hop failed is retried on a new route. A chain that runs past its stage-0 peer's usual time makes
 the trainer ping every first-choice peer of its route; when one is silent (frozen), it is banned and the
-chain is hedged on a new route that accumulates nothing, first answer wins (runtime/trainer/hedging.py).
+chain is hedged on a new route that accumulates nothing, first answer wins (runtime/trainer/hedging.py's
+`Hedger`, as a relayed call is).
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 from swarmtrain.net.codec import EncodedTensor
@@ -27,15 +27,9 @@ from swarmtrain.net.hand_off import (
     validate_hops,
 )
 from swarmtrain.net.protocol import Message, ProtocolError
-from swarmtrain.planner.deadlines import check_after_s, ping_timeout_s, silent_deadline_s
 from swarmtrain.planner.routing import BACKWARD_WEIGHT, FORWARD_CHARGE, FORWARD_WEIGHT
 from swarmtrain.runtime.trainer.call_policy import PERSISTENT_ATTEMPTS, Attempt, frozen_or, run_call
-from swarmtrain.runtime.trainer.hedging import (
-    SilentPastDeadline,
-    first_success,
-    silent_while,
-    within_deadline,
-)
+from swarmtrain.runtime.trainer.hedging import Copy, Pair, SilentPastDeadline
 from swarmtrain.runtime.trainer.stage_calls import StageCaller
 from swarmtrain.utils.logging import get_logger
 
@@ -44,80 +38,81 @@ logger = get_logger(__name__)
 ALTERNATES = 2  # peers after the chosen one in a route entry: a hop tries them when its next hop fails
 HOP_WEIGHT = FORWARD_WEIGHT + BACKWARD_WEIGHT  # a hop's report covers its forward and its backward
 
+ChainAnswer = tuple[float, list[HopReport], EncodedTensor | None]
+
 
 class ChainCaller:
+    """Chains, through the relayed calls' client, counters, peer choice and hedging (`StageCaller`)."""
+
     def __init__(self, caller: StageCaller, num_stages: int, digest: str, codec: str) -> None:
         self.caller, self.num_stages, self.digest, self.codec = caller, num_stages, digest, codec
-        self.table = caller.table
+        self.client, self.peers, self.stats = caller.client, caller.peers, caller.stats
+        self.hedger, self.table = caller.hedger, caller.table
 
     async def run(
         self, mb: str, step: int, n: int, inputs: EncodedTensor, labels: EncodedTensor, first: int = 0
-    ) -> tuple[float, list[HopReport], EncodedTensor | None]:
+    ) -> ChainAnswer:
         """The micro-batch's loss, every stage's report from `first` on (the first stage's peer's first)
         and the gradient of `first`'s inputs (None at stage 0). `inputs`: what stage `first` takes (token
         ids at stage 0; the trainer relayed the stages before it)."""
-        return await run_call(self.caller, _ChainPlan(self, mb, step, n, inputs, labels, first))
+        plan = _ChainPlan(self, mb, step, n, inputs, labels, first)
+        return await run_call(self.peers, self.stats, plan)
 
     async def evaluate(
         self, mb: str, n: int, inputs: EncodedTensor, labels: EncodedTensor, first: int, step
     ) -> float:
         """A validation micro-batch's loss, handed from stage `first` to the last along a route as training
         micro-batches are (`evaluate_chain`); `step`: the parameter version every stage must have."""
-        return await run_call(self.caller, _EvaluationPlan(self, mb, n, inputs, labels, first, step))
+        plan = _EvaluationPlan(self, mb, n, inputs, labels, first, step)
+        return await run_call(self.peers, self.stats, plan)
 
     async def _attempt(
         self, message: Message, peer: str, route: list[list[str]], attempt: Attempt, n: int, first: int
-    ):
+    ) -> ChainAnswer:
         """One chain from `peer` (stage `first`) along `route`, hedged on a new route when a peer of it
-        is silent: (loss, hop reports, input gradient) of whichever answers first. While the peers
-        answer pings the chain is waited for up to `attempt.cap_s`; once one is silent, until the
-        deadline (runtime/trainer/hedging.py)."""
-        caller, start_s, wait_s = self.caller, time.monotonic(), attempt.wait_s
-        call = asyncio.ensure_future(caller.client.call(peer, message, attempt.cap_s))
-        times = caller.call_times.get((first, "chain", peer))
+        is silent (`Hedger`): (loss, hop reports, input gradient) of whichever answers first."""
+        start_s = time.monotonic()
         # every peer of the route, alternates too: a hop that failed over to a frozen alternate keeps the
         # chain waiting while the peers we would otherwise ping answer, and the wait past the deadline
-        # is only for chains whose peers all answer (the likely cause of a 46.9 s stall in netbed chaos,
-        # seed 0, that ended when a frozen stage-1 replica was resumed; docs/LOG.md)
+        # is only for chains whose peers all answer
         waited_on = [(first, peer)] + [
             (stage, p) for stage, c in enumerate(route, start=first + 1) for p in c
         ]
+        hedge: list[tuple[list[list[str]], float]] = []  # the copy's route and when it was sent
 
-        async def probe() -> list[tuple[int, str]]:
-            return await caller.silent_peers(waited_on, ping_timeout_s(times))
+        def copy_around(silent: list[Pair]) -> Copy[Message] | None:
+            made = self._copy(message, n, attempt.wait_s, silent, first)
+            if made is None:
+                return None
+            hedge.append((made[1], time.monotonic()))
+            return made[0]
 
-        hedge = None
-        silent = await silent_while(call, check_after_s(times, wait_s), probe)
-        if silent:
-            call = asyncio.ensure_future(within_deadline(call, start_s + silent_deadline_s(times, wait_s)))
-            hedge = self._hedge(message, n, wait_s, silent, first)
-        if hedge is None:
-            return self._finished(await call, [[peer], *route], n, time.monotonic() - start_s, first)
-        copy, candidates, hedge_start_s = hedge
-        hedge_won, reply = await first_success(call, copy)
-        caller.hedges_won += hedge_won
-        logger.info(
-            "chain of %s: hedged after a silent peer; %s won",
-            message.header["mb"],
-            "the copy" if hedge_won else "the original",
+        copy, reply = await self.hedger.call(
+            self.client.call(peer, message, attempt.cap_s),
+            attempt,
+            self.peers.times(first, "chain", peer),
+            waited_on,
+            copy_around,
+            f"chain of {message.header['mb']}",
         )
-        if hedge_won:
-            return self._finished(
-                reply, candidates, n, time.monotonic() - hedge_start_s, first, observe=False
-            )
+        if copy is not None:  # a hedge started late: its time is nobody's usual time
+            candidates, sent_s = hedge[0]
+            return self._finished(reply, candidates, n, time.monotonic() - sent_s, first, observe=False)
         return self._finished(reply, [[peer], *route], n, time.monotonic() - start_s, first)
 
-    def _hedge(self, message: Message, n: int, wait_s: float, silent: list[tuple[int, str]], first: int):
-        """A copy of the chain that accumulates nothing, on a route around the silent peers (then
-        treated as frozen); None when some stage has no other live peer (the original is waited for)."""
+    def _copy(
+        self, message: Message, n: int, wait_s: float, silent: list[Pair], first: int
+    ) -> tuple[Copy[Message], list[list[str]]] | None:
+        """A copy of the chain that accumulates nothing, on a route around the silent peers, and that
+        route (its first peer's entry first); None when some stage has no other live peer (the original
+        is waited for)."""
         route = [
-            self.table.choose(stage, n, 0.0, exclude={p for s, p in silent if s == stage})
+            self.peers.spare(stage, n, 0.0, {p for s, p in silent if s == stage})
             for stage in range(first, self.num_stages)
         ]
         if any(peer is None for peer in route):
             return None
-        self.caller.treat_as_frozen(silent)
-        head, rest = route[0], [[peer] for peer in route[1:]]
+        head, rest = str(route[0]), [[str(peer)] for peer in route[1:]]
         copy_message = chain_message(
             message.header["mb"],
             first,
@@ -130,9 +125,7 @@ class ChainCaller:
             step=message.header.get("step"),
             timeout_s=message.header.get("timeout_s"),
         )
-        self.caller.hedges += 1
-        copy = asyncio.ensure_future(self.caller.client.call(head, copy_message, wait_s))
-        return copy, [[head], *rest], time.monotonic()
+        return Copy(head, self.client.call(head, copy_message, wait_s)), [[head], *rest]
 
     async def _route(self, n: int, first: int, head: str, charge: float = FORWARD_CHARGE) -> list[list[str]]:
         """For every stage after `first` (whose peer is `head`): the peer IWRR picks (charged `charge` for
@@ -142,9 +135,9 @@ class ChainCaller:
         route, before = [], head
         for stage in range(first + 1, self.num_stages):
             unreachable = self._unreachable_from(stage, before)
-            chosen = [await self.caller._pick(stage, n, charge, unreachable)]
+            chosen = [await self.peers.pick(stage, n, charge, unreachable)]
             while len(chosen) <= ALTERNATES:
-                other = self.table.choose(stage, n, 0.0, exclude=unreachable | set(chosen))
+                other = self.peers.spare(stage, n, 0.0, unreachable | set(chosen))
                 if other is None:
                     break
                 chosen.append(other)
@@ -163,16 +156,24 @@ class ChainCaller:
         return unreachable if available - unreachable else set()
 
     def _finished(
-        self, reply, candidates: list[list[str]], n: int, call_s: float, first: int, observe: bool = True
-    ):
+        self,
+        reply: Message,
+        candidates: list[list[str]],
+        n: int,
+        call_s: float,
+        first: int,
+        observe: bool = True,
+    ) -> ChainAnswer:
         hops = validate_hops(reply.header, first, self.num_stages, candidates, n)
         loss = checked_loss(reply)
         for hop, service_s in zip(hops, hop_service_times(call_s, hops), strict=True):
-            self.table.report(hop.stage, hop.peer, n, service_s, HOP_WEIGHT)
+            self.peers.report(hop.stage, hop.peer, n, service_s, HOP_WEIGHT)
         head = hops[0]
         if observe:  # a hedge started late: its time is nobody's usual time
-            self.caller.observe(first, "chain", head.peer, call_s)
-        self.caller._time(first, "chain", call_s, {"server_s": head.server_s, "compute_s": head.compute_s})
+            self.peers.observe(first, "chain", head.peer, call_s)
+        self.peers.record_timing(
+            first, "chain", call_s, {"server_s": head.server_s, "compute_s": head.compute_s}
+        )
         return loss, hops, reply.tensors.get("grad_inputs")
 
 
@@ -181,6 +182,8 @@ class _ChainPlan:
     chosen anew for every attempt. A failure's outcome says which stages may have applied the
     micro-batch (`flags_after`): the retry asks those not to accumulate again, and while any may hold
     it the retry is persistent; a chain whose later hop failed keeps its first peer."""
+
+    log_every_retry = True
 
     def __init__(
         self,
@@ -201,7 +204,7 @@ class _ChainPlan:
 
     async def choose(self, attempt: int, excluded: set[str]) -> Attempt:
         chain, first = self.chain, self.stage
-        peer = await chain.caller._pick(first, self.num_samples, FORWARD_CHARGE, excluded)
+        peer = await chain.peers.pick(first, self.num_samples, FORWARD_CHARGE, excluded)
         self.route = await chain._route(self.num_samples, first, peer)
         self.message = chain_message(
             self.mb,
@@ -215,10 +218,10 @@ class _ChainPlan:
             step=self.step,
             timeout_s=self.budget_s,
         )
-        wait_s = chain.caller.deadline_s(first, "chain", peer, self.budget_s)  # a frozen peer: given up early
+        wait_s = chain.peers.deadline_s(first, "chain", peer, self.budget_s)  # a frozen peer: given up early
         return Attempt(peer, wait_s, self.budget_s)
 
-    async def send(self, attempt: Attempt) -> tuple[float, list[HopReport], EncodedTensor | None]:
+    async def send(self, attempt: Attempt) -> ChainAnswer:
         assert self.message is not None  # `choose` made it
         return await self.chain._attempt(
             self.message, attempt.peer, self.route, attempt, self.num_samples, self.stage
@@ -231,21 +234,23 @@ class _ChainPlan:
 
     def retry_with(self, failure: FailureAction) -> None:
         flags = flags_after(self.flags, failure.outcome)
-        self.chain.caller.not_accumulated += sum(a and not b for a, b in zip(self.flags, flags, strict=True))
+        self.chain.stats.not_accumulated += sum(a and not b for a, b in zip(self.flags, flags, strict=True))
         self.flags = flags
 
     def excludes(self, failure: FailureAction) -> bool:
         return failure.outcome is not Outcome.NEXT_FAILED
 
-    def max_attempts(self) -> int:
+    def out_of_retries(self, attempt: int, delay_s: float) -> bool:
         # while a stage may hold the micro-batch, stopping would leave the stages disagreeing
-        return PERSISTENT_ATTEMPTS if not all(self.flags) else self.chain.caller.swarm.max_retries
+        return attempt > (PERSISTENT_ATTEMPTS if not all(self.flags) else self.chain.caller.swarm.max_retries)
 
 
 class _EvaluationPlan:
     """A validation chain (`ChainCaller.evaluate`) for `run_call`: a stage peer and a route chosen anew
     for every attempt. Nothing accumulates, so any failure is retried as it is, on another first peer
     unless a later hop failed."""
+
+    log_every_retry = True
 
     def __init__(
         self,
@@ -265,7 +270,7 @@ class _EvaluationPlan:
     async def choose(self, attempt: int, excluded: set[str]) -> Attempt:
         chain, first = self.chain, self.stage
         # charged as the relayed evaluation's calls are: a forward at every stage
-        peer = await chain.caller._pick(first, self.num_samples, FORWARD_WEIGHT, excluded)
+        peer = await chain.peers.pick(first, self.num_samples, FORWARD_WEIGHT, excluded)
         self.route = await chain._route(self.num_samples, first, peer, charge=FORWARD_WEIGHT)
         return Attempt(peer, self.budget_s, self.budget_s)
 
@@ -282,7 +287,7 @@ class _EvaluationPlan:
             step=self.step,
             timeout_s=self.budget_s,
         )
-        return checked_loss(await chain.caller.client.call(attempt.peer, message, attempt.wait_s))
+        return checked_loss(await chain.client.call(attempt.peer, message, attempt.wait_s))
 
     def classify(self, exc: BaseException, attempt: Attempt) -> FailureAction:
         if isinstance(exc, ProtocolError):  # a malformed reply: nothing was kept, ask again
@@ -295,5 +300,5 @@ class _EvaluationPlan:
     def excludes(self, failure: FailureAction) -> bool:
         return failure.outcome is not Outcome.NEXT_FAILED
 
-    def max_attempts(self) -> int:
-        return self.chain.caller.swarm.max_retries
+    def out_of_retries(self, attempt: int, delay_s: float) -> bool:
+        return attempt > self.chain.caller.swarm.max_retries

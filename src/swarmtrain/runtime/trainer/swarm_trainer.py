@@ -6,7 +6,7 @@ trip less) -> gradients go back through the stages in reverse; any replica may t
 recomputes the forward from the input it is sent when it does not hold the activations).
 The trainer relays encoded tensors as received (never decodes hidden states). Many micro-batches
 are in flight at once; for every call a peer is chosen by IWRR (`PeerTable`), failures are retried
-on another peer with bounded retries and backoff (runtime/trainer/stage_calls.py).
+on another peer with bounded retries and backoff (runtime/trainer/call_policy.py).
 
 Every micro-batch belongs to a global step (runtime/trainer/step_tracker.py): this trainer contributes
 `global_batch_size / shard_count` samples to each step, and once a step's micro-batches are done at
@@ -18,10 +18,8 @@ as in one process), so at equal samples the swarm follows local training.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import time
 import uuid
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from swarmtrain.config import RunConfig
@@ -30,13 +28,14 @@ from swarmtrain.net.codec import encode
 from swarmtrain.net.dht_records import RunRecords
 from swarmtrain.net.engine import PeerNetwork
 from swarmtrain.net.protocol import close_message, encode_labels, namespace
-from swarmtrain.net.transport import RemoteError, StageClient
+from swarmtrain.net.transport import StageClient
 from swarmtrain.planner.routing import BACKWARD_WEIGHT, FORWARD_CHARGE, FORWARD_WEIGHT, direct_from
 from swarmtrain.planner.stop_step import StopAction
 from swarmtrain.runtime.ledger import Ledger
 from swarmtrain.runtime.procs import remember_group_sockets
-from swarmtrain.runtime.trainer.call_policy import retry_delay_s
+from swarmtrain.runtime.trainer.call_policy import CallStats
 from swarmtrain.runtime.trainer.chain_calls import ChainCaller
+from swarmtrain.runtime.trainer.close_calls import CLOSE_EXIT_WAIT_S, CLOSE_RETRY_S, deliver_close
 from swarmtrain.runtime.trainer.peer_table import PeerTable, RunMismatch
 from swarmtrain.runtime.trainer.stage_calls import StageCaller
 from swarmtrain.runtime.trainer.step_tracker import StepTracker
@@ -45,13 +44,6 @@ from swarmtrain.runtime.trainer.trainer_metrics import TrainerMetrics
 from swarmtrain.utils.logging import get_logger
 
 logger = get_logger(__name__)
-
-
-# a close lets a stage's replicas apply the step: one that never gets it waits for good (with one replica
-# there is nobody to resync from), so a close is retried this long; the first tries come fast because a
-# peer behind a NAT is reachable only once its relay is reserved, seconds after it announced itself
-CLOSE_RETRY_S = 30.0
-CLOSE_EXIT_WAIT_S = 5.0  # at exit, closes still retried after this are dropped (their peers are gone)
 
 
 @dataclass
@@ -116,33 +108,6 @@ class TrainerResult:
         }
 
 
-async def call_until_delivered(
-    call: Callable[[], Awaitable[object]],
-    on_failure: Callable[[BaseException, int, bool], None],
-    retry_s: float = CLOSE_RETRY_S,
-) -> int | None:
-    """`call()` until it returns: the number of attempts it took, or None. Transport failures are retried
-    with the trainer's backoff (`call_policy.retry_delay_s`) for up to `retry_s`; an error answer
-    (`RemoteError`) is not, since the peer would answer the same. `on_failure(exc, attempt, last)` hears
-    of each failure (`last`: no retry follows)."""
-    deadline_s = time.monotonic() + retry_s
-    for attempt in itertools.count():
-        delay_s = retry_delay_s(attempt + 1)
-        try:
-            await call()
-            return attempt + 1
-        except RemoteError as exc:
-            on_failure(exc, attempt, True)
-            return None
-        except Exception as exc:  # unreachable for now (a relay not reserved yet), or gone
-            last = time.monotonic() + delay_s > deadline_s
-            on_failure(exc, attempt, last)
-            if last:
-                return None
-        await asyncio.sleep(delay_s)
-    raise AssertionError("unreachable")
-
-
 class SwarmTrainer:
     """Runs inside an asyncio loop; owns no parameters."""
 
@@ -161,6 +126,7 @@ class SwarmTrainer:
         self.tracker: StepTracker | None = None
         self.chain: ChainCaller | None = None  # direct hand-off, once set up
         self._close_tasks: set[asyncio.Task] = set()
+        self.close_stats = CallStats()  # the closes' own: the summary's counters are the micro-batches'
         self._start_s = time.monotonic()
         self.stop_agreement: StopAgreement | None = None  # where --duration-s ends the run, once training
         self.mismatch: RunMismatch | None = None  # a stage's peers all run other settings: the run ends
@@ -282,7 +248,7 @@ class SwarmTrainer:
     async def _wait_for_every_stage(self) -> None:
         """Before the first step: every stage has a live peer (its step tells where to start)."""
         for stage in range(self.num_stages):
-            await self.caller.wait_for_peer(stage)
+            await self.caller.peers.wait_for_peer(stage)
 
     def _swarm_step(self) -> int:
         """The step the swarm is at: the highest parameter version any live server announces."""
@@ -322,30 +288,12 @@ class SwarmTrainer:
             logger.info("%d close(s) undelivered at exit (their peers are unreachable)", len(pending))
 
     async def _send_close(self, peer: str, stage: int, step: int, message) -> None:
-        """Deliver a close: a replica that never gets its step's close cannot apply the step, and a stage
-        with one replica has nobody to resync from."""
-
-        def failed(exc: BaseException, attempt: int, last: bool) -> None:
-            if attempt == 0 or last:
-                outcome = "refused" if isinstance(exc, RemoteError) else "giving up" if last else "retrying"
-                logger.info(
-                    "close of step %d to stage %d peer %s failed (%r): %s",
-                    step,
-                    stage,
-                    peer[-8:],
-                    exc,
-                    outcome,
-                )
-
-        attempts = await call_until_delivered(lambda: self.client.call(peer, message, timeout_s=5.0), failed)
-        if attempts is not None and attempts > 1:
-            logger.info(
-                "close of step %d to stage %d peer %s delivered at attempt %d",
-                step,
-                stage,
-                peer[-8:],
-                attempts,
-            )
+        """Deliver a close (runtime/trainer/close_calls.py): a replica that never gets its step's close
+        cannot apply the step, and a stage with one replica has nobody to resync from."""
+        try:
+            await deliver_close(self.client, self.caller.peers, self.close_stats, peer, stage, step, message)
+        except Exception:  # a bug, not a failure of the peer: said, never lost with the task
+            logger.exception("close of step %d to stage %d peer %s failed", step, stage, peer[-8:])
 
     async def _micro_batch(self, mb: str, step: int, input_ids, labels) -> None:
         n = int(input_ids.shape[0])
@@ -497,8 +445,8 @@ class SwarmTrainer:
             completed=res.completed,
             failed=res.failed,
             in_flight=res.started - res.completed - res.failed,
-            retries=self.caller.retries,
-            timeouts=self.caller.timeouts,
+            retries=self.caller.stats.retries,
+            timeouts=self.caller.stats.timeouts,
             peers_per_stage=list(self.table.peers_per_stage()),
         )
         logger.info(
@@ -559,14 +507,8 @@ async def train_async(cfg: RunConfig, options: TrainerOptions, dht, batches_from
         codec=trainer.codec,
         trainer_id=options.trainer_id,
         transport=transport_summary(trainer.client.stats),
-        retries=trainer.caller.retries,
-        timeouts=trainer.caller.timeouts,
-        connection_errors=trainer.caller.connection_errors,
-        retries_not_accumulated=trainer.caller.not_accumulated,
-        frozen_peers=trainer.caller.frozen,
-        hedges=trainer.caller.hedges,
-        hedges_won=trainer.caller.hedges_won,
-        rpc=trainer.caller.timing_summary(),
+        **trainer.caller.stats.summary(),
+        rpc=trainer.caller.peers.timing_summary(),
     )
     trainer.ledger.close()
     return summary
