@@ -21,9 +21,16 @@ if [ -n "${1:-}" ]; then
     mkdir -p "$site/bin" && printf '#!/bin/sh\nexec %s -m swarmtrain.cli.main "$@"\n' "$PYTHON" > "$site/bin/swarmtrain"
     chmod +x "$site/bin/swarmtrain"
 fi
-"$PYTHON" -c "import torch, hivemind, swarmtrain; assert torch.cuda.is_available(), 'torch sees no CUDA device'; \
-print('torch', torch.__version__, torch.cuda.get_device_name(), 'hivemind', hivemind.__version__)" \
-    || { echo "gpu-check: needs torch with a CUDA device and swarmtrain's dependencies (see above)"; exit 2; }
+"$PYTHON" - <<'EOF' || exit 2
+import sys
+try:
+    import hivemind, swarmtrain, torch
+except ImportError as exc:
+    sys.exit(f"gpu-check: {exc}: install swarmtrain's dependencies (README, 'GPUs'), or pass a wheelhouse")
+if not torch.cuda.is_available():
+    sys.exit(f"gpu-check: torch {torch.__version__} sees no CUDA device")
+print("torch", torch.__version__, torch.cuda.get_device_name(), "hivemind", hivemind.__version__)
+EOF
 echo "== gpu tests ($(date +%T))"
 timeout "${T_TESTS:-120}" "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider -o addopts="" tests \
     > "$OUT/gpu_tests.log" 2>&1; echo "gpu tests: exit $?, $(tail -1 "$OUT/gpu_tests.log")"
