@@ -17,8 +17,9 @@
 from __future__ import annotations
 
 from swarmtrain.sim.base import PeerState
+from swarmtrain.sim.chunk import Chunk
 from swarmtrain.sim.network import Endpoint
-from swarmtrain.sim.pipeline import Chunk, PipelineSimulation
+from swarmtrain.sim.pipeline import PipelineSimulation
 
 RUNNING, STALLED, STARTING = "running", "stalled", "starting"
 MAX_MICRO_BATCHES_PER_STAGE = 4  # GPipe's advice: M >= 4S amortizes the bubble; memory bounds M anyway

@@ -29,61 +29,13 @@ from collections import deque
 
 from swarmtrain.planner.routing import BACKWARD_WEIGHT, FORWARD_CHARGE, FORWARD_WEIGHT
 from swarmtrain.sim.base import Observer, PeerState, Simulation
+from swarmtrain.sim.chunk import Chunk
 from swarmtrain.sim.metrics import SimResult
 from swarmtrain.sim.network import Endpoint
 from swarmtrain.sim.stage_steps import StageSteps
 from swarmtrain.utils.rng import make_rng
 
 LAST_STAGE_WEIGHT = FORWARD_WEIGHT + BACKWARD_WEIGHT  # the last stage runs forward and backward together
-
-
-class Chunk:
-    __slots__ = (
-        "id",
-        "owner",
-        "samples",
-        "stage",
-        "backward",
-        "attempt",
-        "peer",
-        "src",
-        "path",
-        "path_epoch",
-        "sent_s",
-        "recompute",
-        "log",
-        "avoid",
-        "expected_s",
-        "compute_factor",
-        "step",
-    )
-
-    def __init__(self, chunk_id: int, owner, samples: int, num_stages: int) -> None:
-        self.id = chunk_id
-        self.owner = owner  # the trainer (SWARM) or pipeline (gpipe) that drives it
-        self.samples = samples
-        self.attempt = 0
-        self.log: list[tuple[int, bool]] | None = None
-        self.path = [-1] * num_stages
-        self.path_epoch = [-1] * num_stages
-        self.step = 0  # the global step its samples belong to (synchronous steps)
-        self.reset(chunk_id)
-
-    def reset(self, chunk_id: int) -> None:
-        self.id = chunk_id
-        self.stage = 0
-        self.backward = False
-        self.peer = -1
-        self.src = -1  # peer index holding the input; -1: the trainer
-        self.recompute = False
-        self.sent_s = 0.0
-        self.avoid = -1  # a peer that just timed out on this chunk: not chosen again right away
-        self.expected_s = 0.0
-        self.compute_factor = 1.0
-        for s in range(len(self.path)):
-            self.path[s] = -1
-        if self.log is not None:
-            self.log = []
 
 
 class Variability:

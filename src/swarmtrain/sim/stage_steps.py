@@ -16,15 +16,12 @@ stage 0, so every stage's close waits for the step's last chunk to come back.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from swarmtrain.sim.base import PeerState
+from swarmtrain.sim.chunk import Chunk
 from swarmtrain.sim.costs import StageCosts
 from swarmtrain.sim.engine import EventQueue
 from swarmtrain.sim.metrics import Metrics
-
-if TYPE_CHECKING:
-    from swarmtrain.sim.pipeline import Chunk
 
 
 class StageSteps:

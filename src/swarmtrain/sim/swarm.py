@@ -23,9 +23,10 @@ import heapq
 from swarmtrain.planner.rebalance import Move, PeerLoad, RebalanceConfig, plan_moves, stage_for_new_peer
 from swarmtrain.planner.routing import FORWARD_WEIGHT, StageRouter
 from swarmtrain.sim.base import PeerState
+from swarmtrain.sim.chunk import Chunk
 from swarmtrain.sim.network import Endpoint
 from swarmtrain.sim.optimal import optimal_allocation
-from swarmtrain.sim.pipeline import LAST_STAGE_WEIGHT, Chunk, PipelineSimulation
+from swarmtrain.sim.pipeline import LAST_STAGE_WEIGHT, PipelineSimulation
 
 ANNOUNCE_FACTOR = LAST_STAGE_WEIGHT  # samples/s of forward+backward -> forward-equivalent samples/s
 
