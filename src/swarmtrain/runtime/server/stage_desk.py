@@ -31,6 +31,7 @@ from swarmtrain.net.protocol import (
     error_message,
     validate_request,
 )
+from swarmtrain.net.transport import Handler  # the one alias: transport's servicer calls handlers
 from swarmtrain.runtime.server.chain_hop import Admitted, ChainHop
 from swarmtrain.runtime.server.compute import (
     PRIORITY_BACKWARD,
@@ -46,7 +47,6 @@ from swarmtrain.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
-Handler = Callable[[Message, object], Awaitable[Message]]
 Run = Callable[[Message, int], Awaitable[Message]]  # (request, how many arrived together) -> answer
 
 

@@ -31,14 +31,13 @@ from swarmtrain.net.protocol import (
 )
 from swarmtrain.planner.deadlines import CallTimes, exchange_ping_timeout_s
 from swarmtrain.runtime.faults import FaultHooks, nan_like
-from swarmtrain.runtime.server.stage_desk import Handler
 from swarmtrain.runtime.server.stage_steps import StepCoordinator
 from swarmtrain.runtime.server.stage_worker import StageWorker, all_finite
 from swarmtrain.runtime.server.sums_codec import SumsCodec, WireSums
 from swarmtrain.utils.logging import get_logger
 
 if TYPE_CHECKING:  # hivemind is imported only once the process has prepared its environment
-    from swarmtrain.net.transport import StageClient
+    from swarmtrain.net.transport import Handler, StageClient
 
 logger = get_logger(__name__)
 
