@@ -5,13 +5,13 @@ two periods."""
 import pytest
 
 from swarmtrain.net.dht_records import StageAnnouncement
-from swarmtrain.runtime.server.balancer import (
-    Balancer,
+from swarmtrain.planner.lease_plan import (
     loads_from_announcements,
     observed_samples_per_s,
     swarm_plan,
     valid_lease,
 )
+from swarmtrain.runtime.server.balancer import Balancer
 
 pytestmark = pytest.mark.unit
 

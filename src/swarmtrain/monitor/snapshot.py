@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 
 from swarmtrain.config import RunConfig
-from swarmtrain.runtime.server.balancer import live_leases, observed_samples_per_s, swarm_plan
+from swarmtrain.planner.lease_plan import live_leases, observed_samples_per_s, swarm_plan
 
 # what servers publish in their metrics record (runtime/server/server_metrics.py) that the monitor shows
 SERVER_KEYS = ("stage", "step", "resyncs", "lost_samples", "duplicates", "recomputed", "late", "moved")
@@ -91,7 +91,7 @@ def _total(values) -> int | float | None:
 
 def _rebalance(cfg: RunConfig, announced: dict[int, dict], moves: dict[str, dict]) -> dict:
     """The balancer's settings in the run file (a server's --rebalance-period-s overrides its period) and
-    the plan every server computes on these records now (runtime/server/balancer.swarm_plan)."""
+    the plan every server computes on these records now (planner/lease_plan.swarm_plan)."""
     swarm = cfg.swarm
     plan = swarm_plan(announced, live_leases(moves), swarm.num_stages, cfg.digest(), swarm.rebalance_margin)
     return {
