@@ -1,11 +1,12 @@
 """A state download abandons a donor that goes silent and takes the state from the next one (issue 40,
-item 4), on real hivemind DHT nodes and `StageAverager`s on 127.0.0.1. The silent donor is a server
+item 4), and cuts one that trickles at its deadline (planner/download_deadline.py), on real hivemind DHT
+nodes and `StageAverager`s on 127.0.0.1. The silent donor is a server
 that froze (SIGSTOP of its libp2p daemon: a closed laptop lid, a host without power) after declaring
 its state. Here the stream opens on the existing connection and its first part never comes; hivemind's
 own download also moved on after its chunk timeout in this case (checked by hand: it logged a traceback
-per failed donor). What `StageAverager._load_state_from_peers` adds, beyond one-line logs, is a bound
-on opening the stream (a donor reached by a new dial through a cut link) and on the DHT read of the
-donors; the resync that calls it is no longer capped at a fixed 60 s (stage_sync.SyncSettings)."""
+per failed donor). The trickling donor sends a part every second, within the chunk timeout, so
+hivemind's own download would wait for all of it; here it is cut at the deadline the rule gives for the
+state's size."""
 
 import os
 import signal
@@ -15,10 +16,14 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+from swarmtrain.planner.download_deadline import REPORT_SLACK_S, DownloadRule, donor_deadline_s, state_bytes
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 
 CHUNK_TIMEOUT_S = 2.0
-DOWNLOAD_CAP_S = 40.0  # what the joiner allows the whole download: a hang on the frozen donor uses it up
+# a small stage's rule: the base dominates, as it does for `tiny` (30 s there)
+RULE = DownloadRule(base_s=4.0, min_rate_bytes_per_s=1e6, max_donors=2)
+TRICKLE_PARTS, TRICKLE_DELAY_S = 30, 1.0  # 30 s for the whole state: far past its deadline
 
 
 def _node(initial_peers=None):
@@ -27,16 +32,19 @@ def _node(initial_peers=None):
     return DHT(initial_peers=initial_peers, start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
 
 
-def _averager(dht, donor: str, value: float, priority: float, declare_period_s: float):
+def _averager(dht, donor: str, value: float, priority: float, declare_period_s: float, parts=1, delay_s=0.0):
+    """`parts` tensors of 4 values (one streamed part each), `delay_s` after each part sent."""
     from swarmtrain.net.averaging import StageAverager
 
+    state = [torch.full((4,), value) for _ in range(parts)]
     averager = StageAverager(
-        [torch.full((4,), value)],
+        state,
         dht,
         prefix="download_test",
-        state_provider=lambda: ({"donor": donor}, [torch.full((4,), value)]),
+        state_provider=lambda: ({"donor": donor}, state),
         declare_state_period_s=declare_period_s,
         next_chunk_timeout=CHUNK_TIMEOUT_S,
+        part_delay_s=delay_s,
     )
     averager.state_sharing_priority = priority
     return averager
@@ -74,19 +82,64 @@ def test_a_frozen_donor_is_abandoned_for_the_next_one():
         while loaded is None or loaded[0].get("donor") != "frozen":  # both declared, the order known
             assert time.monotonic() < deadline, loaded
             time.sleep(1.0)
-            loaded = joiner.download_state(timeout_s=DOWNLOAD_CAP_S)
+            loaded = joiner.download_state(donor_deadline_s=40.0, max_donors=2)
 
         frozen_daemon = _daemon_of(frozen_node)
         os.kill(frozen_daemon, signal.SIGSTOP)
         started_s = time.monotonic()
-        loaded = joiner.download_state(timeout_s=DOWNLOAD_CAP_S)
+        loaded = joiner.download_state(donor_deadline_s=40.0, max_donors=2)
         took_s = time.monotonic() - started_s
-        assert loaded is not None, "the download hung on the frozen donor until its overall cap"
+        assert loaded is not None, "the download hung on the frozen donor until its deadline"
+        assert took_s < 40.0, took_s  # cut for its silence, not at its deadline
         metadata, tensors = loaded
         assert metadata == {"donor": "awake"}
         torch.testing.assert_close(tensors[0], torch.full((4,), 7.0))
         print(
             f"state from the second donor {took_s:.1f} s after the first froze (chunk timeout {CHUNK_TIMEOUT_S} s)"
+        )
+    finally:
+        if frozen_daemon is not None:
+            os.kill(frozen_daemon, signal.SIGCONT)
+        for averager in averagers:
+            averager.shutdown()
+        for node in nodes:
+            node.shutdown()
+
+
+def test_a_trickling_donor_after_a_frozen_one_is_cut_at_the_deadline_of_the_states_size():
+    """Neither donor completes: the download ends within the rule's deadline (the frozen donor cut at
+    its chunk timeout, the trickling one at its own deadline), and the caller falls back (a server to
+    its checkpoint: tests/unit/test_stage_sync.py)."""
+    trickle_node = _node()
+    frozen_node, joiner_node = (_node(trickle_node.get_visible_maddrs()) for _ in range(2))
+    nodes, averagers, frozen_daemon = [trickle_node, frozen_node, joiner_node], [], None
+    try:
+        averagers.append(_averager(frozen_node, "frozen", 1.0, priority=10.0, declare_period_s=120.0))
+        averagers.append(
+            _averager(trickle_node, "trickle", 7.0, 5.0, 5.0, parts=TRICKLE_PARTS, delay_s=TRICKLE_DELAY_S)
+        )
+        joiner = _averager(joiner_node, "joiner", 0.0, priority=0.0, declare_period_s=1.0)
+        averagers.append(joiner)
+        joiner.allow_state_sharing = False
+        # the joiner's state is as large as the donors' (one stage): its deadline follows that size
+        donor_s = donor_deadline_s(state_bytes(TRICKLE_PARTS * 4, copies=1), RULE)
+        deadline, loaded = time.monotonic() + 40, None
+        while loaded is None or loaded[0].get("donor") != "frozen":  # both declared, the order known
+            assert time.monotonic() < deadline, loaded
+            time.sleep(1.0)
+            loaded = joiner.download_state(donor_deadline_s=donor_s, max_donors=1)
+
+        frozen_daemon = _daemon_of(frozen_node)
+        os.kill(frozen_daemon, signal.SIGSTOP)
+        started_s = time.monotonic()
+        loaded = joiner.download_state(donor_deadline_s=donor_s, max_donors=RULE.max_donors)
+        took_s = time.monotonic() - started_s
+        assert loaded is None, loaded[0] if loaded else None
+        # the frozen donor costs its chunk timeout, the trickling one its deadline: both within the rule
+        assert min(CHUNK_TIMEOUT_S, donor_s) + donor_s - 0.5 <= took_s, took_s
+        assert took_s <= RULE.max_donors * donor_s + REPORT_SLACK_S, took_s
+        print(
+            f"download ended {took_s:.1f} s after the first donor froze (deadline {RULE.max_donors * donor_s:.1f} s)"
         )
     finally:
         if frozen_daemon is not None:

@@ -10,6 +10,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from swarmtrain.runtime.replica import replica_peer
 from swarmtrain.runtime.replica.replica_peer import ReplicaPeer, ReplicaSummary
@@ -22,17 +23,18 @@ class StubPeer(ReplicaPeer):
     on each call (its last entry from then on); a download succeeds from a record past our step."""
 
     def __init__(self, outer_step: int, timeline: list[dict[str, dict]]) -> None:  # no super(): no swarm
-        self.outer = SimpleNamespace(outer_step=outer_step)
+        self.outer = SimpleNamespace(outer_step=outer_step, anchor=[torch.zeros(4)])
         self.summary = ReplicaSummary(replica_id="me", shard="1/2")
         self.round_samples = 0
-        self.timeline, self.calls, self.downloads = timeline, 0, 0
+        self.timeline, self.calls, self.downloads, self.lefts = timeline, 0, 0, []
 
     def _others(self) -> dict[str, dict]:
         others = self.timeline[min(self.calls, len(self.timeline) - 1)]
         self.calls += 1
         return others
 
-    def _download(self, reason: str, retry: bool = False) -> bool:
+    def _download(self, reason: str, retry: bool = False, left_s: float = float("inf")) -> bool:
+        self.lefts.append(left_s)
         ahead = [v["outer_step"] for v in self.timeline[min(self.calls, len(self.timeline)) - 1].values()]
         if not any(step > self.outer.outer_step for step in ahead):
             return False
@@ -75,7 +77,21 @@ def test_a_resync_with_nobody_at_or_past_the_round_goes_on_at_once():
     peer._resync(1, "the others are past outer step 1")
     assert peer.downloads == 0 and peer.outer.outer_step == 1
     assert peer.calls == 2  # one poll, then the position it trains on from
-    assert time.monotonic() - start_s < 5.0  # not DOWNLOAD_TIMEOUT_S (60 s)
+    assert time.monotonic() - start_s < 5.0  # not the download deadline
+
+
+def test_a_resync_whose_downloads_keep_failing_ends_at_the_download_deadline(monkeypatch):
+    """A replica ahead that never delivers (its downloads fail) holds a resync only until the deadline
+    of planner/download_deadline.py, and each try is told the time left to it."""
+    monkeypatch.setattr(replica_peer, "replica_deadline_s", lambda param_count: 0.5)
+    peer = StubPeer(1, [{"ahead": at(3)}])
+    peer._download = lambda reason, retry=False, left_s=float("inf"): bool(peer.lefts.append(left_s))
+    start_s = time.monotonic()
+    peer._resync(1, "started outer step 1 from other weights than the group")
+    took_s = time.monotonic() - start_s
+    assert 0.5 <= took_s < 0.5 + 0.2, took_s  # the deadline, plus one poll (0.01 s here) and the stubs
+    assert peer.lefts and all(0 < left <= 0.5 for left in peer.lefts)
+    assert peer.lefts == sorted(peer.lefts, reverse=True)
 
 
 def test_the_last_rounds_reference_stays_until_the_replica_behind_caught_up():

@@ -1,5 +1,7 @@
 """Keeping replicas in line (runtime/server/stage_sync.py), on fakes of the DHT records and of the averager."""
 
+import time
+
 import pytest
 import torch
 
@@ -29,9 +31,17 @@ class FakeAverager:
         self.state_sharing_priority = 0.0
         self.calls, self.donor_state = [], donor_state
 
-    def download_state(self, timeout_s):
+    def download_state(self, donor_deadline_s, max_donors):
         self.calls.append(("download",))
         return self.donor_state
+
+
+class CutAverager(FakeAverager):
+    """Every donor trickles and is cut at its deadline: each download takes all its donors' time."""
+
+    def download_state(self, donor_deadline_s, max_donors):
+        self.calls.append(("download", donor_deadline_s, max_donors))
+        time.sleep(donor_deadline_s * max_donors)
 
 
 @pytest.fixture
@@ -166,6 +176,7 @@ def make_joiner(tiny_cfg, start_compute, tmp_path):
         wait_s=0.0,
         stranded_s=30.0,
         peers_ahead=lambda: None,
+        rule=None,
     ):
         worker = StageWorker(tiny_cfg, tiny_cfg.stages()[1])
         identity = {"run_id": "r", "digest": tiny_cfg.digest()}
@@ -184,6 +195,7 @@ def make_joiner(tiny_cfg, start_compute, tmp_path):
             lag_grace_s=lag_grace_s,
             missing_replica_wait_s=wait_s,
             stranded_grace_s=stranded_s,
+            download_rule=rule or SyncSettings().download_rule,
         )
         records, averager = StagedRecords(), averager or FakeAverager()
         sync = StageSynchronizer(
@@ -261,6 +273,30 @@ def test_join_falls_back_to_the_checkpoint_when_the_replicas_died(make_joiner, t
     records.progress["A"] = _peer(4)  # a record of a replica that is gone: its download fails
     sync.join()
     assert worker.epoch == 3 and not sync.untrained
+    sync.stop()
+
+
+def test_a_joiner_whose_donors_never_complete_resumes_from_its_checkpoint_at_the_deadline(
+    make_joiner, tiny_cfg, caplog
+):
+    """The donors are there but none delivers within its deadline: the joiner serves from its own
+    checkpoint once the whole download's deadline has passed, and says so in one WARNING line."""
+    from swarmtrain.planner.download_deadline import DownloadRule, donor_deadline_s, state_bytes
+
+    rule = DownloadRule(base_s=0.3, min_rate_bytes_per_s=1e9, max_donors=2)
+    donor = _donor(tiny_cfg, 3)
+    sync, worker, records, _ = make_joiner(checkpoint_from=donor, averager=CutAverager(), rule=rule)
+    records.progress["A"] = _peer(4)  # a live donor that trickles
+    donor_s = donor_deadline_s(state_bytes(sum(p.numel() for p in worker.params)), rule)
+    start_s = time.monotonic()
+    sync.join()
+    took_s = time.monotonic() - start_s
+    # the whole download's deadline; no retry fits after it (a retry would cost at least a donor's)
+    assert rule.max_donors * donor_s <= took_s < rule.max_donors * donor_s + donor_s, took_s
+    assert sync.averager.calls == [("download", donor_s, rule.max_donors)]
+    assert worker.epoch == 3 and sync.serving.is_set() and not sync.untrained
+    warnings = [r.getMessage() for r in caplog.records if "no donor completed" in r.getMessage()]
+    assert len(warnings) == 1 and "checkpoint at step 3" in warnings[0], warnings
     sync.stop()
 
 

@@ -5,9 +5,10 @@ why hivemind's matchmaking is too slow for that); hivemind's averager serves the
 (parameters + optimizer) to joining and lagging replicas, which download it with
 `load_state_from_peers`. What this wrapper adds:
 - the download is bounded (`load_state_from_peers` otherwise waits forever when the averager process
-  is gone), a donor that goes silent is abandoned for the next within a chunk timeout (hivemind's own
-  download waited without a bound for a cut-off donor to open its stream), and failures come back as
-  values, not exceptions;
+  is gone): a donor that goes silent is abandoned for the next within a chunk timeout (hivemind's own
+  download waited without a bound for a cut-off donor to open its stream), one that keeps sending but
+  too slowly at its deadline, which follows the state's size (planner/download_deadline.py), and at
+  most the rule's number of donors is tried; failures come back as values, not exceptions;
 - the state shared with joining peers comes from a callback of the owner (parameters + optimizer),
   and SIGINT is restored after start (hivemind sets it to ignored in the parent);
 - in a private run (`members_keys`), hivemind's averaging RPCs answer only peers that have a record
@@ -39,6 +40,7 @@ from hivemind.utils.streaming import combine_from_streaming
 
 from swarmtrain.net.dht_records import live_subkeys
 from swarmtrain.net.engine import restore_sigint
+from swarmtrain.planner.download_deadline import REPORT_SLACK_S
 from swarmtrain.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -66,9 +68,13 @@ class StageAverager(DecentralizedAverager):
         allreduce_timeout_s: float = 30.0,
         declare_state_period_s: float = 5.0,
         members_keys: Sequence[str] = (),
+        part_delay_s: float = 0.0,
         **averager_kwargs,
     ) -> None:
+        """`part_delay_s`: a pause after each part of the state this peer sends, a trickling donor for
+        tests (production code never passes it)."""
         self._state_provider = state_provider
+        self._part_delay_s = part_delay_s
         self._members_keys = tuple(members_keys)
         self._members: set[str] = set()
         self._members_read_s = float("-inf")
@@ -123,6 +129,8 @@ class StageAverager(DecentralizedAverager):
             return  # no data: the downloader moves on to the next peer
         async for response in super().rpc_download_state(request, context):
             yield response
+            if self._part_delay_s > 0:
+                await asyncio.sleep(self._part_delay_s)
 
     async def _is_member(self, context, action: str) -> bool:
         if not self._members_keys:
@@ -174,24 +182,37 @@ class StageAverager(DecentralizedAverager):
                 await asyncio.wait_for(self._state_updated.wait(), timeout=remaining_s)
 
     # state download (in the averager's process) -------------------------------------------------------
-    async def _load_state_from_peers(self, future: MPFuture, timeout: float | None = None) -> None:
-        """The stage state from its donors, highest sharing priority first. hivemind's own version waits
-        without a bound for a donor to open the download stream (a donor whose link is cut holds the
-        joiner until libp2p gives up) and reads the donors with a blocking DHT call on this event loop;
-        here a donor that does not open the stream, or send its next part, within `next_chunk_timeout`
-        is abandoned for the next one, so a download is bounded by its donors' silence, not by a fixed
-        time, and a slow donor that keeps sending is never cut off."""
+    async def _load_state_from_peers(
+        self, future: MPFuture, timeout: float | None = None, max_donors: int = 1
+    ) -> None:
+        """The stage state from at most `max_donors` donors, highest sharing priority first, each given
+        up to `timeout` s (its deadline for the whole state), all within `max_donors * timeout`. hivemind's
+        own version waits without a bound for a donor to open the download stream (a donor whose link is
+        cut holds the joiner until libp2p gives up), bounds only the silence between parts (a donor that
+        trickles holds a joiner for as long as it likes) and reads the donors with a blocking DHT call
+        on this event loop. Here a donor that does not open the stream, or send its next part, within
+        `next_chunk_timeout` is abandoned for the next one, and so is one that has not delivered the
+        whole state by its deadline."""
+        started_s = time.monotonic()
+        total_s = None if timeout is None else max_donors * timeout
         try:
-            for peer in await self._donors():
-                loaded = await self._download_from(peer)
-                if loaded is not None:
-                    future.set_result(loaded)
-                    return
-        except Exception as exc:  # a dead DHT or daemon: no state, the caller retries later
-            logger.info("state download failed: %r", exc)
+            await asyncio.wait_for(self._load_from_donors(future, timeout, max_donors), timeout=total_s)
+        except Exception as exc:  # a dead DHT or daemon, or the whole deadline: no state, the caller retries
+            logger.info("state download failed after %.1f s: %r", time.monotonic() - started_s, exc)
         finally:
             if not future.done():
                 future.set_result(None)
+
+    async def _load_from_donors(self, future: MPFuture, donor_s: float | None, max_donors: int) -> None:
+        for peer in (await self._donors())[:max_donors]:
+            try:
+                loaded = await asyncio.wait_for(self._download_from(peer), timeout=donor_s)
+            except TimeoutError:
+                logger.info("state download from %s cut at its deadline of %.1f s", peer, donor_s)
+                continue
+            if loaded is not None:
+                future.set_result(loaded)
+                return
 
     async def _donors(self) -> list[PeerID]:
         key = f"{self._matchmaking.group_key_manager.prefix}.all_averagers"
@@ -239,13 +260,18 @@ class StageAverager(DecentralizedAverager):
         metadata, tensors = self._state_provider()
         return metadata, list(tensors), None
 
-    def download_state(self, timeout_s: float) -> tuple[dict, list[torch.Tensor]] | None:
-        """Parameters and optimizer state from the stage peer with the highest sharing priority."""
+    def download_state(
+        self, donor_deadline_s: float, max_donors: int
+    ) -> tuple[dict, list[torch.Tensor]] | None:
+        """Parameters and optimizer state from the stage peer with the highest sharing priority that
+        delivers them within `donor_deadline_s` (planner/download_deadline.py), trying at most
+        `max_donors`; None when none did."""
         try:
-            # a silent donor is abandoned within STATE_CHUNK_TIMEOUT_S (`_download_from`); `timeout_s`
-            # only caps a whole download that keeps making progress
-            future = self.load_state_from_peers(wait=False, timeout=timeout_s)
-            loaded = future.result(timeout=timeout_s)
+            future = MPFuture()
+            # hivemind's `load_state_from_peers` forwards only a timeout to the averager's process
+            options = dict(timeout=donor_deadline_s, future=future, max_donors=max_donors)
+            self._outer_pipe.send(("_load_state_from_peers", [], options))
+            loaded = future.result(timeout=max_donors * donor_deadline_s + REPORT_SLACK_S)
         except Exception as exc:
             logger.warning("state download failed: %r", exc)
             return None

@@ -41,6 +41,7 @@ from swarmtrain.model.optim import adam_state_tensors, load_adam_state
 from swarmtrain.net.engine import PeerNetwork
 from swarmtrain.net.outer_averaging import WIRE_BYTES_PER_ELEMENT, RoundResult
 from swarmtrain.net.robust import norm_of
+from swarmtrain.planner.download_deadline import replica_deadline_s, replica_plan
 from swarmtrain.planner.outer_rounds import INITIAL_LINEAGE, RoundState, next_lineage, started_from_reference
 from swarmtrain.runtime.faults import NO_FAULTS, FaultHooks
 from swarmtrain.runtime.replica.replica_inner import InnerTrainer
@@ -56,7 +57,6 @@ PEER_POLL_S = 0.2
 MATCHMAKING_S = 1.0
 GROUP_TIMEOUT_S = 10.0
 ROUND_WEIGHT_FLOOR = 1e-3  # a joiner at the round's end trained nothing in it: a small weight, not zero
-DOWNLOAD_TIMEOUT_S = 60.0
 LINGER_S = 30.0  # at the run's end: how long a replica stays for another still finishing its last round
 ANCHOR_NORM_RATIO = 3.0  # a downloaded model whose norm is beyond this many times ours is refused
 
@@ -182,9 +182,9 @@ class ReplicaPeer:
             self.lineage = str(meta.get("lineage", ""))
             load_adam_state(self.inner.optimizer, self.inner.params(), tensors[2 * n :])
 
-    def _download(self, reason: str, retry: bool = False) -> bool:
-        """`retry`: a repeated attempt of one resync, logged at debug level (one warning per resync)."""
-        loaded = self.averager.download_state(DOWNLOAD_TIMEOUT_S)
+    def _download(self, reason: str, retry: bool = False, left_s: float = math.inf) -> bool:
+        """`retry`: a repeated try of one resync (logged at debug); `left_s`: the time left to its deadline."""
+        loaded = self.averager.download_state(*replica_plan(sum(map(torch.numel, self.outer.anchor)), left_s))
         if loaded is None:
             logger.log(
                 logging.DEBUG if retry else logging.WARNING, "replica state download failed (%s)", reason
@@ -374,7 +374,7 @@ class ReplicaPeer:
         self.summary.rounds_resynced += 1
         self.summary.round_outcomes[str(k)] = "resynced"
         target = self.outer.outer_step + 1
-        deadline = time.monotonic() + DOWNLOAD_TIMEOUT_S
+        deadline = time.monotonic() + replica_deadline_s(sum(map(torch.numel, self.outer.anchor)))
         tried = False
         while time.monotonic() < deadline:
             steps = [v["outer_step"] for v in self._others().values()]
@@ -387,7 +387,7 @@ class ReplicaPeer:
                 # the replicas ahead left (their records expired): nobody to download from
                 logger.warning("no live replica past outer step %d to download from: this one goes on", k)
                 break
-            if self._download(reason, retry=tried) and self.outer.outer_step >= target:
+            if self._download(reason, tried, deadline - time.monotonic()) and self.outer.outer_step >= target:
                 break
             tried = True
             time.sleep(PEER_POLL_S)  # the donor is still applying the round

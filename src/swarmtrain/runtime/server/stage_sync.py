@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 from swarmtrain.config.errors import UserError
 from swarmtrain.net.protocol import ProtocolError
+from swarmtrain.planner.download_deadline import DEFAULT_RULE, DownloadRule, donor_deadline_s, state_bytes
 from swarmtrain.planner.restore import behind_other_stages, choose_start, follows_on_mismatch
 from swarmtrain.runtime.ledger import Ledger
 from swarmtrain.runtime.server.compute import PRIORITY_SYNC, ComputeWorker
@@ -54,10 +55,9 @@ class SyncSettings:
     heartbeat_s: float = 1.0
     progress_ttl_s: float = 4.0
     lag_grace_s: float = 3.0
-    # a whole state download's cap while it makes progress (a donor that goes silent is abandoned within
-    # net/averaging.STATE_CHUNK_TIMEOUT_S): a billion-parameter stage's state with Adam is ~12 GB, minutes
-    # even at 1 Gbit/s, and a fixed 60 s failed every such download
-    download_timeout_s: float = 1800.0
+    # a state download's deadline follows the stage's state size (planner/download_deadline.py): a
+    # billion-parameter stage's state with Adam is ~12 GB, minutes even at 1 Gbit/s
+    download_rule: DownloadRule = DEFAULT_RULE
     compute_timeout_s: float = 120.0
     num_stages: int = 1
     allow_fresh: bool = False  # --fresh-start: initial weights even when the swarm has stepped
@@ -140,16 +140,17 @@ class StageSynchronizer:
         swarm_step = self._other_stages_step()
         peer_epochs = self._stage_epochs(swarm_step)
         start = choose_start(peer_epochs, checkpoint_step, swarm_step, self.settings.allow_fresh)
-        if start.source == "peers":
-            self.resync("joining a stage that has already trained")
-            # a failed download from replicas that are still there (a busy donor) is tried again
-            for _ in range(JOIN_RETRIES):
-                if not (self.untrained and self._others()):
-                    break
-                time.sleep(JOIN_RETRY_S)
-                self.resync("joining: the last download failed and the stage's replicas are still there")
-            if self.untrained:  # the replicas died meanwhile: as if there were none
-                start = choose_start([], checkpoint_step, swarm_step, self.settings.allow_fresh)
+        if start.source == "peers" and not self._joined_from_peers():
+            # no donor delivered within the deadline, or the replicas died meanwhile: as if there were none
+            start = choose_start([], checkpoint_step, swarm_step, self.settings.allow_fresh)
+            if start.source == "checkpoint":
+                logger.warning(
+                    "stage %d: no donor completed the state download within its deadline (%.0f s); "
+                    "resuming from this stage's checkpoint at step %d",
+                    self.stage,
+                    self._download_deadline_s()[1],
+                    checkpoint_step,
+                )
         # state_step: every step before it is in the state this replica starts from (the accounting
         # counts dead replicas' steps before it as applied)
         state_step = {"peers": self.worker.epoch, "checkpoint": checkpoint_step or 0}.get(start.source, 0)
@@ -176,6 +177,27 @@ class StageSynchronizer:
         self.averager.state_sharing_priority = self._sharing_priority()
         self.serving.set()
         self.publish()
+
+    def _joined_from_peers(self) -> bool:
+        """Downloads the state from the stage's replicas, all tries within one download's deadline
+        (planner/download_deadline.py): a failed download from replicas that are still there (a busy
+        donor) is tried again with the donors that still fit in it. True when a download succeeded."""
+        donor_s, total_s = self._download_deadline_s()
+        ends_s = time.monotonic() + total_s
+        self.resync("joining a stage that has already trained")
+        for _ in range(JOIN_RETRIES):
+            donors = int((ends_s - time.monotonic() - JOIN_RETRY_S) // donor_s)
+            if not (self.untrained and donors >= 1 and self._others()):
+                break
+            time.sleep(JOIN_RETRY_S)
+            self.resync("joining: the last download failed and the stage's replicas are still there", donors)
+        return not self.untrained
+
+    def _download_deadline_s(self) -> tuple[float, float]:
+        """(one donor's deadline, the whole download's) for this stage's state."""
+        rule = self.settings.download_rule
+        donor_s = donor_deadline_s(state_bytes(sum(p.numel() for p in self.worker.params)), rule)
+        return donor_s, rule.max_donors * donor_s
 
     def start(self) -> None:
         self._start_thread(self._loop, "stage-sync")
@@ -343,13 +365,15 @@ class StageSynchronizer:
                     best = max(best, value["epoch"])
         return best
 
-    def resync(self, reason: str) -> None:
-        """Stop serving, drop unapplied buckets, download the stage state from peers, serve again."""
+    def resync(self, reason: str, max_donors: int | None = None) -> None:
+        """Stop serving, drop unapplied buckets, download the stage state from peers (trying at most
+        `max_donors`, by default the download rule's), serve again."""
         logger.warning("resync of stage %d replica: %s", self.stage, reason)
         self.serving.clear()
         self.averager.state_sharing_priority = -1.0  # never be picked as a donor while stale
         self.publish()
-        loaded = self.averager.download_state(self.settings.download_timeout_s)
+        donor_s = self._download_deadline_s()[0]
+        loaded = self.averager.download_state(donor_s, max_donors or self.settings.download_rule.max_donors)
         imported = None
         if loaded is not None:
             self.counters.downloaded_bytes += sum(t.numel() * t.element_size() for t in loaded[1])
