@@ -300,6 +300,7 @@ async def release_p2p_replica(dht, p2p) -> None:
     hivemind's averager process calls `replicate_p2p()` too, sees another pid and drops the replica it
     inherited, whose finalizer deletes the unix socket the daemon delivers our incoming streams to. The
     moved server could then call out but not be called (its stage peers' gradients: "connection reset",
-    every step; bench/rebalance_live.py). hivemind keeps the replica in `DHT._p2p_replica`."""
+    every step; bench/rebalance_live.py). hivemind keeps the replica in `DHT._p2p_replica`, and 1.1.12
+    offers no public way to drop it (`replicate_p2p()` is its only accessor), hence the private write."""
     dht._p2p_replica = None
     await p2p.shutdown()
