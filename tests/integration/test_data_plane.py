@@ -4,7 +4,7 @@ knows (net/failures.py), dials that fail before sending anything, a silent link 
 control set where permitted; in every run each side proves its libp2p identity and what crosses the
 wire is sealed (an eavesdropper reads nothing, a changed byte ends the link), and in private runs only
 holders of the run key get in; identities that are no key, or not the claimed peer id's, refused on
-both sides (an error and one log line at the server, a failed dial at the client); the limits on what an untrusted caller can make a server hold."""
+both sides (an error and one log line at the server, a failed dial at the client); the limits on what an untrusted caller can make a server hold, per peer id too."""
 
 import asyncio
 import contextlib
@@ -32,7 +32,8 @@ from swarmtrain.net.failures import Outcome, classify_failure
 from swarmtrain.net.identity import PeerIdentity
 from swarmtrain.net.link_meter import DOWN, METERED_MIN_BYTES, UP, LinkMeter
 from swarmtrain.net.protocol import Message, ProtocolError, error_message, make_message, pack, unpack
-from swarmtrain.net.secure_link import Seal
+from swarmtrain.net.secure_link import TAG_BYTES, Seal
+from swarmtrain.net.server_bounds import ByteBounds
 from swarmtrain.net.tcp_tuning import set_congestion_control
 from swarmtrain.net.transport import RemoteError
 
@@ -40,6 +41,7 @@ pytestmark = pytest.mark.integration
 
 SERVER_IDENTITY, CALLER_IDENTITY = PeerIdentity.generate(), PeerIdentity.generate()
 SERVER, CALLER = SERVER_IDENTITY.peer_id, CALLER_IDENTITY.peer_id
+OTHER_IDENTITY = PeerIdentity.generate()  # a second caller, served while the first is at its limits
 LIMIT_BYTES = 1 << 20
 TIMEOUT_S = 10.0
 
@@ -95,11 +97,16 @@ class Plane:
 
 
 @contextlib.asynccontextmanager
-async def _plane(run_key: RunKey | None = None, server_type: type = DataPlaneServer, metered: bool = False):
+async def _plane(
+    run_key: RunKey | None = None,
+    server_type: type = DataPlaneServer,
+    metered: bool = False,
+    bounds: ByteBounds | None = None,
+):
     handlers = Handlers()
     server_meter, client_meter = (LinkMeter(), LinkMeter()) if metered else (None, None)
     server = server_type(
-        handlers.answer, lambda kind: LIMIT_BYTES, SERVER_IDENTITY, run_key, meter=server_meter
+        handlers.answer, lambda kind: LIMIT_BYTES, SERVER_IDENTITY, run_key, meter=server_meter, bounds=bounds
     )
     await server.start("127.0.0.1")
     client = DataPlaneClient(CALLER_IDENTITY, run_key, meter=client_meter)
@@ -626,7 +633,7 @@ def test_requests_over_a_links_limit_or_the_byte_budget_are_refused_unread(monke
             assert busy.value.code == "unavailable" and classify_failure(busy.value) is Outcome.NEVER_RAN
             held = plane.server.status()["held_bytes"]
             assert held > 0
-            plane.server.max_held_bytes = held + 1000  # room for a small request, not a large one
+            plane.server.held.total = held + 1000  # room for a small request, not a large one
             plane.handlers.gate.set()
             await asyncio.gather(*first)
             assert plane.server.status()["held_bytes"] == 0
@@ -637,15 +644,66 @@ def test_requests_over_a_links_limit_or_the_byte_budget_are_refused_unread(monke
                 await plane.call("e", size=4096)
             plane.handlers.gate.set()
             assert (await small).header["mb"] == "d"
-            assert plane.server.status() | {"max_held_bytes": 0} == {
+            status = plane.server.status()
+            assert {k: status[k] for k in ("connections", "held_bytes", "answers_under_way", "refused")} == {
                 "connections": 2,
                 "held_bytes": 0,
-                "max_held_bytes": 0,
                 "answers_under_way": 0,
                 "refused": 2,
             }
+            assert status["peers_connected"] == 1 and status["peers_holding"] == 0
 
     _run(main())
+
+
+def test_one_peer_id_is_held_to_its_connections_and_bytes_while_another_is_served(monkeypatch, caplog):
+    """Per peer id (proven by the handshake, whatever address it dials from: here all come from
+    127.0.0.1): at most MAX_CONNECTIONS_PER_PEER connections, a further one refused at the handshake (a
+    failed dial: the caller uses libp2p meanwhile), and at most its share of the bytes held, a further
+    request answered `unavailable` unread; another peer id is served all along, and what the first held
+    is released once answered."""
+    monkeypatch.setattr(data_plane, "MAX_CONNECTIONS_PER_PEER", 4)  # two links
+    frame = len(pack(_hand_off("s0", 4096, "chain"))) + TAG_BYTES
+    bounds = ByteBounds({"chain": LIMIT_BYTES, "bundle": LIMIT_BYTES}, 10 * frame, 3 * frame + 2000)
+
+    async def main():
+        async with _plane(bounds=bounds) as plane:
+            stranger = [f"s{i}" for i in range(3)]
+            plane.handlers.gates = {mb: asyncio.Event() for mb in stranger}
+            held = [asyncio.create_task(plane.call(mb, size=4096)) for mb in stranger]
+            await _until(lambda: len(plane.handlers.calls) == 3)
+            with pytest.raises(RemoteError, match="of this peer id") as refused:
+                await plane.call("s3", size=4096)
+            assert classify_failure(refused.value) is Outcome.NEVER_RAN
+            other = DataPlaneClient(OTHER_IDENTITY)
+            for mb in ("o1", "o2", "o3", "o4"):  # as large, and more of them than the stranger had
+                reply = await plane.call(mb, size=4096, client=other)
+                assert reply.header["caller"] == OTHER_IDENTITY.peer_id
+            status = plane.server.status()
+            assert status["most_held_by_one_peer"] == 3 * frame and status["peers_holding"] == 1
+            assert status["max_held_bytes_per_peer"] == 3 * frame + 2000
+            assert status["max_connections_per_peer"] == 4
+
+            second = DataPlaneClient(CALLER_IDENTITY)  # its second link (its last two connections)
+            assert (await plane.call("s4", client=second)).header["mb"] == "s4"
+            with pytest.raises(DialFailed, match="connections here"):  # a third link is refused
+                await plane.call("s5", client=DataPlaneClient(CALLER_IDENTITY))
+            assert (await plane.call("o5", client=DataPlaneClient(OTHER_IDENTITY))).header["mb"] == "o5"
+            assert plane.server.status()["peers_connected"] == 2
+
+            for gate in plane.handlers.gates.values():
+                gate.set()
+            assert [r.header["mb"] for r in await asyncio.gather(*held)] == stranger
+            assert plane.server.status()["held_bytes"] == 0
+            assert (await plane.call("s6", size=4096)).header["mb"] == "s6"  # its share is back
+            other.close()
+            second.close()
+
+    with caplog.at_level(logging.DEBUG):
+        _run(main())
+    refusals = [r.getMessage() for r in caplog.records if "refused a handshake" in r.getMessage()]
+    assert len(refusals) == 1 and "all a peer id may" in refusals[0], refusals  # its replies connection
+    _no_traceback_or_error(caplog.records)
 
 
 def test_a_caller_that_reads_no_replies_loses_its_link(monkeypatch):

@@ -3,7 +3,8 @@ a trainer trains through them (stopped with Ctrl-C afterwards): garbage, bad han
 public key is no key (self-made: claiming the peer id its bytes hash to; or claiming a real peer's id) or
 not the claimed peer id's, in both connection roles, invalid messages of every hand-off kind to
 every stage (alone and bundled, and replayed), frames of absurd or unfinished lengths, wrong frame
-types, half-open and idle connections, and large unfinished frames on many links. Asserted: every
+types, half-open and idle connections, and large unfinished frames on many links of several identities
+(each as many links as a peer id may have; one more is refused). Asserted: every
 invalid message gets a protocol error (never `internal`), every refused handshake an error message and
 one log line at the server, every misbehaving connection is closed, the memory a caller can make a
 server hold stays within its budget and is all released, the trainer finishes its run with no failed
@@ -25,12 +26,12 @@ import torch
 from fuzz_cases import HostileIdentity, hostile_identities, locally_rejected, mutations, valid_messages
 from swarm_fixtures import start_servers
 from swarmtrain.net import data_plane, framing, secure_link
+from swarmtrain.net import server_bounds as data_bounds
 from swarmtrain.net.bundle import MAX_BUNDLE_ITEMS, bundle_message
 from swarmtrain.net.identity import PeerIdentity
 from swarmtrain.net.protocol import (
     Message,
     ProtocolError,
-    StageIO,
     encode_labels,
     pack,
     request_message,
@@ -63,8 +64,13 @@ def test_the_data_plane_refuses_what_strangers_send_and_the_swarm_trains_on(make
     names = {0: "s0", 1: "s1"}
     swarm.start_trainer("trainer", "--max-samples", str(SAMPLES), "--log-period-s", "5")
     epochs_before = {s: probe.info(p).header["epoch"] for s, (p, _) in targets.items()}
+    bounds = {s: probe.info(p).header["data_plane"] for s, (p, _) in targets.items()}  # sized to the run
+    for status in bounds.values():
+        assert status["limited_by"] == "run", status
+        assert status["max_held_bytes"] >= data_bounds.MIN_HELD_BYTES, status
+        assert status["max_bundle_bytes"] < 2 * status["max_held_bytes_per_peer"] <= status["max_held_bytes"]
 
-    report = asyncio.run(asyncio.wait_for(_attack_all(cfg, targets, swarm, names), 400))
+    report = asyncio.run(asyncio.wait_for(_attack_all(cfg, targets, swarm, names, bounds), 400))
     print("data-plane fuzz:", json.dumps(report, sort_keys=True))
 
     trainer = swarm.processes["trainer"]
@@ -92,7 +98,7 @@ def test_the_data_plane_refuses_what_strangers_send_and_the_swarm_trains_on(make
         assert refused >= report[f"stage {stage}"]["hostile identities"], (name, refused)
 
 
-async def _attack_all(cfg, targets, swarm, names) -> dict:
+async def _attack_all(cfg, targets, swarm, names, bounds) -> dict:
     report = {}
     for stage, (peer, address) in targets.items():
         pid = swarm.processes[names[stage]].pid
@@ -103,7 +109,7 @@ async def _attack_all(cfg, targets, swarm, names) -> dict:
             "invalid messages": await _invalid_messages(address, peer, cfg, stage),
             "bad frames": await _bad_frames(address, peer),
             "idle connections": await _idle_connections(address),
-            "big unfinished frames": await _big_unfinished_frames(address, peer, cfg, stage, pid),
+            "big unfinished frames": await _big_unfinished_frames(address, peer, bounds[stage], pid),
         }
     return report
 
@@ -186,19 +192,24 @@ async def _hostile_identities(address, server: str, swarm_peers: list[str]) -> i
 
 
 class _RawLink:
-    """A link made by hand with the fuzzer's own identity (a public run admits anyone who proves one)."""
+    """A link made by hand with the fuzzer's own identity, or another self-made one (a public run admits
+    anyone who proves one)."""
 
     def __init__(self, replies, requests) -> None:
         self.replies, self.requests = replies, requests
 
     @classmethod
-    async def open(cls, address, server: str) -> _RawLink:
+    async def open(cls, address, server: str, identity: PeerIdentity = FUZZER_IDENTITY) -> _RawLink:
         link, channels = os.urandom(16).hex(), []
         for role in (secure_link.REPLIES, secure_link.REQUESTS):
             reader, writer = await asyncio.open_connection(*address)
-            seal = await secure_link.client_handshake(
-                reader, writer, FUZZER_IDENTITY, server, None, link, role
-            )
+            try:
+                seal = await secure_link.client_handshake(reader, writer, identity, server, None, link, role)
+            except BaseException:
+                writer.close()
+                for channel in channels:
+                    channel.close()
+                raise
             channels.append(framing.Channel(reader, writer, seal))
         return cls(*channels)
 
@@ -316,14 +327,18 @@ async def _idle_connections(address) -> int:
     return len(held)
 
 
-async def _big_unfinished_frames(address, server: str, cfg, stage: int, pid: int) -> dict:
-    """Many links each send a bundle frame of the largest size but its last byte: the server holds at
-    most its byte budget (the rest are refused unread) and releases it all when the links go."""
-    spec = cfg.stages()[stage]
-    io = StageIO.from_config(cfg.model, spec, 4 * cfg.training.micro_batch_size)
-    size = io.max_message_bytes() * MAX_BUNDLE_ITEMS
+async def _big_unfinished_frames(address, server: str, bounds: dict, pid: int) -> dict:
+    """Links of several self-made identities, as many as one peer id may have each (one more is refused
+    at its handshake), each send a bundle frame of the largest size the server takes but its last byte:
+    the server holds at most its byte budgets, in all and per peer id (the rest are refused unread), and
+    releases it all when the links go."""
+    size = bounds["max_bundle_bytes"]
+    per_identity = data_plane.MAX_CONNECTIONS_PER_PEER // 2
+    identities = [PeerIdentity.generate() for _ in range(BIG_FRAME_LINKS // per_identity)]
     rss_before = _rss_bytes(pid)
-    links = [await _RawLink.open(address, server) for _ in range(BIG_FRAME_LINKS)]
+    links = [await _RawLink.open(address, server, who) for who in identities for _ in range(per_identity)]
+    with pytest.raises(ProtocolError, match="all a peer id may"):
+        await _RawLink.open(address, server, identities[0])
     chunk = b"\0" * (1 << 20)
     for exchange, link in enumerate(links, start=1):
         link.requests.writer.write(framing.HEADER.pack(framing.REQUEST, 6, size, exchange) + b"bundle")
@@ -336,15 +351,15 @@ async def _big_unfinished_frames(address, server: str, cfg, stage: int, pid: int
     grown = _rss_bytes(pid) - rss_before
     for link in links:
         link.close()
-    return {"frame_bytes": size, "links": len(links), "rss_growth_mib": round(grown / 2**20, 1)} | _bounded(
-        grown, size
-    )
-
-
-def _bounded(grown: int, size: int) -> dict:
-    budget = max(data_plane.MIN_HELD_BYTES, 2 * size)
+    budget = min(bounds["max_held_bytes"], len(identities) * bounds["max_held_bytes_per_peer"])
     assert grown <= budget + RSS_SLACK_BYTES, (grown, budget)
-    return {"budget_mib": round(budget / 2**20, 1)}
+    return {
+        "frame_bytes": size,
+        "links": len(links),
+        "identities": len(identities),
+        "rss_growth_mib": round(grown / 2**20, 1),
+        "budget_mib": round(budget / 2**20, 1),
+    }
 
 
 def _rss_bytes(pid: int) -> int:

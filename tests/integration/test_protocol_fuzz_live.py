@@ -72,9 +72,9 @@ def _forward_flood_stays_in_cache_budget(cfg, probe, peer):
     cache = probe.info(peer).header["cache"]
     assert 1 <= cache["entries"] < 12 and cache["bytes"] <= CACHE_MB << 20, cache
     try:  # the evicted micro-batches still train: their backward recomputes
-        grad = torch.randn(batch, m.seq_len, m.d_model)
+        grad = torch.randn(batch, m.seq_len, m.d_model)  # 4 micro-batches: in the run's codec, not fp32
         message = request_message(
-            "backward", "flood-0", 0, cfg.digest(), "none", {"inputs": tokens, "grad_outputs": grad}, step=0
+            "backward", "flood-0", 0, cfg.digest(), "8bit", {"inputs": tokens, "grad_outputs": grad}, step=0
         )
         reply = probe.call_raw(peer, "backward", pack(message))
     except RemoteError as exc:

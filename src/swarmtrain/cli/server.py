@@ -72,6 +72,16 @@ def register(subparsers) -> None:
         "`system`: the system's default)",
     )
     parser.add_argument(
+        "--request-memory-mb",
+        type=positive_int,
+        metavar="MB",
+        help="memory lent to callers' requests: the micro-batches and bundles held at once, arriving or "
+        "awaiting their answer, over the data plane and libp2p together (default: a quarter of the memory "
+        "available when a stage starts serving). The frame, bundle and held-byte bounds are the smaller of "
+        "this and what the run needs, never below one fp32 micro-batch; the server prints them when it "
+        "starts serving",
+    )
+    parser.add_argument(
         "--checkpoint-dir",
         metavar="DIR",
         help="save the stage (parameters, optimizer, step) in DIR/stage<N>/ and resume from its newest "
@@ -209,6 +219,7 @@ def run(args: argparse.Namespace, faults: FaultHooks | None = None) -> int:
         faults=faults or NO_FAULTS,
         data_port=args.data_port if args.data_plane else None,
         data_congestion=None if args.data_plane_cc == "system" else args.data_plane_cc,
+        request_memory_bytes=None if args.request_memory_mb is None else args.request_memory_mb << 20,
     )
     # one process for its whole life: a move to another stage happens inside `run()`
     return ServerProcess(cfg, options).run()

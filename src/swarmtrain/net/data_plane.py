@@ -34,6 +34,7 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 
 from hivemind.p2p import P2PContext, PeerID
 
@@ -52,6 +53,7 @@ from swarmtrain.net.secure_link import (
     client_handshake,
     server_handshake,
 )
+from swarmtrain.net.server_bounds import ByteBounds, HeldBytes
 from swarmtrain.net.tcp_tuning import DEFAULT_CONGESTION, set_congestion_control
 from swarmtrain.net.transport import MAX_DRAIN_S, MAX_REPLY_BYTES, TransportStats, checked_reply
 from swarmtrain.utils.logging import get_logger
@@ -62,12 +64,15 @@ HANDSHAKE_TIMEOUT_S = 5.0
 # what one server holds for callers it cannot trust (every limit refused cleanly once reached: a
 # connection over a limit gets a handshake error, a request over a limit an `unavailable` answer, so
 # the caller takes another peer or libp2p). Sizes: a swarm's link carries a few micro-batches (or
-# bundles) at a time, and a local swarm's peers all dial from 127.0.0.1
+# bundles) at a time, and a local swarm's peers all dial from 127.0.0.1, so the limits per address stay
+# loose and those per peer id (authenticated: a stranger's self-made identity is one) are the tight ones.
+# Bytes: net/server_bounds.py sizes frames, bundles and the request bytes held, in all and per peer id,
+# to the server's run and memory.
 IDLE_LINK_S = 120.0  # a requests connection with no frame and no answer under way is closed after this
 MAX_CONNECTIONS = 512  # open connections (both of each link, and handshakes under way)
 MAX_CONNECTIONS_PER_ADDRESS = 64  # of those, from one remote IP address
+MAX_CONNECTIONS_PER_PEER = 8  # of those, of one peer id once proven (a client keeps one link: two)
 MAX_REQUESTS_PER_LINK = 64  # requests received and not yet answered, per link
-MIN_HELD_BYTES = 128 << 20  # request bodies held (arriving or awaiting their answer), all links together
 DIAL_COOLDOWN_S = 60.0  # after a failed dial, libp2p carries the hand-offs to that address meanwhile
 
 Address = tuple[str, int]
@@ -91,12 +96,21 @@ def dial_address(addresses: list[str], port: int) -> Address | None:
     return (chosen, port) if chosen is not None else None
 
 
+def connection_limits() -> str:
+    """The connection limits, for the start-up line of the bounds (`ByteBounds.line`)."""
+    return (
+        f", connections {MAX_CONNECTIONS_PER_PEER} per peer id, {MAX_CONNECTIONS_PER_ADDRESS} per "
+        f"address and {MAX_CONNECTIONS} in all, {MAX_REQUESTS_PER_LINK} requests per link"
+    )
+
+
 # the server -----------------------------------------------------------------------------------------
 class DataPlaneServer:
     """Serves hand-offs on a TCP port: `answer(kind, data, context)` gives the packed reply (the same
     handlers as the libp2p servicer), `limit(kind)` the largest request accepted. Everything a caller
     can make it hold is bounded (the limits above and net/framing.py's): connections, requests in
-    flight, bytes held, and the time a frame, an idle link or an unread reply may take."""
+    flight, bytes held (`bounds`, counted in `held`, which the libp2p servicer may share; both default
+    to bounds around `limit`), and the time a frame, an idle link or an unread reply may take."""
 
     def __init__(
         self,
@@ -106,19 +120,21 @@ class DataPlaneServer:
         run_key: RunKey | None,
         congestion: str | None = DEFAULT_CONGESTION,
         meter: LinkMeter | None = None,
+        bounds: ByteBounds | None = None,
+        held: HeldBytes | None = None,
     ) -> None:
         self.answer, self.limit, self.me, self.run_key = answer, limit, me, run_key
         self.meter = meter  # times this port's large frames (net/link_meter.py)
         self.peer_id = me.peer_id
         self.congestion = congestion
         self.port = 0
-        # request bodies held at once: at least two of the largest requests (a bundle)
-        self.max_held_bytes = max(MIN_HELD_BYTES, 2 * max(limit(kind) for kind in DIRECT_KINDS))
-        self.held_bytes = 0
-        self.refused = 0  # connections and requests refused by a limit (tests, logs)
+        self.bounds = bounds or ByteBounds.from_limits({kind: limit(kind) for kind in DIRECT_KINDS})
+        self.held = held or HeldBytes(self.bounds.held_bytes, self.bounds.held_bytes_per_peer)
+        self.refused = 0  # connections and requests refused by a limit other than bytes (tests, logs)
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
         self._per_address: dict[str, int] = {}
+        self._per_peer: dict[str, int] = {}  # connections of each proven peer id
         self._replies: dict[tuple[str, str], asyncio.Future[Channel]] = {}  # per (caller, link)
         self._answers: set[asyncio.Task] = set()
 
@@ -145,10 +161,15 @@ class DataPlaneServer:
         """What callers hold here now, against the limits (a stage's `info` reply)."""
         return {
             "connections": len(self._writers),
-            "held_bytes": self.held_bytes,
-            "max_held_bytes": self.max_held_bytes,
+            "peers_connected": len(self._per_peer),
             "answers_under_way": len(self._answers),
-            "refused": self.refused,
+            **self.held.status(),
+            "refused": self.refused + self.held.refused,
+            "max_connections": MAX_CONNECTIONS,
+            "max_connections_per_address": MAX_CONNECTIONS_PER_ADDRESS,
+            "max_connections_per_peer": MAX_CONNECTIONS_PER_PEER,
+            "max_requests_per_link": MAX_REQUESTS_PER_LINK,
+            **self.bounds.as_dict(),
         }
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -160,9 +181,11 @@ class DataPlaneServer:
         self._writers.add(writer)
         self._per_address[address] = self._per_address.get(address, 0) + 1
         set_congestion_control(writer, self.congestion)
+        counted: list[str] = []  # the proven caller, once its connection counts against its limit
         try:
             hello, seal = await asyncio.wait_for(
-                server_handshake(reader, writer, self.me, self.run_key), HANDSHAKE_TIMEOUT_S
+                server_handshake(reader, writer, self.me, self.run_key, partial(self._admit_peer, counted)),
+                HANDSHAKE_TIMEOUT_S,
             )
             channel = Channel(reader, writer, seal, self.meter, hello.caller)
             if hello.role == REPLIES:
@@ -177,9 +200,9 @@ class DataPlaneServer:
             pass
         finally:
             self._writers.discard(writer)
-            self._per_address[address] -= 1
-            if not self._per_address[address]:
-                del self._per_address[address]
+            _count_down(self._per_address, address)
+            for caller in counted:
+                _count_down(self._per_peer, caller)
             writer.close()
 
     def _admit_connection(self, address: str) -> bool:
@@ -190,6 +213,16 @@ class DataPlaneServer:
             logger.debug("data plane: refused a connection from %s (its limit)", address)
             return False
         return True
+
+    def _admit_peer(self, counted: list[str], caller: str) -> str | None:
+        """(at the end of a handshake, the caller proven) None once its connection counts against its peer
+        id's limit, else why not: the handshake is refused with that reason."""
+        if self._per_peer.get(caller, 0) >= MAX_CONNECTIONS_PER_PEER:
+            self.refused += 1
+            return f"{caller[-8:]} has {MAX_CONNECTIONS_PER_PEER} connections here, all a peer id may"
+        self._per_peer[caller] = self._per_peer.get(caller, 0) + 1
+        counted.append(caller)
+        return None
 
     def _reply_slot(self, hello: Hello) -> asyncio.Future[Channel]:
         return self._replies.setdefault(
@@ -243,15 +276,11 @@ class DataPlaneServer:
         finally:
             replies.close()  # the replies connection ends with its requests connection
 
-    def reserve(self, size: int) -> bool:
-        """Hold `size` more bytes of request bodies, if the budget allows."""
-        if self.held_bytes + size > self.max_held_bytes:
-            return False
-        self.held_bytes += size
-        return True
 
-    def release(self, size: int) -> None:
-        self.held_bytes -= size
+def _count_down(counts: dict[str, int], key: str) -> None:
+    counts[key] -= 1
+    if not counts[key]:
+        del counts[key]
 
 
 class _ServedLink:
@@ -260,6 +289,7 @@ class _ServedLink:
 
     def __init__(self, server: DataPlaneServer, requests: Channel, replies: Channel, context: P2PContext):
         self.server, self.requests, self.replies, self.context = server, requests, replies, context
+        self.caller = context.remote_id.to_base58()  # proven by the handshake
         self.in_flight = 0
         self.active_s = time.monotonic()  # when a request last came or an answer last went
 
@@ -285,7 +315,7 @@ class _ServedLink:
             try:
                 data = await self.requests.body(head)
             except BaseException:
-                self.server.release(head.size)
+                self.server.held.release(self.caller, head.size)
                 raise
             self.in_flight += 1
             self.server.track_answer(asyncio.create_task(self._reply(head, data)))
@@ -313,10 +343,8 @@ class _ServedLink:
         if self.in_flight >= MAX_REQUESTS_PER_LINK:
             self.server.refused += 1
             return f"{MAX_REQUESTS_PER_LINK} requests of this link are under way; try another", "unavailable"
-        if not self.server.reserve(head.size):
-            self.server.refused += 1
-            return "this server holds as many requests as it may; try another", "unavailable"
-        return None
+        refusal = self.server.held.reserve(self.caller, head.size)
+        return None if refusal is None else (refusal, "unavailable")
 
     async def _reply(self, head: Head, data: bytes) -> None:
         try:
@@ -328,7 +356,7 @@ class _ServedLink:
         finally:
             self.in_flight -= 1
             self.active_s = time.monotonic()
-            self.server.release(head.size)
+            self.server.held.release(self.caller, head.size)
 
 
 # the client -----------------------------------------------------------------------------------------
@@ -343,8 +371,8 @@ class _Link:
     connection fails every exchange under way (as a reset connection: the peer may be gone) and the
     link; the next call dials a new one."""
 
-    def __init__(self, requests: Channel, replies: Channel) -> None:
-        self.requests, self.replies = requests, replies
+    def __init__(self, requests: Channel, replies: Channel, max_reply_bytes: int = MAX_REPLY_BYTES) -> None:
+        self.requests, self.replies, self.max_reply_bytes = requests, replies, max_reply_bytes
         self.broken: str | None = None
         self.last_frame_s = time.monotonic()  # when a frame last came from the server
         self.active_s = self.last_frame_s  # when a request last went or a frame last came
@@ -375,7 +403,7 @@ class _Link:
         try:
             while True:
                 head = await channel.head()
-                if head.kind_type not in (ACK, REPLY) or head.size > MAX_REPLY_BYTES + TAG_BYTES:
+                if head.kind_type not in (ACK, REPLY) or head.size > self.max_reply_bytes + TAG_BYTES:
                     raise ProtocolError(f"frame type {head.kind_type} of {head.size} bytes from the server")
                 body = await channel.body(head)
                 self.last_frame_s = self.active_s = time.monotonic()
@@ -404,8 +432,9 @@ class _Link:
 
 class DataPlaneClient:
     """Calls peers' data planes as `peer_id`, one link per peer; every call bounded by its timeout and
-    counted in `stats` as `StageClient` counts its own. It raises what `StageClient.call` raises, plus
-    `DialFailed`."""
+    counted in `stats` as `StageClient` counts its own, and every reply by `max_reply_bytes` (a stage
+    server's: the largest answer to what it hands off, net/server_bounds.py). It raises what
+    `StageClient.call` raises, plus `DialFailed`."""
 
     def __init__(
         self,
@@ -414,8 +443,10 @@ class DataPlaneClient:
         stats: TransportStats | None = None,
         congestion: str | None = DEFAULT_CONGESTION,
         meter: LinkMeter | None = None,
+        max_reply_bytes: int = MAX_REPLY_BYTES,
     ) -> None:
         self.me, self.run_key, self.congestion = me, run_key, congestion
+        self.max_reply_bytes = max_reply_bytes
         self.meter = meter  # times the links' large frames (net/link_meter.py)
         peer_id = self.peer_id = me.peer_id
         self.stats = stats or TransportStats()
@@ -446,7 +477,7 @@ class DataPlaneClient:
             if link.last_frame_s < started_s:  # not a slow answer: a dead or wedged link, dial anew
                 link.close(f"nothing came over the link in {timeout_s:.1f} s")
             raise
-        return checked_reply(self.stats, message, kind, data, reply_bytes, peer)
+        return checked_reply(self.stats, message, kind, data, reply_bytes, peer, self.max_reply_bytes)
 
     def close(self) -> None:
         for link in self._links.values():
@@ -488,7 +519,7 @@ class DataPlaneClient:
         except BaseException:
             replies.close()
             raise
-        return _Link(requests, replies)
+        return _Link(requests, replies, self.max_reply_bytes)
 
     async def _connect(self, address: Address, peer: str, link_id: str, role: str) -> Channel:
         reader, writer = await asyncio.open_connection(*address)

@@ -30,6 +30,7 @@ import hashlib
 import json
 import secrets
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from cryptography.exceptions import InvalidTag
@@ -204,13 +205,18 @@ async def client_handshake(
 
 
 async def server_handshake(
-    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, me: PeerIdentity, run_key: RunKey | None
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    me: PeerIdentity,
+    run_key: RunKey | None,
+    admit: Callable[[str], str | None] | None = None,
 ) -> tuple[Hello, Seal]:
     """Who calls, proven, and the frames' seal. A caller that fails any check (a malformed message, a
-    key that is not its peer id's or no key at all, no proof) is told why in one error message and the
-    refusal is logged in one line: what a stranger sends raises ProtocolError here, nothing else."""
+    key that is not its peer id's or no key at all, no proof, or `admit(peer id)` naming a reason once it
+    is proven: a limit of the server's) is told why in one error message and the refusal is logged in
+    one line: what a stranger sends raises ProtocolError here, nothing else."""
     try:
-        return await _proven_caller(reader, writer, me, run_key)
+        return await _proven_caller(reader, writer, me, run_key, admit)
     except ProtocolError as exc:
         logger.info("data plane: refused a handshake from %s: %s", _remote_ip(writer), exc)
         with contextlib.suppress(OSError, RuntimeError):  # the caller may have gone already
@@ -219,7 +225,11 @@ async def server_handshake(
 
 
 async def _proven_caller(
-    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, me: PeerIdentity, run_key: RunKey | None
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    me: PeerIdentity,
+    run_key: RunKey | None,
+    admit: Callable[[str], str | None] | None,
 ) -> tuple[Hello, Seal]:
     hello = await _hear(reader)
     caller, link, role = str(hello.get("peer", "")), str(hello.get("link", "")), hello.get("role")
@@ -252,6 +262,9 @@ async def _proven_caller(
         raise ProtocolError(f"{caller[-8:]} could not prove it holds its peer id's key", "unauthorized")
     if run_key is not None and not secrets.compare_digest(str(answer.get("proof")), session.proof("client")):
         raise ProtocolError(f"{caller[-8:]} holds no valid run key", "unauthorized")
+    refusal = admit(caller) if admit is not None else None
+    if refusal is not None:
+        raise ProtocolError(refusal, "unavailable")
     await _say(writer, {"ok": True})
     return Hello(caller, link, role), session.seal("server")
 

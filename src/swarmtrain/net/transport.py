@@ -35,6 +35,7 @@ from swarmtrain.net.protocol import (
     pack,
     unpack,
 )
+from swarmtrain.net.server_bounds import ByteBounds, HeldBytes, Holding
 from swarmtrain.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -128,30 +129,46 @@ def _chunks(data: bytes) -> list[bytes]:
 
 
 async def _collect(
-    stream: AsyncIterator, max_bytes: int, drain_s: float = 0.0, timing: list[float] | None = None
+    stream: AsyncIterator,
+    max_bytes: int,
+    drain_s: float = 0.0,
+    timing: list[float] | None = None,
+    holding: Holding | None = None,
 ) -> bytes:
-    """Join a stream's chunks. Past `max_bytes`, read and discard the rest for up to `drain_s`
-    seconds before refusing (`too_large`): a server that stops reading mid-upload closes the stream
-    under the sender, which then sees a broken pipe instead of the answer (seen here at 2x and 3x the
-    limit; p2pd resets the stream and the answer is lost). `timing` gets the last chunk's arrival
-    (time.monotonic)."""
-    parts, size = [], 0
+    """Join a stream's chunks, each held in `holding` (the server's request bytes) if given. Past
+    `max_bytes`, or once `holding` refuses a chunk, read and discard the rest for up to `drain_s`
+    seconds before refusing (`too_large`, `unavailable`): a server that stops reading mid-upload closes
+    the stream under the sender, which then sees a broken pipe instead of the answer (seen here at 2x
+    and 3x the limit; p2pd resets the stream and the answer is lost). `timing` gets the last chunk's
+    arrival (time.monotonic). A refused stream holds nothing."""
+    parts, size, refusal = [], 0, None
     deadline_s = time.monotonic() + drain_s
     async for item in stream:
         if timing is not None:
             timing[:] = [time.monotonic()]
         size += len(item.metadata)
-        if size <= max_bytes:
-            parts.append(item.metadata)
-        elif time.monotonic() > deadline_s:
+        if size <= max_bytes and refusal is None:
+            refusal = holding.take(len(item.metadata)) if holding is not None else None
+            if refusal is None:
+                parts.append(item.metadata)
+                continue
+        parts.clear()
+        if holding is not None:
+            holding.release()
+        if time.monotonic() > deadline_s:
             break
     if size > max_bytes:
         raise ProtocolError(f"message exceeds the limit of {max_bytes} bytes", "too_large")
+    if refusal is not None:
+        raise ProtocolError(refusal, "unavailable")
     return b"".join(parts)
 
 
 async def _collect_reply(
-    stream: AsyncIterator, received: asyncio.Event | None = None, arrived: list[float] | None = None
+    stream: AsyncIterator,
+    received: asyncio.Event | None = None,
+    arrived: list[float] | None = None,
+    max_bytes: int = MAX_REPLY_BYTES,
 ) -> bytes:
     """A reply stream. A server that refuses a request before reading all of it (too large) answers
     and closes the stream; our upload then fails with a broken pipe after the answer arrived, and
@@ -168,19 +185,19 @@ async def _collect_reply(
                 arrived.append(time.monotonic())
             parts.append(item.metadata)
             size += len(item.metadata)
-            if size > MAX_REPLY_BYTES:
-                raise ProtocolError(f"reply exceeds {MAX_REPLY_BYTES} bytes", "too_large")
+            if size > max_bytes:
+                raise ProtocolError(f"reply exceeds {max_bytes} bytes", "too_large")
     except (OSError, EOFError, asyncio.IncompleteReadError):
         data = b"".join(parts)
-        if not _is_complete(data):
+        if not _is_complete(data, max_bytes):
             raise
         return data
     return b"".join(parts)
 
 
-def _is_complete(data: bytes) -> bool:
+def _is_complete(data: bytes, max_bytes: int) -> bool:
     try:
-        unpack(data, MAX_REPLY_BYTES)
+        unpack(data, max_bytes)
     except ProtocolError:
         return False
     return True
@@ -200,14 +217,19 @@ class StageServicer(ServicerBase):
         run_key: RunKey | None = None,
         max_bundle_bytes: int = 0,
         max_micro_batch_bytes: int = 0,
+        bounds: ByteBounds | None = None,
+        held: HeldBytes | None = None,
     ) -> None:
         """`max_micro_batch_bytes`: the largest micro-batch request (`forward` ... `chain`) accepted,
         `max_bundle_bytes` the largest `bundle` (several micro-batches); 0: `max_message_bytes`, the limit
-        of any other message (a replica's gradient sums may be much larger than a micro-batch)."""
+        of any other message (a replica's gradient sums may be much larger than a micro-batch). `bounds`
+        (net/server_bounds.py), where given, sets the limit of each kind it bounds instead, and the
+        requests of those kinds are held in `held` (shared with the server's data plane) as they come."""
         self.handler = handler
         self.max_message_bytes = max_message_bytes
         self.max_bundle_bytes = max_bundle_bytes or max_message_bytes
         self.max_micro_batch_bytes = max_micro_batch_bytes or max_message_bytes
+        self.bounds, self.held = bounds, held
         self.stats = stats or TransportStats()
         self.run_key = run_key  # a private run: only peers holding it are answered
         self.meter: LinkMeter | None = None  # times the requests that come in (net/link_meter.py)
@@ -293,24 +315,40 @@ class StageServicer(ServicerBase):
         # from the stream's opening (a request of one chunk, as a replica's gradient sums often are,
         # has no earlier chunk to time from) to its last chunk: evidence of our downlink's rate
         opened_s, timing = time.monotonic(), []
+        holding = self._holding(kind, context)
         try:
-            data = await _collect(requests, self.limit(kind), drain_s=MAX_DRAIN_S, timing=timing)
-        except ProtocolError as exc:
-            packed = pack(error_message(str(exc), exc.code))
-        else:
-            # an empty first chunk says "your request is here" before the work starts: a sender that
-            # hands off several micro-batches to us sends them one after the other (`StageClient.call`'s
-            # `received`) instead of all at once at a fair share of its link, which delivered them
-            # together and left this stage idle meanwhile (bench/wan.py)
-            yield runtime_pb2.ExpertResponse(metadata=b"")
-            if self.meter is not None and timing:
-                self.meter.call(DOWN, context.remote_id.to_base58(), len(data), timing[0] - opened_s)
-            packed = await self.answer_bytes(kind, data, context)
-        for chunk in _chunks(packed):
-            yield runtime_pb2.ExpertResponse(metadata=chunk)
+            try:
+                data = await _collect(requests, self.limit(kind), MAX_DRAIN_S, timing, holding)
+            except ProtocolError as exc:
+                packed = pack(error_message(str(exc), exc.code))
+            else:
+                # an empty first chunk says "your request is here" before the work starts: a sender that
+                # hands off several micro-batches to us sends them one after the other
+                # (`StageClient.call`'s `received`) instead of all at once at a fair share of its link,
+                # which delivered them together and left this stage idle meanwhile (bench/wan.py)
+                yield runtime_pb2.ExpertResponse(metadata=b"")
+                if self.meter is not None and timing:
+                    self.meter.call(DOWN, context.remote_id.to_base58(), len(data), timing[0] - opened_s)
+                packed = await self.answer_bytes(kind, data, context)
+                del data
+            if holding is not None:  # answered: the request is let go, its reply goes as the caller reads
+                holding.release()
+            for chunk in _chunks(packed):
+                yield runtime_pb2.ExpertResponse(metadata=chunk)
+        finally:  # cancelled, or the caller went away: nothing stays held
+            if holding is not None:
+                holding.release()
+
+    def _holding(self, kind: str, context: P2PContext) -> Holding | None:
+        """Where a request of `kind` is held as it comes: the kinds `bounds` sizes, with `held`."""
+        if self.held is None or self.bounds is None or kind not in self.bounds.limits:
+            return None
+        return Holding(self.held, context.remote_id.to_base58())
 
     def limit(self, kind: str) -> int:
         """The largest request of `kind` accepted."""
+        if self.bounds is not None and kind in self.bounds.limits:
+            return self.bounds.limits[kind]
         if kind == "bundle":
             return self.max_bundle_bytes
         if kind in MICRO_BATCH_KINDS or kind in HAND_OFF_KINDS:
@@ -372,13 +410,21 @@ def is_peer_id(peer: str) -> bool:
 
 
 class StageClient:
-    """Calls stage servers; every call is bounded by `timeout_s` and counted in `stats`."""
+    """Calls stage servers; every call is bounded by `timeout_s` and counted in `stats`, every reply by
+    `max_reply_bytes` (a stage server's: the largest answer to its hand-offs or to its stage peers' step
+    means, net/server_bounds.py)."""
 
     def __init__(
-        self, p2p: P2P, namespace: str, stats: TransportStats | None = None, run_key: RunKey | None = None
+        self,
+        p2p: P2P,
+        namespace: str,
+        stats: TransportStats | None = None,
+        run_key: RunKey | None = None,
+        max_reply_bytes: int = MAX_REPLY_BYTES,
     ) -> None:
         self.p2p = p2p
         self.namespace = namespace
+        self.max_reply_bytes = max_reply_bytes
         self.stats = stats or TransportStats()
         # a private run: every request carries our membership token (a keyed hash of our peer id)
         self._token = run_key.token(p2p.peer_id.to_base58()) if run_key is not None else None
@@ -397,7 +443,7 @@ class StageClient:
         data = pack(message)
         exchange = self._exchange(peer, kind, data, received)
         reply_bytes = await asyncio.wait_for(exchange, timeout=timeout_s)
-        return checked_reply(self.stats, message, kind, data, reply_bytes, peer)
+        return checked_reply(self.stats, message, kind, data, reply_bytes, peer, self.max_reply_bytes)
 
     async def ping_reply(self, peer: str, ping: Message, timeout_s: float) -> Message | None:
         """The peer's answer to `ping` within `timeout_s` (an error answer too, as an error message: the
@@ -422,7 +468,7 @@ class StageClient:
         """Send arbitrary bytes to a handler (tests of a server's input validation)."""
         reply_bytes = await asyncio.wait_for(self._exchange(peer, kind, data), timeout=timeout_s)
         try:
-            return unpack(reply_bytes, MAX_REPLY_BYTES)
+            return unpack(reply_bytes, self.max_reply_bytes)
         except ProtocolError as exc:
             raise TruncatedReply(f"{len(reply_bytes)}-byte reply from {peer}: {exc}") from None
 
@@ -443,7 +489,7 @@ class StageClient:
         start_s = time.monotonic()
         stream = await getattr(stub, f"rpc_{kind}")(requests())
         arrived: list[float] = []
-        reply = await _collect_reply(stream, received, arrived)
+        reply = await _collect_reply(stream, received, arrived, self.max_reply_bytes)
         if self.meter is not None and arrived:  # the server acknowledges once it has all of the request
             self.meter.call(UP, peer, len(data), arrived[0] - start_s)
         return reply
@@ -469,13 +515,19 @@ class StageClient:
 
 
 def checked_reply(
-    stats: TransportStats, message: Message, kind: str, data: bytes, reply_bytes: bytes, peer: str
+    stats: TransportStats,
+    message: Message,
+    kind: str,
+    data: bytes,
+    reply_bytes: bytes,
+    peer: str,
+    max_bytes: int = MAX_REPLY_BYTES,
 ) -> Message:
-    """A call's reply, counted with its request in `stats`; RemoteError for an error answer. A
-    truncated (or empty) reply is a transport failure, not a bad message: hivemind ends a reply stream
-    silently when the connection closes early."""
+    """A call's reply (at most `max_bytes`), counted with its request in `stats`; RemoteError for an
+    error answer. A truncated (or empty) reply is a transport failure, not a bad message: hivemind ends a
+    reply stream silently when the connection closes early."""
     try:
-        reply = unpack(reply_bytes, MAX_REPLY_BYTES)
+        reply = unpack(reply_bytes, max_bytes)
     except ProtocolError as exc:
         raise TruncatedReply(f"{len(reply_bytes)}-byte reply from {peer}: {exc}") from None
     stage = message.header.get("stage", -1)

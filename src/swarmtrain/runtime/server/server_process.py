@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from swarmtrain.config import RunConfig
-from swarmtrain.net.data_plane import DataPlaneClient, DataPlaneServer
+from swarmtrain.net.data_plane import DataPlaneClient, DataPlaneServer, connection_limits
 from swarmtrain.net.dht_records import RunRecords
 from swarmtrain.net.engine import (
     PeerNetwork,
@@ -42,6 +42,7 @@ from swarmtrain.net.engine import (
 )
 from swarmtrain.net.link_meter import LinkMeter
 from swarmtrain.net.protocol import Message, error_message, namespace
+from swarmtrain.net.server_bounds import MemoryBudget, RequestLimits, derive_bounds
 from swarmtrain.net.tcp_tuning import DEFAULT_CONGESTION
 from swarmtrain.net.transport import StageClient, StageServicer
 from swarmtrain.runtime.faults import NO_FAULTS, FaultHooks
@@ -82,6 +83,8 @@ class ServerOptions:
     # one; None: off, hand-offs come over libp2p)
     data_port: int | None = 0
     data_congestion: str | None = DEFAULT_CONGESTION  # its TCP congestion control (None: the system's)
+    # memory lent to callers' requests (--request-memory-mb; None: a share of the available memory)
+    request_memory_bytes: int | None = None
 
 
 @dataclass
@@ -272,10 +275,12 @@ class ServerProcess:
     async def _open_transport(self, service: StageService) -> _Endpoints:
         """The RPC endpoints: a P2P replica of the node's daemon, a servicer that hands each message to
         the service's handler for its kind, a client counted in the same statistics, and (unless off or
-        behind a NAT) the direct data plane for hand-offs, which answers with the same handlers."""
+        behind a NAT) the direct data plane for hand-offs, which answers with the same handlers. Both
+        transports take requests within one set of bounds sized to this server (net/server_bounds.py)."""
         p2p = await self.dht.replicate_p2p()
         remember_group_sockets()
         run_key = self.options.network.run_key
+        limits = _request_limits(service, self.cfg, self.options.request_memory_bytes)
 
         async def dispatch(message: Message, context) -> Message:
             handler = service.handlers.get(message.kind)
@@ -284,49 +289,57 @@ class ServerProcess:
             return await handler(message, context)
 
         servicer = StageServicer(
-            dispatch,
-            service.max_message_bytes,
-            run_key=run_key,
-            max_bundle_bytes=service.max_bundle_bytes,
-            max_micro_batch_bytes=service.max_micro_batch_bytes,
+            dispatch, service.max_message_bytes, run_key=run_key, bounds=limits.bounds, held=limits.held
         )
         # one byte and CPU count for what this server receives and what it hands to the next stage
-        client = StageClient(p2p, namespace(self.cfg), stats=servicer.stats, run_key=run_key)
+        replies = max(limits.bounds.reply_bytes, service.max_message_bytes)  # hand-offs', step means
+        client = StageClient(p2p, namespace(self.cfg), servicer.stats, run_key, replies)
         endpoints = _Endpoints(p2p, servicer)
         # libp2p calls are evidence of our links' rates too (net/link_meter.py says why)
         servicer.meter = client.meter = endpoints.link_meter
         if self.options.data_port is not None:
-            congestion = self.options.data_congestion
-            endpoints.data_client = DataPlaneClient(
-                self.identity, run_key, servicer.stats, congestion, endpoints.link_meter
-            )
-            if not self.node.behind_nat:  # nobody could dial it; it still dials the next stage's
-                endpoints.data_server = DataPlaneServer(
-                    servicer.answer_direct,
-                    servicer.limit,
-                    self.identity,
-                    run_key,
-                    congestion,
-                    endpoints.link_meter,
-                )
-                await endpoints.data_server.start(self.options.network.host, self.options.data_port)
+            await self._open_data_plane(endpoints, limits, self.options.data_port)
+        data_server = endpoints.data_server
         service.start_serving(
             Transport(
                 client=client,
                 stats=servicer.stats,
                 data=endpoints.data_client,
-                data_port=endpoints.data_server.port if endpoints.data_server is not None else 0,
-                data_server=endpoints.data_server,
+                data_port=data_server.port if data_server is not None else 0,
+                request_status=data_server.status if data_server is not None else limits.status,
                 link_meter=endpoints.link_meter,
             )
         )
         await servicer.add_p2p_handlers(p2p, namespace=namespace(self.cfg))
+        connections = connection_limits() if data_server is not None else ""
+        logger.info("stage %d %s", service.spec.index, limits.bounds.line(connections))  # once per stage
         logger.info("%s", _ready_line(service, self.node))  # launchers wait for this line
         # the same, for programs (runtime/harness/local_swarm.py's `ready_events`): once per stage served
         self.ledger.write(
             "ready", stage=service.spec.index, peer=self.node.peer_id, epoch=service.worker.epoch
         )
         return endpoints
+
+    async def _open_data_plane(self, endpoints: _Endpoints, limits: RequestLimits, port: int) -> None:
+        """The data plane's client (hand-offs to the next stage) and, unless behind a NAT, its server."""
+        run_key, congestion = self.options.network.run_key, self.options.data_congestion
+        stats, meter = endpoints.servicer.stats, endpoints.link_meter
+        endpoints.data_client = DataPlaneClient(
+            self.identity, run_key, stats, congestion, meter, limits.bounds.reply_bytes
+        )
+        if self.node.behind_nat:  # nobody could dial it; it still dials the next stage's
+            return
+        endpoints.data_server = DataPlaneServer(
+            endpoints.servicer.answer_direct,
+            endpoints.servicer.limit,
+            self.identity,
+            run_key,
+            congestion,
+            endpoints.link_meter,
+            limits.bounds,
+            limits.held,
+        )
+        await endpoints.data_server.start(self.options.network.host, port)
 
     async def _close_transport(self, endpoints: _Endpoints) -> None:
         if endpoints.data_server is not None:
@@ -440,6 +453,14 @@ class ServerProcess:
         )
         self.ledger.write("move", to=move.to_stage, bottleneck=move.bottleneck_before_samples_per_s)
         await service.drain(DRAIN_TIMEOUT_S)
+
+
+def _request_limits(service: StageService, cfg: RunConfig, memory_bytes: int | None) -> RequestLimits:
+    """The bounds on callers' requests while `service` is served (net/server_bounds.py): from its stage's
+    shapes, the run's codec and micro-batch, and the memory budget (`memory_bytes`, else a share)."""
+    memory = MemoryBudget.of(memory_bytes)
+    io, codec_name, micro_batch = service.io, cfg.swarm.compression, cfg.training.micro_batch_size
+    return RequestLimits.of(derive_bounds(io, codec_name, micro_batch, memory))
 
 
 def _ready_line(service: StageService, node: Node) -> str:

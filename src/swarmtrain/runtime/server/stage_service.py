@@ -37,7 +37,6 @@ from typing import TYPE_CHECKING
 from swarmtrain.config import RunConfig
 from swarmtrain.config.errors import UserError
 from swarmtrain.model.device import CPU_FP32, ComputeDevice, busy_clock_s
-from swarmtrain.net.bundle import MAX_BUNDLE_ITEMS
 from swarmtrain.net.dht_records import RunRecords, StageAnnouncement, progress_key, stage_key
 from swarmtrain.net.engine import shutdown_quietly
 from swarmtrain.net.link_meter import DOWN, UP, LinkMeter
@@ -77,7 +76,7 @@ from swarmtrain.runtime.server.sums_codec import SumsCodec
 from swarmtrain.utils.logging import get_logger
 
 if TYPE_CHECKING:  # hivemind is imported only once the process has prepared its environment
-    from swarmtrain.net.data_plane import DataPlaneClient, DataPlaneServer
+    from swarmtrain.net.data_plane import DataPlaneClient
     from swarmtrain.net.transport import StageClient, TransportStats
 
 logger = get_logger(__name__)
@@ -128,7 +127,9 @@ class Transport:
     stats: TransportStats
     data: DataPlaneClient | None = None  # hand-offs to the next stage, where it has a data plane
     data_port: int = 0  # our data plane's, announced; 0: none (off, or behind a NAT)
-    data_server: DataPlaneServer | None = None  # that data plane (its limits' counters in `info`)
+    # the bounds on callers' requests (net/server_bounds.py, the data plane's connection limits) and what
+    # callers hold against them now: `info`'s `data_plane`
+    request_status: Callable[[], dict] | None = None
     link_meter: LinkMeter | None = None  # what the data plane's links carried (link capacity)
 
 
@@ -314,16 +315,6 @@ class StageService:
         return max(self.io.max_message_bytes(), grads_bytes)
 
     @property
-    def max_micro_batch_bytes(self) -> int:
-        """The largest micro-batch request (a hand-off included) this stage accepts."""
-        return self.io.max_message_bytes()
-
-    @property
-    def max_bundle_bytes(self) -> int:
-        """The largest `bundle` this stage accepts: as many micro-batches as a bundle may carry."""
-        return self.io.max_message_bytes() * MAX_BUNDLE_ITEMS
-
-    @property
     def serving(self) -> bool:
         return self.sync.serving.is_set()
 
@@ -487,7 +478,6 @@ class StageService:
 
         w, transport = self.worker, self._transport
         stats = transport.stats if transport is not None else TransportStats()
-        data_server = transport.data_server if transport is not None else None
         sent = stats.sent() if transport is not None else ByteCount()
         links = self.link_capacity
         capacity, limit = limited_capacity(
@@ -530,7 +520,7 @@ class StageService:
             cache={"entries": len(w.cache), "bytes": w.cache_bytes, "budget_bytes": w.cache_max_bytes},
             sync=dict(vars(self.sync.counters)),
             steps=dict(vars(self.steps.counters)),
-            data_plane=data_server.status() if data_server is not None else {},
+            data_plane=transport.request_status() if transport and transport.request_status else {},
         )
 
     def announce(self, state: str | None = None) -> StageAnnouncement:
