@@ -565,6 +565,31 @@ def test_a_frame_that_stops_arriving_is_cut_off(monkeypatch):
     _run(main())
 
 
+def test_a_frame_that_trickles_is_cut_off(monkeypatch):
+    """The stall rule is per 64 KiB, not per arrival: bytes that keep coming, too slowly to make 64 KiB
+    within FRAME_STALL_S, are cut off too."""
+    monkeypatch.setattr(framing, "FRAME_STALL_S", 0.5)
+
+    async def main():
+        async with _plane() as plane:
+            _, requests = await _raw_link(plane)
+            head = framing.HEADER.pack(framing.REQUEST, 5, 200_000, 1) + b"chain"
+            requests.writer.write(head)
+            sent = 0
+            with contextlib.suppress(ConnectionError):  # the server's cut may reset our last writes
+                while plane.server.status()["connections"] and sent < 100:
+                    requests.writer.write(b"x" * 100)  # every 0.05 s: 2 kB/s, never 64 KiB in 0.5 s
+                    sent += 1
+                    await asyncio.sleep(0.05)
+            # cut while bytes kept arriving (a rule per arrival would have let all 100 writes in)
+            assert sent < 100
+            await _until(lambda: plane.server.status()["connections"] == 0)
+            assert plane.server.status()["held_bytes"] == 0
+            assert (await plane.call("a")).header["mb"] == "a"
+
+    _run(main())
+
+
 def test_an_idle_link_is_closed_and_the_caller_never_races_the_close(monkeypatch):
     monkeypatch.setattr(data_plane, "IDLE_LINK_S", 0.6)
 

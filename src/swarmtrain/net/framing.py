@@ -110,15 +110,30 @@ class Channel:
         return Head(kind_type, kind, size, exchange, raw + kind_bytes)
 
     async def body(self, head: Head) -> bytes:
-        parts = []
+        data = bytearray(head.size)
         async with self._download(head):
-            size = head.size
-            while size > 0:
-                part = await self._exactly(min(size, _CHUNK_BYTES))
-                parts.append(part)
-                size -= len(part)
-        data = b"".join(parts)
+            await self._fill(memoryview(data))
         return self._seal.open(head.raw, data)
+
+    async def _fill(self, view: memoryview) -> None:
+        """Read into `view` whatever has arrived, as it arrives (a few reads per MB, each a copy out of
+        the stream's buffer, instead of a read per 64 KiB and a join); the stall rule of `_exactly` holds:
+        each 64 KiB within `FRAME_STALL_S`."""
+        loop = asyncio.get_running_loop()
+        got, next_due = 0, _CHUNK_BYTES
+        try:
+            async with asyncio.timeout(FRAME_STALL_S) as timer:
+                while got < len(view):
+                    part = await self.reader.read(len(view) - got)
+                    if not part:
+                        raise asyncio.IncompleteReadError(bytes(view[:got]), len(view))
+                    view[got : got + len(part)] = part
+                    got += len(part)
+                    if got >= next_due:  # another 64 KiB in time: the next one is due in FRAME_STALL_S
+                        timer.reschedule(loop.time() + FRAME_STALL_S)
+                        next_due = got + _CHUNK_BYTES
+        except TimeoutError:
+            raise ProtocolError(f"a data-plane frame stalled for {FRAME_STALL_S:.0f} s") from None
 
     async def skip(self, head: Head) -> None:
         async with self._download(head):
