@@ -98,12 +98,7 @@ def test_a_frozen_donor_is_abandoned_for_the_next_one():
             f"state from the second donor {took_s:.1f} s after the first froze (chunk timeout {CHUNK_TIMEOUT_S} s)"
         )
     finally:
-        if frozen_daemon is not None:
-            os.kill(frozen_daemon, signal.SIGCONT)
-        for averager in averagers:
-            averager.shutdown()
-        for node in nodes:
-            node.shutdown()
+        _stop_all(frozen_daemon, averagers, nodes)
 
 
 def test_a_trickling_donor_after_a_frozen_one_is_cut_at_the_deadline_of_the_states_size():
@@ -142,9 +137,14 @@ def test_a_trickling_donor_after_a_frozen_one_is_cut_at_the_deadline_of_the_stat
             f"download ended {took_s:.1f} s after the first donor froze (deadline {RULE.max_donors * donor_s:.1f} s)"
         )
     finally:
-        if frozen_daemon is not None:
-            os.kill(frozen_daemon, signal.SIGCONT)
-        for averager in averagers:
-            averager.shutdown()
-        for node in nodes:
-            node.shutdown()
+        _stop_all(frozen_daemon, averagers, nodes)
+
+
+def _stop_all(frozen_daemon: int | None, averagers: list, nodes: list) -> None:
+    """Wake the frozen daemon (its node cannot shut down while stopped), then stop every averager and node."""
+    if frozen_daemon is not None:
+        os.kill(frozen_daemon, signal.SIGCONT)
+    for averager in averagers:
+        averager.shutdown()
+    for node in nodes:
+        node.shutdown()
