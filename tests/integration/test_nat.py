@@ -80,8 +80,14 @@ def public_name_args(bed: NatTestbed, i: int) -> list[str]:
 
 
 def wait_success(swarm: LocalSwarm, name: str, timeout_s: float = EXIT_TIMEOUT_S) -> None:
+    """`name` exits 0; if not, the failure shows the end of every process's log (a NAT'd path that
+    broke is told by the servers' logs, not the trainer's)."""
     code = swarm.wait_exit(name, timeout_s)
-    assert code == 0, f"{name} exited with {code}:\n{swarm.processes[name].log_text()[-3000:]}"
+    logs = "\n".join(
+        f"--- {other}:\n{proc.log_text()[-(3000 if other == name else 1500) :]}"
+        for other, proc in swarm.processes.items()
+    )
+    assert code == 0, f"{name} exited with {code}:\n{logs}"
 
 
 def trainer_summary(swarm: LocalSwarm, name: str = "trainer") -> dict:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 
 from swarmtrain.cli.common import (
     add_run_config_args,
@@ -127,4 +128,7 @@ def run(args: argparse.Namespace) -> int:
         + (f", val loss {summary['val_loss']:.4f}" if summary.get("val_loss") is not None else "")
     )
     write_summary_json(args.summary_json, summary)
+    if summary.get("validation_error"):  # trained, but the val loss asked for is not measured
+        print(f"swarmtrain trainer: validation failed: {summary['validation_error']}", file=sys.stderr)
+        return 1
     return 0

@@ -33,7 +33,7 @@ from swarmtrain.planner.routing import BACKWARD_WEIGHT, FORWARD_CHARGE, FORWARD_
 from swarmtrain.planner.stop_step import StopAction
 from swarmtrain.runtime.ledger import Ledger
 from swarmtrain.runtime.procs import remember_group_sockets
-from swarmtrain.runtime.trainer.call_policy import CallStats
+from swarmtrain.runtime.trainer.call_policy import CallStats, MicroBatchFailed
 from swarmtrain.runtime.trainer.chain_calls import ChainCaller
 from swarmtrain.runtime.trainer.close_calls import CLOSE_EXIT_WAIT_S, CLOSE_RETRY_S, deliver_close
 from swarmtrain.runtime.trainer.peer_table import PeerTable, RunMismatch
@@ -44,6 +44,16 @@ from swarmtrain.runtime.trainer.trainer_metrics import TrainerMetrics
 from swarmtrain.utils.logging import get_logger
 
 logger = get_logger(__name__)
+
+# a validation micro-batch that failed every retry of the call policy is asked again this many times in
+# all, after a pause of two announce periods (at least EVAL_PAUSE_MIN_S): the time a NAT'd server takes
+# to redial the stage before it and a banned peer to announce itself again
+EVAL_ROUNDS = 3
+EVAL_PAUSE_MIN_S = 2.0
+
+
+class ValidationFailed(RuntimeError):
+    """A validation micro-batch failed every round: the val loss is not measured (training is done)."""
 
 
 @dataclass
@@ -395,31 +405,45 @@ class SwarmTrainer:
     async def evaluate(self, dataset, max_samples: int) -> float:
         """Mean loss over the first validation samples, computed through the swarm (forward only), by the
         same path as training: handed from server to server with direct hand-off (`--hand-off direct`),
-        through the trainer with `relay`."""
+        through the trainer with `relay`. A validation micro-batch keeps nothing anywhere, so one that
+        failed is asked again after a pause (`EVAL_ROUNDS`); ValidationFailed when every round failed."""
         total, count = 0.0, 0
         version = self.tracker.next_step if self.tracker is not None else None  # after our last step
-        vocab_size = self.cfg.model.vocab_size
+        pause_s = max(EVAL_PAUSE_MIN_S, 2 * self.cfg.swarm.announce_period_s)
         for i, (inputs, labels) in enumerate(
             dataset.ordered_batches(self.cfg.training.micro_batch_size, max_samples)
         ):
             mb, n = f"{self.options.trainer_id}.{self.options.incarnation}-eval{i}", int(inputs.shape[0])
-            x, first = encode(inputs, self.codec), self._direct_from(n)
-            for stage in range(first):
-                reply = await self.caller.call(
-                    stage, "evaluate", mb, n, {"inputs": x}, FORWARD_WEIGHT, step=version
-                )
-                x = reply.tensors["outputs"]
-            if self.chain is not None and first < self.num_stages - 1:
-                loss = await self.chain.evaluate(mb, n, x, encode_labels(labels, vocab_size), first, version)
-            else:
-                tensors = {"inputs": x, "labels": encode_labels(labels, vocab_size)}
-                reply = await self.caller.call(
-                    self.num_stages - 1, "evaluate", mb, n, tensors, FORWARD_WEIGHT, step=version
-                )
-                loss = float(reply.header["loss"])
+            for round_ in range(1, EVAL_ROUNDS + 1):
+                try:
+                    loss = await self._evaluate_one(mb, n, inputs, labels, version)
+                    break
+                except MicroBatchFailed as exc:
+                    if round_ == EVAL_ROUNDS:
+                        raise ValidationFailed(f"{mb}: {EVAL_ROUNDS} rounds failed, last: {exc}") from None
+                    # a path that broke (a relayed connection reset, a NAT'd server's connection closed)
+                    # is back once the peers announce themselves again and the server redials
+                    logger.warning("validation %s failed (%s); asking again in %.0f s", mb, exc, pause_s)
+                    await asyncio.sleep(pause_s)
             total += loss * n
             count += n
         return total / max(count, 1)
+
+    async def _evaluate_one(self, mb: str, n: int, inputs, labels, version) -> float:
+        x, first = encode(inputs, self.codec), self._direct_from(n)
+        vocab_size = self.cfg.model.vocab_size
+        for stage in range(first):
+            reply = await self.caller.call(
+                stage, "evaluate", mb, n, {"inputs": x}, FORWARD_WEIGHT, step=version
+            )
+            x = reply.tensors["outputs"]
+        if self.chain is not None and first < self.num_stages - 1:
+            return await self.chain.evaluate(mb, n, x, encode_labels(labels, vocab_size), first, version)
+        tensors = {"inputs": x, "labels": encode_labels(labels, vocab_size)}
+        reply = await self.caller.call(
+            self.num_stages - 1, "evaluate", mb, n, tensors, FORWARD_WEIGHT, step=version
+        )
+        return float(reply.header["loss"])
 
     # background ---------------------------------------------------------------------------------
     def _refresh_period_s(self) -> float:
@@ -495,9 +519,15 @@ async def train_async(cfg: RunConfig, options: TrainerOptions, dht, batches_from
     evaluating = bool(options.eval_samples and val_set is not None)
     # a close to a server reachable only through a relay is retried until the relay is reserved
     result = await trainer.train(batches_from, CLOSE_RETRY_S if evaluating else CLOSE_EXIT_WAIT_S)
+    validation_error = None
     if evaluating and not trainer.stopping.is_set():
-        result.val_loss = await trainer.evaluate(val_set, options.eval_samples)
+        try:
+            result.val_loss = await trainer.evaluate(val_set, options.eval_samples)
+        except ValidationFailed as exc:  # said, and the summary of the training is still written
+            validation_error = str(exc)
+            logger.warning("validation failed: %s", exc)
     summary = result.summary()
+    summary["validation_error"] = validation_error
     if result.val_loss is not None:
         from swarmtrain.data import unigram_entropy_nats
 
