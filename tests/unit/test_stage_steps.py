@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from swarmtrain.net.protocol import Message, StageRequest
+from swarmtrain.planner.catch_up import LagRule, left_behind
 from swarmtrain.runtime.server.chain_hop import Admitted
+from swarmtrain.runtime.server.stage_catch_up import StageCatchUp, StepsBridge
 from swarmtrain.runtime.server.stage_desk import Admission, MicroBatchDesk
 from swarmtrain.runtime.server.stage_steps import StepCoordinator, StepSettings
 from swarmtrain.runtime.server.stage_worker import StageWorker
@@ -387,9 +389,15 @@ def test_a_replica_trailing_its_stage_refuses_requests_at_once_and_lets_go_of_he
 
     async def scenario():
         node = (await _replicas(tiny_cfg, ["C"], Net(), start_compute))["C"]
+        bridge = StepsBridge(node, None, asyncio.get_running_loop())
+        catch_up = StageCatchUp(node.worker, bridge, LagRule(window=bridge.window))
         desk = MicroBatchDesk(
-            tiny_cfg, None, None, "", node.worker, None, node, Admission(lambda: True), None
+            tiny_cfg, None, None, "", node.worker, None, node, catch_up, Admission(lambda: True), None
         )
+
+        def behind() -> bool:
+            return left_behind(bridge.swarm_ahead(), node.worker.epoch, time.monotonic(), catch_up.rule)
+
         x, y = micro_batches[0]
 
         def admit(step, kind="forward_backward"):
@@ -399,9 +407,9 @@ def test_a_replica_trailing_its_stage_refuses_requests_at_once_and_lets_go_of_he
         held = admit(9)
         await asyncio.sleep(0.1)
         assert not held.done()  # no close says the stage is ahead: the whole stage may be behind
-        assert not node.left_behind()
+        assert not behind()
         assert not node.inbox.on_close(9, 0, 1, {"A": 8}, ["A", "C"], "t")  # too far ahead to keep
-        assert node.left_behind()  # the sync thread now asks its peers' epochs directly
+        assert behind()  # the sync thread now asks its peers' epochs directly
         answer = await asyncio.wait_for(held, 1.0)
         assert isinstance(answer, Message) and answer.header["code"] == "unavailable"
         assert "behind its stage" in answer.header["error"]
@@ -412,6 +420,28 @@ def test_a_replica_trailing_its_stage_refuses_requests_at_once_and_lets_go_of_he
         await asyncio.sleep(0.1)
         assert not evaluation.done()
         evaluation.cancel()
+
+    asyncio.run(scenario())
+
+
+def test_a_close_past_the_window_is_evidence_of_the_stage_ahead_vouched_or_not(
+    tiny_cfg, start_compute
+):
+    """The inbox keeps the newest step any close named and the last close past the window, and apart the
+    last one from a sender whose closes were found true here: a stranger's close far ahead makes the
+    replica ask its peers, only a vouched one lets it leave its step (planner/catch_up.py)."""
+
+    async def scenario():
+        inbox = (await _replicas(tiny_cfg, ["C"], Net(), start_compute))["C"].inbox
+        assert inbox.ahead.newest_step == -1 and inbox.ahead.latest is None
+        inbox.vouch(["t"])
+        inbox.on_close(40, 0, 1, {"A": 8}, ["A", "C"], "t")
+        assert inbox.ahead.trusted is not None and inbox.ahead.trusted.step == 40
+        inbox.on_close(10**9, 0, 1, {"A": 8}, ["A", "C"], "X")  # a stranger's
+        ahead = inbox.ahead
+        assert ahead.newest_step == 10**9 and ahead.latest.step == 10**9 and ahead.trusted.step == 40
+        inbox.on_close(1, 0, 1, {"A": 8}, ["A", "C"], "t")  # within the window: no evidence
+        assert inbox.ahead.latest == ahead.latest and inbox.ahead.trusted == ahead.trusted
 
     asyncio.run(scenario())
 

@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from swarmtrain.net.protocol import StageRequest
+from swarmtrain.planner.catch_up import Heard, SwarmAhead
+from swarmtrain.runtime.server.stage_catch_up import Detached
 from swarmtrain.runtime.server.stage_sync import StageSynchronizer, SyncSettings
 from swarmtrain.runtime.server.stage_worker import StageWorker
 
@@ -44,14 +46,39 @@ class CutAverager(FakeAverager):
         time.sleep(donor_deadline_s * max_donors)
 
 
+class FakeSteps(Detached):
+    """The step exchange as the synchronizer reaches it (stage_catch_up.StepsPort): `replay(peer, start,
+    end)` answers replays; `answers()` the stage peers' pinged epochs (None: asking failed); `left_behind`:
+    a trainer's close came far past this replica's epoch a moment ago, from a vouched sender (`vouched`)."""
+
+    def __init__(self, replay=lambda peer, start, end: False, answers=lambda: None):
+        self._replay, self._answers = replay, answers
+        self.left_behind, self.vouched, self.asked = False, True, 0
+
+    def swarm_ahead(self):
+        if not self.left_behind:
+            return SwarmAhead()
+        close = Heard(10**6, time.monotonic())
+        return SwarmAhead(close.step, close, close if self.vouched else None)
+
+    def peer_epochs(self):
+        self.asked += 1
+        return self._answers()
+
+    def replay(self, peer, start, end):
+        return self._replay(peer, start, end)
+
+
 @pytest.fixture
 def make_sync(tiny_cfg, start_compute):
-    def make(peer="B", averager=None, lag_grace_s=3.0, **callbacks):
-        """`callbacks`: StageSynchronizer's keyword callbacks (replay_missed, peers_ahead, ...)."""
+    def make(peer="B", averager=None, lag_grace_s=3.0, steps=None):
+        """`steps`: the synchronizer's port to the step exchange (None: detached)."""
         worker = StageWorker(tiny_cfg, tiny_cfg.stages()[1])
         records, averager = FakeRecords(), averager or FakeAverager()
         settings = SyncSettings(lag_grace_s=lag_grace_s)
-        sync = StageSynchronizer(worker, start_compute(), averager, records, peer, "d", settings, **callbacks)
+        sync = StageSynchronizer(
+            worker, start_compute(), averager, records, peer, "d", settings, steps=steps or FakeSteps()
+        )
         return sync, worker, records, averager
 
     return make
@@ -175,7 +202,7 @@ def make_joiner(tiny_cfg, start_compute, tmp_path):
         lag_grace_s=3.0,
         wait_s=0.0,
         stranded_s=30.0,
-        peers_ahead=lambda: None,
+        steps=None,
         rule=None,
     ):
         worker = StageWorker(tiny_cfg, tiny_cfg.stages()[1])
@@ -208,7 +235,7 @@ def make_joiner(tiny_cfg, start_compute, tmp_path):
             settings,
             checkpoints=checkpointer,
             on_fatal=fatal.append,
-            peers_ahead=peers_ahead,
+            steps=steps or FakeSteps(),
         )
         return sync, worker, records, fatal
 
@@ -368,15 +395,17 @@ def test_a_replica_left_behind_whose_peers_ahead_are_silent_adopts_the_swarms_st
 
     donor = _donor(tiny_cfg, 3)
     answers: dict = {"A": 3}  # left behind, and the peer answers at our step: a forged close?
+    steps = FakeSteps(answers=lambda: answers)
     sync, worker, records, fatal = make_joiner(
         averager=FakeAverager(donor_state=donor.export_state()),
         lag_grace_s=0.1,
         stranded_s=60.0,
-        peers_ahead=lambda: answers,
+        steps=steps,
     )
     records.by_stage[0] = {"X": _peer(3)}
     records.progress["A"] = _peer(3)
     sync.join()
+    steps.left_behind = True
     records.progress["A"] = _peer(33)  # the frozen replica's record, still there
     records.by_stage[0] = {"X": _peer(34)}
     answers["C"] = 3
@@ -400,6 +429,36 @@ def test_a_replica_left_behind_whose_peers_ahead_are_silent_adopts_the_swarms_st
     time.sleep(0.2)
     sync.tick()
     assert worker.epoch == 40
+    sync.stop()
+
+
+def test_a_strangers_close_far_ahead_makes_a_replica_ask_but_never_by_itself_leave_its_step(
+    make_joiner, tiny_cfg
+):
+    """A close far past the replica's epoch from a sender it never found true (a forger's in an open
+    run), its only peer silent: it asks, and adopts the other stages' step only after the request
+    timeout, as without the close (a vouched close would have let it adopt after the lag grace)."""
+    answers: dict = {"A": None}
+    steps = FakeSteps(answers=lambda: answers)
+    sync, worker, records, fatal = make_joiner(lag_grace_s=0.1, stranded_s=60.0, steps=steps)
+    donor = _donor(tiny_cfg, 3)
+    sync.averager.donor_state = donor.export_state()
+    records.by_stage[0] = {"X": _peer(3)}
+    records.progress["A"] = _peer(3)
+    sync.join()
+    del records.progress["A"]
+    records.by_stage[0] = {"X": _peer(34)}
+    steps.left_behind, steps.vouched = True, False
+    sync.step_applied(3, None)  # stepping with the swarm: the other stages are read after a lag grace
+    for _ in range(3):
+        sync.tick()
+        time.sleep(0.15)
+    assert steps.asked == 3 and worker.epoch == 3  # asked every tick, stayed at its step
+    steps.vouched = True
+    sync.tick()
+    time.sleep(0.15)
+    sync.tick()
+    assert worker.epoch == 34 and fatal == []
     sync.stop()
 
 
@@ -427,7 +486,7 @@ def test_a_replica_a_step_behind_replays_it_instead_of_downloading(tiny_cfg, sta
     records, averager = FakeRecords(), FakeAverager()
     settings = SyncSettings(lag_grace_s=0.0)
     sync = StageSynchronizer(
-        worker, start_compute(), averager, records, "B", "d", settings, replay_missed=replay
+        worker, start_compute(), averager, records, "B", "d", settings, steps=FakeSteps(replay)
     )
     records.progress["A"], records.progress["C"] = _peer(2), _peer(1)
     ok = True
@@ -459,7 +518,7 @@ def test_a_replica_far_behind_replays_at_once_while_its_peer_keeps_the_steps(tin
     records, averager = FakeRecords(), FakeAverager()
     settings = SyncSettings(lag_grace_s=60.0)  # not lagging long enough to count: the gap alone decides
     sync = StageSynchronizer(
-        worker, start_compute(), averager, records, "B", "d", settings, replay_missed=replay
+        worker, start_compute(), averager, records, "B", "d", settings, steps=FakeSteps(replay)
     )
     records.progress["A"] = _peer(KEEP_STEPS_AHEAD + 3)
     sync.tick()
@@ -476,26 +535,24 @@ def test_a_replica_far_behind_replays_at_once_while_its_peer_keeps_the_steps(tin
 def test_a_replica_a_close_shows_far_behind_asks_its_peers_directly_when_the_dht_shows_nobody(make_sync):
     """Netbed chaos, seed 0: a stage-1 replica woke 23 steps behind while the progress records of its
     peer had lapsed (the DHT's stores timed out), and that peer froze before the records showed it. A
-    close far past its epoch makes it ask its peers' epochs with a ping (`peers_ahead`) and replay from
+    close far past its epoch makes it ask its peers' epochs with a ping (`peer_epochs`) and replay from
     the furthest at once; a failed replay downloads; without such a close nothing is asked."""
     from swarmtrain.runtime.server.step_inbox import KEEP_STEPS_AHEAD
 
-    replays, asked, ok = [], [], True
+    replays, ok = [], True
     answers: dict[str, int] | None = None
 
     def replay(peer, start, end):
         replays.append((peer, start, end))
         return ok
 
-    def peers_ahead():
-        asked.append(answers)
-        return None if answers is None else dict(answers)
-
-    sync, worker, records, averager = make_sync(
-        lag_grace_s=60.0, replay_missed=replay, peers_ahead=peers_ahead
-    )
+    steps = FakeSteps(replay, lambda: None if answers is None else dict(answers))
+    sync, worker, records, averager = make_sync(lag_grace_s=60.0, steps=steps)
     sync.tick()  # no close showed it behind: nothing is asked, nothing happens
-    assert replays == [] and averager.calls == [] and asked == [None]
+    assert replays == [] and averager.calls == [] and steps.asked == 0
+    steps.left_behind = True
+    sync.tick()  # asking failed: the records decide, and they show nobody ahead
+    assert replays == [] and averager.calls == [] and steps.asked == 1
     answers = {"A": KEEP_STEPS_AHEAD + 5, "C": KEEP_STEPS_AHEAD + 2, "D": None}  # D: silent
     sync.tick()
     assert replays == [("A", 0, KEEP_STEPS_AHEAD + 5)] and averager.calls == []  # the furthest peer

@@ -21,7 +21,6 @@ from swarmtrain.planner.step_decision import (
     short_close_grace_s,
     step_candidates,
     step_contributions,
-    trails_stage,
     vouched_senders,
 )
 from swarmtrain.runtime.server.stage_members import LiveReplicas
@@ -715,9 +714,3 @@ def test_a_member_nobody_heard_from_makes_the_exchange_partial_and_a_stranger_s_
     assert chosen.peers == () and chosen.missing == ("B",) and chosen.ignored == ()
     assert step_contributions(_decision({"A": 8, "B": 8}), "A", 8, {"B": 8}).missing == ()
 
-
-def test_a_replica_trails_its_stage_only_when_a_close_and_the_request_are_both_past_the_window():
-    assert trails_stage(step=235, epoch=197, newest_close=234, window=4)
-    assert not trails_stage(step=235, epoch=197, newest_close=200, window=4)  # no close that far: hold it
-    assert not trails_stage(step=201, epoch=197, newest_close=234, window=4)  # it may serve it soon
-    assert not trails_stage(step=10**9, epoch=0, newest_close=-1, window=4)  # a request alone refuses nothing

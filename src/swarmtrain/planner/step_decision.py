@@ -61,19 +61,6 @@ def close_refusal(step: int, epoch: int, window: int) -> str | None:
     return None
 
 
-def trails_stage(step: int, epoch: int, newest_close: int, window: int) -> bool:
-    """Should a replica at `epoch` refuse a training request of `step` at once (the caller tries another
-    replica) instead of holding it until its parameters reach the step? Yes when both lie more than
-    `window` steps past its epoch: a trainer closed `newest_close` here, so another replica of the stage
-    ran that step and this one trails it by more than an honest close can (`close_refusal`); it serves
-    again once it replayed or downloaded what it missed. A replica whose whole stage is behind (restored
-    from an older checkpoint) hears no such close and keeps holding requests until it adopts the other
-    stages' step. A forged close alone refuses nothing: an honest request that far ahead means the
-    replica does trail the swarm. Netbed chaos, seed 0: a replica 38 steps behind, its link just back,
-    held two micro-batches for 12 s while it replayed; the stage closed their step without them."""
-    return step > epoch + window and newest_close > epoch + window
-
-
 def unknown_members(members: Iterable[str], peer_id: str, live: AbstractSet[str] | None) -> list[str]:
     """Members that are neither this replica nor a live replica of its stage (none when `live` is unknown)."""
     if live is None:

@@ -5,7 +5,7 @@
 replica downloads the stage state or drains, counted while it runs (a drain waits for those). The
 `MicroBatchDesk` is built when the stage starts serving, complete: its hop to the next stage (none at
 the last stage) is given to it. A request is validated (net/protocol.py), is refused at once while
-this replica trails its stage by more than a close can (`StepCoordinator.trails_stage`: the caller tries
+this replica trails its stage by more than a close can (`StageCatchUp.trailing`: the caller tries
 another replica), waits for the parameters of its step (`StepCoordinator.versions`,
 runtime/server/step_versions.py), then runs on the compute thread, alone or batched with
 others (stage_batches.py); a chain goes on to the next stage through `ChainHop`.
@@ -41,6 +41,7 @@ from swarmtrain.runtime.server.compute import (
     DeadlineExpired,
 )
 from swarmtrain.runtime.server.stage_batches import batch_item
+from swarmtrain.runtime.server.stage_catch_up import StageCatchUp
 from swarmtrain.runtime.server.stage_steps import StepCoordinator
 from swarmtrain.runtime.server.stage_worker import StageWorker
 from swarmtrain.utils.logging import get_logger
@@ -79,18 +80,15 @@ class MicroBatchDesk:
         worker: StageWorker,
         compute: ComputeWorker,
         steps: StepCoordinator,
+        catch_up: StageCatchUp,
         admission: Admission,
         hop: ChainHop | None,
     ) -> None:
-        """`hop`: this stage's hand-offs to the next one (None at the last stage)."""
+        """`catch_up`: whether a request's step is one this replica trails its stage by; `hop`: this
+        stage's hand-offs to the next one (None at the last stage)."""
         self.cfg, self.spec, self.io, self.digest = cfg, spec, io, digest
-        self.worker, self.compute, self.steps, self.admission, self.hop = (
-            worker,
-            compute,
-            steps,
-            admission,
-            hop,
-        )
+        self.worker, self.compute, self.steps, self.catch_up = worker, compute, steps, catch_up
+        self.admission, self.hop = admission, hop
         self.handlers: dict[str, Handler] = {
             "forward": self._on_forward,
             "backward": self._on_backward,
@@ -245,26 +243,20 @@ class MicroBatchDesk:
             )
         draining, step = self.admission, request.step
 
-        def trailing() -> bool:
-            return not request.evaluate and self.steps.trails_stage(step)
+        def trailing() -> Message | None:
+            reason = None if request.evaluate else self.catch_up.trailing(step)
+            return None if reason is None else error_message(reason, "unavailable")
 
-        if trailing():
-            return self._trailing_answer(step)
-        if not await self.steps.versions.wait(need, deadline_s, lambda: draining.draining or trailing()):
+        if (refused := trailing()) is not None:
+            return refused
+        held = lambda: draining.draining or trailing() is not None  # noqa: E731
+        if not await self.steps.versions.wait(need, deadline_s, held):
             if draining.draining:
                 return leaving_answer()
-            if trailing():
-                return self._trailing_answer(step)
+            if (refused := trailing()) is not None:
+                return refused
             return error_message(f"parameters of step {need} not ready in time", "timeout")
         return Admitted(arrived_s, deadline_s, time.monotonic() - arrived_s)
-
-    def _trailing_answer(self, step: int) -> Message:
-        closed = self.steps.inbox.newest_close
-        return error_message(
-            f"this replica is at step {self.worker.epoch}, behind its stage (step {closed} was closed): "
-            f"catching up, step {step} cannot run here yet; try another",
-            "unavailable",
-        )
 
 
 def _answer_of(outcome: Message | BaseException) -> Message:

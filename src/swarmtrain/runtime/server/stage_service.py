@@ -5,10 +5,12 @@ when the balancer moves the peer.
 
 Parts: the worker (stage_worker.py: tensors, buckets, optimizer) and the compute thread (compute.py);
 the step exchange (stage_steps.py decides, stage_exchange.py talks to the stage peers and handles
-`close`, `grads`, `step_means`, `ping`); the synchronizer (stage_sync.py: join, lag, resync) and the
-checkpointer; the micro-batch desk (stage_desk.py: every micro-batch kind, admission, compute; built
-when the stage starts serving, with its hop to the next stage); the status part (stage_status.py: one
-snapshot from which `info`, the DHT announcement and the metrics derive).
+`close`, `grads`, `step_means`, `ping`); the synchronizer (stage_sync.py: join, resync, adoption) with
+its catch-up (stage_catch_up.py: what a replica behind its stage does, reaching the step exchange
+through one port, `StepsBridge`) and the checkpointer; the micro-batch desk (stage_desk.py: every
+micro-batch kind, admission, compute; built when the stage starts serving, with its hop to the next
+stage); the status part (stage_status.py: one snapshot from which `info`, the DHT announcement and the
+metrics derive).
 
 Life cycle:
 - `StageService(...)` builds the stage from the run config, starts the averager (a forked process:
@@ -49,6 +51,7 @@ from swarmtrain.net.protocol import (
     max_grads_message_bytes,
     namespace,
 )
+from swarmtrain.planner.catch_up import KEEP_STEPS_AHEAD, evidence_ttl_s
 from swarmtrain.planner.link_capacity import COMPUTE, DOWNLINK, UPLINK, limited_capacity
 from swarmtrain.runtime.faults import FaultHooks
 from swarmtrain.runtime.ledger import Ledger
@@ -62,6 +65,7 @@ from swarmtrain.runtime.server.compute import (
 )
 from swarmtrain.runtime.server.server_metrics import ServerMetrics
 from swarmtrain.runtime.server.stage_batches import probe_samples_per_s
+from swarmtrain.runtime.server.stage_catch_up import StepsBridge
 from swarmtrain.runtime.server.stage_checkpoint import checkpointer_for
 from swarmtrain.runtime.server.stage_desk import Admission, Handler, MicroBatchDesk
 from swarmtrain.runtime.server.stage_exchange import StagePeerLink, StepExchange
@@ -70,7 +74,6 @@ from swarmtrain.runtime.server.stage_status import StageSnapshot, announcement_o
 from swarmtrain.runtime.server.stage_steps import StepCoordinator, StepSettings
 from swarmtrain.runtime.server.stage_sync import StageSynchronizer, SyncSettings
 from swarmtrain.runtime.server.stage_worker import StageWorker
-from swarmtrain.runtime.server.step_inbox import KEEP_STEPS_AHEAD
 from swarmtrain.runtime.server.step_rate import Utilization
 from swarmtrain.runtime.server.sums_codec import SumsCodec
 from swarmtrain.utils.logging import get_logger
@@ -82,8 +85,6 @@ if TYPE_CHECKING:  # hivemind is imported only once the process has prepared its
 logger = get_logger(__name__)
 
 DRAIN_POLL_S = 0.05
-# the pings that ask a trailing replica's stage peers their epochs (each bounded by its own deadline)
-PEER_EPOCHS_TIMEOUT_S = 10.0
 # a record lives this many announce periods: one missed announcement does not drop a live server
 ANNOUNCE_TTL_PERIODS = 3
 
@@ -263,6 +264,7 @@ class StageService:
             num_stages=swarm.num_stages,
             allow_fresh=self.options.fresh_start,
             stranded_grace_s=swarm.request_timeout_s,
+            evidence_ttl_s=evidence_ttl_s(swarm.request_timeout_s, swarm.averaging_timeout_s),
         )
         return StageSynchronizer(
             self.worker,
@@ -275,15 +277,8 @@ class StageService:
             self.node.ledger,
             checkpoints=self.checkpointer,
             on_fatal=self._on_fatal,
-            closing=self._closing,
-            on_epoch_moved=self.steps.versions.changed_threadsafe,
-            replay_missed=self._replay_missed,
-            peers_ahead=self._peers_ahead,
+            steps=StepsBridge(self.steps, self.link, self.node.loop),
         )
-
-    def _closing(self) -> bool:
-        """The step this replica is at has a close or gradients pending (read from the sync thread)."""
-        return self.steps.inbox.closing(self.worker.epoch)
 
     def _step_applied(self, epoch: int, fingerprint: list[float] | None) -> None:
         self.sync.step_applied(epoch, fingerprint)
@@ -350,6 +345,7 @@ class StageService:
             self.worker,
             self.compute,
             self.steps,
+            self.sync.catch_up,
             self.admission,
             self.hop,
         )
@@ -417,48 +413,9 @@ class StageService:
         finally:
             self.checkpointer.close()
 
-    # info and missed steps -----------------------------------------------------------
+    # info -------------------------------------------------------------------------------------
     async def _on_info(self, message: Message, _context) -> Message:
         return await self.compute.run(lambda: self._info(message), PRIORITY_SYNC)
-
-    def _replay_missed(self, peer: str, start: int, end: int) -> bool:
-        """(sync thread) Apply steps start..end-1, which this replica missed, from `peer`'s mean
-        gradients; False when that failed (the caller resyncs)."""
-        if self.link.client is None:
-            return False
-        future = asyncio.run_coroutine_threadsafe(self._replay_from(peer, start, end), self.node.loop)
-        try:
-            return future.result(timeout=self.cfg.swarm.request_timeout_s * (end - start) + 5.0)
-        except Exception as exc:  # unreachable donor, a step it no longer keeps, a malformed answer
-            future.cancel()
-            logger.info("replaying steps %d-%d from %s failed: %r", start, end - 1, peer[-8:], exc)
-            return False
-
-    def _peers_ahead(self) -> dict[str, int | None] | None:
-        """(sync thread) When a trainer's close showed this replica far behind its stage, the epoch each
-        stage peer answers a ping with (None: silent, or no replica of this stage); None otherwise, or
-        when asking failed."""
-        if self.link.client is None or not self.steps.left_behind():
-            return None
-        future = asyncio.run_coroutine_threadsafe(self._peer_epochs(), self.node.loop)
-        try:
-            return future.result(timeout=PEER_EPOCHS_TIMEOUT_S)
-        except Exception as exc:  # the loop is shutting down, or the pings outlived the timeout
-            future.cancel()
-            logger.info("asking the stage peers' epochs failed: %r", exc)
-            return None
-
-    async def _peer_epochs(self) -> dict[str, int | None]:
-        peers = sorted(set(self.steps.inbox.live() or ()) - {self.peer_id})
-        epochs = await asyncio.gather(*(self.link.epoch_of(peer) for peer in peers))
-        return dict(zip(peers, epochs, strict=True))
-
-    async def _replay_from(self, peer: str, start: int, end: int) -> bool:
-        for step in range(start, end):
-            samples, means = await self.link.step_means(peer, step)
-            if not await self.steps.replay(step, samples, means):
-                return False
-        return True
 
     def _info(self, message: Message) -> Message:
         """Counters, and on request the parameters or the pending gradient sums (tests, monitor)."""

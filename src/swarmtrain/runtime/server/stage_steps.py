@@ -63,6 +63,7 @@ from dataclasses import dataclass
 import torch
 
 from swarmtrain.net.robust import robust_mean
+from swarmtrain.planner.catch_up import MAX_REPLAY_STEPS
 from swarmtrain.planner.step_decision import (
     StepDecision,
     decide_step,
@@ -70,7 +71,6 @@ from swarmtrain.planner.step_decision import (
     short_close_grace_s,
     step_candidates,
     step_contributions,
-    trails_stage,
     vouched_senders,
 )
 from swarmtrain.runtime.ledger import Ledger
@@ -97,7 +97,6 @@ Alive = Callable[[str], Awaitable[bool]]  # does this peer's event loop answer a
 # big stage steps slowly, so its three steps cover a download's duration too.
 KEPT_STEP_MEANS = 3
 KEPT_MEANS_BYTES = 64 * 2**20
-MAX_REPLAY_STEPS = 64  # a replica further behind downloads the state instead
 
 
 @dataclass
@@ -175,17 +174,6 @@ class StepCoordinator:
             except Exception:  # keep stepping; a bug here must not silently stop the stage
                 logger.exception("step %d failed", step)
                 await asyncio.sleep(self.settings.poll_s)
-
-    def trails_stage(self, step: int) -> bool:
-        """Should a training request of `step` be refused at once: this replica trails its stage
-        (planner/step_decision.py's `trails_stage`)."""
-        inbox = self.inbox
-        return trails_stage(step, self.worker.epoch, inbox.newest_close, inbox.close_window)
-
-    def left_behind(self) -> bool:
-        """A trainer closed a step here further past this replica's epoch than an honest close can
-        come: another replica ran it, and this one must replay or download what it missed."""
-        return self.trails_stage(self.inbox.newest_close)
 
     async def _wait(self, step: int, ready: Callable[[PendingStep], bool], timeout_s: float | None = None):
         """Until `ready(state)`; False if the epoch moved (resync) or `timeout_s` passed."""

@@ -1,4 +1,5 @@
-"""Keeping a stage's replicas in line: join, lag and divergence checks, state download.
+"""Keeping a stage's replicas in line: join, resync (state download), adoption of the other stages'
+step, divergence checks, progress records.
 
 Steps themselves are closed and exchanged on the server's event loop (runtime/server/stage_steps.py). This
 module runs on its own threads and works from shared state in the DHT:
@@ -6,12 +7,10 @@ module runs on its own threads and works from shared state in the DHT:
   (fp: a fingerprint of its parameters at step fp_epoch);
 - a replica joining a stage whose replicas have already stepped downloads their parameters and
   optimizer state (`load_state_from_peers`) before serving;
-- a replica that sees a peer more than `KEEP_STEPS_AHEAD` steps ahead (in the DHT, or by asking its
-  peers directly once a trainer's close came that far past its epoch), or ahead at all for longer
-  than `lag_grace_s` (replicas finish a step's exchange a few milliseconds apart, which is no lag),
-  replays the steps it missed from a peer's mean gradients when it holds no samples of its own and the
-  peer still keeps them (up to `MAX_REPLAY_STEPS`, bounded by the peer's memory); otherwise it stops
-  serving, drops its unapplied buckets (recorded as lost) and downloads the state;
+- every sync tick, the catch-up part decides what a replica behind its stage does (replay, resync,
+  adopt, wait: runtime/server/stage_catch_up.py, its rule planner/catch_up.py); resyncs and adoptions
+  are carried out here. A resync stops serving, drops the unapplied buckets (recorded as lost) and
+  downloads the state;
 - replicas compare parameter fingerprints taken at the same step; on a mismatch (a member's gradients
   reached one replica but not another, at that step or any before) the one with the larger id resyncs;
 - at start, the state comes from live replicas, else the stage's newest checkpoint, else initial
@@ -30,13 +29,13 @@ from dataclasses import dataclass, field
 
 from swarmtrain.config.errors import UserError
 from swarmtrain.net.protocol import ProtocolError
+from swarmtrain.planner.catch_up import LagRule
 from swarmtrain.planner.download_deadline import DEFAULT_RULE, DownloadRule, donor_deadline_s, state_bytes
 from swarmtrain.planner.restore import behind_other_stages, choose_start, follows_on_mismatch
 from swarmtrain.runtime.ledger import Ledger
 from swarmtrain.runtime.server.compute import PRIORITY_SYNC, ComputeWorker
-from swarmtrain.runtime.server.stage_steps import MAX_REPLAY_STEPS
+from swarmtrain.runtime.server.stage_catch_up import DETACHED, StageCatchUp, StepsPort
 from swarmtrain.runtime.server.stage_worker import StageWorker
-from swarmtrain.runtime.server.step_inbox import KEEP_STEPS_AHEAD
 from swarmtrain.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -55,6 +54,9 @@ class SyncSettings:
     heartbeat_s: float = 1.0
     progress_ttl_s: float = 4.0
     lag_grace_s: float = 3.0
+    # how long a trainer's close past the close window shows the stage ahead
+    # (planner/catch_up.evidence_ttl_s: two steps' worth of the swarm's timeouts)
+    evidence_ttl_s: float = 120.0
     # a state download's deadline follows the stage's state size (planner/download_deadline.py): a
     # billion-parameter stage's state with Adam is ~12 GB, minutes even at 1 Gbit/s
     download_rule: DownloadRule = DEFAULT_RULE
@@ -94,39 +96,28 @@ class StageSynchronizer:
         ledger: Ledger | None = None,
         checkpoints=None,
         on_fatal: Callable[[str], None] | None = None,
-        closing: Callable[[], bool] = lambda: False,
-        on_epoch_moved: Callable[[], None] = lambda: None,
-        replay_missed: Callable[[str, int, int], bool] = lambda peer, start, end: False,
-        peers_ahead: Callable[[], dict[str, int | None] | None] = lambda: None,
+        steps: StepsPort = DETACHED,
     ) -> None:
         """`checkpoints`: a StageCheckpointer to restore from (None: no checkpoints); `on_fatal`: stop
-        the server with this message (a replica that must not serve); `closing`: whether the step this
-        replica is at is being closed (the step coordinator holds it); `on_epoch_moved`: called (on
-        this object's thread) after a download or restore moved the epoch; `replay_missed(peer, start,
-        end)`: apply steps start..end-1 from that peer's mean gradients, True when done;
-        `peers_ahead()`: when a trainer's close showed this replica far behind its stage, the epoch each
-        stage peer answers a ping with, None for a silent one (None for all: no such close)."""
+        the server with this message (a replica that must not serve); `steps`: the step exchange as this
+        object's threads reach it (runtime/server/stage_catch_up.py; DETACHED: none)."""
         self.worker, self.compute, self.averager, self.records = worker, compute, averager, records
         self.peer_id, self.digest, self.settings = peer_id, digest, settings
         self.stage = worker.spec.index
         self.ledger = ledger or Ledger(None)
-        self.checkpoints, self.on_fatal, self.closing = checkpoints, on_fatal, closing
+        self.checkpoints, self.on_fatal, self.steps = checkpoints, on_fatal, steps
         self.untrained = True  # initial weights: never stepped, downloaded or restored
         self.restored = False  # state from a checkpoint (or --fresh-start), no step applied since
         # our parameters lack updates the stage applied: we adopted the other stages' step (a peer that
         # applied them wins a fingerprint mismatch, and donors without this are preferred)
         self.skipped = False
         self._other_ahead_since_s: float | None = None
-        # the epoch the last tick saw and since when: how long this replica has gone without a step
-        self._seen_epoch: tuple[int, float] = (-1, time.monotonic())
         self.counters = SyncCounters()
         self.serving = threading.Event()
         self.stop_event = threading.Event()
-        self.on_epoch_moved = on_epoch_moved
-        self.replay_missed = replay_missed
-        self.peers_ahead = peers_ahead
         self._fp: tuple[int, list[float]] | None = None  # (step, parameter fingerprint at that step)
-        self._behind_since_s: float | None = None
+        rule = LagRule(settings.lag_grace_s, settings.evidence_ttl_s, steps.window)
+        self.catch_up = StageCatchUp(worker, steps, rule)  # what a replica behind its stage does
         self._publish_now = threading.Event()
         self._threads: list[threading.Thread] = []
 
@@ -187,7 +178,7 @@ class StageSynchronizer:
         self.resync("joining a stage that has already trained")
         for _ in range(JOIN_RETRIES):
             donors = int((ends_s - time.monotonic() - JOIN_RETRY_S) // donor_s)
-            if not (self.untrained and donors >= 1 and self._others()):
+            if not (self.untrained and donors >= 1 and self.recorded_peers()):
                 break
             time.sleep(JOIN_RETRY_S)
             self.resync("joining: the last download failed and the stage's replicas are still there", donors)
@@ -231,96 +222,33 @@ class StageSynchronizer:
         self.averager.state_sharing_priority = self._sharing_priority()
 
     def tick(self) -> None:
-        if self._caught_up_directly():
-            return
-        others, epoch = self._others(), self.worker.epoch
-        ahead = max((v["epoch"] for v in others.values()), default=epoch) - epoch
-        now = time.monotonic()
-        if epoch != self._seen_epoch[0]:
-            self._seen_epoch = (epoch, now)
-        if ahead <= 0:
-            self._behind_since_s = None
-        elif self._behind_since_s is None:
-            self._behind_since_s = now
-        # a replica that was not a member of a step can trail the members by a step or two while the
-        # members' gradients reach it; it catches up from what it was sent
-        lagging = ahead >= 1 and now - (self._behind_since_s or now) >= self.settings.lag_grace_s
-        if (lagging or ahead > KEEP_STEPS_AHEAD) and self._replayed(others, epoch, ahead):
-            self._behind_since_s = None
-        elif ahead > KEEP_STEPS_AHEAD or lagging:
-            self.resync(f"peers are {ahead} step(s) ahead (we are at {epoch})")
-        elif self._diverged_from(others):
-            self.resync("parameters diverged from a peer after a partial exchange")
-        elif ahead <= 0 and (
-            self.restored or self.untrained or now - self._seen_epoch[1] >= self.settings.lag_grace_s
-        ):
-            # the other stages are not read from the DHT on every tick of a replica stepping with the
-            # swarm (several steps a second on `tiny`), only once it has not stepped for a while
-            self._check_other_stages(epoch, now)
-        else:
-            self._other_ahead_since_s = None
+        self.catch_up.tick(self)
 
-    def _caught_up_directly(self) -> bool:
-        """A trainer's close showed this replica far behind its stage: it asks its peers' epochs with a
-        ping and replays (or downloads) from the furthest at once, without the DHT's progress records,
-        which lapse while the swarm is partitioned and may list a peer that froze. When no peer that
-        answers is ahead, those that ran the steps are frozen or cut off: it waits for them a lag grace,
-        not a request timeout, before it adopts the other stages' step (its peer wins when it wakes:
-        `follows_on_mismatch`). Netbed chaos, seed 0: a stage-1 replica woke 23-30 steps behind, the only
-        replica ahead froze 3 s later for 26.6 s, and the stage stalled until one of them moved (31-33 s:
-        a replay from the frozen peer held this thread, or the adoption waited out a request timeout).
-        A forged close cannot shorten the wait: every peer that answers the ping is believed, and only a
-        silent one (which a forger cannot make of an honest peer), or a view with no peer left, counts as
-        frozen. True when this tick is done."""
-        peers = self.peers_ahead()
-        if peers is None:
-            return False
-        epoch = self.worker.epoch
-        answered = {peer: e for peer, e in peers.items() if e is not None}
-        ahead = max(answered.values(), default=epoch) - epoch
-        if ahead > KEEP_STEPS_AHEAD:
-            if self._replayed({peer: {"epoch": e} for peer, e in answered.items()}, epoch, ahead):
-                self._behind_since_s = None
-            else:
-                self.resync(f"peers are {ahead} step(s) ahead (we are at {epoch}; asked directly)")
-            return True
-        if ahead > 0 or (answered and len(answered) == len(peers)):
-            return False  # a peer that answers is a few steps ahead, or none is silent: the rules below
-        self._check_other_stages(epoch, time.monotonic(), stranded_grace_s=self.settings.lag_grace_s)
-        return True
+    # the catch-up's port (stage_catch_up.SyncPort) ------------------------------------------------
+    @property
+    def fresh_state(self) -> bool:
+        return self.restored or self.untrained
 
-    def _replayed(self, others: dict[str, dict], epoch: int, ahead: int) -> bool:
-        """A replica a few steps behind holding no samples of its own (it was no participant of those
-        steps) applies them from a peer's mean gradients: the same state as its peers, for one mean per
-        step instead of a whole state download."""
-        if ahead > MAX_REPLAY_STEPS or self.worker.unapplied_samples:
-            return False
-        donor = max(others, key=lambda peer: others[peer]["epoch"])
-        if not self.replay_missed(donor, epoch, epoch + ahead):
-            return False
-        logger.info(
-            "stage %d: replayed steps %d-%d from %s", self.stage, epoch, epoch + ahead - 1, donor[-8:]
-        )
-        self.publish()
-        return True
+    def stop_adopting(self) -> None:
+        self._other_ahead_since_s = None
 
-    def _check_other_stages(self, epoch: int, now: float, stranded_grace_s: float | None = None) -> None:
+    def check_other_stages(self, epoch: int, now_s: float, stranded_grace_s: float | None = None) -> None:
         """No replica of this stage is ahead: are the other stages, for longer than a step takes?
         `stranded_grace_s`: instead of the settings' (no replica that answers is ahead)."""
         other = self._other_stages_step()
         if other <= epoch:
             self._other_ahead_since_s = None
             return
-        since = self._other_ahead_since_s = self._other_ahead_since_s or now
+        since = self._other_ahead_since_s = self._other_ahead_since_s or now_s
         action = behind_other_stages(
             epoch,
             other,
             self.worker.unapplied_samples,
-            now - since,
+            now_s - since,
             self.settings.lag_grace_s,
             self.untrained,
             self.settings.allow_fresh,
-            self.closing(),
+            self.steps.closing(),
             self.restored,
             self.settings.stranded_grace_s if stranded_grace_s is None else stranded_grace_s,
         )
@@ -332,7 +260,7 @@ class StageSynchronizer:
                 self.stage,
                 epoch,
                 other,
-                now - since,
+                now_s - since,
                 "" if self.restored or self.untrained else " and no replica of this stage is ahead",
                 other - epoch,
             )
@@ -341,7 +269,7 @@ class StageSynchronizer:
             self.averager.state_sharing_priority = self._sharing_priority()
             self._refresh_fingerprint()
             self._other_ahead_since_s = None
-            self.on_epoch_moved()
+            self.steps.epoch_moved()
             self.publish()
         elif action == "refuse":
             self.serving.clear()
@@ -391,9 +319,8 @@ class StageSynchronizer:
                 self.counters.lost_samples += lost_samples
                 self.ledger.write("lost", mbs=lost_ids, n=lost_samples, reason=reason)
             self.ledger.write("resync", epoch=self.worker.epoch, reason=reason)
-            self.on_epoch_moved()
+            self.steps.epoch_moved()
         self._refresh_fingerprint()
-        self._behind_since_s = None
         self.averager.state_sharing_priority = self._sharing_priority()
         self.serving.set()
         self.publish()
@@ -408,19 +335,19 @@ class StageSynchronizer:
         while True:
             epochs = [
                 v["epoch"]
-                for v in self._others().values()
+                for v in self.recorded_peers().values()
                 if v.get("serving", True) and isinstance(v.get("epoch"), int)
             ]
             if epochs or swarm_step == 0 or time.monotonic() >= deadline_s:
                 return epochs
             time.sleep(JOIN_RETRY_S)
 
-    def _others(self) -> dict[str, dict]:
+    def recorded_peers(self) -> dict[str, dict]:
         """Progress of the stage's other replicas with our config (a DHT read)."""
         progress = self.records.stage_progress(self.stage)
         return {p: v for p, v in progress.items() if p != self.peer_id and v.get("digest") == self.digest}
 
-    def _diverged_from(self, others: dict[str, dict]) -> bool:
+    def diverged_from(self, others: dict[str, dict]) -> bool:
         """A peer we follow (`planner/restore.follows_on_mismatch`) had other parameters than ours at the
         same step."""
         if self._fp is None:

@@ -18,13 +18,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from swarmtrain.planner.catch_up import KEEP_STEPS_AHEAD, SwarmAhead
 from swarmtrain.planner.step_decision import Close, StepDecision, close_refusal, unknown_members
 from swarmtrain.runtime.server.stage_members import LiveReplicas, StageMembers, Verify
 from swarmtrain.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
-KEEP_STEPS_AHEAD = 4  # closes/grads this far ahead are kept; a replica further behind resyncs
 MAX_CLOSES_PER_STEP = 64  # distinct senders of closes kept per step (an honest run has one per trainer)
 MAX_HELD_GRADS = 4  # per step: sums kept from peers our view of the stage lacks (pinged meanwhile)
 MAX_TRUSTED_SENDERS = 256  # senders of closes found true, the latest kept (an honest run: its trainers)
@@ -75,13 +75,14 @@ class StepInbox:
         the DHT (None: not checked, tests); `verify`: a direct check of a peer the view lacks (None: only
         the view counts); `close_window`: 1 + max_staleness (see `close_refusal`); `on_left_behind()`:
         a close came further past this replica's epoch than any before (requests held here look again,
-        `trails_stage`)."""
+        planner/catch_up.py's `trails_stage`)."""
         self._epoch, self.peer_id, self.counters = epoch, peer_id, counters
         self.members = StageMembers(live_replicas, verify, on_change=self.wake)
         self.close_window = close_window
         self.on_left_behind = on_left_behind
         self.pending: dict[int, PendingStep] = {}
-        self.newest_close = -1  # the highest step any close named, kept or not: how far the stage went
+        # how far the closes say the stage went (planner/catch_up.py: the catch-up reads it)
+        self.ahead = SwarmAhead()
         # senders whose closes this replica applied and found true (`vouched_senders`), oldest first:
         # only theirs may decide a step no data confirms (`decide_step`'s `trusted`)
         self.trusted: dict[str, None] = {}
@@ -92,13 +93,13 @@ class StepInbox:
         """A trainer's close (fields checked by net/protocol.py's `validate_close`); False if not kept.
         Kept closes are only candidates: the step loop decides which one, if any, it acts on."""
         refusal = close_refusal(step, self._epoch(), self.close_window)
-        if step > self.newest_close:
-            self.newest_close = step
-            if step > self._epoch() + self.close_window:
-                # whoever ran it is a peer to catch up from: one the view lacks is checked now
-                named = [peer for peer, n in members.items() if int(n) > 0]
-                self.members.check_unknown(unknown_members(named, self.peer_id, self.live()))
-                self.on_left_behind()
+        far, newest = step > self._epoch() + self.close_window, step > self.ahead.newest_step
+        self.ahead = self.ahead.heard(step, time.monotonic(), far, sender in self.trusted)
+        if far and newest:
+            # whoever ran it is a peer to catch up from: one the view lacks is checked now
+            named = [peer for peer, n in members.items() if int(n) > 0]
+            self.members.check_unknown(unknown_members(named, self.peer_id, self.live()))
+            self.on_left_behind()
         state = self.state(step) if refusal is None else None
         if state is not None and sender not in state.closes and len(state.closes) >= MAX_CLOSES_PER_STEP:
             refusal = f"already {len(state.closes)} senders closed step {step}"

@@ -1,0 +1,215 @@
+"""What a stage replica does when it falls behind its stage: the lag rule, a pure function.
+
+A replica learns that its stage went on without it from three sources: the stage's progress records in
+the DHT (refreshed every heartbeat, but they lapse while the swarm is partitioned and still list a peer
+that froze), a trainer's close of a step past its close window (`SwarmAhead`, kept by
+runtime/server/step_inbox.py), and its stage peers' answers to a ping asking their epochs. From these
+and its own state `decide_catch_up` chooses one action: replay the missed steps from a peer's mean
+gradients, resync (download the state), adopt the other stages' step (planner/restore.py's
+`behind_other_stages` then says when), or wait. It may first ask for what it needs (`ASK`: ping the
+stage peers; `READ`: read the progress records), so a tick does no more I/O than its decision needs.
+
+The catch-up part (runtime/server/stage_catch_up.py) gathers the view, asks, and acts on the decision
+on the sync thread; the unit tests call these functions directly (tests/unit/test_catch_up.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+# closes and gradient sums this far past a replica's epoch are kept; a peer further ahead is caught up
+# with at once, without the lag grace
+KEEP_STEPS_AHEAD = 4
+# a replica further behind downloads the state instead of replaying (replicas keep at most this many
+# steps' means, runtime/server/stage_steps.py)
+MAX_REPLAY_STEPS = 64
+
+ASK = "ask"  # ping the stage peers for their epochs, then decide again
+READ = "read"  # read the stage's progress records, then decide again
+REPLAY = "replay"  # apply steps epoch..end-1 from `donor`'s mean gradients; resync when that fails
+RESYNC = "resync"  # stop serving and download the stage state
+ADOPT = (
+    "adopt"  # no replica of the stage is ahead: adopt the other stages' step once behind_other_stages says so
+)
+WAIT = "wait"  # nothing to do (and not behind the other stages either)
+
+
+@dataclass(frozen=True)
+class Heard:
+    """A trainer's close of `step`, past the replica's close window when it came at `heard_s`
+    (monotonic seconds)."""
+
+    step: int
+    heard_s: float
+
+
+@dataclass(frozen=True)
+class SwarmAhead:
+    """What trainers' closes told a replica of how far its stage went."""
+
+    newest_step: int = -1  # the highest step any close named, kept or not (`trails_stage`)
+    latest: Heard | None = None  # the last close past the close window, from any sender
+    trusted: Heard | None = None  # the last of those whose sender's closes were found true here
+
+    def heard(self, step: int, now_s: float, far: bool, trusted: bool) -> SwarmAhead:
+        """After a close of `step` came: `far` when past the close window, `trusted` when its sender
+        is vouched for (planner/step_decision.py's `vouched_senders`)."""
+        newest = max(self.newest_step, step)
+        if not far:
+            return SwarmAhead(newest, self.latest, self.trusted)
+        close = Heard(step, now_s)
+        return SwarmAhead(newest, close, close if trusted else self.trusted)
+
+
+@dataclass(frozen=True)
+class LagRule:
+    """The run's settings the lag rule reads."""
+
+    lag_grace_s: float = 3.0  # a peer ahead this long is a lag, not an exchange finishing ms apart
+    evidence_ttl_s: float = 120.0  # a close older than this shows nothing (`evidence_ttl_s`)
+    window: int = KEEP_STEPS_AHEAD  # the close window: 1 + max_staleness, at least KEEP_STEPS_AHEAD
+    keep_ahead: int = KEEP_STEPS_AHEAD
+    max_replay: int = MAX_REPLAY_STEPS
+
+
+@dataclass(frozen=True)
+class LagView:
+    """What a replica knows at one sync tick."""
+
+    epoch: int  # the next step it applies
+    own_samples: int  # samples accumulated and not yet applied (a replay needs none)
+    now_s: float
+    ahead: SwarmAhead = SwarmAhead()
+    asked: Mapping[str, int | None] | None = (
+        None  # stage peers' pinged epochs (None: silent); None: not asked
+    )
+    recorded: Mapping[str, int] | None = None  # stage peers' epochs in the progress records; None: not read
+    behind_since_s: float | None = None  # since when the records have shown a peer ahead
+    diverged: bool = False  # a peer it follows had other parameters at the same step (with `recorded`)
+    fresh_state: bool = False  # restored from a checkpoint, or initial weights, with no step since
+    epoch_since_s: float = float("-inf")  # since when it has been at `epoch`
+
+
+@dataclass(frozen=True)
+class CatchUp:
+    """The lag rule's decision."""
+
+    action: str  # ASK, READ, REPLAY, RESYNC, ADOPT or WAIT
+    reason: str = ""  # RESYNC's, and REPLAY's when the replay fails
+    donor: str = ""  # REPLAY: the peer whose mean gradients it applies
+    end: int = 0  # REPLAY: steps epoch..end-1
+    grace_s: float | None = None  # ADOPT: how long behind before adopting (None: a request timeout)
+    behind_since_s: float | None = None  # the lag clock from now on
+
+
+def evidence_ttl_s(request_timeout_s: float, averaging_timeout_s: float) -> float:
+    """How long a close past the window shows the stage ahead (`LagRule.evidence_ttl_s`). A stage that
+    runs ahead closes a step here every step, and one step takes at most about a request timeout (its
+    last micro-batch given up by the trainer) plus an exchange (the averaging timeout); two such steps
+    with no close mean the stage stopped closing here (its records in the DHT then tell where it is) or
+    the close was forged, which must not keep the replica pinging its peers for good. Far longer than
+    the lag grace, so a replica left behind still adopts the other stages' step while the peers that
+    ran it are frozen."""
+    return 2.0 * (request_timeout_s + averaging_timeout_s)
+
+
+def trails_stage(step: int, epoch: int, newest_close: int, window: int) -> bool:
+    """Should a replica at `epoch` refuse a training request of `step` at once (the caller tries another
+    replica) instead of holding it until its parameters reach the step? Yes when both lie more than
+    `window` steps past its epoch: a trainer closed `newest_close` here, so another replica of the stage
+    ran that step and this one trails it by more than an honest close can (`close_refusal`); it serves
+    again once it replayed or downloaded what it missed. A replica whose whole stage is behind (restored
+    from an older checkpoint) hears no such close and keeps holding requests until it adopts the other
+    stages' step. A forged close alone refuses nothing: an honest request that far ahead means the
+    replica does trail the swarm, which is also why this close never expires. A replica 38 steps behind
+    that held its requests kept them from the stage's step while it replayed."""
+    return step > epoch + window and newest_close > epoch + window
+
+
+def left_behind(ahead: SwarmAhead, epoch: int, now_s: float, rule: LagRule) -> bool:
+    """A close past the window came within `rule.evidence_ttl_s`: another replica ran steps this one
+    has not, and it asks its stage peers how far they are."""
+    return _shows_ahead(ahead.latest, epoch, now_s, rule)
+
+
+def _shows_ahead(close: Heard | None, epoch: int, now_s: float, rule: LagRule) -> bool:
+    return (
+        close is not None
+        and close.step > epoch + rule.window
+        and now_s - close.heard_s <= rule.evidence_ttl_s
+    )
+
+
+def decide_catch_up(view: LagView, rule: LagRule) -> CatchUp:
+    """What a replica does at a sync tick, in order:
+    1. Left behind (`left_behind`: a fresh close past the window) and its peers not yet asked: `ASK`.
+    2. Asked: a peer that answers more than `keep_ahead` steps ahead is caught up with at once (replay
+       from the furthest, else resync). When no peer that answers is ahead and one is silent (or none is
+       left), those that ran the steps are frozen or cut off: it adopts the other stages' step after
+       the lag grace instead of a request timeout (the frozen peer wins a fingerprint mismatch when it
+       wakes, planner/restore.follows_on_mismatch). Only on a fresh close from a vouched sender
+       (`SwarmAhead.trusted`): a stranger's close far ahead makes the replica ask, never by itself
+       leave its step (and every peer that answers is believed; a forger cannot silence an honest
+       one). Otherwise the records decide, as without the close.
+    3. The records not read yet: `READ`.
+    4. A peer in the records ahead for the lag grace, or more than `keep_ahead` steps ahead at once:
+       replay the missed steps from the most advanced peer when the replica holds no samples of its own
+       (it was no participant of those steps) and at most `max_replay` are missing, else resync.
+    5. Parameters diverged from a peer it follows: resync.
+    6. No peer ahead, and its state fresh or no step for the lag grace: `ADOPT` (the other stages'
+       step after a request timeout, planner/restore.behind_other_stages); else `WAIT`."""
+    if view.asked is None and left_behind(view.ahead, view.epoch, view.now_s, rule):
+        return CatchUp(ASK, behind_since_s=view.behind_since_s)
+    if view.asked is not None:
+        direct = _asked(view, rule)
+        if direct is not None:
+            return direct
+    if view.recorded is None:
+        return CatchUp(READ, behind_since_s=view.behind_since_s)
+    return _recorded(view, view.recorded, rule)
+
+
+def _asked(view: LagView, rule: LagRule) -> CatchUp | None:
+    """Step 2 of `decide_catch_up`; None: the records decide."""
+    asked, epoch = view.asked or {}, view.epoch
+    answered = {peer: e for peer, e in asked.items() if e is not None}
+    ahead = max(answered.values(), default=epoch) - epoch
+    if ahead > rule.keep_ahead:
+        return _replay_or_resync(
+            view, answered, rule, f"peers are {ahead} step(s) ahead (we are at {epoch}; asked directly)"
+        )
+    frozen = not answered or len(answered) < len(asked)
+    if ahead <= 0 and frozen and _shows_ahead(view.ahead.trusted, epoch, view.now_s, rule):
+        return CatchUp(ADOPT, grace_s=rule.lag_grace_s, behind_since_s=view.behind_since_s)
+    return None
+
+
+def _recorded(view: LagView, recorded: Mapping[str, int], rule: LagRule) -> CatchUp:
+    """Steps 4-6 of `decide_catch_up`."""
+    epoch, now_s = view.epoch, view.now_s
+    ahead = max(recorded.values(), default=epoch) - epoch
+    since_s = None if ahead <= 0 else (now_s if view.behind_since_s is None else view.behind_since_s)
+    # a replica that was not a member of a step can trail the members by a step or two while the
+    # members' gradients reach it; it catches up from what it was sent
+    lagging = since_s is not None and now_s - since_s >= rule.lag_grace_s
+    if lagging or ahead > rule.keep_ahead:
+        return _replay_or_resync(view, recorded, rule, f"peers are {ahead} step(s) ahead (we are at {epoch})")
+    if view.diverged:
+        return CatchUp(RESYNC, "parameters diverged from a peer after a partial exchange")
+    # the other stages are not read on every tick of a replica stepping with the swarm (several steps a
+    # second on `tiny`), only once it has not stepped for a while
+    if ahead <= 0 and (view.fresh_state or now_s - view.epoch_since_s >= rule.lag_grace_s):
+        return CatchUp(ADOPT)
+    return CatchUp(WAIT, behind_since_s=since_s)
+
+
+def _replay_or_resync(view: LagView, epochs: Mapping[str, int], rule: LagRule, reason: str) -> CatchUp:
+    """A replica holding no samples of its own (it was no participant of the missed steps) applies them
+    from a peer's mean gradients: the same state as its peers, for one mean per step instead of a whole
+    state download. Either way the lag clock restarts."""
+    donor = max(epochs, key=lambda peer: epochs[peer])
+    end = epochs[donor]
+    if end - view.epoch <= rule.max_replay and view.own_samples == 0:
+        return CatchUp(REPLAY, reason, donor, end)
+    return CatchUp(RESYNC, reason)

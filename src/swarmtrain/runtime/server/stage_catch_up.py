@@ -1,0 +1,260 @@
+"""A replica's catch-up with its stage: what happens when it falls behind.
+
+The rule is planner/catch_up.py's `decide_catch_up` (replay, resync, adopt or wait); this part gathers
+what it reads, asks what it needs, and acts, once per sync tick on the synchronizer's thread
+(runtime/server/stage_sync.py):
+- the evidence that the stage went on: trainers' closes past the close window, kept by the step inbox
+  (`SwarmAhead`, runtime/server/step_inbox.py), which expire; the stage's progress records in the DHT;
+  and, when a fresh close shows the replica left behind, its stage peers' epochs, asked with a ping;
+- a replay applies the missed steps from a peer's mean gradients (`StepCoordinator.replay` on the event
+  loop, the means asked with `StagePeerLink.step_means`); a resync and an adoption of the other stages'
+  step are the synchronizer's (`SyncPort`);
+- on the event loop, a training request of a step this replica trails by more than a close can is
+  refused at once (`trailing`, planner/catch_up.py's `trails_stage`): the caller tries another replica.
+
+The part reaches the step exchange through one port, `StepsPort` (the event loop's side:
+`StepsBridge`; none before the stage serves: `DETACHED`), and the synchronizer through `SyncPort`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from typing import TYPE_CHECKING, Protocol
+
+from swarmtrain.planner.catch_up import (
+    ADOPT,
+    ASK,
+    KEEP_STEPS_AHEAD,
+    READ,
+    REPLAY,
+    RESYNC,
+    CatchUp,
+    LagRule,
+    LagView,
+    SwarmAhead,
+    decide_catch_up,
+    trails_stage,
+)
+from swarmtrain.runtime.server.stage_worker import StageWorker
+from swarmtrain.utils.logging import get_logger
+
+if TYPE_CHECKING:
+    from swarmtrain.runtime.server.stage_exchange import StagePeerLink
+    from swarmtrain.runtime.server.stage_steps import StepCoordinator
+
+logger = get_logger(__name__)
+
+# the pings that ask a trailing replica's stage peers their epochs (each bounded by its own deadline)
+PEER_EPOCHS_TIMEOUT_S = 10.0
+
+
+class StepsPort(Protocol):
+    """What the catch-up and the synchronizer need of the step exchange, from the sync thread."""
+
+    @property
+    def window(self) -> int:
+        """The close window: how far past its epoch a replica keeps closes."""
+        ...
+
+    def swarm_ahead(self) -> SwarmAhead:
+        """What the closes heard so far say of how far the stage went."""
+        ...
+
+    def closing(self) -> bool:
+        """The step this replica is at has a close or gradients pending (it must not adopt another)."""
+        ...
+
+    def epoch_moved(self) -> None:
+        """A download, restore or adoption moved the epoch: requests held for a step look again."""
+        ...
+
+    def peer_epochs(self) -> dict[str, int | None] | None:
+        """The epoch each stage peer answers a ping with (None: silent); None when asking failed."""
+        ...
+
+    def replay(self, peer: str, start: int, end: int) -> bool:
+        """Apply steps start..end-1 from `peer`'s mean gradients; False when that failed."""
+        ...
+
+
+class SyncPort(Protocol):
+    """What the catch-up asks of the synchronizer (runtime/server/stage_sync.py's StageSynchronizer)."""
+
+    @property
+    def fresh_state(self) -> bool:
+        """Restored from a checkpoint, or initial weights, with no step applied since."""
+        ...
+
+    def recorded_peers(self) -> dict[str, dict]: ...  # the stage peers' progress records (a DHT read)
+
+    def diverged_from(self, others: dict[str, dict]) -> bool: ...
+
+    def resync(self, reason: str) -> None: ...
+
+    def check_other_stages(self, epoch: int, now_s: float, stranded_grace_s: float | None = None) -> None: ...
+
+    def stop_adopting(self) -> None: ...  # not behind the other stages: their clock starts again
+
+    def publish(self) -> None: ...
+
+
+class Detached:
+    """The port of a synchronizer with no step exchange (joining, tests): no closes, nobody to ask."""
+
+    window = KEEP_STEPS_AHEAD
+
+    def swarm_ahead(self) -> SwarmAhead:
+        return SwarmAhead()
+
+    def closing(self) -> bool:
+        return False
+
+    def epoch_moved(self) -> None:
+        pass
+
+    def peer_epochs(self) -> dict[str, int | None] | None:
+        return None
+
+    def replay(self, peer: str, start: int, end: int) -> bool:
+        return False
+
+
+DETACHED = Detached()
+
+
+class StepsBridge:
+    """The step exchange as the sync thread reaches it: the inbox is read where it is, the pings and
+    a replay run on the event loop, each bounded from here."""
+
+    def __init__(self, steps: StepCoordinator, link: StagePeerLink, loop: asyncio.AbstractEventLoop) -> None:
+        self.steps, self.link, self.loop = steps, link, loop
+
+    @property
+    def window(self) -> int:
+        return self.steps.inbox.close_window
+
+    def swarm_ahead(self) -> SwarmAhead:
+        return self.steps.inbox.ahead
+
+    def closing(self) -> bool:
+        return self.steps.inbox.closing(self.steps.worker.epoch)
+
+    def epoch_moved(self) -> None:
+        self.steps.versions.changed_threadsafe()
+
+    def peer_epochs(self) -> dict[str, int | None] | None:
+        if self.link.client is None:
+            return None
+        future = asyncio.run_coroutine_threadsafe(self._peer_epochs(), self.loop)
+        try:
+            return future.result(timeout=PEER_EPOCHS_TIMEOUT_S)
+        except Exception as exc:  # the loop is shutting down, or the pings outlived the timeout
+            future.cancel()
+            logger.info("asking the stage peers' epochs failed: %r", exc)
+            return None
+
+    async def _peer_epochs(self) -> dict[str, int | None]:
+        peers = sorted(set(self.steps.inbox.live() or ()) - {self.steps.peer_id})
+        epochs = await asyncio.gather(*(self.link.epoch_of(peer) for peer in peers))
+        return dict(zip(peers, epochs, strict=True))
+
+    def replay(self, peer: str, start: int, end: int) -> bool:
+        if self.link.client is None:
+            return False
+        future = asyncio.run_coroutine_threadsafe(self._replay_from(peer, start, end), self.loop)
+        try:
+            return future.result(timeout=self.link.request_timeout_s * (end - start) + 5.0)
+        except Exception as exc:  # unreachable donor, a step it no longer keeps, a malformed answer
+            future.cancel()
+            logger.info("replaying steps %d-%d from %s failed: %r", start, end - 1, peer[-8:], exc)
+            return False
+
+    async def _replay_from(self, peer: str, start: int, end: int) -> bool:
+        for step in range(start, end):
+            samples, means = await self.link.step_means(peer, step)
+            if not await self.steps.replay(step, samples, means):
+                return False
+        return True
+
+
+class StageCatchUp:
+    """A replica's catch-up: the lag clock and the last epoch seen, one decision per tick."""
+
+    def __init__(self, worker: StageWorker, steps: StepsPort, rule: LagRule) -> None:
+        self.worker, self.steps, self.rule = worker, steps, rule
+        self.stage = worker.spec.index
+        self._behind_since_s: float | None = None  # since when the records have shown a peer ahead
+        # the epoch the last read of the records saw and since when: how long the replica went without a step
+        self._seen_epoch: tuple[int, float] = (-1, time.monotonic())
+
+    def tick(self, sync: SyncPort) -> None:
+        """(sync thread) Decide, asking the peers or reading the records when the rule needs them, and act."""
+        view = self._view(self.steps.swarm_ahead())
+        decision = decide_catch_up(view, self.rule)
+        while decision.action in (ASK, READ):
+            view = self._asked(view) if decision.action == ASK else self._read(view, sync)
+            decision = decide_catch_up(view, self.rule)
+        self._behind_since_s = decision.behind_since_s
+        self._act(decision, view, sync)
+
+    def trailing(self, step: int) -> str | None:
+        """(event loop) Why a training request of `step` is refused at once: this replica trails its
+        stage (`trails_stage`); None when it may hold it."""
+        newest, epoch = self.steps.swarm_ahead().newest_step, self.worker.epoch
+        if not trails_stage(step, epoch, newest, self.steps.window):
+            return None
+        return (
+            f"this replica is at step {epoch}, behind its stage (step {newest} was closed): "
+            f"catching up, step {step} cannot run here yet; try another"
+        )
+
+    def _view(self, ahead: SwarmAhead, **known) -> LagView:
+        return LagView(
+            self.worker.epoch,
+            self.worker.unapplied_samples,
+            time.monotonic(),
+            ahead,
+            behind_since_s=self._behind_since_s,
+            **known,
+        )
+
+    def _asked(self, view: LagView) -> LagView:
+        asked = self.steps.peer_epochs()
+        if asked is None:  # asking failed: this tick goes on as if no close had come
+            return self._view(SwarmAhead(view.ahead.newest_step))
+        return self._view(view.ahead, asked=asked)
+
+    def _read(self, view: LagView, sync: SyncPort) -> LagView:
+        others = sync.recorded_peers()
+        now_s = time.monotonic()
+        if self.worker.epoch != self._seen_epoch[0]:
+            self._seen_epoch = (self.worker.epoch, now_s)
+        return dataclasses.replace(
+            self._view(view.ahead, asked=view.asked),
+            recorded={peer: value["epoch"] for peer, value in others.items()},
+            diverged=sync.diverged_from(others),
+            fresh_state=sync.fresh_state,
+            epoch_since_s=self._seen_epoch[1],
+        )
+
+    def _act(self, decision: CatchUp, view: LagView, sync: SyncPort) -> None:
+        if decision.action == REPLAY:
+            if self.steps.replay(decision.donor, view.epoch, decision.end):
+                logger.info(
+                    "stage %d: replayed steps %d-%d from %s",
+                    self.stage,
+                    view.epoch,
+                    decision.end - 1,
+                    decision.donor[-8:],
+                )
+                sync.publish()
+                return
+            sync.resync(decision.reason)
+        elif decision.action == RESYNC:
+            sync.resync(decision.reason)
+        elif decision.action == ADOPT:
+            sync.check_other_stages(view.epoch, view.now_s, decision.grace_s)
+        else:
+            sync.stop_adopting()

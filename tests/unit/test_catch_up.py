@@ -1,0 +1,187 @@
+"""The lag rule (planner/catch_up.py) on data: what a replica behind its stage does at a sync tick."""
+
+import dataclasses
+
+import pytest
+
+from swarmtrain.planner.catch_up import (
+    ADOPT,
+    ASK,
+    READ,
+    REPLAY,
+    RESYNC,
+    WAIT,
+    CatchUp,
+    Heard,
+    LagRule,
+    LagView,
+    SwarmAhead,
+    decide_catch_up,
+    evidence_ttl_s,
+    left_behind,
+    trails_stage,
+)
+
+pytestmark = pytest.mark.unit
+
+RULE = LagRule(lag_grace_s=3.0, evidence_ttl_s=120.0, window=4, keep_ahead=4, max_replay=64)
+NOW = 1000.0
+EPOCH = 10
+
+
+def _view(**fields) -> LagView:
+    return LagView(**{"epoch": EPOCH, "own_samples": 0, "now_s": NOW, **fields})
+
+
+def _trusted(step, age_s=1.0) -> SwarmAhead:
+    close = Heard(step, NOW - age_s)
+    return SwarmAhead(step, close, close)
+
+
+def _stranger(step, age_s=1.0) -> SwarmAhead:
+    return SwarmAhead(step, Heard(step, NOW - age_s), None)
+
+
+LONG_AGO = NOW - 60.0  # the replica has been at its epoch this long
+REPLAY_DHT = "peers are {} step(s) ahead (we are at 10)"
+REPLAY_ASKED = "peers are {} step(s) ahead (we are at 10; asked directly)"
+
+CASES = [
+    # (what, view, decision)
+    ("nothing heard: read the records first", _view(), CatchUp(READ)),
+    ("records show nobody ahead, stepping", _view(recorded={"A": 10}, epoch_since_s=NOW), CatchUp(WAIT)),
+    (
+        "records show nobody ahead, no step for the lag grace: look at the other stages",
+        _view(recorded={"A": 10}, epoch_since_s=LONG_AGO),
+        CatchUp(ADOPT),
+    ),
+    (
+        "a restored replica looks at the other stages at once",
+        _view(recorded={}, fresh_state=True, epoch_since_s=NOW),
+        CatchUp(ADOPT),
+    ),
+    (
+        "a peer a step ahead: exchanges finish ms apart, the lag clock starts",
+        _view(recorded={"A": 11}, epoch_since_s=NOW),
+        CatchUp(WAIT, behind_since_s=NOW),
+    ),
+    (
+        "a peer a step ahead for the lag grace: replay from it",
+        _view(recorded={"A": 11, "C": 10}, behind_since_s=NOW - 3.0),
+        CatchUp(REPLAY, REPLAY_DHT.format(1), "A", 11),
+    ),
+    (
+        "lagging with samples of its own: resync",
+        _view(recorded={"A": 11}, behind_since_s=NOW - 3.0, own_samples=8),
+        CatchUp(RESYNC, REPLAY_DHT.format(1)),
+    ),
+    (
+        "more than keep_ahead steps behind: at once, from the most advanced peer",
+        _view(recorded={"C": 12, "A": 15}),
+        CatchUp(REPLAY, REPLAY_DHT.format(5), "A", 15),
+    ),
+    (
+        "beyond what peers keep: resync",
+        _view(recorded={"A": 10 + 65}),
+        CatchUp(RESYNC, REPLAY_DHT.format(65)),
+    ),
+    (
+        "parameters diverged from a peer it follows",
+        _view(recorded={"A": 10}, diverged=True, epoch_since_s=NOW),
+        CatchUp(RESYNC, "parameters diverged from a peer after a partial exchange"),
+    ),
+    ("a fresh close far past the window: ask the peers", _view(ahead=_trusted(40)), CatchUp(ASK)),
+    (
+        "a peer that answers far ahead: replay from the furthest",
+        _view(ahead=_trusted(40), asked={"A": 39, "C": 20, "D": None}),
+        CatchUp(REPLAY, REPLAY_ASKED.format(29), "A", 39),
+    ),
+    (
+        "a peer that answers far ahead, holding samples: resync",
+        _view(ahead=_trusted(40), asked={"A": 39}, own_samples=8),
+        CatchUp(RESYNC, REPLAY_ASKED.format(29)),
+    ),
+    (
+        "the peer that ran the steps is silent: adopt after the lag grace",
+        _view(ahead=_trusted(40), asked={"A": None, "C": 10}),
+        CatchUp(ADOPT, grace_s=3.0),
+    ),
+    (
+        "no peer left in the view: adopt after the lag grace",
+        _view(ahead=_trusted(40), asked={}),
+        CatchUp(ADOPT, grace_s=3.0),
+    ),
+    (
+        "every peer answers at our step (a forged close): the records decide",
+        _view(ahead=_trusted(40), asked={"A": 10, "C": 10}),
+        CatchUp(READ),
+    ),
+    (
+        "a peer answers a few steps ahead: the records decide",
+        _view(ahead=_trusted(40), asked={"A": 12, "C": None}),
+        CatchUp(READ),
+    ),
+    (
+        "a stranger's close: asked, but a silent peer does not make it leave its step",
+        _view(ahead=_stranger(40), asked={"A": None}),
+        CatchUp(READ),
+    ),
+    ("a stranger's close is still worth asking about", _view(ahead=_stranger(40)), CatchUp(ASK)),
+    ("a close older than the bound shows nothing", _view(ahead=_trusted(40, age_s=121.0)), CatchUp(READ)),
+    ("a close within the window shows nothing", _view(ahead=_trusted(14)), CatchUp(READ)),
+]
+
+
+@pytest.mark.parametrize("what,view,decision", CASES, ids=[case[0] for case in CASES])
+def test_the_lag_rule(what, view, decision):
+    assert decide_catch_up(view, RULE) == decision
+
+
+def test_a_forged_close_far_ahead_expires():
+    """A stranger's close of step 10**9 made the replica left behind for good, pinging its stage peers
+    every tick. It asks while the close is fresh, never leaves its step on it alone (every peer that
+    answers is believed, a silent one counts only behind a vouched close), and stops asking once the
+    close is older than the bound."""
+    ahead = SwarmAhead().heard(10**9, NOW, far=True, trusted=False)
+    assert left_behind(ahead, EPOCH, NOW + 1.0, RULE)
+    assert decide_catch_up(_view(ahead=ahead, now_s=NOW + 1.0), RULE).action == ASK
+    silent = _view(ahead=ahead, now_s=NOW + 1.0, asked={"A": None})
+    assert decide_catch_up(silent, RULE).action == READ
+    later = NOW + RULE.evidence_ttl_s + 1.0
+    assert not left_behind(ahead, EPOCH, later, RULE)
+    assert decide_catch_up(_view(ahead=ahead, now_s=later), RULE).action == READ
+    # the step it named is still the newest: an honest request that far ahead is still refused at once
+    assert trails_stage(10**9, EPOCH, ahead.newest_step, RULE.window)
+
+
+def test_the_evidence_a_close_leaves():
+    ahead = SwarmAhead().heard(40, 1.0, far=True, trusted=True)
+    assert ahead == SwarmAhead(40, Heard(40, 1.0), Heard(40, 1.0))
+    forged = ahead.heard(10**9, 2.0, far=True, trusted=False)  # a stranger's keeps the vouched one
+    assert forged == SwarmAhead(10**9, Heard(10**9, 2.0), Heard(40, 1.0))
+    near = forged.heard(12, 3.0, far=False, trusted=True)  # within the window: only the newest step moves
+    assert near == forged
+    assert ahead.heard(41, 3.0, far=True, trusted=True).trusted == Heard(41, 3.0)
+
+
+def test_the_lag_clock_runs_while_a_peer_is_ahead_and_restarts_after_an_action():
+    waiting = decide_catch_up(_view(recorded={"A": 11}, behind_since_s=NOW - 1.0), RULE)
+    assert waiting == CatchUp(WAIT, behind_since_s=NOW - 1.0)
+    caught_up = decide_catch_up(_view(recorded={"A": 10}, behind_since_s=NOW - 1.0, epoch_since_s=NOW), RULE)
+    assert caught_up.behind_since_s is None
+    asked = _view(ahead=_trusted(40), asked={"A": None}, behind_since_s=NOW - 1.0)
+    assert decide_catch_up(asked, RULE).behind_since_s == NOW - 1.0  # adopting leaves it as it was
+    replay = decide_catch_up(dataclasses.replace(asked, asked={"A": 39}), RULE)
+    assert replay.action == REPLAY and replay.behind_since_s is None
+
+
+def test_the_evidence_outlives_the_lag_grace_by_far():
+    ttl_s = evidence_ttl_s(request_timeout_s=30.0, averaging_timeout_s=30.0)
+    assert ttl_s == 120.0 and ttl_s > 10 * LagRule().lag_grace_s
+
+
+def test_a_replica_trails_its_stage_only_when_a_close_and_the_request_are_both_past_the_window():
+    assert trails_stage(step=235, epoch=197, newest_close=234, window=4)
+    assert not trails_stage(step=235, epoch=197, newest_close=200, window=4)  # no close that far: hold it
+    assert not trails_stage(step=201, epoch=197, newest_close=234, window=4)  # it may serve it soon
+    assert not trails_stage(step=10**9, epoch=0, newest_close=-1, window=4)  # a request alone refuses nothing
