@@ -475,7 +475,7 @@ def test_a_truncated_download_is_refused_and_the_replica_serves_on(make_sync, ti
 
 def test_a_replica_a_step_behind_replays_it_instead_of_downloading(tiny_cfg, start_compute):
     """No samples of its own and at most KEPT_STEP_MEANS behind: the missed steps come from a peer's
-    mean gradients (`replay_missed`); holding samples, or when the replay fails, it downloads."""
+    mean gradients (`StepsPort.replay`); holding samples, or when the replay fails, it downloads."""
     replays = []
 
     def replay(peer, start, end):

@@ -186,7 +186,7 @@ class StageCatchUp:
         self.worker, self.steps, self.rule = worker, steps, rule
         self.stage = worker.spec.index
         self._behind_since_s: float | None = None  # since when the records have shown a peer ahead
-        # the epoch the last read of the records saw and since when: how long the replica went without a step
+        # the epoch the last read of the records saw, and since when: how long it has gone without a step
         self._seen_epoch: tuple[int, float] = (-1, time.monotonic())
 
     def tick(self, sync: SyncPort) -> None:
