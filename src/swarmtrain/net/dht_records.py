@@ -13,16 +13,21 @@ expiration so that dead peers disappear by themselves:
                                limit proposes that every shard stops (planner/stop_step.py)
 
 Every call is bounded by a timeout (a dead DHT process would otherwise hang callers forever) and
-tolerates malformed values from other peers (skipped, never raised).
+tolerates malformed values from other peers (skipped, never raised). A stage server's records allow an
+idle slack (planner/idle_pace.py): reads of a key reuse the last one, and stores of an unchanged value
+are skipped, within it; everyone else's read and store every time.
 """
 
 from __future__ import annotations
 
+import copy
 import math
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
+from swarmtrain.planner.idle_pace import may_reuse_read, may_skip_store
 from swarmtrain.planner.link_capacity import COMPUTE, DOWNLINK, UPLINK
 from swarmtrain.utils.logging import get_logger
 
@@ -196,32 +201,86 @@ class StageView:
         return self.peers
 
 
-class RunRecords:
-    """Reads and writes the records of one run through a hivemind DHT, every call with a timeout."""
+# fields of a record's value that say when it was written, not what it says: a store of a value that
+# differs only in them is a store of the same record (skipped within the slack)
+TIME_STAMP_FIELDS = frozenset({"time", "announced_at"})
 
-    def __init__(self, dht, run_id: str, timeout_s: float = 5.0) -> None:
+
+def _without_time_stamps(value):
+    """A copy to compare the next store's value with (a caller may change its lists afterwards)."""
+    if isinstance(value, dict):
+        value = {k: v for k, v in value.items() if k not in TIME_STAMP_FIELDS}
+    return copy.deepcopy(value)
+
+
+def no_slack() -> float:
+    return 0.0
+
+
+class RunRecords:
+    """Reads and writes the records of one run through a hivemind DHT, every call with a timeout.
+
+    `slack_s()`: how stale a read may be and how long an unchanged record's re-store may wait now
+    (planner/idle_pace.py; a stage server's `ActivityClock`); by default none: every read and store goes
+    to the DHT. `without_slack()` is a view that never allows any (the balancer's lease protocol)."""
+
+    def __init__(
+        self, dht, run_id: str, timeout_s: float = 5.0, slack_s: Callable[[], float] = no_slack
+    ) -> None:
         self.dht = dht
         self.run_id = run_id
         self.timeout_s = timeout_s
+        self.slack_s = slack_s
+        self._lock = threading.Lock()  # the sync thread, the loop's executor threads read and store
+        self._reads: dict[str, tuple[float, dict[str, object]]] = {}  # key -> (read at, live subkeys)
+        self._stored: dict[tuple[str, str], tuple[float, float, object]] = {}  # -> (at, ttl, value)
+        self.reads_reused = self.stores_skipped = 0
+
+    def without_slack(self) -> RunRecords:
+        return RunRecords(self.dht, self.run_id, self.timeout_s)
 
     # generic ------------------------------------------------------------------------------------
     def _store(self, key: str, subkey: str, value, ttl_s: float) -> bool:
         from hivemind.utils import get_dht_time
 
+        now_s, comparable = time.monotonic(), _without_time_stamps(value)
+        with self._lock:
+            last = self._stored.get((key, subkey))
+        unchanged = last is not None and last[2] == comparable
+        if last is not None and may_skip_store(unchanged, now_s - last[0], last[1], self.slack_s()):
+            self.stores_skipped += 1
+            return True  # the same record is in the DHT with over half its life ahead
         try:
             future = self.dht.store(key, value, get_dht_time() + ttl_s, subkey=subkey, return_future=True)
-            return bool(future.result(timeout=self.timeout_s))
+            stored = bool(future.result(timeout=self.timeout_s))
         except Exception as exc:  # timeouts and a dead DHT process: report, caller retries next period
             logger.warning("DHT store of %s failed: %r", key, exc)
-            return False
+            stored = False
+        with self._lock:
+            if not unchanged:  # a read from before this store does not show it
+                self._reads.pop(key, None)
+            if stored:
+                self._stored[(key, subkey)] = (now_s, ttl_s, comparable)
+            else:
+                self._stored.pop((key, subkey), None)
+        return stored
 
     def _get_dict(self, key: str) -> dict[str, object]:
+        now_s = time.monotonic()
+        with self._lock:
+            last = self._reads.get(key)
+        if last is not None and may_reuse_read(now_s - last[0], self.slack_s()):
+            self.reads_reused += 1
+            return dict(last[1])
         try:
             found = self.dht.get(key, latest=True, return_future=True).result(timeout=self.timeout_s)
-        except Exception as exc:
+        except Exception as exc:  # a failed read is not remembered: the next one asks the DHT again
             logger.warning("DHT get of %s failed: %r", key, exc)
             return {}
-        return live_subkeys(found)
+        live = live_subkeys(found)
+        with self._lock:
+            self._reads[key] = (now_s, live)
+        return dict(live)
 
     # announcements ------------------------------------------------------------------------------
     def announce(self, peer_id: str, announcement: StageAnnouncement, ttl_s: float) -> bool:

@@ -53,6 +53,7 @@ from swarmtrain.runtime.procs import (
     remember_group_sockets,
     start_exit_watchdog,
 )
+from swarmtrain.runtime.server.activity_clock import ActivityClock, stage_markers
 from swarmtrain.runtime.server.balancer import Balancer, Move, MovedFrom, move_record
 from swarmtrain.runtime.server.stage_choice import StageChoice
 from swarmtrain.runtime.server.stage_service import Node, StageOptions, StageService, Transport
@@ -118,6 +119,8 @@ class ServerProcess:
         self._lease_held = False  # a moved service's lease, released once it serves
         self._arrival: _Arrival | None = None  # how the service being served came here, if by a move
         self._stop: asyncio.Event | None = None
+        # an idle stage's records are read and re-stored less often (planner/idle_pace.py)
+        self.activity = ActivityClock()
         forked_children_die_with_me()  # before the DHT and the averagers fork
         torch.set_num_threads(options.threads)
         with ExitStack() as undo:  # a failure half-way stops what was started, in reverse order
@@ -137,7 +140,7 @@ class ServerProcess:
                 peer_id=self.dht.peer_id.to_base58(),
                 # fixed for our lifetime; asking a dead DHT would hang
                 addresses=visible_addresses(self.dht),
-                records=RunRecords(self.dht, cfg.swarm.run_id),
+                records=RunRecords(self.dht, cfg.swarm.run_id, slack_s=self.activity.slack_s),
                 ledger=self.ledger,
                 loop=self.runner.get_loop(),
                 private=options.network.run_key is not None,
@@ -234,6 +237,7 @@ class ServerProcess:
             self.balancer.serving_since_s = None  # a new stage: the balancer waits for it to serve
         if self._arrival is not None:
             self._log_move_cost(service, self._arrival.moved)
+        self.activity.watch(stage_markers(service))
         tasks = [
             asyncio.create_task(
                 self._every(self.cfg.swarm.announce_period_s, lambda: self._announce(service))
@@ -262,6 +266,7 @@ class ServerProcess:
             watchdog = start_exit_watchdog(grace_s=STOP_GRACE_S)  # whatever hangs below (a dead DHT), we end
             for task in [*tasks, stopped, *([deciding] if deciding is not None else [])]:
                 task.cancel()
+            self.activity.watch(None)  # leaving: the offline record and the drain at the usual pace
             logger.info("stage %d replica %s stopping", service.spec.index, self.node.peer_id)
             if self.dht.is_alive():  # a stop signal to our process group may have ended it already
                 await loop.run_in_executor(None, lambda: service.announce(state="offline"))
@@ -427,7 +432,8 @@ class ServerProcess:
                 if not changed and time.monotonic() < next_decision_s:
                     continue
                 next_decision_s = time.monotonic() + balancer.jittered_period_s()
-                move = await loop.run_in_executor(None, balancer.decide, self.node.records)
+                # the lease protocol's reads must show the latest leases, whatever an idle slack allows
+                move = await loop.run_in_executor(None, balancer.decide, self.node.records.without_slack())
             except Exception:  # a failed read: decide next period
                 logger.exception("rebalancing tick failed")
                 continue
