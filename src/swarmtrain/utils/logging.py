@@ -5,6 +5,10 @@ to any log record (ours, hivemind's, asyncio's "Task exception was never retriev
 Python could not raise ("Exception ignored in ...") and an uncaught exception in a thread are each
 reported as one line naming the exception. A failure is still reported where it happens; its traceback
 is kept only at SWARMTRAIN_LOGLEVEL=DEBUG, for whoever debugs it.
+
+Lines that repeat (a trainer's retry of every refused attempt while a replica catches up: dozens a
+second) go through `log_repeated`: one line per logger and message template every `REPEAT_PERIOD_S`,
+the next one saying how many were held back.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ import logging
 import os
 import sys
 import threading
+import time
+from collections.abc import Callable, Hashable
 
 _FORMAT = "%(asctime)s %(levelname).1s %(name)s: %(message)s"
 
@@ -20,6 +26,46 @@ _FORMAT = "%(asctime)s %(levelname).1s %(name)s: %(message)s"
 def get_logger(name: str) -> logging.Logger:
     """Return a module logger; handlers are attached by `setup_logging`, never at import time."""
     return logging.getLogger(name)
+
+
+REPEAT_PERIOD_S = 10.0
+
+
+class RepeatLimiter:
+    """At most one line per `period_s` for each (logger, message template, `key`); the lines held back
+    in between are counted, and the next line that passes ends in "(k more like this in the last N s)".
+    A burst that stops is therefore summed up by the next line of its kind, not at once."""
+
+    def __init__(
+        self, period_s: float = REPEAT_PERIOD_S, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.period_s, self._clock = period_s, clock
+        self._lock = threading.Lock()
+        self._last: dict[tuple, tuple[float, int]] = {}  # -> (when a line last passed, held back since)
+
+    def log(self, logger: logging.Logger, level: int, msg: str, *args, key: Hashable = None) -> bool:
+        """Log `msg % args` unless a line of its kind passed within the period; True if it was logged."""
+        if not logger.isEnabledFor(level):
+            return False
+        kind, now_s = (logger.name, msg, key), self._clock()
+        with self._lock:
+            last = self._last.get(kind)
+            if last is not None and now_s - last[0] < self.period_s:
+                self._last[kind] = (last[0], last[1] + 1)
+                return False
+            self._last[kind] = (now_s, 0)
+        if last is not None and last[1]:
+            msg, args = f"{msg} (%d more like this in the last %.0f s)", (*args, last[1], now_s - last[0])
+        logger.log(level, msg, *args)
+        return True
+
+
+_repeats = RepeatLimiter()
+
+
+def log_repeated(logger: logging.Logger, level: int, msg: str, *args, key: Hashable = None) -> bool:
+    """`logger.log(level, msg, *args)` through the process's `RepeatLimiter` (see it)."""
+    return _repeats.log(logger, level, msg, *args, key=key)
 
 
 def setup_logging(level: str | None = None, stream=None) -> None:

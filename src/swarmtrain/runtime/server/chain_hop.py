@@ -17,6 +17,7 @@ recomputes it when the cache dropped it.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -57,7 +58,7 @@ from swarmtrain.runtime.server.stage_batches import (
     batch_item,
 )
 from swarmtrain.runtime.server.stage_worker import StageWorker
-from swarmtrain.utils.logging import get_logger
+from swarmtrain.utils.logging import get_logger, log_repeated
 
 logger = get_logger(__name__)
 
@@ -244,12 +245,12 @@ class ChainHop:
                 raise NextHopFailed(f"stage {stage} peer {peer} refused: {last_reason}", "bad_request")
             flags = flags_after(flags, outcome)
             self.retries += 1
-            logger.info(
+            log_repeated(  # while the next stage's replica catches up, every hand-off to it fails
+                logger,
+                logging.INFO,
                 "chain %s: stage %d peer %s failed (%s)",
-                forward.micro_batch_id,
-                stage,
-                peer[-8:],
-                last_reason,
+                *(forward.micro_batch_id, stage, peer[-8:], last_reason),
+                key=stage,
             )
         raise NextHopFailed(f"stage {stage}: every candidate failed, last: {last_reason}")
 

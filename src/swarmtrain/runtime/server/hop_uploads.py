@@ -21,6 +21,7 @@ had called alone: a failed bundle fails each of its items with the same error, a
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from swarmtrain.net.bundle import MAX_BUNDLE_ITEMS, bundle_message, split_bundle
 from swarmtrain.net.data_plane import Address, DataPlaneClient, DialFailed
 from swarmtrain.net.protocol import BUNDLE_KIND, REPLY_KINDS, Message, ProtocolError
 from swarmtrain.net.transport import RemoteError, StageClient
-from swarmtrain.utils.logging import get_logger
+from swarmtrain.utils.logging import get_logger, log_repeated
 
 logger = get_logger(__name__)
 
@@ -136,7 +137,14 @@ class PeerUploads:
             try:
                 return await self.direct.client.call(address, self.peer, message, timeout_s, received)
             except DialFailed as exc:
-                logger.info("hand-offs to %s over libp2p for now: %s", self.peer[-8:], exc)
+                log_repeated(  # every upload to that peer tries its data plane first
+                    logger,
+                    logging.INFO,
+                    "hand-offs to %s over libp2p for now: %s",
+                    self.peer[-8:],
+                    exc,
+                    key=self.peer,
+                )
             timeout_s = deadline_s - time.monotonic()
         return await self.client.call(self.peer, message, timeout_s, received)
 

@@ -25,7 +25,7 @@ from swarmtrain.net.failures import FailureAction, Outcome
 from swarmtrain.net.transport import RemoteError
 from swarmtrain.planner.deadlines import CallTimes, deadline_s
 from swarmtrain.runtime.trainer.peer_table import PeerTable, RunMismatch
-from swarmtrain.utils.logging import get_logger
+from swarmtrain.utils.logging import get_logger, log_repeated
 
 logger = get_logger(__name__)
 
@@ -36,7 +36,6 @@ T_co = TypeVar("T_co", covariant=True)
 BACKOFF_BASE_S = 0.05
 BACKOFF_MAX_S = 2.0
 PERSISTENT_ATTEMPTS = 60  # while a stage may hold the micro-batch, stopping would leave stages disagreeing
-NO_PEER_LOG_PERIOD_S = 5.0
 
 
 class MicroBatchFailed(RuntimeError):
@@ -147,7 +146,6 @@ class PeerChoice:
         self.table, self.swarm, self.stopping, self._refresh = table, swarm, stopping, refresh
         self.timing: dict[tuple[int, str], CallTiming] = {}
         self.call_times: dict[tuple[int, str, str], CallTimes] = {}  # (stage, kind, peer): its deadline
-        self._last_no_peer_log = [0.0] * table.num_stages
 
     async def pick(
         self, stage: int, num_samples: int, charge: float, excluded: set[str], prefer: str | None = None
@@ -184,10 +182,13 @@ class PeerChoice:
     async def wait_a_moment(self, stage: int) -> None:
         """`stage` has no usable peer: say so now and then, wait, refresh the DHT view. RunMismatch once
         a stage has shown peers of other config digests only for a grace (PeerTable.mismatch)."""
-        now = time.monotonic()
-        if now - self._last_no_peer_log[stage] >= NO_PEER_LOG_PERIOD_S:
-            self._last_no_peer_log[stage] = now
-            logger.warning("stage %d has no live peer; waiting for a server to announce itself", stage)
+        log_repeated(
+            logger,
+            logging.WARNING,
+            "stage %d has no live peer; waiting for a server to announce itself",
+            stage,
+            key=stage,
+        )
         await asyncio.sleep(min(1.0, self.swarm.announce_period_s / 2))
         await self._refresh()
         mismatch = self.table.mismatch(time.monotonic())
@@ -278,8 +279,14 @@ async def run_call(peers: PeerChoice, stats: CallStats, plan: CallPlan[T]) -> T:
             raise MicroBatchFailed(f"stage {stage} {plan.what}: {attempt} attempts failed, last: {reason}")
         stats.retries += 1
         level = logging.INFO if plan.log_every_retry or attempt == 1 else logging.DEBUG
-        logger.log(
-            level, "stage %d %s on %s failed (%s); retry %d", stage, plan.what, peer[-8:], reason, attempt
+        # one line per stage every few seconds: while a replica catches up, every micro-batch in flight
+        # is refused and retried, dozens of lines a second
+        log_repeated(
+            logger,
+            level,
+            "stage %d %s on %s failed (%s); retry %d",
+            *(stage, plan.what, peer[-8:], reason, attempt),
+            key=stage,
         )
         await asyncio.sleep(delay_s)
 

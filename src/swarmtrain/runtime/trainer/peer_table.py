@@ -15,6 +15,7 @@ differ, from what the servers announce their digest is made of (RunConfig.settin
 from __future__ import annotations
 
 import collections
+import logging
 import time
 
 from swarmtrain.config.errors import UserError
@@ -22,7 +23,7 @@ from swarmtrain.config.run import differing_settings
 from swarmtrain.net.dht_records import RunRecords, StageAnnouncement, StageView
 from swarmtrain.net.reachability import ip_and_tcp_port
 from swarmtrain.planner.routing import StageRouter, can_hand_off
-from swarmtrain.utils.logging import get_logger
+from swarmtrain.utils.logging import get_logger, log_repeated
 
 logger = get_logger(__name__)
 
@@ -70,12 +71,11 @@ class PeerTable:
                 if ann.config_digest != self.digest:
                     if peer not in self._warned_foreign:
                         self._warned_foreign.add(peer)
-                        logger.warning(
+                        log_repeated(  # a swarm of another run's peers: one line, then a count
+                            logger,
+                            logging.WARNING,
                             "ignoring peer %s of stage %d: config digest %s differs from ours (%s)",
-                            peer,
-                            stage,
-                            ann.config_digest,
-                            self.digest,
+                            *(peer, stage, ann.config_digest, self.digest),
                         )
                     continue
                 ours[peer] = ann
