@@ -424,9 +424,7 @@ def test_a_replica_trailing_its_stage_refuses_requests_at_once_and_lets_go_of_he
     asyncio.run(scenario())
 
 
-def test_a_close_past_the_window_is_evidence_of_the_stage_ahead_vouched_or_not(
-    tiny_cfg, start_compute
-):
+def test_a_close_past_the_window_is_evidence_of_the_stage_ahead_vouched_or_not(tiny_cfg, start_compute):
     """The inbox keeps the newest step any close named and the last close past the window, and apart the
     last one from a sender whose closes were found true here: a stranger's close far ahead makes the
     replica ask its peers, only a vouched one lets it leave its step (planner/catch_up.py)."""
