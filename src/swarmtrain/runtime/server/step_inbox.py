@@ -11,6 +11,7 @@ loop (`StepCoordinator`) decides which close, if any, it acts on and whose sums 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable, Iterable
 from collections.abc import Set as AbstractSet
@@ -21,7 +22,7 @@ import torch
 from swarmtrain.planner.catch_up import KEEP_STEPS_AHEAD, SwarmAhead
 from swarmtrain.planner.step_decision import Close, StepDecision, close_refusal, unknown_members
 from swarmtrain.runtime.server.stage_members import LiveReplicas, StageMembers, Verify
-from swarmtrain.utils.logging import get_logger
+from swarmtrain.utils.logging import get_logger, log_repeated
 
 logger = get_logger(__name__)
 
@@ -105,8 +106,9 @@ class StepInbox:
             refusal = f"already {len(state.closes)} senders closed step {step}"
         if state is None or refusal is not None:
             self.counters.refused_closes += 1
-            log = logger.debug if step < self._epoch() else logger.warning
-            log("close of step %d from %s ignored: %s", step, short(sender), refusal)
+            # while this replica catches up, every trainer's close of a step ahead is refused: a few a second
+            level = logging.DEBUG if step < self._epoch() else logging.WARNING
+            log_repeated(logger, level, "close of step %d from %s ignored: %s", step, short(sender), refusal)
             return False
         kept = {peer: int(n) for peer, n in members.items() if int(n) > 0}
         unknown = unknown_members(kept, self.peer_id, self.live())
@@ -137,7 +139,9 @@ class StepInbox:
             held = sum(1 for p in state.received if p not in live)
             if held >= MAX_HELD_GRADS:
                 self.counters.ignored_grads += 1
-                logger.warning(
+                log_repeated(
+                    logger,
+                    logging.WARNING,
                     "gradients of step %d from %s ignored: not a live replica of this stage",
                     step,
                     short(peer),
