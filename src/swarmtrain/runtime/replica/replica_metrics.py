@@ -3,14 +3,13 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
-from swarmtrain.runtime.metrics_log import from_fields, metrics_line, records_from_log
+from swarmtrain.runtime.metrics_log import MetricsRecord
 
 
 @dataclass(frozen=True)
-class ReplicaMetrics:
+class ReplicaMetrics(MetricsRecord):
     shard: str  # "index/count" of the data this replica trains on
     inner_step: int  # local steps taken (the run's position: every replica takes the same steps)
     stop_step: int  # the local step this replica stops at
@@ -23,17 +22,7 @@ class ReplicaMetrics:
     rounds_resynced: int
     role: str = "replica"
 
-    def log_line(self) -> str:
-        return metrics_line(self)
-
-    @classmethod
-    def from_dict(cls, data: dict) -> ReplicaMetrics:
-        return from_fields(cls, data)
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
 
 def replica_metrics_from_log(text: str) -> list[ReplicaMetrics]:
     """Every metrics line of a replica's log, oldest first."""
-    return [ReplicaMetrics.from_dict(record) for record in records_from_log(text, "replica")]
+    return ReplicaMetrics.from_log(text)

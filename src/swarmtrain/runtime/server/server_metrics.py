@@ -7,14 +7,13 @@ Every `metrics_period_s` a server puts `ServerMetrics.to_dict()` in its DHT metr
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
-from swarmtrain.runtime.metrics_log import from_fields, metrics_line, records_from_log
+from swarmtrain.runtime.metrics_log import MetricsRecord
 
 
 @dataclass(frozen=True)
-class ServerMetrics:
+class ServerMetrics(MetricsRecord):
     stage: int
     step: int  # optimizer steps applied (the global step whose micro-batches come next)
     samples_seen: int
@@ -44,17 +43,7 @@ class ServerMetrics:
     moved: dict | None = None  # the cost of the move that brought this server here, if any
     role: str = "server"
 
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    def log_line(self) -> str:
-        return metrics_line(self)
-
-    @classmethod
-    def from_dict(cls, data: dict) -> ServerMetrics:
-        return from_fields(cls, data)
-
 
 def metrics_from_log(text: str) -> list[ServerMetrics]:
     """Every metrics line of a server's log, oldest first (lines of other kinds are skipped)."""
-    return [ServerMetrics.from_dict(record) for record in records_from_log(text, "server")]
+    return ServerMetrics.from_log(text)

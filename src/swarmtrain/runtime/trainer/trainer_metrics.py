@@ -4,14 +4,13 @@ metrics record (read by `swarmtrain status` and `monitor`) and logged as `metric
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
-from swarmtrain.runtime.metrics_log import from_fields, metrics_line, records_from_log
+from swarmtrain.runtime.metrics_log import MetricsRecord
 
 
 @dataclass(frozen=True)
-class TrainerMetrics:
+class TrainerMetrics(MetricsRecord):
     samples: int  # samples of completed micro-batches since this trainer started
     loss: float  # mean training loss of the last 16 completed micro-batches (nan before the first)
     samples_per_s: float  # samples / seconds since the training loop started
@@ -23,17 +22,7 @@ class TrainerMetrics:
     peers_per_stage: list[int] = field(default_factory=list)  # usable peers the trainer sees
     role: str = "trainer"
 
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    def log_line(self) -> str:
-        return metrics_line(self)
-
-    @classmethod
-    def from_dict(cls, data: dict) -> TrainerMetrics:
-        return from_fields(cls, data)
-
 
 def trainer_metrics_from_log(text: str) -> list[TrainerMetrics]:
     """Every metrics line of a trainer's log, oldest first."""
-    return [TrainerMetrics.from_dict(record) for record in records_from_log(text, "trainer")]
+    return TrainerMetrics.from_log(text)
