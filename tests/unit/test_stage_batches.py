@@ -79,14 +79,14 @@ def test_batched_calls_equal_one_request_at_a_time(cfg, data):
     for b, s in zip(back_b, back_s, strict=True):
         assert b.header["acc"] == s.header["acc"] == 2
     # the group's graph served every backward: nothing recomputed, nothing left cached
-    assert b0.counters["recomputed"] == 0 and not b0.cache
+    assert b0.counters.recomputed == 0 and not b0.cache
     for batched, alone in ((b0, s0), (b1, s1)):
         assert batched.buckets[0].samples == alone.buckets[0].samples == 2 * TRAINERS
         assert sorted(batched.buckets[0].micro_batch_ids) == sorted(alone.buckets[0].micro_batch_ids)
         for g_b, g_s in zip(batched.buckets[0].grad_sums, alone.buckets[0].grad_sums, strict=True):
             torch.testing.assert_close(g_b, g_s, rtol=1e-5, atol=1e-6)  # one sum vs four: rounding only
         for key in ("forward", "backward", "fused", "samples_forward"):
-            assert batched.counters[key] == alone.counters[key], key
+            assert getattr(batched.counters, key) == getattr(alone.counters, key), key
 
 
 def test_evaluations_batched_equal_alone(cfg, data):
@@ -115,7 +115,7 @@ def test_a_retry_in_a_batch_is_not_accumulated_twice(cfg, data):
     again = [first, _req("forward_backward", "m1", hidden, labels=data[1][1])]
     replies = run_forwards(w1, again)
     assert [r.header["acc"] for r in replies] == [2, 2]
-    assert w1.buckets[0].micro_batch_ids == ["m0", "m1"] and w1.counters["duplicates"] == 1
+    assert w1.buckets[0].micro_batch_ids == ["m0", "m1"] and w1.counters.duplicates == 1
     assert w1.buckets[0].samples == 4
     w1.seal(0)
     assert w1.forward(first).header["acc"] == 0 and w1.buckets[0].samples == 4
@@ -159,7 +159,7 @@ def test_backwards_that_come_back_one_by_one_use_their_groups_graph(cfg, data):
     replies += run_backwards(w0, [backwards[1]])
     reference = [alone.backward(backwards[i]) for i in (2, 0, 1)]
     assert [r.header["acc"] for r in replies] == [r.header["acc"] for r in reference] == [2, 2, 2]
-    assert w0.counters["recomputed"] == 0 and not w0.cache and not group.pending
+    assert w0.counters.recomputed == 0 and not w0.cache and not group.pending
     assert sorted(w0.buckets[0].micro_batch_ids) == ["m0", "m1", "m2"] and w0.buckets[0].samples == 6
     for g_b, g_s in zip(w0.buckets[0].grad_sums, alone.buckets[0].grad_sums, strict=True):
         torch.testing.assert_close(g_b, g_s, rtol=1e-5, atol=1e-6)
@@ -171,7 +171,7 @@ def test_a_backward_whose_graph_is_gone_recomputes(cfg, data):
     grad = torch.randn(2, cfg.model.seq_len, cfg.model.d_model)
     replies = run_backwards(w0, [_req("backward", f"m{i}", data[i][0], grad_outputs=grad) for i in (0, 1)])
     assert [r.header["acc"] for r in replies] == [2, 2]
-    assert w0.counters["recomputed"] == 2 and w0.buckets[0].samples == 4
+    assert w0.counters.recomputed == 2 and w0.buckets[0].samples == 4
 
 
 def test_the_compute_queue_joins_requests_of_one_key_up_to_the_token_bound(cfg, data):
@@ -242,7 +242,7 @@ def test_backwards_of_two_groups_mixed_in_one_call_use_both_graphs(cfg, data):
     replies = run_backwards(w0, mixed)
     reference = [alone.backward(r) for r in mixed]
     assert [r.header["acc"] for r in replies] == [r.header["acc"] for r in reference] == [2, 2]
-    assert w0.counters["recomputed"] == 0 and set(w0.cache) == {"m1", "m3"}
+    assert w0.counters.recomputed == 0 and set(w0.cache) == {"m1", "m3"}
     assert sorted(w0.buckets[0].micro_batch_ids) == ["m0", "m2"] and w0.buckets[0].samples == 4
     for g_b, g_s in zip(w0.buckets[0].grad_sums, alone.buckets[0].grad_sums, strict=True):
         torch.testing.assert_close(g_b, g_s, rtol=1e-5, atol=1e-6)

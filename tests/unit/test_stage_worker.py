@@ -83,7 +83,7 @@ def test_a_retried_backward_is_never_applied_twice(tiny_cfg, batches):
     _, grad, _ = _micro_batch(workers, "m0", x, y)
     sums = [g.clone() for g in workers[0].buckets[0].grad_sums]
     again = workers[0].backward(_req("backward", "m0", x, grad_outputs=grad))
-    assert workers[0].unapplied_samples == 8 and workers[0].counters["duplicates"] == 1
+    assert workers[0].unapplied_samples == 8 and workers[0].counters.duplicates == 1
     assert all(torch.equal(a, b) for a, b in zip(sums, workers[0].buckets[0].grad_sums, strict=True))
     assert again.kind == "result" and again.header["acc"] == 8  # held here once: reported, not re-added
     fused = workers[1].forward(_req("forward_backward", "m0", torch.randn(8, 64, 64), labels=y))
@@ -100,7 +100,7 @@ def test_a_restarted_trainer_reusing_ids_is_not_dropped_and_ids_stay_bounded(tin
             assert back.header["acc"] == 8
         for w in workers:
             _step(w)
-    assert workers[0].counters["duplicates"] == 0 and workers[0].samples_seen == 96
+    assert workers[0].counters.duplicates == 0 and workers[0].samples_seen == 96
     assert not workers[0].buckets  # nothing kept per micro-batch once a step is applied
 
 
@@ -118,7 +118,7 @@ def test_work_queued_before_a_resync_is_not_accumulated_into_the_new_state(tiny_
     lagging.import_state(*donor[0].export_state())  # the resync ran before the queued backward
     back = lagging.backward(_req("backward", "q", x, grad_outputs=grad))
     assert back.header["acc"] == 0 and back.kind == "result"
-    assert lagging.counters["late"] == 1 and lagging.unapplied_samples == 0
+    assert lagging.counters.late == 1 and lagging.unapplied_samples == 0
 
 
 def test_a_step_already_closed_takes_no_more_gradients(tiny_cfg, batches):
@@ -136,11 +136,11 @@ def test_non_finite_gradients_are_refused_and_a_non_finite_step_is_never_applied
     huge = torch.full((8, 64, 64), 3e38)  # finite in fp32, but the parameter gradients overflow
     with pytest.raises(ProtocolError, match="non-finite"):
         w.backward(_req("backward", "m", x, grad_outputs=huge))
-    assert w.unapplied_samples == 0 and w.counters["rejected_nonfinite"] == 1
+    assert w.unapplied_samples == 0 and w.counters.rejected_nonfinite == 1
     before = [p.detach().clone() for p in w.params]
     nan = [torch.full_like(p, float("nan")) for p in w.params]
     assert not w.apply_step(0, nan, 32)  # an average that went bad is skipped, the step still counts
-    assert w.epoch == 1 and w.counters["skipped_steps"] == 1
+    assert w.epoch == 1 and w.counters.skipped_steps == 1
     assert all(torch.equal(a, b) and torch.isfinite(b).all() for a, b in zip(before, w.params, strict=True))
 
 
@@ -155,7 +155,7 @@ def test_cached_graph_survives_an_optimizer_step(tiny_cfg, batches):
     assert workers[0].epoch == 1
     grad = workers[1].forward(_req("forward_backward", "late", h, 1, labels=y)).tensor("grad_inputs")
     workers[0].backward(_req("backward", "late", x, 1, grad_outputs=grad))
-    assert workers[0].counters["recomputed"] == 0 and workers[0].buckets[1].samples == 8
+    assert workers[0].counters.recomputed == 0 and workers[0].buckets[1].samples == 8
 
 
 def test_backward_on_another_replica_recomputes(tiny_cfg, batches):
@@ -166,7 +166,7 @@ def test_backward_on_another_replica_recomputes(tiny_cfg, batches):
     grad = last.forward(_req("forward_backward", "m", h, labels=y)).tensor("grad_inputs")
     a.backward(_req("backward", "m", x, grad_outputs=grad))
     b.backward(_req("backward", "m2", x, grad_outputs=grad))
-    assert b.counters["recomputed"] == 1
+    assert b.counters.recomputed == 1
     for ga, gb in zip(a.buckets[0].grad_sums, b.buckets[0].grad_sums, strict=True):
         torch.testing.assert_close(ga, gb)
 
@@ -180,7 +180,7 @@ def test_a_retry_after_a_silent_replica_returns_gradients_without_accumulating(t
     retry = other.forward(_req("forward_backward", "m", h, labels=y, accumulate=False))
     torch.testing.assert_close(retry.tensor("grad_inputs"), full.tensor("grad_inputs"))
     assert retry.header["loss"] == pytest.approx(full.header["loss"])
-    assert other.unapplied_samples == 0 and other.counters["not_accumulated"] == 1
+    assert other.unapplied_samples == 0 and other.counters.not_accumulated == 1
     spare = StageWorker(tiny_cfg, tiny_cfg.stages()[0])
     back = spare.backward(_req("backward", "m", x, grad_outputs=full.tensor("grad_inputs"), accumulate=False))
     assert back.kind == "result" and back.header["acc"] == 0 and spare.unapplied_samples == 0

@@ -133,7 +133,7 @@ def _assert_honest(nodes, reference, steps):
     for name, node in nodes.items():
         w = node.worker
         assert w.epoch == steps and node.counters.steps == steps, name
-        assert w.counters["skipped_steps"] == 0, name
+        assert w.counters.skipped_steps == 0, name
         assert w.samples_seen == reference.samples_seen, (name, w.samples_seen, reference.samples_seen)
         assert node.counters.partial_exchanges == 0 and node.counters.unconfirmed_samples == 0, name
         assert node.counters.lenient_steps == 0, name

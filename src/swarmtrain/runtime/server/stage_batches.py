@@ -127,7 +127,7 @@ def _evaluate(worker: StageWorker, requests: list[StageRequest]) -> list[Message
         outputs = worker.run_module(worker.live, inputs, *_logits_args(worker, requests))
         replies = []
         for request, (a, b) in zip(requests, _spans(offsets), strict=True):
-            worker.counters["eval"] += 1
+            worker.counters.eval += 1
             mb = request.micro_batch_id
             if worker.spec.is_last:
                 loss = worker.module.loss(outputs[a:b], worker.compute.to_device(request.labels))
@@ -149,8 +149,8 @@ def _forward_group(worker: StageWorker, requests: list[StageRequest]) -> list[Me
     for request, (a, b) in zip(requests, _spans(offsets), strict=True):
         entry = CacheEntry(worker.epoch, inputs[a:b].detach(), outputs[a:b], params, group=group)
         worker.cache_put(request.micro_batch_id, entry)
-        worker.counters["forward"] += 1
-        worker.counters["samples_forward"] += request.num_samples
+        worker.counters.forward += 1
+        worker.counters.samples_forward += request.num_samples
         tensors = {"outputs": worker.compute.wire(outputs[a:b])}
         replies.append(make_message("result", {"mb": request.micro_batch_id}, tensors, request.codec))
     return replies
@@ -177,8 +177,8 @@ def _fused(worker: StageWorker, requests: list[StageRequest]) -> list[Message | 
     worker.accumulate(requests, param_grads)
     replies: list[Message | Exception] = []
     for request, loss, (a, b) in zip(requests, losses, spans, strict=True):
-        worker.counters["fused"] += 1
-        worker.counters["samples_forward"] += request.num_samples
+        worker.counters.fused += 1
+        worker.counters.samples_forward += request.num_samples
         tensors = {"grad_inputs": worker.compute.wire(grads[-1][a:b])} if wants_input_grad else {}
         header = {"mb": request.micro_batch_id, "loss": float(loss.detach()), "acc": request.num_samples}
         replies.append(make_message("result", header, tensors, request.codec))
@@ -205,7 +205,7 @@ def _recompute_backward(worker: StageWorker, requests: list[StageRequest]) -> di
     group = Group(
         tuple(r.micro_batch_id for r in requests), offsets, inputs, worker.run_module(params, inputs), params
     )
-    worker.counters["recomputed"] += len(requests)
+    worker.counters.recomputed += len(requests)
     return _group_backward(worker, group, requests)
 
 
@@ -236,7 +236,7 @@ def _group_backward(worker: StageWorker, group: Group, requests: list[StageReque
     outcomes: dict[str, Message | Exception] = {}
     for request in requests:
         a, b = spans[request.micro_batch_id]
-        worker.counters["backward"] += 1
+        worker.counters.backward += 1
         tensors = {"grad_inputs": worker.compute.wire(grads[-1][a:b])} if wants_input_grad else {}
         header = {"mb": request.micro_batch_id, "acc": request.num_samples}
         outcomes[request.micro_batch_id] = make_message("result", header, tensors, request.codec)

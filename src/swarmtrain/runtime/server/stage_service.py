@@ -29,6 +29,7 @@ Life cycle:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -70,7 +71,13 @@ from swarmtrain.runtime.server.stage_checkpoint import checkpointer_for
 from swarmtrain.runtime.server.stage_desk import Admission, Handler, MicroBatchDesk
 from swarmtrain.runtime.server.stage_exchange import StagePeerLink, StepExchange
 from swarmtrain.runtime.server.stage_members import LiveReplicas, keep_live_replicas_fresh, read_live_replicas
-from swarmtrain.runtime.server.stage_status import StageSnapshot, announcement_of, info_header, metrics_of
+from swarmtrain.runtime.server.stage_status import (
+    CacheUsage,
+    StageSnapshot,
+    announcement_of,
+    info_header,
+    metrics_of,
+)
 from swarmtrain.runtime.server.stage_steps import StepCoordinator, StepSettings
 from swarmtrain.runtime.server.stage_sync import StageSynchronizer, SyncSettings
 from swarmtrain.runtime.server.stage_worker import StageWorker
@@ -473,10 +480,10 @@ class StageService:
             bytes_out=sent.wire_bytes,
             fp32_bytes_out=sent.fp32_bytes,
             fingerprint=self.sync.fingerprint,
-            worker=dict(w.counters),
-            cache={"entries": len(w.cache), "bytes": w.cache_bytes, "budget_bytes": w.cache_max_bytes},
-            sync=dict(vars(self.sync.counters)),
-            steps=dict(vars(self.steps.counters)),
+            worker=dataclasses.replace(w.counters),
+            cache=CacheUsage(len(w.cache), w.cache_bytes, w.cache_max_bytes),
+            sync=dataclasses.replace(self.sync.counters),
+            steps=dataclasses.replace(self.steps.counters),
             data_plane=transport.request_status() if transport and transport.request_status else {},
         )
 

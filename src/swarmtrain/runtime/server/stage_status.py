@@ -7,10 +7,24 @@ live state.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from swarmtrain.net.dht_records import StageAnnouncement
 from swarmtrain.runtime.server.server_metrics import ServerMetrics
+from swarmtrain.runtime.server.stage_sync import SyncCounters
+from swarmtrain.runtime.server.stage_worker import WorkerCounters
+from swarmtrain.runtime.server.step_inbox import StepCounters
+
+
+@dataclass(frozen=True)
+class CacheUsage:
+    """The activation cache: forward graphs kept for their backwards, against its byte budget."""
+
+    entries: int = 0
+    bytes: int = 0
+    budget_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -39,11 +53,14 @@ class StageSnapshot:
     bytes_out: int
     fp32_bytes_out: int
     fingerprint: object  # [step, [sum |p|, sum p]] as compared between replicas (None before one)
-    worker: dict = field(default_factory=dict)  # the worker's counters (forward, backward, late, ...)
-    cache: dict = field(default_factory=dict)  # activation cache entries and bytes
-    sync: dict = field(default_factory=dict)  # the synchronizer's counters (resyncs, lost samples, ...)
-    steps: dict = field(default_factory=dict)  # the step coordinator's counters
-    data_plane: dict = field(default_factory=dict)  # the data plane's limits and counters ({}: none)
+    # copies taken with the snapshot: the live counters go on counting
+    worker: WorkerCounters = field(default_factory=WorkerCounters)
+    cache: CacheUsage = field(default_factory=CacheUsage)
+    sync: SyncCounters = field(default_factory=SyncCounters)
+    steps: StepCounters = field(default_factory=StepCounters)
+    # what callers hold against the request bounds, and the bounds (net/data_plane.py's `status`, or
+    # net/server_bounds.py's without a data plane; empty: no transport yet): the net layer's flat record
+    data_plane: Mapping[str, int | str | None] = field(default_factory=dict)
     # what the capacity is the least of (runtime/server/capacity.py): compute, and each direction of
     # the data plane's links where measured (None: not), and which of them limits it
     limit: str = "compute"
@@ -65,19 +82,19 @@ def info_header(snap: StageSnapshot, names: list[str]) -> dict:
         "pending_samples": snap.pending_samples,
         "serving": snap.serving,
         "fingerprint": snap.fingerprint,
-        "counters": dict(snap.worker),
-        "cache": dict(snap.cache),
+        "counters": dataclasses.asdict(snap.worker),
+        "cache": dataclasses.asdict(snap.cache),
         "compute": {
             "requests": snap.compute_requests,
             "calls": snap.compute_calls,
             "bundles_sent": snap.bundles_sent,
         },
         "direct_in": snap.direct_in,
-        "data_plane": snap.data_plane,
+        "data_plane": dict(snap.data_plane),
         "capacity": capacity_of(snap),
         "device": snap.device,
-        "sync": dict(snap.sync),
-        "steps": dict(snap.steps),
+        "sync": dataclasses.asdict(snap.sync),
+        "steps": dataclasses.asdict(snap.steps),
         "names": names,
     }
 
@@ -130,19 +147,19 @@ def metrics_of(snap: StageSnapshot, moved: dict | None = None) -> ServerMetrics:
         samples_per_s=round(snap.capacity_samples_per_s, 2),
         queue_len=snap.queue_len,
         pending_samples=snap.pending_samples,
-        forward=c["forward"] + c["fused"],
-        backward=c["backward"] + c["fused"],
-        recomputed=c["recomputed"],
-        duplicates=c["duplicates"],
-        late=c["late"],
-        partial_exchanges=st["partial_exchanges"],
-        solo_steps=st["solo_steps"],
-        resyncs=s["resyncs"],
-        lost_samples=s["lost_samples"],
-        group_size=st["last_group_size"],
-        exchange_s=round(st["last_exchange_s"], 4),
+        forward=c.forward + c.fused,
+        backward=c.backward + c.fused,
+        recomputed=c.recomputed,
+        duplicates=c.duplicates,
+        late=c.late,
+        partial_exchanges=st.partial_exchanges,
+        solo_steps=st.solo_steps,
+        resyncs=s.resyncs,
+        lost_samples=s.lost_samples,
+        group_size=st.last_group_size,
+        exchange_s=round(st.last_exchange_s, 4),
         bytes_in=snap.bytes_in,
-        samples_forward=c["samples_forward"],
+        samples_forward=c.samples_forward,
         busy_s=round(snap.busy_s, 3),
         work_s=round(snap.work_s, 3),
         batched_requests=snap.compute_requests - snap.compute_calls,

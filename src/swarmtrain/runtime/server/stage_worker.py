@@ -68,6 +68,27 @@ class Bucket:
     sealed: bool = False  # its step was closed: later arrivals are late, never accumulated
 
 
+@dataclass
+class WorkerCounters:
+    """What a stage worker has done since it started (the `info` reply's `counters`, in this order)."""
+
+    forward: int = 0  # forward jobs of training micro-batches
+    backward: int = 0
+    fused: int = 0  # forward-backward jobs of the last stage
+    eval: int = 0  # evaluation forwards
+    recomputed: int = 0  # backwards whose forward graph had been dropped
+    duplicates: int = 0  # micro-batches already accumulated here (a retry, a hedged copy)
+    not_accumulated: int = 0  # backwards the caller asked not to accumulate
+    late: int = 0  # micro-batches whose step was closed or applied when they came
+    rejected_nonfinite: int = 0  # backwards with non-finite parameter gradients
+    skipped_steps: int = 0  # steps counted without applying a mean (non-finite, or adopted)
+    samples_forward: int = 0  # samples of training forwards
+
+    def count(self, name: str, n: int = 1) -> None:
+        """Add `n` to the counter `name` (a skip reason: duplicates, late, not_accumulated)."""
+        setattr(self, name, getattr(self, name) + n)
+
+
 class StageWorker:
     def __init__(
         self,
@@ -112,19 +133,7 @@ class StageWorker:
         # a byzantine replica for tests (runtime/faults.py): its gradient sums come out scaled
         self.fault_grad_scale = fault_grad_scale
         self.buckets: dict[int, Bucket] = {}
-        self.counters = dict(
-            forward=0,
-            backward=0,
-            fused=0,
-            eval=0,
-            recomputed=0,
-            duplicates=0,
-            not_accumulated=0,
-            late=0,
-            rejected_nonfinite=0,
-            skipped_steps=0,
-            samples_forward=0,
-        )
+        self.counters = WorkerCounters()
 
     def _graph_sizes(self, cache_max_bytes: int | None) -> tuple[int, int]:
         """(memory for kept forward graphs, one sample's graph bytes in the compute dtype): a large stage's
@@ -144,13 +153,13 @@ class StageWorker:
         if request.evaluate:
             with torch.no_grad():
                 outputs = self.run_module(self.live, inputs)
-            self.counters["eval"] += 1
+            self.counters.eval += 1
         else:
             entry = self._compute(inputs)
             self.cache_put(request.micro_batch_id, entry)
             outputs = entry.outputs
-            self.counters["forward"] += 1
-            self.counters["samples_forward"] += request.num_samples
+            self.counters.forward += 1
+            self.counters.samples_forward += request.num_samples
         return make_message(
             "result",
             {"mb": request.micro_batch_id},
@@ -167,8 +176,8 @@ class StageWorker:
         inputs = self.compute.to_device(request.inputs)
         if entry is None or not self.entry_usable(entry, inputs) or entry.shared:
             entry = self._compute(inputs)  # another replica did the forward (or long ago): recompute
-            self.counters["recomputed"] += 1
-        self.counters["backward"] += 1
+            self.counters.recomputed += 1
+        self.counters.backward += 1
         grad_outputs = self.compute.to_device(request.grad_outputs)
         grad_inputs, accumulated = self._backpropagate(
             request, entry.outputs, grad_outputs, entry.inputs, entry.params
@@ -182,13 +191,13 @@ class StageWorker:
         if request.evaluate:  # loss only, nothing kept
             with torch.no_grad():
                 loss = self.run_module(self.live, inputs, labels)
-            self.counters["eval"] += 1
+            self.counters.eval += 1
             return make_message("result", {"mb": mb, "loss": float(loss)}, {}, request.codec)
         inputs = inputs.detach().requires_grad_(not self.spec.is_first)
         params = self.live
         loss = self.run_module(params, inputs, labels)
-        self.counters["fused"] += 1
-        self.counters["samples_forward"] += n
+        self.counters.fused += 1
+        self.counters.samples_forward += n
         grad_inputs, accumulated = self._backpropagate(request, loss * n, None, inputs, params)
         tensors = {} if grad_inputs is None else {"grad_inputs": self.compute.wire(grad_inputs)}
         header = {"mb": mb, "loss": float(loss.detach()), "acc": accumulated}
@@ -221,14 +230,14 @@ class StageWorker:
         if skip is not None:
             # a retry (we have it, or a silent replica may have it), or a step already closed: the
             # caller still needs the input gradient, the stage must not apply the micro-batch twice
-            self.counters[skip] += 1
+            self.counters.count(skip)
             self.ledger.write(_LEDGER_EVENT[skip], mb=mb, n=n, step=request.step)
             grad = torch.autograd.grad(outputs, extra, grad_outputs)[0] if wants_input_grad else None
             return grad, self._held(request) if skip == "duplicates" else 0
         grads = torch.autograd.grad(outputs, params + extra, grad_outputs, allow_unused=True)
         param_grads = grads[: len(params)]
         if not all_finite(param_grads):
-            self.counters["rejected_nonfinite"] += 1
+            self.counters.rejected_nonfinite += 1
             raise ProtocolError(f"micro-batch {mb} gives non-finite parameter gradients; not accumulated")
         self.accumulate([request], param_grads)
         return (grads[-1] if wants_input_grad else None), n
@@ -335,7 +344,7 @@ class StageWorker:
                 self.samples_seen += samples
                 self.samples_since_sync += samples
             else:
-                self.counters["skipped_steps"] += 1
+                self.counters.skipped_steps += 1
             if not hold_epoch:
                 self.epoch += 1
                 self.live = self._live_copy()
@@ -378,7 +387,7 @@ class StageWorker:
         are lost: it was restored from an older checkpoint than the other stages)."""
         with self.state_lock:
             if epoch > self.epoch:
-                self.counters["skipped_steps"] += epoch - self.epoch
+                self.counters.skipped_steps += epoch - self.epoch
                 self.epoch = epoch
         return self.drop_steps_before(self.epoch)
 
