@@ -116,7 +116,7 @@ class SwarmConfig:
     # adaptive rebalancing (local knobs): every period (jittered) a server reads the stages' loads and
     # moves to the bottleneck stage when the policy picks it; 0: off. On by default, at a period long
     # next to what one check needs (announced figures settle in 16 s, a move costs its server 5-20 s of
-    # serving) and short next to a preemptible peer's life (docs/LOG.md 2026-11-26, "on by default")
+    # serving) and short next to a preemptible peer's life (docs/LOG.md, "on by default")
     rebalance_period_s: float = 60.0
     rebalance_margin: float = 0.1  # hysteresis of planner/rebalance.py
 

@@ -6,7 +6,7 @@ why hivemind's matchmaking is too slow for that); hivemind's averager serves the
 `load_state_from_peers`. What this wrapper adds:
 - the download is bounded (`load_state_from_peers` otherwise waits forever when the averager process
   is gone): a donor that goes silent is abandoned for the next within a chunk timeout (hivemind's own
-  download waited without a bound for a cut-off donor to open its stream), one that keeps sending but
+  download waits without a bound for a cut-off donor to open its stream), one that keeps sending but
   too slowly at its deadline, which follows the state's size (planner/download_deadline.py), and at
   most the rule's number of donors is tried; failures come back as values, not exceptions;
 - the state shared with joining peers comes from a callback of the owner (parameters + optimizer),
@@ -15,8 +15,8 @@ why hivemind's matchmaking is too slow for that); hivemind's averager serves the
   under one of those DHT keys: records are signed with the run key (net/auth.py), and hivemind's
   own messages carry no token of ours;
 - its periodic declaration of the state for download awaits each DHT store's outcome: hivemind leaves
-  a timed-out store's task unretrieved, and asyncio printed a "Task exception was never retrieved"
-  traceback for each (28 per server log in a 3-minute `bench/chaos.py` run with frozen replicas).
+  a timed-out store's task unretrieved, and asyncio would print a "Task exception was never retrieved"
+  traceback for each (dozens per server log while stage peers are frozen).
 """
 
 from __future__ import annotations
@@ -84,9 +84,9 @@ class StageAverager(DecentralizedAverager):
             min_matchmaking_time=min_matchmaking_time_s,
             request_timeout=request_timeout_s,
             allreduce_timeout=allreduce_timeout_s,
-            # a state download's chunks: a donor busy at a CPU quota took over 2 s to send its first one
-            # (it snapshots the state on its compute thread), and two moving servers gave up on a live
-            # donor (bench/rebalance_live.py, a 7-layer stage at 0.25 CPU)
+            # a state download's chunks: a donor busy at a CPU quota takes over 2 s to send its first
+            # one (it snapshots the state on its compute thread), and a shorter timeout gives up on a
+            # live donor (bench/rebalance_live.py, a 7-layer stage at 0.25 CPU)
             next_chunk_timeout=STATE_CHUNK_TIMEOUT_S,
             declare_state_period=declare_state_period_s,
             shutdown_timeout=3,

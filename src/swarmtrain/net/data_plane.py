@@ -3,8 +3,8 @@
 Why not libp2p for these: there every call between two servers is a yamux stream on their one TCP
 connection, and the small frames that gate a sender (the receiver's acknowledgement, yamux's window
 updates) queue behind the receiver's own bulk reply in that connection's send buffer. At 10 Mbit/s
-the two stages of a swarm took turns on their uplinks, and direct 8-bit stopped at ~23 samples/s with
-a quarter of each link unused (docs/LOG.md, 2026-11-25).
+the two stages of a swarm then take turns on their uplinks, and direct 8-bit stops at ~23 samples/s
+with a quarter of each link unused (docs/LOG.md).
 
 A client reaches a peer over a link of two connections, kept for the next calls:
 - on the requests connection the client sends REQUEST(id, kind, packed message) frames, one after the
@@ -13,8 +13,8 @@ A client reaches a peer over a link of two connections, kept for the next calls:
 - on the replies connection the server sends REPLY(id, packed reply) frames as answers are ready.
 So an acknowledgement never follows bulk data in a socket buffer, the kernel's TCP flow control
 replaces yamux's 256 KiB stream window, and each connection's bulk goes one way, back to back, so its
-TCP state stays warm (a connection per exchange, tried first, reused connections idle for a second:
-docs/LOG.md).
+TCP state stays warm (with a connection per exchange, each exchange takes a connection idle for about
+a second, and uploads are slower: docs/LOG.md).
 
 This file holds the links, their limits, the server and the client. A connection opens with a
 handshake that proves both sides' libp2p identities and seals every frame after it (net/secure_link.py:

@@ -171,9 +171,9 @@ def _port(value) -> int:
 
 # How long a reader keeps routing to a peer whose record lapsed without saying "offline". The servers are
 # the DHT's nodes, so while some are cut off or frozen, the others' stores time out and their records
-# lapse as they serve: trainers saw no peer of either stage for 30 s while a replica of each served
-# (bench/chaos.py --netbed, seed 0; docs/LOG.md 2026-11-26). A dead peer is banned by its first failed
-# call; a leaving one says "offline" and is dropped at once.
+# lapse as they serve: without the grace a trainer can see no peer of a stage for 30 s while a replica
+# of it serves (docs/LOG.md, the WAN-bed chaos runs). A dead peer is banned by its first failed call; a
+# leaving one says "offline" and is dropped at once.
 LAPSE_GRACE_S = 45.0
 
 

@@ -180,7 +180,7 @@ class OuterAverager(StageAverager):
             compression=codec,
             state_compression=NoCompression(),
             # a whole model per round: parts take longer than a stage's small exchanges, and a chunk
-            # timed out leaves that part un-averaged on some members (seen with 8-bit on 2 busy cores)
+            # timed out leaves that part un-averaged on some members (8-bit on 2 busy cores needs this)
             next_chunk_timeout=CHUNK_TIMEOUT_S,
             members_keys=members_keys,
             client_mode=client_mode,
@@ -252,8 +252,8 @@ def fill_unaveraged(
 
     `other_local` (bool, per tensor): where that member's "mean" is its own value too. A reducer that
     gave up on a sender reduces its part from the others alone, and in a group of two that is its own
-    value: both members then hold their own values there, and taking the other's swapped them (the
-    replicas differed and one downloaded the state next round; CI). There the two values are combined,
+    value: both members then hold their own values there, and taking the other's would swap them (the
+    replicas would differ, and one download the state next round). There the two values are combined,
     weighted by `weights` (ours, theirs: the samples each contributed), which both members compute alike.
     Raises ValueError for a mean that is not finite there or implausibly long (see FILL_NORM_RATIO)."""
     filled = []

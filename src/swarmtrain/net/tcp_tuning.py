@@ -22,8 +22,8 @@ logger = get_logger("swarmtrain.net.data_plane")
 # loss-based congestion control on the data plane's sockets, where the system permits it (else its
 # default): with both directions of a link busy, as a swarm keeps them, acknowledgements wait behind
 # the peer's own upload, and BBR (v1), which caps its window at twice the bandwidth x its minimum
-# round trip, stalled; on the test bed at 10 Mbit/s direct 8-bit did 26.6 samples/s with BBR, 27.5 with
-# cubic (docs/LOG.md). cubic is Linux's usual default anyway
+# round trip, stalls for them; on the test bed at 10 Mbit/s direct 8-bit does 26.6 samples/s with BBR,
+# 27.5 with cubic (docs/LOG.md). cubic is Linux's usual default anyway
 DEFAULT_CONGESTION = "cubic"
 # Linux's struct tcp_info: eight one-byte fields, then 32-bit ones; milliseconds since the last data
 # segment came, and since the last acknowledgement came, are the 12th and 13th of those

@@ -3,8 +3,8 @@ call times, not the run's fixed request timeout.
 
 A frozen peer (SIGSTOP, a laptop lid, a partition: its sockets stay open and nothing answers) is only
 noticed when a call to it times out. With the fixed `swarm.request_timeout_s` (30 s) every micro-batch
-sent to it waited 30 s, its step could not close meanwhile, and the whole swarm completed nothing for
-as long (issue 23: a 20 s SIGSTOP of one stage-0 replica gave 20.0 s without a completed micro-batch).
+sent to it would wait 30 s, its step could not close meanwhile, and the whole swarm would complete
+nothing for as long (a 20 s SIGSTOP of one stage-0 replica: 20.0 s without a completed micro-batch).
 A peer's usual time is known: every completed call measures it. The deadline is a generous multiple of
 it, so a healthy peer on a noisy machine almost never exceeds it, and a silent one is given up on in a
 few seconds (never less than `DEADLINE_FLOOR_S`, never more than the request timeout).
@@ -71,10 +71,9 @@ def deadline_s(times: CallTimes | None, cap_s: float) -> float:
 
 def silent_deadline_s(times: CallTimes | None, wait_s: float) -> float:
     """How long after its start a call whose peer went silent (answers no ping) is given up: its
-    deadline `wait_s` once the peer's calls were measured; before that, `DEADLINE_FLOOR_S` at most. An
-    unmeasured peer's deadline is the whole request timeout, and a stage-0 replica started during
-    netbed chaos whose link was cut 11 s later kept both trainers' chains for 20 s each while the
-    trainers logged it as not answering pings: a 40.8 s stall (seed 0; docs/LOG.md, 2026-11-27)."""
+    deadline `wait_s` once the peer's calls were measured; before that, `DEADLINE_FLOOR_S` at most.
+    Without that cap an unmeasured peer's deadline is the whole request timeout: a fresh replica whose
+    link is cut holds every chain through it for that long while it answers no ping (docs/LOG.md)."""
     if times is None or times.calls < MIN_CALLS:
         return min(wait_s, DEADLINE_FLOOR_S)
     return wait_s
@@ -98,11 +97,11 @@ def exchange_ping_timeout_s(times: CallTimes | None, sums_bytes: int = 0) -> flo
     """How long a stage peer may take to answer a ping before it is taken for frozen, from its step
     exchanges (`times`: the calls that sent it our gradient sums). A ping shares one libp2p connection
     with the sums: on a slow link it waits behind ours on the way there and behind the peer's on the
-    way back. With the floor alone, stage-1 replicas behind 4 Mbit/s links took each other for frozen
-    several times a run and stepped without each other's sums (bench/rebalance_live.py --fleet link).
-    Before the first exchange with the peer is timed, its size (`sums_bytes`, ours) at a slow link's
-    rate: with the floor there, fp32 sums (1 MB on `tiny`) made every new member of a stage behind
-    4 Mbit/s look frozen at its first step, and the stage resynced after the partial exchange."""
+    way back. With the floor alone, replicas behind 4 Mbit/s links take each other for frozen several
+    times a run and step without each other's sums (bench/rebalance_live.py --fleet link). Before the
+    first exchange with the peer is timed, its size (`sums_bytes`, ours) at a slow link's rate: with the
+    floor there, fp32 sums (1 MB on `tiny`) make every new member of a stage behind 4 Mbit/s look frozen
+    at its first step, and the stage resyncs after the partial exchange."""
     if times is None:
         unmeasured_s = EXCHANGE_PING_RATIO * sums_bytes / UNMEASURED_EXCHANGE_BYTES_PER_S
         return max(PING_TIMEOUT_FLOOR_S, unmeasured_s)

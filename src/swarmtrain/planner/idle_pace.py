@@ -2,8 +2,8 @@
 
 A server reads and writes the run's DHT records on fixed periods (announcements every announce period,
 progress every heartbeat, its sync thread's reads of its own and the other stages' progress twice a
-second, the balancer's lease poll every second). On a slow link that cost 22-26 kB/s each way per
-server with no training at all (issue 55; docs/LOG.md 2026-11-27), six DHT reads and two stores a
+second, the balancer's lease poll every second). On a slow link that costs 22-26 kB/s each way per
+server with no training at all (bench/idle_traffic.py, docs/LOG.md), six DHT reads and two stores a
 second. While a server is idle nothing it would read has changed (its stage peers step only with it,
 through the exchange that reaches it; the other stages step only when micro-batches pass through it
 too), so once it has been idle for `IDLE_GRACE_S` it allows a slack, growing to `MAX_SLACK_S`:

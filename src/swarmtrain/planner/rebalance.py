@@ -25,9 +25,10 @@ The rule for one move (`choose_move`):
 How busy the bottleneck is (`plan_moves(weigh=True)`, the live balancer): the capacities say what
 each stage could serve, but a swarm of synchronous steps also waits at every step for work no stage's
 figure carries (the pipeline's drain, a stage's gradient exchange). On the test bed's link fleet with
-fp32 sums the swarm ran at ~100 samples/s while its stages' sums were 646 and ~790, because stage 1's
-exchange over 4 Mbit/s links took ~2 of every ~5 s step; the plan took stage 0 for the bottleneck by
-8%, moved a slow-linked server there, and the swarm fell to 40 (docs/LOG.md). So each server announces
+fp32 sums the swarm runs at ~100 samples/s while its stages' sums are 646 and ~790, because stage 1's
+exchange over 4 Mbit/s links takes ~2 of every ~5 s step; a plan by capacities alone takes stage 0 for
+the bottleneck by 8%, moves a slow-linked server there, and the swarm falls to 40 (docs/LOG.md). So each
+server announces
 the busy fraction of the resource that limits it (`PeerLoad.utilization`), and the bottleneck stage's
 (weighted by figures) says how much of the swarm's time its work is: with u of it, a move that lifts
 the lowest capacity from C to C' makes the swarm's seconds per sample u C / C' + (1 - u) of today's
@@ -38,11 +39,11 @@ from a plan's end cannot create a cycle, so the argument above holds.
 
 Why busy fractions and not the swarm's observed rate against the capacities: servers held to a CPU
 quota read capacities per CPU second, 4x what a quarter of a CPU serves, so 1 / observed - 1 / capacity
-took the quota for step overhead and held back the second move of 3+1 -> 1+3 (bench/rebalance_live.py
+takes the quota for step overhead and holds back the second move of 3+1 -> 1+3 (bench/rebalance_live.py
 --plain, docs/LOG.md); a busy fraction is a wall-clock reading whatever the figure's calibration.
-Pricing each member's exchange into its stage's capacity (an announced `exchange_s`) was tried and
-reverted: on `tiny` with a batch of 32 the seconds from sealing a step to applying it are mostly noisy
-optimizer work, and the pricing moved a server back (docs/LOG.md, 2026-11-26). The simulator does not
+Why not price each member's exchange into its stage's capacity (an announced `exchange_s`): on `tiny`
+with a batch of 32 the seconds from sealing a step to applying it are mostly noisy optimizer work, and
+the pricing moves a server back (docs/LOG.md). The simulator does not
 weigh: its rates already take the exchange off the links.
 
 A peer's throughput at another stage comes from `throughput_by_stage` when the caller knows it (the

@@ -87,9 +87,9 @@ def behind_other_stages(
     A replica that was not `restored` from a checkpoint (or started fresh) without stepping since, but
     has stepped with the swarm or downloaded its state from peers, waits `stranded_grace_s` (a request
     timeout: by then every micro-batch of its step still on its way has arrived or been given up by its
-    trainer). Sooner, it could skip a step its peers are still closing (the chaos bench found that);
-    never, and a stage whose only replica that applied a step died stays a step behind the other stages
-    for good, every micro-batch timing out at it (the chaos test in CI found that)."""
+    trainer). Sooner, it could skip a step its peers are still closing; never, and a stage whose only
+    replica that applied a step died stays a step behind the other stages for good, every micro-batch
+    timing out at it (both shown by bench/chaos.py)."""
     if other_stage_epoch <= epoch or pending_samples > 0 or closing or behind_for_s < grace_s:
         return "wait"
     if not (restored or untrained) and behind_for_s < stranded_grace_s:
@@ -103,9 +103,9 @@ def follows_on_mismatch(peer_id: str, skipped: bool, other_id: str, other_skippe
     """Whether replica `peer_id` resyncs from `other_id`, their parameters differing at the same step.
     One whose state skipped steps (it adopted the other stages' step without this stage's updates: its
     stage peers were frozen or cut off, `behind_other_stages`) follows one that applied them; otherwise
-    the larger id follows. By id alone, a replica that woke from a freeze, adopted the swarm's step and
-    had the smaller id made its peer, which had applied the 36 steps it missed, throw them away
-    (bench/chaos.py --netbed, seed 0, docs/LOG.md 2026-11-26)."""
+    the larger id follows. By id alone, a replica that wakes from a freeze, adopts the swarm's step and
+    has the smaller id would make its peer, which applied the steps it missed, throw them away
+    (bench/chaos.py --netbed, docs/LOG.md)."""
     if skipped != other_skipped:
         return skipped
     return peer_id > other_id

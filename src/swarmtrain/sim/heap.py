@@ -3,9 +3,9 @@
 The optimum (sim/optimal.py) recomputes arrays of peers x stages thousands of times per simulated hour:
 at 10,000 peers and 8 stages each is 640 KB. glibc hands a block that large back to the kernel when it
 is freed (it is mmap'ed above the allocator's threshold, or trimmed off the top of the heap), and the
-next allocation faults its pages in again. At 10,000 peers x 1 simulated hour the kernel's share was
-11.5 of 53 s. With the thresholds raised the same run took 40 s, its summary unchanged (docs/LOG.md,
-2026-11-26 fifth session). The cost is memory the process keeps once it has used it, bounded by
+next allocation faults its pages in again. At 10,000 peers x 1 simulated hour the kernel's share is
+11.5 of 53 s; with the thresholds raised the same run takes 40 s, its summary unchanged (docs/LOG.md).
+The cost is memory the process keeps once it has used it, bounded by
 `TOP_PAD_BYTES` above the heap's peak.
 """
 

@@ -76,8 +76,8 @@ class SwarmProbe:
         return self.run(client.call(peer, Message("info", header), self.timeout_s))
 
     def call_raw(self, peer: str, kind: str, data: bytes, attempts: int = 3) -> Message:
-        """Like a trainer, retry when the transport cut the exchange short: hivemind streams now and
-        then end with no reply, or break during a large upload, on a loaded machine (seen in CI)."""
+        """Like a trainer, retry when the transport cut the exchange short: on a loaded machine a
+        hivemind stream can end with no reply, or break during a large upload, whatever the handler did."""
         from swarmtrain.net.transport import TruncatedReply
 
         def call() -> Message:

@@ -381,7 +381,7 @@ class ReplicaPeer:
             if not any(step >= target for step in steps):
                 if any(step == k for step in steps):
                     # the reference of round k may still be applying it (it publishes the next outer
-                    # step after): giving up at once left a replica on other weights for good (CI)
+                    # step after): giving up now would leave this replica on other weights for good
                     time.sleep(PEER_POLL_S)
                     continue
                 # the replicas ahead left (their records expired): nobody to download from
@@ -467,8 +467,8 @@ class ReplicaPeer:
 
     def _serve_the_last_round(self, stop_event: threading.Event) -> None:
         """At the run's end, stay (at most LINGER_S) while a live replica is still behind this one's
-        outer step: it resyncs from a replica past its round, and the last round's reference leaving at
-        once left the other on its own weights for good (the NAT client-mode replica test, 2 of 20)."""
+        outer step: it resyncs from a replica past its round, and with the last round's reference gone
+        it would stay on its own weights for good."""
         deadline = time.monotonic() + LINGER_S
         while not stop_event.is_set():
             behind = [p for p, v in self._others().items() if v["outer_step"] < self.outer.outer_step]

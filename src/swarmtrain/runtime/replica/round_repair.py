@@ -3,8 +3,8 @@
 hivemind's all-reduce keeps a part of a member's vector local, silently, when the results of that
 part's reducer never arrive (a stream broken or timed out under load): that member ends the round
 unlike the others. Downloading the whole replica state (anchor, outer momentum, AdamW moments: 5x the
-model in fp32, 3.8 MB on `tiny`, about 16 rounds' 8-bit payload) was the only repair, and it cut the
-replicas' saving over every-step averaging from 78x to 23x in one CI run.
+model in fp32, 3.8 MB on `tiny`, about 16 rounds' 8-bit payload) would be the only repair, and a few of
+them cut the replicas' saving over every-step averaging by a factor of 3 (docs/LOG.md).
 
 Here every replica keeps the means of its last rounds and serves them (message kind `round_mean`), and a
 member whose round came back partial asks the group's other members for that round's mean and fills
@@ -37,8 +37,8 @@ from swarmtrain.utils.logging import get_logger
 logger = get_logger(__name__)
 
 KEPT_ROUNDS = 2  # a member may ask for round k while this replica is already in round k + 1
-# the members of one all-reduce finish it within moments of each other; waiting longer let the other
-# replica take a whole round alone (CI)
+# the members of one all-reduce finish it within moments of each other; a longer wait lets the other
+# replica take a whole round alone meanwhile, and the asker ends a round behind
 REPAIR_TIMEOUT_S = 5.0
 CALL_TIMEOUT_S = 5.0
 RETRY_S = 0.2

@@ -244,9 +244,8 @@ class StageService:
             live_replicas=self.live_replicas,
             verify=self.link.is_stage_replica,
             # an honest close is at most 1 + max_staleness steps past a replica still exchanging the
-            # step before, but a replica that was frozen is behind by more and catches up by steps: it
-            # refused step 136's close at 134, reached 136 a few seconds later and waited there with no
-            # close while its only peer was frozen (bench/chaos.py --netbed, seed 0: 36 s stall)
+            # step before, but a replica that was frozen is behind by more and catches up by steps: a
+            # close it refuses now is one it waits for when it gets there, which no trainer sends again
             close_window=max(KEEP_STEPS_AHEAD, 1 + cfg.training.max_staleness),
             sums_codec=SumsCodec(cfg.swarm.exchange_compression),
         )
@@ -377,8 +376,8 @@ class StageService:
         """Serve no new micro-batch and leave without losing work: trainers are told at once (an offline
         record; new micro-batches and parked forwards are answered `unavailable`, which they retry on
         another replica without waiting), micro-batches already computing finish, and we stay for the
-        exchange of every step we hold samples of. Stopping with requests unanswered stalled the whole
-        swarm for the trainer's request timeout (30 s, bench/rebalance_live.py)."""
+        exchange of every step we hold samples of. Stopping with requests unanswered would stall the
+        whole swarm for the trainer's request timeout (30 s, bench/rebalance_live.py)."""
         loop = asyncio.get_running_loop()
         self.admission.draining = True
         self.steps.versions.changed()  # parked forwards see that we are leaving
@@ -500,7 +499,7 @@ class StageService:
         self.utilization.update(time.monotonic(), busy_s)
         announcement = announcement_of(self.snapshot(work_s), state, self.cfg.settings_summary())
         # an offline record too: the DHT replaces a record only by one that expires later, so a short-lived
-        # offline record was refused and trainers kept routing to a stopped server until it expired
+        # offline record would be refused and trainers would route to a stopped server until it expired
         self.node.records.announce(self.peer_id, announcement, self.announce_ttl_s)
         return announcement
 

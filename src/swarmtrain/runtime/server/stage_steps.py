@@ -91,10 +91,10 @@ GradSender = Callable[[str, int, int, WireSums], Awaitable[bool]]
 OnStep = Callable[[int, list[float] | None], None]  # (epoch, parameter fingerprint or None)
 Alive = Callable[[str], Awaitable[bool]]  # does this peer's event loop answer a ping?
 # The mean gradients of recent steps are kept for replicas that missed them (`replay`): at least
-# `KEPT_STEP_MEANS` steps, more while they fit in `KEPT_MEANS_BYTES`. Three were too few for a moved
-# server: its state download took long enough that `tiny` stepped 4-7 times meanwhile, so it downloaded
-# the whole state again, fell behind again and served little for 10-20 s (bench/rebalance_live.py). A
-# big stage steps slowly, so its three steps cover a download's duration too.
+# `KEPT_STEP_MEANS` steps, more while they fit in `KEPT_MEANS_BYTES`. Three alone are too few for a
+# moved server: `tiny` steps 4-7 times during its state download, so it would download the whole state
+# again, fall behind again and serve little for 10-20 s (bench/rebalance_live.py). A big stage steps
+# slowly, so its three steps cover a download's duration too.
 KEPT_STEP_MEANS = 3
 KEPT_MEANS_BYTES = 64 * 2**20
 
@@ -250,8 +250,8 @@ class StepCoordinator:
     async def replay(self, step: int, samples: int, means: list[torch.Tensor] | None) -> bool:
         """Apply step `step` as its participants did, from one participant's mean gradients: a replica
         that was no participant (it joined or resynced while the step was closed) catches up with the
-        same optimizer math on the same state instead of downloading the whole state again, which took
-        longer than a step at a CPU quota and never caught up (bench/rebalance_live.py). False when
+        same optimizer math on the same state instead of downloading the whole state again, which takes
+        longer than a step at a CPU quota and never catches up (bench/rebalance_live.py). False when
         this replica is not at `step` or holds samples of its own (a resync handles those)."""
         if self.worker.epoch != step or self.worker.unapplied_samples or self._replaying:
             return False

@@ -13,9 +13,8 @@ add up to its true sums to within one step's rounding. The kept part belongs to 
 resync that replaces its parameters keeps it: it is a gradient not yet sent, not state); a replica with
 another codec, or none, still adds what every other adds.
 
-Why: on a slow link the exchange was the stage's bottleneck. `tiny`'s stage of two blocks sends
-~1 MB of fp32 sums to each peer per step, ~2 s at 4 Mbit/s; blockwise 8-bit sends ~0.26 MB (docs/LOG.md,
-2026-11-26 fifth session).
+Why: on a slow link the exchange is the stage's bottleneck. `tiny`'s stage of two blocks sends
+~1 MB of fp32 sums to each peer per step, ~2 s at 4 Mbit/s; blockwise 8-bit sends ~0.26 MB (docs/LOG.md).
 """
 
 from __future__ import annotations

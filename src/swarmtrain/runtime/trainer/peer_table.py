@@ -180,8 +180,8 @@ class PeerTable:
     def close_recipients(self, stage: int, members: dict[str, int]) -> set[str]:
         """Who hears a close of `stage`: every replica of it we know of, banned ones too, and the
         members. A replica banned as frozen that wakes up then holds the close and applies the step
-        with the others; one never told waited a whole close timeout for it (and then applied the step
-        short, diverging) while every micro-batch of the next step waited on it (netbed chaos, seed 0)."""
+        with the others; one never told would wait a whole close timeout for it (and then apply the step
+        short, diverging) while every micro-batch of the next step waits on it."""
         return set(self.routers[stage].peers) | set(members)
 
     def available(self, stage: int) -> list[str]:
