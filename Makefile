@@ -38,10 +38,12 @@ lint: setup
 	$(BIN)/mypy
 	$(BIN)/python tools/check_duplicates.py
 
-# the default tier (unit, integration, faults: <= 15 minutes on 2 cores); `test-slow` runs the long ones
-# (chaos schedules, end-to-end user flows, long parity runs). CI runs both.
+# the default tier (unit, integration, faults: <= 12 minutes on 2 cores); `test-slow` runs the long ones
+# (chaos schedules, end-to-end user flows, long parity runs: <= 20 minutes). CI runs both. Unit tests run
+# on every core (pytest-xdist); the tiers that start swarms one test at a time
 test: lint
-	$(BIN)/pytest -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/pytest tests/unit -m "not slow" -n auto $(PYTEST_ARGS)
+	$(BIN)/pytest tests/integration tests/faults -m "not slow" $(PYTEST_ARGS)
 
 test-slow: setup
 	$(BIN)/pytest -m slow $(PYTEST_ARGS)

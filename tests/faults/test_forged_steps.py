@@ -162,7 +162,8 @@ def test_forged_closes_to_an_idle_swarm_move_no_epoch(make_swarm):
     and the next honest steps failed at the replica left behind. A replica that holds nothing and hears
     no live peer's gradients no longer acts on them: no epoch moves, and the next trainer's steps all
     succeed with the replicas of each stage in step."""
-    swarm, cfg = make_swarm("tiny")
+    # the close timeout is the request timeout: a short one keeps the wait for its fallback short
+    swarm, cfg = make_swarm("tiny", {"swarm": {"request_timeout_s": 5.0}})
     start_servers(swarm, TWO_REPLICAS_OF_STAGE_0)
     batch = cfg.training.global_batch_size
     swarm.start_trainer("first", "--max-samples", str(2 * batch))

@@ -1,6 +1,6 @@
-"""A frozen replica must not stall the swarm (issue 23). SIGSTOP one of two stage-0 replicas for 20 s
+"""A frozen replica must not stall the swarm (issue 23). SIGSTOP one of two stage-0 replicas for 12 s
 with the default request timeout (30 s): before any of this, the whole swarm completed nothing for the
-20 s. Now a chain that runs past its stage-0 peer's usual time makes the trainer ping the route's peers
+freeze. Now a chain that runs past its stage-0 peer's usual time makes the trainer ping the route's peers
 (answered by their event loops at once, however busy); the silent one is banned and the chain is hedged
 on the other replica, first answer wins (runtime/trainer/hedging.py). The hedge accumulates nothing, so
 every stage still applies each micro-batch at most once; the thawed replica catches up and ends with the
@@ -21,7 +21,12 @@ from swarmtrain.runtime.ledger import read_ledger
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(400)]
 
 MICRO_BATCHES = 100_000  # more than the test runs: the trainer is stopped after the thaw
-FROZEN_S = 20.0
+FROZEN_S = 12.0
+# the longest the swarm may go without completing a micro-batch while a replica is frozen: a silent call
+# is checked after 0.5-1 s (planner/deadlines.py CHECK_FLOOR_S, UNMEASURED_CHECK_S), its peer's ping times
+# out after 1 s (PING_TIMEOUT_FLOOR_S), then the hedge on the other replica runs (~0.1 s for `tiny`);
+# 1.4-2.1 s measured
+HEDGE_BOUND_S = 3.0
 AFTER_THAW_S = 5.0
 
 
@@ -75,9 +80,7 @@ def test_a_frozen_replica_is_hedged_around_and_the_swarm_keeps_completing_micro_
     assert summary["frozen_peers"] >= 1 and summary["hedges_won"] >= 1, summary
     assert summary["timeouts"] == 0 and summary["microbatches_failed"] == 0, summary
     assert summary["microbatches_completed"] == summary["microbatches_started"], summary
-    # the swarm did not wait out the freeze (the figure itself is in the printed line: no timing
-    # bound is asserted on this shared machine beyond half the freeze)
-    assert longest_gap_s < FROZEN_S / 2, longest_gap_s
+    assert longest_gap_s < HEDGE_BOUND_S, longest_gap_s  # the swarm did not wait out the freeze
 
     completed = {e["mb"] for e in read_ledger(swarm.ledger_path("trainer")) if e["e"] == "done"}
     for stage in (0, 1):

@@ -48,7 +48,7 @@ def test_servers_and_trainer_from_a_plan(make_swarm, tmp_path):
     # a trainer without the plan has another stage cut, so another config digest: no server for it
     if plan["layers_per_stage"] != [2, 2]:
         refused = swarm.start_trainer("stranger", "--max-samples", "64", "--in-flight", "1")
-        # it waits for servers of its config (after MISMATCH_GRACE_S it exits 2 naming swarm.stages, as
+        # it waits for servers of its config (after MISMATCH_GRACE_PERIODS it exits 2 naming swarm.stages, as
         # tests/integration/test_run_mismatch.py shows for swarm.compression)
         assert swarm.wait_exit("stranger", 5) is None
         refused.kill()

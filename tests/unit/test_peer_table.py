@@ -7,7 +7,9 @@ import time
 import pytest
 
 from swarmtrain.net.dht_records import LAPSE_GRACE_S, StageAnnouncement
-from swarmtrain.runtime.trainer.peer_table import MISMATCH_GRACE_S, PeerTable, RunMismatch
+from swarmtrain.runtime.trainer.peer_table import PeerTable, RunMismatch
+
+MISMATCH_GRACE_S = 20.0  # PeerTable's default
 
 pytestmark = pytest.mark.unit
 

@@ -28,11 +28,11 @@ from swarmtrain.utils.logging import get_logger, log_repeated
 logger = get_logger(__name__)
 
 MAX_BAN_S = 60.0
-# how long a stage may show peers of other digests only before the trainer stops: long enough for a
-# swarm restarted with a new config to replace its old records (they expire within 3 announce periods,
-# 6 s by default) and for its servers to announce themselves as joining, short enough that a mistake
-# is an error within half a minute of starting, not a wait for ever
-MISMATCH_GRACE_S = 20.0
+# how long, in announce periods, a stage may show peers of other digests only before the trainer stops:
+# long enough for a swarm restarted with a new config to replace its old records (they expire within 3
+# announce periods) and for its servers to announce themselves as joining, short enough that a mistake
+# is an error within half a minute of starting (20 s at the default 2 s period), not a wait for ever
+MISMATCH_GRACE_PERIODS = 10
 
 
 class RunMismatch(UserError):
@@ -41,9 +41,15 @@ class RunMismatch(UserError):
 
 class PeerTable:
     def __init__(
-        self, records: RunRecords, num_stages: int, digest: str, settings: dict[str, str] | None = None
+        self,
+        records: RunRecords,
+        num_stages: int,
+        digest: str,
+        settings: dict[str, str] | None = None,
+        mismatch_grace_s: float = 20.0,
     ) -> None:
         self.records = records
+        self.mismatch_grace_s = mismatch_grace_s  # see MISMATCH_GRACE_PERIODS
         self.num_stages = num_stages
         self.digest = digest
         self.settings = settings or {}  # what our digest is made of (RunConfig.settings_summary)
@@ -112,11 +118,11 @@ class PeerTable:
         elif self._unmatched_since[stage] is None:
             self._unmatched_since[stage] = now_s
 
-    def mismatch(self, now_s: float, grace_s: float = MISMATCH_GRACE_S) -> str | None:
-        """The one-line error when a stage has shown peers of other digests only for `grace_s`; None
-        while every stage has a peer of ours, or none at all (servers may still be starting)."""
+    def mismatch(self, now_s: float) -> str | None:
+        """The one-line error when a stage has shown peers of other digests only for `mismatch_grace_s`;
+        None while every stage has a peer of ours, or none at all (servers may still be starting)."""
         for stage, since in enumerate(self._unmatched_since):
-            if since is not None and now_s - since >= grace_s:
+            if since is not None and now_s - since >= self.mismatch_grace_s:
                 return self._mismatch_error(stage, now_s - since)
         return None
 

@@ -36,7 +36,7 @@ from swarmtrain.runtime.procs import remember_group_sockets
 from swarmtrain.runtime.trainer.call_policy import CallStats, MicroBatchFailed
 from swarmtrain.runtime.trainer.chain_calls import ChainCaller
 from swarmtrain.runtime.trainer.close_calls import CLOSE_EXIT_WAIT_S, CLOSE_RETRY_S, deliver_close
-from swarmtrain.runtime.trainer.peer_table import PeerTable, RunMismatch
+from swarmtrain.runtime.trainer.peer_table import MISMATCH_GRACE_PERIODS, PeerTable, RunMismatch
 from swarmtrain.runtime.trainer.stage_calls import StageCaller
 from swarmtrain.runtime.trainer.step_tracker import StepTracker
 from swarmtrain.runtime.trainer.stop_agreement import STOP_POLL_S, StopAgreement
@@ -127,7 +127,13 @@ class SwarmTrainer:
         self.num_stages = cfg.swarm.num_stages
         self.digest = cfg.digest()
         self.records = RunRecords(dht, cfg.swarm.run_id)
-        self.table = PeerTable(self.records, self.num_stages, self.digest, cfg.settings_summary())
+        self.table = PeerTable(
+            self.records,
+            self.num_stages,
+            self.digest,
+            cfg.settings_summary(),
+            MISMATCH_GRACE_PERIODS * cfg.swarm.announce_period_s,
+        )
         self.ledger = Ledger(options.ledger_path)
         self.result = TrainerResult()
         self.stopping = asyncio.Event()
