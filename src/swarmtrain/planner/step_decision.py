@@ -134,9 +134,8 @@ def decide_step(
     stage must not stall when a trainer died mid-step or every micro-batch of a step failed. For a
     candidate naming members, the fallback needs honest activity in the step: samples of its own, or gradients
     from a live replica (`heard_peers`); a replica holding nothing that hears nobody would otherwise step
-    on members it cannot verify (in an idle open swarm, forged closes would move one replica's epoch
-    after the timeout and leave the stage's replicas disagreeing: tests/faults/test_forged_steps.py).
-    When a trainer died mid-step, the
+    on members it cannot verify (forged closes to an idle open swarm would move one replica's epoch and
+    leave the stage disagreeing: tests/faults/test_forged_steps.py). When a trainer died mid-step, the
     replicas that hold its samples act on the fallback and send their sums, which the others then hear.
     A candidate naming nobody (a trainer whose micro-batches all failed here) keeps the fallback."""
     best: tuple[tuple, StepDecision] | None = None
