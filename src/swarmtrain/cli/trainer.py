@@ -117,8 +117,8 @@ def run(args: argparse.Namespace) -> int:
     if args.trainer_id:
         options.trainer_id = args.trainer_id
     if options.max_samples is None and options.duration_s is None:
-        # the run's horizon, not this trainer's: N shards each running max_samples trained N times the
-        # schedule's samples (3 trainers of a 2,040-sample run stopped at step 255 of 85)
+        # the run's horizon, not this trainer's: N shards each running max_samples would train N times
+        # the schedule's samples
         t = cfg.training
         options.until_step = -(-t.max_samples // t.global_batch_size)
     summary = run_trainer(cfg, options, validate_initial_peers(args.initial_peers))
