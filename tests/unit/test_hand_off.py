@@ -14,6 +14,7 @@ from swarmtrain.net.hand_off import (
     checked_loss,
     evaluate_chain_message,
     hop_service_times,
+    micro_batch_origin,
     validate_chain,
     validate_evaluate_chain,
     validate_hops,
@@ -183,3 +184,13 @@ def test_a_chain_reply_without_a_finite_loss_is_a_protocol_error(loss):
     with pytest.raises(ProtocolError, match="bad loss"):
         checked_loss(Message("result", {"loss": loss}))
     assert checked_loss(Message("result", {"loss": 2})) == 2.0
+
+
+def test_a_micro_batchs_origin_is_the_named_trainer_or_else_the_caller():
+    """A stage server handing a micro-batch off names its trainer (`origin`); a trainer's own call names
+    none and is its own origin; a malformed origin is a protocol error, not an assert."""
+    assert micro_batch_origin({"origin": "12D3trainer"}, "12D3server") == "12D3trainer"
+    assert micro_batch_origin({}, "12D3trainer") == "12D3trainer"
+    for bad in ("", 7, ["x"], "x" * 200, True):
+        with pytest.raises(ProtocolError, match="origin"):
+            micro_batch_origin({"origin": bad}, "12D3trainer")

@@ -54,7 +54,6 @@ OFFENDERS: dict[tuple[str, str, str], int] = {
     ("function lines", "data/tokenize_job.py", "tokenize"): 171,
     ("function lines", "model/hf_checkpoint.py", "load_stage_from_hf"): 69,
     ("function lines", "model/hf_checkpoint.py", "save_hf_model"): 62,
-    ("function lines", "planner/step_decision.py", "decide_step"): 66,
     ("function lines", "runtime/server/stage_service.py", "StageService._build"): 88,
     ("function lines", "runtime/trainer/swarm_trainer.py", "SwarmTrainer.train"): 63,
     ("function lines", "sim/mode_choice.py", "fleet_facts"): 61,

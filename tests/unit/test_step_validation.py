@@ -13,8 +13,10 @@ import torch
 
 from swarmtrain.net.protocol import StageRequest
 from swarmtrain.planner.step_decision import (
+    UNKNOWN_ORIGIN,
     Close,
     StepDecision,
+    backed_by_origin,
     close_refusal,
     decide_step,
     settle_step,
@@ -90,9 +92,13 @@ def _replicas(cfg, names, net, start_compute, settings=None, live=None, view_of=
     return nodes
 
 
-def _train(worker, batches, step, prefix):
+def _train(worker, batches, step, prefix, origin=""):
+    """`origin`: whose micro-batches they are ("": unknown, any close may claim them)."""
     for i, (x, y) in enumerate(batches):
-        worker.forward(StageRequest("forward_backward", f"{prefix}{i}", "none", x, labels=y, step=step))
+        request = StageRequest(
+            "forward_backward", f"{prefix}{i}", "none", x, labels=y, step=step, origin=origin
+        )
+        worker.forward(request)
 
 
 def _close(nodes, step, members, sender=TRAINER, shard=0, shards=1, participants=None, to=None):
@@ -414,6 +420,34 @@ def test_a_trainer_that_died_mid_step_does_not_stall_a_lone_replica(tiny_cfg, mi
     asyncio.run(scenario())
 
 
+def test_a_strangers_close_of_the_exact_count_decides_no_step(tiny_cfg, micro_batches, start_compute):
+    """A stranger reads A's pending samples (public `info`) and closes A's step with exactly that count
+    (and B's) before the trainer's remaining micro-batch reaches A. A's samples are the trainer's, so the
+    stranger's close speaks for none of them: nothing is sealed until the trainer's close, and every
+    replica steps on exactly the trainer's samples."""
+
+    async def scenario():
+        net = Net()
+        nodes = _replicas(tiny_cfg, ["A", "B"], net, start_compute)
+        tasks = await _start(nodes)
+        _train(nodes["A"].worker, micro_batches[:1], 0, "a", origin=TRAINER)
+        _train(nodes["B"].worker, micro_batches[1:2], 0, "b", origin=TRAINER)
+        for members in ({"A": 8}, {"A": 8, "B": 8}, {"A": 16, "B": 8}):
+            _close(nodes, 0, members, sender=STRANGER)
+        await asyncio.sleep(0.3)
+        assert all(n.worker.epoch == 0 for n in nodes.values())
+        assert not any(b.sealed for n in nodes.values() for b in n.worker.buckets.values())
+        _train(nodes["A"].worker, micro_batches[2:3], 0, "a2", origin=TRAINER)  # the trainer's last one
+        _close(nodes, 0, {"A": 16, "B": 8})
+        await _until(lambda: all(n.counters.steps == 1 for n in nodes.values()))
+        await _stop(tasks)
+        steps = [[(micro_batches[:1], "a"), (micro_batches[1:2], "b"), (micro_batches[2:3], "a2")]]
+        _assert_honest(nodes, _reference(tiny_cfg, steps), 1)
+        assert all(STRANGER not in n.inbox.trusted and TRAINER in n.inbox.trusted for n in nodes.values())
+
+    asyncio.run(scenario())
+
+
 def test_a_replica_joining_mid_run_is_believed_once_the_dht_shows_it(tiny_cfg, micro_batches, start_compute):
     """The trainer may name a replica that joined before our DHT view shows it: the close waits (it is
     kept, not dropped) and decides once the view has it."""
@@ -484,9 +518,9 @@ def _decide(closes, me="A", own=0, received=None, live=LIVE, now=1.0, **kw):
     return decide_step(candidates, me, own, received or {}, now, 10.0, **kw)
 
 
-def _settle(closes, me="A", own=0, received=None, unreachable=(), timed_out=False):
+def _settle(closes, me="A", own=0, received=None, unreachable=(), timed_out=False, by_origin=None):
     candidates = step_candidates(closes, me, LIVE, 10.0)
-    return settle_step(candidates, me, own, received or {}, set(unreachable), timed_out)
+    return settle_step(candidates, me, own, received or {}, set(unreachable), timed_out, by_origin)
 
 
 def test_close_window():
@@ -667,6 +701,103 @@ def test_a_forged_close_for_a_trainers_shard_loses_to_the_trainers():
     assert dict(_settle(closes, me="C", received={"A": 24, "B": 8}).members) == {"A": 24, "B": 8}
 
 
+# a close speaks only for its sender's own samples (`backed_by_origin`) ---------------------------------
+def test_a_strangers_close_of_a_plausible_count_decides_nothing():
+    """A holds 16 samples of the trainer's micro-batches. A stranger's close naming A with exactly 16
+    (read from `info`), or 8 or 16 with B, decides nothing at once, whatever it merges with; the
+    trainer's does. The stranger's close stays a candidate: the lenient fallback still sees it."""
+    kw = dict(own=16, by_origin={TRAINER: 16})
+    for members in ({"A": 16}, {"A": 8}, {"A": 16, "B": 8}, {"A": 16, "B": 16}):
+        assert _decide([_c(members, STRANGER)], **kw) is None, members
+    d = _decide([_c({"A": 16}, STRANGER, at=0.0), _c({"A": 16, "B": 8}, at=0.5)], **kw)
+    assert d is not None and d.senders == {TRAINER} and not d.lenient
+    d = _decide([_c({"A": 16}, STRANGER, at=0.0)], now=100.0, reached_s=0.0, **kw)
+    assert d is not None and d.lenient  # no trainer's close ever came: the fallback, as before
+
+
+def test_a_trainers_close_counts_only_for_samples_of_its_own_micro_batches():
+    """A holds 8 samples of trainer T1's only: trainer T0's close naming A with 8 is not backed (T0's
+    micro-batches are elsewhere); a replica holding nothing is not decided by a close naming it."""
+    assert _decide([_c({"A": 8}, "T0")], own=8, by_origin={"T1": 8}) is None
+    assert _decide([_c({"A": 8}, "T1")], own=8, by_origin={"T1": 8}) is not None
+    assert _decide([_c({"A": 8}, "T0")], own=0, by_origin={}) is None
+    # a close not naming A, when A holds nothing, still needs a member's gradients
+    assert _decide([_c({"B": 8}, "T0")], by_origin={}) is None
+    assert _decide([_c({"B": 8}, "T0")], by_origin={}, received={"B": 8}) is not None
+
+
+def test_two_shards_each_close_names_its_own_trainers_samples():
+    t0, t1 = _c({"A": 8}, "T0", 0, 2, 0.0), _c({"A": 8, "B": 8}, "T1", 1, 2, 0.5)
+    by_origin = {"T0": 8, "T1": 8}
+    d = _decide([t0, t1], own=16, by_origin=by_origin)
+    assert d is not None and d.senders == {"T0", "T1"}
+    # a stranger's close for either shard with the count the trainer's would have merges, but is not backed
+    for forged in (_c({"A": 8}, STRANGER, 1, 2, 0.2), _c({"A": 16}, STRANGER, 1, 2, 0.2)):
+        assert _decide([t0, forged], own=16, by_origin=by_origin) is None
+    # nor does one trainer's close claim the other's samples
+    assert (
+        _decide([_c({"A": 16}, "T0", 0, 2, 0.0), _c({"B": 8}, "T1", 1, 2, 0.5)], own=16, by_origin=by_origin)
+        is None
+    )
+
+
+def test_samples_of_unknown_origin_are_claimable_as_before_and_only_they():
+    """Micro-batches whose origin is unknown (`UNKNOWN_ORIGIN`: no trainer named) may be claimed by any
+    close, as before this check; samples of a known trainer only by that trainer's close."""
+    assert _decide([_c({"A": 16}, STRANGER)], own=16, by_origin={UNKNOWN_ORIGIN: 16}) is not None
+    mixed = {UNKNOWN_ORIGIN: 8, TRAINER: 8}
+    assert _decide([_c({"A": 16}, STRANGER)], own=16, by_origin=mixed) is None
+    assert _decide([_c({"A": 16})], own=16, by_origin=mixed) is not None
+    assert backed_by_origin({TRAINER: 8, STRANGER: 8}, mixed)  # the stranger's claim: the unknown 8
+    assert not backed_by_origin({TRAINER: 4, STRANGER: 12}, mixed)  # less than the trainer's own
+    assert backed_by_origin({}, {}) and backed_by_origin({STRANGER: 8}, None)
+
+
+def test_an_older_servers_hand_off_decides_by_confirmation_or_the_fallback():
+    """An older stage server hands off without `origin`: its samples are counted as its own (the caller),
+    and it never closes. The trainer's close is then not backed: it decides once a member's gradients
+    confirm it, or at the lenient fallback, never at once (slower, and never a stranger's count)."""
+    kw = dict(own=8, by_origin={"S0": 8})
+    assert _decide([_c({"A": 8, "B": 8})], **kw) is None
+    assert _decide([_c({"A": 8, "B": 8})], received={"B": 8}, **kw) is not None
+    d = _decide([_c({"A": 8})], now=21.0, reached_s=0.0, **kw)
+    assert d is not None and d.lenient
+
+
+def test_the_fallback_still_fires_when_a_trainer_died_mid_step():
+    t0 = _c({"A": 8}, "T0", 0, 2, 0.0)  # trainer 1 died after its micro-batch reached A
+    kw = dict(own=16, by_origin={"T0": 8, "T1": 8}, reached_s=0.0)
+    assert _decide([t0], now=15.0, **kw) is None
+    d = _decide([t0], now=20.5, **kw)
+    assert d is not None and d.lenient and not d.complete
+
+
+def test_a_short_close_is_graced_only_from_a_trainer_whose_samples_the_replica_holds():
+    kw = dict(own=16, reached_s=0.0, held_s=0.0, short_grace_s=1.0, trusted={TRAINER, "T1"})
+    short = [_c({"A": 8}, at=0.0)]
+    assert _decide(short, now=1.5, by_origin={TRAINER: 16}, **kw) is not None
+    assert _decide(short, now=1.5, by_origin={"T1": 16}, **kw) is None
+
+
+def test_local_steps_act_on_the_trainers_close_not_a_strangers():
+    assert _decide([_c({"A": 8})], own=8, by_origin={TRAINER: 8}, confirm=False) is not None
+    assert _decide([_c({"A": 8}, STRANGER)], own=8, by_origin={TRAINER: 8}, confirm=False) is None
+    assert _decide([_c({"B": 8})], me="C", by_origin={}, confirm=False) is not None  # holds nothing
+
+
+def test_the_exchange_prefers_the_trainers_close_to_a_strangers_copy_of_it():
+    """A stranger copies the trainer's counts for every member and sends them first: both agree with A's
+    count and B's gradients, but only the trainer's speaks for A's samples, so it is applied and its
+    sender alone is trusted."""
+    forged, honest = _c({"A": 16, "B": 8}, STRANGER, at=0.0), _c({"A": 16, "B": 8}, at=0.5)
+    by_origin = {TRAINER: 16}
+    d = _settle([forged, honest], own=16, received={"B": 8}, by_origin=by_origin)
+    assert d is not None and d.senders == {TRAINER}
+    assert vouched_senders(d, "A", 16, {}, by_origin) == {TRAINER}
+    (copy,) = step_candidates([forged], "A", LIVE, 10.0)
+    assert vouched_senders(copy, "A", 16, {}, by_origin) == frozenset()
+
+
 def test_live_replicas_keep_a_peer_for_a_while_after_a_read_misses_it():
     view = LiveReplicas(keep_s=3.0)
     view.update(["A", "B"], now_s=0.0)
@@ -713,4 +844,3 @@ def test_a_member_nobody_heard_from_makes_the_exchange_partial_and_a_stranger_s_
     chosen = step_contributions(_decision({"A": 8, "B": 8}), "A", 8, {STRANGER: 64})
     assert chosen.peers == () and chosen.missing == ("B",) and chosen.ignored == ()
     assert step_contributions(_decision({"A": 8, "B": 8}), "A", 8, {"B": 8}).missing == ()
-

@@ -131,6 +131,22 @@ def _validate_hand_off(
     return forward, labels, route
 
 
+def micro_batch_origin(header: dict, caller: str) -> str:
+    """Whose micro-batch a request is (`StageRequest.origin`): the trainer named by `origin`, which a
+    stage server handing a micro-batch off sets from its own request's origin, else the authenticated
+    `caller` itself (a trainer: at stage 0, and at any stage it calls itself on the relayed path).
+    A replica counts a trainer's close for its samples only when their origin is that trainer
+    (planner/step_decision.py), so a forger's close counts for none. An older server's hand-off has no
+    `origin`: its samples are that server's, which never closes a step; they decide a step only by a
+    stage peer's confirming gradients or the lenient fallback (slower, never a forger's count)."""
+    origin = header.get("origin")
+    if origin is None:
+        return caller
+    if not (isinstance(origin, str) and 0 < len(origin) <= MAX_ID_CHARS):
+        raise ProtocolError(f"origin must be a peer id, got {origin!r:.40}")
+    return origin
+
+
 def checked_loss(reply: Message) -> float:
     """The loss of a chain's reply (training or evaluation); ProtocolError when it is not a number."""
     loss = reply.header.get("loss")

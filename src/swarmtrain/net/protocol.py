@@ -318,6 +318,7 @@ class StageRequest:
     # the global step (optimizer step of every stage) this micro-batch's gradient belongs to; for an
     # evaluation, the step whose parameters it must see (None: the current ones)
     step: int | None = None
+    origin: str = ""  # the trainer whose micro-batch it is ("": unknown; planner/step_decision.py)
 
     @property
     def num_samples(self) -> int:

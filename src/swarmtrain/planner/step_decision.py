@@ -2,8 +2,13 @@
 
 In an open run (no run key) anyone can send a replica a `close` or `grads`, so neither is trusted on its
 own: every close is kept as a candidate and checked against what the replica itself knows (its epoch,
-the samples it accumulated, the stage's live replicas, the gradients its peers sent). The step
-coordinator (runtime/server/stage_steps.py) calls these on its event loop; the unit tests call them
+the samples it accumulated, the stage's live replicas, the gradients its peers sent). A close speaks
+only for its sender's own samples: a replica records, per step, whose micro-batches it accumulated (the
+authenticated trainer, or the trainer a stage server that handed one off names: `origin`), and a close
+decides by this replica's own count only when each of its closes names it with exactly what that
+sender's micro-batches put here (`backed_by_origin`). A stranger who reads a replica's public count
+cannot make that evidence alone: it would have to be the peer whose micro-batches the replica ran. The
+step coordinator (runtime/server/stage_steps.py) calls these on its event loop; the unit tests call them
 directly (tests/unit/test_step_validation.py).
 """
 
@@ -16,6 +21,7 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 MAX_COMBINATIONS = 1024  # sets of closes (at most one per shard) a decision looks at
+UNKNOWN_ORIGIN = ""  # whose micro-batches these samples are is not known: any close may claim them
 
 
 @dataclass(frozen=True)
@@ -44,6 +50,8 @@ class StepDecision:
     lenient: bool = False  # no candidate passed the checks in time: acted on as before them
     senders: frozenset[str] = frozenset()  # who sent the closes it merges
     naming: frozenset[str] = frozenset()  # those of them whose close names a member
+    # sender -> the samples its close names this replica with (only senders that name it)
+    claims: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
 
 def close_refusal(step: int, epoch: int, window: int) -> str | None:
@@ -90,8 +98,9 @@ def step_candidates(
             participants = frozenset(p for p in participants if p in live or p in members)
         senders = frozenset(c.sender for c in combo)
         naming = frozenset(c.sender for c in combo if c.members)
+        claims = {c.sender: c.members[peer_id] for c in combo if peer_id in c.members}
         candidate = StepDecision(members, participants - {peer_id}, len(combo), complete, first_s, due_s)
-        out.append(dataclasses.replace(candidate, senders=senders, naming=naming))
+        out.append(dataclasses.replace(candidate, senders=senders, naming=naming, claims=claims))
     return out
 
 
@@ -108,51 +117,43 @@ def decide_step(
     heard_peers: bool = False,
     held_s: float | None = None,
     trusted: AbstractSet[str] | None = None,
+    by_origin: Mapping[str, int] | None = None,
 ) -> StepDecision | None:
     """Whether this replica closes its step now (seals its sums and sends them): the candidate it starts
-    with, or None (wait). `own_samples`: what it accumulated for the step; `received`: the sample counts
-    of the `grads` it holds for the step, by sender. A due candidate is acted on when
-        - it names this replica with exactly `own_samples`, or
+    with, or None (wait). `own_samples`: what it accumulated for the step, `by_origin` the same by whose
+    micro-batches they were (None: not checked); `received`: the sample counts of the `grads` it holds
+    for the step, by sender. A due candidate is acted on when
+        - it names this replica with exactly `own_samples`, each of its closes for exactly its sender's
+          samples here (`backed_by_origin`: a stranger's close of a plausible count decides nothing), or
         - another member's gradients arrived with exactly the samples it attributes to that member
           (the exchange confirms it; a replica whose own count differs then leaves its samples out), or
-        - `confirm` is False (local steps: nothing is exchanged to confirm with) and it agrees with
-          `own_samples`.
+        - `confirm` is False (local steps: nothing is exchanged to confirm with), it names this replica
+          with nothing and this replica holds nothing, or
+        - it is short or empty and waited a grace (`_graced`).
     A replica the candidate does not name, or a candidate naming nobody, thus needs a confirmation: a
-    forged close does not make a replica close its step before the trainer's data is there. A candidate
-    naming this replica with fewer samples than it holds (a trainer that missed the reply of a
-    micro-batch accumulated here) is acted on `short_grace_s` after it became due, this replica reached
-    the step and first held samples of it (`held_s`), when no better one came meanwhile (every replica
-    then counts this one's real samples), and only when all its closes come from `trusted` senders
-    (None: not checked; why: `vouched_senders`). The grace counts from the first samples because a
-    trainer's close comes after its micro-batches: a forger's short close kept while the swarm was idle
-    would otherwise decide the step at the next trainer's first micro-batch.
-    So is a candidate naming nobody, when this replica holds nothing and the candidate came after it
-    reached the step (all of a trainer's micro-batches failed at this stage; a forger's empty close for
-    a later step comes before). None: only at the lenient fallback. When no candidate passes for
-    `close_timeout_s` after one became due, this replica reached the step and (if it holds any) first
-    held samples of it (a close sent long before starts no clock), the best one is returned `lenient`: a
-    stage must not stall when a trainer died mid-step or every micro-batch of a step failed. For a
-    candidate naming members, the fallback needs honest activity in the step: samples of its own, or gradients
-    from a live replica (`heard_peers`); a replica holding nothing that hears nobody would otherwise step
-    on members it cannot verify (forged closes to an idle open swarm would move one replica's epoch and
-    leave the stage disagreeing: tests/faults/test_forged_steps.py). When a trainer died mid-step, the
-    replicas that hold its samples act on the fallback and send their sums, which the others then hear.
-    A candidate naming nobody (a trainer whose micro-batches all failed here) keeps the fallback."""
+    forged close does not make a replica close its step before the trainer's data is there. When no
+    candidate passes for `close_timeout_s` after one became due, this replica reached the step and (if it
+    holds any) first held samples of it (a close sent long before starts no clock), the best one is
+    returned `lenient`: a stage must not stall when a trainer died mid-step or every micro-batch of a
+    step failed. For a candidate naming members, the fallback needs honest activity in the step: samples
+    of its own, or gradients from a live replica (`heard_peers`); a replica holding nothing that hears
+    nobody would otherwise step on members it cannot verify (forged closes to an idle open swarm would
+    move one replica's epoch and leave the stage disagreeing: tests/faults/test_forged_steps.py). When a
+    trainer died mid-step, the replicas that hold its samples act on the fallback and send their sums,
+    which the others then hear. A candidate naming nobody keeps the fallback."""
     best: tuple[tuple, StepDecision] | None = None
     fallback: tuple[tuple, StepDecision] | None = None
     for candidate in candidates:
         if now_s < candidate.due_s:
             continue
-        score, _, _ = _evidence(candidate, peer_id, own_samples, received, frozenset())
-        consistent, mine = score[0], candidate.members.get(peer_id, 0)
+        score, _, _ = _evidence(candidate, peer_id, own_samples, received, frozenset(), by_origin)
+        consistent, backed, mine = score[0], score[1], candidate.members.get(peer_id, 0)
         confirmed = any(p != peer_id and received.get(p) == n for p, n in candidate.members.items())
         since_s = now_s - max(candidate.due_s, reached_s, float("-inf") if held_s is None else held_s)
         graced = short_grace_s is not None and since_s >= short_grace_s
-        short = 0 < mine < own_samples and graced and (trusted is None or candidate.senders <= trusted)
-        # a trainer whose micro-batches all failed here closes with nobody; a forger's empty close for a
-        # later step is sent before this replica gets there, so only one that came after may be graced
-        empty = not candidate.members and own_samples == 0 and candidate.first_s >= reached_s and graced
-        if (consistent and (mine > 0 or not confirm)) or confirmed or short or empty:
+        own_count = consistent and (backed if mine > 0 else not confirm)
+        short_or_empty = _graced(candidate, peer_id, own_samples, graced, reached_s, trusted, by_origin)
+        if own_count or confirmed or short_or_empty:
             if best is None or score > best[0]:
                 best = (score, candidate)
         elif since_s >= close_timeout_s and (own_samples > 0 or heard_peers or not candidate.members):
@@ -163,25 +164,83 @@ def decide_step(
     return None if fallback is None else fallback[1]
 
 
+def _graced(
+    candidate: StepDecision,
+    peer_id: str,
+    own_samples: int,
+    graced: bool,
+    reached_s: float,
+    trusted: AbstractSet[str] | None,
+    by_origin: Mapping[str, int] | None,
+) -> bool:
+    """Whether a due candidate that is short or empty decides once `graced` (`decide_step`'s
+    `short_grace_s` passed). Short: it names this replica with fewer samples than it holds (a trainer
+    that missed the reply of a micro-batch accumulated here); acted on when no better one came meanwhile
+    (every replica then counts this one's real samples), only when all its closes come from `trusted`
+    senders (None: not checked; why: `vouched_senders`) and each that names this replica is a trainer
+    whose micro-batches it holds (`by_origin`). The grace counts from the first samples because a
+    trainer's close comes after its micro-batches: a forger's short close kept while the swarm was idle
+    would otherwise decide the step at the next trainer's first micro-batch. Empty: it names nobody,
+    this replica holds nothing and the candidate came after it reached the step (all of a trainer's
+    micro-batches failed at this stage; a forger's empty close for a later step comes before)."""
+    if not graced:
+        return False
+    mine = candidate.members.get(peer_id, 0)
+    if 0 < mine < own_samples:
+        return (trusted is None or candidate.senders <= trusted) and _served(candidate.claims, by_origin)
+    return not candidate.members and own_samples == 0 and candidate.first_s >= reached_s
+
+
+def backed_by_origin(claims: Mapping[str, int], by_origin: Mapping[str, int] | None) -> bool:
+    """Whether the closes of a candidate (`claims`: sender -> the samples its close names this replica
+    with) speak each for its own sender's micro-batches: every sender's claim is what its micro-batches
+    put here (`by_origin`: origin -> samples; None: not checked), plus at most the samples of unknown
+    origin (`UNKNOWN_ORIGIN`, claimable by anyone as before this check), and the claims cover all the
+    replica holds. A close counts toward this replica's own count only with evidence its sender cannot
+    make without being the peer whose micro-batches the replica ran; a stranger's close, whatever its
+    count, claims samples some trainer put here and is not backed."""
+    if by_origin is None:
+        return True
+    unknown, excess = by_origin.get(UNKNOWN_ORIGIN, 0), 0
+    for sender, samples in claims.items():
+        served = 0 if sender == UNKNOWN_ORIGIN else by_origin.get(sender, 0)
+        if samples < served:
+            return False
+        excess += samples - served
+    return excess <= unknown and sum(claims.values()) == sum(by_origin.values())
+
+
+def _served(claims: Mapping[str, int], by_origin: Mapping[str, int] | None) -> bool:
+    """Whether every sender of `claims` is a peer whose micro-batches this replica holds (or it holds
+    samples of unknown origin, which anyone may claim)."""
+    if by_origin is None or by_origin.get(UNKNOWN_ORIGIN, 0) > 0:
+        return True
+    return all(by_origin.get(sender, 0) > 0 for sender in claims)
+
+
 def vouched_senders(
-    decision: StepDecision, peer_id: str, own_samples: int, received: Mapping[str, int]
+    decision: StepDecision,
+    peer_id: str,
+    own_samples: int,
+    received: Mapping[str, int],
+    by_origin: Mapping[str, int] | None = None,
 ) -> frozenset[str]:
     """Whose closes a replica trusts after applying `decision` (`decide_step`'s `trusted`: only theirs
     may decide a step short of its samples): the senders of its closes that name a member, when data
-    bore it out: it names this replica with exactly the samples it held, or a member's gradients came
-    with exactly the samples it names. Nobody after a lenient decision or one no data confirmed (a
-    short or empty close), and not the sender of an empty close merged into it (nothing to check).
-    Time alone does not tell a forger's short close from a trainer's: the trainer's close can come later
-    than any grace (a slow replica holding the step's last micro-batch, a loaded host), and a forged
-    close naming only this replica then made it apply its own sums without the other members', which
-    applied the trainer's. A stranger gains trust only by knowing what the replicas hold (the limit of
-    open runs, ARCHITECTURE); a trainer's first close, if short, waits for the fallback."""
+    bore it out: it names this replica with exactly the samples it held, each close for its own
+    sender's micro-batches (`backed_by_origin`), or a member's gradients came with exactly the samples
+    it names. Nobody after a lenient decision or one no data confirmed (a short or empty close), and not
+    the sender of an empty close merged into it (nothing to check). Time alone does not tell a forger's
+    short close from a trainer's: the trainer's close can come later than any grace (a slow replica
+    holding the step's last micro-batch, a loaded host), and a forged close naming only this replica
+    then made it apply its own sums without the other members', which applied the trainer's."""
     if decision.lenient:
         return frozenset()
     members = decision.members
     mine = members.get(peer_id, 0)
     confirmed = any(p != peer_id and received.get(p) == n for p, n in members.items())
-    return decision.naming if (mine > 0 and mine == own_samples) or confirmed else frozenset()
+    backed = mine == own_samples and backed_by_origin(decision.claims, by_origin)
+    return decision.naming if (mine > 0 and backed) or confirmed else frozenset()
 
 
 def short_close_grace_s(usual_wait_s: float | None, floor_s: float, close_timeout_s: float) -> float:
@@ -204,10 +263,12 @@ def settle_step(
     received: Mapping[str, int],
     unreachable: AbstractSet[str],
     timed_out: bool = False,
+    by_origin: Mapping[str, int] | None = None,
 ) -> StepDecision | None:
     """The candidate a replica applies once it has closed its step (its sums sealed: `own_samples`), or
     None (wait for more gradients). The exchange decides: a candidate scores by whether it agrees with
-    this replica's own count, then by how many of its members the gradients confirm (the same count),
+    this replica's own count (claimed only by senders whose micro-batches it holds), then by whether each
+    of its closes names exactly its sender's samples here (`by_origin`), then by how many of its members the gradients confirm (the same count),
     then by how few it names wrongly (another count, or unreachable), then complete, then the most
     closes, then the earliest. The best candidate all of whose members answered is applied once no
     candidate still waiting for gradients could beat it; at `timed_out`, the best as it stands. In an
@@ -215,7 +276,7 @@ def settle_step(
     candidates = list(candidates)
     if timed_out:  # a member not heard from by now counts as gone
         unreachable = frozenset().union(*(c.members for c in candidates))
-    rated = [(_evidence(c, peer_id, own_samples, received, unreachable), c) for c in candidates]
+    rated = [(_evidence(c, peer_id, own_samples, received, unreachable, by_origin), c) for c in candidates]
     if not rated:
         return None
     if timed_out:
@@ -235,11 +296,13 @@ def _evidence(
     own_samples: int,
     received: Mapping[str, int],
     unreachable: AbstractSet[str],
+    by_origin: Mapping[str, int] | None,
 ) -> tuple[tuple, tuple, int]:
     """(score as the gradients stand, score if every member not heard from confirms, members not heard
     from) of a candidate (see `settle_step`)."""
     members = candidate.members
-    consistent = members.get(peer_id, 0) == own_samples
+    consistent = members.get(peer_id, 0) == own_samples and _served(candidate.claims, by_origin)
+    backed = consistent and backed_by_origin(candidate.claims, by_origin)
     confirmed = (peer_id in members and consistent) + sum(
         1 for p, n in members.items() if p != peer_id and received.get(p) == n
     )
@@ -247,8 +310,8 @@ def _evidence(
     wrong = len(members) - confirmed - unanswered
     rest = (candidate.complete, candidate.closes, -candidate.first_s)
     return (
-        (consistent, confirmed, -wrong, *rest),
-        (consistent, confirmed + unanswered, -wrong, *rest),
+        (consistent, backed, confirmed, -wrong, *rest),
+        (consistent, backed, confirmed + unanswered, -wrong, *rest),
         unanswered,
     )
 

@@ -164,6 +164,7 @@ class ChainHop:
             grad_outputs=grad,
             accumulate=forward.accumulate,
             step=forward.step,
+            origin=forward.origin,
         )
         # no deadline: the later stages have run their backward, so this stage runs its own whatever
         # the time, or the stages would disagree on the step's batch
@@ -279,7 +280,9 @@ class ChainHop:
         """The call to the next stage: a training hand-off with the later stages' accumulate `flags`, an
         evaluation without (`forward_backward` or `evaluate` at the last stage)."""
         forward, stage = chain.forward, self.io.stage + 1
-        sent = {"timeout_s": timeout_s, "step": forward.step}
+        sent: dict = {"timeout_s": timeout_s, "step": forward.step}
+        if flags is not None and forward.origin:  # whose micro-batch it is: the next replica counts it so
+            sent["origin"] = forward.origin
         if stage == self.num_stages - 1:
             kind = "evaluate" if flags is None else "forward_backward"
             if flags is not None:

@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable
 from swarmtrain.config import RunConfig
 from swarmtrain.config.model import StageSpec
 from swarmtrain.net.bundle import bundle_message, split_bundle
-from swarmtrain.net.hand_off import validate_chain, validate_evaluate_chain
+from swarmtrain.net.hand_off import micro_batch_origin, validate_chain, validate_evaluate_chain
 from swarmtrain.net.protocol import (
     BUNDLE_KIND,
     HAND_OFF_KINDS,
@@ -48,7 +48,8 @@ from swarmtrain.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
-Run = Callable[[Message, int], Awaitable[Message]]  # (request, how many arrived together) -> answer
+# (request, how many arrived together, whose micro-batch it is: `micro_batch_origin`) -> answer
+Run = Callable[[Message, int, str], Awaitable[Message]]
 
 
 class Admission:
@@ -100,23 +101,23 @@ class MicroBatchDesk:
         }
 
     # one handler per kind -------------------------------------------------------------------------
-    async def _on_forward(self, message: Message, _context) -> Message:
-        return await self._serve(message, self._compute_forward)
+    async def _on_forward(self, message: Message, context) -> Message:
+        return await self._serve(message, self._compute_forward, caller=caller_of(context))
 
-    async def _on_backward(self, message: Message, _context) -> Message:
-        return await self._serve(message, self._compute_backward)
+    async def _on_backward(self, message: Message, context) -> Message:
+        return await self._serve(message, self._compute_backward, caller=caller_of(context))
 
-    async def _on_forward_backward(self, message: Message, _context) -> Message:
-        return await self._serve(message, self._compute_forward_backward)
+    async def _on_forward_backward(self, message: Message, context) -> Message:
+        return await self._serve(message, self._compute_forward_backward, caller=caller_of(context))
 
-    async def _on_evaluate(self, message: Message, _context) -> Message:
-        return await self._serve(message, self._compute_evaluation)
+    async def _on_evaluate(self, message: Message, context) -> Message:
+        return await self._serve(message, self._compute_evaluation, caller=caller_of(context))
 
-    async def _on_chain(self, message: Message, _context) -> Message:
-        return await self._serve(message, self._run_chain)
+    async def _on_chain(self, message: Message, context) -> Message:
+        return await self._serve(message, self._run_chain, caller=caller_of(context))
 
-    async def _on_evaluate_chain(self, message: Message, _context) -> Message:
-        return await self._serve(message, self._run_evaluate_chain)
+    async def _on_evaluate_chain(self, message: Message, context) -> Message:
+        return await self._serve(message, self._run_evaluate_chain, caller=caller_of(context))
 
     async def _on_bundle(self, message: Message, context) -> Message:
         """Each item answered by the handler of its kind, all at once (so they may share a compute call),
@@ -130,40 +131,44 @@ class MicroBatchDesk:
         }
         # each item's compute knows how many came with it: they wait for each other to share a call
         answers = await asyncio.gather(
-            *(self._serve(item, runs[item.kind], together=len(items)) for item in items),
+            *(self._serve(item, runs[item.kind], len(items), caller_of(context)) for item in items),
             return_exceptions=True,
         )
         return bundle_message([_answer_of(a) for a in answers], self.spec.index)
 
-    async def _serve(self, message: Message, run: Run, together: int = 1) -> Message:
+    async def _serve(self, message: Message, run: Run, together: int = 1, caller: str = "") -> Message:
         """Admission common to every micro-batch: refused while downloading or draining; counted while
-        it runs, so a drain waits for it. `together`: requests that arrived with it (a bundle's items)."""
+        it runs, so a drain waits for it. `together`: requests that arrived with it (a bundle's items);
+        `caller`: the authenticated peer that sent it."""
         refusal = self.admission.refusal()
         if refusal is not None:
             return refusal
+        origin = micro_batch_origin(message.header, caller)
         self.admission.running += 1
         try:
-            return await run(message, together)
+            return await run(message, together, origin)
         finally:
             self.admission.running -= 1
 
     # compute -----------------------------------------------------------------------------------
-    async def _compute_forward(self, message: Message, together: int) -> Message:
+    async def _compute_forward(self, message: Message, together: int, origin: str) -> Message:
         request = validate_request(message, self.io, self.digest)
         return await self._compute(request, message.header, PRIORITY_FORWARD, together)
 
-    async def _compute_evaluation(self, message: Message, together: int) -> Message:
+    async def _compute_evaluation(self, message: Message, together: int, origin: str) -> Message:
         request = validate_request(message, self.io, self.digest)
         return await self._compute(request, message.header, PRIORITY_EVAL, together)
 
-    async def _compute_backward(self, message: Message, together: int) -> Message:
+    async def _compute_backward(self, message: Message, together: int, origin: str) -> Message:
         request = validate_request(message, self.io, self.digest)
+        request.origin = origin
         reply = await self._compute(request, message.header, PRIORITY_BACKWARD, together)
         self._count_done(request, reply)
         return reply
 
-    async def _compute_forward_backward(self, message: Message, together: int) -> Message:
+    async def _compute_forward_backward(self, message: Message, together: int, origin: str) -> Message:
         request = validate_request(message, self.io, self.digest)
+        request.origin = origin
         # the last stage's fused forward and backward: the worker's forward runs both
         reply = await self._compute(request, message.header, PRIORITY_FORWARD, together)
         self._count_done(request, reply)
@@ -174,8 +179,9 @@ class MicroBatchDesk:
         if reply.kind == "result":
             self.admission.samples_done += request.num_samples
 
-    async def _run_chain(self, message: Message, together: int) -> Message:
+    async def _run_chain(self, message: Message, together: int, origin: str) -> Message:
         chain = validate_chain(message, self.io, self.digest, self.cfg.swarm.num_stages)  # not the last stage
+        chain.forward.origin = origin  # accumulated here and handed on with the micro-batch
         if self.hop is None:  # the last stage: no next stage to hand off to
             return error_message("the last stage takes no chain", "bad_request")
         # the chain's time includes every later stage's: each may take up to a request timeout
@@ -190,7 +196,7 @@ class MicroBatchDesk:
         self._count_done(chain.forward, reply)
         return reply
 
-    async def _run_evaluate_chain(self, message: Message, together: int) -> Message:
+    async def _run_evaluate_chain(self, message: Message, together: int, _origin: str) -> Message:
         chain = validate_evaluate_chain(message, self.io, self.digest, self.cfg.swarm.num_stages)
         if self.hop is None:
             return error_message("the last stage takes no evaluate_chain", "bad_request")
@@ -268,6 +274,11 @@ def _answer_of(outcome: Message | BaseException) -> Message:
         logger.debug("a bundled request failed", exc_info=outcome)
         return error_message(f"internal error: {outcome!r}", "internal")
     return outcome
+
+
+def caller_of(context) -> str:
+    """The authenticated peer a request came from (libp2p or the data plane's handshake)."""
+    return context.remote_id.to_base58()
 
 
 def leaving_answer() -> Message:

@@ -202,6 +202,7 @@ class StepCoordinator:
             return False
         bucket = self.worker.buckets.get(state.step)
         own = bucket.samples if bucket is not None else 0
+        by_origin = dict(bucket.by_origin) if bucket is not None else {}
         if own and state.held_s is None:
             state.held_s = time.monotonic()
         live = self.inbox.live()
@@ -219,6 +220,7 @@ class StepCoordinator:
             short_grace_s=self._short_grace_s(),
             heard_peers=heard_peers,
             trusted=self.inbox.trusted.keys(),
+            by_origin=by_origin,
         )
         if state.decision is not None and not state.decision.lenient:
             took_s = time.monotonic() - state.reached_s
@@ -280,10 +282,15 @@ class StepCoordinator:
         assert start is not None  # set by `_decided`
         if start.lenient:
             self.counters.lenient_steps += 1
+            bucket = self.worker.buckets.get(step)
+            # samples of a peer that sent no close: a trainer that died, or an older server's hand-off
+            # (it names no trainer: `micro_batch_origin`), whose steps always end here
+            origins = {short(p): n for p, n in (bucket.by_origin if bucket else {}).items()}
             logger.warning(
-                "step %d: no close agreed with this replica's samples or was confirmed by a member's within "
-                "%.0f s; acting on %s as before the checks",
+                "step %d: no close agreed with this replica's samples (by origin %s) or was confirmed by a "
+                "member's within %.0f s; acting on %s as before the checks",
                 step,
+                origins,
                 self.settings.close_timeout_s,
                 {short(p): n for p, n in start.members.items()},
             )
@@ -293,7 +300,7 @@ class StepCoordinator:
             self.step_rate.applied(sum(start.members.values()), time.monotonic())
             return
         sums = await self._on_compute(lambda: self.sums_codec.encode(bucket.grad_sums))
-        answered, final = await self._exchange(state, start, bucket.samples, sums)
+        answered, final = await self._exchange(state, start, bucket.samples, sums, bucket.by_origin)
         if self.worker.epoch != step:
             return  # a resync moved us on meanwhile
         contributions, missing = self._contributions(state, final, bucket, sums)
@@ -305,9 +312,10 @@ class StepCoordinator:
         self.step_rate.applied(sum(final.members.values()), time.monotonic())
 
     async def _exchange(
-        self, state: PendingStep, start: StepDecision, own: int, sums: WireSums
+        self, state: PendingStep, start: StepDecision, own: int, sums: WireSums, origins: dict[str, int]
     ) -> tuple[bool, StepDecision]:
-        """Send our sums and wait for the members'; (whether all came, the close finally acted on)."""
+        """Send our sums and wait for the members'; (whether all came, the close finally acted on).
+        `origins`: our sealed samples by whose micro-batches they are (`Bucket.by_origin`)."""
         if start.lenient:  # as before the checks: named members count with whatever they send
             if own and self.peer_id in start.members:
                 self.sums_out.send(state, start.participants | set(start.members), own, sums)
@@ -317,13 +325,13 @@ class StepCoordinator:
         def settled(s: PendingStep) -> bool:
             due = self._candidates(s, due=True)
             self.sums_out.send_where_named(s, due, own, sums, sent)
-            s.decision = settle_step(due, self.peer_id, own, _counts(s), s.unreachable)
+            s.decision = settle_step(due, self.peer_id, own, _counts(s), s.unreachable, by_origin=origins)
             return s.decision is not None
 
         answered = await self._wait_for_sums(state, set(), settled)
         if self.worker.epoch == state.step and not answered:
             candidates = self._candidates(state, due=True)
-            state.decision = settle_step(candidates, self.peer_id, own, _counts(state), set(), True)
+            state.decision = settle_step(candidates, self.peer_id, own, _counts(state), set(), True, origins)
         return answered, state.decision or start
 
     def _contributions(
@@ -337,7 +345,7 @@ class StepCoordinator:
             logger.warning("step %d: the closes of %d trainer(s) came, not of all", step, final.closes)
         mine = final.members.get(self.peer_id, 0)
         chosen = step_contributions(final, self.peer_id, own, _counts(state))
-        self.inbox.vouch(vouched_senders(final, self.peer_id, own, _counts(state)))
+        self.inbox.vouch(vouched_senders(final, self.peer_id, own, _counts(state), bucket.by_origin))
         if mine and own != mine:
             self.counters.disagreeing_closes += 1
             verdict = "all counted" if chosen.own else "left out"
@@ -373,7 +381,9 @@ class StepCoordinator:
         pseudo-gradients (weighted by samples since the last round) with the step's participants in
         peer order and take the outer step, so all end the round with the same parameters."""
         step = state.step
-        self.inbox.vouch(vouched_senders(decision, self.peer_id, bucket.samples, _counts(state)))
+        self.inbox.vouch(
+            vouched_senders(decision, self.peer_id, bucket.samples, _counts(state), bucket.by_origin)
+        )
         own = {self.peer_id: (bucket.samples, bucket.grad_sums)} if bucket.samples else {}
         sync = self.worker.is_sync_step(step)
         await self._apply(step, own, bucket.micro_batch_ids, start_s, hold_epoch=sync)

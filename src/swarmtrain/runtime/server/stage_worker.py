@@ -66,6 +66,9 @@ class Bucket:
     samples: int = 0
     micro_batch_ids: list[str] = field(default_factory=list)
     sealed: bool = False  # its step was closed: later arrivals are late, never accumulated
+    # samples by the trainer whose micro-batches they are (`StageRequest.origin`): a close counts for
+    # this replica's samples only from the trainer whose samples they are (planner/step_decision.py)
+    by_origin: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -254,6 +257,7 @@ class StageWorker:
         for request in requests:
             bucket.micro_batch_ids.append(request.micro_batch_id)
             bucket.samples += request.num_samples
+            bucket.by_origin[request.origin] = bucket.by_origin.get(request.origin, 0) + request.num_samples
             self.ledger.write("acc", mb=request.micro_batch_id, n=request.num_samples, step=step)
 
     def _held(self, request: StageRequest) -> int:
