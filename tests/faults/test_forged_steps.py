@@ -1,10 +1,13 @@
 """Forged `close` and `grads` in an open swarm (no run key): a stranger peer (a probe, neither a trainer
 of the run nor a replica) sends every forged case of the issue to the replicas of both stages while a
 trainer trains (2 replicas of stage 0, 1 of stage 1): closes naming unknown members, closes naming a
-replica that holds nothing, empty closes for the step after next and for a step beyond the window a
-replica keeps closes for, and `grads` with a close naming the stranger. Every replica must step on exactly the trainer's samples: every step applied once, none
-skipped, no resync, no sample left out, nobody but the stage's replicas in any step's group, and the
-replicas of a stage end with equal parameters."""
+replica that holds nothing, closes of plausible counts (a replica named with exactly the samples its
+`info` reports, or with 8 or 16), empty closes for the step after next and for a step beyond the window
+a replica keeps closes for, and `grads` with a close naming the stranger. Every replica must step on
+exactly the trainer's samples: every step applied once, none skipped, no resync, no sample left out,
+nobody but the stage's replicas in any step's group, and the replicas of a stage end with equal
+parameters. A close speaks only for its sender's own micro-batches (planner/step_decision.py's
+`backed_by_origin`), so no count the stranger picks decides a step."""
 
 import json
 import time
@@ -33,6 +36,7 @@ class Forger:
         self.peers = {stage: probe.peers(stage) for stage in (0, 1)}
         self.sent: dict[str, int] = {}
         self.errors: list[str] = []
+        self.rounds = 0
         self.poison = {}  # per stage: finite gradient sums of the stage's parameters, far off
         for stage, peers in self.peers.items():
             params = probe.info(peers[0], want="params")
@@ -66,9 +70,7 @@ class Forger:
             self.close(stage, step, {UNKNOWN: 8}, "unknown_members")
             self.close(stage, step + 1, {UNKNOWN: 8, peers[0]: 8}, "unknown_members")
             # a replica that holds nothing (of the next step nobody does yet; at the current step, one
-            # that reports no pending samples), named with samples. Counts no replica can hold (micro-
-            # batches of 8): a forger naming a replica with exactly what it holds at that moment, before
-            # the trainer's close, can still decide that replica's step (only a run key prevents that)
+            # that reports no pending samples), named with samples
             self.close(stage, step + 1, {peers[-1]: 4}, "holds_nothing")
             self.close(stage, step, {peers[-1]: 12}, "holds_nothing")
             idle = [p for p, i in infos.items() if i["pending_samples"] == 0]
@@ -90,6 +92,18 @@ class Forger:
             self.close(stage, step, {self.me: 8, **{p: 8 for p in peers}}, "grads")
             self.grads(stage, step, "grads")
             self.grads(stage, step + 1, "grads")
+            # plausible counts last: a replica keeps one close per sender and step (the latest), so
+            # these stay until the next round; which one stays rotates with the rounds
+            plausible = [
+                *({p: i["pending_samples"]} for p, i in infos.items() if i["pending_samples"] > 0),
+                {peers[0]: 8},
+                {peers[-1]: 16},
+                {p: 16 for p in peers},
+            ]
+            shift = self.rounds % len(plausible)
+            for members in plausible[shift:] + plausible[:shift]:
+                self.close(stage, step, members, "plausible")
+        self.rounds += 1
 
 
 def test_forged_closes_and_grads_change_no_step(make_swarm):
@@ -112,7 +126,8 @@ def test_forged_closes_and_grads_change_no_step(make_swarm):
     summary = json.loads(swarm.summary_path("trainer").read_text())
     print(f"forged rounds {rounds}, messages {forger.sent}, refused {len(forger.errors)}")
     assert rounds >= 3 and all(
-        forger.sent.get(case, 0) > 0 for case in ("unknown_members", "grads", "beyond_the_window")
+        forger.sent.get(case, 0) > 0
+        for case in ("unknown_members", "grads", "beyond_the_window", "plausible")
     )
 
     time.sleep(1.0)  # the last step's exchange and ledger lines
@@ -160,8 +175,10 @@ def test_forged_closes_to_an_idle_swarm_move_no_epoch(make_swarm):
     """Issue 38: with no trainer working, forged closes naming the stage's replicas (for the next step
     and the one after, and far ahead) moved one stage-0 replica's epoch through the lenient fallback,
     and the next honest steps failed at the replica left behind. A replica that holds nothing and hears
-    no live peer's gradients no longer acts on them: no epoch moves, and the next trainer's steps all
-    succeed with the replicas of each stage in step."""
+    no live peer's gradients no longer acts on them: no epoch moves. The kept closes name replicas with
+    plausible counts (8 and 16: what a replica holds once the next trainer's micro-batches land), which
+    speak for none of that trainer's samples: its steps all succeed with the replicas of each stage in
+    step."""
     # the close timeout is the request timeout: a short one keeps the wait for its fallback short
     swarm, cfg = make_swarm("tiny", {"swarm": {"request_timeout_s": 5.0}})
     start_servers(swarm, TWO_REPLICAS_OF_STAGE_0)
@@ -176,12 +193,12 @@ def test_forged_closes_to_an_idle_swarm_move_no_epoch(make_swarm):
     assert set(before.values()) == {2}, before
 
     for stage, peers in forger.peers.items():
-        # inside the close window: kept as candidates. Counts no replica can hold (micro-batches of 8):
-        # a kept close naming a replica with what it holds when the next trainer's first micro-batch
-        # lands decides that step (the limit only a run key removes; a count of 8 failed CI once so)
-        for step in (2, 3):
-            forger.close(stage, step, {p: 4 for p in peers}, "idle_members")
-            forger.close(stage, step, {peers[-1]: 4}, "idle_one_member")
+        # inside the close window: kept as candidates (the latest per step: 8 for the next step, 16 for
+        # the one after), each a count a replica holds once the next trainer's micro-batches land
+        for step, counts in ((2, (16, 8)), (3, (8, 16))):
+            for count in counts:
+                forger.close(stage, step, {p: count for p in peers}, "idle_members")
+                forger.close(stage, step, {peers[-1]: count}, "idle_one_member")
         for step in (7, 1_002, 2**53 - 1):  # far ahead: refused at once
             forger.close(stage, step, {peers[0]: 8}, "far_ahead")
     # past the close timeout and the fallback's second one, counted from the forged closes
@@ -200,9 +217,8 @@ def test_forged_closes_to_an_idle_swarm_move_no_epoch(make_swarm):
     for stage in (0, 1):
         epochs = {stranger.info(p).header["epoch"] for p in forger.peers[stage]}
         assert len(epochs) == 1 and epochs.pop() > 2, (stage, epochs)
-    # the forged short closes kept while idle decide nothing once the trainer's samples come (their sender's
-    # closes were never found true): before, 2 of 4 runs had a replica step on one ("holds 16 samples,
-    # the close says 4") and resync
+    # the forged closes kept while idle decide nothing once the trainer's samples come: they speak for
+    # none of the trainer's samples, and their sender's closes were never found true (a short one)
     after = {p: stranger.info(p).header for p in replicas}
     assert all(info["sync"]["resyncs"] == 0 for info in after.values()), after
     disagreeing = sum(info["steps"]["disagreeing_closes"] for info in after.values())

@@ -753,15 +753,28 @@ def test_samples_of_unknown_origin_are_claimable_as_before_and_only_they():
     assert backed_by_origin({}, {}) and backed_by_origin({STRANGER: 8}, None)
 
 
-def test_an_older_servers_hand_off_decides_by_confirmation_or_the_fallback():
+def test_an_older_servers_hand_off_decides_at_the_fallback():
     """An older stage server hands off without `origin`: its samples are counted as its own (the caller),
-    and it never closes. The trainer's close is then not backed: it decides once a member's gradients
-    confirm it, or at the lenient fallback, never at once (slower, and never a stranger's count)."""
+    and it never closes. The trainer's close is then not backed, and a peer's confirming gradients do
+    not make up for it (the replica holds samples of no sender of the close): the step decides at the
+    lenient fallback, never at once (slower, and never on a stranger's count)."""
     kw = dict(own=8, by_origin={"S0": 8})
     assert _decide([_c({"A": 8, "B": 8})], **kw) is None
-    assert _decide([_c({"A": 8, "B": 8})], received={"B": 8}, **kw) is not None
+    assert _decide([_c({"A": 8, "B": 8})], received={"B": 8}, **kw) is None
     d = _decide([_c({"A": 8})], now=21.0, reached_s=0.0, **kw)
     assert d is not None and d.lenient
+
+
+def test_a_confirmed_close_not_naming_a_replica_holding_samples_needs_a_trainer_of_them():
+    """B's gradients confirm a stranger's close naming only B (its count read from `info`): A, holding
+    the trainer's samples, must not act on it and leave them out before the trainer's close comes. A
+    trainer's close that lists A nowhere (its replies from A were lost) is still acted on when confirmed."""
+    kw = dict(own=16, received={"B": 8}, by_origin={TRAINER: 16})
+    assert _decide([_c({"B": 8}, STRANGER)], **kw) is None
+    d = _decide([_c({"B": 8}, STRANGER, at=0.0), _c({"A": 16, "B": 8}, at=0.5)], **kw)
+    assert d is not None and d.senders == {TRAINER}
+    assert _decide([_c({"B": 8})], **kw) is not None
+    assert _decide([_c({"B": 8}, STRANGER)], me="C", received={"B": 8}, by_origin={}) is not None
 
 
 def test_the_fallback_still_fires_when_a_trainer_died_mid_step():

@@ -137,8 +137,8 @@ def micro_batch_origin(header: dict, caller: str) -> str:
     `caller` itself (a trainer: at stage 0, and at any stage it calls itself on the relayed path).
     A replica counts a trainer's close for its samples only when their origin is that trainer
     (planner/step_decision.py), so a forger's close counts for none. An older server's hand-off has no
-    `origin`: its samples are that server's, which never closes a step; they decide a step only by a
-    stage peer's confirming gradients or the lenient fallback (slower, never a forger's count)."""
+    `origin`: its samples are that server's, which never closes a step, so such steps decide at the
+    lenient fallback (a close timeout later: slower, never on a forger's count)."""
     origin = header.get("origin")
     if origin is None:
         return caller

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
@@ -126,7 +126,8 @@ def decide_step(
         - it names this replica with exactly `own_samples`, each of its closes for exactly its sender's
           samples here (`backed_by_origin`: a stranger's close of a plausible count decides nothing), or
         - another member's gradients arrived with exactly the samples it attributes to that member
-          (the exchange confirms it; a replica whose own count differs then leaves its samples out), or
+          (the exchange confirms it; a replica whose own count differs then leaves its samples out, so
+          only when one of its closes is from a trainer whose samples it holds), or
         - `confirm` is False (local steps: nothing is exchanged to confirm with), it names this replica
           with nothing and this replica holds nothing, or
         - it is short or empty and waited a grace (`_graced`).
@@ -149,6 +150,7 @@ def decide_step(
         score, _, _ = _evidence(candidate, peer_id, own_samples, received, frozenset(), by_origin)
         consistent, backed, mine = score[0], score[1], candidate.members.get(peer_id, 0)
         confirmed = any(p != peer_id and received.get(p) == n for p, n in candidate.members.items())
+        confirmed = confirmed and (own_samples == 0 or _served(candidate.senders, by_origin, any))
         since_s = now_s - max(candidate.due_s, reached_s, float("-inf") if held_s is None else held_s)
         graced = short_grace_s is not None and since_s >= short_grace_s
         own_count = consistent and (backed if mine > 0 else not confirm)
@@ -210,12 +212,17 @@ def backed_by_origin(claims: Mapping[str, int], by_origin: Mapping[str, int] | N
     return excess <= unknown and sum(claims.values()) == sum(by_origin.values())
 
 
-def _served(claims: Mapping[str, int], by_origin: Mapping[str, int] | None) -> bool:
-    """Whether every sender of `claims` is a peer whose micro-batches this replica holds (or it holds
-    samples of unknown origin, which anyone may claim)."""
+def _served(
+    senders: Iterable[str], by_origin: Mapping[str, int] | None, every: Callable[[Iterable[bool]], bool] = all
+) -> bool:
+    """Whether every one of `senders` (`every=any`: one) is a peer whose micro-batches this replica holds
+    (or it holds samples of unknown origin, which anyone may claim). A replica holding samples acts on a
+    close not naming it, confirmed by a peer's gradients, only when a trainer of its samples sent one of
+    its closes: a stranger's copy of another member's count would make it leave its samples out before
+    the trainer's close came, while its peers counted them."""
     if by_origin is None or by_origin.get(UNKNOWN_ORIGIN, 0) > 0:
         return True
-    return all(by_origin.get(sender, 0) > 0 for sender in claims)
+    return every(by_origin.get(sender, 0) > 0 for sender in senders)
 
 
 def vouched_senders(

@@ -28,7 +28,9 @@ send a `close` or `grads`, so each is checked against this replica's own state a
 replicas (planner/step_decision.py, pure functions): a close is kept only for this
 replica's next step to apply or the one after (`close_window`: 1 + max_staleness), and acted on only
 at its own step; its members must be live replicas of this stage (or this replica); the samples it
-attributes to this replica must equal what this replica accumulated for the step, unless another
+attributes to this replica must equal what this replica accumulated for the step, each close for
+exactly the samples of its sender's micro-batches (`backed_by_origin`: a stranger reading the public
+count speaks for none of them), unless another
 member's gradients confirm the close exactly (then this replica's samples are left out as
 `unconfirmed`); a replica the close does not name, or a close naming nobody, needs such a confirmation.
 A close naming this replica short of its samples (the trainer missed a reply) decides after a grace,
