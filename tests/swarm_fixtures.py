@@ -17,6 +17,7 @@ FAST_SWARM = {
     "announce_period_s": 1.0,
     "rebalance_period_s": 0.0,
 }
+TEARDOWN_GRACE_S = 1.0
 STALL_DUMP_AFTER_S = 10.0  # no micro-batch completed for this long: every process's stacks are dumped
 DUMP_PRINT_CHARS = 30_000
 
@@ -58,8 +59,10 @@ def make_swarm(tmp_path):
     yield make
     for client in probes:
         client.close()
+    # nothing looks at a swarm after its test: a short grace before the SIGKILL of each process group
+    # (tests that check a graceful stop call `stop_all` themselves) saves seconds per test
     for swarm in swarms:
-        swarm.stop_all(grace_s=5.0)
+        swarm.stop_all(grace_s=TEARDOWN_GRACE_S)
 
 
 def _print_dump(path) -> None:
