@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from swarmtrain.config import RunConfig, get_preset, load_run_config, preset_names
 from swarmtrain.config.errors import ConfigError, UserError
@@ -71,44 +73,52 @@ def with_hf_model(cfg: RunConfig, model_dir: str) -> RunConfig:
     return cfg.replace(model=model_config_from_hf(raw, cfg.model, source=f"{model_dir}/config.json"))
 
 
-def positive_int(text: str) -> int:
+def checked_number(convert: Callable[[str], Any], ok: Callable[[Any], bool], expected: str, name: str):
+    """An argparse `type` that converts with `convert` and accepts what `ok` allows; its error says
+    `expected ...` (the text when it does not convert, the value when `ok` refuses it)."""
+
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {value}")
+        return value
+
+    parse.__name__ = parse.__qualname__ = name  # what argparse names the type by
+    return parse
+
+
+# `not value > 0` / `not value >= 0`: a float NaN fails both, so it is refused too
+positive_int = checked_number(int, lambda value: value > 0, "a positive integer", "positive_int")
+non_negative_int = checked_number(int, lambda value: value >= 0, "an integer >= 0", "non_negative_int")
+positive_float = checked_number(float, lambda value: value > 0, "a positive number", "positive_float")
+non_negative_float = checked_number(float, lambda value: value >= 0, "a number >= 0", "non_negative_float")
+
+
+def add_command(
+    subparsers, name: str, run: Callable, summary: str, more: str = "", description: str = "", **kw
+):
+    """The subparser of command `name`, carried out by `run(args)`: `summary` is its line in `swarmtrain
+    --help` and opens its own --help, followed by `more`; a `description` (preformatted text, kept as
+    written) replaces both in its own --help. `kw` goes to argparse as it is."""
+    if description:
+        kw.update(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    else:
+        kw.update(description=summary + more)
+    parser = subparsers.add_parser(name, help=summary, **kw)
+    parser.set_defaults(func=run)
+    return parser
+
+
+def shard_from_args(args: argparse.Namespace) -> tuple[int, int]:
+    """`--shard K/N` as (K, N); a malformed value is a user error."""
     try:
-        value = int(text)
+        shard_index, shard_count = (int(x) for x in args.shard.split("/"))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {value}")
-    return value
-
-
-def non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
-    return value
+        raise UserError(f"--shard must look like K/N, got {args.shard!r}") from None
+    return shard_index, shard_count
 
 
 def write_summary_json(path: str | None, summary: dict) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from swarmtrain.cli.common import (
+    add_command,
     add_device_args,
     compute_device_from_args,
     positive_float,
@@ -18,10 +19,12 @@ HELP = "run a complete swarm on this machine: DHT, stage servers (2 replicas of 
 
 
 def register(subparsers) -> None:
-    parser = subparsers.add_parser(
+    parser = add_command(
+        subparsers,
         "demo",
-        help=HELP,
-        description=HELP + ". Shows loss, samples/s and peers per stage live, SIGKILLs one stage-0 replica "
+        run,
+        HELP,
+        ". Shows loss, samples/s and peers per stage live, SIGKILLs one stage-0 replica "
         "halfway to show training routing around it, then stops every process and prints a summary.",
     )
     parser.add_argument(
@@ -73,7 +76,6 @@ def register(subparsers) -> None:
         '"byte_frequency_val_loss", "local_val_loss" (one process, same samples), "val_loss_gap" '
         "(val_loss / local_val_loss - 1)} here; losses are null when not measured",
     )
-    parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

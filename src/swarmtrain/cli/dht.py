@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from swarmtrain.cli.common import add_command
 from swarmtrain.cli.net_args import add_identity_arg, add_network_args, network_from_args, prepare_process
 from swarmtrain.utils.files import write_text_atomically
 
@@ -11,11 +12,10 @@ HELP = "start a bootstrap DHT node and print its address for --initial-peers"
 
 
 def register(subparsers) -> None:
-    parser = subparsers.add_parser("dht", help=HELP, description=HELP + ". Runs until Ctrl-C or SIGTERM.")
+    parser = add_command(subparsers, "dht", run, HELP, ". Runs until Ctrl-C or SIGTERM.")
     add_network_args(parser, needs_peers=False)
     add_identity_arg(parser)
     parser.add_argument("--address-file", metavar="PATH", help="also write the addresses here, one per line")
-    parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from swarmtrain.cli.common import add_run_config_args, positive_int
+from swarmtrain.cli.common import add_command, add_run_config_args, positive_int
 
 HELP = (
     "assemble the whole model from stage checkpoints (for train-local --init-from, inference, Hugging Face)"
@@ -29,9 +29,7 @@ CHECKPOINT_DIR/model.safetensors, or an earlier --out). Writes the parameters (n
 
 
 def register(subparsers) -> None:
-    parser = subparsers.add_parser(
-        "export", help=HELP, description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = add_command(subparsers, "export", run, HELP, description=DESCRIPTION)
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--checkpoint-dir", metavar="DIR", help="the servers' --checkpoint-dir")
     source.add_argument(
@@ -52,7 +50,6 @@ def register(subparsers) -> None:
         help="--hf-out: split the weights into files of at most MB megabytes (default: 2048)",
     )
     add_run_config_args(parser)
-    parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

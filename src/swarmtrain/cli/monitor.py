@@ -7,7 +7,13 @@ import argparse
 import signal
 from pathlib import Path
 
-from swarmtrain.cli.common import add_run_config_args, positive_float, positive_int, run_config_from_args
+from swarmtrain.cli.common import (
+    add_command,
+    add_run_config_args,
+    positive_float,
+    positive_int,
+    run_config_from_args,
+)
 from swarmtrain.cli.net_args import add_network_args, prepare_process, start_client_dht
 from swarmtrain.config.errors import UserError
 from swarmtrain.utils.files import write_text_atomically
@@ -36,12 +42,8 @@ examples:
 def register(subparsers) -> None:
     # `resolve`: the shared network options' --port is the DHT's; here --port is the page's (args.http_port),
     # and the monitor's client DHT always takes a free port (args.port = 0)
-    parser = subparsers.add_parser(
-        "monitor",
-        help=HELP,
-        description=DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        conflict_handler="resolve",
+    parser = add_command(
+        subparsers, "monitor", run, HELP, description=DESCRIPTION, conflict_handler="resolve"
     )
     add_run_config_args(parser)
     add_network_args(parser, needs_peers=False)
@@ -73,7 +75,6 @@ def register(subparsers) -> None:
         metavar="TIMELINE",
         help="show a simulator run instead of a live swarm: a file from `swarmtrain simulate --timeline-json`",
     )
-    parser.set_defaults(func=run)
 
 
 def _port(text: str) -> int:

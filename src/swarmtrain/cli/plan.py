@@ -16,7 +16,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from swarmtrain.cli.common import non_negative_float, positive_float, positive_int
+from swarmtrain.cli.common import add_command, non_negative_float, positive_float, positive_int
 from swarmtrain.config.errors import UserError
 from swarmtrain.config.presets import preset_names
 
@@ -61,9 +61,9 @@ NOT_WITH_SIZES = (
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "plan", help="place devices into pipeline stages (DT-FM cost model, evolutionary search)",
-        description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter,
+    parser = add_command(
+        subparsers, "plan", run, "place devices into pipeline stages (DT-FM cost model, evolutionary search)",
+        description=DESCRIPTION,
     )  # fmt: skip
     # one source is needed, except with --sizes (checked in `run`, which names the missing flags)
     source = parser.add_mutually_exclusive_group()
@@ -191,7 +191,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "evaluations, evaluations_to_best, time_to_best_s, wall_s (+ compute fields with --compute)",
     )
     output.add_argument("--plot", metavar="PATH", help="write best cost vs evaluations as a PNG")
-    parser.set_defaults(func=run)  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:

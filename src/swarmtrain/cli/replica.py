@@ -6,11 +6,13 @@ import argparse
 from typing import TYPE_CHECKING
 
 from swarmtrain.cli.common import (
+    add_command,
     add_device_args,
     add_run_config_args,
     compute_device_from_args,
     positive_int,
     run_config_from_args,
+    shard_from_args,
     write_summary_json,
 )
 from swarmtrain.cli.net_args import (
@@ -45,9 +47,7 @@ if TYPE_CHECKING:  # torch is imported inside `run` only: `swarmtrain --help` st
 
 
 def register(subparsers) -> None:
-    parser = subparsers.add_parser(
-        "replica", help=HELP, description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = add_command(subparsers, "replica", run, HELP, description=DESCRIPTION)
     add_run_config_args(parser)
     add_network_args(parser)
     add_identity_arg(parser)
@@ -85,17 +85,13 @@ def register(subparsers) -> None:
     add_device_args(parser, what="the model (or, with --offload-budget-mb, its streamed blocks)")
     parser.add_argument("--log-period-s", type=float, default=5.0, help="progress line period (default 5)")
     parser.add_argument("--summary-json", metavar="PATH", help="write the run summary here")
-    parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace, faults: FaultHooks | None = None) -> int:
     """`faults`: a faulty peer's hooks; only tests pass any (through `swarmtrain.cli.faulty`)."""
     from swarmtrain.config.errors import UserError
 
-    try:
-        shard_index, shard_count = (int(x) for x in args.shard.split("/"))
-    except ValueError:
-        raise UserError(f"--shard must look like K/N, got {args.shard!r}") from None
+    shard_index, shard_count = shard_from_args(args)
     if not 0 <= shard_index < shard_count:
         raise UserError(f"--shard {args.shard}: K must be in 0..N-1")
     if args.duration_s is not None and args.duration_s <= 0:

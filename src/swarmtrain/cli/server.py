@@ -6,6 +6,7 @@ import argparse
 from typing import TYPE_CHECKING
 
 from swarmtrain.cli.common import (
+    add_command,
     add_device_args,
     add_run_config_args,
     compute_device_from_args,
@@ -24,10 +25,12 @@ if TYPE_CHECKING:  # torch is imported inside `run` only: `swarmtrain --help` st
 
 
 def register(subparsers) -> None:
-    parser = subparsers.add_parser(
+    parser = add_command(
+        subparsers,
         "server",
-        help=HELP,
-        description=HELP + ". Announces itself in the DHT, downloads the stage state from its replicas if "
+        run,
+        HELP,
+        ". Announces itself in the DHT, downloads the stage state from its replicas if "
         "they have already trained, and serves until Ctrl-C or SIGTERM.",
     )
     where = parser.add_mutually_exclusive_group(required=True)
@@ -159,7 +162,6 @@ def register(subparsers) -> None:
         "backwards, evaluations) run as one call of up to N tokens, their results split back (default 0: "
         "off; it pays with several trainers and small micro-batches, e.g. 4 micro-batches' worth)",
     )
-    parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace, faults: FaultHooks | None = None) -> int:

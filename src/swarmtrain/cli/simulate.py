@@ -9,6 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from swarmtrain.cli.common import (
+    add_command,
     non_negative_float,
     non_negative_int,
     positive_float,
@@ -47,11 +48,12 @@ examples:
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser(
+    p = add_command(
+        subparsers,
         "simulate",
-        help="simulate a fleet (SWARM, fixed pipelines, async replicas) on a virtual clock",
+        run,
+        "simulate a fleet (SWARM, fixed pipelines, async replicas) on a virtual clock",
         description=DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     fleet = p.add_mutually_exclusive_group()
     fleet.add_argument("--scenario", metavar="NAME", help="one of the planner's five 64-device scenarios")
@@ -179,7 +181,6 @@ def register(subparsers) -> None:
         help=f"target events when the micro-batch granularity is derived (default {DEFAULT_EVENT_BUDGET:,}; "
         f"{CHOOSE_EVENT_BUDGET:,} with --choose-mode)",
     )
-    p.set_defaults(func=run)
 
     def one_line_error(message: str) -> None:
         print(f"swarmtrain simulate: error: {message}", file=sys.stderr)

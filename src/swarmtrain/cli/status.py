@@ -5,17 +5,19 @@ from __future__ import annotations
 import argparse
 import json
 
-from swarmtrain.cli.common import add_run_config_args, run_config_from_args
+from swarmtrain.cli.common import add_command, add_run_config_args, run_config_from_args
 from swarmtrain.cli.net_args import add_network_args, prepare_process, start_client_dht
 
 HELP = "show the swarm as the DHT sees it: each stage's peers, the bottleneck, trainers, replicas"
 
 
 def register(subparsers) -> None:
-    parser = subparsers.add_parser(
+    parser = add_command(
+        subparsers,
         "status",
-        help=HELP,
-        description=HELP + ". Give the run's --preset/--config (run id, stages and the config digest "
+        run,
+        HELP,
+        ". Give the run's --preset/--config (run id, stages and the config digest "
         "peers announce). --json prints {stages: [{index, peers: [{peer_id, throughput_samples_per_s (the "
         "capacity it announces), limit (the resource that limits it), queue, epoch, state, same_config, "
         "addresses}], throughput_samples_per_s}], bottleneck, rebalance: {period_s, margin, plan: [{peer_id, "
@@ -25,7 +27,6 @@ def register(subparsers) -> None:
     add_run_config_args(parser)
     add_network_args(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from swarmtrain.cli.common import non_negative_int, positive_int
+from swarmtrain.cli.common import add_command, non_negative_int, positive_int
 from swarmtrain.cli.tokenizer import SOURCES_HELP
 
 HELP = "tokenize a corpus into token shards that training reads by memory map (data.source = DIR)"
@@ -25,10 +25,12 @@ def register(subparsers) -> None:
     from swarmtrain.data.shards import DEFAULT_SHARD_TOKENS
     from swarmtrain.data.tokenize_job import DEFAULT_SEQ_LEN, DEFAULT_VAL_FRACTION, DEFAULT_VAL_TOKENS
 
-    parser = subparsers.add_parser(
+    parser = add_command(
+        subparsers,
         "tokenize",
-        help=HELP,
-        description=HELP + ". Documents are streamed from SOURCES, tokenized on all cores and written with "
+        run,
+        HELP,
+        ". Documents are streamed from SOURCES, tokenized on all cores and written with "
         "the tokenizer's end-of-text id after each into DIR/train-NNNNN.tok and DIR/val-NNNNN.tok (fixed-size "
         "shards, uint16 or uint32 tokens after a 256-byte header) plus DIR/manifest.json. Memory does not "
         "grow with the corpus. A document goes to validation when a hash of its text falls below "
@@ -103,7 +105,6 @@ def register(subparsers) -> None:
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("sources", nargs="+", metavar="SOURCE", help=SOURCES_HELP)
-    parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

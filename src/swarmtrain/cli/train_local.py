@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from swarmtrain.cli.common import (
+    add_command,
     add_device_args,
     add_run_config_args,
     compute_device_from_args,
@@ -17,10 +18,12 @@ HELP = "train on one process (the baseline every distributed mode is compared ag
 
 
 def register(subparsers) -> None:
-    parser = subparsers.add_parser(
+    parser = add_command(
+        subparsers,
         "train-local",
-        help=HELP,
-        description=HELP + ". AdamW, warmup + cosine, gradient clipping, "
+        run,
+        HELP,
+        ". AdamW, warmup + cosine, gradient clipping, "
         "accumulation to the global batch, periodic validation, checkpoint and resume.",
     )
     add_run_config_args(parser)
@@ -49,7 +52,6 @@ def register(subparsers) -> None:
         help='write {"initial_val_loss", "final_val_loss", "samples", "samples_per_s"} here',
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -7,10 +7,12 @@ import dataclasses
 import sys
 
 from swarmtrain.cli.common import (
+    add_command,
     add_run_config_args,
     positive_int,
     require_swarm_model,
     run_config_from_args,
+    shard_from_args,
     write_summary_json,
 )
 from swarmtrain.cli.net_args import add_identity_arg, add_network_args, network_from_args, prepare_process
@@ -20,11 +22,12 @@ HELP = "drive micro-batches through the swarm (stochastic wiring, retries, compr
 
 
 def register(subparsers) -> None:
-    parser = subparsers.add_parser(
+    parser = add_command(
+        subparsers,
         "trainer",
-        help=HELP,
-        description=HELP + ". Runs until --max-samples, "
-        "--duration-s or Ctrl-C (in-flight micro-batches finish first).",
+        run,
+        HELP,
+        ". Runs until --max-samples, --duration-s or Ctrl-C (in-flight micro-batches finish first).",
     )
     add_run_config_args(parser)
     add_network_args(parser)
@@ -79,16 +82,10 @@ def register(subparsers) -> None:
     )
     parser.add_argument("--log-period-s", type=float, default=5.0, help="progress/metrics period")
     parser.add_argument("--summary-json", metavar="PATH", help="write the run summary here")
-    parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from swarmtrain.config.errors import UserError
-
-    try:
-        shard_index, shard_count = (int(x) for x in args.shard.split("/"))
-    except ValueError:
-        raise UserError(f"--shard must look like K/N, got {args.shard!r}") from None
+    shard_index, shard_count = shard_from_args(args)
     cfg = run_config_from_args(args)  # the trainer holds no weights: --init-from-hf only sets the model
     if args.plan:
         from swarmtrain.planner.plan_file import config_from_plan, load_plan

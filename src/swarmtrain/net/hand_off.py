@@ -19,6 +19,7 @@ itself to the last: a failed call clears the flags of the stages that may have a
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -76,27 +77,16 @@ def validate_chain(message: Message, io: StageIO, digest: str, num_stages: int) 
     return ChainRequest(forward, labels, route, flags)
 
 
-def evaluate_chain_message(
-    mb: str,
-    stage: int,
-    digest: str,
-    codec_name: str,
-    inputs: codec.EncodedTensor,
-    labels: codec.EncodedTensor,
-    route: list[list[str]],
-    **header,
-) -> Message:
-    """A validation micro-batch handed along `route` (forward only, nothing kept); the reply is its loss."""
-    return _hand_off_message(
-        EVALUATE_CHAIN_KIND, mb, stage, digest, codec_name, inputs, labels, route, **header
-    )
-
-
 def _hand_off_message(
     kind: str, mb: str, stage: int, digest: str, codec_name: str, inputs, labels, route, **header
 ) -> Message:
     body = {"mb": mb, "stage": stage, "digest": digest, "codec": codec_name, "route": route, **header}
     return Message(kind, body, {"inputs": inputs, "labels": labels})
+
+
+# A validation micro-batch handed along `route` (forward only, nothing kept); the reply is its loss. It
+# carries what a `chain` does but the accumulate flags, so it is the shared builder with its kind fixed.
+evaluate_chain_message = functools.partial(_hand_off_message, EVALUATE_CHAIN_KIND)
 
 
 def validate_evaluate_chain(message: Message, io: StageIO, digest: str, num_stages: int) -> ChainRequest:

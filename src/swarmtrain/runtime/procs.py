@@ -45,9 +45,9 @@ def forked_children_die_with_me() -> None:
         _at_fork_registered = True
 
 
-def group_members(pgid: int) -> list[int]:
-    """Live pids whose process group is `pgid` (zombies excluded)."""
-    members = []
+def _live_stats():
+    """(pid, stat fields after the command name) of every live process, zombies excluded: fields[1] is
+    the parent pid, fields[2] the process group. A process that exits mid-scan is skipped."""
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -55,10 +55,15 @@ def group_members(pgid: int) -> list[int]:
             stat = (entry / "stat").read_text()
         except OSError:
             continue
+        # the command name may itself hold ')' or spaces: the fields start after the last ')'
         fields = stat[stat.rfind(")") + 2 :].split()
-        if len(fields) > 2 and fields[0] != "Z" and int(fields[2]) == pgid:
-            members.append(int(entry.name))
-    return members
+        if len(fields) > 2 and fields[0] != "Z":
+            yield int(entry.name), fields
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live pids whose process group is `pgid` (zombies excluded)."""
+    return [pid for pid, fields in _live_stats() if int(fields[2]) == pgid]
 
 
 def kill_group_members(pgid: int, sig: int = signal.SIGKILL, exclude: tuple[int, ...] = ()) -> int:
@@ -126,16 +131,8 @@ def start_exit_watchdog(grace_s: float) -> threading.Event:
 def descendants(pid: int) -> list[int]:
     """Live descendants of `pid` (children, grandchildren, ...), zombies excluded."""
     children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2 :].split()
-        if len(fields) > 1 and fields[0] != "Z":
-            children.setdefault(int(fields[1]), []).append(int(entry.name))
+    for child, fields in _live_stats():
+        children.setdefault(int(fields[1]), []).append(child)
     found, stack = [], [pid]
     while stack:
         for child in children.get(stack.pop(), []):

@@ -29,6 +29,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from statistics import median
+from typing import Any
 
 from swarmtrain.config import RunConfig, sizes
 from swarmtrain.sim.base import SimConfig
@@ -579,20 +580,10 @@ def bandwidth_sweep(
     return BandwidthSweep(h, values, tuple(swarm), tuple(replicas))
 
 
-def crossover_bandwidth(
-    fleet_at: Callable[[float], Fleet],
-    run_cfg: RunConfig,
-    h: int,
-    bandwidths_mbit_s: Sequence[float] = DEFAULT_BANDWIDTHS_MBIT_S,
-    sim_base_config: SimConfig | None = None,
-    global_batch_size: int | None = None,
-    min_rounds: int = DEFAULT_MIN_ROUNDS,
-) -> tuple[float, ...] | None:
+def crossover_bandwidth(*sweep_args: Any, **sweep_kwargs: Any) -> tuple[float, ...] | None:
     """The bandwidths (Mb/s, increasing) where async replicas (every `h` steps) and SWARM swap the lead on
     `fleet_at(mbit_s)`, log-interpolated between the swept points; None if neither leads differently
-    anywhere in the range. `bandwidth_sweep(...).crossovers()` also says who leads above each."""
-    sweep = bandwidth_sweep(
-        fleet_at, run_cfg, h, bandwidths_mbit_s, sim_base_config, global_batch_size, min_rounds
-    )
-    points = sweep.crossovers()
+    anywhere in the range. Takes `bandwidth_sweep`'s arguments (one signature to keep in step);
+    `bandwidth_sweep(...).crossovers()` also says who leads above each."""
+    points = bandwidth_sweep(*sweep_args, **sweep_kwargs).crossovers()
     return tuple(b for b, _ in points) or None
