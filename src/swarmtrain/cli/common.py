@@ -112,6 +112,14 @@ def add_command(
     return parser
 
 
+def add_shard_arg(parser: argparse.ArgumentParser, who: str) -> None:
+    """`--shard K/N`, read by `shard_from_args` (kept a string here: a malformed one is the user error
+    `shard_from_args` words, not argparse's)."""
+    parser.add_argument(
+        "--shard", default="0/1", metavar="K/N", help=f"data shard of this {who} (default 0/1)"
+    )
+
+
 def shard_from_args(args: argparse.Namespace) -> tuple[int, int]:
     """`--shard K/N` as (K, N); a malformed value is a user error."""
     try:

@@ -9,6 +9,7 @@ from swarmtrain.cli.common import (
     add_command,
     add_device_args,
     add_run_config_args,
+    add_shard_arg,
     compute_device_from_args,
     positive_int,
     run_config_from_args,
@@ -52,9 +53,7 @@ def register(subparsers) -> None:
     add_network_args(parser)
     add_identity_arg(parser)
     add_client_mode_arg(parser)
-    parser.add_argument(
-        "--shard", default="0/1", metavar="K/N", help="data shard of this replica (default 0/1)"
-    )
+    add_shard_arg(parser, "replica")
     parser.add_argument(
         "--max-samples",
         type=positive_int,

@@ -9,6 +9,7 @@ import sys
 from swarmtrain.cli.common import (
     add_command,
     add_run_config_args,
+    add_shard_arg,
     positive_int,
     require_swarm_model,
     run_config_from_args,
@@ -70,9 +71,7 @@ def register(subparsers) -> None:
         default=0,
         help="at the end, compute the validation loss on this many samples through the swarm",
     )
-    parser.add_argument(
-        "--shard", default="0/1", metavar="K/N", help="data shard of this trainer (default 0/1)"
-    )
+    add_shard_arg(parser, "trainer")
     parser.add_argument("--trainer-id", help="prefix of this trainer's micro-batch ids (default: random)")
     parser.add_argument(
         "--plan", metavar="PLAN.json", help="the placement plan the servers were started with (its stage cut)"

@@ -25,7 +25,7 @@ from hivemind.compression import CompressionBase, CompressionInfo, Float16Compre
 from hivemind.proto import runtime_pb2
 from hivemind.utils.mpfuture import MPFuture
 
-from swarmtrain.net.averaging import StageAverager, StateProvider
+from swarmtrain.net.averaging import StageAverager
 from swarmtrain.net.codec import EncodedTensor, decode, encode
 from swarmtrain.net.robust import robust_weighted_mean
 from swarmtrain.utils.logging import get_logger
@@ -155,25 +155,20 @@ class OuterAverager(StageAverager):
 
     def __init__(
         self,
-        tensors: Sequence[torch.Tensor],
-        dht,
-        *,
-        prefix: str,
-        state_provider: StateProvider,
+        *stage_args,
         compression: str,
         matchmaking_time_s: float,
         allreduce_timeout_s: float,
-        members_keys: Sequence[str] = (),
-        client_mode: bool = False,
         drop_results_in: int = 0,
+        **stage_kwargs,
     ) -> None:
+        """`stage_args`/`stage_kwargs`: what StageAverager takes and this class passes on as it is (the
+        tensors, the DHT, prefix, state_provider, members_keys; client_mode goes on to hivemind); the
+        timeouts and codecs of a round are set here."""
         codec = _codec(compression)
         self.drop_results_in = drop_results_in  # fault injection: see _drop_results_in
         super().__init__(
-            tensors,
-            dht,
-            prefix=prefix,
-            state_provider=state_provider,
+            *stage_args,
             min_matchmaking_time_s=matchmaking_time_s,
             request_timeout_s=min(1.0, matchmaking_time_s / 2),
             allreduce_timeout_s=allreduce_timeout_s,
@@ -182,8 +177,7 @@ class OuterAverager(StageAverager):
             # a whole model per round: parts take longer than a stage's small exchanges, and a chunk
             # timed out leaves that part un-averaged on some members (8-bit on 2 busy cores needs this)
             next_chunk_timeout=CHUNK_TIMEOUT_S,
-            members_keys=members_keys,
-            client_mode=client_mode,
+            **stage_kwargs,
         )
 
     def run(self) -> None:  # the averager process's entry point (a fork: the parent is untouched)
