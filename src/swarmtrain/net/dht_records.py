@@ -297,51 +297,54 @@ class RunRecords:
                 peers[peer_id] = parsed
         return peers
 
+    def _publish(self, key: str, peer_id: str, record: dict, ttl_s: float) -> bool:
+        """A peer's record under `key`, stamped with when it was made (readers show its age)."""
+        return self._store(key, peer_id, dict(record, time=time.time()), ttl_s)
+
+    def _records(self, key: str, fields_ok: Callable[[dict], bool] = lambda record: True) -> dict[str, dict]:
+        """The peers' records under `key` whose fields pass `fields_ok` (anything but a dict is dropped:
+        a stranger's or an older version's value is never handed on)."""
+        items = self._get_dict(key).items()
+        return {peer_id: value for peer_id, value in items if isinstance(value, dict) and fields_ok(value)}
+
     # progress -----------------------------------------------------------------------------------
     def publish_progress(self, stage: int, peer_id: str, progress: dict, ttl_s: float) -> bool:
-        return self._store(progress_key(self.run_id, stage), peer_id, dict(progress, time=time.time()), ttl_s)
+        return self._publish(progress_key(self.run_id, stage), peer_id, progress, ttl_s)
 
     def stage_progress(self, stage: int) -> dict[str, dict]:
-        out = {}
-        for peer_id, value in self._get_dict(progress_key(self.run_id, stage)).items():
-            if (
-                isinstance(value, dict)
-                and isinstance(value.get("epoch"), int)
-                and isinstance(value.get("samples"), int)
-            ):
-                out[peer_id] = value
-        return out
+        return self._records(
+            progress_key(self.run_id, stage),
+            lambda v: isinstance(v.get("epoch"), int) and isinstance(v.get("samples"), int),
+        )
 
     # metrics ------------------------------------------------------------------------------------
     def publish_metrics(self, peer_id: str, metrics: dict, ttl_s: float) -> bool:
-        return self._store(metrics_key(self.run_id), peer_id, dict(metrics, time=time.time()), ttl_s)
+        return self._publish(metrics_key(self.run_id), peer_id, metrics, ttl_s)
 
     def metrics(self) -> dict[str, dict]:
-        return {k: v for k, v in self._get_dict(metrics_key(self.run_id)).items() if isinstance(v, dict)}
+        return self._records(metrics_key(self.run_id))
 
     # whole-model replicas -------------------------------------------------------------------------
     def publish_replica(self, peer_id: str, record: dict, ttl_s: float) -> bool:
-        return self._store(replicas_key(self.run_id), peer_id, dict(record, time=time.time()), ttl_s)
+        return self._publish(replicas_key(self.run_id), peer_id, record, ttl_s)
 
     def replicas(self, digest: str) -> dict[str, dict]:
         """Live replicas of this config (a record of another digest is another run's, never counted)."""
-        out = {}
-        for peer_id, value in self._get_dict(replicas_key(self.run_id)).items():
-            if (
-                isinstance(value, dict)
-                and value.get("digest") == digest
-                and isinstance(value.get("outer_step"), int)
-                and isinstance(value.get("inner_step"), int)
-            ):
-                out[peer_id] = value
-        return out
+        return self._records(
+            replicas_key(self.run_id),
+            lambda v: (
+                v.get("digest") == digest
+                and isinstance(v.get("outer_step"), int)
+                and isinstance(v.get("inner_step"), int)
+            ),
+        )
 
     # rebalancing moves in progress ----------------------------------------------------------------
     def publish_move(self, peer_id: str, record: dict, ttl_s: float) -> bool:
-        return self._store(moves_key(self.run_id), peer_id, dict(record, time=time.time()), ttl_s)
+        return self._publish(moves_key(self.run_id), peer_id, record, ttl_s)
 
     def moves(self) -> dict[str, dict]:
-        return {k: v for k, v in self._get_dict(moves_key(self.run_id)).items() if isinstance(v, dict)}
+        return self._records(moves_key(self.run_id))
 
     # where trainers on a time limit stop ----------------------------------------------------------
     def publish_stop(self, shard: int, shard_count: int, step: int, ttl_s: float) -> bool:
