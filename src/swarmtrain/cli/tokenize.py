@@ -5,20 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from swarmtrain.cli.common import add_command, non_negative_int, positive_int
+from swarmtrain.cli.common import add_command, checked_number, non_negative_int, positive_int
 from swarmtrain.cli.tokenizer import SOURCES_HELP
 
 HELP = "tokenize a corpus into token shards that training reads by memory map (data.source = DIR)"
 
 
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}") from None
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {value}")
-    return value
+_fraction = checked_number(float, lambda value: 0 <= value < 1, "a number in [0, 1)", "_fraction")
 
 
 def register(subparsers) -> None:
