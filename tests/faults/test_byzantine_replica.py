@@ -60,7 +60,11 @@ def test_byzantine_replica_is_contained(make_swarm):
 
 
 def _replica_run(make_swarm, byzantine: bool) -> tuple[dict, dict]:
-    swarm, cfg = make_swarm("tiny", {"training": {"max_samples": REPLICA_SAMPLES}})
+    # a round whose all-reduce the bad replica spoils waits the all-reduce timeout, and a replica at a
+    # round's end waits for the other up to the matchmaking time: short ones keep the test short (1-4
+    # minutes with the defaults of 60 s and 30 s, as rounds happened to fall)
+    diloco = {"averaging_timeout_s": 10.0, "matchmaking_time_s": 10.0}
+    swarm, cfg = make_swarm("tiny", {"training": {"max_samples": REPLICA_SAMPLES}, "diloco": diloco})
     swarm.start_dht()
     for k in range(2):
         faults = _faults(byzantine and k == 1)
