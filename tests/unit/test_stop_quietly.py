@@ -61,3 +61,37 @@ def test_shutdown_quietly_skips_a_component_whose_process_is_gone():
     gone = Gone()
     shutdown_quietly(gone, None)
     assert not gone.shut
+
+
+def test_a_stream_handler_cancelled_on_stop_is_quiet_and_other_callback_failures_are_reported():
+    """A connection handler task cancelled by a stop (Python 3.11 asks it for its exception and logs
+    "Exception in callback StreamReaderProtocol.connection_made...(CancelledError)"): nothing reaches
+    asyncio's default handler. A callback that fails otherwise still does."""
+    loop = StopTolerantLoopPolicy().new_event_loop()
+    reported: list[dict] = []
+    loop.default_exception_handler = reported.append  # type: ignore[method-assign]
+    handling = asyncio.Event()
+
+    async def handler(reader, writer):
+        handling.set()
+        await asyncio.sleep(60)
+
+    async def scenario():
+        server = await asyncio.start_server(handler, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        await asyncio.wait_for(handling.wait(), 5)
+        for task in asyncio.all_tasks():
+            if task is not asyncio.current_task():
+                task.cancel()  # what a stop does to the daemon bindings' handlers
+        await asyncio.sleep(0.05)
+        loop.call_soon(lambda: 1 / 0)
+        await asyncio.sleep(0.05)
+        writer.close()
+        server.close()
+
+    try:
+        loop.run_until_complete(scenario())
+    finally:
+        loop.close()
+    assert [type(c.get("exception")).__name__ for c in reported] == ["ZeroDivisionError"], reported
