@@ -97,6 +97,21 @@ def test_keeps_the_last_k_and_saves_only_when_due(tiny_cfg, tmp_path):
     ]
 
 
+def test_a_replayed_step_is_not_saved_over_the_stages_checkpoint(tiny_cfg, tmp_path):
+    """The directory is shared by a stage's replicas: a step replayed from a peer's means (`live` False)
+    writes no checkpoint, so a replayer whose state was off cannot replace the file the replicas that
+    ran the step live wrote; the next live step that is due is saved as usual."""
+    worker = _trained_worker(tiny_cfg, 0, steps=1)
+    _, identity, settings = _checkpointer(tiny_cfg, tmp_path, every_steps=2)
+    checkpointer = StageCheckpointer(settings, 0, identity, worker.export_state)
+    for step, live in ((1, False), (2, False), (3, True), (4, True)):
+        worker.epoch = step
+        checkpointer.after_step(step, live)
+        if checkpointer._pending is not None:
+            checkpointer._pending.result(timeout=30)
+    assert [c.step for c in list_checkpoints(tmp_path, 0, tiny_cfg.digest())] == [4]
+
+
 def test_incomplete_corrupt_and_foreign_checkpoints_are_skipped(tiny_cfg, tmp_path):
     worker = _trained_worker(tiny_cfg, 0, steps=2)
     _, identity, settings = _checkpointer(tiny_cfg, tmp_path, keep=10)

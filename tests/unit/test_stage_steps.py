@@ -360,10 +360,13 @@ def test_a_replica_that_missed_steps_replays_them_from_a_peers_means(tiny_cfg, m
         for task in tasks:
             task.cancel()
         a, c = nodes["A"], nodes["C"]
+        stepped: list[tuple[int, bool]] = []  # what the stage service hears (it saves live steps only)
+        c.on_step = lambda epoch, fingerprint, live: stepped.append((epoch, live))
         for step in (0, 1):
             samples, means = a.means_of(step)
             assert samples == 32
             assert await c.replay(step, samples, means)
+        assert stepped == [(1, False), (2, False)]
         assert c.worker.epoch == 2 and c.counters.replayed_steps == 2 and c.worker.samples_seen == 64
         for p, q in zip(a.worker.params, c.worker.params, strict=True):
             assert torch.equal(p, q)

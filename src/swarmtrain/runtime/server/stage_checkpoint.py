@@ -175,9 +175,13 @@ class StageCheckpointer:
         by_time = s.every_s > 0 and time.monotonic() - self._last_time_s >= s.every_s
         return by_steps or by_time
 
-    def after_step(self, step: int) -> None:
-        """Called with the new epoch after every applied step."""
-        if self.due(step) and (self._pending is None or self._pending.done()):
+    def after_step(self, step: int, live: bool = True) -> None:
+        """Called with the new epoch after every applied step. A step replayed from a peer's means
+        (`live` False) is not saved: the replicas that ran it live save it, and the checkpoint directory
+        is shared, so a replayer's file of the same step would replace theirs, and a replayer is the one
+        replica whose state is not yet checked against its stage's (its parameters' fingerprint is
+        compared after the replay: a replica that had stepped alone before replaying differs)."""
+        if live and self.due(step) and (self._pending is None or self._pending.done()):
             self.save(step)
 
     def save(self, step: int) -> Future:

@@ -286,10 +286,10 @@ class StageService:
             steps=StepsBridge(self.steps, self.link, self.node.loop),
         )
 
-    def _step_applied(self, epoch: int, fingerprint: list[float] | None) -> None:
+    def _step_applied(self, epoch: int, fingerprint: list[float] | None, live: bool) -> None:
         self.sync.step_applied(epoch, fingerprint)
         if self.checkpointer is not None:
-            self.checkpointer.after_step(self.worker.epoch)
+            self.checkpointer.after_step(self.worker.epoch, live)
 
     def _warn_about_foreign_peers(self) -> None:
         for peer, ann in self.node.records.stage_peers(self.spec.index).items():

@@ -90,7 +90,8 @@ logger = get_logger(__name__)
 # (peer, step, samples, gradient sums as encoded once for every peer) -> False when the peer is
 # unreachable (gone)
 GradSender = Callable[[str, int, int, WireSums], Awaitable[bool]]
-OnStep = Callable[[int, list[float] | None], None]  # (epoch, parameter fingerprint or None)
+# (epoch, parameter fingerprint or None, live): `live` is False for a step replayed from a peer's means
+OnStep = Callable[[int, list[float] | None, bool], None]
 Alive = Callable[[str], Awaitable[bool]]  # does this peer's event loop answer a ping?
 # The mean gradients of recent steps are kept for replicas that missed them (`replay`): at least
 # `KEPT_STEP_MEANS` steps, more while they fit in `KEPT_MEANS_BYTES`. Three alone are too few for a
@@ -275,7 +276,7 @@ class StepCoordinator:
         self.counters.replayed_steps += 1
         self.ledger.write("replay", step=step, n=samples, applied=applied)
         if self.on_step is not None:
-            self.on_step(step + 1, fingerprint)
+            self.on_step(step + 1, fingerprint, False)
         return True
 
     async def _finish(self, step: int) -> None:
@@ -418,7 +419,7 @@ class StepCoordinator:
         self.counters.last_group_size = len(contributions)
         self.ledger.write("sync", step=step, group={p: n for p, (n, _) in contributions.items()})
         if self.on_step is not None:
-            self.on_step(step + 1, fingerprint)
+            self.on_step(step + 1, fingerprint, True)
 
     async def _wait_for_sums(
         self, state: PendingStep, others: AbstractSet[str], ready: Callable[[PendingStep], bool] | None = None
@@ -478,7 +479,7 @@ class StepCoordinator:
             exchange_s=round(c.last_exchange_s, 4),
         )
         if self.on_step is not None and not hold_epoch:
-            self.on_step(step + 1, fingerprint)
+            self.on_step(step + 1, fingerprint, True)
 
     def _combine(self, step: int, contributions: dict) -> list[torch.Tensor] | None:
         means, clipped = robust_mean(contributions)
