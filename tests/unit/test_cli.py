@@ -106,3 +106,52 @@ def test_a_server_started_as_the_readme_does_rebalances_every_60_s():
         ]
     )
     assert _with_checkpoint_overrides(cfg, off).swarm.rebalance_period_s == 0.0
+
+
+_SERVER = ["server", "--preset", "tiny", "--stage", "1", "--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/X"]
+_REPLICA = ["replica", "--preset", "tiny", "--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/X"]
+
+
+@pytest.mark.parametrize("command", [_SERVER, _REPLICA], ids=["server", "replica"])
+def test_a_peer_sets_its_own_state_download_rule_outside_the_run_digest(command):
+    """Issue 55 item 4: a volunteer on a slow link lowers the minimum rate; the rule is the peer's own,
+    so peers with other rules still agree on the run's digest."""
+    from swarmtrain.cli.common import download_rule_from_args, run_config_from_args
+    from swarmtrain.cli.main import build_parser
+    from swarmtrain.planner.download_deadline import DEFAULT_RULE, DownloadRule
+
+    plain = build_parser().parse_args(command)
+    assert download_rule_from_args(plain) == DEFAULT_RULE
+    home = build_parser().parse_args(
+        [*command, "--state-download-min-mbit", "5", "--state-download-base-s", "0"]
+    )
+    assert download_rule_from_args(home) == DownloadRule(base_s=0.0, min_rate_bytes_per_s=625_000.0)
+    assert run_config_from_args(home).digest() == run_config_from_args(plain).digest()
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--state-download-min-mbit", "0", "expected a rate in Mbit/s > 0, got 0.0"),
+        ("--state-download-min-mbit", "inf", "expected a rate in Mbit/s > 0, got inf"),
+        ("--state-download-min-mbit", "fast", "expected a rate in Mbit/s > 0, got 'fast'"),
+        ("--state-download-base-s", "-1", "expected seconds >= 0, got -1.0"),
+        ("--state-download-base-s", "nan", "expected seconds >= 0, got nan"),
+    ],
+)
+def test_a_bad_state_download_setting_is_one_error_line(capsys, flag, value, message):
+    for command in (_SERVER, _REPLICA):
+        with pytest.raises(SystemExit) as exc:
+            main([*command, flag, value])
+        assert exc.value.code == 2
+        errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+        assert len(errors) == 1 and f"argument {flag}: {message}" in errors[0], errors
+
+
+@pytest.mark.parametrize("command", ["server", "replica"])
+def test_help_says_why_a_peer_would_set_its_state_download_rule(capsys, command):
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--state-download-min-mbit M" in out and "--state-download-base-s S" in out
+    assert "10 Mbit/s home link" in out and "not part of the run's config" in out

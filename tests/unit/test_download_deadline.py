@@ -7,9 +7,11 @@ import pytest
 from swarmtrain.config.presets import get_preset
 from swarmtrain.config.sizes import params_per_stage, stage_state_bytes, total_params
 from swarmtrain.planner.download_deadline import (
+    BYTES_PER_MBIT,
     DEFAULT_RULE,
     REPLICA_COPIES,
     DownloadRule,
+    describe,
     donor_deadline_s,
     donors_that_fit,
     download_deadline_s,
@@ -53,7 +55,47 @@ def test_the_donors_tried_fit_in_the_time_left():
     assert donor_s == donor_deadline_s(1000 * 4 * REPLICA_COPIES) and donors == DEFAULT_RULE.max_donors
 
 
-@pytest.mark.parametrize("kwargs", [{"base_s": -1.0}, {"min_rate_bytes_per_s": 0.0}, {"max_donors": 0}])
+def test_a_peer_on_a_home_link_sets_a_rule_its_link_can_meet():
+    """The default minimum (100 Mbit/s) cuts every donor of a joiner whose own link is slower: llama-8b's
+    first stage (11.5 GB) takes 9,200 s at 10 Mbit/s and a donor gets 953 s. With
+    --state-download-min-mbit 5 (half its link) the deadline is past the time its link needs."""
+    first = get_preset("llama-8b")
+    state = stage_state_bytes(first.model, first.stages()[0])
+    link_s = state / (10 * BYTES_PER_MBIT)
+    assert donor_deadline_s(state) < link_s / 9
+    home = DownloadRule.of(min_mbit=5.0)
+    assert home.base_s == DEFAULT_RULE.base_s and home.min_mbit == 5.0
+    assert donor_deadline_s(state, home) > link_s
+    assert DownloadRule.of() == DEFAULT_RULE and DEFAULT_RULE.min_mbit == 100.0
+    assert DownloadRule.of(min_mbit=4, base_s=2) == DownloadRule(2.0, 5e5)
+
+
+def test_the_rule_in_words_is_what_a_peer_prints_at_start():
+    rule = DownloadRule.of(min_mbit=4, base_s=2)
+    assert describe(1_397_760, rule) == (
+        "each donor 4.8 s (2 s + 1.4 MB at 4 Mbit/s), at most 3 donors: 14.4 s in all "
+        "(--state-download-min-mbit, --state-download-base-s)"
+    )
+
+
+def test_a_replica_downloads_under_its_own_rule():
+    rule = DownloadRule(base_s=1.0, min_rate_bytes_per_s=1e3, max_donors=2)
+    donor_s = 1.0 + 1000 * 4 * REPLICA_COPIES / 1e3
+    assert replica_plan(1000, math.inf, rule) == (donor_s, 2)
+    assert replica_plan(1000, 1.5 * donor_s, rule) == (donor_s, 1)
+    assert replica_deadline_s(1000, rule) == 2 * donor_s
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"base_s": -1.0},
+        {"min_rate_bytes_per_s": 0.0},
+        {"max_donors": 0},
+        {"base_s": math.inf},  # no deadline at all: what the rule exists to prevent
+        {"min_rate_bytes_per_s": math.nan},
+    ],
+)
 def test_an_invalid_rule_is_refused(kwargs):
     with pytest.raises(ValueError):
         DownloadRule(**kwargs)

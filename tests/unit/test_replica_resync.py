@@ -12,8 +12,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from swarmtrain.planner.download_deadline import DownloadRule
 from swarmtrain.runtime.replica import replica_peer
-from swarmtrain.runtime.replica.replica_peer import ReplicaPeer, ReplicaSummary
+from swarmtrain.runtime.replica.replica_peer import ReplicaOptions, ReplicaPeer, ReplicaSummary
 
 pytestmark = pytest.mark.unit
 
@@ -24,6 +25,7 @@ class StubPeer(ReplicaPeer):
 
     def __init__(self, outer_step: int, timeline: list[dict[str, dict]]) -> None:  # no super(): no swarm
         self.outer = SimpleNamespace(outer_step=outer_step, anchor=[torch.zeros(4)])
+        self.options, self.state_params = ReplicaOptions(), 4
         self.summary = ReplicaSummary(replica_id="me", shard="1/2")
         self.round_samples = 0
         self.timeline, self.calls, self.downloads, self.lefts = timeline, 0, 0, []
@@ -80,11 +82,14 @@ def test_a_resync_with_nobody_at_or_past_the_round_goes_on_at_once():
     assert time.monotonic() - start_s < 5.0  # not the download deadline
 
 
-def test_a_resync_whose_downloads_keep_failing_ends_at_the_download_deadline(monkeypatch):
+def test_a_resync_whose_downloads_keep_failing_ends_at_the_download_deadline():
     """A replica ahead that never delivers (its downloads fail) holds a resync only until the deadline
-    of planner/download_deadline.py, and each try is told the time left to it."""
-    monkeypatch.setattr(replica_peer, "replica_deadline_s", lambda param_count: 0.5)
+    of planner/download_deadline.py, under the replica's own rule (--state-download-base-s,
+    --state-download-min-mbit: here 0.5 s in all), and each try is told the time left to it."""
     peer = StubPeer(1, [{"ahead": at(3)}])
+    peer.options = ReplicaOptions(
+        download_rule=DownloadRule(base_s=0.25, min_rate_bytes_per_s=1e12, max_donors=2)
+    )
     peer._download = lambda reason, retry=False, left_s=float("inf"): bool(peer.lefts.append(left_s))
     start_s = time.monotonic()
     peer._resync(1, "started outer step 1 from other weights than the group")

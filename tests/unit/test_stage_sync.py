@@ -1,5 +1,6 @@
 """Keeping replicas in line (runtime/server/stage_sync.py), on fakes of the DHT records and of the averager."""
 
+import logging
 import time
 
 import pytest
@@ -308,9 +309,10 @@ def test_a_joiner_whose_donors_never_complete_resumes_from_its_checkpoint_at_the
 ):
     """The donors are there but none delivers within its deadline: the joiner serves from its own
     checkpoint once the whole download's deadline has passed, and says so in one WARNING line."""
-    from swarmtrain.planner.download_deadline import DownloadRule, donor_deadline_s, state_bytes
+    from swarmtrain.planner.download_deadline import DownloadRule, describe, donor_deadline_s, state_bytes
 
-    rule = DownloadRule(base_s=0.3, min_rate_bytes_per_s=1e9, max_donors=2)
+    caplog.set_level(logging.INFO, logger="swarmtrain")
+    rule = DownloadRule(base_s=0.3, min_rate_bytes_per_s=1e9, max_donors=2)  # the server's own (flags)
     donor = _donor(tiny_cfg, 3)
     sync, worker, records, _ = make_joiner(checkpoint_from=donor, averager=CutAverager(), rule=rule)
     records.progress["A"] = _peer(4)  # a live donor that trickles
@@ -324,6 +326,10 @@ def test_a_joiner_whose_donors_never_complete_resumes_from_its_checkpoint_at_the
     assert worker.epoch == 3 and sync.serving.is_set() and not sync.untrained
     warnings = [r.getMessage() for r in caplog.records if "no donor completed" in r.getMessage()]
     assert len(warnings) == 1 and "checkpoint at step 3" in warnings[0], warnings
+    # the rule it waited by, printed before the download (the start line of a server)
+    printed = [r.getMessage() for r in caplog.records if "state downloads" in r.getMessage()]
+    state = state_bytes(sum(p.numel() for p in worker.params))
+    assert printed == [f"stage 1 state downloads: {describe(state, rule)}"], printed
     sync.stop()
 
 

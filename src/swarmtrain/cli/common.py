@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -95,6 +96,9 @@ positive_int = checked_number(int, lambda value: value > 0, "a positive integer"
 non_negative_int = checked_number(int, lambda value: value >= 0, "an integer >= 0", "non_negative_int")
 positive_float = checked_number(float, lambda value: value > 0, "a positive number", "positive_float")
 non_negative_float = checked_number(float, lambda value: value >= 0, "a number >= 0", "non_negative_float")
+# a deadline's parts: inf would make it none (the download unbounded again), which no flag may ask for
+_mbit = checked_number(float, lambda value: 0 < value < math.inf, "a rate in Mbit/s > 0", "mbit")
+_seconds = checked_number(float, lambda value: 0 <= value < math.inf, "seconds >= 0", "seconds")
 
 
 def add_command(
@@ -164,3 +168,34 @@ def compute_device_from_args(args: argparse.Namespace):
     from swarmtrain.model.device import ComputeDevice
 
     return ComputeDevice.from_names(args.device, args.dtype)
+
+
+def add_state_download_args(parser: argparse.ArgumentParser, what: str, then: str) -> None:
+    """`--state-download-min-mbit` and `--state-download-base-s`: how long this peer waits for each donor
+    of `what` (planner/download_deadline.py) before it does `then`. This peer's own settings, not the run's: peers on other
+    links set other ones, and the config digest does not include them."""
+    parser.add_argument(
+        "--state-download-min-mbit",
+        type=_mbit,
+        metavar="M",
+        help=f"when this peer downloads {what} from a live peer (joining, or resyncing), each donor must "
+        "deliver it at M Mbit/s on average or is cut at its deadline (--state-download-base-s + the state's "
+        f"size at M), and the next one (at most 3) is tried; then it {then}. Set it below this machine's download rate: at the default 100 a joiner on a 10 Mbit/s "
+        "home link never gets a large state (llama-8b's first stage, 11.5 GB, needs 2.6 h at 10 Mbit/s "
+        "and would get 953 s). This peer's own setting, not part of the run's config (default: 100)",
+    )
+    parser.add_argument(
+        "--state-download-base-s",
+        type=_seconds,
+        metavar="S",
+        help="the part of each donor's deadline that does not grow with the state: the donor's snapshot "
+        "of its state and the stream's opening (over 2 s on a busy CPU-limited donor). Lower it to give "
+        "up on unresponsive donors sooner (default: 30)",
+    )
+
+
+def download_rule_from_args(args: argparse.Namespace):
+    """The `DownloadRule` of `add_state_download_args`' flags (unset: the default's parts)."""
+    from swarmtrain.planner.download_deadline import DownloadRule
+
+    return DownloadRule.of(args.state_download_min_mbit, args.state_download_base_s)

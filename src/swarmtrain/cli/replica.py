@@ -10,7 +10,9 @@ from swarmtrain.cli.common import (
     add_device_args,
     add_run_config_args,
     add_shard_arg,
+    add_state_download_args,
     compute_device_from_args,
+    download_rule_from_args,
     positive_int,
     run_config_from_args,
     shard_from_args,
@@ -82,6 +84,9 @@ def register(subparsers) -> None:
         "MB of device memory (ATOM's model swapping; default: the model is resident)",
     )
     add_device_args(parser, what="the model (or, with --offload-budget-mb, its streamed blocks)")
+    add_state_download_args(
+        parser, "the replicas' state (model, outer momentum and optimizer)", "trains on from what it holds"
+    )
     parser.add_argument("--log-period-s", type=float, default=5.0, help="progress line period (default 5)")
     parser.add_argument("--summary-json", metavar="PATH", help="write the run summary here")
 
@@ -123,6 +128,7 @@ def run(args: argparse.Namespace, faults: FaultHooks | None = None) -> int:
         swap_budget_bytes=args.offload_budget_mb * 2**20 if args.offload_budget_mb else None,
         compute=compute,
         init_from_hf=args.init_from_hf,
+        download_rule=download_rule_from_args(args),
         faults=faults or NO_FAULTS,
     )
     peers = validate_initial_peers(args.initial_peers)

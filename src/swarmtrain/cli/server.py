@@ -9,7 +9,9 @@ from swarmtrain.cli.common import (
     add_command,
     add_device_args,
     add_run_config_args,
+    add_state_download_args,
     compute_device_from_args,
+    download_rule_from_args,
     non_negative_float,
     positive_int,
     require_swarm_model,
@@ -102,6 +104,9 @@ def register(subparsers) -> None:
         type=non_negative_float,
         metavar="S",
         help="also save at the first step after S seconds, 0: never by time (default: swarm.checkpoint_every_s, 0)",
+    )
+    add_state_download_args(
+        parser, "the stage's state (parameters and optimizer)", "serves from the stage's newest checkpoint"
     )
     parser.add_argument(
         "--fresh-start",
@@ -208,6 +213,7 @@ def run(args: argparse.Namespace, faults: FaultHooks | None = None) -> int:
         init_from_hf=args.init_from_hf,
         compute=compute,
         max_batch_tokens=args.max_batch_tokens,
+        download_rule=download_rule_from_args(args),
     )
     options = ServerOptions(
         stage=stage,

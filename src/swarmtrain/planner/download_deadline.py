@@ -13,6 +13,12 @@ whole ends within `download_deadline_s`; after that a server falls back to its s
 
 A donor that goes silent is cut sooner, at the averager's chunk timeout (net/averaging.py); that is a
 bound on silence, this one on the total.
+
+The rule is each peer's own (`swarmtrain server` and `replica` take `--state-download-min-mbit` and
+`--state-download-base-s`; not part of the run's config digest): the default minimum of 100 Mbit/s suits
+datacenter links, but a volunteer on a 10 Mbit/s home link can never receive a state at 100 Mbit/s
+(llama-8b's first stage, 11.5 GB, takes 2.6 h at 10 Mbit/s; the default gives a donor 953 s), so such
+a peer sets a minimum below its own download rate.
 """
 
 from __future__ import annotations
@@ -26,20 +32,38 @@ REPLICA_COPIES = 5  # a DiLoCo replica's: its anchor and outer momentum too
 # how long past a download's deadline its caller waits for the averager's process to report the cut:
 # the cancellation and the answer through its pipe, both local
 REPORT_SLACK_S = 2.0
+BYTES_PER_MBIT = 1e6 / 8
+# a donor's snapshot of its state (on a busy compute thread: over 2 s at a CPU quota), the stream's
+# opening and a first part, for a state of any size
+DEFAULT_BASE_S = 30.0
+# a donor slower than this on average is not worth waiting for when another may be faster (on
+# datacenter links; a peer on a slower link sets its own, see above)
+DEFAULT_MIN_MBIT = 100.0
 
 
 @dataclass(frozen=True)
 class DownloadRule:
-    # a donor's snapshot of its state (on a busy compute thread: over 2 s at a CPU quota), the stream's
-    # opening and a first part, for a state of any size
-    base_s: float = 30.0
-    # 100 Mbit/s: a donor slower than this on average is not worth waiting for when another may be faster
-    min_rate_bytes_per_s: float = 12.5e6
+    base_s: float = DEFAULT_BASE_S
+    min_rate_bytes_per_s: float = DEFAULT_MIN_MBIT * BYTES_PER_MBIT
     max_donors: int = 3
 
     def __post_init__(self) -> None:
-        if self.base_s < 0 or self.min_rate_bytes_per_s <= 0 or self.max_donors < 1:
+        finite = math.isfinite(self.base_s) and math.isfinite(self.min_rate_bytes_per_s)
+        if not (finite and self.base_s >= 0 and self.min_rate_bytes_per_s > 0 and self.max_donors >= 1):
             raise ValueError(f"invalid download rule: {self}")
+
+    @classmethod
+    def of(cls, min_mbit: float | None = None, base_s: float | None = None) -> DownloadRule:
+        """A peer's rule from its settings (--state-download-min-mbit, --state-download-base-s); None:
+        the default."""
+        return cls(
+            base_s=DEFAULT_BASE_S if base_s is None else float(base_s),
+            min_rate_bytes_per_s=(DEFAULT_MIN_MBIT if min_mbit is None else float(min_mbit)) * BYTES_PER_MBIT,
+        )
+
+    @property
+    def min_mbit(self) -> float:
+        return self.min_rate_bytes_per_s / BYTES_PER_MBIT
 
 
 DEFAULT_RULE = DownloadRule()
@@ -76,12 +100,24 @@ def donors_that_fit(left_s: float, donor_s: float, rule: DownloadRule = DEFAULT_
     return max(1, min(rule.max_donors, int(left_s // donor_s)))
 
 
-def replica_plan(param_count: int, left_s: float = math.inf) -> tuple[float, int]:
+def describe(state_bytes: float, rule: DownloadRule = DEFAULT_RULE) -> str:
+    """The rule applied to a state, in words (the line a peer logs at start)."""
+    donor_s = donor_deadline_s(state_bytes, rule)
+    return (
+        f"each donor {donor_s:.1f} s ({rule.base_s:g} s + {state_bytes / 1e6:.1f} MB at {rule.min_mbit:g} "
+        f"Mbit/s), at most {rule.max_donors} donors: {rule.max_donors * donor_s:.1f} s in all "
+        "(--state-download-min-mbit, --state-download-base-s)"
+    )
+
+
+def replica_plan(
+    param_count: int, left_s: float = math.inf, rule: DownloadRule = DEFAULT_RULE
+) -> tuple[float, int]:
     """A whole-model replica's download: (one donor's deadline, how many donors to try in `left_s`)."""
-    donor_s = donor_deadline_s(state_bytes(param_count, REPLICA_COPIES))
-    return donor_s, donors_that_fit(left_s, donor_s)
+    donor_s = donor_deadline_s(state_bytes(param_count, REPLICA_COPIES), rule)
+    return donor_s, donors_that_fit(left_s, donor_s, rule)
 
 
-def replica_deadline_s(param_count: int) -> float:
+def replica_deadline_s(param_count: int, rule: DownloadRule = DEFAULT_RULE) -> float:
     """A whole-model replica's resync: all its tries within one download's deadline."""
-    return download_deadline_s(state_bytes(param_count, REPLICA_COPIES))
+    return download_deadline_s(state_bytes(param_count, REPLICA_COPIES), rule)

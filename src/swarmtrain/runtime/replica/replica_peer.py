@@ -41,7 +41,7 @@ from swarmtrain.model.optim import adam_state_tensors, load_adam_state
 from swarmtrain.net.engine import PeerNetwork
 from swarmtrain.net.outer_averaging import WIRE_BYTES_PER_ELEMENT, RoundResult
 from swarmtrain.net.robust import norm_of
-from swarmtrain.planner.download_deadline import replica_deadline_s, replica_plan
+from swarmtrain.planner import download_deadline as downloads
 from swarmtrain.planner.outer_rounds import INITIAL_LINEAGE, RoundState, next_lineage, started_from_reference
 from swarmtrain.runtime.faults import NO_FAULTS, FaultHooks
 from swarmtrain.runtime.replica.replica_inner import InnerTrainer
@@ -74,6 +74,7 @@ class ReplicaOptions:
     swap_budget_bytes: float | None = None  # stream the blocks through `compute.device` within this budget
     compute: ComputeDevice = CPU_FP32
     init_from_hf: str | None = None  # initial weights from this Hugging Face model directory (--init-from-hf)
+    download_rule: downloads.DownloadRule = downloads.DEFAULT_RULE  # --state-download-min-mbit, -base-s
     faults: FaultHooks = NO_FAULTS  # a faulty replica, for tests (runtime/faults.py)
 
 
@@ -145,6 +146,7 @@ class ReplicaPeer:
             )
         d = cfg.diloco
         self.outer = OuterOptimizer(self.inner.params(), d.outer_learning_rate, d.outer_momentum)
+        self.state_params = sum(map(torch.numel, self.outer.anchor))  # what the download rule sizes
         self.state_lock = threading.Lock()  # the state provider runs on hivemind's thread
         self.lineage = INITIAL_LINEAGE  # which rounds, applied by whom, made the anchor
         self.averager = averager_factory(self.outer.anchor, self._export_state)
@@ -184,7 +186,8 @@ class ReplicaPeer:
 
     def _download(self, reason: str, retry: bool = False, left_s: float = math.inf) -> bool:
         """`retry`: a repeated try of one resync (logged at debug); `left_s`: the time left to its deadline."""
-        loaded = self.averager.download_state(*replica_plan(sum(map(torch.numel, self.outer.anchor)), left_s))
+        plan = downloads.replica_plan(self.state_params, left_s, self.options.download_rule)
+        loaded = self.averager.download_state(*plan)
         if loaded is None:
             logger.log(
                 logging.DEBUG if retry else logging.WARNING, "replica state download failed (%s)", reason
@@ -243,6 +246,8 @@ class ReplicaPeer:
 
     def join(self) -> None:
         """Take the live replicas' outer state and inner position, or start fresh when there are none."""
+        state_bytes = downloads.state_bytes(self.state_params, downloads.REPLICA_COPIES)
+        logger.info("state downloads: %s", downloads.describe(state_bytes, self.options.download_rule))
         others = self._others()
         if others and max(v["outer_step"] for v in others.values()) > 0 and self._download("joining"):
             self.summary.joined_from = "peers"
@@ -338,10 +343,7 @@ class ReplicaPeer:
         self._sent = self.options.faults.corrupted(honest, k)
         self.summary.corrupted_rounds_sent += self._sent is not honest
         result = self.averager.average(
-            self._sent,
-            weight=self._weight,
-            gather=gather,
-            timeout_s=GROUP_TIMEOUT_S,
+            self._sent, weight=self._weight, gather=gather, timeout_s=GROUP_TIMEOUT_S
         )
         if result is not None:
             self.repair.offer(k, result.averaged, self._sent)  # members whose round came back partial may ask
@@ -374,7 +376,8 @@ class ReplicaPeer:
         self.summary.rounds_resynced += 1
         self.summary.round_outcomes[str(k)] = "resynced"
         target = self.outer.outer_step + 1
-        deadline = time.monotonic() + replica_deadline_s(sum(map(torch.numel, self.outer.anchor)))
+        rule = self.options.download_rule
+        deadline = time.monotonic() + downloads.replica_deadline_s(self.state_params, rule)
         tried = False
         while time.monotonic() < deadline:
             steps = [v["outer_step"] for v in self._others().values()]
@@ -554,10 +557,7 @@ def _check_plausible(anchor: list[torch.Tensor], own: list[torch.Tensor]) -> Non
 
 
 def run_replica(
-    cfg: RunConfig,
-    options: ReplicaOptions,
-    initial_peers: list[str],
-    network: PeerNetwork | None = None,
+    cfg: RunConfig, options: ReplicaOptions, initial_peers: list[str], network: PeerNetwork | None = None
 ) -> dict:
     """Blocking entry point: DHT, averager, join, train to the end; returns the summary. SIGINT/SIGTERM
     end the run after the current inner step, with a last outer round so the others keep its samples."""

@@ -53,6 +53,7 @@ from swarmtrain.net.protocol import (
     namespace,
 )
 from swarmtrain.planner.catch_up import KEEP_STEPS_AHEAD, evidence_ttl_s
+from swarmtrain.planner.download_deadline import DEFAULT_RULE, DownloadRule
 from swarmtrain.planner.link_capacity import COMPUTE, DOWNLINK, UPLINK, limited_capacity
 from swarmtrain.runtime.faults import FaultHooks
 from swarmtrain.runtime.ledger import Ledger
@@ -110,6 +111,8 @@ class StageOptions:
     init_from_hf: str | None = None  # initial weights from this Hugging Face model directory
     compute: ComputeDevice = CPU_FP32  # where the stage computes and in what dtype (--device, --dtype)
     max_batch_tokens: int = 0  # queued requests of one kind and step share a call up to this (0: off)
+    # how long a join or resync waits for donors (--state-download-min-mbit, --state-download-base-s)
+    download_rule: DownloadRule = DEFAULT_RULE
 
 
 @dataclass(frozen=True)
@@ -269,6 +272,7 @@ class StageService:
             progress_ttl_s=max(3.0, 2 * swarm.announce_period_s),
             num_stages=swarm.num_stages,
             allow_fresh=self.options.fresh_start,
+            download_rule=self.options.download_rule,
             stranded_grace_s=swarm.request_timeout_s,
             evidence_ttl_s=evidence_ttl_s(swarm.request_timeout_s, swarm.averaging_timeout_s),
         )

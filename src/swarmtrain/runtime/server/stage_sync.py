@@ -30,7 +30,13 @@ from dataclasses import dataclass, field
 from swarmtrain.config.errors import UserError
 from swarmtrain.net.protocol import ProtocolError
 from swarmtrain.planner.catch_up import LagRule
-from swarmtrain.planner.download_deadline import DEFAULT_RULE, DownloadRule, donor_deadline_s, state_bytes
+from swarmtrain.planner.download_deadline import (
+    DEFAULT_RULE,
+    DownloadRule,
+    describe,
+    donor_deadline_s,
+    state_bytes,
+)
 from swarmtrain.planner.restore import behind_other_stages, choose_start, follows_on_mismatch
 from swarmtrain.runtime.ledger import Ledger
 from swarmtrain.runtime.server.compute import PRIORITY_SYNC, ComputeWorker
@@ -58,7 +64,8 @@ class SyncSettings:
     # (planner/catch_up.evidence_ttl_s: two steps' worth of the swarm's timeouts)
     evidence_ttl_s: float = 120.0
     # a state download's deadline follows the stage's state size (planner/download_deadline.py): a
-    # billion-parameter stage's state with Adam is ~12 GB, minutes even at 1 Gbit/s
+    # billion-parameter stage's state with Adam is ~12 GB, minutes even at 1 Gbit/s; the server's own
+    # (--state-download-min-mbit, --state-download-base-s), not the run's
     download_rule: DownloadRule = DEFAULT_RULE
     compute_timeout_s: float = 120.0
     num_stages: int = 1
@@ -126,6 +133,8 @@ class StageSynchronizer:
         """Before serving: take the state from live replicas, a checkpoint, or initial weights."""
         self._start_thread(self._publish_loop, "stage-progress")
         self.publish()
+        rule = self.settings.download_rule  # printed before any download: what the joiner will wait
+        logger.info("stage %d state downloads: %s", self.stage, describe(self._state_bytes(), rule))
         found = self.checkpoints.load_newest(self.worker.names) if self.checkpoints is not None else None
         checkpoint_step = None if found is None else found[0].step
         swarm_step = self._other_stages_step()
@@ -175,20 +184,28 @@ class StageSynchronizer:
         donor) is tried again with the donors that still fit in it. True when a download succeeded."""
         donor_s, total_s = self._download_deadline_s()
         ends_s = time.monotonic() + total_s
-        self.resync("joining a stage that has already trained")
+        self.resync("joining a stage that has already trained", joining=True)
         for _ in range(JOIN_RETRIES):
             donors = int((ends_s - time.monotonic() - JOIN_RETRY_S) // donor_s)
             if not (self.untrained and donors >= 1 and self.recorded_peers()):
                 break
             time.sleep(JOIN_RETRY_S)
-            self.resync("joining: the last download failed and the stage's replicas are still there", donors)
+            self.resync(
+                "joining: the last download failed and the stage's replicas are still there",
+                donors,
+                joining=True,
+            )
         return not self.untrained
 
     def _download_deadline_s(self) -> tuple[float, float]:
         """(one donor's deadline, the whole download's) for this stage's state."""
         rule = self.settings.download_rule
-        donor_s = donor_deadline_s(state_bytes(sum(p.numel() for p in self.worker.params)), rule)
+        donor_s = donor_deadline_s(self._state_bytes(), rule)
         return donor_s, rule.max_donors * donor_s
+
+    def _state_bytes(self) -> float:
+        """The stage's state as the download rule counts it: parameters and Adam's two moments."""
+        return state_bytes(sum(p.numel() for p in self.worker.params))
 
     def start(self) -> None:
         self._start_thread(self._loop, "stage-sync")
@@ -293,9 +310,10 @@ class StageSynchronizer:
                     best = max(best, value["epoch"])
         return best
 
-    def resync(self, reason: str, max_donors: int | None = None) -> None:
+    def resync(self, reason: str, max_donors: int | None = None, joining: bool = False) -> None:
         """Stop serving, drop unapplied buckets, download the stage state from peers (trying at most
-        `max_donors`, by default the download rule's), serve again."""
+        `max_donors`, by default the download rule's), serve again. `joining`: the join decides what a
+        failed download leads to (a retry, the checkpoint) and says so itself."""
         logger.warning("resync of stage %d replica: %s", self.stage, reason)
         self.serving.clear()
         self.averager.state_sharing_priority = -1.0  # never be picked as a donor while stale
@@ -309,7 +327,9 @@ class StageSynchronizer:
                 imported = self._on_compute(lambda: self.worker.import_state(*loaded))
             except ProtocolError as exc:  # e.g. the donor died mid-stream: a truncated state
                 logger.error("downloaded stage state refused: %s", exc)
-        if imported is None:
+        if imported is None and joining:
+            logger.info("state download failed (%s)", reason)
+        elif imported is None:
             logger.error("state download failed; serving the local state and retrying later")
         else:
             lost_samples, lost_ids = imported
