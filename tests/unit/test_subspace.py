@@ -176,7 +176,9 @@ def test_export_hf_out_folds_into_a_plain_model_transformers_loads_with_the_same
     cfg = _config(preset, num_stages=2, layers=None, seq_len=get_preset(preset).model.seq_len)
     whole = build_model(cfg.model, seed=cfg.training.seed, cuts=cfg.boundary_cuts())
     _trained_like(whole)
-    save_file({n: p.detach().contiguous() for n, p in whole.named_parameters()}, str(tmp_path / "m.safetensors"))
+    save_file(
+        {n: p.detach().contiguous() for n, p in whole.named_parameters()}, str(tmp_path / "m.safetensors")
+    )
     flags = ["--preset", preset, "--boundary", "subspace", "--boundary-dim", str(K)]
     out = tmp_path / "hf"
     assert main(["export", "--from-file", str(tmp_path / "m.safetensors"), "--hf-out", str(out), *flags]) == 0
@@ -199,7 +201,9 @@ def test_export_refuses_a_config_that_is_not_the_runs(tmp_path, capsys):
     cfg = _config("llama-tiny", num_stages=2, layers=None, seq_len=64)
     whole = build_model(cfg.model, seed=cfg.training.seed, cuts=cfg.boundary_cuts())
     path = tmp_path / "m.safetensors"
-    save_file({n: p.detach().contiguous() for n, p in whole.named_parameters()}, str(path), {"digest": '"0123"'})
+    save_file(
+        {n: p.detach().contiguous() for n, p in whole.named_parameters()}, str(path), {"digest": '"0123"'}
+    )
     args = ["export", "--from-file", str(path), "--hf-out", str(tmp_path / "hf"), "--preset", "llama-tiny"]
     assert main([*args, "--boundary", "subspace", "--boundary-dim", str(K)]) == 2
     assert "fixed token table and basis come from the run's config" in capsys.readouterr().err
@@ -217,7 +221,9 @@ def test_boundary_flags_set_the_run_wherever_its_config_is_read_and_refuse_half_
     parser = argparse.ArgumentParser()
     add_run_config_args(parser)
     plain = run_config_from_args(parser.parse_args(["--preset", "small"]))
-    cfg = run_config_from_args(parser.parse_args(["--preset", "small", "--boundary", "subspace", "--boundary-dim", "16"]))
+    cfg = run_config_from_args(
+        parser.parse_args(["--preset", "small", "--boundary", "subspace", "--boundary-dim", "16"])
+    )
     assert (cfg.model.boundary, cfg.model.boundary_dim, cfg.model.wire_dim) == ("subspace", 16, 16)
     assert cfg.digest() != plain.digest() and cfg.training == plain.training
     back = run_config_from_args(parser.parse_args(["--preset", "small", "--boundary", "none"]))
@@ -240,7 +246,15 @@ def test_boundary_flags_set_the_run_wherever_its_config_is_read_and_refuse_half_
 def test_init_from_hf_with_a_boundary_is_a_one_line_error(tmp_path, capsys):
     plain = get_preset("tiny").model
     hf.save_hf_model(build_model(plain, seed=0).state_dict(), plain, tmp_path / "hf")
-    argv = ["train-local", "--init-from-hf", str(tmp_path / "hf"), "--boundary", "subspace", "--boundary-dim", "8"]
+    argv = [
+        "train-local",
+        "--init-from-hf",
+        str(tmp_path / "hf"),
+        "--boundary",
+        "subspace",
+        "--boundary-dim",
+        "8",
+    ]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert "--init-from-hf starts from a plain model" in err and "'subspace'" in err and "\n" not in err
@@ -255,8 +269,14 @@ def test_the_demo_writes_the_boundary_into_the_run_file_every_peer_reads(tmp_pat
     from swarmtrain.runtime.harness.demo import DemoOptions, _run_file
 
     overrides = {"boundary": "subspace", "boundary_dim": 8}
-    written = load_run_config(_run_file(DemoOptions(preset="llama-tiny", model_overrides=overrides), tmp_path))
-    assert (written.model.boundary, written.model.boundary_dim, written.preset) == ("subspace", 8, "llama-tiny")
+    written = load_run_config(
+        _run_file(DemoOptions(preset="llama-tiny", model_overrides=overrides), tmp_path)
+    )
+    assert (written.model.boundary, written.model.boundary_dim, written.preset) == (
+        "subspace",
+        8,
+        "llama-tiny",
+    )
     own = tmp_path / "own.toml"
     own.write_text('preset = "tiny"\n[training]\nseed = 5\n')
     options = DemoOptions(config_path=str(own), model_overrides=overrides)

@@ -127,7 +127,9 @@ class LlamaTrunk(nn.Module):
     embed_tokens: nn.Embedding
     norm: RMSNorm
 
-    def __init__(self, cfg: ModelConfig, spec: StageSpec, embed_dim: int, write_dim: Callable[[int], int]) -> None:
+    def __init__(
+        self, cfg: ModelConfig, spec: StageSpec, embed_dim: int, write_dim: Callable[[int], int]
+    ) -> None:
         """`embed_dim`, `write_dim(layer)`: the stage's widths (`DecoderStage.embed_dim`, `write_dim`)."""
         super().__init__()
         if spec.is_first:

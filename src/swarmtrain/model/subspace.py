@@ -87,7 +87,9 @@ class Subspace(nn.Module):
         return fixed + self.lift(coords)
 
 
-def confined_block(block: nn.Module, space: Subspace, fixed: torch.Tensor, coords: torch.Tensor) -> torch.Tensor:
+def confined_block(
+    block: nn.Module, space: Subspace, fixed: torch.Tensor, coords: torch.Tensor
+) -> torch.Tensor:
     """One pass of a block whose residual writes have k outputs: each branch (attention, MLP) reads the
     rebuilt x and adds its k outputs to the coordinates, so x stays E0[ids] + coords @ B.T exactly."""
     for branch in block.branches:  # type: ignore[attr-defined]
