@@ -36,6 +36,7 @@ E0 + C @ B.T, positions P @ B.T, each confined write W -> B @ W and bias b -> B 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -92,7 +93,8 @@ def confined_block(
 ) -> torch.Tensor:
     """One pass of a block whose residual writes have k outputs: each branch (attention, MLP) reads the
     rebuilt x and adds its k outputs to the coordinates, so x stays E0[ids] + coords @ B.T exactly."""
-    for branch in block.branches:  # type: ignore[attr-defined]
+    branches = cast(tuple[Callable[[torch.Tensor], torch.Tensor], ...], block.branches)  # a family's block
+    for branch in branches:
         coords = coords + branch(space.rebuild(fixed, coords))
     return coords
 
