@@ -69,13 +69,19 @@ def test_a_subspace_swarm_trains_and_exports_a_plain_model_transformers_loads(ma
 
     checkpoints = tmp_path / "checkpoints"
     data = {"source": str(Path(json_module.__file__).parent)}
-    overrides = {"model": SUBSPACE, "data": data, "training": {"eval_samples": EVAL_SAMPLES}}
+    # 4-bit coordinates for servers and trainer alike (a trainer of other settings exits 2)
+    overrides = {
+        "model": SUBSPACE,
+        "data": data,
+        "training": {"eval_samples": EVAL_SAMPLES},
+        "swarm": {"compression": "4bit"},
+    }
     swarm, cfg = make_swarm("llama-tiny", overrides)
     swarm.start_dht()
     for stage in (0, 1):
         swarm.start_server(f"s{stage}", stage, "--checkpoint-dir", str(checkpoints))
     swarm.wait_ready(["s0", "s1"])
-    args = ["--max-samples", str(SAMPLES), "--eval-samples", str(EVAL_SAMPLES), "--compression", "4bit"]
+    args = ["--max-samples", str(SAMPLES), "--eval-samples", str(EVAL_SAMPLES)]
     swarm.start_trainer("trainer", "--in-flight", "4", *args)
     assert swarm.wait_exit("trainer", 120) == 0, swarm.processes["trainer"].log_text()[-3000:]
     summary = json.loads((swarm.workdir / "trainer.summary.json").read_text())
