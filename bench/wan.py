@@ -58,6 +58,7 @@ shares this machine's cores).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -377,6 +378,10 @@ REGISTRY: list[BenchConfig] = [
     _swarm_config("direct", "4bit", ("lowrank-embed", 4)),
     _swarm_config("direct", "4bit", ("bottleneck", 2)),
     _swarm_config("direct", "4bit", ("maxout", 2)),
+    # exact subspace boundaries (model/subspace.py): k = d_model / 16 coordinates and the token ids
+    _swarm_config("direct", "4bit", ("subspace", 16)),
+    _swarm_config("direct", "8bit", ("subspace", 16)),
+    _swarm_config("direct", "4bit", ("subspace", 8)),
 ]
 # what runs without --configs: GPipe and the swarm's data paths at fp32 and 8-bit
 DEFAULT_CONFIGS = "gpipe-fp32,relay-fp32,relay-8bit,direct-fp32,direct-8bit"
@@ -546,7 +551,14 @@ def ttt_lines(ttt: dict) -> list[str]:
         ]
         for name, row in ttt["configs"].items()
     ]
-    return lines + _table(["config", "steps", "s/step", "minutes", "direct-8bit / this"], rows)
+    lines += _table(["config", "steps", "s/step", "minutes", "direct-8bit / this"], rows)
+    for name, m in (ttt.get("matched") or {}).items():
+        lines.append(
+            f"{name}: {m['parameters']:,} parameters (plain model {m['plain_parameters']:,}); the plain model "
+            f"of {m['matched_parameters']:,} (d_ff {m['matched_d_ff']}) reaches {m['target']:.4f} at the "
+            f"target step; {name} gets there in {describe_steps(m['steps'])}"
+        )
+    return lines
 
 
 def _relative(row: dict, reference: dict | None) -> float | None:
@@ -678,6 +690,53 @@ def swarm_history(
     return history
 
 
+def parameter_count(cfg) -> int:
+    """Trained parameters of the run's whole model (boundary layers, subspace coordinates at its cuts; a
+    subspace's fixed token table and basis are no parameters)."""
+    from swarmtrain.model.hf_checkpoint import expected_shapes
+
+    return sum(math.prod(shape) for shape in expected_shapes(cfg.model, cfg.boundary_cuts()).values())
+
+
+def matched_plain(cfg):
+    """The plain model (no boundary) with the parameter count of `cfg`'s model, by the MLP's width alone
+    (d_ff, nearest, at least 1; every other field as it is): what a boundary is compared with at equal
+    parameters. Where the embedding dominates (`llama-tiny`: 131k of 447k) no d_ff reaches a subspace
+    model's count; the report prints both counts."""
+    plain = dataclasses.replace(cfg.model, boundary="none", boundary_dim=0)
+
+    def count(d_ff: int) -> int:
+        return parameter_count(cfg.replace(model=dataclasses.replace(plain, d_ff=d_ff)))
+
+    per_unit = count(plain.d_ff + 1) - count(plain.d_ff)
+    d_ff = max(1, round(plain.d_ff + (parameter_count(cfg) - count(plain.d_ff)) / per_unit))
+    return cfg.replace(model=dataclasses.replace(plain, d_ff=d_ff))
+
+
+def boundary_run(config: BenchConfig, setup: Setup, cfg):
+    """`cfg` with `config`'s boundary, as its run file has it."""
+    kind, divisor = config.boundary or ("none", 1)
+    dim = setup.d_model // divisor if kind != "none" else 0
+    return cfg.replace(model=dataclasses.replace(cfg.model, boundary=kind, boundary_dim=dim))
+
+
+def matched_reference(config: BenchConfig, setup: Setup, cfg, args, stop_step: int) -> dict:
+    """The plain model of `config`'s parameter count, trained by train-local to the target step: its
+    validation loss there is the target `config` is also scored against (--ttt-matched)."""
+    boundary = boundary_run(config, setup, cfg)
+    matched = matched_plain(boundary)
+    print(f"time to target: train-local of {config.name}'s parameter count (d_ff {matched.model.d_ff}) ...")
+    history = local_history(matched, stop_step, args.ttt_eval_every)
+    return {
+        "parameters": parameter_count(boundary),
+        "plain_parameters": parameter_count(cfg),
+        "matched_parameters": parameter_count(matched),
+        "matched_d_ff": matched.model.d_ff,
+        "target": history[-1][1],
+        "history": history,
+    }
+
+
 def time_to_target(args, setup: Setup, cfg, configs: list[BenchConfig], report: dict, root: Path) -> dict:
     t = cfg.training
     max_steps = t.max_samples // t.global_batch_size
@@ -692,11 +751,21 @@ def time_to_target(args, setup: Setup, cfg, configs: list[BenchConfig], report: 
     histories = {"local": local}
     reference = steps["local"]["steps"] or target_step
     first = max(1, int(TTT_SWARM_FROM * reference))
+    matched = {
+        c.name: matched_reference(c, setup, cfg, args, stop_step)
+        for c in configs
+        if args.ttt_matched and c.boundary
+    }
     for config in configs:
         if config.math in steps:
             continue
         print(
             f"time to target: swarm, {config.math} (loopback), evaluations from step {first} ...", flush=True
+        )
+        # with a matched reference, on until both targets are crossed
+        until = min(
+            [target]
+            + [matched[c.name]["target"] for c in configs if c.math == config.math and c.name in matched]
         )
         histories[config.math] = swarm_history(
             config,
@@ -705,11 +774,17 @@ def time_to_target(args, setup: Setup, cfg, configs: list[BenchConfig], report: 
             first,
             args.ttt_eval_every,
             max_steps,
-            target,
+            until,
             root / f"ttt-{config.math}",
         )
         steps[config.math] = steps_to_target(histories[config.math], target)
-    return ttt_summary(target, source, args.ttt_rate, steps, histories, configs, report)
+    for config in configs:
+        if config.name in matched:
+            matched[config.name]["steps"] = steps_to_target(
+                histories[config.math], matched[config.name]["target"]
+            )
+    summary = ttt_summary(target, source, args.ttt_rate, steps, histories, configs, report)
+    return dict(summary, matched=matched) if matched else summary
 
 
 def ttt_summary(target, source, rate, steps, histories, configs, report) -> dict:
@@ -780,6 +855,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--ttt-rate", type=float, default=TTT_RATE_MBIT_S, help="rate of the time per step (default 10)"
+    )
+    parser.add_argument(
+        "--ttt-matched",
+        action="store_true",
+        help="time to target: also score each boundary configuration against the plain model of its "
+        "parameter count (d_ff matched; train-local to the target step gives that model's target)",
     )
     parser.add_argument("--summary-json", metavar="PATH", help="every run's figures, both directions' bytes")
     parser.add_argument("--keep-logs", metavar="DIR", help="keep the runs' logs and summaries in DIR")

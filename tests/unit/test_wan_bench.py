@@ -4,6 +4,7 @@ and bench/gpipe_rank.py (two torch start-ups, ~7 s): two ranks on loopback train
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -276,3 +277,28 @@ def test_lowbit_configurations_are_compared_with_8bit_speed_and_fp32_bytes():
     ratios = wan.ratios(runs)
     assert ratios["direct-4bit-lowrank2 / direct-8bit"] == pytest.approx(2.0)
     assert ratios["last-stage bytes, direct-fp32 / direct-4bit-lowrank2"] == pytest.approx(16.0)
+
+
+def test_subspace_configurations_and_the_plain_model_of_their_parameter_count(tmp_path):
+    """Subspace boundaries run as configurations of their own run file, and --ttt-matched compares a
+    boundary with the plain model of its parameter count (d_ff matched)."""
+    from swarmtrain.config import get_preset, load_run_config
+    from swarmtrain.runtime.harness.local_swarm import write_run_toml
+
+    base = write_run_toml(tmp_path / "run.toml", "small", {"swarm": {"num_stages": 2}})
+    setup = wan.Setup(base, 2, 32, 10.0, 60.0, 64, d_model=256)
+    by_name = {c.name: c for c in wan.REGISTRY}
+    config = by_name["direct-4bit-subspace16"]
+    cfg = load_run_config(config.run_file(setup, tmp_path / "s"))
+    assert (cfg.swarm.compression, cfg.model.boundary, cfg.model.boundary_dim) == ("4bit", "subspace", 16)
+    assert by_name["direct-8bit-subspace16"].math != config.math
+    plain = get_preset("small")
+    boundary = wan.boundary_run(config, setup, plain)
+    matched = wan.matched_plain(boundary)
+    assert matched.model.boundary == "none" and matched.model.d_ff < plain.model.d_ff
+    assert wan.parameter_count(boundary) < wan.parameter_count(plain)
+    per_unit = wan.parameter_count(matched.replace(model=dataclasses.replace(matched.model, d_ff=2))) - (
+        wan.parameter_count(matched.replace(model=dataclasses.replace(matched.model, d_ff=1)))
+    )
+    assert abs(wan.parameter_count(matched) - wan.parameter_count(boundary)) <= per_unit / 2
+    assert wan.parse_args(["--time-to-target", "--ttt-matched"]).ttt_matched

@@ -9,6 +9,7 @@ by the digest checks. Commands that hold weights also fill them from DIR (`args.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 from collections.abc import Callable
@@ -18,6 +19,7 @@ from typing import Any
 from swarmtrain.config import RunConfig, get_preset, load_run_config, preset_names
 from swarmtrain.config.errors import ConfigError, UserError
 from swarmtrain.config.hf_config import model_config_from_hf, read_hf_config
+from swarmtrain.config.model import BOUNDARY_CHOICES
 
 
 def add_run_config_args(parser: argparse.ArgumentParser, default_preset: str = "tiny") -> None:
@@ -42,7 +44,46 @@ def add_run_config_args(parser: argparse.ArgumentParser, default_preset: str = "
         "its weights (a server still takes a trained stage's state from its replicas or checkpoints "
         "first). Every peer of the run passes the same DIR",
     )
+    add_boundary_args(parser)
     parser.set_defaults(default_preset=default_preset)
+
+
+def add_boundary_args(parser: argparse.ArgumentParser) -> None:
+    """`--boundary KIND --boundary-dim K`: the run file's `[model] boundary` and `boundary_dim`, read by
+    `with_boundary`. Part of the run digest: every peer of a run passes the same."""
+    parser.add_argument(
+        "--boundary",
+        choices=BOUNDARY_CHOICES,
+        default=None,
+        help="what crosses a stage boundary (replaces the run file's model.boundary): none, boundary "
+        "layers (bottleneck, maxout, lowrank, lowrank-embed) or subspace (exact: k coordinates and the "
+        "token ids; exports as a plain model). Needs --boundary-dim but for none; every peer passes the same",
+    )
+    parser.add_argument(
+        "--boundary-dim",
+        type=positive_int,
+        default=None,
+        metavar="K",
+        help="values per token a boundary sends (replaces model.boundary_dim), below d_model",
+    )
+
+
+def with_boundary(cfg: RunConfig, kind: str | None, dim: int | None) -> RunConfig:
+    """`cfg` with `--boundary KIND --boundary-dim K` applied (None: the run file's own)."""
+    if kind is None and dim is None:
+        return cfg
+    if kind is None:
+        if cfg.model.boundary == "none":
+            raise UserError("--boundary-dim needs --boundary KIND (the run sets no model.boundary)")
+        kind = cfg.model.boundary
+    if kind == "none":
+        if dim is not None:
+            raise UserError("--boundary none takes no --boundary-dim")
+        return cfg.replace(model=dataclasses.replace(cfg.model, boundary="none", boundary_dim=0))
+    if dim is None and cfg.model.boundary != kind:
+        raise UserError(f"--boundary {kind} needs --boundary-dim K (values per token, below d_model)")
+    dim = dim if dim is not None else cfg.model.boundary_dim
+    return cfg.replace(model=dataclasses.replace(cfg.model, boundary=kind, boundary_dim=dim))
 
 
 def run_config_from_args(args: argparse.Namespace) -> RunConfig:
@@ -50,6 +91,7 @@ def run_config_from_args(args: argparse.Namespace) -> RunConfig:
         cfg = load_run_config(args.config, preset=args.preset)
     else:
         cfg = get_preset(args.preset or args.default_preset)
+    cfg = with_boundary(cfg, getattr(args, "boundary", None), getattr(args, "boundary_dim", None))
     model_dir = getattr(args, "init_from_hf", None)
     return with_hf_model(cfg, model_dir) if model_dir else cfg
 

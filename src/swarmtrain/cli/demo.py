@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 
 from swarmtrain.cli.common import (
+    add_boundary_args,
     add_command,
     add_device_args,
     compute_device_from_args,
     positive_float,
     positive_int,
+    with_boundary,
     with_hf_model,
     write_summary_json,
 )
@@ -67,6 +69,7 @@ def register(subparsers) -> None:
         help="a local Hugging Face model directory (Llama or GPT-2): the run's model is DIR's config.json "
         "and the servers (and the one-process reference) start from its weights",
     )
+    add_boundary_args(parser)  # written into the demo's run file, which every peer reads
     add_device_args(parser, what="the stage servers and the one-process reference")
     parser.add_argument(
         "--summary-json",
@@ -89,7 +92,8 @@ def run(args: argparse.Namespace) -> int:
             "--dtype fp16 is for whole-model commands (train-local, replica); the demo's stage servers "
             "compute in fp32 or bf16"
         )
-    _swarm_config(args).require_swarm_model()  # one line before any process starts
+    cfg = _swarm_config(args)
+    cfg.require_swarm_model()  # one line before any process starts
     compute = compute_device_from_args(args)  # likewise: --device cuda where torch sees none
     options = DemoOptions(
         preset=args.preset,
@@ -103,6 +107,11 @@ def run(args: argparse.Namespace) -> int:
         monitor_port=None if args.no_monitor else args.monitor_port,
         checkpoint_dir=args.checkpoint_dir,
         init_from_hf=args.init_from_hf,
+        model_overrides=(
+            {"boundary": cfg.model.boundary, "boundary_dim": cfg.model.boundary_dim}
+            if args.boundary or args.boundary_dim
+            else {}
+        ),
         device=str(compute.device),  # resolved once: every server and the reference on the same device
         dtype=compute.dtype,
     )
@@ -116,4 +125,5 @@ def _swarm_config(args: argparse.Namespace):
     from swarmtrain.config import get_preset, load_run_config
 
     cfg = load_run_config(args.config) if args.config else get_preset(args.preset)
+    cfg = with_boundary(cfg, args.boundary, args.boundary_dim)
     return with_hf_model(cfg, args.init_from_hf) if args.init_from_hf else cfg

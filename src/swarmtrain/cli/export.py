@@ -24,7 +24,10 @@ CHECKPOINT_DIR/model.safetensors, or an earlier --out). Writes the parameters (n
                  Llama runs export LlamaForCausalLM, GPT runs GPT2LMHeadModel (exact GELU); shared
                  layers are unrolled. Needs the run's config (--preset/--config/--init-from-hf as the
                  peers had; default: the preset recorded in the checkpoints): the tensors are checked
-                 against it.
+                 against it. A model with subspace boundaries (model.boundary = subspace) is folded
+                 into a plain one computing the same function (its fixed token table and basis come
+                 from the run's seed, so the config must be the run's own); other boundary layers are
+                 refused (use --out).
 """
 
 
@@ -127,7 +130,7 @@ def _write_safetensors(named: dict, meta: dict, out_path: str) -> None:
 def _write_hf(named: dict, meta: dict, args: argparse.Namespace) -> None:
     from swarmtrain.cli.common import run_config_from_args
     from swarmtrain.config import preset_names
-    from swarmtrain.model.hf_checkpoint import check_state_dict, save_hf_model
+    from swarmtrain.model.hf_checkpoint import save_hf_model
 
     given = args.preset or args.config or args.init_from_hf
     if not given and meta.get("preset") in preset_names():
@@ -136,23 +139,7 @@ def _write_hf(named: dict, meta: dict, args: argparse.Namespace) -> None:
     how = (
         "--init-from-hf " + args.init_from_hf if args.init_from_hf else args.config or f"preset {cfg.preset}"
     )
-    if cfg.model.boundary != "none" or any(name.startswith("boundaries.") for name in named):
-        from swarmtrain.config.errors import UserError
-
-        raise UserError(
-            f"--hf-out: this model has {cfg.model.boundary if cfg.model.boundary != 'none' else 'boundary'} "
-            "layers between its stages ([model] boundary), so it is no longer a plain "
-            f"{'Llama' if cfg.model.arch == 'llama' else 'GPT-2'} that transformers can load; use --out"
-        )
-    check_state_dict(named, cfg.model, f"{meta['source']} (model config from {how})")
-    if meta.get("digest") and meta["digest"] != cfg.digest():
-        # the model's tensors fit; the run's other settings (schedule, stage cut, ...) or a field that
-        # shapes no tensor (norm epsilon, rotary base) may still differ from this config
-        print(
-            f"note: the checkpoint was made under run config digest {meta['digest']}, this config's is "
-            f"{cfg.digest()}: config.json is written from this config ({how}); pass the peers' "
-            f"--preset/--config/--init-from-hf if they differ"
-        )
+    named, model = _plain_model(named, meta, cfg, how)
     tokenizer_file = None
     if cfg.data.tokenizer:
         from swarmtrain.data.tokenizer import resolve_tokenizer_file
@@ -161,7 +148,7 @@ def _write_hf(named: dict, meta: dict, args: argparse.Namespace) -> None:
     byte_level = not cfg.data.tokenizer and cfg.model.vocab_size >= 256
     report = save_hf_model(
         named,
-        cfg.model,
+        model,
         args.hf_out,
         tokenizer_file=tokenizer_file,
         max_shard_bytes=args.max_shard_mb << 20,
@@ -174,3 +161,44 @@ def _write_hf(named: dict, meta: dict, args: argparse.Namespace) -> None:
         f"from {meta['source']}; {cfg.model.arch} model config from {how}; tokenizer: {tokenizer}; "
         f"files: {', '.join(report.files)}"
     )
+
+
+def _plain_model(named: dict, meta: dict, cfg, how: str):
+    """(parameters, model config) of the plain model to write: as they are, or folded from subspace
+    boundaries (model/subspace.py); other boundary layers are refused."""
+    import dataclasses
+
+    from swarmtrain.config.errors import UserError
+    from swarmtrain.config.model import SUBSPACE
+    from swarmtrain.model.build import fixed_subspace
+    from swarmtrain.model.hf_checkpoint import check_state_dict
+    from swarmtrain.model.subspace import fold_subspace
+
+    source = f"{meta['source']} (model config from {how})"
+    digest_differs = bool(meta.get("digest")) and meta["digest"] != cfg.digest()
+    if cfg.model.boundary == SUBSPACE:
+        if digest_differs:
+            raise UserError(
+                f"--hf-out: the checkpoint was made under run config digest {meta['digest']}, this config's "
+                f"is {cfg.digest()}; a subspace model's fixed token table and basis come from the run's "
+                "config (seed, shape), so pass the peers' exact --preset/--config and flags"
+            )
+        check_state_dict(named, cfg.model, source, cfg.boundary_cuts())
+        folded = fold_subspace(named, cfg.model.arch, *fixed_subspace(cfg.model, cfg.training.seed))
+        return folded, dataclasses.replace(cfg.model, boundary="none", boundary_dim=0)
+    if cfg.model.boundary != "none" or any(name.startswith("boundaries.") for name in named):
+        raise UserError(
+            f"--hf-out: this model has {cfg.model.boundary if cfg.model.boundary != 'none' else 'boundary'} "
+            "layers between its stages ([model] boundary), so it is no longer a plain "
+            f"{'Llama' if cfg.model.arch == 'llama' else 'GPT-2'} that transformers can load; use --out"
+        )
+    check_state_dict(named, cfg.model, source)
+    if digest_differs:
+        # the model's tensors fit; the run's other settings (schedule, stage cut, ...) or a field that
+        # shapes no tensor (norm epsilon, rotary base) may still differ from this config
+        print(
+            f"note: the checkpoint was made under run config digest {meta['digest']}, this config's is "
+            f"{cfg.digest()}: config.json is written from this config ({how}); pass the peers' "
+            f"--preset/--config/--init-from-hf if they differ"
+        )
+    return named, cfg.model

@@ -38,7 +38,14 @@ def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
 
 def model_config_from_hf(raw: dict[str, Any], base: ModelConfig, source: str = "config.json") -> ModelConfig:
     """The model shape a Hugging Face config describes; fields it does not carry (init_std, pad id) come
-    from `base`. Unsupported variants are refused, never silently approximated."""
+    from `base`. Unsupported variants are refused, never silently approximated; so is a `base` with
+    boundary layers or subspace boundaries, which a plain checkpoint's weights do not fill."""
+    if base.boundary != "none":
+        raise ConfigError(
+            f"{source}: --init-from-hf starts from a plain model, but the run sets model.boundary = "
+            f"{base.boundary!r}, whose weights no Hugging Face checkpoint holds: drop the boundary or the "
+            "--init-from-hf"
+        )
     kind = raw.get("model_type")
     if kind == "llama":
         return _llama(raw, base, source)

@@ -7,7 +7,10 @@ from dataclasses import dataclass
 from swarmtrain.config.errors import ConfigError
 
 ARCH_CHOICES = ("gpt", "llama")
-BOUNDARY_CHOICES = ("none", "bottleneck", "maxout", "lowrank", "lowrank-embed")  # model/boundary.py
+# model/boundary.py; "subspace": exact boundaries, the residual kept in a subspace (model/subspace.py)
+BOUNDARY_CHOICES = ("none", "bottleneck", "maxout", "lowrank", "lowrank-embed", "subspace")
+SUBSPACE = "subspace"
+MAX_SUBSPACE_VOCAB = 2**24  # token ids travel beside a stage's coordinates as fp32 values (exact below it)
 
 
 @dataclass(frozen=True)
@@ -37,7 +40,9 @@ class ModelConfig:
     tie_embeddings: bool = False  # llama: the LM head reuses the token embedding matrix
     shared_layer_repeats: int = 1
     # compression-aware stage boundaries (model/boundary.py): layers that send `boundary_dim` values per
-    # token from one stage to the next instead of d_model; "none" = plain hidden states
+    # token from one stage to the next instead of d_model; "none" = plain hidden states; "subspace": every
+    # write into the residual stream lives in a fixed boundary_dim-dimensional subspace, so a stage sends
+    # its coordinates and the token ids and the next one rebuilds the hidden state exactly (model/subspace.py)
     boundary: str = "none"
     boundary_dim: int = 0
 
@@ -69,6 +74,16 @@ class ModelConfig:
         elif not 0 < self.boundary_dim < self.d_model:
             raise ConfigError(
                 f"model.boundary_dim must be in 1..{self.d_model - 1} (below d_model), got {self.boundary_dim}"
+            )
+        if self.boundary == SUBSPACE and self.tie_embeddings:
+            raise ConfigError(
+                'model.boundary = "subspace" needs model.tie_embeddings = false (a tied model trains on one '
+                "stage, where no boundary is crossed)"
+            )
+        if self.boundary == SUBSPACE and self.vocab_size > MAX_SUBSPACE_VOCAB:
+            raise ConfigError(
+                f'model.boundary = "subspace" takes a vocabulary of at most {MAX_SUBSPACE_VOCAB:,} tokens '
+                f"(their ids cross stages beside the coordinates as fp32), got {self.vocab_size:,}"
             )
 
     @property

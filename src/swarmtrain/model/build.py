@@ -6,6 +6,7 @@ from swarmtrain.config.model import ModelConfig, StageSpec, partition_layers
 from swarmtrain.model import gpt, llama
 from swarmtrain.model.boundary import init_boundaries
 from swarmtrain.model.stage import DecoderStage, name_seed
+from swarmtrain.model.subspace import fixed_parts
 
 # arch -> (stage class, its initializer)
 _FAMILIES = {"gpt": (gpt.GPTStage, gpt.init_weights), "llama": (llama.LlamaStage, llama.init_weights)}
@@ -20,7 +21,14 @@ def build_stage(
     stage = stage_class(cfg, spec, cuts)
     init_weights(stage, cfg, seed)
     init_boundaries(stage.boundaries, cfg, lambda key: name_seed(seed, key))
+    if stage.space is not None:
+        stage.space.fill(*fixed_subspace(cfg, seed))
     return stage
+
+
+def fixed_subspace(cfg: ModelConfig, seed: int | None = 0):
+    """The fixed basis and token table of a subspace run (model/subspace.py) of seed `seed`."""
+    return fixed_parts(cfg, lambda name: name_seed(seed, name))
 
 
 def build_model(cfg: ModelConfig, seed: int | None = 0, cuts: tuple[int, ...] = ()) -> DecoderStage:

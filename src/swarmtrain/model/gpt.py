@@ -3,6 +3,8 @@ fused biased QKV, a GELU MLP, learned positions and an untied LM head (GPT-2's l
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -12,24 +14,39 @@ from swarmtrain.model.stage import DecoderStage, init_parameters
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """`write_dim`: outputs of the residual writes (`proj`, `fc_out`): d_model, or k for a layer confined
+    to a subspace (model/subspace.py), whose outputs the stage maps into the stream."""
+
+    def __init__(self, cfg: ModelConfig, write_dim: int | None = None) -> None:
         super().__init__()
+        write_dim = write_dim or cfg.d_model
         self.num_heads = cfg.num_heads
         self.ln_attn = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, write_dim)
         self.ln_mlp = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)
         self.fc_in = nn.Linear(cfg.d_model, cfg.d_ff)
-        self.fc_out = nn.Linear(cfg.d_ff, cfg.d_model)
+        self.fc_out = nn.Linear(cfg.d_ff, write_dim)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    @property
+    def branches(self) -> tuple[Callable[[torch.Tensor], torch.Tensor], ...]:
+        """What the block adds to the residual stream, in order (model/subspace.py runs them apart)."""
+        return (self.attend, self.feed)
+
+    def attend(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, d_model = x.shape
         q, k, v = self.qkv(self.ln_attn(x)).split(d_model, dim=-1)
         shape = (batch, seq, self.num_heads, d_model // self.num_heads)
         q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
         attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(attn.transpose(1, 2).reshape(batch, seq, d_model))
-        return x + self.fc_out(F.gelu(self.fc_in(self.ln_mlp(x))))
+        return self.proj(attn.transpose(1, 2).reshape(batch, seq, d_model))
+
+    def feed(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc_out(F.gelu(self.fc_in(self.ln_mlp(x))))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attend(x)
+        return x + self.feed(x)
 
 
 class GPTStage(DecoderStage):
@@ -41,10 +58,12 @@ class GPTStage(DecoderStage):
 
     def __init__(self, cfg: ModelConfig, spec: StageSpec, cuts: tuple[int, ...] = ()) -> None:
         super().__init__(cfg, spec, cuts)
-        if spec.is_first:
-            self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
-            self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
-        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(spec.layer_start, spec.layer_end)})
+        if spec.is_first:  # with subspace boundaries both hold k coordinates per row
+            self.tok_emb = nn.Embedding(cfg.vocab_size, self.embed_dim)
+            self.pos_emb = nn.Embedding(cfg.seq_len, self.embed_dim)
+        self.layers = nn.ModuleDict(
+            {str(i): Block(cfg, self.write_dim(i)) for i in range(spec.layer_start, spec.layer_end)}
+        )
         if spec.is_last:
             self.ln_f = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)
             self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)

@@ -294,18 +294,20 @@ def _check_shape(name: str, source: Source, stored: str, shape: tuple[int, ...],
 
 
 # writing ----------------------------------------------------------------------------------------------
-def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every parameter of the whole model and its shape, without allocating it (built on torch's meta
-    device)."""
+def expected_shapes(cfg: ModelConfig, cuts: tuple[int, ...] = ()) -> dict[str, tuple[int, ...]]:
+    """Every parameter of the whole model (with its boundary layers or subspace at `cuts`,
+    `RunConfig.boundary_cuts`) and its shape, without allocating it (built on torch's meta device)."""
     stage_class = LlamaStage if cfg.arch == "llama" else GPTStage
     with torch.device("meta"):
-        module = stage_class(cfg, StageSpec(0, 1, 0, cfg.num_layers))
+        module = stage_class(cfg, StageSpec(0, 1, 0, cfg.num_layers), cuts)
     return {name: tuple(p.shape) for name, p in module.named_parameters()}
 
 
-def check_state_dict(state_dict: Mapping[str, torch.Tensor], cfg: ModelConfig, source: str) -> None:
+def check_state_dict(
+    state_dict: Mapping[str, torch.Tensor], cfg: ModelConfig, source: str, cuts: tuple[int, ...] = ()
+) -> None:
     """A whole model's state dict must hold exactly the model's parameters, each of its shape."""
-    want = expected_shapes(cfg)
+    want = expected_shapes(cfg, cuts)
     missing = [n for n in want if n not in state_dict]
     extra = [n for n in state_dict if n not in want]
     wrong = [

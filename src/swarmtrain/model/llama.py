@@ -9,6 +9,7 @@ checkpoint and the model is checked against `transformers` as its oracle (tests/
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -55,14 +56,14 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, write_dim: int) -> None:
         super().__init__()
         self.num_heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.kv_heads, cfg.head_dim
         self.rope_theta = cfg.rope_theta
         self.q_proj = nn.Linear(cfg.d_model, cfg.num_heads * cfg.head_dim, bias=False)
         self.k_proj = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=False)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.d_model, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, write_dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
@@ -82,27 +83,42 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, write_dim: int) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
         self.up_proj = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
-        self.down_proj = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
+        self.down_proj = nn.Linear(cfg.d_ff, write_dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """`write_dim`: outputs of `o_proj` and `down_proj`: d_model, or k for a layer confined to a subspace
+    (model/subspace.py), whose outputs the stage maps into the stream."""
+
+    def __init__(self, cfg: ModelConfig, write_dim: int | None = None) -> None:
         super().__init__()
+        write_dim = write_dim or cfg.d_model
         self.input_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.self_attn = LlamaAttention(cfg)
+        self.self_attn = LlamaAttention(cfg, write_dim)
         self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = LlamaMLP(cfg, write_dim)
+
+    @property
+    def branches(self) -> tuple[Callable[[torch.Tensor], torch.Tensor], ...]:
+        """What the block adds to the residual stream, in order (model/subspace.py runs them apart)."""
+        return (self.attend, self.feed)
+
+    def attend(self, x: torch.Tensor) -> torch.Tensor:
+        return self.self_attn(self.input_layernorm(x))
+
+    def feed(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.post_attention_layernorm(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x))
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.attend(x)
+        return x + self.feed(x)
 
 
 class LlamaTrunk(nn.Module):
@@ -111,12 +127,15 @@ class LlamaTrunk(nn.Module):
     embed_tokens: nn.Embedding
     norm: RMSNorm
 
-    def __init__(self, cfg: ModelConfig, spec: StageSpec) -> None:
+    def __init__(
+        self, cfg: ModelConfig, spec: StageSpec, embed_dim: int, write_dim: Callable[[int], int]
+    ) -> None:
+        """`embed_dim`, `write_dim(layer)`: the stage's widths (`DecoderStage.embed_dim`, `write_dim`)."""
         super().__init__()
         if spec.is_first:
-            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.d_model)
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, embed_dim)
         self.layers = nn.ModuleDict(
-            {str(i): LlamaDecoderLayer(cfg) for i in range(spec.layer_start, spec.layer_end)}
+            {str(i): LlamaDecoderLayer(cfg, write_dim(i)) for i in range(spec.layer_start, spec.layer_end)}
         )
         if spec.is_last:
             self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
@@ -132,7 +151,7 @@ class LlamaStage(DecoderStage):
         super().__init__(cfg, spec, cuts)
         if cfg.tie_embeddings and spec.is_first != spec.is_last:
             raise ValueError("tied embeddings need the first and the last stage in one module")
-        self.model = LlamaTrunk(cfg, spec)
+        self.model = LlamaTrunk(cfg, spec, self.embed_dim, self.write_dim)
         if spec.is_last and not cfg.tie_embeddings:
             self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
 

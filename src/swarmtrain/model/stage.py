@@ -16,8 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from swarmtrain.config.model import ModelConfig, StageSpec
+from swarmtrain.config.model import SUBSPACE, ModelConfig, StageSpec
 from swarmtrain.model.boundary import Boundary, current_ids_from_inputs, current_ids_from_labels
+from swarmtrain.model.subspace import Subspace, confined_block, split_inputs
 
 
 class DecoderStage(nn.Module):
@@ -27,10 +28,14 @@ class DecoderStage(nn.Module):
         last stage without labels, or with logits_only: logits; other stages: hidden states.
 
     Subclasses build their modules and provide `layers` (a ModuleDict keyed by global layer index),
-    `embed(token_ids)` and `head(hidden) -> logits`.
+    `embed(token_ids)` and `head(hidden) -> logits`. With subspace boundaries (model/subspace.py) a stage
+    after the first takes (batch, seq, k + 1): coordinates and token ids; a stage before the last
+    returns coordinates; `embed` gives the learned k coordinates and the layers in `subspace_layers`
+    write k values (each family sizes them by `embed_dim` and `write_dim`).
     """
 
     layers: nn.ModuleDict
+    space: Subspace | None
 
     def __init__(self, cfg: ModelConfig, spec: StageSpec, cuts: tuple[int, ...] = ()) -> None:
         """`cuts`: for a whole model (one stage) of a run whose stages are cut with boundary layers
@@ -39,6 +44,17 @@ class DecoderStage(nn.Module):
         super().__init__()
         self.cfg, self.spec = cfg, spec
         self.boundaries, self._crossings = _boundaries(cfg, spec, cuts)
+        self.space = Subspace(cfg) if cfg.boundary == SUBSPACE else None
+        self.subspace_layers = _confined_layers(cfg, spec, cuts)
+
+    @property
+    def embed_dim(self) -> int:
+        """Width of the learned token embedding: k coordinates with subspace boundaries, else d_model."""
+        return self.cfg.boundary_dim if self.space is not None else self.cfg.d_model
+
+    def write_dim(self, layer: int) -> int:
+        """Outputs of global layer `layer`'s residual writes: k where it is confined to the subspace."""
+        return self.cfg.boundary_dim if layer in self.subspace_layers else self.cfg.d_model
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -52,6 +68,19 @@ class DecoderStage(nn.Module):
         """`logits_only`: the last stage returns its logits even when given labels (which a
         `lowrank-embed` boundary reads as its tokens' context), for callers that take each request's
         loss from one batch's logits."""
+        if self.space is not None:
+            x = self._subspace_pass(inputs, self.space)
+            if not self.spec.is_last:
+                return x  # the coordinates
+        else:
+            x = self._pass(inputs, labels)
+            if not self.spec.is_last:
+                return self._boundary(self.spec.index).send(x) if self.cfg.boundary != "none" else x
+        logits = self.head(x)
+        return logits if labels is None or logits_only else self.loss(logits, labels)
+
+    def _pass(self, inputs: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
+        """The hidden state after this stage's layers (and its whole-model boundary layers)."""
         current_ids = self._current_ids(inputs, labels)
         x = self.embed(inputs) if self.spec.is_first else inputs
         if not self.spec.is_first and self.cfg.boundary != "none":
@@ -63,11 +92,30 @@ class DecoderStage(nn.Module):
             # process computes what the swarm's stages do) and unrolls to a plain deep model
             for _ in range(self.cfg.shared_layer_repeats):
                 x = block(x)
-        x = self._cross(x, self.spec.layer_end, current_ids)
+        return self._cross(x, self.spec.layer_end, current_ids)
+
+    def _subspace_pass(self, inputs: torch.Tensor, space: Subspace) -> torch.Tensor:
+        """Subspace boundaries: coordinates through the confined layers, then (the last stage, or a whole
+        model past its last cut) the rebuilt hidden state through the full-rank ones. Returns the
+        coordinates on a stage before the last, the hidden state on the last."""
+        if self.spec.is_first:
+            token_ids, coords = inputs, self.embed(inputs)
+        else:
+            coords, token_ids = split_inputs(inputs)
+        fixed = space.table[token_ids]  # E0 of each position's token
+        x = None
+        for key, block in self.layers.items():
+            confined = int(key) in self.subspace_layers
+            if not confined and x is None:
+                x = space.rebuild(fixed, coords)
+            for _ in range(self.cfg.shared_layer_repeats):
+                if confined:
+                    coords = confined_block(block, space, fixed, coords)
+                else:
+                    x = block(x)
         if not self.spec.is_last:
-            return self._boundary(self.spec.index).send(x) if self.cfg.boundary != "none" else x
-        logits = self.head(x)
-        return logits if labels is None or logits_only else self.loss(logits, labels)
+            return coords
+        return space.rebuild(fixed, coords) if x is None else x
 
     @property
     def reads_labels(self) -> bool:
@@ -107,7 +155,7 @@ def _boundaries(
     cfg: ModelConfig, spec: StageSpec, cuts: tuple[int, ...]
 ) -> tuple[nn.ModuleDict, dict[int, list[str]]]:
     """The boundary halves a module holds, under global keys, and for a whole model where each sits."""
-    if cfg.boundary == "none":
+    if cfg.boundary in ("none", SUBSPACE):  # subspace boundaries have no layers of their own
         return nn.ModuleDict(), {}
     embeds = cfg.boundary == "lowrank-embed"  # only the boundary before the last stage (it has the labels)
     if spec.num_stages > 1:
@@ -125,6 +173,16 @@ def _boundaries(
         for k in range(len(cuts))
     }
     return nn.ModuleDict(boundaries), crossings
+
+
+def _confined_layers(cfg: ModelConfig, spec: StageSpec, cuts: tuple[int, ...]) -> frozenset[int]:
+    """The global layers whose residual writes live in the subspace: every layer of a stage before the
+    last (its output crosses a boundary), and a whole model's layers before its last cut."""
+    if cfg.boundary != SUBSPACE:
+        return frozenset()
+    if spec.num_stages > 1:
+        return frozenset() if spec.is_last else frozenset(range(spec.layer_start, spec.layer_end))
+    return frozenset(range(cuts[-1])) if cuts else frozenset()
 
 
 def init_parameters(module: nn.Module, seed: int | None, std_of: Callable[[str], float | None]) -> None:

@@ -31,8 +31,8 @@ from swarmtrain.net.protocol import (
     StageIO,
     StageRequest,
     checked_label_shape,
-    validate_request,
 )
+from swarmtrain.net.token_ids import IDS, encode_token_ids, validate_stage_request
 
 CHAIN_KIND = "chain"
 EVALUATE_CHAIN_KIND = "evaluate_chain"
@@ -42,12 +42,14 @@ MAX_CANDIDATES = 4  # per stage of a route: the chosen peer and its alternates
 @dataclass
 class ChainRequest:
     """A validated `chain`: this hop's forward, the labels for the last stage (relayed as received),
-    the candidates of every later stage and one accumulate flag per later stage."""
+    the candidates of every later stage and one accumulate flag per later stage; with subspace
+    boundaries the token ids every later stage takes (relayed as received, made at stage 0)."""
 
     forward: StageRequest
     labels: codec.EncodedTensor
     route: list[list[str]]
     accumulate_after: list[bool]
+    ids: codec.EncodedTensor | None = None
 
 
 def chain_message(
@@ -59,29 +61,32 @@ def chain_message(
     labels: codec.EncodedTensor,
     route: list[list[str]],
     accumulate: list[bool],
+    ids: codec.EncodedTensor | None = None,
     **header,
 ) -> Message:
-    """`accumulate[0]` is the receiving stage's flag, the rest belong to the stages of `route`."""
+    """`accumulate[0]` is the receiving stage's flag, the rest belong to the stages of `route`; `ids`:
+    the token ids a stage after a subspace boundary takes (net/token_ids.py)."""
     flags = {"accumulate": accumulate[0], "accumulate_after": list(accumulate[1:])}
     return _hand_off_message(
-        CHAIN_KIND, mb, stage, digest, codec_name, inputs, labels, route, **flags, **header
+        CHAIN_KIND, mb, stage, digest, codec_name, inputs, labels, route, ids, **flags, **header
     )
 
 
 def validate_chain(message: Message, io: StageIO, digest: str, num_stages: int) -> ChainRequest:
     """Check a `chain` against this stage (never the last: it takes `forward_backward`)."""
-    forward, labels, route = _validate_hand_off(message, "forward", io, digest, num_stages)
+    forward, labels, route, ids = _validate_hand_off(message, "forward", io, digest, num_stages)
     flags, later = message.header.get("accumulate_after"), len(route)
     if not (isinstance(flags, list) and len(flags) == later and all(isinstance(f, bool) for f in flags)):
         raise ProtocolError(f"accumulate_after must be {later} true/false value(s)")
-    return ChainRequest(forward, labels, route, flags)
+    return ChainRequest(forward, labels, route, flags, ids)
 
 
 def _hand_off_message(
-    kind: str, mb: str, stage: int, digest: str, codec_name: str, inputs, labels, route, **header
+    kind: str, mb: str, stage: int, digest: str, codec_name: str, inputs, labels, route, ids=None, **header
 ) -> Message:
     body = {"mb": mb, "stage": stage, "digest": digest, "codec": codec_name, "route": route, **header}
-    return Message(kind, body, {"inputs": inputs, "labels": labels})
+    tensors = {"inputs": inputs, "labels": labels, **({IDS: ids} if ids is not None else {})}
+    return Message(kind, body, tensors)
 
 
 # A validation micro-batch handed along `route` (forward only, nothing kept); the reply is its loss. It
@@ -91,22 +96,31 @@ evaluate_chain_message = functools.partial(_hand_off_message, EVALUATE_CHAIN_KIN
 
 def validate_evaluate_chain(message: Message, io: StageIO, digest: str, num_stages: int) -> ChainRequest:
     """Check an `evaluate_chain` against this stage (never the last: it takes `evaluate`)."""
-    forward, labels, route = _validate_hand_off(message, "evaluate", io, digest, num_stages)
-    return ChainRequest(forward, labels, route, [False] * len(route))
+    forward, labels, route, ids = _validate_hand_off(message, "evaluate", io, digest, num_stages)
+    return ChainRequest(forward, labels, route, [False] * len(route), ids)
 
 
 def _validate_hand_off(
     message: Message, hop_kind: str, io: StageIO, digest: str, num_stages: int
-) -> tuple[StageRequest, codec.EncodedTensor, list[list[str]]]:
-    """What a chain of either kind carries: this hop's request (`hop_kind`), the labels and the route."""
+) -> tuple[StageRequest, codec.EncodedTensor, list[list[str]], codec.EncodedTensor | None]:
+    """What a chain of either kind carries: this hop's request (`hop_kind`), the labels, the route and
+    (subspace boundaries) the later stages' token ids."""
     if io.is_last:
         raise ProtocolError(f"the last stage takes no {message.kind}")
     header = message.header
-    if set(message.tensors) != {"inputs", "labels"}:
-        raise ProtocolError(f"{message.kind} carries inputs and labels, got {sorted(message.tensors)}")
-    forward = validate_request(Message(hop_kind, header, {"inputs": message.tensors["inputs"]}), io, digest)
+    names = {"inputs", "labels"} | ({IDS} if io.token_ids else set())
+    if set(message.tensors) != names:
+        raise ProtocolError(
+            f"{message.kind} carries {', '.join(sorted(names))}, got {sorted(message.tensors)}"
+        )
     labels = message.tensors["labels"]
-    checked_label_shape(labels, tuple(forward.inputs.shape[:2]))
+    checked_label_shape(labels, tuple(message.tensors["inputs"].shape[:2]))
+    decoded = message.tensor("labels") if io.subspace else None
+    hop = {name: t for name, t in message.tensors.items() if name != "labels"}
+    forward = validate_stage_request(Message(hop_kind, header, hop), io, digest, decoded)
+    ids = message.tensors.get(IDS)  # relayed as received; stage 0 writes the ids its inputs are
+    if io.subspace and io.is_first:
+        ids = encode_token_ids(forward.inputs, decoded, io.vocab_size)
     later = num_stages - io.stage - 1
     route = header.get("route")
     if not (isinstance(route, list) and len(route) == later):
@@ -118,7 +132,7 @@ def _validate_hand_off(
             raise ProtocolError("route entries are peer ids")
         if len(set(candidates)) != len(candidates):
             raise ProtocolError("a route entry names a peer twice")
-    return forward, labels, route
+    return forward, labels, route, ids
 
 
 def micro_batch_origin(header: dict, caller: str) -> str:

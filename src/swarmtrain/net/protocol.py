@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from swarmtrain.config import RunConfig
-from swarmtrain.config.model import ModelConfig, StageSpec
+from swarmtrain.config.model import SUBSPACE, ModelConfig, StageSpec
 from swarmtrain.net import codec
 
 
@@ -279,27 +279,25 @@ class StageIO:
     max_batch: int
     ignore_label: int = -100
     device: torch.device | None = None  # where float tensors are decoded (net/device_bytes.py); None: host
+    subspace: bool = False  # subspace boundaries: hops to later stages carry token ids (net/token_ids.py)
 
     @classmethod
     def from_config(
         cls, model: ModelConfig, spec: StageSpec, max_batch: int, device: torch.device | None = None
     ) -> StageIO:
-        return cls(
-            spec.index,
-            spec.is_first,
-            spec.is_last,
-            model.wire_dim,
-            model.seq_len,
-            model.vocab_size,
-            max_batch,
-            model.pad_token_id,
-            device,
-        )
+        return cls(spec.index, spec.is_first, spec.is_last, model.wire_dim, model.seq_len, model.vocab_size,
+                   max_batch, model.pad_token_id, device, model.boundary == SUBSPACE)  # fmt: skip
+
+    @property
+    def token_ids(self) -> bool:
+        """Whether this stage's requests carry token ids: after a subspace boundary."""
+        return self.subspace and not self.is_first
 
     def max_message_bytes(self) -> int:
-        """Largest legal request: fp32 input + fp32 grad + int64 labels of a full batch, plus slack."""
+        """Largest legal request: fp32 input + fp32 grad + int64 labels (+ int32 token ids after a subspace
+        boundary) of a full batch, plus slack."""
         values = self.max_batch * self.seq_len
-        return values * (2 * 4 * self.wire_dim + 8) + MAX_HEADER_BYTES + 4096
+        return values * (2 * 4 * self.wire_dim + 8 + 4 * self.token_ids) + MAX_HEADER_BYTES + 4096
 
 
 @dataclass

@@ -51,13 +51,15 @@ _WIDEST = "none"  # fp32: the widest codec a message may name
 def request_bytes(io: StageIO, kind: str, codec_name: str, samples: int) -> int:
     """Bytes of the largest `kind` request of `samples` samples that `io`'s stage validates, its floats
     in `codec_name`: inputs (int64 token ids at stage 0), the gradient of the outputs (`backward`), labels
-    (the last stage's, and every chain's; int64 at most) and the envelope."""
+    (the last stage's, and every chain's; int64 at most), token ids after a subspace boundary (int32 at
+    most, net/token_ids.py) and the envelope."""
     tokens = samples * io.seq_len
     floats = codec.payload_size(codec_name, torch.float32, tokens * io.wire_dim)
     inputs = 8 * tokens if io.is_first else floats
     gradient = floats if kind == "backward" else 0
     labels = 8 * tokens if io.is_last or kind in _CHAIN_KINDS else 0
-    return inputs + gradient + labels + _ENVELOPE
+    ids = 4 * tokens if io.token_ids else 0
+    return inputs + gradient + labels + ids + _ENVELOPE
 
 
 def reply_bytes(io: StageIO, codec_name: str, micro_batch: int) -> int:

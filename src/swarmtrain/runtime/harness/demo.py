@@ -16,13 +16,13 @@ import signal
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from swarmtrain.config import load_run_config
 from swarmtrain.config.hf_config import model_config_from_hf, read_hf_config
 from swarmtrain.runtime.harness.accounting import account_stage
-from swarmtrain.runtime.harness.local_swarm import LocalSwarm, write_run_toml
+from swarmtrain.runtime.harness.local_swarm import LocalSwarm, derived_run_toml, write_run_toml
 from swarmtrain.runtime.ledger import read_ledger
 
 SUMMARY_KEYS = (
@@ -62,6 +62,8 @@ class DemoOptions:
     monitor_port: int | None = 0  # the live web page (`swarmtrain monitor`); 0: any free port; None: none
     checkpoint_dir: str | None = None  # servers write stage checkpoints here (`swarmtrain export` reads them)
     init_from_hf: str | None = None  # every peer's model (and servers' weights) from this HF directory
+    # [model] fields the demo's run file sets over the preset's or --config's (`--boundary`, ...)
+    model_overrides: dict = field(default_factory=dict)
     # where the stage servers and the one-process reference compute (`--device`, `--dtype` of
     # model/device.py); fp16 is refused by the servers (whole-model commands only)
     device: str = "auto"
@@ -89,12 +91,19 @@ def _on_signal(signum, frame):
     raise Interrupted()
 
 
+def _run_file(options: DemoOptions, workdir: Path) -> Path | str:
+    """The run file every peer reads: --config, or the preset with the demo's swarm, plus the model's
+    overrides (a copy when they change a given file)."""
+    model = {"model": options.model_overrides} if options.model_overrides else {}
+    if options.config_path is None:
+        return write_run_toml(workdir / "run.toml", options.preset, {"swarm": DEMO_SWARM, **model})
+    return derived_run_toml(options.config_path, workdir / "run.toml", model) if model else options.config_path
+
+
 def run_demo(options: DemoOptions, out=sys.stdout) -> dict:
     workdir = Path(options.workdir or tempfile.mkdtemp(prefix="swarmtrain-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    config = options.config_path or write_run_toml(
-        workdir / "run.toml", options.preset, {"swarm": DEMO_SWARM}
-    )
+    config = _run_file(options, workdir)
     cfg = load_run_config(config)
     if options.init_from_hf:  # what the peers derive from the same directory
         raw = read_hf_config(options.init_from_hf)

@@ -63,7 +63,7 @@ class InnerTrainer:
             load_stage_from_hf(self.model, init_from_hf)
         if swap_budget_bytes and compute.mixed:
             raise ConfigError("the layer swapper computes in fp32: use --dtype fp32 with --offload-budget-mb")
-        if swap_budget_bytes and self.model.boundaries:
+        if swap_budget_bytes and (self.model.boundaries or self.model.space is not None):
             # SwappedGPT streams the blocks and runs embed and head around them, no boundary layers
             raise ConfigError(
                 "the layer swapper does not run boundary layers ([model] boundary): drop --offload-budget-mb"

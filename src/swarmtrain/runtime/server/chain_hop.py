@@ -45,6 +45,7 @@ from swarmtrain.net.protocol import (
     error_message,
     request_message,
 )
+from swarmtrain.net.token_ids import IDS
 from swarmtrain.net.transport import StageClient
 from swarmtrain.runtime.server.compute import (
     PRIORITY_BACKWARD,
@@ -288,6 +289,8 @@ class ChainHop:
             if flags is not None:
                 sent["accumulate"] = flags[0]
             tensors = {"inputs": outputs, "labels": chain.labels}
+            if chain.ids is not None:  # subspace boundaries: the last stage rebuilds its inputs from them
+                tensors[IDS] = chain.ids
             return request_message(
                 kind, forward.micro_batch_id, stage, self.digest, forward.codec, tensors, **sent
             )
@@ -301,8 +304,8 @@ class ChainHop:
             chain.route[1:],
         )
         if flags is None:
-            return evaluate_chain_message(*route, **sent)
-        return chain_message(*route, flags, **sent)
+            return evaluate_chain_message(*route, ids=chain.ids, **sent)
+        return chain_message(*route, flags, ids=chain.ids, **sent)
 
     def _hops(self, chain: ChainRequest, peer: str, reply: Message) -> list[HopReport]:
         stage, n = self.io.stage + 1, chain.forward.num_samples

@@ -179,7 +179,8 @@ def _fused(worker: StageWorker, requests: list[StageRequest]) -> list[Message | 
     for request, loss, (a, b) in zip(requests, losses, spans, strict=True):
         worker.counters.fused += 1
         worker.counters.samples_forward += request.num_samples
-        tensors = {"grad_inputs": worker.compute.wire(grads[-1][a:b])} if wants_input_grad else {}
+        sent = grads[-1][a:b, ..., worker.grad_columns] if wants_input_grad else None  # coordinates only
+        tensors = {"grad_inputs": worker.compute.wire(sent)} if sent is not None else {}
         header = {"mb": request.micro_batch_id, "loss": float(loss.detach()), "acc": request.num_samples}
         replies.append(make_message("result", header, tensors, request.codec))
     return replies
@@ -237,7 +238,8 @@ def _group_backward(worker: StageWorker, group: Group, requests: list[StageReque
     for request in requests:
         a, b = spans[request.micro_batch_id]
         worker.counters.backward += 1
-        tensors = {"grad_inputs": worker.compute.wire(grads[-1][a:b])} if wants_input_grad else {}
+        sent = grads[-1][a:b, ..., worker.grad_columns] if wants_input_grad else None  # coordinates only
+        tensors = {"grad_inputs": worker.compute.wire(sent)} if sent is not None else {}
         header = {"mb": request.micro_batch_id, "acc": request.num_samples}
         outcomes[request.micro_batch_id] = make_message("result", header, tensors, request.codec)
     return outcomes
@@ -289,8 +291,12 @@ def probe_samples_per_s(worker: StageWorker, cfg: RunConfig, compute: ComputeDev
     time: under a CPU quota beside other starting servers, wall time read identical stage-0 servers
     at 33 to 506 samples/s (bench/rebalance_live.py)."""
     t, m, spec = cfg.training, cfg.model, worker.spec
-    shape = (t.micro_batch_size, m.seq_len) if spec.is_first else (t.micro_batch_size, m.seq_len, m.wire_dim)
+    ids = int(worker.io_has_ids)  # after a subspace boundary: a last column of token ids (0 is one)
+    width = m.wire_dim + ids
+    shape = (t.micro_batch_size, m.seq_len) if spec.is_first else (t.micro_batch_size, m.seq_len, width)
     sample = torch.zeros(shape, dtype=torch.long) if spec.is_first else torch.randn(shape)
+    if ids:
+        sample[..., -1] = 0
     sample = compute.to_device(sample)
     # the last stage's logits, with labels where a boundary reads them (model/boundary.py)
     labels = torch.zeros((t.micro_batch_size, m.seq_len), dtype=torch.long)

@@ -29,8 +29,8 @@ from swarmtrain.net.protocol import (
     StageIO,
     StageRequest,
     error_message,
-    validate_request,
 )
+from swarmtrain.net.token_ids import validate_stage_request
 from swarmtrain.net.transport import Handler  # the one alias: transport's servicer calls handlers
 from swarmtrain.runtime.server.chain_hop import Admitted, ChainHop
 from swarmtrain.runtime.server.compute import (
@@ -152,22 +152,22 @@ class MicroBatchDesk:
 
     # compute -----------------------------------------------------------------------------------
     async def _compute_forward(self, message: Message, together: int, origin: str) -> Message:
-        request = validate_request(message, self.io, self.digest)
+        request = validate_stage_request(message, self.io, self.digest)
         return await self._compute(request, message.header, PRIORITY_FORWARD, together)
 
     async def _compute_evaluation(self, message: Message, together: int, origin: str) -> Message:
-        request = validate_request(message, self.io, self.digest)
+        request = validate_stage_request(message, self.io, self.digest)
         return await self._compute(request, message.header, PRIORITY_EVAL, together)
 
     async def _compute_backward(self, message: Message, together: int, origin: str) -> Message:
-        request = validate_request(message, self.io, self.digest)
+        request = validate_stage_request(message, self.io, self.digest)
         request.origin = origin
         reply = await self._compute(request, message.header, PRIORITY_BACKWARD, together)
         self._count_done(request, reply)
         return reply
 
     async def _compute_forward_backward(self, message: Message, together: int, origin: str) -> Message:
-        request = validate_request(message, self.io, self.digest)
+        request = validate_stage_request(message, self.io, self.digest)
         request.origin = origin
         # the last stage's fused forward and backward: the worker's forward runs both
         reply = await self._compute(request, message.header, PRIORITY_FORWARD, together)

@@ -31,6 +31,7 @@ import torch
 from torch.func import functional_call
 
 from swarmtrain.config import RunConfig, StageSpec
+from swarmtrain.config.model import SUBSPACE
 from swarmtrain.config.sizes import saved_activation_bytes_per_sample
 from swarmtrain.model import build_stage
 from swarmtrain.model.device import CPU_FP32, ComputeDevice
@@ -112,6 +113,10 @@ class StageWorker:
         `ComputeDevice.graph_budget_bytes`, read once the parameters and optimizer state exist)."""
         self.cfg, self.spec, self.compute = cfg, spec, compute
         self.module = build_stage(cfg.model, spec, seed=cfg.training.seed)
+        # after a subspace boundary the inputs' last column is the token ids (net/token_ids.py): their
+        # (zero) gradient is not sent, only the coordinates' columns of an input gradient are
+        self.io_has_ids = cfg.model.boundary == SUBSPACE and not spec.is_first
+        self.grad_columns = slice(None, cfg.model.wire_dim) if self.io_has_ids else slice(None)
         if init_from_hf is not None:  # before the optimizer and the live copy are made from the parameters
             load_stage_from_hf(self.module, init_from_hf)
         self.module.to(compute.device)  # before the optimizer makes its state beside the parameters
@@ -185,7 +190,8 @@ class StageWorker:
         grad_inputs, accumulated = self._backpropagate(
             request, entry.outputs, grad_outputs, entry.inputs, entry.params
         )
-        tensors = {} if grad_inputs is None else {"grad_inputs": self.compute.wire(grad_inputs)}
+        sent = None if grad_inputs is None else grad_inputs[..., self.grad_columns]
+        tensors = {} if sent is None else {"grad_inputs": self.compute.wire(sent)}
         return make_message("result", {"mb": mb, "acc": accumulated}, tensors, request.codec)
 
     def _forward_last(self, request: StageRequest) -> Message:
@@ -202,7 +208,8 @@ class StageWorker:
         self.counters.fused += 1
         self.counters.samples_forward += n
         grad_inputs, accumulated = self._backpropagate(request, loss * n, None, inputs, params)
-        tensors = {} if grad_inputs is None else {"grad_inputs": self.compute.wire(grad_inputs)}
+        sent = None if grad_inputs is None else grad_inputs[..., self.grad_columns]
+        tensors = {} if sent is None else {"grad_inputs": self.compute.wire(sent)}
         header = {"mb": mb, "loss": float(loss.detach()), "acc": accumulated}
         return make_message("result", header, tensors, request.codec)
 

@@ -27,6 +27,7 @@ from swarmtrain.net.hand_off import (
     validate_hops,
 )
 from swarmtrain.net.protocol import Message, ProtocolError
+from swarmtrain.net.token_ids import IDS
 from swarmtrain.planner.routing import BACKWARD_WEIGHT, FORWARD_CHARGE, FORWARD_WEIGHT
 from swarmtrain.runtime.trainer.call_policy import PERSISTENT_ATTEMPTS, Attempt, frozen_or, run_call
 from swarmtrain.runtime.trainer.hedging import Copy, Pair, SilentPastDeadline
@@ -50,20 +51,35 @@ class ChainCaller:
         self.hedger, self.table = caller.hedger, caller.table
 
     async def run(
-        self, mb: str, step: int, n: int, inputs: EncodedTensor, labels: EncodedTensor, first: int = 0
+        self,
+        mb: str,
+        step: int,
+        n: int,
+        inputs: EncodedTensor,
+        labels: EncodedTensor,
+        first: int = 0,
+        ids: EncodedTensor | None = None,
     ) -> ChainAnswer:
         """The micro-batch's loss, every stage's report from `first` on (the first stage's peer's first)
         and the gradient of `first`'s inputs (None at stage 0). `inputs`: what stage `first` takes (token
-        ids at stage 0; the trainer relayed the stages before it)."""
-        plan = _ChainPlan(self, mb, step, n, inputs, labels, first)
+        ids at stage 0; the trainer relayed the stages before it); `ids`: the token ids a stage after a
+        subspace boundary takes beside them (net/token_ids.py)."""
+        plan = _ChainPlan(self, mb, step, n, inputs, (labels, ids), first)
         return await run_call(self.peers, self.stats, plan)
 
     async def evaluate(
-        self, mb: str, n: int, inputs: EncodedTensor, labels: EncodedTensor, first: int, step
+        self,
+        mb: str,
+        n: int,
+        inputs: EncodedTensor,
+        labels: EncodedTensor,
+        first: int,
+        step,
+        ids: EncodedTensor | None = None,
     ) -> float:
         """A validation micro-batch's loss, handed from stage `first` to the last along a route as training
         micro-batches are (`evaluate_chain`); `step`: the parameter version every stage must have."""
-        plan = _EvaluationPlan(self, mb, n, inputs, labels, first, step)
+        plan = _EvaluationPlan(self, mb, n, inputs, (labels, ids), first, step)
         return await run_call(self.peers, self.stats, plan)
 
     async def _attempt(
@@ -122,6 +138,7 @@ class ChainCaller:
             message.tensors["labels"],
             rest,
             [False] * len(route),
+            ids=message.tensors.get(IDS),
             step=message.header.get("step"),
             timeout_s=message.header.get("timeout_s"),
         )
@@ -192,10 +209,12 @@ class _ChainPlan:
         step: int,
         n: int,
         inputs: EncodedTensor,
-        labels: EncodedTensor,
+        tokens: tuple[EncodedTensor, EncodedTensor | None],
         first: int,
     ) -> None:
-        self.chain, self.mb, self.step, self.inputs, self.labels = chain, mb, step, inputs, labels
+        """`tokens`: the labels, and the token ids a stage after a subspace boundary takes (or None)."""
+        self.chain, self.mb, self.step, self.inputs = chain, mb, step, inputs
+        self.labels, self.ids = tokens
         self.stage, self.num_samples, self.weight, self.what = first, n, HOP_WEIGHT, f"chain of {mb}"
         self.flags = [True] * (chain.num_stages - first)
         self.budget_s = chain.caller.swarm.request_timeout_s * len(self.flags)  # every hop waits on the next
@@ -215,6 +234,7 @@ class _ChainPlan:
             self.labels,
             self.route,
             self.flags,
+            ids=self.ids,
             step=self.step,
             timeout_s=self.budget_s,
         )
@@ -258,11 +278,13 @@ class _EvaluationPlan:
         mb: str,
         n: int,
         inputs: EncodedTensor,
-        labels: EncodedTensor,
+        tokens: tuple[EncodedTensor, EncodedTensor | None],
         first: int,
         step,
     ) -> None:
-        self.chain, self.mb, self.inputs, self.labels, self.step = chain, mb, inputs, labels, step
+        """`tokens`: the labels, and the token ids a stage after a subspace boundary takes (or None)."""
+        self.chain, self.mb, self.inputs, self.step = chain, mb, inputs, step
+        self.labels, self.ids = tokens
         self.stage, self.num_samples, self.weight, self.what = first, n, FORWARD_WEIGHT, f"evaluation of {mb}"
         self.budget_s = chain.caller.swarm.request_timeout_s * (chain.num_stages - first)
         self.route: list[list[str]] = []
@@ -284,6 +306,7 @@ class _EvaluationPlan:
             self.inputs,
             self.labels,
             self.route,
+            ids=self.ids,
             step=self.step,
             timeout_s=self.budget_s,
         )

@@ -24,10 +24,12 @@ from dataclasses import dataclass, field
 
 from swarmtrain.config import RunConfig
 from swarmtrain.config.errors import UserError
+from swarmtrain.config.model import SUBSPACE
 from swarmtrain.net.codec import encode
 from swarmtrain.net.dht_records import RunRecords
 from swarmtrain.net.engine import PeerNetwork
 from swarmtrain.net.protocol import close_message, encode_labels, namespace
+from swarmtrain.net.token_ids import IDS, encode_token_ids
 from swarmtrain.net.transport import StageClient
 from swarmtrain.planner.routing import BACKWARD_WEIGHT, FORWARD_CHARGE, FORWARD_WEIGHT, direct_from
 from swarmtrain.planner.stop_step import StopAction
@@ -342,16 +344,18 @@ class SwarmTrainer:
             x = encode(input_ids, self.codec)
             stage_inputs, forward_peers = [], []
             for stage in range(first):
+                tensors = {"inputs": x, **self._ids(stage, input_ids)}
                 reply, peer = await call(
-                    stage, "forward", mb, n, {"inputs": x}, FORWARD_WEIGHT, charge=FORWARD_CHARGE, step=step
+                    stage, "forward", mb, n, tensors, FORWARD_WEIGHT, charge=FORWARD_CHARGE, step=step
                 )
                 stage_inputs.append(x)
                 forward_peers.append(peer)
                 x = reply.tensors["outputs"]
             if first < last:
-                loss, grad = await self._hand_off(mb, step, n, first, x, labels, done)
+                loss, grad = await self._hand_off(mb, step, n, first, x, (input_ids, labels), done)
             else:
                 tensors = {"inputs": x, "labels": encode_labels(labels, self.cfg.model.vocab_size)}
+                tensors.update(self._ids(last, input_ids, labels))
                 weight = FORWARD_WEIGHT + BACKWARD_WEIGHT
                 reply, peer = await call(last, "forward_backward", mb, n, tensors, weight, step=step)
                 self._finished(step, last, peer, reply, done)
@@ -364,7 +368,7 @@ class SwarmTrainer:
                     "backward",
                     mb,
                     n,
-                    {"inputs": stage_inputs[stage], "grad_outputs": grad},
+                    {"inputs": stage_inputs[stage], "grad_outputs": grad, **self._ids(stage, input_ids)},
                     BACKWARD_WEIGHT,
                     prefer=forward_peers[stage],
                     persistent=True,
@@ -389,11 +393,21 @@ class SwarmTrainer:
         pairs = zip(peers[:-1], peers[1:], strict=True)
         return direct_from([self.table.can_hand_off(stage, a, b) for stage, (a, b) in enumerate(pairs)])
 
-    async def _hand_off(self, mb: str, step: int, n: int, first: int, inputs, labels, done: set[int]):
-        """Stages `first` to the last by direct hand-off: (loss, gradient of `first`'s inputs)."""
+    def _ids(self, stage: int, input_ids, labels=None) -> dict:
+        """The token ids a stage after a subspace boundary takes beside its inputs (net/token_ids.py),
+        compact where the message carries `labels`; nothing for stage 0 or without subspace boundaries."""
+        if stage == 0 or self.cfg.model.boundary != SUBSPACE:
+            return {}
+        return {IDS: encode_token_ids(input_ids, labels, self.cfg.model.vocab_size)}
+
+    async def _hand_off(self, mb: str, step: int, n: int, first: int, inputs, tokens, done: set[int]):
+        """Stages `first` to the last by direct hand-off: (loss, gradient of `first`'s inputs).
+        `tokens`: the micro-batch's (input ids, labels)."""
         assert self.chain is not None
+        input_ids, labels = tokens
+        ids = self._ids(first, input_ids, labels).get(IDS)
         loss, hops, grad = await self.chain.run(
-            mb, step, n, inputs, encode_labels(labels, self.cfg.model.vocab_size), first
+            mb, step, n, inputs, encode_labels(labels, self.cfg.model.vocab_size), first, ids
         )
         for hop in hops:
             if self.tracker is not None:
@@ -439,13 +453,15 @@ class SwarmTrainer:
         x, first = encode(inputs, self.codec), self._direct_from(n)
         vocab_size = self.cfg.model.vocab_size
         for stage in range(first):
-            reply = await self.caller.call(
-                stage, "evaluate", mb, n, {"inputs": x}, FORWARD_WEIGHT, step=version
-            )
+            tensors = {"inputs": x, **self._ids(stage, inputs)}
+            reply = await self.caller.call(stage, "evaluate", mb, n, tensors, FORWARD_WEIGHT, step=version)
             x = reply.tensors["outputs"]
+        ids = self._ids(first, inputs, labels)
         if self.chain is not None and first < self.num_stages - 1:
-            return await self.chain.evaluate(mb, n, x, encode_labels(labels, vocab_size), first, version)
-        tensors = {"inputs": x, "labels": encode_labels(labels, vocab_size)}
+            return await self.chain.evaluate(
+                mb, n, x, encode_labels(labels, vocab_size), first, version, ids.get(IDS)
+            )
+        tensors = {"inputs": x, "labels": encode_labels(labels, vocab_size), **ids}
         reply = await self.caller.call(
             self.num_stages - 1, "evaluate", mb, n, tensors, FORWARD_WEIGHT, step=version
         )
