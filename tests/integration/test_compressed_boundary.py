@@ -10,9 +10,8 @@ import pytest
 import torch
 
 from swarm_fixtures import TWO_REPLICAS_OF_STAGE_0, start_servers
-from swarmtrain.data import build_datasets, iterate_batches
-from swarmtrain.model import build_model
 from swarmtrain.runtime.local import LocalTrainer
+from whole_model import server_grads, whole_model_reference
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
 
@@ -32,30 +31,17 @@ def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(torch.nn.functional.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0))
 
 
-def _server_grads(probe):
-    grads = {}
-    for stage in (0, 1):
-        (peer,) = probe.peers(stage)
-        reply = probe.info(peer, want="grads")
-        grads.update({name: reply.tensor(name) for name in reply.tensors})
-    return grads
-
-
 def test_a_micro_batch_through_boundary_layers_equals_the_whole_model(make_swarm):
     swarm, cfg = make_swarm("llama-tiny", {"model": BOUNDARY, "swarm": {"compression": "4bit"}})
     start_servers(swarm, {"s0": 0, "s1": 1})
     probe = make_swarm.probe(cfg, swarm, codec="none")
     probe.wait_for_peers([1, 1])
-    inputs, labels = next(iterate_batches(build_datasets(cfg)[0], cfg.training.micro_batch_size, seed=1))
+    inputs, labels, local_loss, local = whole_model_reference(cfg)
     n = inputs.shape[0]
-    model = build_model(cfg.model, seed=cfg.training.seed, cuts=cfg.boundary_cuts())
-    local_loss = model(inputs, labels)
-    local_loss.backward()
-    local = {name: p.grad for name, p in model.named_parameters()}
 
     loss = probe.forward_backward("exact", inputs, labels)
-    assert loss == pytest.approx(float(local_loss), rel=1e-5)
-    grads = _server_grads(probe)
+    assert loss == pytest.approx(local_loss, rel=1e-5)
+    grads = server_grads(probe, 2)
     assert set(grads) == set(local)
     # the last stage's token embedding starts at zero: its gradient is where wrong current-token ids
     # (the labels shifted by one) would show
@@ -73,7 +59,7 @@ def test_a_micro_batch_through_boundary_layers_equals_the_whole_model(make_swarm
     # (stage 0's, 4-bit and stochastically rounded): changed by the codec, still pointing the same way
     probe.set_codec("4bit")
     loss_4bit = probe.forward_backward("4bit", inputs, labels)
-    after = _server_grads(probe)
+    after = server_grads(probe, 2)
     stage0 = [name for name in local if not name.startswith(("lm_head", "model.norm", "boundaries.0.up"))]
     stage0 = [name for name in stage0 if not name.startswith("model.layers.") or int(name.split(".")[2]) < 2]
     delta = {name: (after[name] - grads[name]) / n for name in stage0}
@@ -82,9 +68,9 @@ def test_a_micro_batch_through_boundary_layers_equals_the_whole_model(make_swarm
     )
     changed = max(float((delta[k] - local[k]).abs().max()) for k in stage0)
     print(
-        f"4-bit over a lowrank-embed:32 boundary: loss {loss_4bit:.5f} vs {float(local_loss):.5f}; stage-0 grad cosine {cosine:.4f}, max change {changed:.2e}"
+        f"4-bit over a lowrank-embed:32 boundary: loss {loss_4bit:.5f} vs {local_loss:.5f}; stage-0 grad cosine {cosine:.4f}, max change {changed:.2e}"
     )
-    assert loss_4bit == pytest.approx(float(local_loss), rel=0.02)
+    assert loss_4bit == pytest.approx(local_loss, rel=0.02)
     assert changed > 1e-6  # the codec was applied
     assert cosine >= 0.95
 

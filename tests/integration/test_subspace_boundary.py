@@ -15,9 +15,10 @@ import torch
 
 from swarm_fixtures import start_servers
 from swarmtrain.cli.main import main
-from swarmtrain.data import build_datasets, iterate_batches
-from swarmtrain.model import build_model, build_stage, load_stage_from_checkpoint
+from swarmtrain.data import build_datasets
+from swarmtrain.model import build_stage, load_stage_from_checkpoint
 from swarmtrain.runtime.server.stage_checkpoint import list_checkpoints
+from whole_model import server_grads, whole_model_reference
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 transformers = pytest.importorskip("transformers")
@@ -28,30 +29,17 @@ EVAL_SAMPLES = 32
 TOL = 1e-4
 
 
-def _server_grads(probe, stages: int) -> dict[str, torch.Tensor]:
-    grads = {}
-    for stage in range(stages):
-        (peer,) = probe.peers(stage)
-        reply = probe.info(peer, want="grads")
-        grads.update({name: reply.tensor(name) for name in reply.tensors})
-    return grads
-
-
 def test_a_micro_batch_through_three_subspace_stages_equals_the_whole_model(make_swarm):
     swarm, cfg = make_swarm("llama-tiny", {"model": SUBSPACE, "swarm": {"num_stages": 3}})
     start_servers(swarm, {"s0": 0, "s1": 1, "s2": 2})
     probe = make_swarm.probe(cfg, swarm, codec="none")
     probe.wait_for_peers([1, 1, 1])
-    inputs, labels = next(iterate_batches(build_datasets(cfg)[0], cfg.training.micro_batch_size, seed=1))
+    inputs, labels, local_loss, local = whole_model_reference(cfg)
     n = inputs.shape[0]
-    model = build_model(cfg.model, seed=cfg.training.seed, cuts=cfg.boundary_cuts())
-    local_loss = model(inputs, labels)
-    local_loss.backward()
-    local = {name: p.grad for name, p in model.named_parameters()}
 
     loss = probe.forward_backward("exact", inputs, labels)
-    assert loss == pytest.approx(float(local_loss), rel=1e-5)
-    grads = _server_grads(probe, 3)
+    assert loss == pytest.approx(local_loss, rel=1e-5)
+    grads = server_grads(probe, 3)
     assert set(grads) == set(local)
     for name, grad in grads.items():
         torch.testing.assert_close(grad / n, local[name], rtol=1e-4, atol=1e-6, msg=name)
@@ -60,8 +48,8 @@ def test_a_micro_batch_through_three_subspace_stages_equals_the_whole_model(make
 
     probe.set_codec("4bit")
     loss_4bit = probe.forward_backward("4bit", inputs, labels)
-    print(f"subspace k=8, 4-bit coordinates: loss {loss_4bit:.5f} vs {float(local_loss):.5f}")
-    assert loss_4bit == pytest.approx(float(local_loss), rel=0.02)
+    print(f"subspace k=8, 4-bit coordinates: loss {loss_4bit:.5f} vs {local_loss:.5f}")
+    assert loss_4bit == pytest.approx(local_loss, rel=0.02)
 
 
 def test_a_subspace_swarm_trains_and_exports_a_plain_model_transformers_loads(make_swarm, tmp_path, capsys):
