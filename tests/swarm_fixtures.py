@@ -17,7 +17,7 @@ FAST_SWARM = {
     "announce_period_s": 1.0,
     "rebalance_period_s": 0.0,
 }
-TEARDOWN_GRACE_S = 1.0
+TEARDOWN_GRACE_S = 0.0  # SIGKILL at teardown, no SIGTERM first: nothing looks at a swarm after its test
 STALL_DUMP_AFTER_S = 10.0  # no micro-batch completed for this long: every process's stacks are dumped
 DUMP_PRINT_CHARS = 30_000
 
@@ -59,8 +59,8 @@ def make_swarm(tmp_path):
     yield make
     for client in probes:
         client.close()
-    # nothing looks at a swarm after its test: a short grace before the SIGKILL of each process group
-    # (tests that check a graceful stop call `stop_all` themselves) saves seconds per test
+    # nothing looks at a swarm after its test: each process group is SIGKILLed at once (tests that check
+    # a graceful stop call `stop_all` themselves); a grace would cost every test its length
     for swarm in swarms:
         swarm.stop_all(grace_s=TEARDOWN_GRACE_S)
 

@@ -266,12 +266,13 @@ class LocalSwarm:
 
     def stop_all(self, grace_s: float = 10.0) -> None:
         """Graceful stop: trainers first (their in-flight micro-batches still find servers), then
-        servers and the DHT; whole process groups are SIGKILLed after `grace_s`."""
+        servers and the DHT; whole process groups are SIGKILLed after `grace_s` (0: at once, no SIGTERM)."""
         if self.watchdog is not None:
             self.watchdog.stop()
-        trainers = self._trainers()
-        self._terminate([self.processes[n] for n in trainers], grace_s)
-        self._terminate([p for n, p in self.processes.items() if n not in trainers], grace_s)
+        if grace_s > 0:
+            trainers = self._trainers()
+            self._terminate([self.processes[n] for n in trainers], grace_s)
+            self._terminate([p for n, p in self.processes.items() if n not in trainers], grace_s)
         for proc in self.processes.values():
             proc.kill()  # idempotent: SIGKILLs the rest of each group and removes its sockets
         for quota in self.quotas.values():
