@@ -15,8 +15,13 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 EXIT_WITHIN_S = 60.0
 
 
+# the trainer's grace is MISMATCH_GRACE_PERIODS announce periods, all of it a wait: at half the tests'
+# period (records re-announced every 0.5 s, alive 3 periods) the same check takes 5 s instead of 10 s
+ANNOUNCE_PERIOD_S = 0.5
+
+
 def test_a_trainer_with_other_settings_than_the_servers_exits_2_naming_them(make_swarm):
-    swarm, cfg = make_swarm("tiny")
+    swarm, cfg = make_swarm("tiny", {"swarm": {"announce_period_s": ANNOUNCE_PERIOD_S}})
     assert cfg.swarm.compression == "8bit"
     start_servers(swarm, {"s0": 0, "s1": 1})
     started_s = time.monotonic()
@@ -25,7 +30,7 @@ def test_a_trainer_with_other_settings_than_the_servers_exits_2_naming_them(make
     took_s = time.monotonic() - started_s
     log = trainer.log_text()
     assert code == 2, f"exit code {code} after {took_s:.0f} s:\n{log[-3000:]}"
-    # the grace is announce periods: 10 s with the tests' 1 s period (20 s at the default 2 s)
+    # the grace is announce periods: 5 s at this test's 0.5 s period (20 s at the default 2 s)
     assert MISMATCH_GRACE_PERIODS * cfg.swarm.announce_period_s <= took_s < EXIT_WITHIN_S, took_s
     errors = [line for line in log.splitlines() if "error:" in line]
     assert len(errors) == 1, log[-3000:]
