@@ -12,7 +12,8 @@ from swarmtrain.config.errors import ConfigError
 from swarmtrain.model import build_model, build_stage
 from swarmtrain.net.protocol import StageIO
 
-pytestmark = pytest.mark.unit
+# torch on one thread: two xdist workers with torch's default threads each oversubscribe two cores
+pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_torch_thread")]
 
 KINDS = ("bottleneck", "maxout", "lowrank", "lowrank-embed")
 

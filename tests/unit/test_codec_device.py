@@ -16,7 +16,9 @@ import torch
 from swarmtrain.net import codec, device_bytes, protocol
 from swarmtrain.net.protocol import MAX_ABS_VALUE, ProtocolError, checked_values
 
-pytestmark = [pytest.mark.unit]
+# torch on one thread: two xdist workers with torch's default threads each oversubscribe two cores, and
+# the stochastic-rounding loops then ran ~3x slower
+pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_torch_thread")]
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 FLOAT_CODECS = ["none", "float16", "8bit", "4bit", "3bit", "2bit", "4bit-rht", "2bit-rht"]

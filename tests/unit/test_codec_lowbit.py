@@ -6,7 +6,9 @@ import torch
 
 from swarmtrain.net import codec, protocol
 
-pytestmark = pytest.mark.unit
+# torch on one thread: two xdist workers with torch's default threads each oversubscribe two cores, and
+# the stochastic-rounding loops then ran ~3x slower
+pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_torch_thread")]
 
 LOWBIT = sorted(codec.LOWBIT)
 BLOCK = codec.LOWBIT_BLOCK

@@ -19,7 +19,9 @@ from swarmtrain.planner.outer_rounds import (
 from swarmtrain.runtime.local import local_reference_val_loss
 from swarmtrain.runtime.replica.replica_inner import InnerTrainer, diloco_reference, replica_batch_samples
 
-pytestmark = pytest.mark.unit
+# torch on one thread: two xdist workers with torch's default threads each oversubscribe two cores (the
+# reference trainings took 13-20 s in the unit tier, ~2 s alone)
+pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_torch_thread")]
 
 
 def with_diloco(cfg, **changes):

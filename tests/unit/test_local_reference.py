@@ -13,7 +13,8 @@ from swarmtrain.data import iterate_batches
 from swarmtrain.model.optim import lr_at
 from swarmtrain.runtime.local import LocalTrainer, local_reference_val_loss
 
-pytestmark = pytest.mark.unit
+# torch on one thread: two xdist workers with torch's default threads each oversubscribe two cores
+pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_torch_thread")]
 
 SAMPLES = 256  # 8 steps of tiny's global batch of 32
 

@@ -11,7 +11,8 @@ from swarmtrain.model import (
 )
 from swarmtrain.model.checkpoint import CheckpointError
 
-pytestmark = pytest.mark.unit
+# torch on one thread: two xdist workers with torch's default threads each oversubscribe two cores
+pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_torch_thread")]
 
 
 def _batch(cfg, batch_size=3, seed=0):
