@@ -4,6 +4,7 @@ samples, and the gradients the servers accumulated (their `info` with `want="gra
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from swarmtrain.data import build_datasets, iterate_batches
@@ -28,3 +29,15 @@ def server_grads(probe, stages: int) -> dict[str, torch.Tensor]:
         reply = probe.info(peer, want="grads")
         grads.update({name: reply.tensor(name) for name in reply.tensors})
     return grads
+
+
+def exact_micro_batch(probe, cfg, stages: int):
+    """The reference micro-batch through the swarm's `stages` stages without a codec: the loss the
+    swarm returns equals the whole model's and the servers hold gradients of exactly its parameters.
+    Returns (inputs, labels, the whole model's loss, its gradients, the servers' gradient sums)."""
+    inputs, labels, local_loss, local = whole_model_reference(cfg)
+    loss = probe.forward_backward("exact", inputs, labels)
+    assert loss == pytest.approx(local_loss, rel=1e-5)
+    grads = server_grads(probe, stages)
+    assert set(grads) == set(local)
+    return inputs, labels, local_loss, local, grads
