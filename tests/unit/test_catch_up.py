@@ -15,6 +15,7 @@ from swarmtrain.planner.catch_up import (
     Heard,
     LagRule,
     LagView,
+    Stuck,
     SwarmAhead,
     decide_catch_up,
     evidence_ttl_s,
@@ -45,6 +46,8 @@ def _stranger(step, age_s=1.0) -> SwarmAhead:
 LONG_AGO = NOW - 60.0  # the replica has been at its epoch this long
 REPLAY_DHT = "peers are {} step(s) ahead (we are at 10)"
 REPLAY_ASKED = "peers are {} step(s) ahead (we are at 10; asked directly)"
+STUCK = Stuck(NOW - 3.0, trusted=True)  # a vouched trainer's close of step 10 came 3 s ago
+STUCK_REPLAY = "peers applied step 10, whose close came here 3 s ago"
 
 CASES = [
     # (what, view, decision)
@@ -104,12 +107,12 @@ CASES = [
     (
         "the peer that ran the steps is silent: adopt after the lag grace",
         _view(ahead=_trusted(40), asked={"A": None, "C": 10}),
-        CatchUp(ADOPT, grace_s=3.0),
+        CatchUp(ADOPT, grace_s=3.0, abandon_close=True),
     ),
     (
         "no peer left in the view: adopt after the lag grace",
         _view(ahead=_trusted(40), asked={}),
-        CatchUp(ADOPT, grace_s=3.0),
+        CatchUp(ADOPT, grace_s=3.0, abandon_close=True),
     ),
     (
         "every peer answers at our step (a forged close): the records decide",
@@ -128,6 +131,39 @@ CASES = [
     ),
     ("a stranger's close is still worth asking about", _view(ahead=_stranger(40)), CatchUp(ASK)),
     ("a close older than the bound shows nothing", _view(ahead=_trusted(40, age_s=121.0)), CatchUp(READ)),
+    # a close of its own step it could not act on: the members' sums went to it while it was away
+    ("stuck on its step's close for the lag grace: ask the peers", _view(stuck=STUCK), CatchUp(ASK)),
+    (
+        "stuck for less than the lag grace: the records decide, as without the close",
+        _view(stuck=Stuck(NOW - 2.0, trusted=True)),
+        CatchUp(READ),
+    ),
+    ("stuck, but asked within the lag grace: no new pings", _view(stuck=STUCK, asked_s=NOW - 1.0), CatchUp(READ)),
+    (
+        "stuck, a peer answers a step ahead: it applied the step, replay it from its means",
+        _view(stuck=STUCK, asked={"A": 11, "C": 10}),
+        CatchUp(REPLAY, STUCK_REPLAY, "A", 11),
+    ),
+    (
+        "stuck holding samples of its own, a peer ahead: the exchange or the records decide",
+        _view(stuck=STUCK, asked={"A": 11}, own_samples=8),
+        CatchUp(READ),
+    ),
+    (
+        "stuck on a vouched close, the peer that ran the step silent: adopt, the close held back",
+        _view(stuck=STUCK, asked={"A": None, "C": 10}),
+        CatchUp(ADOPT, grace_s=3.0, abandon_close=True),
+    ),
+    (
+        "stuck on a stranger's close, the peer it names silent: it never leaves its step for it",
+        _view(stuck=Stuck(NOW - 3.0, trusted=False), asked={"A": None}),
+        CatchUp(READ),
+    ),
+    (
+        "stuck, every peer answers at our step: nobody ran it, the records decide",
+        _view(stuck=STUCK, asked={"A": 10}),
+        CatchUp(READ),
+    ),
     ("a close within the window shows nothing", _view(ahead=_trusted(14)), CatchUp(READ)),
 ]
 

@@ -471,3 +471,135 @@ def test_recent_means_are_kept_within_a_byte_budget(tiny_cfg, start_compute, mon
         assert node.means_of(100) == (32, None)
 
     asyncio.run(scenario())
+
+
+class NetLink:
+    """`StagePeerLink` as the catch-up uses it (epochs asked with a ping, a step's means), over `Net`:
+    an unreachable peer is silent."""
+
+    request_timeout_s = 5.0
+    client = object()  # not None: the link can call
+
+    def __init__(self, net: Net):
+        self.net = net
+
+    async def epoch_of(self, peer):
+        return None if peer in self.net.unreachable else self.net.nodes[peer].worker.epoch
+
+    async def step_means(self, peer, step):
+        if peer in self.net.unreachable:
+            raise ConnectionError(f"{peer} is unreachable")
+        kept = self.net.nodes[peer].means_of(step)
+        if kept is None:
+            raise ConnectionError(f"the means of step {step} are not kept at {peer}")
+        return kept
+
+
+class StuckSync:
+    """The synchronizer as the catch-up reaches it (`SyncPort`): the DHT's records lapsed (they show
+    nobody), and what the catch-up asked of it is recorded."""
+
+    fresh_state = False
+
+    def __init__(self):
+        self.calls: list[tuple] = []
+
+    def recorded_peers(self):
+        return {}
+
+    def diverged_from(self, others):
+        return False
+
+    def resync(self, reason):
+        self.calls.append(("resync", reason))
+
+    def check_other_stages(self, epoch, now_s, stranded_grace_s=None, abandon_close=False):
+        self.calls.append(("adopt", epoch, stranded_grace_s, abandon_close))
+
+    def stop_adopting(self):
+        pass
+
+    def publish(self):
+        pass
+
+
+def test_a_replica_stuck_on_a_close_whose_sums_it_never_got_replays_the_step_from_a_peer_that_applied_it(
+    tiny_cfg, micro_batches, start_compute
+):
+    """Netbed chaos, seed 1: a stage-1 replica downloaded its state at step 745 while its peer applied
+    step 745 alone; the peer's sums had gone to it during the download and were refused, the trainers'
+    closes of 745 named only the peer, the DHT's records had lapsed, and the peer's link was then cut:
+    the replica waited 65 s on a step it could never close, the stage's only reachable replica. Stuck on
+    the close for the lag grace, it asks its peers: one that answers ahead applied the step, and C
+    replays it from that peer's means (bitwise A's state); when the peer that ran it is silent, a vouched
+    close lets it adopt the other stages' step although its own step has a close, a stranger's does not."""
+
+    async def scenario():
+        net = Net()
+        nodes = await _replicas(tiny_cfg, ["A", "C"], net, start_compute)
+        a, c = nodes["A"], nodes["C"]
+        for node in (a, c):
+            node.inbox.live = lambda: frozenset("AC")  # the stage's replicas as the DHT last showed them
+        tasks = [asyncio.create_task(n.run()) for n in (a, c)]
+        net.unreachable.add("C")  # A's sums of step 0 never reach C
+        _train(a.worker, micro_batches[:2], prefix="a")
+        for node in (a, c):
+            node.inbox.vouch(["t"])
+            node.inbox.on_close(0, 0, 1, {"A": 16}, ["A", "C"], "t")
+        await _until(lambda: a.worker.epoch == 1 and a.means_of(0) is not None)
+        net.unreachable.discard("C")
+        patient = LagRule(lag_grace_s=60.0, window=4)  # the close is younger than this lag grace
+        catch_up = StageCatchUp(c.worker, StepsBridge(c, NetLink(net), asyncio.get_running_loop()), patient)
+        sync = StuckSync()
+        await asyncio.to_thread(catch_up.tick, sync)
+        assert c.worker.epoch == 0 and sync.calls == []  # nothing asked, nothing done
+        catch_up.rule = RULE
+        await asyncio.sleep(RULE.lag_grace_s + 0.1)
+        await asyncio.to_thread(catch_up.tick, sync)
+        assert c.worker.epoch == 1 and c.counters.replayed_steps == 1 and sync.calls == []
+        assert all(torch.equal(p, q) for p, q in zip(a.worker.params, c.worker.params, strict=True))
+        # step 1: A applies it alone again, then falls silent (its link cut) before C can ask
+        net.unreachable.add("C")
+        _train(a.worker, micro_batches[2:], step=1, prefix="a1")
+        for node, sender in ((a, "t"), (c, "t")):
+            node.inbox.on_close(1, 0, 1, {"A": 16}, ["A", "C"], sender)
+        await _until(lambda: a.worker.epoch == 2)
+        net.unreachable.add("A")
+        await asyncio.sleep(RULE.lag_grace_s + 0.1)
+        await asyncio.to_thread(catch_up.tick, sync)
+        assert c.worker.epoch == 1 and sync.calls == [("adopt", 1, RULE.lag_grace_s, True)]
+        c.inbox.trusted.clear()  # the same, but the close is a stranger's: C never leaves its step for it
+        sync.calls.clear()
+        await asyncio.sleep(RULE.lag_grace_s + 0.1)
+        await asyncio.to_thread(catch_up.tick, sync)
+        assert sync.calls == [] and c.worker.epoch == 1
+        for task in tasks:
+            task.cancel()
+
+    asyncio.run(scenario())
+
+
+RULE = LagRule(lag_grace_s=0.3, window=4)
+
+
+def test_a_step_the_replica_left_meanwhile_is_neither_applied_nor_replayed_twice(
+    tiny_cfg, micro_batches, start_compute
+):
+    """The sync thread may adopt the other stages' step while the step loop finishes a step (a close it
+    was stuck on, then given up): the loop's apply finds the epoch moved and applies nothing (it used
+    to raise "step 0 applied at epoch 3" into the log); a replay of the step the loop is finishing
+    waits for the loop instead of applying it a second time."""
+
+    async def scenario():
+        node = (await _replicas(tiny_cfg, ["C"], Net(), start_compute))["C"]
+        node._finishing = 0
+        assert not await node.replay(0, 16, None)  # the step loop is finishing step 0
+        node._finishing = None
+        await asyncio.to_thread(node.worker.advance_to, 3)
+        _train(node.worker, micro_batches[:1], step=3, prefix="c")
+        bucket_samples = node.worker.unapplied_samples
+        await node._apply(0, {}, [], time.monotonic())  # step 0, left for step 3 meanwhile
+        assert node.worker.epoch == 3 and node.counters.steps == 0
+        assert node.worker.unapplied_samples == bucket_samples
+
+    asyncio.run(scenario())

@@ -589,3 +589,28 @@ def test_a_replica_that_skipped_steps_follows_its_peer_whatever_the_ids(make_syn
     peer_sync.tick()
     assert peer_averager.calls == []
     assert peer_records.progress.get("B") is None or peer_records.progress["B"].get("skipped") is not True
+
+
+def test_a_replica_gives_up_its_steps_close_only_when_the_catch_up_abandons_it(make_joiner, tiny_cfg):
+    """Netbed chaos, seed 0: a replica a step behind waited 32 s on closes naming only its frozen peer,
+    because a step with a close is never left for the other stages' step. When the catch-up found the
+    peers that ran it silent behind a vouched close (`abandon_close`), the close no longer holds it."""
+
+    class Closing(FakeSteps):
+        def closing(self):
+            return True
+
+    sync, worker, records, fatal = make_joiner(lag_grace_s=0.1, stranded_s=60.0, steps=Closing())
+    donor = _donor(tiny_cfg, 3)
+    sync.averager.donor_state = donor.export_state()
+    records.by_stage[0] = {"X": _peer(3)}
+    records.progress["A"] = _peer(3)
+    sync.join()
+    records.by_stage[0] = {"X": _peer(5)}
+    for _ in range(2):
+        sync.check_other_stages(3, time.monotonic(), 0.1)
+        time.sleep(0.15)
+    assert worker.epoch == 3  # its step has a close: held
+    sync.check_other_stages(3, time.monotonic(), 0.1, abandon_close=True)
+    assert worker.epoch == 5 and sync.skipped and fatal == []
+    sync.stop()

@@ -1,9 +1,11 @@
 """What a stage replica does when it falls behind its stage: the lag rule, a pure function.
 
-A replica learns that its stage went on without it from three sources: the stage's progress records in
+A replica learns that its stage went on without it from four sources: the stage's progress records in
 the DHT (refreshed every heartbeat, but they lapse while the swarm is partitioned and still list a peer
 that froze), a trainer's close of a step past its close window (`SwarmAhead`, kept by
-runtime/server/step_inbox.py), and its stage peers' answers to a ping asking their epochs. From these
+runtime/server/step_inbox.py), a close of its own step that it has not been able to act on for the lag
+grace (`Stuck`: the members' gradients went to it while it was downloading or cut off), and its stage
+peers' answers to a ping asking their epochs. From these
 and its own state `decide_catch_up` chooses one action: replay the missed steps from a peer's mean
 gradients, resync (download the state), adopt the other stages' step (planner/restore.py's
 `behind_other_stages` then says when), or wait. It may first ask for what it needs (`ASK`: ping the
@@ -63,6 +65,15 @@ class SwarmAhead:
 
 
 @dataclass(frozen=True)
+class Stuck:
+    """The step a replica is at has had a trainer's close since `since_s` (or since the replica reached
+    the step, if later), and the replica has not applied it."""
+
+    since_s: float
+    trusted: bool  # one of those closes came from a vouched sender (`SwarmAhead.trusted`'s rule)
+
+
+@dataclass(frozen=True)
 class LagRule:
     """The run's settings the lag rule reads."""
 
@@ -89,6 +100,8 @@ class LagView:
     diverged: bool = False  # a peer it follows had other parameters at the same step (with `recorded`)
     fresh_state: bool = False  # restored from a checkpoint, or initial weights, with no step since
     epoch_since_s: float = float("-inf")  # since when it has been at `epoch`
+    stuck: Stuck | None = None  # its step has a close it has not applied
+    asked_s: float = float("-inf")  # when it last asked its stage peers' epochs
 
 
 @dataclass(frozen=True)
@@ -101,6 +114,7 @@ class CatchUp:
     end: int = 0  # REPLAY: steps epoch..end-1
     grace_s: float | None = None  # ADOPT: how long behind before adopting (None: a request timeout)
     behind_since_s: float | None = None  # the lag clock from now on
+    abandon_close: bool = False  # ADOPT: even while its own step has a close (those who ran it are silent)
 
 
 def evidence_ttl_s(request_timeout_s: float, averaging_timeout_s: float) -> float:
@@ -133,6 +147,14 @@ def left_behind(ahead: SwarmAhead, epoch: int, now_s: float, rule: LagRule) -> b
     return _shows_ahead(ahead.latest, epoch, now_s, rule)
 
 
+def stuck_on_close(view: LagView, rule: LagRule) -> bool:
+    """The replica's step has had a close it could not act on for the lag grace: the members' gradients
+    (or the trainer's data) never reached it. A step closes within milliseconds on a LAN and within an
+    exchange on a slow link, and a member that is slow but alive still answers a ping, so asking costs
+    little and only a peer that already applied the step, or silence behind a vouched close, acts."""
+    return view.stuck is not None and view.now_s - view.stuck.since_s >= rule.lag_grace_s
+
+
 def _shows_ahead(close: Heard | None, epoch: int, now_s: float, rule: LagRule) -> bool:
     return (
         close is not None
@@ -143,15 +165,19 @@ def _shows_ahead(close: Heard | None, epoch: int, now_s: float, rule: LagRule) -
 
 def decide_catch_up(view: LagView, rule: LagRule) -> CatchUp:
     """What a replica does at a sync tick, in order:
-    1. Left behind (`left_behind`: a fresh close past the window) and its peers not yet asked: `ASK`.
+    1. Left behind (`left_behind`: a fresh close past the window), or stuck on a close of its own step
+       (`stuck_on_close`; at most once per lag grace), and its peers not yet asked: `ASK`.
     2. Asked: a peer that answers more than `keep_ahead` steps ahead is caught up with at once (replay
-       from the furthest, else resync). When no peer that answers is ahead and one is silent (or none is
-       left), those that ran the steps are frozen or cut off: it adopts the other stages' step after
-       the lag grace instead of a request timeout (the frozen peer wins a fingerprint mismatch when it
-       wakes, planner/restore.follows_on_mismatch). Only on a fresh close from a vouched sender
-       (`SwarmAhead.trusted`): a stranger's close far ahead makes the replica ask, never by itself
-       leave its step (and every peer that answers is believed; a forger cannot silence an honest
-       one). Otherwise the records decide, as without the close.
+       from the furthest, else resync). Stuck, holding no samples of the step, with a peer that answers
+       ahead: that peer applied the step, so it is replayed from its mean gradients (the members' sums
+       went to this replica while it downloaded its state or was cut off, and nobody sends them again).
+       When no peer that answers is ahead and one is silent (or none is left), those that ran the steps
+       are frozen or cut off: it adopts the other stages' step after the lag grace instead of a request
+       timeout, even while its own step has a close (the frozen peer wins a fingerprint mismatch when it
+       wakes, planner/restore.follows_on_mismatch). Only on a fresh close from a vouched sender (far
+       ahead, `SwarmAhead.trusted`, or of its own step, `Stuck.trusted`): a stranger's close makes the
+       replica ask, never by itself leave its step (and every peer that answers is believed; a forger
+       cannot silence an honest one). Otherwise the records decide, as without the close.
     3. The records not read yet: `READ`.
     4. A peer in the records ahead for the lag grace, or more than `keep_ahead` steps ahead at once:
        replay the missed steps from the most advanced peer when the replica holds no samples of its own
@@ -159,7 +185,8 @@ def decide_catch_up(view: LagView, rule: LagRule) -> CatchUp:
     5. Parameters diverged from a peer it follows: resync.
     6. No peer ahead, and its state fresh or no step for the lag grace: `ADOPT` (the other stages'
        step after a request timeout, planner/restore.behind_other_stages); else `WAIT`."""
-    if view.asked is None and left_behind(view.ahead, view.epoch, view.now_s, rule):
+    stuck = stuck_on_close(view, rule) and view.now_s - view.asked_s >= rule.lag_grace_s
+    if view.asked is None and (stuck or left_behind(view.ahead, view.epoch, view.now_s, rule)):
         return CatchUp(ASK, behind_since_s=view.behind_since_s)
     if view.asked is not None:
         direct = _asked(view, rule)
@@ -179,9 +206,14 @@ def _asked(view: LagView, rule: LagRule) -> CatchUp | None:
         return _replay_or_resync(
             view, answered, rule, f"peers are {ahead} step(s) ahead (we are at {epoch}; asked directly)"
         )
+    stuck = view.stuck if stuck_on_close(view, rule) else None
+    if stuck is not None and ahead > 0 and view.own_samples == 0:
+        reason = f"peers applied step {epoch}, whose close came here {view.now_s - stuck.since_s:.0f} s ago"
+        return _replay_or_resync(view, answered, rule, reason)
     frozen = not answered or len(answered) < len(asked)
-    if ahead <= 0 and frozen and _shows_ahead(view.ahead.trusted, epoch, view.now_s, rule):
-        return CatchUp(ADOPT, grace_s=rule.lag_grace_s, behind_since_s=view.behind_since_s)
+    vouched = _shows_ahead(view.ahead.trusted, epoch, view.now_s, rule) or (stuck is not None and stuck.trusted)
+    if ahead <= 0 and frozen and vouched:
+        return CatchUp(ADOPT, grace_s=rule.lag_grace_s, behind_since_s=view.behind_since_s, abandon_close=True)
     return None
 
 

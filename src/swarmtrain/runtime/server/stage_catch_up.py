@@ -4,8 +4,9 @@ The rule is planner/catch_up.py's `decide_catch_up` (replay, resync, adopt or wa
 what it reads, asks what it needs, and acts, once per sync tick on the synchronizer's thread
 (runtime/server/stage_sync.py):
 - the evidence that the stage went on: trainers' closes past the close window, kept by the step inbox
-  (`SwarmAhead`, runtime/server/step_inbox.py), which expire; the stage's progress records in the DHT;
-  and, when a fresh close shows the replica left behind, its stage peers' epochs, asked with a ping;
+  (`SwarmAhead`, runtime/server/step_inbox.py), which expire; a close of the replica's own step it has
+  not applied (`Stuck`); the stage's progress records in the DHT; and, when a fresh close shows the
+  replica left behind or stuck, its stage peers' epochs, asked with a ping;
 - a replay applies the missed steps from a peer's mean gradients (`StepCoordinator.replay` on the event
   loop, the means asked with `StagePeerLink.step_means`); a resync and an adoption of the other stages'
   step are the synchronizer's (`SyncPort`);
@@ -33,6 +34,7 @@ from swarmtrain.planner.catch_up import (
     CatchUp,
     LagRule,
     LagView,
+    Stuck,
     SwarmAhead,
     decide_catch_up,
     trails_stage,
@@ -66,6 +68,10 @@ class StepsPort(Protocol):
         """The step this replica is at has a close or gradients pending (it must not adopt another)."""
         ...
 
+    def stuck(self) -> Stuck | None:
+        """The step this replica is at has a trainer's close it has not applied: since when."""
+        ...
+
     def epoch_moved(self) -> None:
         """A download, restore or adoption moved the epoch: requests held for a step look again."""
         ...
@@ -93,7 +99,9 @@ class SyncPort(Protocol):
 
     def resync(self, reason: str) -> None: ...
 
-    def check_other_stages(self, epoch: int, now_s: float, stranded_grace_s: float | None = None) -> None: ...
+    def check_other_stages(
+        self, epoch: int, now_s: float, stranded_grace_s: float | None = None, abandon_close: bool = False
+    ) -> None: ...
 
     def stop_adopting(self) -> None: ...  # not behind the other stages: their clock starts again
 
@@ -110,6 +118,9 @@ class Detached:
 
     def closing(self) -> bool:
         return False
+
+    def stuck(self) -> Stuck | None:
+        return None
 
     def epoch_moved(self) -> None:
         pass
@@ -140,6 +151,20 @@ class StepsBridge:
 
     def closing(self) -> bool:
         return self.steps.inbox.closing(self.steps.worker.epoch)
+
+    def stuck(self) -> Stuck | None:
+        # read from the sync thread while the loop may add a close: a copy that a change interrupted
+        # is taken again at the next tick
+        state = self.steps.pending.get(self.steps.worker.epoch)
+        try:
+            closes = tuple(state.closes.values()) if state is not None else ()
+        except RuntimeError:
+            return None
+        if state is None or not closes:
+            return None
+        since_s = max(min(c.arrived_s for c in closes), state.reached_s or float("-inf"))
+        trusted = self.steps.inbox.trusted
+        return Stuck(since_s, any(c.sender in trusted for c in closes))
 
     def epoch_moved(self) -> None:
         self.steps.versions.changed_threadsafe()
@@ -188,6 +213,7 @@ class StageCatchUp:
         self._behind_since_s: float | None = None  # since when the records have shown a peer ahead
         # the epoch the last read of the records saw, and since when: how long it has gone without a step
         self._seen_epoch: tuple[int, float] = (-1, time.monotonic())
+        self._asked_s = float("-inf")  # when the stage peers were last asked their epochs
 
     def tick(self, sync: SyncPort) -> None:
         """(sync thread) Decide, asking the peers or reading the records when the rule needs them, and act."""
@@ -217,10 +243,13 @@ class StageCatchUp:
             time.monotonic(),
             ahead,
             behind_since_s=self._behind_since_s,
+            stuck=self.steps.stuck(),
+            asked_s=self._asked_s,
             **known,
         )
 
     def _asked(self, view: LagView) -> LagView:
+        self._asked_s = time.monotonic()
         asked = self.steps.peer_epochs()
         if asked is None:  # asking failed: this tick goes on as if no close had come
             return self._view(SwarmAhead(view.ahead.newest_step))
@@ -255,6 +284,6 @@ class StageCatchUp:
         elif decision.action == RESYNC:
             sync.resync(decision.reason)
         elif decision.action == ADOPT:
-            sync.check_other_stages(view.epoch, view.now_s, decision.grace_s)
+            sync.check_other_stages(view.epoch, view.now_s, decision.grace_s, decision.abandon_close)
         else:
             sync.stop_adopting()

@@ -160,6 +160,7 @@ class StepCoordinator:
         # (decided here once: a worker's outer optimizer and parameters are fixed when it is built)
         self.kept_means = KeptMeans(worker.params) if worker.outer is None else None
         self._replaying = False
+        self._finishing: int | None = None  # the step `_finish` works on (a replay of it must wait)
         # what forwards wait on; the loop is the server's (made before serving) or a test's
         self.versions = VersionGate(lambda: self.worker.epoch, loop or asyncio.get_running_loop())
 
@@ -258,7 +259,8 @@ class StepCoordinator:
         same optimizer math on the same state instead of downloading the whole state again, which takes
         longer than a step at a CPU quota and never catches up (bench/rebalance_live.py). False when
         this replica is not at `step` or holds samples of its own (a resync handles those)."""
-        if self.worker.epoch != step or self.worker.unapplied_samples or self._replaying:
+        busy = self._replaying or self._finishing == step
+        if self.worker.epoch != step or self.worker.unapplied_samples or busy:
             return False
         self._replaying = True
         try:
@@ -280,6 +282,13 @@ class StepCoordinator:
         return True
 
     async def _finish(self, step: int) -> None:
+        self._finishing = step
+        try:
+            await self._finish_step(step)
+        finally:
+            self._finishing = None
+
+    async def _finish_step(self, step: int) -> None:
         state, start_s = self.pending[step], time.monotonic()
         start = state.decision
         assert start is not None  # set by `_decided`
@@ -452,12 +461,18 @@ class StepCoordinator:
         # between outer rounds (local steps) replicas legitimately differ: no fingerprint to compare
         local_step = self.worker.outer is not None
 
-        def apply() -> tuple[bool, list[float] | None]:
+        def apply() -> tuple[bool, list[float] | None] | None:
+            if self.worker.epoch != step:  # the sync thread adopted the other stages' step meanwhile
+                return None
             applied = self.worker.apply_step(step, means, samples, hold_epoch)
             return applied, None if local_step else self.worker.param_fingerprint()
 
         kept = None if means is None else [m.clone() for m in means]  # clipping scales in place
-        applied, fingerprint = await self._on_compute(apply)
+        result = await self._on_compute(apply)
+        if result is None:
+            logger.info("step %d: this replica left the step meanwhile; not applied", step)
+            return
+        applied, fingerprint = result
         if not hold_epoch:
             self._keep_means(step, samples, kept)
         if not hold_epoch:

@@ -249,9 +249,12 @@ class StageSynchronizer:
     def stop_adopting(self) -> None:
         self._other_ahead_since_s = None
 
-    def check_other_stages(self, epoch: int, now_s: float, stranded_grace_s: float | None = None) -> None:
+    def check_other_stages(
+        self, epoch: int, now_s: float, stranded_grace_s: float | None = None, abandon_close: bool = False
+    ) -> None:
         """No replica of this stage is ahead: are the other stages, for longer than a step takes?
-        `stranded_grace_s`: instead of the settings' (no replica that answers is ahead)."""
+        `stranded_grace_s`: instead of the settings' (no replica that answers is ahead); `abandon_close`:
+        a close of this replica's step does not hold it back (those who ran the step are silent)."""
         other = self._other_stages_step()
         if other <= epoch:
             self._other_ahead_since_s = None
@@ -265,7 +268,7 @@ class StageSynchronizer:
             self.settings.lag_grace_s,
             self.untrained,
             self.settings.allow_fresh,
-            self.steps.closing(),
+            self.steps.closing() and not abandon_close,
             self.restored,
             self.settings.stranded_grace_s if stranded_grace_s is None else stranded_grace_s,
         )
