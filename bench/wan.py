@@ -48,7 +48,9 @@ scores compressed pipelines: steps to a target validation loss x time per step a
   model's), and its evaluation goes through the codec. The crossing is interpolated
   linearly between the last evaluation above the target and the first at or below it (`<=`: the first
   evaluation was already below it);
-- time per step: global batch / samples/s of that configuration at --ttt-rate in the sweep above.
+- time per step: global batch / samples/s of that configuration at --ttt-rate in the sweep above;
+  a second table does the same at every rate of the sweep, with each row's time against direct-8bit's
+  at that rate and against direct-fp32's on unlimited links, and its steps against direct-fp32's.
 
 Not measured: latency, jitter and loss (the kernel has no netem: a link here is narrow but answers as
 fast as loopback), so these are bandwidth-bound results; machines of different speeds (every process
@@ -552,6 +554,7 @@ def ttt_lines(ttt: dict) -> list[str]:
         for name, row in ttt["configs"].items()
     ]
     lines += _table(["config", "steps", "s/step", "minutes", "direct-8bit / this"], rows)
+    lines += minutes_by_rate_lines(ttt)
     for name, m in (ttt.get("matched") or {}).items():
         lines.append(
             f"{name}: {m['parameters']:,} parameters (plain model {m['plain_parameters']:,}); the plain model "
@@ -559,6 +562,37 @@ def ttt_lines(ttt: dict) -> list[str]:
             f"target step; {name} gets there in {describe_steps(m['steps'])}"
         )
     return lines
+
+
+def minutes_by_rate_lines(ttt: dict) -> list[str]:
+    """Minutes to the target at every rate of the sweep, how many times sooner than direct-8bit at the
+    same rate, and against direct-fp32 on unlimited links (does the link still show?); steps against
+    direct-fp32's."""
+    by_rate = ttt.get("minutes_by_rate") or {}
+    if not by_rate:
+        return []
+    names = list(next(iter(by_rate.values())))
+    fp32_steps = (ttt["configs"].get("direct-fp32") or {}).get("steps", {}).get("steps")
+    fp32_free = (by_rate.get("inf") or {}).get("direct-fp32")
+    header = ["config", "steps / fp32's"]
+    for rate in by_rate:
+        header += [f"min at {rate}", f"8-bit/this at {rate}", f"this at {rate} / fp32 at inf"]
+    rows = []
+    for name in names:
+        n = ttt["configs"][name]["steps"].get("steps")
+        row = [name, _f(n / fp32_steps if n is not None and fp32_steps else None, ".2f", 0)]
+        for minutes in by_rate.values():
+            eight = minutes.get("direct-8bit")
+            mine = minutes[name]
+            row += [
+                _f(mine, ".2f", 0),
+                _f(eight / mine if eight and mine else None, ".2f", 0),
+                _f(mine / fp32_free if mine and fp32_free else None, ".2f", 0),
+            ]
+        rows.append(row)
+    return ["", "time to target at every rate of the sweep (the same steps, each rate's s/step):"] + _table(
+        header, rows
+    )
 
 
 def _relative(row: dict, reference: dict | None) -> float | None:
@@ -811,8 +845,24 @@ def ttt_summary(target, source, rate, steps, histories, configs, report) -> dict
         "steps": steps,
         "histories": histories,
         "configs": rows,
+        "minutes_by_rate": minutes_by_rate(steps, configs, report),
         "note": note,
     }
+
+
+def minutes_by_rate(steps: dict, configs, report: dict) -> dict[str, dict[str, float | None]]:
+    """Minutes to the target of every configuration at every rate of the sweep (rate as `fmt_bw` writes
+    it -> configuration -> minutes; None where it missed the target or its run failed): the same steps
+    to target, each rate's own seconds per step."""
+    table: dict[str, dict[str, float | None]] = {}
+    for point in report["points"]:
+        row: dict[str, float | None] = {}
+        for config in configs:
+            sps = _samples_per_s(point["runs"], config.name)
+            n = steps[config.math].get("steps")
+            row[config.name] = n * report["global_batch"] / sps / 60 if n is not None and sps else None
+        table[fmt_bw(point["mbit_s"])] = row
+    return table
 
 
 # main -------------------------------------------------------------------------------------------------

@@ -184,6 +184,29 @@ def test_time_to_target_is_steps_times_seconds_per_step_at_the_rate():
     assert row.split()[-1] == f"{(76 * 128 / 30) / (152 * 12.8):.2f}"
 
 
+def test_time_to_target_at_every_rate_of_the_sweep_against_8bit_and_unlimited_fp32():
+    """Issue 54's table: minutes to the target at each rate (the same steps, each rate's s/step), how many
+    times sooner than direct-8bit at that rate, and against direct-fp32 at an unlimited rate."""
+    report = fake_report()
+    report["points"][1]["runs"] = dict(report["points"][1]["runs"], **{"direct-fp32": run(64.0)})
+    steps = {
+        "local": {"steps": 150.0, "bound": False},
+        "swarm-fp32": {"steps": 100.0, "bound": False},
+        "swarm-8bit": {"steps": 120.0, "bound": False},
+    }
+    ttt = wan.ttt_summary(1.2, "test", 10.0, steps, {}, wan.REGISTRY[:5], report)
+    by_rate = ttt["minutes_by_rate"]
+    assert list(by_rate) == ["10", "inf"]
+    assert by_rate["10"]["direct-8bit"] == pytest.approx(120 * 128 / 30 / 60)
+    assert by_rate["inf"]["direct-fp32"] == pytest.approx(100 * 2 / 60)
+    lines = wan.ttt_lines(ttt)
+    row = next(line for line in lines if line.split()[:2] == ["direct-8bit", "1.20"])
+    cells = row.split()
+    assert cells[2] == f"{120 * 128 / 30 / 60:.2f}" and cells[3] == "1.00"
+    assert cells[4] == f"{(120 * 128 / 30) / (100 * 2):.2f}"  # 8-bit at 10 Mbit/s against fp32 unlimited
+    json.dumps(wan._json_ready({**report, "ttt": ttt}), allow_nan=False)
+
+
 def test_without_a_test_bed_it_prints_why_and_exits_0(monkeypatch, capsys):
     if os.geteuid() != 0:
         done = subprocess.run(
