@@ -113,7 +113,8 @@ def test_the_rebuilt_hidden_state_is_the_senders_and_the_gradient_crossing_back_
     # by construction: x - E0[ids] lies in B's span
     basis, table = fixed_subspace(cfg.model, seed=3)  # _stages_and_whole's seed
     residual = seen["whole"].detach() - table[tokens]
-    torch.testing.assert_close(residual @ basis @ basis.T, residual, rtol=0, atol=1e-6)
+    d_over_k = cfg.model.d_model / K  # B's columns have norm sqrt(d / k)
+    torch.testing.assert_close(residual @ basis @ basis.T / d_over_k, residual, rtol=0, atol=1e-6)
     loss.backward()
     whole_loss.backward()
     grad_coords = last_inputs.grad[..., :K]
@@ -149,10 +150,30 @@ def test_only_the_layers_before_the_last_cut_are_confined_and_the_buffers_come_f
     assert shapes["model.layers.2.mlp.down_proj.weight"] == (K, cfg.model.d_ff)
     assert shapes["model.layers.3.self_attn.o_proj.weight"] == (cfg.model.d_model, cfg.model.d_model)
     basis = whole.space.basis
-    torch.testing.assert_close(basis.T @ basis, torch.eye(K), rtol=0, atol=1e-6)
+    torch.testing.assert_close(basis.T @ basis, torch.eye(K) * cfg.model.d_model / K, rtol=0, atol=1e-5)
     other = build_model(cfg.model, seed=4, cuts=cfg.boundary_cuts())
     assert torch.equal(build_model(cfg.model, seed=3).space.table, whole.space.table)
     assert not torch.equal(other.space.table, whole.space.table)
+
+
+@pytest.mark.parametrize("k", (4, 16))
+def test_the_fixed_parts_scales_give_a_k_wide_write_a_full_writes_energy_and_e0_its_size(k):
+    """B's columns have norm sqrt(d / k), so coordinates c put |c| x sqrt(d / k) into the stream, what
+    d values of c's size do (orthonormal columns put k / d of that energy; the loss gap doubled), and E0
+    is drawn at TABLE_SCALE x init_std (at init_std the loss gap was larger: docs/LOG.md, "Subspace
+    scales")."""
+    from swarmtrain.model.subspace import TABLE_SCALE
+
+    model = _config("llama-tiny", k=k).model
+    d = model.d_model
+    basis, table = fixed_subspace(model, seed=5)
+    torch.testing.assert_close(basis.T @ basis, torch.eye(k) * d / k, rtol=0, atol=1e-5)
+    coords = torch.randn(1000, k, generator=torch.Generator().manual_seed(0))
+    full = torch.randn(1000, d, generator=torch.Generator().manual_seed(1))
+    lifted = (coords @ basis.T).pow(2).sum(-1).mean()
+    assert lifted / full.pow(2).sum(-1).mean() == pytest.approx(1.0, rel=0.1)
+    assert TABLE_SCALE == 8.0
+    assert table.std().item() == pytest.approx(TABLE_SCALE * model.init_std, rel=0.02)
 
 
 def test_the_digest_tells_boundaries_and_k_apart_and_bad_settings_are_one_line_errors():

@@ -4,7 +4,7 @@ Models", arXiv 2506.01260): on every stage but the last, the residual stream is 
     x = E0[token] + c @ B.T
 
 with E0 a fixed full-rank token table (vocab_size x d_model, never trained), B a fixed d_model x k basis
-with orthonormal columns (k = `boundary_dim`) and c the position's k coordinates.
+with orthogonal columns of norm sqrt(d_model / k) (k = `boundary_dim`) and c the position's k coordinates.
 
 Reparametrized, not projected after each optimizer step: the learned token embedding (and GPT's learned
 positions) holds k coordinates per row, and every residual write of those stages (attention's output
@@ -18,6 +18,19 @@ Norms (LayerNorm, RMSNorm), attention and the MLP's input projections read the f
 included through E0, so nothing inside a block changes; only what a block writes is confined. The last
 stage's layers write at full rank (their output crosses no boundary), and so do the layers of a whole
 model (train-local, replicas) after its last cut (`DecoderStage.subspace_layers`).
+
+Scales (both fixed functions of the config, so in the run's digest through it): B's columns have norm
+sqrt(d_model / k), not 1, so a k-wide write (or coordinate row) of given values puts as much into the
+stream as a d_model-wide one does in the plain model: with orthonormal columns a k-wide write has k / d_model
+of a random d_model-wide write's energy, and AdamW, which moves every value by about the learning rate,
+moved the coordinates' contribution sqrt(d_model / k) times slower than a plain model's (the same as a
+learning-rate multiplier of sqrt(d_model / k) on the coordinate parameters, with their initial writes at
+the plain model's scale). E0 is drawn at `TABLE_SCALE` = 8 x init_std: at init_std (a learned
+embedding's start) the token identity the confined layers and the last stage read was small next to what
+the layers write. Measured with train-local at 8,192 samples (docs/LOG.md, "Subspace scales"): the loss
+gap to the plain model went from +9.6% to +5.1% (`llama-tiny` k=4, mean of 3 seeds), +7.5% to +5.0% (k=8,
+2 seeds) and +2.9% to +1.8% (`tiny` k=4, 4 seeds); chosen on d_model = 64 only. `fold_subspace` folds
+them like any B and E0.
 
 E0 and B come from the run's seed (`training.seed`, in the digest) and fixed names (`fixed_parts`), so
 every stage builds the same ones. They are non-persistent buffers: never in a checkpoint, a gradient
@@ -35,6 +48,7 @@ E0 + C @ B.T, positions P @ B.T, each confined write W -> B @ W and bias b -> B 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import cast
 
@@ -45,6 +59,7 @@ from torch import nn
 from swarmtrain.config.model import ModelConfig
 
 BASIS_NAME, TABLE_NAME = "subspace.basis", "subspace.tokens"  # the fixed parts' seeds' names
+TABLE_SCALE = 8.0  # E0's standard deviation in units of `init_std` (the module docstring's "Scales")
 # per architecture: the learned token embedding, other learned rows that write into the stream (GPT's
 # positions), and the modules whose outputs a confined layer writes into the stream
 TOKEN_EMBEDDING = {"llama": "model.embed_tokens.weight", "gpt": "tok_emb.weight"}
@@ -53,13 +68,20 @@ RESIDUAL_WRITES = {"llama": (".self_attn.o_proj.", ".mlp.down_proj."), "gpt": ("
 
 
 def fixed_parts(cfg: ModelConfig, seed_of: Callable[[str], int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B: d_model x k with orthonormal columns, E0: vocab_size x d_model normal(0, init_std)), each from
-    `seed_of(its name)`: the same on every stage and in every process of a run."""
+    """(B: d_model x k, orthogonal columns of norm sqrt(d_model / k); E0: vocab_size x d_model,
+    normal(0, TABLE_SCALE x init_std)), each from `seed_of(its name)`: the same on every stage and in
+    every process of a run. The scales are the module docstring's "Scales"."""
     generator = torch.Generator().manual_seed(seed_of(BASIS_NAME))
     basis, _ = torch.linalg.qr(torch.randn(cfg.d_model, cfg.boundary_dim, generator=generator))
     generator = torch.Generator().manual_seed(seed_of(TABLE_NAME))
-    table = torch.randn(cfg.vocab_size, cfg.d_model, generator=generator) * cfg.init_std
-    return basis.contiguous(), table
+    table = torch.randn(cfg.vocab_size, cfg.d_model, generator=generator) * (TABLE_SCALE * cfg.init_std)
+    return (basis * lift_scale(cfg)).contiguous(), table
+
+
+def lift_scale(cfg: ModelConfig) -> float:
+    """The norm of each of B's columns, sqrt(d_model / k): a k-wide write or coordinate row then puts as
+    much into the stream as a d_model-wide one of the same values does."""
+    return math.sqrt(cfg.d_model / cfg.boundary_dim)
 
 
 class Subspace(nn.Module):
