@@ -138,7 +138,6 @@ CASES = [
         _view(stuck=Stuck(NOW - 2.0, trusted=True)),
         CatchUp(READ),
     ),
-    ("stuck, but asked within the lag grace: no new pings", _view(stuck=STUCK, asked_s=NOW - 1.0), CatchUp(READ)),
     (
         "stuck, a peer answers a step ahead: it applied the step, replay it from its means",
         _view(stuck=STUCK, asked={"A": 11, "C": 10}),

@@ -101,7 +101,6 @@ class LagView:
     fresh_state: bool = False  # restored from a checkpoint, or initial weights, with no step since
     epoch_since_s: float = float("-inf")  # since when it has been at `epoch`
     stuck: Stuck | None = None  # its step has a close it has not applied
-    asked_s: float = float("-inf")  # when it last asked its stage peers' epochs
 
 
 @dataclass(frozen=True)
@@ -166,15 +165,17 @@ def _shows_ahead(close: Heard | None, epoch: int, now_s: float, rule: LagRule) -
 def decide_catch_up(view: LagView, rule: LagRule) -> CatchUp:
     """What a replica does at a sync tick, in order:
     1. Left behind (`left_behind`: a fresh close past the window), or stuck on a close of its own step
-       (`stuck_on_close`; at most once per lag grace), and its peers not yet asked: `ASK`.
+       (`stuck_on_close`), and its peers not yet asked: `ASK` (every tick while it lasts: an adoption's
+       clock runs only while each tick decides to adopt).
     2. Asked: a peer that answers more than `keep_ahead` steps ahead is caught up with at once (replay
        from the furthest, else resync). Stuck, holding no samples of the step, with a peer that answers
        ahead: that peer applied the step, so it is replayed from its mean gradients (the members' sums
        went to this replica while it downloaded its state or was cut off, and nobody sends them again).
        When no peer that answers is ahead and one is silent (or none is left), those that ran the steps
        are frozen or cut off: it adopts the other stages' step after the lag grace instead of a request
-       timeout, even while its own step has a close (the frozen peer wins a fingerprint mismatch when it
-       wakes, planner/restore.follows_on_mismatch). Only on a fresh close from a vouched sender (far
+       timeout, even while its own step has a close, and at least the step after its own when that close
+       is vouched (`abandon_close`: the stage ran the step, only the silent peers hold it; the frozen
+       peer wins a fingerprint mismatch when it wakes, planner/restore.follows_on_mismatch). Only on a fresh close from a vouched sender (far
        ahead, `SwarmAhead.trusted`, or of its own step, `Stuck.trusted`): a stranger's close makes the
        replica ask, never by itself leave its step (and every peer that answers is believed; a forger
        cannot silence an honest one). Otherwise the records decide, as without the close.
@@ -185,7 +186,7 @@ def decide_catch_up(view: LagView, rule: LagRule) -> CatchUp:
     5. Parameters diverged from a peer it follows: resync.
     6. No peer ahead, and its state fresh or no step for the lag grace: `ADOPT` (the other stages'
        step after a request timeout, planner/restore.behind_other_stages); else `WAIT`."""
-    stuck = stuck_on_close(view, rule) and view.now_s - view.asked_s >= rule.lag_grace_s
+    stuck = stuck_on_close(view, rule)
     if view.asked is None and (stuck or left_behind(view.ahead, view.epoch, view.now_s, rule)):
         return CatchUp(ASK, behind_since_s=view.behind_since_s)
     if view.asked is not None:

@@ -213,7 +213,6 @@ class StageCatchUp:
         self._behind_since_s: float | None = None  # since when the records have shown a peer ahead
         # the epoch the last read of the records saw, and since when: how long it has gone without a step
         self._seen_epoch: tuple[int, float] = (-1, time.monotonic())
-        self._asked_s = float("-inf")  # when the stage peers were last asked their epochs
 
     def tick(self, sync: SyncPort) -> None:
         """(sync thread) Decide, asking the peers or reading the records when the rule needs them, and act."""
@@ -244,12 +243,10 @@ class StageCatchUp:
             ahead,
             behind_since_s=self._behind_since_s,
             stuck=self.steps.stuck(),
-            asked_s=self._asked_s,
             **known,
         )
 
     def _asked(self, view: LagView) -> LagView:
-        self._asked_s = time.monotonic()
         asked = self.steps.peer_epochs()
         if asked is None:  # asking failed: this tick goes on as if no close had come
             return self._view(SwarmAhead(view.ahead.newest_step))

@@ -254,15 +254,17 @@ class StageSynchronizer:
     ) -> None:
         """No replica of this stage is ahead: are the other stages, for longer than a step takes?
         `stranded_grace_s`: instead of the settings' (no replica that answers is ahead); `abandon_close`:
-        a close of this replica's step does not hold it back (those who ran the step are silent)."""
+        a close of this replica's step does not hold it back, and it adopts at least the step after its own
+        (a vouched close says the stage ran the step; those who hold it are silent)."""
         other = self._other_stages_step()
-        if other <= epoch:
+        target = max(other, epoch + 1) if abandon_close else other
+        if target <= epoch:
             self._other_ahead_since_s = None
             return
         since = self._other_ahead_since_s = self._other_ahead_since_s or now_s
         action = behind_other_stages(
             epoch,
-            other,
+            target,
             self.worker.unapplied_samples,
             now_s - since,
             self.settings.lag_grace_s,
@@ -273,24 +275,11 @@ class StageSynchronizer:
             self.settings.stranded_grace_s if stranded_grace_s is None else stranded_grace_s,
         )
         if action == "advance":
-            lost_samples, lost_ids = self._on_compute(lambda: self.worker.advance_to(other))
-            logger.warning(
-                "stage %d was at step %d, the other stages at %d for %.0f s%s: adopting their step (this "
-                "stage's updates of %d step(s) are lost)",
-                self.stage,
-                epoch,
-                other,
-                now_s - since,
-                "" if self.restored or self.untrained else " and no replica of this stage is ahead",
-                other - epoch,
-            )
-            self.ledger.write("advance", epoch=other, skipped=other - epoch, lost=lost_samples)
-            self.skipped = True
-            self.averager.state_sharing_priority = self._sharing_priority()
-            self._refresh_fingerprint()
-            self._other_ahead_since_s = None
-            self.steps.epoch_moved()
-            self.publish()
+            if target > other:
+                why = f"a trainer's close of step {epoch} came and the replicas that ran it are silent"
+            else:
+                why = f"the other stages at {other}"
+            self._advance(epoch, target, now_s - since, why)
         elif action == "refuse":
             self.serving.clear()
             self.publish()
@@ -301,6 +290,29 @@ class StageSynchronizer:
             )
             if self.on_fatal is not None:
                 self.on_fatal(message)
+
+    def _advance(self, epoch: int, target: int, behind_s: float, why: str) -> None:
+        """Adopt step `target` without this stage's updates of the steps between (`skipped`: the replica
+        follows a peer that applied them when their parameters differ)."""
+        lost_samples, _ = self._on_compute(lambda: self.worker.advance_to(target))
+        logger.warning(
+            "stage %d was at step %d, %s for %.0f s%s: adopting step %d (this stage's updates of %d "
+            "step(s) are lost)",
+            self.stage,
+            epoch,
+            why,
+            behind_s,
+            "" if self.restored or self.untrained else " and no replica of this stage is ahead",
+            target,
+            target - epoch,
+        )
+        self.ledger.write("advance", epoch=target, skipped=target - epoch, lost=lost_samples)
+        self.skipped = True
+        self.averager.state_sharing_priority = self._sharing_priority()
+        self._refresh_fingerprint()
+        self._other_ahead_since_s = None
+        self.steps.epoch_moved()
+        self.publish()
 
     def _other_stages_step(self) -> int:
         """The highest step a live replica of another stage of this run reports (a DHT read per stage)."""
