@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import TypeVar
+
 import pytest
 
 from swarmtrain.config import load_run_config
@@ -23,6 +29,29 @@ DUMP_PRINT_CHARS = 30_000
 
 
 TWO_REPLICAS_OF_STAGE_0 = {"s0a": 0, "s0b": 0, "s1": 1}
+
+T = TypeVar("T")
+
+
+def in_background(fn: Callable[[], T]) -> Future[T]:
+    """`fn()` on a thread of this process at the lowest CPU priority (nice 19, that thread only; torch on
+    one thread runs its ops on the calling thread): a test's one-process reference, computed while its
+    peers run, takes the CPU they leave idle instead of running after them. The same computation either
+    way, only when it runs changes. Worth it where the peers leave CPU idle (DiLoCo replicas waiting on
+    each other's rounds: test_replicas); a stage swarm at full load slowed as much as it saved
+    (docs/LOG.md, fourteenth session). A test that fails before asking for the result leaves the thread
+    to finish at nice 19."""
+    future: Future[T] = Future()
+
+    def run() -> None:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        try:
+            future.set_result(fn())
+        except BaseException as exc:  # handed to whoever waits on the result
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name="one-process-reference", daemon=True).start()
+    return future
 
 
 def start_servers(swarm, servers: dict[str, int]) -> None:

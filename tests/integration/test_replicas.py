@@ -7,7 +7,9 @@ state download (a round lost under load, replaced) is reported apart."""
 import json
 
 import pytest
+import torch
 
+from swarm_fixtures import in_background
 from swarmtrain.model import build_model
 from swarmtrain.runtime.local import local_reference_val_loss
 
@@ -23,6 +25,11 @@ def every_step_bytes(cfg, steps: int, replicas: int) -> float:
 
 def test_two_replicas_match_local_training_at_equal_samples(make_swarm):
     swarm, cfg = make_swarm("tiny")
+    # one process on the same samples, on one thread, computed while the replicas train (`in_background`)
+    torch.set_num_threads(1)
+    reference = in_background(
+        lambda: local_reference_val_loss(cfg, cfg.training.max_samples, eval_samples=256)
+    )
     swarm.start_dht()
     for k in range(2):
         swarm.start_replica(
@@ -41,7 +48,7 @@ def test_two_replicas_match_local_training_at_equal_samples(make_swarm):
     assert a["fingerprint"] == pytest.approx(b["fingerprint"], rel=5e-3)
     assert a["val_loss"] == pytest.approx(b["val_loss"], rel=5e-3)
 
-    local = local_reference_val_loss(cfg, cfg.training.max_samples, eval_samples=256)
+    local = reference.result(timeout=300)
     gap = a["val_loss"] / local - 1
     every = every_step_bytes(cfg, steps, 2)
     ratio = every / a["sync_bytes_sent"]

@@ -36,6 +36,7 @@ from swarmtrain.config.errors import UserError
 KEY_BYTES = 32
 _TAG = b"[swarmtrain-hmac:"
 _TAG_LEN = len(_TAG) + 64 + 1  # tag, hex digest, "]"
+_MSGPACK_NIL = b"\xc0"  # None, as hivemind's serializer writes it
 
 
 class RunKeyError(UserError):
@@ -121,3 +122,33 @@ def record_validator(run_key: RunKey):
             return 10  # outermost: signs what any other validator produced
 
     return RunKeyValidator()
+
+
+def _signed(value: bytes) -> bool:
+    """`value` ends as `RunKeyValidator.sign_value` ends it: the tag, 64 hex digits, "]"."""
+    if len(value) < _TAG_LEN or not value.endswith(b"]") or value[-_TAG_LEN:][: len(_TAG)] != _TAG:
+        return False
+    return all(c in b"0123456789abcdef" for c in value[-_TAG_LEN + len(_TAG) : -1])
+
+
+def keyless_record_filter():
+    """The record validator of a node without a run key: a private run's signed record reads as nothing
+    (None, which the run's readers drop as they drop any value that is not theirs). Without it hivemind
+    fails to decode such a value inside its search (the tag after the msgpack payload), the read's future
+    never completes, and every read of a private run's key by a node without the key (a stranger, a peer
+    started without --run-key) waited out its whole timeout. Stores are not filtered: a node without the
+    key still keeps a private run's records for the run's members, as before."""
+    from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+
+    class KeylessRecordFilter(RecordValidatorBase):
+        def validate(self, record: DHTRecord) -> bool:
+            return True
+
+        def strip_value(self, record: DHTRecord) -> bytes:
+            return _MSGPACK_NIL if _signed(record.value) else record.value
+
+        @property
+        def priority(self) -> int:
+            return 10  # outermost, as the run key's validator would be
+
+    return KeylessRecordFilter()

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from swarmtrain.config.errors import UserError
-from swarmtrain.net.auth import RunKey, record_validator
+from swarmtrain.net.auth import RunKey, keyless_record_filter, record_validator
 from swarmtrain.utils.logging import get_logger
 
 if TYPE_CHECKING:  # hivemind (which identity imports) only after prepare_environment
@@ -259,6 +259,8 @@ def _dht_options(network: PeerNetwork) -> dict:
             ) from None
     if network.run_key is not None:
         options["record_validators"] = [record_validator(network.run_key)]
+    else:
+        options["record_validators"] = [keyless_record_filter()]
     return options
 
 

@@ -138,7 +138,7 @@ class StageSynchronizer:
         found = self.checkpoints.load_newest(self.worker.names) if self.checkpoints is not None else None
         checkpoint_step = None if found is None else found[0].step
         swarm_step = self._other_stages_step()
-        peer_epochs = self._stage_epochs(swarm_step)
+        peer_epochs = self._stage_epochs(swarm_step, checkpoint_step)
         start = choose_start(peer_epochs, checkpoint_step, swarm_step, self.settings.allow_fresh)
         if start.source == "peers" and not self._joined_from_peers():
             # no donor delivered within the deadline, or the replicas died meanwhile: as if there were none
@@ -314,6 +314,23 @@ class StageSynchronizer:
         self.steps.epoch_moved()
         self.publish()
 
+    def _swarm_restarting(self, swarm_step: int, checkpoint_step: int) -> bool:
+        """The swarm restarts from its checkpoints: a replica of another stage at the swarm's step was
+        restored there and has not stepped since, and this replica's checkpoint is at that step (or past
+        it). No step has been trained since, so a replica of this stage that the records miss would hold
+        that step's state, the checkpoint's: waiting for it could change no start's step (one past the
+        other stages is caught up to as any replica behind its stage is). A swarm that trains on (the
+        other stages stepped since their start) gets the wait as before, checkpoint or not."""
+        if checkpoint_step < swarm_step or swarm_step <= 0:
+            return False
+        for stage in range(self.settings.num_stages):
+            if stage != self.stage:
+                for value in self.records.stage_progress(stage).values():
+                    if value.get("digest") == self.digest and value.get("epoch") == swarm_step:
+                        if value.get("restored") is True:
+                            return True
+        return False
+
     def _other_stages_step(self) -> int:
         """The highest step a live replica of another stage of this run reports (a DHT read per stage)."""
         best = 0
@@ -360,12 +377,13 @@ class StageSynchronizer:
         self.serving.set()
         self.publish()
 
-    def _stage_epochs(self, swarm_step: int) -> list[int]:
+    def _stage_epochs(self, swarm_step: int, checkpoint_step: int | None = None) -> list[int]:
         """The steps the stage's serving replicas are at. A joiner's record says nothing about the stage's
         state, and a live replica's record can lapse for seconds: a donor at a CPU quota busy sending its
         state missed its heartbeats while a second mover joined, which saw only the first (still joining,
         step 0) and started from initial weights as if the run were new (bench/rebalance_live.py). So
-        while the other stages have stepped and no serving replica shows, read again for a while."""
+        while the other stages have stepped and no serving replica shows, read again for a while; not while
+        the swarm restarts from checkpoints (`_swarm_restarting`): every whole-swarm restart paid it in full."""
         deadline_s = time.monotonic() + self.settings.missing_replica_wait_s
         while True:
             epochs = [
@@ -374,6 +392,8 @@ class StageSynchronizer:
                 if v.get("serving", True) and isinstance(v.get("epoch"), int)
             ]
             if epochs or swarm_step == 0 or time.monotonic() >= deadline_s:
+                return epochs
+            if checkpoint_step is not None and self._swarm_restarting(swarm_step, checkpoint_step):
                 return epochs
             time.sleep(JOIN_RETRY_S)
 
@@ -438,6 +458,7 @@ class StageSynchronizer:
                 "fp_epoch": None if self._fp is None else self._fp[0],
                 "fp": None if self._fp is None else self._fp[1],
                 "skipped": self.skipped,
+                "restored": self.restored,  # from a checkpoint, no step since (`_swarm_restarting`)
             }
             try:
                 self.records.publish_progress(self.stage, self.peer_id, value, self.settings.progress_ttl_s)
