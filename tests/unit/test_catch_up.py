@@ -46,7 +46,7 @@ def _stranger(step, age_s=1.0) -> SwarmAhead:
 LONG_AGO = NOW - 60.0  # the replica has been at its epoch this long
 REPLAY_DHT = "peers are {} step(s) ahead (we are at 10)"
 REPLAY_ASKED = "peers are {} step(s) ahead (we are at 10; asked directly)"
-STUCK = Stuck(NOW - 3.0, trusted=True)  # a vouched trainer's close of step 10 came 3 s ago
+STUCK = Stuck(NOW - 3.0, trusted=True, last_s=NOW - 3.0)  # a vouched trainer's close of step 10, 3 s ago
 STUCK_REPLAY = "peers applied step 10, whose close came here 3 s ago"
 
 CASES = [
@@ -135,7 +135,7 @@ CASES = [
     ("stuck on its step's close for the lag grace: ask the peers", _view(stuck=STUCK), CatchUp(ASK)),
     (
         "stuck for less than the lag grace: the records decide, as without the close",
-        _view(stuck=Stuck(NOW - 2.0, trusted=True)),
+        _view(stuck=Stuck(NOW - 2.0, trusted=True, last_s=NOW - 2.0)),
         CatchUp(READ),
     ),
     (
@@ -155,7 +155,12 @@ CASES = [
     ),
     (
         "stuck on a stranger's close, the peer it names silent: it never leaves its step for it",
-        _view(stuck=Stuck(NOW - 3.0, trusted=False), asked={"A": None}),
+        _view(stuck=Stuck(NOW - 3.0, trusted=False, last_s=NOW - 3.0), asked={"A": None}),
+        CatchUp(READ),
+    ),
+    (
+        "stuck on a close older than the evidence bound (a stranger's to an idle replica): no pings",
+        _view(stuck=Stuck(NOW - 200.0, trusted=False, last_s=NOW - 121.0)),
         CatchUp(READ),
     ),
     (

@@ -67,10 +67,11 @@ class SwarmAhead:
 @dataclass(frozen=True)
 class Stuck:
     """The step a replica is at has had a trainer's close since `since_s` (or since the replica reached
-    the step, if later), and the replica has not applied it."""
+    the step, if later), the last of them at `last_s`, and the replica has not applied it."""
 
     since_s: float
     trusted: bool  # one of those closes came from a vouched sender (`SwarmAhead.trusted`'s rule)
+    last_s: float  # when the last close of the step came
 
 
 @dataclass(frozen=True)
@@ -150,8 +151,15 @@ def stuck_on_close(view: LagView, rule: LagRule) -> bool:
     """The replica's step has had a close it could not act on for the lag grace: the members' gradients
     (or the trainer's data) never reached it. A step closes within milliseconds on a LAN and within an
     exchange on a slow link, and a member that is slow but alive still answers a ping, so asking costs
-    little and only a peer that already applied the step, or silence behind a vouched close, acts."""
-    return view.stuck is not None and view.now_s - view.stuck.since_s >= rule.lag_grace_s
+    little and only a peer that already applied the step, or silence behind a vouched close, acts. Like
+    a close past the window, the evidence expires (`evidence_ttl_s` after the last close of the step): a
+    stranger's close of an idle replica's step, never acted on, must not keep it pinging for good."""
+    stuck = view.stuck
+    return (
+        stuck is not None
+        and view.now_s - stuck.since_s >= rule.lag_grace_s
+        and view.now_s - stuck.last_s <= rule.evidence_ttl_s
+    )
 
 
 def _shows_ahead(close: Heard | None, epoch: int, now_s: float, rule: LagRule) -> bool:

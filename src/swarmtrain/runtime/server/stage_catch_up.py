@@ -162,9 +162,10 @@ class StepsBridge:
             return None
         if state is None or not closes:
             return None
-        since_s = max(min(c.arrived_s for c in closes), state.reached_s or float("-inf"))
+        arrived_s = [c.arrived_s for c in closes]
+        since_s = max(min(arrived_s), state.reached_s or float("-inf"))
         trusted = self.steps.inbox.trusted
-        return Stuck(since_s, any(c.sender in trusted for c in closes))
+        return Stuck(since_s, any(c.sender in trusted for c in closes), max(arrived_s))
 
     def epoch_moved(self) -> None:
         self.steps.versions.changed_threadsafe()
