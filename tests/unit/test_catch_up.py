@@ -46,7 +46,7 @@ def _stranger(step, age_s=1.0) -> SwarmAhead:
 LONG_AGO = NOW - 60.0  # the replica has been at its epoch this long
 REPLAY_DHT = "peers are {} step(s) ahead (we are at 10)"
 REPLAY_ASKED = "peers are {} step(s) ahead (we are at 10; asked directly)"
-STUCK = Stuck(NOW - 3.0, trusted=True, last_s=NOW - 3.0)  # a vouched trainer's close of step 10, 3 s ago
+STUCK = Stuck(NOW - 3.0, NOW - 3.0, frozenset("A"))  # a vouched trainer's close of step 10 naming A, 3 s ago
 STUCK_REPLAY = "peers applied step 10, whose close came here 3 s ago"
 
 CASES = [
@@ -107,12 +107,12 @@ CASES = [
     (
         "the peer that ran the steps is silent: adopt after the lag grace",
         _view(ahead=_trusted(40), asked={"A": None, "C": 10}),
-        CatchUp(ADOPT, grace_s=3.0, abandon_close=True),
+        CatchUp(ADOPT, grace_s=3.0),
     ),
     (
         "no peer left in the view: adopt after the lag grace",
         _view(ahead=_trusted(40), asked={}),
-        CatchUp(ADOPT, grace_s=3.0, abandon_close=True),
+        CatchUp(ADOPT, grace_s=3.0),
     ),
     (
         "every peer answers at our step (a forged close): the records decide",
@@ -135,7 +135,7 @@ CASES = [
     ("stuck on its step's close for the lag grace: ask the peers", _view(stuck=STUCK), CatchUp(ASK)),
     (
         "stuck for less than the lag grace: the records decide, as without the close",
-        _view(stuck=Stuck(NOW - 2.0, trusted=True, last_s=NOW - 2.0)),
+        _view(stuck=Stuck(NOW - 2.0, NOW - 2.0, frozenset("A"))),
         CatchUp(READ),
     ),
     (
@@ -149,18 +149,28 @@ CASES = [
         CatchUp(READ),
     ),
     (
-        "stuck on a vouched close, the peer that ran the step silent: adopt, the close held back",
+        "stuck, the replica that holds the step silent: give the close up, adopt",
         _view(stuck=STUCK, asked={"A": None, "C": 10}),
         CatchUp(ADOPT, grace_s=3.0, abandon_close=True),
     ),
     (
-        "stuck on a stranger's close, the peer it names silent: it never leaves its step for it",
-        _view(stuck=Stuck(NOW - 3.0, trusted=False, last_s=NOW - 3.0), asked={"A": None}),
+        "stuck, a holder silent but another answers (a second trainer may still close it): the records",
+        _view(stuck=Stuck(NOW - 3.0, NOW - 3.0, frozenset("AC")), asked={"A": None, "C": 10}),
         CatchUp(READ),
     ),
     (
-        "stuck on a close older than the evidence bound (a stranger's to an idle replica): no pings",
-        _view(stuck=Stuck(NOW - 200.0, trusted=False, last_s=NOW - 121.0)),
+        "stuck, the holder it names is not in its view of the stage (a made-up name): the records",
+        _view(stuck=Stuck(NOW - 3.0, NOW - 3.0, frozenset("X")), asked={"A": None}),
+        CatchUp(READ),
+    ),
+    (
+        "stuck on a close naming no other replica (the only replica of its stage): the records",
+        _view(stuck=Stuck(NOW - 3.0, NOW - 3.0, frozenset()), asked={}),
+        CatchUp(READ),
+    ),
+    (
+        "stuck on a close older than the evidence bound: no pings",
+        _view(stuck=Stuck(NOW - 200.0, NOW - 121.0, frozenset("A"))),
         CatchUp(READ),
     ),
     (

@@ -587,14 +587,14 @@ def test_a_step_the_replica_left_meanwhile_is_neither_applied_nor_replayed_twice
 ):
     """The sync thread may adopt the other stages' step while the step loop finishes a step (a close it
     was stuck on, then given up): the loop's apply finds the epoch moved and applies nothing (it used
-    to raise "step 0 applied at epoch 3" into the log); a replay of the step the loop is finishing
-    waits for the loop instead of applying it a second time."""
+    to raise "step 0 applied at epoch 3" into the log); a replay of the step the loop is finishing is
+    refused (and the catch-up does not download the state for it: `StepsBridge.finishing`)."""
 
     async def scenario():
         node = (await _replicas(tiny_cfg, ["C"], Net(), start_compute))["C"]
-        node._finishing = 0
+        node.finishing = 0
         assert not await node.replay(0, 16, None)  # the step loop is finishing step 0
-        node._finishing = None
+        node.finishing = None
         await asyncio.to_thread(node.worker.advance_to, 3)
         _train(node.worker, micro_batches[:1], step=3, prefix="c")
         bucket_samples = node.worker.unapplied_samples

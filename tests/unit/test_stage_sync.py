@@ -612,6 +612,9 @@ def test_a_replica_gives_up_its_steps_close_only_when_the_catch_up_abandons_it(m
         time.sleep(0.15)
     assert worker.epoch == 3  # its step has a close: held
     sync.check_other_stages(3, time.monotonic(), 0.1, abandon_close=True)
+    assert worker.epoch == 3  # giving the close up has a clock of its own: the whole grace
+    time.sleep(0.15)
+    sync.check_other_stages(3, time.monotonic(), 0.1, abandon_close=True)
     assert worker.epoch == 5 and sync.skipped and fatal == []
     # netbed chaos, seed 0 (this session): the other stages were at the replica's own step, which only
     # its frozen peer had run: a vouched close of it lets the replica take the step after, not wait 27 s
@@ -623,4 +626,35 @@ def test_a_replica_gives_up_its_steps_close_only_when_the_catch_up_abandons_it(m
     time.sleep(0.15)
     sync.check_other_stages(6, time.monotonic(), 0.1)
     assert worker.epoch == 6  # without a close to abandon, nothing ahead of it: it stays
+    # the step loop applied the step while the sync thread decided: no adoption, not marked skipped
+    sync.skipped = False
+    worker.advance_to(7)
+    for _ in range(2):
+        sync.check_other_stages(6, time.monotonic(), 0.1, abandon_close=True)
+        time.sleep(0.15)
+    assert worker.epoch == 7 and not sync.skipped
     sync.stop()
+
+
+def test_a_stuck_replica_whose_ping_round_fails_ends_its_tick(make_sync):
+    """Asking the peers can fail (the round outlived its timeout behind a silent peer); the tick then
+    goes on as if nothing were stuck. It used to decide to ask again at once, for ever: the sync thread
+    never left the tick (no adoption, no divergence check, no stop)."""
+    import threading
+
+    from swarmtrain.planner.catch_up import Stuck
+
+    class StuckSteps(FakeSteps):
+        def stuck(self):
+            now = time.monotonic()
+            return Stuck(now - 10.0, now - 10.0, frozenset({"A"}))
+
+    steps = StuckSteps(answers=lambda: None)
+    sync, worker, records, averager = make_sync(lag_grace_s=3.0, steps=steps)
+    ticking = threading.Thread(target=sync.tick, daemon=True)
+    ticking.start()
+    ticking.join(timeout=10.0)
+    assert not ticking.is_alive() and steps.asked == 1
+    steps._answers = lambda: {"A": None}  # asked, the holder silent: adopt, giving the close up
+    sync.tick()
+    assert steps.asked == 2 and sync._abandoning

@@ -66,12 +66,14 @@ class SwarmAhead:
 
 @dataclass(frozen=True)
 class Stuck:
-    """The step a replica is at has had a trainer's close since `since_s` (or since the replica reached
-    the step, if later), the last of them at `last_s`, and the replica has not applied it."""
+    """The step a replica is at has had a close from a vouched trainer (`StepInbox.trusted`) since
+    `since_s` (or since the replica reached the step, if later), the last of them at `last_s`, naming
+    `members` (the other replicas that accumulated its samples), and the replica has not applied it.
+    Only vouched closes count: a stranger's close of the replica's step makes it do nothing new."""
 
     since_s: float
-    trusted: bool  # one of those closes came from a vouched sender (`SwarmAhead.trusted`'s rule)
-    last_s: float  # when the last close of the step came
+    last_s: float
+    members: frozenset[str]
 
 
 @dataclass(frozen=True)
@@ -114,7 +116,7 @@ class CatchUp:
     end: int = 0  # REPLAY: steps epoch..end-1
     grace_s: float | None = None  # ADOPT: how long behind before adopting (None: a request timeout)
     behind_since_s: float | None = None  # the lag clock from now on
-    abandon_close: bool = False  # ADOPT: even while its own step has a close (those who ran it are silent)
+    abandon_close: bool = False  # ADOPT: even while its own step has a close (its holders are silent)
 
 
 def evidence_ttl_s(request_timeout_s: float, averaging_timeout_s: float) -> float:
@@ -151,9 +153,9 @@ def stuck_on_close(view: LagView, rule: LagRule) -> bool:
     """The replica's step has had a close it could not act on for the lag grace: the members' gradients
     (or the trainer's data) never reached it. A step closes within milliseconds on a LAN and within an
     exchange on a slow link, and a member that is slow but alive still answers a ping, so asking costs
-    little and only a peer that already applied the step, or silence behind a vouched close, acts. Like
-    a close past the window, the evidence expires (`evidence_ttl_s` after the last close of the step): a
-    stranger's close of an idle replica's step, never acted on, must not keep it pinging for good."""
+    little and only a peer that already applied the step, or the silence of every replica that holds
+    it, acts. Like a close past the window, the evidence expires (`evidence_ttl_s` after the last close
+    of the step)."""
     stuck = view.stuck
     return (
         stuck is not None
@@ -172,21 +174,21 @@ def _shows_ahead(close: Heard | None, epoch: int, now_s: float, rule: LagRule) -
 
 def decide_catch_up(view: LagView, rule: LagRule) -> CatchUp:
     """What a replica does at a sync tick, in order:
-    1. Left behind (`left_behind`: a fresh close past the window), or stuck on a close of its own step
-       (`stuck_on_close`), and its peers not yet asked: `ASK` (every tick while it lasts: an adoption's
-       clock runs only while each tick decides to adopt).
+    1. Left behind (`left_behind`: a fresh close past the window), or stuck on a vouched close of its
+       own step (`stuck_on_close`), and its peers not yet asked: `ASK` (every tick while it lasts).
     2. Asked: a peer that answers more than `keep_ahead` steps ahead is caught up with at once (replay
        from the furthest, else resync). Stuck, holding no samples of the step, with a peer that answers
        ahead: that peer applied the step, so it is replayed from its mean gradients (the members' sums
        went to this replica while it downloaded its state or was cut off, and nobody sends them again).
-       When no peer that answers is ahead and one is silent (or none is left), those that ran the steps
-       are frozen or cut off: it adopts the other stages' step after the lag grace instead of a request
-       timeout, even while its own step has a close, and at least the step after its own when that close
-       is vouched (`abandon_close`: the stage ran the step, only the silent peers hold it; the frozen
-       peer wins a fingerprint mismatch when it wakes, planner/restore.follows_on_mismatch). Only on a fresh close from a vouched sender (far
-       ahead, `SwarmAhead.trusted`, or of its own step, `Stuck.trusted`): a stranger's close makes the
-       replica ask, never by itself leave its step (and every peer that answers is believed; a forger
-       cannot silence an honest one). Otherwise the records decide, as without the close.
+       Left behind, with no peer that answers ahead and one silent (or none left), on a fresh close
+       from a vouched sender (`SwarmAhead.trusted`): those that ran the steps are frozen or cut off, and
+       it adopts the other stages' step after the lag grace instead of a request timeout (the frozen
+       peer wins a fingerprint mismatch when it wakes, planner/restore.follows_on_mismatch). Stuck, with
+       every replica its close names silent (`_holders_silent`): nobody reachable can finish the step,
+       and it adopts the other stages' step, or the step after its own if they are not ahead, although
+       its step has a close (`abandon_close`). A stranger's close far ahead makes the replica ask,
+       never by itself leave its step (every peer that answers is believed; a forger cannot silence an
+       honest one); a stranger's close of its own step does nothing. Otherwise the records decide.
     3. The records not read yet: `READ`.
     4. A peer in the records ahead for the lag grace, or more than `keep_ahead` steps ahead at once:
        replay the missed steps from the most advanced peer when the replica holds no samples of its own
@@ -219,11 +221,20 @@ def _asked(view: LagView, rule: LagRule) -> CatchUp | None:
     if stuck is not None and ahead > 0 and view.own_samples == 0:
         reason = f"peers applied step {epoch}, whose close came here {view.now_s - stuck.since_s:.0f} s ago"
         return _replay_or_resync(view, answered, rule, reason)
+    if ahead > 0:
+        return None
     frozen = not answered or len(answered) < len(asked)
-    vouched = _shows_ahead(view.ahead.trusted, epoch, view.now_s, rule) or (stuck is not None and stuck.trusted)
-    if ahead <= 0 and frozen and vouched:
+    if frozen and _shows_ahead(view.ahead.trusted, epoch, view.now_s, rule):
+        return CatchUp(ADOPT, grace_s=rule.lag_grace_s, behind_since_s=view.behind_since_s)
+    if stuck is not None and _holders_silent(stuck.members, asked):
         return CatchUp(ADOPT, grace_s=rule.lag_grace_s, behind_since_s=view.behind_since_s, abandon_close=True)
     return None
+
+
+def _holders_silent(members: frozenset[str], asked: Mapping[str, int | None]) -> bool:
+    """Every replica a stuck close names was asked (it is in the replica's view of the stage: a name a
+    close makes up is no holder) and none answered: nobody that could finish the step is reachable."""
+    return bool(members) and all(member in asked and asked[member] is None for member in members)
 
 
 def _recorded(view: LagView, recorded: Mapping[str, int], rule: LagRule) -> CatchUp:

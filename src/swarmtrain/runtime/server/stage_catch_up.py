@@ -69,7 +69,11 @@ class StepsPort(Protocol):
         ...
 
     def stuck(self) -> Stuck | None:
-        """The step this replica is at has a trainer's close it has not applied: since when."""
+        """The step this replica is at has a vouched trainer's close it has not applied: since when."""
+        ...
+
+    def finishing(self) -> bool:
+        """The step loop is closing, exchanging or applying the step this replica is at."""
         ...
 
     def epoch_moved(self) -> None:
@@ -122,6 +126,9 @@ class Detached:
     def stuck(self) -> Stuck | None:
         return None
 
+    def finishing(self) -> bool:
+        return False
+
     def epoch_moved(self) -> None:
         pass
 
@@ -153,6 +160,10 @@ class StepsBridge:
         return self.steps.inbox.closing(self.steps.worker.epoch)
 
     def stuck(self) -> Stuck | None:
+        # with local steps (DiLoCo) replicas keep no means to replay and an outer round holds its step
+        # open by design: the lag rule's other evidence only
+        if self.steps.worker.outer is not None:
+            return None
         # read from the sync thread while the loop may add a close: a copy that a change interrupted
         # is taken again at the next tick
         state = self.steps.pending.get(self.steps.worker.epoch)
@@ -160,12 +171,17 @@ class StepsBridge:
             closes = tuple(state.closes.values()) if state is not None else ()
         except RuntimeError:
             return None
-        if state is None or not closes:
-            return None
-        arrived_s = [c.arrived_s for c in closes]
-        since_s = max(min(arrived_s), state.reached_s or float("-inf"))
         trusted = self.steps.inbox.trusted
-        return Stuck(since_s, any(c.sender in trusted for c in closes), max(arrived_s))
+        vouched = [c for c in closes if c.sender in trusted]
+        if state is None or not vouched:
+            return None
+        arrived_s = [c.arrived_s for c in vouched]
+        since_s = max(min(arrived_s), state.reached_s or float("-inf"))
+        members = frozenset(p for c in vouched for p in c.members) - {self.steps.peer_id}
+        return Stuck(since_s, max(arrived_s), members)
+
+    def finishing(self) -> bool:
+        return self.steps.finishing == self.steps.worker.epoch
 
     def epoch_moved(self) -> None:
         self.steps.versions.changed_threadsafe()
@@ -217,7 +233,7 @@ class StageCatchUp:
 
     def tick(self, sync: SyncPort) -> None:
         """(sync thread) Decide, asking the peers or reading the records when the rule needs them, and act."""
-        view = self._view(self.steps.swarm_ahead())
+        view = self._view(self.steps.swarm_ahead(), self.steps.stuck())
         decision = decide_catch_up(view, self.rule)
         while decision.action in (ASK, READ):
             view = self._asked(view) if decision.action == ASK else self._read(view, sync)
@@ -236,22 +252,24 @@ class StageCatchUp:
             f"catching up, step {step} cannot run here yet; try another"
         )
 
-    def _view(self, ahead: SwarmAhead, **known) -> LagView:
+    def _view(self, ahead: SwarmAhead, stuck: Stuck | None, **known) -> LagView:
+        """The view at this moment; `ahead` and `stuck` are the evidence this tick goes on (read once at
+        its start: a tick whose ask failed must not ask again)."""
         return LagView(
             self.worker.epoch,
             self.worker.unapplied_samples,
             time.monotonic(),
             ahead,
             behind_since_s=self._behind_since_s,
-            stuck=self.steps.stuck(),
+            stuck=stuck,
             **known,
         )
 
     def _asked(self, view: LagView) -> LagView:
         asked = self.steps.peer_epochs()
-        if asked is None:  # asking failed: this tick goes on as if no close had come
-            return self._view(SwarmAhead(view.ahead.newest_step))
-        return self._view(view.ahead, asked=asked)
+        if asked is None:  # asking failed: this tick goes on as if no close had come (nor stuck)
+            return self._view(SwarmAhead(view.ahead.newest_step), None)
+        return self._view(view.ahead, view.stuck, asked=asked)
 
     def _read(self, view: LagView, sync: SyncPort) -> LagView:
         others = sync.recorded_peers()
@@ -259,7 +277,7 @@ class StageCatchUp:
         if self.worker.epoch != self._seen_epoch[0]:
             self._seen_epoch = (self.worker.epoch, now_s)
         return dataclasses.replace(
-            self._view(view.ahead, asked=view.asked),
+            self._view(view.ahead, view.stuck, asked=view.asked),
             recorded={peer: value["epoch"] for peer, value in others.items()},
             diverged=sync.diverged_from(others),
             fresh_state=sync.fresh_state,
@@ -278,6 +296,8 @@ class StageCatchUp:
                 )
                 sync.publish()
                 return
+            if self.worker.epoch != view.epoch or self.steps.finishing():
+                return  # the step loop applied the step, or is applying it: no download for that
             sync.resync(decision.reason)
         elif decision.action == RESYNC:
             sync.resync(decision.reason)

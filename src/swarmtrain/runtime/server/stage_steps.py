@@ -160,7 +160,7 @@ class StepCoordinator:
         # (decided here once: a worker's outer optimizer and parameters are fixed when it is built)
         self.kept_means = KeptMeans(worker.params) if worker.outer is None else None
         self._replaying = False
-        self._finishing: int | None = None  # the step `_finish` works on (a replay of it must wait)
+        self.finishing: int | None = None  # the step `_finish` works on (no replay of it meanwhile)
         # what forwards wait on; the loop is the server's (made before serving) or a test's
         self.versions = VersionGate(lambda: self.worker.epoch, loop or asyncio.get_running_loop())
 
@@ -259,7 +259,7 @@ class StepCoordinator:
         same optimizer math on the same state instead of downloading the whole state again, which takes
         longer than a step at a CPU quota and never catches up (bench/rebalance_live.py). False when
         this replica is not at `step` or holds samples of its own (a resync handles those)."""
-        busy = self._replaying or self._finishing == step
+        busy = self._replaying or self.finishing == step
         if self.worker.epoch != step or self.worker.unapplied_samples or busy:
             return False
         self._replaying = True
@@ -282,11 +282,11 @@ class StepCoordinator:
         return True
 
     async def _finish(self, step: int) -> None:
-        self._finishing = step
+        self.finishing = step
         try:
             await self._finish_step(step)
         finally:
-            self._finishing = None
+            self.finishing = None
 
     async def _finish_step(self, step: int) -> None:
         state, start_s = self.pending[step], time.monotonic()

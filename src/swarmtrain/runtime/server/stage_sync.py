@@ -119,6 +119,7 @@ class StageSynchronizer:
         # applied them wins a fingerprint mismatch, and donors without this are preferred)
         self.skipped = False
         self._other_ahead_since_s: float | None = None
+        self._abandoning = False  # the running adoption clock gives up a close (`check_other_stages`)
         self.counters = SyncCounters()
         self.serving = threading.Event()
         self.stop_event = threading.Event()
@@ -258,8 +259,11 @@ class StageSynchronizer:
         (a vouched close says the stage ran the step; those who hold it are silent)."""
         other = self._other_stages_step()
         target = max(other, epoch + 1) if abandon_close else other
+        if target <= epoch or abandon_close != self._abandoning:
+            # the clock of one kind of adoption is not the other's: a close is given up only after
+            # its holders were silent for the whole grace
+            self._other_ahead_since_s, self._abandoning = None, abandon_close
         if target <= epoch:
-            self._other_ahead_since_s = None
             return
         since = self._other_ahead_since_s = self._other_ahead_since_s or now_s
         action = behind_other_stages(
@@ -293,8 +297,18 @@ class StageSynchronizer:
 
     def _advance(self, epoch: int, target: int, behind_s: float, why: str) -> None:
         """Adopt step `target` without this stage's updates of the steps between (`skipped`: the replica
-        follows a peer that applied them when their parameters differ)."""
-        lost_samples, _ = self._on_compute(lambda: self.worker.advance_to(target))
+        follows a peer that applied them when their parameters differ); nothing if the step loop reached
+        `target` meanwhile."""
+
+        def advance() -> tuple[int, list[str]] | None:
+            return None if self.worker.epoch >= target else self.worker.advance_to(target)
+
+        moved = self._on_compute(advance)
+        if moved is None:
+            return
+        lost_samples, lost_ids = moved
+        if lost_ids:  # samples accumulated for the steps given up: the ledger's accounts name them
+            self.ledger.write("lost", mbs=lost_ids, n=lost_samples, reason="advance")
         logger.warning(
             "stage %d was at step %d, %s for %.0f s%s: adopting step %d (this stage's updates of %d "
             "step(s) are lost)",
