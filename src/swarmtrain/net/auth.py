@@ -108,7 +108,7 @@ def record_validator(run_key: RunKey):
 
         def validate(self, record: DHTRecord) -> bool:
             value = record.value
-            if len(value) < _TAG_LEN or not value.endswith(b"]") or value[-_TAG_LEN:][: len(_TAG)] != _TAG:
+            if not _signed(value):
                 return False
             payload, digest = value[:-_TAG_LEN], value[-_TAG_LEN + len(_TAG) : -1]
             expected = run_key.sign_record(record.key, record.subkey, payload, record.expiration_time)
