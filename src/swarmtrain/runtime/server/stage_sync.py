@@ -337,24 +337,23 @@ class StageSynchronizer:
         other stages stepped since their start) gets the wait as before, checkpoint or not."""
         if checkpoint_step < swarm_step or swarm_step <= 0:
             return False
-        for stage in range(self.settings.num_stages):
-            if stage != self.stage:
-                for value in self.records.stage_progress(stage).values():
-                    if value.get("digest") == self.digest and value.get("epoch") == swarm_step:
-                        if value.get("restored") is True:
-                            return True
-        return False
+        return any(
+            value.get("epoch") == swarm_step and value.get("restored") is True
+            for value in self._other_stage_records()
+        )
 
     def _other_stages_step(self) -> int:
         """The highest step a live replica of another stage of this run reports (a DHT read per stage)."""
-        best = 0
+        epochs = [v["epoch"] for v in self._other_stage_records() if isinstance(v.get("epoch"), int)]
+        return max(epochs, default=0)
+
+    def _other_stage_records(self):
+        """The progress records of the other stages' replicas of this run (a DHT read per stage)."""
         for stage in range(self.settings.num_stages):
-            if stage == self.stage:
-                continue
-            for value in self.records.stage_progress(stage).values():
-                if value.get("digest") == self.digest and isinstance(value.get("epoch"), int):
-                    best = max(best, value["epoch"])
-        return best
+            if stage != self.stage:
+                for value in self.records.stage_progress(stage).values():
+                    if value.get("digest") == self.digest:
+                        yield value
 
     def resync(self, reason: str, max_donors: int | None = None, joining: bool = False) -> None:
         """Stop serving, drop unapplied buckets, download the stage state from peers (trying at most
