@@ -27,9 +27,7 @@ def test_sigkill_of_the_next_hop_mid_chain(make_swarm):
     swarm, cfg = make_swarm("tiny", {"training": {"max_samples": 8192}})
     start_servers(swarm, SERVERS)
     samples = MICRO_BATCHES * cfg.training.micro_batch_size
-    swarm.start_trainer(
-        "trainer", "--max-samples", str(samples), "--in-flight", "4", "--hand-off", "direct"
-    )
+    swarm.start_trainer("trainer", "--max-samples", str(samples), "--in-flight", "4", "--hand-off", "direct")
     deadline = time.monotonic() + 120
     while _done(swarm.ledger_path("trainer")) < MICRO_BATCHES // 3:
         assert time.monotonic() < deadline, swarm.processes["trainer"].log_text()[-3000:]

@@ -61,7 +61,9 @@ def test_no_log_shows_a_traceback_through_faults_crashes_and_stops(tmp_path, bed
         codes |= _stop(swarm, {"s0a": signal.SIGTERM, "s0b": signal.SIGINT, "s1": signal.SIGTERM})
         codes |= _stop(swarm, {"dht": signal.SIGINT})
         logs += _logs(swarm)
-        assert "restored" in swarm.processes["s1"].log_text().lower(), swarm.processes["s1"].log_text()[-2000:]
+        assert "restored" in swarm.processes["s1"].log_text().lower(), swarm.processes["s1"].log_text()[
+            -2000:
+        ]
 
     replica_config = write_run_toml(tmp_path / "replicas.toml", "tiny", {"swarm": dict(FAST_SWARM)})
     with LocalSwarm(tmp_path / "replicas", replica_config) as swarm:
@@ -106,7 +108,10 @@ def _stop(swarm: LocalSwarm, signals: dict[str, int], timeout_s: float = 60.0) -
     running after `timeout_s`)."""
     for name, sig in signals.items():
         os.kill(swarm.processes[name].pid, sig)
-    return {f"{name} ({signal.Signals(sig).name})": swarm.wait_exit(name, timeout_s) for name, sig in signals.items()}
+    return {
+        f"{name} ({signal.Signals(sig).name})": swarm.wait_exit(name, timeout_s)
+        for name, sig in signals.items()
+    }
 
 
 def _logs(swarm: LocalSwarm) -> list[tuple[str, str]]:

@@ -76,4 +76,7 @@ def test_whole_swarm_stop_and_restart_resumes_at_the_step_it_reached(make_swarm,
     final, _ = _state(make_swarm, cfg, again, val_set)
     for info in final.values():
         assert info.header["epoch"] == steps + 8, info.header
-        assert 1024 + 256 - short_before - short <= info.header["samples_seen"] <= 1024 + 256, (info.header, trainer_log)
+        assert 1024 + 256 - short_before - short <= info.header["samples_seen"] <= 1024 + 256, (
+            info.header,
+            trainer_log,
+        )

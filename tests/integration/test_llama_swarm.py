@@ -18,7 +18,9 @@ EVAL_SAMPLES = 256
 
 
 def test_llama_tiny_with_two_replicas_matches_local_training(make_swarm):
-    swarm, cfg = make_swarm("llama-tiny", {"training": {"max_samples": SAMPLES, "eval_samples": EVAL_SAMPLES}})
+    swarm, cfg = make_swarm(
+        "llama-tiny", {"training": {"max_samples": SAMPLES, "eval_samples": EVAL_SAMPLES}}
+    )
     assert cfg.model.arch == "llama" and cfg.model.kv_heads < cfg.model.num_heads
     assert cfg.data.tokenizer and cfg.model.vocab_size > 256  # BPE ids, not bytes
     swarm.start_dht()

@@ -53,16 +53,51 @@ def _texts(folder: Path) -> None:
 def test_from_a_text_folder_to_a_model_transformers_loads(tmp_path):
     _texts(tmp_path / "texts")
     (tmp_path / "run.toml").write_text(RUN_TOML)
-    _swarmtrain(tmp_path, "tokenizer", "train", "--vocab-size", str(VOCAB), "--out", "tok.json", "--no-progress", "texts")
-    _swarmtrain(tmp_path, "tokenize", "--tokenizer", "tok.json", "--val-fraction", "0.05", "--out", "shards", "--no-progress", "texts")
+    _swarmtrain(
+        tmp_path,
+        "tokenizer",
+        "train",
+        "--vocab-size",
+        str(VOCAB),
+        "--out",
+        "tok.json",
+        "--no-progress",
+        "texts",
+    )
+    _swarmtrain(
+        tmp_path,
+        "tokenize",
+        "--tokenizer",
+        "tok.json",
+        "--val-fraction",
+        "0.05",
+        "--out",
+        "shards",
+        "--no-progress",
+        "texts",
+    )
     assert sorted(p.name for p in (tmp_path / "shards").glob("*.tok"))[:1] == ["train-00000.tok"]
     out = _swarmtrain(
-        tmp_path, "demo", "--config", "run.toml", "--checkpoint-dir", "ckpt", "--no-kill",
-        "--duration-s", "25", "--no-monitor", "--no-reference", "--workdir", "demo", timeout_s=300,
+        tmp_path,
+        "demo",
+        "--config",
+        "run.toml",
+        "--checkpoint-dir",
+        "ckpt",
+        "--no-kill",
+        "--duration-s",
+        "25",
+        "--no-monitor",
+        "--no-reference",
+        "--workdir",
+        "demo",
+        timeout_s=300,
     )
     assert "microbatches_failed            0" in out, out[-2000:]
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["stage0", "stage1"]
-    _swarmtrain(tmp_path, "export", "--checkpoint-dir", "ckpt", "--config", "run.toml", "--hf-out", "my-model")
+    _swarmtrain(
+        tmp_path, "export", "--checkpoint-dir", "ckpt", "--config", "run.toml", "--hf-out", "my-model"
+    )
 
     model, info = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path / "my-model", output_loading_info=True
@@ -75,5 +110,7 @@ def test_from_a_text_folder_to_a_model_transformers_loads(tmp_path):
     import math
 
     loss = float(model(input_ids=ids, labels=ids).loss.detach())
-    print(f"exported model: loss {loss:.3f} on a training document (uniform over {VOCAB} ids: {math.log(VOCAB):.3f})")
+    print(
+        f"exported model: loss {loss:.3f} on a training document (uniform over {VOCAB} ids: {math.log(VOCAB):.3f})"
+    )
     assert loss < math.log(VOCAB) - 0.5  # it trained: below guessing uniformly (~1 after 20 s here)

@@ -48,6 +48,7 @@ REPLAY_DHT = "peers are {} step(s) ahead (we are at 10)"
 REPLAY_ASKED = "peers are {} step(s) ahead (we are at 10; asked directly)"
 STUCK = Stuck(NOW - 3.0, NOW - 3.0, frozenset("A"))  # a vouched trainer's close of step 10 naming A, 3 s ago
 STUCK_REPLAY = "peers applied step 10, whose close came here 3 s ago"
+DIVERGED = "parameters diverged from a peer after a partial exchange"
 
 CASES = [
     # (what, view, decision)
@@ -89,9 +90,54 @@ CASES = [
         CatchUp(RESYNC, REPLAY_DHT.format(65)),
     ),
     (
-        "parameters diverged from a peer it follows",
+        "parameters diverged from a peer it follows: ask who answers before a download",
         _view(recorded={"A": 10}, diverged=True, epoch_since_s=NOW),
-        CatchUp(RESYNC, "parameters diverged from a peer after a partial exchange"),
+        CatchUp(ASK),
+    ),
+    (
+        "diverged, and a peer answers at its step: resync",
+        _view(recorded={"A": 10}, diverged=True, epoch_since_s=NOW, asked={"A": 10, "B": None}),
+        CatchUp(RESYNC, DIVERGED),
+    ),
+    (
+        # seed 0 of the netbed chaos bench: the stage's only replica the trainers reached refused them
+        # for 15 s, downloading from a peer that was cut off
+        "diverged, every peer silent: keep serving, no download that cannot start",
+        _view(recorded={"A": 10}, diverged=True, epoch_since_s=NOW, asked={"A": None, "B": None}),
+        CatchUp(WAIT),
+    ),
+    (
+        "diverged, the pings could not be sent: no download on that",
+        _view(recorded={"A": 10}, diverged=True, epoch_since_s=NOW, ask_failed=True),
+        CatchUp(WAIT),
+    ),
+    (
+        "a request held back for the lag grace: ask the peers",
+        _view(held_since_s=NOW - 3.0),
+        CatchUp(ASK),
+    ),
+    (
+        "a request held back briefly: a step finishing, nothing to ask",
+        _view(held_since_s=NOW - 1.0),
+        CatchUp(READ),
+    ),
+    (
+        # seed 0 again: a replica that adopted the other stages' step while its peer, frozen, had already
+        # applied it; the step's closes had gone to the peer, and trainers' requests of the next step
+        # waited here for 60 s
+        "held back, a peer answers ahead, no samples of its own: replay the step from that peer",
+        _view(held_since_s=NOW - 4.0, asked={"A": 12, "B": None}),
+        CatchUp(REPLAY, "peers applied step 10; a trainer's request has waited 4 s for it here", "A", 12),
+    ),
+    (
+        "held back, holding samples of the step: the step loop finishes it, the records decide",
+        _view(held_since_s=NOW - 4.0, asked={"A": 11}, own_samples=8),
+        CatchUp(READ),
+    ),
+    (
+        "held back, nobody answers ahead: a slow step, nothing to do",
+        _view(held_since_s=NOW - 4.0, asked={"A": 10, "B": None}),
+        CatchUp(READ),
     ),
     ("a fresh close far past the window: ask the peers", _view(ahead=_trusted(40)), CatchUp(ASK)),
     (

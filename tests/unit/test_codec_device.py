@@ -162,7 +162,9 @@ def test_a_stage_decodes_requests_on_its_device(device, tiny_cfg):
         {"inputs": activations(math.prod(shape)).view(shape), "grad_outputs": torch.zeros(shape)},
         step=0,
     )
-    request = protocol.validate_request(protocol.unpack(protocol.pack(message), 1 << 30), io, tiny_cfg.digest())
+    request = protocol.validate_request(
+        protocol.unpack(protocol.pack(message), 1 << 30), io, tiny_cfg.digest()
+    )
     assert request.inputs.device.type == device and request.grad_outputs.device.type == device
 
 

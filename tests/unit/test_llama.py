@@ -19,8 +19,16 @@ TOL = 1e-4
 
 def _cfg(**changes) -> ModelConfig:
     base = dict(
-        arch="llama", vocab_size=97, d_model=32, num_layers=3, num_heads=4, num_kv_heads=2, d_ff=48,
-        seq_len=16, norm_eps=1e-6, rope_theta=500.0,
+        arch="llama",
+        vocab_size=97,
+        d_model=32,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        d_ff=48,
+        seq_len=16,
+        norm_eps=1e-6,
+        rope_theta=500.0,
     )
     return ModelConfig(**{**base, **changes})
 
@@ -106,9 +114,7 @@ def test_shared_layers_equal_the_unrolled_model():
     model = build_model(shared, seed=2)
     plain = build_model(unrolled, seed=2)
     state = model.state_dict()
-    plain.load_state_dict(
-        {k: state[_shared_name(k, 3)] for k in plain.state_dict()}
-    )
+    plain.load_state_dict({k: state[_shared_name(k, 3)] for k in plain.state_dict()})
     tokens = torch.randint(0, shared.vocab_size, (2, shared.seq_len))
     ref = plain(tokens)
     assert torch.allclose(model(tokens), ref, atol=1e-5)

@@ -239,7 +239,9 @@ def test_the_most_one_stranger_can_make_a_llama_8b_server_hold():
     m, micro = cfg.model, cfg.training.micro_batch_size
     old_bundle = StageIO.from_config(m, cfg.stages()[1], 4 * micro).max_message_bytes() * MAX_BUNDLE_ITEMS
     old_held = max(MIN_HELD_BYTES, 2 * old_bundle)
-    print(f"before: a frame {old_bundle // MAX_BUNDLE_ITEMS}, a bundle {old_bundle}, held {old_held} by anyone")
+    print(
+        f"before: a frame {old_bundle // MAX_BUNDLE_ITEMS}, a bundle {old_bundle}, held {old_held} by anyone"
+    )
     for stage in (0, 1, 15):
         io = StageIO.from_config(m, cfg.stages()[stage], 4 * micro)
         bounds = derive_bounds(io, cfg.swarm.compression, micro, A_64_GIB_HOST)

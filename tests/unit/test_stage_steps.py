@@ -14,6 +14,7 @@ from swarmtrain.runtime.server.stage_catch_up import StageCatchUp, StepsBridge
 from swarmtrain.runtime.server.stage_desk import Admission, MicroBatchDesk
 from swarmtrain.runtime.server.stage_steps import StepCoordinator, StepSettings
 from swarmtrain.runtime.server.stage_worker import StageWorker
+from swarmtrain.runtime.server.step_versions import VersionGate
 from swarmtrain.runtime.trainer.step_tracker import StepTracker
 
 pytestmark = pytest.mark.unit
@@ -580,6 +581,68 @@ def test_a_replica_stuck_on_a_close_whose_sums_it_never_got_replays_the_step_fro
 
 
 RULE = LagRule(lag_grace_s=0.3, window=4)
+
+
+def test_a_replica_that_holds_a_request_back_replays_the_step_its_peer_applied(
+    tiny_cfg, micro_batches, start_compute
+):
+    """Netbed chaos, seed 0: a stage-1 replica far behind adopted the other stages' step 622 while its
+    frozen peer had already applied 622 alone; the closes of 622 had gone to the peer, the DHT's records
+    had lapsed, and the trainers' requests of step 624 waited here for parameters it never reached, 60 s
+    in all. A request held back for the lag grace makes it ask its peers; the one that answers ahead
+    applied the step, which C replays from its means (bitwise A's state), and the request runs."""
+
+    async def scenario():
+        net = Net()
+        nodes = await _replicas(tiny_cfg, ["A", "C"], net, start_compute)
+        a, c = nodes["A"], nodes["C"]
+        for node in (a, c):
+            node.inbox.live = lambda: frozenset("AC")
+        tasks = [asyncio.create_task(n.run()) for n in (a, c)]
+        net.unreachable.add("C")  # A's sums of step 0 never reach C, nor does any close of step 0
+        _train(a.worker, micro_batches[:2], prefix="a")
+        a.inbox.on_close(0, 0, 1, {"A": 16}, ["A"], "t")
+        await _until(lambda: a.worker.epoch == 1 and a.means_of(0) is not None)
+        net.unreachable.discard("C")
+        held = asyncio.create_task(c.versions.wait(1, time.monotonic() + 30))  # a request of step 2
+        await asyncio.sleep(0.05)
+        catch_up = StageCatchUp(c.worker, StepsBridge(c, NetLink(net), asyncio.get_running_loop()), RULE)
+        sync = StuckSync()
+        await asyncio.to_thread(catch_up.tick, sync)
+        assert c.worker.epoch == 0 and c.counters.replayed_steps == 0  # held briefly: a step finishing
+        await asyncio.sleep(RULE.lag_grace_s + 0.1)
+        await asyncio.to_thread(catch_up.tick, sync)
+        assert c.worker.epoch == 1 and c.counters.replayed_steps == 1 and sync.calls == []
+        assert all(torch.equal(p, q) for p, q in zip(a.worker.params, c.worker.params, strict=True))
+        assert await asyncio.wait_for(held, 5) and c.versions.held_since() is None
+        for task in tasks:
+            task.cancel()
+
+    asyncio.run(scenario())
+
+
+def test_the_version_gate_tells_since_when_a_request_waits_past_the_epoch():
+    async def scenario():
+        epoch = [3]
+        gate = VersionGate(lambda: epoch[0], asyncio.get_running_loop())
+        assert await gate.wait(3, time.monotonic() + 1) and gate.held_since() is None  # no wait at all
+        before_s = time.monotonic()
+        first = asyncio.create_task(gate.wait(5, time.monotonic() + 10))
+        await asyncio.sleep(0.05)
+        second = asyncio.create_task(gate.wait(4, time.monotonic() + 10))
+        await asyncio.sleep(0.05)
+        since_s = gate.held_since()
+        assert since_s is not None and before_s <= since_s < before_s + 0.05  # the oldest waiter
+        epoch[0] = 4
+        gate.changed()
+        assert await asyncio.wait_for(second, 1)
+        assert gate.held_since() == since_s  # the first still waits for 5
+        assert not await gate.wait(5, time.monotonic() + 0.05)  # a deadline: released, not kept
+        epoch[0] = 5
+        gate.changed()
+        assert await asyncio.wait_for(first, 1) and gate.held_since() is None
+
+    asyncio.run(scenario())
 
 
 def test_a_step_the_replica_left_meanwhile_is_neither_applied_nor_replayed_twice(

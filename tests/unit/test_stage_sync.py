@@ -136,16 +136,28 @@ def test_one_step_behind_is_normal_for_a_moment_but_not_for_long(make_sync, tiny
 
 
 def test_diverged_replica_with_larger_id_resyncs(make_sync):
-    sync, worker, records, averager = make_sync(peer="B")
+    sync, worker, records, averager = make_sync(peer="B", steps=FakeSteps(answers=lambda: {"A": 0}))
     sync._fp = (0, [1.0, 2.0])
     records.progress["A"] = _peer(0, fp=[1.0, 2.5])
     sync.tick()
     assert ("download",) in averager.calls  # A < B: B follows A
-    sync2, _, records2, averager2 = make_sync(peer="0")
+    sync2, _, records2, averager2 = make_sync(peer="0", steps=FakeSteps(answers=lambda: {"A": 0}))
     sync2._fp = (0, [1.0, 2.0])
     records2.progress["A"] = _peer(0, fp=[1.0, 2.5])
     sync2.tick()
     assert ("download",) not in averager2.calls
+
+
+@pytest.mark.parametrize("answers", [lambda: {"A": None}, lambda: None], ids=["silent", "asking failed"])
+def test_a_diverged_replica_whose_peers_are_unreachable_keeps_serving(make_sync, answers):
+    """Netbed chaos, seed 0: the only stage-0 replica the trainers reached resynced for diverged
+    parameters while its peers were cut off, and refused every request for the download's 15 s."""
+    steps = FakeSteps(answers=answers)
+    sync, worker, records, averager = make_sync(peer="B", steps=steps)
+    sync._fp = (0, [1.0, 2.0])
+    records.progress["A"] = _peer(0, fp=[1.0, 2.5])
+    sync.tick()
+    assert steps.asked == 1 and averager.calls == []
 
 
 def test_fingerprints_of_different_steps_are_not_compared(make_sync):
@@ -576,7 +588,9 @@ def test_a_replica_that_skipped_steps_follows_its_peer_whatever_the_ids(make_syn
     by id alone its peer, which had applied those 36 steps, threw them away when it woke."""
     donor = StageWorker(tiny_cfg, tiny_cfg.stages()[1])
     sync, worker, records, averager = make_sync(
-        peer="0", averager=FakeAverager(donor_state=donor.export_state())
+        peer="0",
+        averager=FakeAverager(donor_state=donor.export_state()),
+        steps=FakeSteps(answers=lambda: {"A": 0}),
     )  # the smaller id
     sync.skipped = True
     sync._fp = (0, [1.0, 2.0])

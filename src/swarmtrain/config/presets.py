@@ -112,8 +112,15 @@ def llama_tiny() -> RunConfig:
     size and schedule with grouped-query attention (4 query heads, 2 key/value heads)."""
     return RunConfig(
         preset="llama-tiny",
-        model=_llama(vocab_size=BUNDLED_VOCAB, d_model=64, num_layers=4, num_heads=4, num_kv_heads=2,
-                     d_ff=176, seq_len=64),
+        model=_llama(
+            vocab_size=BUNDLED_VOCAB,
+            d_model=64,
+            num_layers=4,
+            num_heads=4,
+            num_kv_heads=2,
+            d_ff=176,
+            seq_len=64,
+        ),
         training=_cpu_training(),
         data=DataConfig(tokenizer=BUNDLED_TOKENIZER),
         swarm=SwarmConfig(num_stages=2),
@@ -127,8 +134,15 @@ def swarm_shared() -> RunConfig:
     50k x 4096 embedding give both, which is the shape kept here (d=128, 4 stages)."""
     return RunConfig(
         preset="swarm-shared",
-        model=_llama(vocab_size=BUNDLED_VOCAB, d_model=128, num_layers=4, num_heads=4, d_ff=512,
-                     seq_len=64, shared_layer_repeats=16),
+        model=_llama(
+            vocab_size=BUNDLED_VOCAB,
+            d_model=128,
+            num_layers=4,
+            num_heads=4,
+            d_ff=512,
+            seq_len=64,
+            shared_layer_repeats=16,
+        ),
         training=TrainingConfig(
             micro_batch_size=8,
             global_batch_size=64,
@@ -160,8 +174,15 @@ def llama_125m() -> RunConfig:
     """A 124M Llama (GPT-2 small's budget): 12 layers, d=768, 12 heads over 4 key/value heads."""
     return RunConfig(
         preset="llama-125m",
-        model=_llama(vocab_size=LLAMA2_VOCAB, d_model=768, num_layers=12, num_heads=12, num_kv_heads=4,
-                     d_ff=2048, seq_len=1024),
+        model=_llama(
+            vocab_size=LLAMA2_VOCAB,
+            d_model=768,
+            num_layers=12,
+            num_heads=12,
+            num_kv_heads=4,
+            d_ff=2048,
+            seq_len=1024,
+        ),
         training=_large_training(4, 256, 6e-4, 2048, 1_000_000),
         swarm=SwarmConfig(num_stages=4),
     )
@@ -171,8 +192,15 @@ def llama_1b() -> RunConfig:
     """TinyLlama-1.1B's shape: 22 layers, d=2048, 32 heads over 4 key/value heads, untied head."""
     return RunConfig(
         preset="llama-1b",
-        model=_llama(vocab_size=LLAMA2_VOCAB, d_model=2048, num_layers=22, num_heads=32, num_kv_heads=4,
-                     d_ff=5632, seq_len=2048),
+        model=_llama(
+            vocab_size=LLAMA2_VOCAB,
+            d_model=2048,
+            num_layers=22,
+            num_heads=32,
+            num_kv_heads=4,
+            d_ff=5632,
+            seq_len=2048,
+        ),
         training=_large_training(1, 1024, 4e-4, 100_000, 10_000_000),
         swarm=SwarmConfig(num_stages=8),
     )
@@ -183,8 +211,18 @@ def llama_8b() -> RunConfig:
     rope_theta 500,000; trained here at 2,048 tokens per sample."""
     return RunConfig(
         preset="llama-8b",
-        model=ModelConfig(arch="llama", vocab_size=LLAMA3_VOCAB, d_model=4096, num_layers=32, num_heads=32,
-                          num_kv_heads=8, d_ff=14336, seq_len=2048, norm_eps=1e-5, rope_theta=500000.0),
+        model=ModelConfig(
+            arch="llama",
+            vocab_size=LLAMA3_VOCAB,
+            d_model=4096,
+            num_layers=32,
+            num_heads=32,
+            num_kv_heads=8,
+            d_ff=14336,
+            seq_len=2048,
+            norm_eps=1e-5,
+            rope_theta=500000.0,
+        ),
         training=_large_training(1, 1024, 3e-4, 100_000, 10_000_000),
         swarm=SwarmConfig(num_stages=16),
     )
@@ -195,8 +233,9 @@ def llama_13b() -> RunConfig:
     scenarios' largest workload."""
     return RunConfig(
         preset="llama-13b",
-        model=_llama(vocab_size=LLAMA2_VOCAB, d_model=5120, num_layers=40, num_heads=40, d_ff=13824,
-                     seq_len=4096),
+        model=_llama(
+            vocab_size=LLAMA2_VOCAB, d_model=5120, num_layers=40, num_heads=40, d_ff=13824, seq_len=4096
+        ),
         training=_large_training(1, 1024, 3e-4, 100_000, 10_000_000),
         swarm=SwarmConfig(num_stages=20),
     )

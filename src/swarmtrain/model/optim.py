@@ -52,7 +52,9 @@ def adam_state_tensors(optimizer: torch.optim.Optimizer, params: list[nn.Paramet
         for p in params:
             value = optimizer.state.get(p, {}).get(key)
             out.append(
-                value.detach().to("cpu", copy=True) if value is not None else torch.zeros_like(p, device="cpu")
+                value.detach().to("cpu", copy=True)
+                if value is not None
+                else torch.zeros_like(p, device="cpu")
             )
     for p in params:
         step = optimizer.state.get(p, {}).get("step")

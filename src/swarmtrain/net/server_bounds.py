@@ -143,7 +143,9 @@ class ByteBounds:
         """The bounds as the `info` reply's `data_plane` shows them."""
         return {
             "max_frame_bytes": self.frame_bytes,
-            "max_micro_batch_bytes": max((v for k, v in self.limits.items() if k in MICRO_BATCH_KINDS), default=0),
+            "max_micro_batch_bytes": max(
+                (v for k, v in self.limits.items() if k in MICRO_BATCH_KINDS), default=0
+            ),
             "max_bundle_bytes": self.bundle_bytes,
             "max_held_bytes": self.held_bytes,
             "max_held_bytes_per_peer": self.held_bytes_per_peer,

@@ -1,11 +1,13 @@
 """What a stage replica does when it falls behind its stage: the lag rule, a pure function.
 
-A replica learns that its stage went on without it from four sources: the stage's progress records in
+A replica learns that its stage went on without it from five sources: the stage's progress records in
 the DHT (refreshed every heartbeat, but they lapse while the swarm is partitioned and still list a peer
 that froze), a trainer's close of a step past its close window (`SwarmAhead`, kept by
 runtime/server/step_inbox.py), a close of its own step that it has not been able to act on for the lag
-grace (`Stuck`: the members' gradients went to it while it was downloading or cut off), and its stage
-peers' answers to a ping asking their epochs. From these
+grace (`Stuck`: the members' gradients went to it while it was downloading or cut off), a trainer's
+request that has waited the lag grace for parameters past its epoch (`held_since_s`: the closes of its
+step went to its peers while it was far behind, and none will come), and its stage peers' answers to a
+ping asking their epochs. From these
 and its own state `decide_catch_up` chooses one action: replay the missed steps from a peer's mean
 gradients, resync (download the state), adopt the other stages' step (planner/restore.py's
 `behind_other_stages` then says when), or wait. It may first ask for what it needs (`ASK`: ping the
@@ -104,6 +106,8 @@ class LagView:
     fresh_state: bool = False  # restored from a checkpoint, or initial weights, with no step since
     epoch_since_s: float = float("-inf")  # since when it has been at `epoch`
     stuck: Stuck | None = None  # its step has a close it has not applied
+    held_since_s: float | None = None  # a training request has waited for a later epoch since then
+    ask_failed: bool = False  # the pings could not be sent this tick: nothing that needs them happens
 
 
 @dataclass(frozen=True)
@@ -164,6 +168,15 @@ def stuck_on_close(view: LagView, rule: LagRule) -> bool:
     )
 
 
+def held_back(view: LagView, rule: LagRule) -> bool:
+    """A trainer's request has waited the lag grace for parameters this replica has not reached: the
+    trainer closed the steps between, so a peer may have applied them (the closes went there while this
+    replica was far behind or cut off, and nothing sends them again). A step takes milliseconds on a LAN
+    and an exchange on a slow link, so a false alarm costs one ping round; only a peer that answers
+    ahead acts on it (a stranger's request makes the replica ask, nothing more)."""
+    return view.held_since_s is not None and view.now_s - view.held_since_s >= rule.lag_grace_s
+
+
 def _shows_ahead(close: Heard | None, epoch: int, now_s: float, rule: LagRule) -> bool:
     return (
         close is not None
@@ -174,12 +187,14 @@ def _shows_ahead(close: Heard | None, epoch: int, now_s: float, rule: LagRule) -
 
 def decide_catch_up(view: LagView, rule: LagRule) -> CatchUp:
     """What a replica does at a sync tick, in order:
-    1. Left behind (`left_behind`: a fresh close past the window), or stuck on a vouched close of its
-       own step (`stuck_on_close`), and its peers not yet asked: `ASK` (every tick while it lasts).
+    1. Left behind (`left_behind`: a fresh close past the window), stuck on a vouched close of its
+       own step (`stuck_on_close`), or holding a request back for the lag grace (`held_back`), and its
+       peers not yet asked: `ASK` (every tick while it lasts).
     2. Asked: a peer that answers more than `keep_ahead` steps ahead is caught up with at once (replay
        from the furthest, else resync). Stuck, holding no samples of the step, with a peer that answers
        ahead: that peer applied the step, so it is replayed from its mean gradients (the members' sums
-       went to this replica while it downloaded its state or was cut off, and nobody sends them again).
+       went to this replica while it downloaded its state or was cut off, and nobody sends them again);
+       the same when held back (the step's closes went to the peer alone).
        Left behind, with no peer that answers ahead and one silent (or none left), on a fresh close
        from a vouched sender (`SwarmAhead.trusted`): those that ran the steps are frozen or cut off, and
        it adopts the other stages' step after the lag grace instead of a request timeout (the frozen
@@ -193,11 +208,13 @@ def decide_catch_up(view: LagView, rule: LagRule) -> CatchUp:
     4. A peer in the records ahead for the lag grace, or more than `keep_ahead` steps ahead at once:
        replay the missed steps from the most advanced peer when the replica holds no samples of its own
        (it was no participant of those steps) and at most `max_replay` are missing, else resync.
-    5. Parameters diverged from a peer it follows: resync.
+    5. Parameters diverged from a peer it follows: ask the peers first, and resync only when one that
+       answers is at its step or past it (a download from peers that are all cut off or frozen refuses
+       the trainers for its whole deadline, and this replica may be the stage's only one they reach).
     6. No peer ahead, and its state fresh or no step for the lag grace: `ADOPT` (the other stages'
        step after a request timeout, planner/restore.behind_other_stages); else `WAIT`."""
-    stuck = stuck_on_close(view, rule)
-    if view.asked is None and (stuck or left_behind(view.ahead, view.epoch, view.now_s, rule)):
+    evidence = stuck_on_close(view, rule) or held_back(view, rule)
+    if _may_ask(view) and (evidence or left_behind(view.ahead, view.epoch, view.now_s, rule)):
         return CatchUp(ASK, behind_since_s=view.behind_since_s)
     if view.asked is not None:
         direct = _asked(view, rule)
@@ -221,13 +238,19 @@ def _asked(view: LagView, rule: LagRule) -> CatchUp | None:
     if stuck is not None and ahead > 0 and view.own_samples == 0:
         reason = f"peers applied step {epoch}, whose close came here {view.now_s - stuck.since_s:.0f} s ago"
         return _replay_or_resync(view, answered, rule, reason)
+    if held_back(view, rule) and ahead > 0 and view.own_samples == 0:
+        waited_s = view.now_s - (view.held_since_s or view.now_s)
+        reason = f"peers applied step {epoch}; a trainer's request has waited {waited_s:.0f} s for it here"
+        return _replay_or_resync(view, answered, rule, reason)
     if ahead > 0:
         return None
     frozen = not answered or len(answered) < len(asked)
     if frozen and _shows_ahead(view.ahead.trusted, epoch, view.now_s, rule):
         return CatchUp(ADOPT, grace_s=rule.lag_grace_s, behind_since_s=view.behind_since_s)
     if stuck is not None and _holders_silent(stuck.members, asked):
-        return CatchUp(ADOPT, grace_s=rule.lag_grace_s, behind_since_s=view.behind_since_s, abandon_close=True)
+        return CatchUp(
+            ADOPT, grace_s=rule.lag_grace_s, behind_since_s=view.behind_since_s, abandon_close=True
+        )
     return None
 
 
@@ -248,12 +271,24 @@ def _recorded(view: LagView, recorded: Mapping[str, int], rule: LagRule) -> Catc
     if lagging or ahead > rule.keep_ahead:
         return _replay_or_resync(view, recorded, rule, f"peers are {ahead} step(s) ahead (we are at {epoch})")
     if view.diverged:
-        return CatchUp(RESYNC, "parameters diverged from a peer after a partial exchange")
+        if _may_ask(view):
+            return CatchUp(ASK, behind_since_s=since_s)
+        if _donor_answers(view):
+            return CatchUp(RESYNC, "parameters diverged from a peer after a partial exchange")
     # the other stages are not read on every tick of a replica stepping with the swarm (several steps a
     # second on `tiny`), only once it has not stepped for a while
     if ahead <= 0 and (view.fresh_state or now_s - view.epoch_since_s >= rule.lag_grace_s):
         return CatchUp(ADOPT)
     return CatchUp(WAIT, behind_since_s=since_s)
+
+
+def _may_ask(view: LagView) -> bool:
+    return view.asked is None and not view.ask_failed
+
+
+def _donor_answers(view: LagView) -> bool:
+    """A stage peer answered the ping at this replica's step or past it: a download can start."""
+    return any(e is not None and e >= view.epoch for e in (view.asked or {}).values())
 
 
 def _replay_or_resync(view: LagView, epochs: Mapping[str, int], rule: LagRule, reason: str) -> CatchUp:

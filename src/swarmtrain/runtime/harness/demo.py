@@ -97,7 +97,9 @@ def _run_file(options: DemoOptions, workdir: Path) -> Path | str:
     model = {"model": options.model_overrides} if options.model_overrides else {}
     if options.config_path is None:
         return write_run_toml(workdir / "run.toml", options.preset, {"swarm": DEMO_SWARM, **model})
-    return derived_run_toml(options.config_path, workdir / "run.toml", model) if model else options.config_path
+    return (
+        derived_run_toml(options.config_path, workdir / "run.toml", model) if model else options.config_path
+    )
 
 
 def run_demo(options: DemoOptions, out=sys.stdout) -> dict:

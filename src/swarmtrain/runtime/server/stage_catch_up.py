@@ -5,8 +5,10 @@ what it reads, asks what it needs, and acts, once per sync tick on the synchroni
 (runtime/server/stage_sync.py):
 - the evidence that the stage went on: trainers' closes past the close window, kept by the step inbox
   (`SwarmAhead`, runtime/server/step_inbox.py), which expire; a close of the replica's own step it has
-  not applied (`Stuck`); the stage's progress records in the DHT; and, when a fresh close shows the
-  replica left behind or stuck, its stage peers' epochs, asked with a ping;
+  not applied (`Stuck`); a trainer's request parked for parameters past its epoch for the lag grace
+  (`VersionGate.held_since`); the stage's progress records in the DHT; and, when that evidence shows the
+  replica left behind, stuck or held back, or before it resyncs for diverged parameters, its stage
+  peers' epochs, asked with a ping;
 - a replay applies the missed steps from a peer's mean gradients (`StepCoordinator.replay` on the event
   loop, the means asked with `StagePeerLink.step_means`); a resync and an adoption of the other stages'
   step are the synchronizer's (`SyncPort`);
@@ -72,6 +74,10 @@ class StepsPort(Protocol):
         """The step this replica is at has a vouched trainer's close it has not applied: since when."""
         ...
 
+    def held_since(self) -> float | None:
+        """Since when a training request has waited for parameters past this replica's epoch."""
+        ...
+
     def finishing(self) -> bool:
         """The step loop is closing, exchanging or applying the step this replica is at."""
         ...
@@ -124,6 +130,9 @@ class Detached:
         return False
 
     def stuck(self) -> Stuck | None:
+        return None
+
+    def held_since(self) -> float | None:
         return None
 
     def finishing(self) -> bool:
@@ -180,6 +189,10 @@ class StepsBridge:
         members = frozenset(p for c in vouched for p in c.members) - {self.steps.peer_id}
         return Stuck(since_s, max(arrived_s), members)
 
+    def held_since(self) -> float | None:
+        # with local steps (DiLoCo) there are no means to replay: as for `stuck`
+        return None if self.steps.worker.outer is not None else self.steps.versions.held_since()
+
     def finishing(self) -> bool:
         return self.steps.finishing == self.steps.worker.epoch
 
@@ -233,7 +246,7 @@ class StageCatchUp:
 
     def tick(self, sync: SyncPort) -> None:
         """(sync thread) Decide, asking the peers or reading the records when the rule needs them, and act."""
-        view = self._view(self.steps.swarm_ahead(), self.steps.stuck())
+        view = self._view(self.steps.swarm_ahead(), self.steps.stuck(), held_since_s=self.steps.held_since())
         decision = decide_catch_up(view, self.rule)
         while decision.action in (ASK, READ):
             view = self._asked(view) if decision.action == ASK else self._read(view, sync)
@@ -267,9 +280,19 @@ class StageCatchUp:
 
     def _asked(self, view: LagView) -> LagView:
         asked = self.steps.peer_epochs()
-        if asked is None:  # asking failed: this tick goes on as if no close had come (nor stuck)
-            return self._view(SwarmAhead(view.ahead.newest_step), None)
-        return self._view(view.ahead, view.stuck, asked=asked)
+        if asked is None:  # asking failed: this tick acts on nothing that needed the answers
+            return dataclasses.replace(view, ask_failed=True)
+        fresh = self._view(view.ahead, view.stuck, asked=asked, held_since_s=view.held_since_s)
+        if view.recorded is None or fresh.epoch != view.epoch:
+            return fresh
+        # asked after reading the records (before a resync for diverged parameters): they still hold
+        return dataclasses.replace(
+            fresh,
+            recorded=view.recorded,
+            diverged=view.diverged,
+            fresh_state=view.fresh_state,
+            epoch_since_s=view.epoch_since_s,
+        )
 
     def _read(self, view: LagView, sync: SyncPort) -> LagView:
         others = sync.recorded_peers()
@@ -277,7 +300,13 @@ class StageCatchUp:
         if self.worker.epoch != self._seen_epoch[0]:
             self._seen_epoch = (self.worker.epoch, now_s)
         return dataclasses.replace(
-            self._view(view.ahead, view.stuck, asked=view.asked),
+            self._view(
+                view.ahead,
+                view.stuck,
+                asked=view.asked,
+                held_since_s=view.held_since_s,
+                ask_failed=view.ask_failed,
+            ),
             recorded={peer: value["epoch"] for peer, value in others.items()},
             diverged=sync.diverged_from(others),
             fresh_state=sync.fresh_state,
