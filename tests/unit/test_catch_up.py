@@ -91,24 +91,35 @@ CASES = [
     ),
     (
         "parameters diverged from a peer it follows: ask who answers before a download",
-        _view(recorded={"A": 10}, diverged=True, epoch_since_s=NOW),
+        _view(recorded={"A": 10}, diverged=frozenset("A"), epoch_since_s=NOW),
         CatchUp(ASK),
     ),
     (
         "diverged, and a peer answers at its step: resync",
-        _view(recorded={"A": 10}, diverged=True, epoch_since_s=NOW, asked={"A": 10, "B": None}),
+        _view(recorded={"A": 10}, diverged=frozenset("A"), epoch_since_s=NOW, asked={"A": 10, "B": None}),
         CatchUp(RESYNC, DIVERGED),
     ),
     (
         # seed 0 of the netbed chaos bench: the stage's only replica the trainers reached refused them
         # for 15 s, downloading from a peer that was cut off
         "diverged, every peer silent: keep serving, no download that cannot start",
-        _view(recorded={"A": 10}, diverged=True, epoch_since_s=NOW, asked={"A": None, "B": None}),
+        _view(recorded={"A": 10}, diverged=frozenset("A"), epoch_since_s=NOW, asked={"A": None, "B": None}),
+        CatchUp(WAIT),
+    ),
+    (
+        # three replicas: B and C hold the same diverged state, A (which both follow) is cut off
+        "diverged, only a peer it did not diverge from answers: it is no better a donor, keep serving",
+        _view(
+            recorded={"A": 10, "C": 10},
+            diverged=frozenset("A"),
+            epoch_since_s=NOW,
+            asked={"A": None, "C": 10},
+        ),
         CatchUp(WAIT),
     ),
     (
         "diverged, the pings could not be sent: no download on that",
-        _view(recorded={"A": 10}, diverged=True, epoch_since_s=NOW, ask_failed=True),
+        _view(recorded={"A": 10}, diverged=frozenset("A"), epoch_since_s=NOW, ask_failed=True),
         CatchUp(WAIT),
     ),
     (

@@ -509,7 +509,7 @@ class StuckSync:
         return {}
 
     def diverged_from(self, others):
-        return False
+        return frozenset()
 
     def resync(self, reason):
         self.calls.append(("resync", reason))
@@ -614,7 +614,7 @@ def test_a_replica_that_holds_a_request_back_replays_the_step_its_peer_applied(
         await asyncio.to_thread(catch_up.tick, sync)
         assert c.worker.epoch == 1 and c.counters.replayed_steps == 1 and sync.calls == []
         assert all(torch.equal(p, q) for p, q in zip(a.worker.params, c.worker.params, strict=True))
-        assert await asyncio.wait_for(held, 5) and c.versions.held_since() is None
+        assert await asyncio.wait_for(held, 5) and c.versions.held_since(10) is None
         for task in tasks:
             task.cancel()
 
@@ -625,22 +625,27 @@ def test_the_version_gate_tells_since_when_a_request_waits_past_the_epoch():
     async def scenario():
         epoch = [3]
         gate = VersionGate(lambda: epoch[0], asyncio.get_running_loop())
-        assert await gate.wait(3, time.monotonic() + 1) and gate.held_since() is None  # no wait at all
+        assert await gate.wait(3, time.monotonic() + 1) and gate.held_since(10) is None  # no wait at all
         before_s = time.monotonic()
         first = asyncio.create_task(gate.wait(5, time.monotonic() + 10))
         await asyncio.sleep(0.05)
         second = asyncio.create_task(gate.wait(4, time.monotonic() + 10))
         await asyncio.sleep(0.05)
-        since_s = gate.held_since()
+        since_s = gate.held_since(10)
         assert since_s is not None and before_s <= since_s < before_s + 0.05  # the oldest waiter
+        assert gate.held_since(4) > since_s  # the oldest waits for 5: past the window given, not shown
+        evaluation = asyncio.create_task(gate.wait(6, time.monotonic() + 10, counted=False))
+        await asyncio.sleep(0.01)
+        assert gate.held_since(10) == since_s  # an evaluation's wait is never shown
         epoch[0] = 4
         gate.changed()
         assert await asyncio.wait_for(second, 1)
-        assert gate.held_since() == since_s  # the first still waits for 5
+        assert gate.held_since(10) == since_s  # the first still waits for 5
         assert not await gate.wait(5, time.monotonic() + 0.05)  # a deadline: released, not kept
         epoch[0] = 5
         gate.changed()
-        assert await asyncio.wait_for(first, 1) and gate.held_since() is None
+        assert await asyncio.wait_for(first, 1) and gate.held_since(10) is None
+        evaluation.cancel()
 
     asyncio.run(scenario())
 

@@ -102,7 +102,8 @@ class LagView:
     )
     recorded: Mapping[str, int] | None = None  # stage peers' epochs in the progress records; None: not read
     behind_since_s: float | None = None  # since when the records have shown a peer ahead
-    diverged: bool = False  # a peer it follows had other parameters at the same step (with `recorded`)
+    # the peers it follows that had other parameters at the same step (with `recorded`); empty: none
+    diverged: frozenset[str] = frozenset()
     fresh_state: bool = False  # restored from a checkpoint, or initial weights, with no step since
     epoch_since_s: float = float("-inf")  # since when it has been at `epoch`
     stuck: Stuck | None = None  # its step has a close it has not applied
@@ -173,7 +174,9 @@ def held_back(view: LagView, rule: LagRule) -> bool:
     trainer closed the steps between, so a peer may have applied them (the closes went there while this
     replica was far behind or cut off, and nothing sends them again). A step takes milliseconds on a LAN
     and an exchange on a slow link, so a false alarm costs one ping round; only a peer that answers
-    ahead acts on it (a stranger's request makes the replica ask, nothing more)."""
+    ahead acts on it: a stranger's request of a step just ahead makes the replica ask, and replay steps
+    that a peer did apply (runtime/server/stage_catch_up.py counts only training requests within the
+    close window)."""
     return view.held_since_s is not None and view.now_s - view.held_since_s >= rule.lag_grace_s
 
 
@@ -208,9 +211,10 @@ def decide_catch_up(view: LagView, rule: LagRule) -> CatchUp:
     4. A peer in the records ahead for the lag grace, or more than `keep_ahead` steps ahead at once:
        replay the missed steps from the most advanced peer when the replica holds no samples of its own
        (it was no participant of those steps) and at most `max_replay` are missing, else resync.
-    5. Parameters diverged from a peer it follows: ask the peers first, and resync only when one that
-       answers is at its step or past it (a download from peers that are all cut off or frozen refuses
-       the trainers for its whole deadline, and this replica may be the stage's only one they reach).
+    5. Parameters diverged from a peer it follows: ask the peers first, and resync only when one it
+       diverged from answers at its step or past it (a download from peers that are cut off or frozen
+       refuses the trainers for its whole deadline, and this replica may be the stage's only one they
+       reach; a peer that answers with the same diverged state is no better a donor).
     6. No peer ahead, and its state fresh or no step for the lag grace: `ADOPT` (the other stages'
        step after a request timeout, planner/restore.behind_other_stages); else `WAIT`."""
     evidence = stuck_on_close(view, rule) or held_back(view, rule)
@@ -287,8 +291,9 @@ def _may_ask(view: LagView) -> bool:
 
 
 def _donor_answers(view: LagView) -> bool:
-    """A stage peer answered the ping at this replica's step or past it: a download can start."""
-    return any(e is not None and e >= view.epoch for e in (view.asked or {}).values())
+    """A peer this replica diverged from answered the ping at its step or past it: a download can start."""
+    asked = view.asked or {}
+    return any((e := asked.get(peer)) is not None and e >= view.epoch for peer in view.diverged)
 
 
 def _replay_or_resync(view: LagView, epochs: Mapping[str, int], rule: LagRule, reason: str) -> CatchUp:

@@ -105,7 +105,7 @@ class SyncPort(Protocol):
 
     def recorded_peers(self) -> dict[str, dict]: ...  # the stage peers' progress records (a DHT read)
 
-    def diverged_from(self, others: dict[str, dict]) -> bool: ...
+    def diverged_from(self, others: dict[str, dict]) -> frozenset[str]: ...
 
     def resync(self, reason: str) -> None: ...
 
@@ -191,7 +191,9 @@ class StepsBridge:
 
     def held_since(self) -> float | None:
         # with local steps (DiLoCo) there are no means to replay: as for `stuck`
-        return None if self.steps.worker.outer is not None else self.steps.versions.held_since()
+        if self.steps.worker.outer is not None:
+            return None
+        return self.steps.versions.held_since(self.steps.worker.epoch + self.window)
 
     def finishing(self) -> bool:
         return self.steps.finishing == self.steps.worker.epoch
@@ -228,6 +230,8 @@ class StepsBridge:
 
     async def _replay_from(self, peer: str, start: int, end: int) -> bool:
         for step in range(start, end):
+            if self.steps.finishing == step:  # the step loop applies it: no means to fetch for nothing
+                return False
             samples, means = await self.link.step_means(peer, step)
             if not await self.steps.replay(step, samples, means):
                 return False
@@ -280,9 +284,10 @@ class StageCatchUp:
 
     def _asked(self, view: LagView) -> LagView:
         asked = self.steps.peer_epochs()
-        if asked is None:  # asking failed: this tick acts on nothing that needed the answers
-            return dataclasses.replace(view, ask_failed=True)
-        fresh = self._view(view.ahead, view.stuck, asked=asked, held_since_s=view.held_since_s)
+        # asking failed: this tick acts on nothing that needed the answers
+        fresh = self._view(
+            view.ahead, view.stuck, asked=asked, held_since_s=view.held_since_s, ask_failed=asked is None
+        )
         if view.recorded is None or fresh.epoch != view.epoch:
             return fresh
         # asked after reading the records (before a resync for diverged parameters): they still hold

@@ -12,8 +12,9 @@ divides by their samples and applies the optimizer step. All replicas therefore 
 gradient of exactly the step's samples. Only the listed members count, so every replica sums the
 same set; a member that cannot be reached (connection error) or whose sums do not come within
 `exchange_timeout_s` is left out, which can make replicas differ: the fingerprint check in
-runtime/server/stage_sync.py then resyncs the one with the larger id. A member that is frozen (SIGSTOP, a
-partition: nothing answers, no connection error) is not waited for that long: once its sums are
+runtime/server/stage_sync.py then resyncs the one with the larger id (once a peer it diverged from
+answers). A member that is frozen (SIGSTOP, a partition: nothing answers, no connection error) is not
+waited for that long: once its sums are
 `probe_after_s` late, a ping its event loop would answer at once (`alive`) tells it from a slow one, and
 a silent member is left out like an unreachable one.
 

@@ -12,7 +12,8 @@ module runs on its own threads and works from shared state in the DHT:
   are carried out here. A resync stops serving, drops the unapplied buckets (recorded as lost) and
   downloads the state;
 - replicas compare parameter fingerprints taken at the same step; on a mismatch (a member's gradients
-  reached one replica but not another, at that step or any before) the one with the larger id resyncs;
+  reached one replica but not another, at that step or any before) the one with the larger id resyncs,
+  once a peer it diverged from answers a ping (it serves its own state meanwhile);
 - at start, the state comes from live replicas, else the stage's newest checkpoint, else initial
   weights, which are refused once the swarm has stepped (planner/restore.py decides); a replica left
   behind the other stages adopts their step after a grace period: a short one when it was restored
@@ -415,12 +416,13 @@ class StageSynchronizer:
         progress = self.records.stage_progress(self.stage)
         return {p: v for p, v in progress.items() if p != self.peer_id and v.get("digest") == self.digest}
 
-    def diverged_from(self, others: dict[str, dict]) -> bool:
-        """A peer we follow (`planner/restore.follows_on_mismatch`) had other parameters than ours at the
-        same step."""
+    def diverged_from(self, others: dict[str, dict]) -> frozenset[str]:
+        """The peers we follow (`planner/restore.follows_on_mismatch`) that had other parameters than ours
+        at the same step."""
         if self._fp is None:
-            return False
+            return frozenset()
         step, ours = self._fp
+        diverged = set()
         for peer, value in others.items():
             theirs = value.get("fp")
             if (
@@ -433,8 +435,8 @@ class StageSynchronizer:
                     abs(a - b) > FINGERPRINT_RTOL * (abs(a) + abs(b) + 1e-12)
                     for a, b in zip(theirs, ours, strict=True)
                 ):
-                    return True
-        return False
+                    diverged.add(peer)
+        return frozenset(diverged)
 
     def _sharing_priority(self) -> float:
         """Donors are picked by the highest priority: the step, a state that skipped steps half a step

@@ -25,12 +25,19 @@ class VersionGate:
         self._tickets = itertools.count()
 
     async def wait(
-        self, version: int, deadline_s: float, abandon: Callable[[], bool] = lambda: False
+        self,
+        version: int,
+        deadline_s: float,
+        abandon: Callable[[], bool] = lambda: False,
+        counted: bool = True,
     ) -> bool:
         """Until the parameters have reached `version`; False at the deadline (a time.monotonic()
-        value), or once `abandon()` is true when the version changes (`changed` makes waiters check)."""
+        value), or once `abandon()` is true when the version changes (`changed` makes waiters check).
+        `counted`: the wait shows in `held_since` (a training request's; an evaluation may name any step)."""
         if self._epoch() >= version:
             return True
+        if not counted:
+            return await self._until(version, deadline_s, abandon)
         ticket = next(self._tickets)
         self._parked[ticket] = (time.monotonic(), version)
         try:
@@ -38,15 +45,16 @@ class VersionGate:
         finally:
             del self._parked[ticket]
 
-    def held_since(self) -> float | None:
-        """(any thread) Since when the oldest request still parked has waited for a version past the
-        epoch (time.monotonic()); None when none waits."""
+    def held_since(self, max_version: int) -> float | None:
+        """(any thread) Since when the oldest counted request still parked has waited for a version past
+        the epoch and at most `max_version` (time.monotonic()); None when none waits. A request further
+        ahead shows nothing (an honest one is refused at once by a replica that trails its stage)."""
         try:
             parked = list(self._parked.values())
         except RuntimeError:  # the loop parked or released a request while this thread copied
             return None
         epoch = self._epoch()
-        return min((since_s for since_s, version in parked if version > epoch), default=None)
+        return min((since_s for since_s, version in parked if epoch < version <= max_version), default=None)
 
     async def _until(self, version: int, deadline_s: float, abandon: Callable[[], bool]) -> bool:
         while self._epoch() < version:
