@@ -216,9 +216,11 @@ CASES = [
         CatchUp(READ),
     ),
     (
-        "stuck, the holder it names is not in its view of the stage (a made-up name): the records",
-        _view(stuck=Stuck(NOW - 3.0, NOW - 3.0, frozenset("X")), asked={"A": None}),
-        CatchUp(READ),
+        # netbed chaos, seed 0: the one replica that held the step's samples was killed, and its peers
+        # held the step for 85 s (a name no replica answers to is no better: no close naming it is acted on)
+        "stuck, the holder it names has left its view of the stage: nobody can finish the step, adopt",
+        _view(stuck=Stuck(NOW - 3.0, NOW - 3.0, frozenset("X")), asked={"A": 10}),
+        CatchUp(ADOPT, grace_s=3.0, abandon_close=True),
     ),
     (
         "stuck on a close naming no other replica (the only replica of its stage): the records",

@@ -202,7 +202,7 @@ def decide_catch_up(view: LagView, rule: LagRule) -> CatchUp:
        from a vouched sender (`SwarmAhead.trusted`): those that ran the steps are frozen or cut off, and
        it adopts the other stages' step after the lag grace instead of a request timeout (the frozen
        peer wins a fingerprint mismatch when it wakes, planner/restore.follows_on_mismatch). Stuck, with
-       every replica its close names silent (`_holders_silent`): nobody reachable can finish the step,
+       every replica its close names silent or gone (`_holders_silent`): nobody can finish the step,
        and it adopts the other stages' step, or the step after its own if they are not ahead, although
        its step has a close (`abandon_close`). A stranger's close far ahead makes the replica ask,
        never by itself leave its step (every peer that answers is believed; a forger cannot silence an
@@ -259,9 +259,13 @@ def _asked(view: LagView, rule: LagRule) -> CatchUp | None:
 
 
 def _holders_silent(members: frozenset[str], asked: Mapping[str, int | None]) -> bool:
-    """Every replica a stuck close names was asked (it is in the replica's view of the stage: a name a
-    close makes up is no holder) and none answered: nobody that could finish the step is reachable."""
-    return bool(members) and all(member in asked and asked[member] is None for member in members)
+    """No replica a stuck close names answered: each was asked (it is in the replica's view of the
+    stage) and was silent, or it is not in that view at all. A holder that was killed leaves the view
+    (its records lapse, and the stage ping that checks a name a close brings fails:
+    runtime/server/stage_members.py), and a close naming only peers outside the view is never acted on
+    by anyone, so nobody can finish the step either way. Netbed chaos, seed 0: the stage-0 replica that
+    held a step's every sample was killed, and its three peers held that step for 85 s."""
+    return bool(members) and all(asked.get(member) is None for member in members)
 
 
 def _recorded(view: LagView, recorded: Mapping[str, int], rule: LagRule) -> CatchUp:
