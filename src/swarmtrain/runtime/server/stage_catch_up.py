@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from typing import TYPE_CHECKING, Protocol
 
@@ -42,7 +43,7 @@ from swarmtrain.planner.catch_up import (
     trails_stage,
 )
 from swarmtrain.runtime.server.stage_worker import StageWorker
-from swarmtrain.utils.logging import get_logger
+from swarmtrain.utils.logging import get_logger, log_repeated
 
 if TYPE_CHECKING:
     from swarmtrain.runtime.server.stage_exchange import StagePeerLink
@@ -256,7 +257,35 @@ class StageCatchUp:
             view = self._asked(view) if decision.action == ASK else self._read(view, sync)
             decision = decide_catch_up(view, self.rule)
         self._behind_since_s = decision.behind_since_s
+        if view.asked is not None or view.ask_failed:
+            self._log_asked(view, decision)
         self._act(decision, view, sync)
+
+    def _log_asked(self, view: LagView, decision: CatchUp) -> None:
+        """One line (repeats counted) for each tick that asked the stage peers: what it had to go on, what
+        they answered, and what it decided; the chaos bench's stalls are read from these."""
+        evidence = [
+            name
+            for name, shown in (
+                ("stuck", view.stuck is not None),
+                ("held", view.held_since_s is not None),
+                ("diverged", bool(view.diverged)),
+            )
+            if shown
+        ]
+        answers = "asking failed" if view.ask_failed else {p[-8:]: e for p, e in (view.asked or {}).items()}
+        log_repeated(
+            logger,
+            logging.INFO,
+            "stage %d at step %d (%s): stage peers answer %s; %s%s",
+            self.stage,
+            view.epoch,
+            ", ".join(evidence) or "a close ahead",
+            answers,
+            decision.action,
+            " (giving its close up)" if decision.abandon_close else "",
+            key=("catch-up asked", view.epoch, decision.action),
+        )
 
     def trailing(self, step: int) -> str | None:
         """(event loop) Why a training request of `step` is refused at once: this replica trails its
