@@ -238,6 +238,33 @@ CASES = [
         CatchUp(READ),
     ),
     ("a close within the window shows nothing", _view(ahead=_trusted(14)), CatchUp(READ)),
+    # netbed chaos, seed 1: cut off until the trainers left, a replica stayed a step behind its peer to the
+    # end of the run, every read of the records timing out
+    (
+        "the records show nobody and no step for the lag grace: ask the peers",
+        _view(recorded={}, epoch_since_s=LONG_AGO),
+        CatchUp(ASK),
+    ),
+    (
+        "the records show nobody, a step a moment ago: no ask",
+        _view(recorded={}, epoch_since_s=NOW),
+        CatchUp(WAIT),
+    ),
+    (
+        "the records show nobody, a peer answers a step ahead: its answer stands in (the lag clock starts)",
+        _view(recorded={}, epoch_since_s=LONG_AGO, asked={"A": 11}),
+        CatchUp(WAIT, behind_since_s=NOW),
+    ),
+    (
+        "the records show nobody, a peer has answered ahead for the lag grace: replay from it",
+        _view(recorded={}, epoch_since_s=LONG_AGO, asked={"A": 11, "B": None}, behind_since_s=NOW - 3.0),
+        CatchUp(REPLAY, REPLAY_DHT.format(1), "A", 11),
+    ),
+    (
+        "the records show nobody, nobody answers ahead: the other stages decide, as before",
+        _view(recorded={}, epoch_since_s=LONG_AGO, asked={"A": 10}),
+        CatchUp(ADOPT),
+    ),
 ]
 
 

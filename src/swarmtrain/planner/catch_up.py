@@ -207,7 +207,10 @@ def decide_catch_up(view: LagView, rule: LagRule) -> CatchUp:
        its step has a close (`abandon_close`). A stranger's close far ahead makes the replica ask,
        never by itself leave its step (every peer that answers is believed; a forger cannot silence an
        honest one); a stranger's close of its own step does nothing. Otherwise the records decide.
-    3. The records not read yet: `READ`.
+    3. The records not read yet: `READ`. They show no peer, and the replica has not stepped for the lag
+       grace: `ASK`, and the answers stand in for the records below (netbed chaos, seed 1: a replica cut
+       off until the trainers had left stayed a step behind its peer to the end, every DHT read timing
+       out and nothing else telling it).
     4. A peer in the records ahead for the lag grace, or more than `keep_ahead` steps ahead at once:
        replay the missed steps from the most advanced peer when the replica holds no samples of its own
        (it was no participant of those steps) and at most `max_replay` are missing, else resync.
@@ -226,7 +229,11 @@ def decide_catch_up(view: LagView, rule: LagRule) -> CatchUp:
             return direct
     if view.recorded is None:
         return CatchUp(READ, behind_since_s=view.behind_since_s)
-    return _recorded(view, view.recorded, rule)
+    if not view.recorded and _may_ask(view) and view.now_s - view.epoch_since_s >= rule.lag_grace_s:
+        return CatchUp(ASK, behind_since_s=view.behind_since_s)
+    # the records show nobody (lapsed, or the DHT unreachable from here): the peers' answers stand in
+    epochs = view.recorded or {peer: e for peer, e in (view.asked or {}).items() if e is not None}
+    return _recorded(view, epochs, rule)
 
 
 def _asked(view: LagView, rule: LagRule) -> CatchUp | None:
