@@ -75,8 +75,9 @@ class StepsPort(Protocol):
         """The step this replica is at has a vouched trainer's close it has not applied: since when."""
         ...
 
-    def held_since(self) -> float | None:
-        """Since when a training request has waited for parameters past this replica's epoch."""
+    def held_since(self, vouched_only: bool = False) -> float | None:
+        """Since when a training request (`vouched_only`: of a trainer vouched for) has waited for
+        parameters past this replica's epoch."""
         ...
 
     def finishing(self) -> bool:
@@ -133,7 +134,7 @@ class Detached:
     def stuck(self) -> Stuck | None:
         return None
 
-    def held_since(self) -> float | None:
+    def held_since(self, vouched_only: bool = False) -> float | None:
         return None
 
     def finishing(self) -> bool:
@@ -190,11 +191,11 @@ class StepsBridge:
         members = frozenset(p for c in vouched for p in c.members) - {self.steps.peer_id}
         return Stuck(since_s, max(arrived_s), members)
 
-    def held_since(self) -> float | None:
+    def held_since(self, vouched_only: bool = False) -> float | None:
         # with local steps (DiLoCo) there are no means to replay: as for `stuck`
         if self.steps.worker.outer is not None:
             return None
-        return self.steps.versions.held_since(self.steps.worker.epoch + self.window)
+        return self.steps.versions.held_since(self.steps.worker.epoch + self.window, vouched_only)
 
     def finishing(self) -> bool:
         return self.steps.finishing == self.steps.worker.epoch
@@ -251,7 +252,12 @@ class StageCatchUp:
 
     def tick(self, sync: SyncPort) -> None:
         """(sync thread) Decide, asking the peers or reading the records when the rule needs them, and act."""
-        view = self._view(self.steps.swarm_ahead(), self.steps.stuck(), held_since_s=self.steps.held_since())
+        view = self._view(
+            self.steps.swarm_ahead(),
+            self.steps.stuck(),
+            held_since_s=self.steps.held_since(),
+            held_vouched_since_s=self.steps.held_since(vouched_only=True),
+        )
         decision = decide_catch_up(view, self.rule)
         while decision.action in (ASK, READ):
             view = self._asked(view) if decision.action == ASK else self._read(view, sync)
@@ -314,8 +320,10 @@ class StageCatchUp:
     def _asked(self, view: LagView) -> LagView:
         asked = self.steps.peer_epochs()
         # asking failed: this tick acts on nothing that needed the answers
-        fresh = self._view(
-            view.ahead, view.stuck, asked=asked, held_since_s=view.held_since_s, ask_failed=asked is None
+        fresh = dataclasses.replace(
+            self._view(view.ahead, view.stuck, asked=asked, ask_failed=asked is None),
+            held_since_s=view.held_since_s,
+            held_vouched_since_s=view.held_vouched_since_s,
         )
         if view.recorded is None or fresh.epoch != view.epoch:
             return fresh
@@ -339,6 +347,7 @@ class StageCatchUp:
                 view.stuck,
                 asked=view.asked,
                 held_since_s=view.held_since_s,
+                held_vouched_since_s=view.held_vouched_since_s,
                 ask_failed=view.ask_failed,
             ),
             recorded={peer: value["epoch"] for peer, value in others.items()},
