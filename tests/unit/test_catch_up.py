@@ -146,33 +146,6 @@ CASES = [
         CatchUp(READ),
     ),
     (
-        # netbed chaos, seed 0: just downloaded at step 686, the one peer that had applied it cut off,
-        # the trainers' requests of the next steps held here for 25 s
-        "held back by a vouched trainer, no samples, every peer silent: give the step up, adopt",
-        _view(held_since_s=NOW - 4.0, held_vouched_since_s=NOW - 4.0, asked={"A": None}),
-        CatchUp(ADOPT, grace_s=3.0, abandon_close=True),
-    ),
-    (
-        "held back by a vouched trainer, alone in its view of the stage: the same",
-        _view(held_since_s=NOW - 4.0, held_vouched_since_s=NOW - 4.0, asked={}),
-        CatchUp(ADOPT, grace_s=3.0, abandon_close=True),
-    ),
-    (
-        "held back by a vouched trainer, a peer answers at its step: it may still finish it, the records",
-        _view(held_since_s=NOW - 4.0, held_vouched_since_s=NOW - 4.0, asked={"A": 10, "B": None}),
-        CatchUp(READ),
-    ),
-    (
-        "held back by a vouched trainer, holding samples of the step: the step loop finishes it",
-        _view(held_since_s=NOW - 4.0, held_vouched_since_s=NOW - 4.0, asked={"A": None}, own_samples=8),
-        CatchUp(READ),
-    ),
-    (
-        "held back by strangers only, every peer silent: it asked, nothing more",
-        _view(held_since_s=NOW - 4.0, asked={"A": None}),
-        CatchUp(READ),
-    ),
-    (
         "held back, nobody answers ahead: a slow step, nothing to do",
         _view(held_since_s=NOW - 4.0, asked={"A": 10, "B": None}),
         CatchUp(READ),

@@ -108,7 +108,6 @@ class LagView:
     epoch_since_s: float = float("-inf")  # since when it has been at `epoch`
     stuck: Stuck | None = None  # its step has a close it has not applied
     held_since_s: float | None = None  # a training request has waited for a later epoch since then
-    held_vouched_since_s: float | None = None  # the same, of a trainer vouched for
     ask_failed: bool = False  # the pings could not be sent this tick: nothing that needs them happens
 
 
@@ -203,9 +202,7 @@ def decide_catch_up(view: LagView, rule: LagRule) -> CatchUp:
        from a vouched sender (`SwarmAhead.trusted`): those that ran the steps are frozen or cut off, and
        it adopts the other stages' step after the lag grace instead of a request timeout (the frozen
        peer wins a fingerprint mismatch when it wakes, planner/restore.follows_on_mismatch). Stuck, with
-       every replica its close names silent or gone (`_holders_silent`), or held back by a vouched
-       trainer's request with no samples of its own and every stage peer silent or gone
-       (`_held_by_vouched`): nobody can finish the step,
+       every replica its close names silent or gone (`_holders_silent`): nobody can finish the step,
        and it adopts the other stages' step, or the step after its own if they are not ahead, although
        its step has a close (`abandon_close`). A stranger's close far ahead makes the replica ask,
        never by itself leave its step (every peer that answers is believed; a forger cannot silence an
@@ -265,21 +262,7 @@ def _asked(view: LagView, rule: LagRule) -> CatchUp | None:
         return CatchUp(
             ADOPT, grace_s=rule.lag_grace_s, behind_since_s=view.behind_since_s, abandon_close=True
         )
-    if _held_by_vouched(view, rule) and view.own_samples == 0 and all(e is None for e in asked.values()):
-        return CatchUp(
-            ADOPT, grace_s=rule.lag_grace_s, behind_since_s=view.behind_since_s, abandon_close=True
-        )
     return None
-
-
-def _held_by_vouched(view: LagView, rule: LagRule) -> bool:
-    """A vouched trainer's request has waited the lag grace here: that trainer closed this replica's
-    step, and when no stage peer answers (every one silent, or none in view) nobody reachable will
-    send its sums or means. Netbed chaos, seed 0: a replica that had just downloaded its state held
-    the trainers' requests for 25 s while the one peer that had applied its step was cut off. Only a
-    vouched trainer's request counts: a stranger's would walk a lone replica forward step by step."""
-    since_s = view.held_vouched_since_s
-    return since_s is not None and view.now_s - since_s >= rule.lag_grace_s
 
 
 def _holders_silent(members: frozenset[str], asked: Mapping[str, int | None]) -> bool:

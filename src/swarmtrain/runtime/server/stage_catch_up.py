@@ -75,9 +75,8 @@ class StepsPort(Protocol):
         """The step this replica is at has a vouched trainer's close it has not applied: since when."""
         ...
 
-    def held_since(self, vouched_only: bool = False) -> float | None:
-        """Since when a training request (`vouched_only`: of a trainer vouched for) has waited for
-        parameters past this replica's epoch."""
+    def held_since(self) -> float | None:
+        """Since when a training request has waited for parameters past this replica's epoch."""
         ...
 
     def finishing(self) -> bool:
@@ -134,7 +133,7 @@ class Detached:
     def stuck(self) -> Stuck | None:
         return None
 
-    def held_since(self, vouched_only: bool = False) -> float | None:
+    def held_since(self) -> float | None:
         return None
 
     def finishing(self) -> bool:
@@ -191,11 +190,11 @@ class StepsBridge:
         members = frozenset(p for c in vouched for p in c.members) - {self.steps.peer_id}
         return Stuck(since_s, max(arrived_s), members)
 
-    def held_since(self, vouched_only: bool = False) -> float | None:
+    def held_since(self) -> float | None:
         # with local steps (DiLoCo) there are no means to replay: as for `stuck`
         if self.steps.worker.outer is not None:
             return None
-        return self.steps.versions.held_since(self.steps.worker.epoch + self.window, vouched_only)
+        return self.steps.versions.held_since(self.steps.worker.epoch + self.window)
 
     def finishing(self) -> bool:
         return self.steps.finishing == self.steps.worker.epoch
@@ -252,12 +251,7 @@ class StageCatchUp:
 
     def tick(self, sync: SyncPort) -> None:
         """(sync thread) Decide, asking the peers or reading the records when the rule needs them, and act."""
-        view = self._view(
-            self.steps.swarm_ahead(),
-            self.steps.stuck(),
-            held_since_s=self.steps.held_since(),
-            held_vouched_since_s=self.steps.held_since(vouched_only=True),
-        )
+        view = self._view(self.steps.swarm_ahead(), self.steps.stuck(), held_since_s=self.steps.held_since())
         decision = decide_catch_up(view, self.rule)
         while decision.action in (ASK, READ):
             view = self._asked(view) if decision.action == ASK else self._read(view, sync)
@@ -320,10 +314,8 @@ class StageCatchUp:
     def _asked(self, view: LagView) -> LagView:
         asked = self.steps.peer_epochs()
         # asking failed: this tick acts on nothing that needed the answers
-        fresh = dataclasses.replace(
-            self._view(view.ahead, view.stuck, asked=asked, ask_failed=asked is None),
-            held_since_s=view.held_since_s,
-            held_vouched_since_s=view.held_vouched_since_s,
+        fresh = self._view(
+            view.ahead, view.stuck, asked=asked, held_since_s=view.held_since_s, ask_failed=asked is None
         )
         if view.recorded is None or fresh.epoch != view.epoch:
             return fresh
@@ -347,7 +339,6 @@ class StageCatchUp:
                 view.stuck,
                 asked=view.asked,
                 held_since_s=view.held_since_s,
-                held_vouched_since_s=view.held_vouched_since_s,
                 ask_failed=view.ask_failed,
             ),
             recorded={peer: value["epoch"] for peer, value in others.items()},

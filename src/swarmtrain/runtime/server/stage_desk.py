@@ -256,8 +256,7 @@ class MicroBatchDesk:
         if (refused := trailing()) is not None:
             return refused
         held = lambda: draining.draining or trailing() is not None  # noqa: E731
-        vouched = request.origin in self.steps.inbox.trusted
-        if not await self.steps.versions.wait(need, deadline_s, held, not request.evaluate, vouched):
+        if not await self.steps.versions.wait(need, deadline_s, held, counted=not request.evaluate):
             if draining.draining:
                 return leaving_answer()
             if (refused := trailing()) is not None:

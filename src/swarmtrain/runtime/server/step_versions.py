@@ -21,8 +21,7 @@ class VersionGate:
         """`epoch`: the stage's current parameter version; `loop`: the loop waiters run on."""
         self._epoch, self._loop = epoch, loop
         self._changed = asyncio.Event()
-        # waiter -> (parked since, the version it waits for, its trainer vouched for: `StepInbox.trusted`)
-        self._parked: dict[int, tuple[float, int, bool]] = {}
+        self._parked: dict[int, tuple[float, int]] = {}  # waiter -> (parked since, version it waits for)
         self._tickets = itertools.count()
 
     async def wait(
@@ -31,41 +30,31 @@ class VersionGate:
         deadline_s: float,
         abandon: Callable[[], bool] = lambda: False,
         counted: bool = True,
-        vouched: bool = False,
     ) -> bool:
         """Until the parameters have reached `version`; False at the deadline (a time.monotonic()
         value), or once `abandon()` is true when the version changes (`changed` makes waiters check).
-        `counted`: the wait shows in `held_since` (a training request's; an evaluation may name any step);
-        `vouched`: its trainer's closes were found true here (`held_since(vouched_only=True)`)."""
+        `counted`: the wait shows in `held_since` (a training request's; an evaluation may name any step)."""
         if self._epoch() >= version:
             return True
         if not counted:
             return await self._until(version, deadline_s, abandon)
         ticket = next(self._tickets)
-        self._parked[ticket] = (time.monotonic(), version, vouched)
+        self._parked[ticket] = (time.monotonic(), version)
         try:
             return await self._until(version, deadline_s, abandon)
         finally:
             del self._parked[ticket]
 
-    def held_since(self, max_version: int, vouched_only: bool = False) -> float | None:
+    def held_since(self, max_version: int) -> float | None:
         """(any thread) Since when the oldest counted request still parked has waited for a version past
         the epoch and at most `max_version` (time.monotonic()); None when none waits. A request further
-        ahead shows nothing (an honest one is refused at once by a replica that trails its stage).
-        `vouched_only`: only requests of trainers vouched for count."""
+        ahead shows nothing (an honest one is refused at once by a replica that trails its stage)."""
         try:
             parked = list(self._parked.values())
         except RuntimeError:  # the loop parked or released a request while this thread copied
             return None
         epoch = self._epoch()
-        return min(
-            (
-                since_s
-                for since_s, version, vouched in parked
-                if epoch < version <= max_version and (vouched or not vouched_only)
-            ),
-            default=None,
-        )
+        return min((since_s for since_s, version in parked if epoch < version <= max_version), default=None)
 
     async def _until(self, version: int, deadline_s: float, abandon: Callable[[], bool]) -> bool:
         while self._epoch() < version:
