@@ -270,6 +270,7 @@ class StageCatchUp:
                 ("stuck", view.stuck is not None),
                 ("held", view.held_since_s is not None),
                 ("diverged", bool(view.diverged)),
+                ("no records", view.recorded is not None and not view.recorded),
             )
             if shown
         ]
@@ -317,7 +318,11 @@ class StageCatchUp:
         fresh = self._view(
             view.ahead, view.stuck, asked=asked, held_since_s=view.held_since_s, ask_failed=asked is None
         )
-        if view.recorded is None or fresh.epoch != view.epoch:
+        if (
+            fresh.epoch != view.epoch
+        ):  # the step loop moved on meanwhile: the evidence was of the step it left
+            return dataclasses.replace(fresh, stuck=None, held_since_s=None)
+        if view.recorded is None:
             return fresh
         # asked after reading the records (before a resync for diverged parameters): they still hold
         return dataclasses.replace(
