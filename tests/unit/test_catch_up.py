@@ -211,6 +211,13 @@ CASES = [
         CatchUp(ADOPT, grace_s=3.0, abandon_close=True),
     ),
     (
+        # netbed chaos, seed 0: a replica that woke 90 steps behind heard far closes too, and the far-close
+        # adoption (which keeps a step with a close) held its step 25 s, until the frozen holder woke
+        "stuck with its holder silent, and a vouched close far ahead: give the close up all the same",
+        _view(stuck=STUCK, ahead=_trusted(40), asked={"A": None}),
+        CatchUp(ADOPT, grace_s=3.0, abandon_close=True),
+    ),
+    (
         "stuck, a holder silent but another answers (a second trainer may still close it): the records",
         _view(stuck=Stuck(NOW - 3.0, NOW - 3.0, frozenset("AC")), asked={"A": None, "C": 10}),
         CatchUp(READ),

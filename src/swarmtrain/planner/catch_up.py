@@ -255,13 +255,16 @@ def _asked(view: LagView, rule: LagRule) -> CatchUp | None:
         return _replay_or_resync(view, answered, rule, reason)
     if ahead > 0:
         return None
-    frozen = not answered or len(answered) < len(asked)
-    if frozen and _shows_ahead(view.ahead.trusted, epoch, view.now_s, rule):
-        return CatchUp(ADOPT, grace_s=rule.lag_grace_s, behind_since_s=view.behind_since_s)
+    # a stuck close whose holders are silent is given up before the far-close adoption is looked at:
+    # that one keeps a step with a close, so a replica with both held its step for good (netbed chaos,
+    # seed 0: 25 s, until the frozen holder woke)
     if stuck is not None and _holders_silent(stuck.members, asked):
         return CatchUp(
             ADOPT, grace_s=rule.lag_grace_s, behind_since_s=view.behind_since_s, abandon_close=True
         )
+    frozen = not answered or len(answered) < len(asked)
+    if frozen and _shows_ahead(view.ahead.trusted, epoch, view.now_s, rule):
+        return CatchUp(ADOPT, grace_s=rule.lag_grace_s, behind_since_s=view.behind_since_s)
     return None
 
 
