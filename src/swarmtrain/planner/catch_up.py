@@ -198,13 +198,14 @@ def decide_catch_up(view: LagView, rule: LagRule) -> CatchUp:
        ahead: that peer applied the step, so it is replayed from its mean gradients (the members' sums
        went to this replica while it downloaded its state or was cut off, and nobody sends them again);
        the same when held back (the step's closes went to the peer alone).
-       Left behind, with no peer that answers ahead and one silent (or none left), on a fresh close
-       from a vouched sender (`SwarmAhead.trusted`): those that ran the steps are frozen or cut off, and
-       it adopts the other stages' step after the lag grace instead of a request timeout (the frozen
-       peer wins a fingerprint mismatch when it wakes, planner/restore.follows_on_mismatch). Stuck, with
-       every replica its close names silent or gone (`_holders_silent`): nobody can finish the step,
-       and it adopts the other stages' step, or the step after its own if they are not ahead, although
-       its step has a close (`abandon_close`). A stranger's close far ahead makes the replica ask,
+       Stuck, with every replica its close names silent or gone (`_holders_silent`): nobody can finish
+       the step, and it adopts the other stages' step, or the step after its own if they are not ahead,
+       although its step has a close (`abandon_close`); this comes before the next rule, which keeps a
+       step with a close. Left behind, with no peer that answers ahead and one silent (or none left), on
+       a fresh close from a vouched sender (`SwarmAhead.trusted`): those that ran the steps are frozen or
+       cut off, and it adopts the other stages' step after the lag grace instead of a request timeout
+       (the frozen peer wins a fingerprint mismatch when it wakes, planner/restore.follows_on_mismatch).
+       A stranger's close far ahead makes the replica ask,
        never by itself leave its step (every peer that answers is believed; a forger cannot silence an
        honest one); a stranger's close of its own step does nothing. Otherwise the records decide.
     3. The records not read yet: `READ`. They show no peer, and the replica has not stepped for the lag
