@@ -312,40 +312,32 @@ class StageCatchUp:
             **known,
         )
 
+    def _refreshed(self, view: LagView, **changes) -> LagView:
+        """`view` at this moment (epoch, own samples, clock), with what this tick read and asked kept."""
+        return dataclasses.replace(
+            view,
+            epoch=self.worker.epoch,
+            own_samples=self.worker.unapplied_samples,
+            now_s=time.monotonic(),
+            **changes,
+        )
+
     def _asked(self, view: LagView) -> LagView:
         asked = self.steps.peer_epochs()
         # asking failed: this tick acts on nothing that needed the answers
-        fresh = self._view(
-            view.ahead, view.stuck, asked=asked, held_since_s=view.held_since_s, ask_failed=asked is None
-        )
-        if (
-            fresh.epoch != view.epoch
-        ):  # the step loop moved on meanwhile: the evidence was of the step it left
-            return dataclasses.replace(fresh, stuck=None, held_since_s=None)
-        if view.recorded is None:
-            return fresh
-        # asked after reading the records (before a resync for diverged parameters): they still hold
-        return dataclasses.replace(
-            fresh,
-            recorded=view.recorded,
-            diverged=view.diverged,
-            fresh_state=view.fresh_state,
-            epoch_since_s=view.epoch_since_s,
-        )
+        fresh = self._refreshed(view, asked=asked, ask_failed=asked is None)
+        if fresh.epoch == view.epoch:
+            return fresh  # records read before the ask (before a resync for diverged parameters) still hold
+        # the step loop moved on meanwhile: the evidence and the records were of the step it left
+        return self._view(view.ahead, None, asked=asked, ask_failed=asked is None)
 
     def _read(self, view: LagView, sync: SyncPort) -> LagView:
         others = sync.recorded_peers()
         now_s = time.monotonic()
         if self.worker.epoch != self._seen_epoch[0]:
             self._seen_epoch = (self.worker.epoch, now_s)
-        return dataclasses.replace(
-            self._view(
-                view.ahead,
-                view.stuck,
-                asked=view.asked,
-                held_since_s=view.held_since_s,
-                ask_failed=view.ask_failed,
-            ),
+        return self._refreshed(
+            view,
             recorded={peer: value["epoch"] for peer, value in others.items()},
             diverged=sync.diverged_from(others),
             fresh_state=sync.fresh_state,

@@ -14,9 +14,8 @@ same set; a member that cannot be reached (connection error) or whose sums do no
 `exchange_timeout_s` is left out, which can make replicas differ: the fingerprint check in
 runtime/server/stage_sync.py then resyncs the one with the larger id (once a peer it diverged from
 answers). A member that is frozen (SIGSTOP, a partition: nothing answers, no connection error) is not
-waited for that long: once its sums are
-`probe_after_s` late, a ping its event loop would answer at once (`alive`) tells it from a slow one, and
-a silent member is left out like an unreachable one.
+waited for that long: once its sums are `probe_after_s` late, a ping its event loop would answer at once
+(`alive`) tells it from a slow one, and a silent member is left out like an unreachable one.
 
 Why not hivemind's `DecentralizedAverager` for this: its matchmaking took 0.2-1.2 s per round on
 this machine (DHT-based group formation with a minimum matchmaking time), several times longer

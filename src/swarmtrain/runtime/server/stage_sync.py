@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from swarmtrain.config.errors import UserError
@@ -348,7 +348,7 @@ class StageSynchronizer:
         epochs = [v["epoch"] for v in self._other_stage_records() if isinstance(v.get("epoch"), int)]
         return max(epochs, default=0)
 
-    def _other_stage_records(self):
+    def _other_stage_records(self) -> Iterator[dict]:
         """The progress records of the other stages' replicas of this run (a DHT read per stage)."""
         for stage in range(self.settings.num_stages):
             if stage != self.stage:
