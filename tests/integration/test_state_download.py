@@ -148,3 +148,47 @@ def _stop_all(frozen_daemon: int | None, averagers: list, nodes: list) -> None:
         averager.shutdown()
     for node in nodes:
         node.shutdown()
+
+
+def _declared(node, prefix: str) -> dict[bytes, tuple[float, float]]:
+    """Who declares the state under `prefix`: subkey -> (priority, expiration)."""
+    found = node.get(f"{prefix}.all_averagers", latest=True)
+    if found is None or not isinstance(found.value, dict):
+        return {}
+    return {k: (v.value, v.expiration_time) for k, v in found.value.items() if v.value is not None}
+
+
+def _wait_for(condition, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while not (result := condition()):
+        assert time.monotonic() < deadline, what
+        time.sleep(0.2)
+    return result
+
+
+def test_an_idle_declaration_lives_longer_and_a_later_change_still_replaces_it():
+    """While its stage idles a donor declares its state on the idle pace (planner/idle_pace.py), and once
+    active again a change of priority, declared with the short period, must replace the long-lived
+    declaration at once: the DHT keeps the value that expires last."""
+    from hivemind.utils import get_dht_time
+
+    from swarmtrain.planner.idle_pace import stored_ttl_s
+
+    node, period_s, slack_s = _node(), 2.0, 10.0
+    donor = _averager(node, "donor", 1.0, priority=5.0, declare_period_s=period_s)
+    try:
+        donor.idle_slack_s = slack_s
+        donor.state_sharing_priority = 6.0  # re-declared at once, on the idle pace
+        ((priority, expiration),) = _wait_for(
+            lambda: [d for d in _declared(node, "download_test").values() if d[0] == 6.0], 10.0, "no declaration"
+        )
+        assert expiration - get_dht_time() > stored_ttl_s(period_s, 0.0) + 5.0  # lives on the idle pace
+        donor.idle_slack_s = 0.0  # active: a step changes its priority
+        donor.state_sharing_priority = 7.0
+        _wait_for(
+            lambda: [d for d in _declared(node, "download_test").values() if d[0] == 7.0],
+            5.0,
+            "the new priority was refused while the idle declaration lived",
+        )
+    finally:
+        _stop_all(None, [donor], [node])

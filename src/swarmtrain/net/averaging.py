@@ -16,12 +16,17 @@ why hivemind's matchmaking is too slow for that); hivemind's averager serves the
   own messages carry no token of ours;
 - its periodic declaration of the state for download awaits each DHT store's outcome: hivemind leaves
   a timed-out store's task unretrieved, and asyncio would print a "Task exception was never retrieved"
-  traceback for each (dozens per server log while stage peers are frozen).
+  traceback for each (dozens per server log while stage peers are frozen);
+- while the owner's stage idles (`idle_slack_s`, set by the owner from its activity), a declaration lives
+  and is renewed on the idle pace of the other records (planner/idle_pace.py), and never expires
+  before the last one (the DHT would refuse a change of priority until the idle one lapsed).
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import multiprocessing as mp
 import random
 import signal
 import time
@@ -41,6 +46,7 @@ from hivemind.utils.streaming import combine_from_streaming
 from swarmtrain.net.dht_records import live_subkeys
 from swarmtrain.net.engine import restore_sigint
 from swarmtrain.planner.download_deadline import REPORT_SLACK_S
+from swarmtrain.planner.idle_pace import store_expiration, stored_ttl_s
 from swarmtrain.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -78,6 +84,7 @@ class StageAverager(DecentralizedAverager):
         self._members_keys = tuple(members_keys)
         self._members: set[str] = set()
         self._members_read_s = float("-inf")
+        self._idle_slack_s = mp.Value(ctypes.c_double, 0.0)  # shared with the averager's process
         options = dict(
             target_group_size=2,
             min_group_size=2,
@@ -102,6 +109,14 @@ class StageAverager(DecentralizedAverager):
             **options,
         )
         restore_sigint(sigint)
+
+    @property
+    def idle_slack_s(self) -> float:
+        return float(self._idle_slack_s.value)
+
+    @idle_slack_s.setter
+    def idle_slack_s(self, value: float) -> None:
+        self._idle_slack_s.value = max(0.0, float(value))
 
     # private runs: hivemind's RPCs (served in the averager's process) answer members only ------------
     async def rpc_join_group(
@@ -161,9 +176,10 @@ class StageAverager(DecentralizedAverager):
         hivemind does; each store runs on its own (a slow DHT does not delay the next declaration) and
         its failure is logged in one line instead of left unretrieved."""
         key = f"{self._matchmaking.group_key_manager.prefix}.all_averagers"
-        was_sharing = self.allow_state_sharing
+        was_sharing, declared_until = self.allow_state_sharing, None
         while True:
-            expiration_time = get_dht_time() + self.declare_state_period
+            period_s = stored_ttl_s(self.declare_state_period, self.idle_slack_s)
+            expiration_time = store_expiration(get_dht_time(), period_s, declared_until)
             if self.allow_state_sharing or was_sharing:  # a switch-off overwrites the last declaration
                 value = self.state_sharing_priority if self.allow_state_sharing else None
                 store = self.dht.store(
@@ -175,7 +191,7 @@ class StageAverager(DecentralizedAverager):
                 )
                 task = asyncio.create_task(asyncio.wait_for(store, timeout=self.declare_state_period))
                 task.add_done_callback(_report_declaration)
-                was_sharing = self.allow_state_sharing
+                was_sharing, declared_until = self.allow_state_sharing, expiration_time
             self._state_updated.clear()
             with suppress(TimeoutError):
                 remaining_s = max(0.0, expiration_time - get_dht_time())

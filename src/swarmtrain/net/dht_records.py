@@ -14,8 +14,9 @@ expiration so that dead peers disappear by themselves:
 
 Every call is bounded by a timeout (a dead DHT process would otherwise hang callers forever) and
 tolerates malformed values from other peers (skipped, never raised). A stage server's records allow an
-idle slack (planner/idle_pace.py): reads of a key reuse the last one, and stores of an unchanged value
-are skipped, within it; everyone else's read and store every time.
+idle slack (planner/idle_pace.py): reads of a key reuse the last one, stores of an unchanged value
+are skipped, and stores live longer, within it; everyone else's read and store every time. A store never
+expires before the last one of its subkey from these records (the DHT would refuse it).
 """
 
 from __future__ import annotations
@@ -27,7 +28,13 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-from swarmtrain.planner.idle_pace import may_reuse_read, may_skip_store
+from swarmtrain.planner.idle_pace import (
+    may_reuse_read,
+    may_skip_store,
+    outlasting_expiration,
+    store_expiration,
+    stored_ttl_s,
+)
 from swarmtrain.planner.link_capacity import COMPUTE, DOWNLINK, UPLINK
 from swarmtrain.utils.logging import get_logger
 
@@ -225,8 +232,15 @@ class RunRecords:
     to the DHT. `without_slack()` is a view that never allows any (the balancer's lease protocol)."""
 
     def __init__(
-        self, dht, run_id: str, timeout_s: float = 5.0, slack_s: Callable[[], float] = no_slack
+        self,
+        dht,
+        run_id: str,
+        timeout_s: float = 5.0,
+        slack_s: Callable[[], float] = no_slack,
+        expirations: dict[tuple[str, str], float] | None = None,
     ) -> None:
+        """`expirations`: (key, subkey) -> when the last store of it expires (DHT time), shared with the
+        views of the same peer's records (`without_slack`)."""
         self.dht = dht
         self.run_id = run_id
         self.timeout_s = timeout_s
@@ -234,28 +248,23 @@ class RunRecords:
         self._lock = threading.Lock()  # the sync thread, the loop's executor threads read and store
         self._reads: dict[str, tuple[float, dict[str, object]]] = {}  # key -> (read at, live subkeys)
         self._stored: dict[tuple[str, str], tuple[float, float, object]] = {}  # -> (at, ttl, value)
+        self._expirations = expirations if expirations is not None else {}
         self.reads_reused = self.stores_skipped = 0
 
     def without_slack(self) -> RunRecords:
-        return RunRecords(self.dht, self.run_id, self.timeout_s)
+        return RunRecords(self.dht, self.run_id, self.timeout_s, expirations=self._expirations)
 
     # generic ------------------------------------------------------------------------------------
     def _store(self, key: str, subkey: str, value, ttl_s: float) -> bool:
-        from hivemind.utils import get_dht_time
-
-        now_s, comparable = time.monotonic(), _without_time_stamps(value)
+        now_s, comparable, slack_s = time.monotonic(), _without_time_stamps(value), self.slack_s()
         with self._lock:
             last = self._stored.get((key, subkey))
         unchanged = last is not None and last[2] == comparable
-        if last is not None and may_skip_store(unchanged, now_s - last[0], last[1], self.slack_s()):
+        if last is not None and may_skip_store(unchanged, now_s - last[0], last[1], slack_s):
             self.stores_skipped += 1
             return True  # the same record is in the DHT with over half its life ahead
-        try:
-            future = self.dht.store(key, value, get_dht_time() + ttl_s, subkey=subkey, return_future=True)
-            stored = bool(future.result(timeout=self.timeout_s))
-        except Exception as exc:  # timeouts and a dead DHT process: report, caller retries next period
-            logger.warning("DHT store of %s failed: %r", key, exc)
-            stored = False
+        ttl_s = stored_ttl_s(ttl_s, slack_s)
+        stored = self._put(key, subkey, value, ttl_s)
         with self._lock:
             if not unchanged:  # a read from before this store does not show it
                 self._reads.pop(key, None)
@@ -264,6 +273,33 @@ class RunRecords:
             else:
                 self._stored.pop((key, subkey), None)
         return stored
+
+    def _put(self, key: str, subkey: str, value, ttl_s: float) -> bool:
+        """One store, expiring after the last one of its subkey. The first of a subkey in this process, if
+        the DHT refuses it, goes once more outlasting any store a previous life of this peer (restarted
+        with its --identity-path) can have made: the DHT keeps the subkey's value that expires last."""
+        from hivemind.utils import get_dht_time
+
+        with self._lock:  # remembered before the call: a store that timed out may still have landed
+            known = (key, subkey) in self._expirations
+            expiration = store_expiration(get_dht_time(), ttl_s, self._expirations.get((key, subkey)))
+            self._expirations[(key, subkey)] = expiration
+        stored = self._dht_store(key, subkey, value, expiration)
+        if stored is False and not known:
+            with self._lock:
+                expiration = outlasting_expiration(get_dht_time(), ttl_s)
+                self._expirations[(key, subkey)] = max(expiration, self._expirations[(key, subkey)])
+            stored = self._dht_store(key, subkey, value, expiration)
+        return bool(stored)
+
+    def _dht_store(self, key: str, subkey: str, value, expiration: float) -> bool | None:
+        """True: stored; False: refused by every node; None: failed (a timeout, a dead DHT process)."""
+        try:
+            future = self.dht.store(key, value, expiration, subkey=subkey, return_future=True)
+            return bool(future.result(timeout=self.timeout_s))
+        except Exception as exc:  # report; the caller retries next period
+            logger.warning("DHT store of %s failed: %r", key, exc)
+            return None
 
     def _get_dict(self, key: str) -> dict[str, object]:
         now_s = time.monotonic()

@@ -9,11 +9,20 @@ through the exchange that reaches it; the other stages step only when micro-batc
 too), so once it has been idle for `IDLE_GRACE_S` it allows a slack, growing to `MAX_SLACK_S`:
 - a read of a record key reuses the last read of the same key when that is younger than the slack;
 - a store of a value equal to the last one stored (time stamps aside) is skipped while that store is
-  younger than the slack and the record still has at least half its life ahead.
+  younger than the slack and the record still has at least half its life ahead;
+- a store lives `IDLE_TTL_PER_SLACK` x the slack longer than its time-to-live, so an unchanged record is
+  re-stored about once per slack instead of once per half its time-to-live (the progress heartbeat's 4 s).
 Any activity (a micro-batch, a step, a change of serving state) ends the slack at once: every read
-and store goes to the DHT again, as before. Periods, time-to-live and the readers' lapse grace are
-untouched, so a new or dead peer is seen as fast as before whenever the swarm trains; while it idles,
-up to `MAX_SLACK_S` later.
+and store goes to the DHT again, as before. Periods and the readers' lapse grace are untouched, so a
+new peer is seen as fast as before whenever the swarm trains; while it idles, up to `MAX_SLACK_S`
+later. A peer that dies idle stays listed up to its time-to-live plus 1.5 x the slack (36 s for an
+announcement): within the readers' lapse grace of 45 s, which keeps a lapsed peer listed anyway.
+
+The DHT refuses a subkey's value that expires before the one it holds, so a store after an idle one
+(a step's progress, an "offline" announcement) never expires earlier than the last store of its
+subkey (`store_expiration`): otherwise the new value would be refused until the idle one lapsed. A
+restarted peer (the same identity) does not know its previous life's stores: its first store of a
+subkey, if refused, goes once more with `outlasting_expiration`.
 
 Pure functions of numbers: `runtime/server/activity_clock.py` measures the idleness and
 `net/dht_records.RunRecords` applies the slack.
@@ -24,10 +33,18 @@ from __future__ import annotations
 # idle this long before any read is reused or store skipped: start-up, joins, a restore's adoption of
 # the other stages' step (after `lag_grace_s`) and a move's arrival run at the usual pace
 IDLE_GRACE_S = 30.0
-# the most a reused read may lag the DHT: an idle server sees a record change up to this late. 10 s: the
-# reads fall from ~6 a second to ~one per key per 10 s, while a new peer of a swarm that does not train
-# is still seen well within the readers' lapse grace (net/dht_records.LAPSE_GRACE_S, 45 s)
-MAX_SLACK_S = 10.0
+# the most a reused read may lag the DHT: an idle server sees a record change up to this late. 20 s: the
+# reads fall from ~6 a second to ~one per key per 20 s, while a new peer of a swarm that does not train
+# is still seen well within the readers' lapse grace (net/dht_records.LAPSE_GRACE_S, 45 s). With 10 s an
+# idle server of a stage with two replicas sent 10.1 kB/s (docs/LOG.md, 2026-11-28)
+MAX_SLACK_S = 20.0
+# while idle a stored record lives this many seconds longer per second of slack: with `may_skip_store`'s
+# half-life rule, an unchanged record is re-stored every ~0.75 slack plus half its own time-to-live
+# (every 17 s for the progress heartbeat at the cap), and a peer that dies idle is listed 30 s longer
+IDLE_TTL_PER_SLACK = 1.5
+# how much later than the last store of a subkey a new one expires at the least: the DHT keeps the value
+# that expires last, and a tie keeps the old one
+EXPIRATION_STEP_S = 1e-3
 # a skipped store keeps at least this share of its record's time-to-live ahead of it, so one failed
 # store later still leaves the record alive until the next attempt
 MIN_LIFE_LEFT_SHARE = 0.5
@@ -48,3 +65,23 @@ def may_skip_store(unchanged: bool, age_s: float, ttl_s: float, slack_s: float) 
     """Whether a store may be skipped: its value equals the last one stored, `age_s` ago with `ttl_s`
     to live, which therefore still has at least `MIN_LIFE_LEFT_SHARE` of its life ahead."""
     return unchanged and 0.0 <= age_s < min(slack_s, (1.0 - MIN_LIFE_LEFT_SHARE) * ttl_s)
+
+
+def stored_ttl_s(ttl_s: float, slack_s: float) -> float:
+    """The time-to-live a record is stored with under `slack_s`: its own while active, longer while idle."""
+    return ttl_s + IDLE_TTL_PER_SLACK * max(0.0, slack_s)
+
+
+def store_expiration(now_s: float, ttl_s: float, last_expiration_s: float | None) -> float:
+    """When a store made at `now_s` (DHT time) with `ttl_s` to live expires: never before, nor at, the
+    last store of the same subkey (`last_expiration_s`; None: none), which the DHT would keep instead."""
+    expiration_s = now_s + ttl_s
+    if last_expiration_s is None:
+        return expiration_s
+    return max(expiration_s, last_expiration_s + EXPIRATION_STEP_S)
+
+
+def outlasting_expiration(now_s: float, ttl_s: float) -> float:
+    """An expiration later than any a store of the same record made up to `now_s` can have: the longest
+    idle time-to-live ahead of now."""
+    return now_s + stored_ttl_s(ttl_s, MAX_SLACK_S) + EXPIRATION_STEP_S

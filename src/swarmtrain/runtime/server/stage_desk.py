@@ -61,6 +61,7 @@ class Admission:
         self.draining = False  # no new micro-batch is taken
         self.running = 0  # micro-batches being served (a drain waits for them)
         self.samples_done = 0  # samples whose backward ran here (counted with their CPU for capacity)
+        self.received = 0  # micro-batch requests that reached the desk, refused ones too (activity)
 
     def refusal(self) -> Message | None:
         """The answer that refuses a new micro-batch now, or None."""
@@ -140,6 +141,7 @@ class MicroBatchDesk:
         """Admission common to every micro-batch: refused while downloading or draining; counted while
         it runs, so a drain waits for it. `together`: requests that arrived with it (a bundle's items);
         `caller`: the authenticated peer that sent it."""
+        self.admission.received += 1
         refusal = self.admission.refusal()
         if refusal is not None:
             return refusal

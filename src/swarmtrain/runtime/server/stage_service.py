@@ -505,6 +505,7 @@ class StageService:
         # an offline record too: the DHT replaces a record only by one that expires later, so a short-lived
         # offline record would be refused and trainers would route to a stopped server until it expired
         self.node.records.announce(self.peer_id, announcement, self.announce_ttl_s)
+        self.averager.idle_slack_s = self.node.records.slack_s()  # its declaration keeps the same pace
         return announcement
 
     @property
