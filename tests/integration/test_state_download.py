@@ -180,7 +180,9 @@ def test_an_idle_declaration_lives_longer_and_a_later_change_still_replaces_it()
         donor.idle_slack_s = slack_s
         donor.state_sharing_priority = 6.0  # re-declared at once, on the idle pace
         ((priority, expiration),) = _wait_for(
-            lambda: [d for d in _declared(node, "download_test").values() if d[0] == 6.0], 10.0, "no declaration"
+            lambda: [d for d in _declared(node, "download_test").values() if d[0] == 6.0],
+            10.0,
+            "no declaration",
         )
         assert expiration - get_dht_time() > stored_ttl_s(period_s, 0.0) + 5.0  # lives on the idle pace
         donor.idle_slack_s = 0.0  # active: a step changes its priority
