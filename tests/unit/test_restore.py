@@ -75,6 +75,17 @@ def test_a_replica_whose_step_is_being_closed_is_never_advanced():
     assert behind_other_stages(916, 917, 0, 99.0, 3.0, False, False, closing=True) == "wait"
 
 
+def test_a_replica_that_gives_its_steps_close_up_advances_with_the_samples_it_holds():
+    """Netbed chaos, seed 0: a stage-0 replica held 8 samples of a step whose vouched close named only
+    its cut-off peer; the catch-up gave the close up, but the held samples kept the replica, and the
+    trainers' requests of the next step, for 21 s. Giving the close up gives its samples up too."""
+    stranded = dict(restored=False, stranded_grace_s=3.0)
+    assert behind_other_stages(483, 484, 8, 3.5, 3.0, False, False, closing=True, **stranded) == "wait"
+    given_up = dict(stranded, closing=True, abandon_close=True)
+    assert behind_other_stages(483, 484, 8, 3.5, 3.0, False, False, **given_up) == "advance"
+    assert behind_other_stages(483, 484, 8, 2.5, 3.0, False, False, **given_up) == "wait"  # the grace
+
+
 def test_a_replica_that_has_stepped_with_the_swarm_waits_a_request_timeout_before_it_advances():
     """Found by the chaos bench: all of a step's micro-batches went to a peer that died, the close was
     slow; skipping that step after the short grace made this replica differ from its live peers. And by

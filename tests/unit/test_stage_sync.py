@@ -8,6 +8,7 @@ import torch
 
 from swarmtrain.net.protocol import StageRequest
 from swarmtrain.planner.catch_up import Heard, SwarmAhead
+from swarmtrain.runtime.ledger import Ledger, read_ledger
 from swarmtrain.runtime.server.stage_catch_up import Detached
 from swarmtrain.runtime.server.stage_sync import StageSynchronizer, SyncSettings
 from swarmtrain.runtime.server.stage_worker import StageWorker
@@ -648,6 +649,34 @@ def test_a_replica_gives_up_its_steps_close_only_when_the_catch_up_abandons_it(m
         time.sleep(0.15)
     assert worker.epoch == 7 and not sync.skipped
     sync.stop()
+
+
+def test_a_replica_that_gives_its_steps_close_up_loses_the_samples_it_holds_of_it(make_sync, tmp_path):
+    """Netbed chaos, seed 0: a stage-0 replica held 8 samples of its step, whose vouched close named
+    only its cut-off peer; the catch-up gave the close up each tick for 21 s, and each time the held
+    samples kept it at the step (with the trainers' requests of the next one). Now it adopts the next
+    step, and the samples are lost, counted and written to the ledger."""
+
+    class Closing(FakeSteps):
+        def closing(self):
+            return True
+
+    sync, worker, records, _ = make_sync(lag_grace_s=0.1, steps=Closing())
+    sync.ledger = Ledger(tmp_path / "ledger.jsonl")
+    sync.untrained = sync.restored = False  # it has stepped with the swarm: the stranded grace applies
+    _train(worker, 1, step=0)
+    assert worker.unapplied_samples == 8
+    for _ in range(2):
+        sync.check_other_stages(0, time.monotonic(), 0.1)
+        time.sleep(0.15)
+    assert worker.epoch == 0  # no close given up: its samples and the close hold it
+    for _ in range(2):
+        sync.check_other_stages(0, time.monotonic(), 0.1, abandon_close=True)
+        time.sleep(0.15)
+    assert worker.epoch == 1 and worker.unapplied_samples == 0 and sync.skipped
+    sync.ledger.close()
+    lost = [entry for entry in read_ledger(tmp_path / "ledger.jsonl") if entry["e"] == "lost"]
+    assert [(e["mbs"], e["n"], e["reason"]) for e in lost] == [(["m0-0"], 8, "advance")]
 
 
 def test_a_stuck_replica_whose_ping_round_fails_ends_its_tick(make_sync):

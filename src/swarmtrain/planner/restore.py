@@ -78,11 +78,17 @@ def behind_other_stages(
     closing: bool = False,
     restored: bool = True,
     stranded_grace_s: float = math.inf,
+    abandon_close: bool = False,
 ) -> str:
     """ "wait", "advance" (adopt `other_stage_epoch`) or "refuse" for a replica whose own stage has no
     replica ahead of it. A replica still holding a step's gradients, or whose current step is being
     closed (`closing`: it may wait a close timeout for a slow trainer, with or without samples of its
     own), is never advanced; nor one behind by less than `grace_s` (stages step a few ms apart).
+    Unless it gives its step's close up (`abandon_close`: a vouched close of its step whose every holder
+    has been silent for the lag grace, planner/catch_up.py): nobody can finish that step, and the
+    samples it holds of it are lost with the step (the caller writes them to the ledger). Netbed chaos,
+    seed 0: a stage-0 replica holding 8 samples of such a step kept it, and the trainers' requests of
+    the next step, for 21 s, until the cut-off holder came back.
 
     A replica that was not `restored` from a checkpoint (or started fresh) without stepping since, but
     has stepped with the swarm or downloaded its state from peers, waits `stranded_grace_s` (a request
@@ -90,7 +96,8 @@ def behind_other_stages(
     trainer). Sooner, it could skip a step its peers are still closing; never, and a stage whose only
     replica that applied a step died stays a step behind the other stages for good, every micro-batch
     timing out at it (both shown by bench/chaos.py)."""
-    if other_stage_epoch <= epoch or pending_samples > 0 or closing or behind_for_s < grace_s:
+    held = not abandon_close and (pending_samples > 0 or closing)
+    if other_stage_epoch <= epoch or held or behind_for_s < grace_s:
         return "wait"
     if not (restored or untrained) and behind_for_s < stranded_grace_s:
         return "wait"

@@ -256,8 +256,9 @@ class StageSynchronizer:
     ) -> None:
         """No replica of this stage is ahead: are the other stages, for longer than a step takes?
         `stranded_grace_s`: instead of the settings' (no replica that answers is ahead); `abandon_close`:
-        a close of this replica's step does not hold it back, and it adopts at least the step after its own
-        (a vouched close says the stage ran the step; those who hold it are silent)."""
+        neither a close of this replica's step nor the samples it holds of it hold it back, and it adopts
+        at least the step after its own (a vouched close says the stage ran the step; those who hold it
+        are silent)."""
         other = self._other_stages_step()
         target = max(other, epoch + 1) if abandon_close else other
         if target <= epoch or abandon_close != self._abandoning:
@@ -275,9 +276,10 @@ class StageSynchronizer:
             self.settings.lag_grace_s,
             self.untrained,
             self.settings.allow_fresh,
-            self.steps.closing() and not abandon_close,
+            self.steps.closing(),
             self.restored,
             self.settings.stranded_grace_s if stranded_grace_s is None else stranded_grace_s,
+            abandon_close,
         )
         if action == "advance":
             if target > other:
