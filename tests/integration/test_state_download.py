@@ -194,3 +194,24 @@ def test_an_idle_declaration_lives_longer_and_a_later_change_still_replaces_it()
         )
     finally:
         _stop_all(None, [donor], [node])
+
+
+def test_a_restarted_donor_replaces_the_declaration_of_its_previous_life():
+    """A peer restarted with the same identity (here: a second averager on the same DHT node, the same
+    peer id) knows nothing of its last life's declaration, made on the idle pace: its first one, refused
+    by the DHT, goes once more outlasting it, so its new priority is what joiners read."""
+    node = _node()
+    averagers = [_averager(node, "first life", 1.0, priority=5.0, declare_period_s=2.0)]
+    try:
+        averagers[0].idle_slack_s = 20.0
+        averagers[0].state_sharing_priority = 6.0
+        _wait_for(lambda: [d for d in _declared(node, "download_test").values() if d[0] == 6.0], 10.0, "none")
+        averagers.pop().shutdown()  # gone without withdrawing it, as a killed server
+        averagers.append(_averager(node, "second life", 1.0, priority=9.0, declare_period_s=2.0))
+        _wait_for(
+            lambda: [d for d in _declared(node, "download_test").values() if d[0] == 9.0],
+            10.0,
+            "the restarted peer's declaration was refused behind its previous life's",
+        )
+    finally:
+        _stop_all(None, averagers, [node])

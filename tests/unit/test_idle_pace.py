@@ -131,6 +131,17 @@ def test_a_step_after_an_idle_store_replaces_it():
     assert records.stage_progress(0)["p"]["epoch"] == 4
 
 
+def test_the_view_without_slack_stores_after_an_idle_store_of_the_same_record():
+    """The balancer's view of the records (`without_slack`) stores its move lease with no slack, after
+    the peer's own records may have stored the same subkey idle: it must land all the same."""
+    dht = StrictDHT()
+    records = RunRecords(dht, "run", slack_s=lambda: MAX_SLACK_S)
+    assert records.publish_move("p", {"state": "proposed"}, ttl_s=6.0)
+    view = records.without_slack()
+    assert view.publish_move("p", {"state": "moving"}, ttl_s=6.0)
+    assert view.moves()["p"]["state"] == "moving"
+
+
 def test_a_restarted_peer_replaces_its_previous_lifes_idle_record():
     """A peer restarted with the same identity knows nothing of its last life's idle store: its first
     store, refused, goes once more outlasting it."""
@@ -218,7 +229,7 @@ def test_the_activity_clock_counts_idleness_from_the_last_change():
 
 
 def test_waking_from_a_stop_is_activity():
-    """A process stopped (SIGSTOP, a closed lid) for a while reads afresh when it wakes: what it read
+    """A process stopped (SIGSTOP) for a while reads afresh when it wakes: what it read
     before is old news, however idle its stage was."""
     now = [100.0]
     clock = ActivityClock(clock=lambda: now[0])

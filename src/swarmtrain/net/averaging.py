@@ -19,7 +19,8 @@ why hivemind's matchmaking is too slow for that); hivemind's averager serves the
   traceback for each (dozens per server log while stage peers are frozen);
 - while the owner's stage idles (`idle_slack_s`, set by the owner from its activity), a declaration lives
   and is renewed on the idle pace of the other records (planner/idle_pace.py), and never expires
-  before the last one (the DHT would refuse a change of priority until the idle one lapsed).
+  before the last one (the DHT would refuse a change of priority until the idle one lapsed); the first
+  one, if refused, goes once more outlasting any a previous life of the peer can have made.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from hivemind.utils.streaming import combine_from_streaming
 from swarmtrain.net.dht_records import live_subkeys
 from swarmtrain.net.engine import restore_sigint
 from swarmtrain.planner.download_deadline import REPORT_SLACK_S
-from swarmtrain.planner.idle_pace import store_expiration, stored_ttl_s
+from swarmtrain.planner.idle_pace import outlasting_expiration, store_expiration, stored_ttl_s
 from swarmtrain.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -178,24 +179,42 @@ class StageAverager(DecentralizedAverager):
         key = f"{self._matchmaking.group_key_manager.prefix}.all_averagers"
         was_sharing, declared_until = self.allow_state_sharing, None
         while True:
+            self._state_updated.clear()  # a change from here on (even during an awaited store) is declared next
             period_s = stored_ttl_s(self.declare_state_period, self.idle_slack_s)
             expiration_time = store_expiration(get_dht_time(), period_s, declared_until)
             if self.allow_state_sharing or was_sharing:  # a switch-off overwrites the last declaration
                 value = self.state_sharing_priority if self.allow_state_sharing else None
-                store = self.dht.store(
-                    key,
-                    subkey=self.peer_id.to_bytes(),
-                    value=value,
-                    expiration_time=expiration_time,
-                    return_future=True,
-                )
-                task = asyncio.create_task(asyncio.wait_for(store, timeout=self.declare_state_period))
-                task.add_done_callback(_report_declaration)
+                if declared_until is None:
+                    expiration_time = await self._declare_first(key, value, expiration_time)
+                else:
+                    task = asyncio.create_task(self._declare(key, value, expiration_time))
+                    task.add_done_callback(_report_declaration)
                 was_sharing, declared_until = self.allow_state_sharing, expiration_time
-            self._state_updated.clear()
             with suppress(TimeoutError):
                 remaining_s = max(0.0, expiration_time - get_dht_time())
                 await asyncio.wait_for(self._state_updated.wait(), timeout=remaining_s)
+
+    async def _declare(self, key: str, value: float | None, expiration_time: float) -> bool:
+        store = self.dht.store(
+            key,
+            subkey=self.peer_id.to_bytes(),
+            value=value,
+            expiration_time=expiration_time,
+            return_future=True,
+        )
+        return await asyncio.wait_for(store, timeout=self.declare_state_period)
+
+    async def _declare_first(self, key: str, value: float | None, expiration_time: float) -> float:
+        """This process's first declaration, awaited: when the DHT answers False (a previous life of this
+        peer, restarted with its identity, declared until later on the idle pace, or no node answered),
+        once more, outlasting any declaration that life can have made. Returns its expiration."""
+        try:
+            if not await self._declare(key, value, expiration_time):
+                expiration_time = outlasting_expiration(get_dht_time(), self.declare_state_period)
+                await self._declare(key, value, expiration_time)
+        except Exception as exc:  # a slow or dead DHT: the next declaration comes in its period
+            logger.info("declaring the stage state for download failed: %r", exc)
+        return expiration_time
 
     # state download (in the averager's process) -------------------------------------------------------
     async def _load_state_from_peers(

@@ -224,6 +224,30 @@ def no_slack() -> float:
     return 0.0
 
 
+class StoreExpirations:
+    """When the last store of each (key, subkey) a peer made expires (DHT time), shared by the views of
+    its records (`RunRecords.without_slack`): the DHT keeps the value of a subkey that expires last, so
+    each store must expire after the one before it (planner/idle_pace.store_expiration)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # the sync thread, the loop's executor threads store
+        self._last: dict[tuple[str, str], float] = {}  # one entry per record of this peer's
+
+    def next(self, key: tuple[str, str], ttl_s: float, now_s: float) -> tuple[float, bool]:
+        """(the next store's expiration, whether this peer stored the subkey before); remembered before
+        the call: a store that timed out may still have landed."""
+        with self._lock:
+            last = self._last.get(key)
+            self._last[key] = expiration = store_expiration(now_s, ttl_s, last)
+        return expiration, last is not None
+
+    def outlast(self, key: tuple[str, str], ttl_s: float, now_s: float) -> float:
+        """An expiration past any store of the subkey a previous life of this peer can have made."""
+        with self._lock:
+            self._last[key] = expiration = max(outlasting_expiration(now_s, ttl_s), self._last.get(key, 0.0))
+        return expiration
+
+
 class RunRecords:
     """Reads and writes the records of one run through a hivemind DHT, every call with a timeout.
 
@@ -237,10 +261,9 @@ class RunRecords:
         run_id: str,
         timeout_s: float = 5.0,
         slack_s: Callable[[], float] = no_slack,
-        expirations: dict[tuple[str, str], float] | None = None,
+        expirations: StoreExpirations | None = None,
     ) -> None:
-        """`expirations`: (key, subkey) -> when the last store of it expires (DHT time), shared with the
-        views of the same peer's records (`without_slack`)."""
+        """`expirations`: shared with the other views of the same peer's records (`without_slack`)."""
         self.dht = dht
         self.run_id = run_id
         self.timeout_s = timeout_s
@@ -248,7 +271,7 @@ class RunRecords:
         self._lock = threading.Lock()  # the sync thread, the loop's executor threads read and store
         self._reads: dict[str, tuple[float, dict[str, object]]] = {}  # key -> (read at, live subkeys)
         self._stored: dict[tuple[str, str], tuple[float, float, object]] = {}  # -> (at, ttl, value)
-        self._expirations = expirations if expirations is not None else {}
+        self._expirations = expirations if expirations is not None else StoreExpirations()
         self.reads_reused = self.stores_skipped = 0
 
     def without_slack(self) -> RunRecords:
@@ -256,7 +279,10 @@ class RunRecords:
 
     # generic ------------------------------------------------------------------------------------
     def _store(self, key: str, subkey: str, value, ttl_s: float) -> bool:
-        now_s, comparable, slack_s = time.monotonic(), _without_time_stamps(value), self.slack_s()
+        from hivemind.utils import get_dht_time
+
+        # ages in DHT (wall) time, as the record's expiration: a monotonic clock stops while a host sleeps
+        now_s, comparable, slack_s = get_dht_time(), _without_time_stamps(value), self.slack_s()
         with self._lock:
             last = self._stored.get((key, subkey))
         unchanged = last is not None and last[2] == comparable
@@ -275,25 +301,21 @@ class RunRecords:
         return stored
 
     def _put(self, key: str, subkey: str, value, ttl_s: float) -> bool:
-        """One store, expiring after the last one of its subkey. The first of a subkey in this process, if
-        the DHT refuses it, goes once more outlasting any store a previous life of this peer (restarted
-        with its --identity-path) can have made: the DHT keeps the subkey's value that expires last."""
+        """One store, expiring after the last one of its subkey. The first of a subkey in this process,
+        when the DHT answers False (a node refused it, or none answered), goes once more outlasting any
+        store a previous life of this peer (restarted with its --identity-path) can have made."""
         from hivemind.utils import get_dht_time
 
-        with self._lock:  # remembered before the call: a store that timed out may still have landed
-            known = (key, subkey) in self._expirations
-            expiration = store_expiration(get_dht_time(), ttl_s, self._expirations.get((key, subkey)))
-            self._expirations[(key, subkey)] = expiration
+        expiration, known = self._expirations.next((key, subkey), ttl_s, get_dht_time())
         stored = self._dht_store(key, subkey, value, expiration)
         if stored is False and not known:
-            with self._lock:
-                expiration = outlasting_expiration(get_dht_time(), ttl_s)
-                self._expirations[(key, subkey)] = max(expiration, self._expirations[(key, subkey)])
+            expiration = self._expirations.outlast((key, subkey), ttl_s, get_dht_time())
             stored = self._dht_store(key, subkey, value, expiration)
         return bool(stored)
 
     def _dht_store(self, key: str, subkey: str, value, expiration: float) -> bool | None:
-        """True: stored; False: refused by every node; None: failed (a timeout, a dead DHT process)."""
+        """True: stored; False: refused, or no node answered (hivemind's verdict); None: failed (a
+        timeout, a dead DHT process)."""
         try:
             future = self.dht.store(key, value, expiration, subkey=subkey, return_future=True)
             return bool(future.result(timeout=self.timeout_s))
@@ -302,7 +324,9 @@ class RunRecords:
             return None
 
     def _get_dict(self, key: str) -> dict[str, object]:
-        now_s = time.monotonic()
+        from hivemind.utils import get_dht_time
+
+        now_s = get_dht_time()
         with self._lock:
             last = self._reads.get(key)
         if last is not None and may_reuse_read(now_s - last[0], self.slack_s()):

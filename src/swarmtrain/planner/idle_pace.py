@@ -11,18 +11,24 @@ too), so once it has been idle for `IDLE_GRACE_S` it allows a slack, growing to 
 - a store of a value equal to the last one stored (time stamps aside) is skipped while that store is
   younger than the slack and the record still has at least half its life ahead;
 - a store lives `IDLE_TTL_PER_SLACK` x the slack longer than its time-to-live, so an unchanged record is
-  re-stored about once per slack instead of once per half its time-to-live (the progress heartbeat's 4 s).
+  re-stored about once per slack instead of once per half its time-to-live (every 2 s for the progress
+  heartbeat's 4 s).
 Any activity (a micro-batch, a step, a change of serving state) ends the slack at once: every read
 and store goes to the DHT again, as before. Periods and the readers' lapse grace are untouched, so a
 new peer is seen as fast as before whenever the swarm trains; while it idles, up to `MAX_SLACK_S`
-later. A peer that dies idle stays listed up to its time-to-live plus 1.5 x the slack (36 s for an
-announcement): within the readers' lapse grace of 45 s, which keeps a lapsed peer listed anyway.
+later, and a replica that missed its stage's step and gets no request learns of it up to that late. A
+peer that dies idle stays listed up to its time-to-live plus 1.5 x the slack (36 s for an announcement):
+within the lapse grace of 45 s of the readers that keep a `StageView` (trainers), which list a lapsed
+peer that long anyway; readers of the records themselves (the balancer, a replica's reads of its stage's
+progress, joiners choosing a donor) see it up to 30 s longer than before. A server that leaves says so at
+once (an "offline" announcement, its state declaration withdrawn).
 
 The DHT refuses a subkey's value that expires before the one it holds, so a store after an idle one
 (a step's progress, an "offline" announcement) never expires earlier than the last store of its
 subkey (`store_expiration`): otherwise the new value would be refused until the idle one lapsed. A
 restarted peer (the same identity) does not know its previous life's stores: its first store of a
-subkey, if refused, goes once more with `outlasting_expiration`.
+subkey, if the DHT answers False (refused, or no node answered), goes once more with
+`outlasting_expiration`.
 
 Pure functions of numbers: `runtime/server/activity_clock.py` measures the idleness and
 `net/dht_records.RunRecords` applies the slack.

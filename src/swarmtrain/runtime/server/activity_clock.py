@@ -7,7 +7,9 @@ a replica that trails its stage and refuses trainers is not idle), the samples w
 the compute thread's jobs (micro-batches, `info` calls) and whether it serves or drains. Read lazily
 from whichever thread reads or stores a record, so a micro-batch ends the slack at the next record call,
 not at the next tick. So does waking: a look `WAKE_GAP_S` after the last one (the sync thread looks
-twice a second) means the process was stopped or starved, and what it read before is old news.
+twice a second, the progress heartbeat once) means the process was stopped (SIGSTOP) or starved, and
+what it read before is old news. (A host's suspend is not seen here, the clock being monotonic; the
+records age their reads and stores in wall time, which sees it.)
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from swarmtrain.planner.idle_pace import idle_slack_s
 
 Markers = Callable[[], Hashable]
 
-# a gap this long between two looks at the clock is a wake-up (SIGSTOP, a suspended laptop): activity
+# a gap this long between two looks at the clock is a wake-up (SIGSTOP, a starved process): activity
 WAKE_GAP_S = 5.0
 
 

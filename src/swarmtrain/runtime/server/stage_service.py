@@ -32,7 +32,7 @@ import asyncio
 import dataclasses
 import time
 from collections.abc import Callable
-from contextlib import ExitStack
+from contextlib import ExitStack, suppress
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
@@ -384,6 +384,9 @@ class StageService:
         whole swarm for the trainer's request timeout (30 s, bench/rebalance_live.py)."""
         loop = asyncio.get_running_loop()
         self.admission.draining = True
+        # joiners stop picking us as a donor at once (idle, a declaration would list us for up to 35 s)
+        with suppress(OSError):  # an averager process that died lists nobody any more
+            self.averager.allow_state_sharing = False
         self.steps.versions.changed()  # parked forwards see that we are leaving
         await loop.run_in_executor(None, lambda: self.announce(state="offline"))
         deadline_s = time.monotonic() + timeout_s
