@@ -25,7 +25,9 @@ from swarmtrain.planner.catch_up import (
 
 pytestmark = pytest.mark.unit
 
-RULE = LagRule(lag_grace_s=3.0, evidence_ttl_s=120.0, window=4, keep_ahead=4, max_replay=64)
+RULE = LagRule(
+    lag_grace_s=3.0, evidence_ttl_s=120.0, window=4, keep_ahead=4, max_replay=64, close_timeout_s=10.0
+)
 NOW = 1000.0
 EPOCH = 10
 
@@ -216,6 +218,19 @@ CASES = [
         "stuck with its holder silent, and a vouched close far ahead: give the close up all the same",
         _view(stuck=STUCK, ahead=_trusted(40), asked={"A": None}),
         CatchUp(ADOPT, grace_s=3.0, abandon_close=True),
+    ),
+    (
+        # netbed chaos, seed 0: a stage-0 replica held 8 samples of a step whose close named only its
+        # cut-off peer; they held the step, and the trainers' requests of the next one, for 21 s
+        "stuck holding samples, its holder silent for the close timeout: give the close and samples up",
+        _view(stuck=Stuck(NOW - 10.0, NOW - 10.0, frozenset("A")), asked={"A": None}, own_samples=8),
+        CatchUp(ADOPT, grace_s=3.0, abandon_close=True),
+    ),
+    (
+        # a slow trainer's close, naming this replica, may still bring the step to a close here
+        "stuck holding samples, its holder silent for less than the close timeout: the records",
+        _view(stuck=Stuck(NOW - 9.0, NOW - 9.0, frozenset("A")), asked={"A": None}, own_samples=8),
+        CatchUp(READ),
     ),
     (
         "stuck, a holder silent but another answers (a second trainer may still close it): the records",

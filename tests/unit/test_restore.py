@@ -84,6 +84,8 @@ def test_a_replica_that_gives_its_steps_close_up_advances_with_the_samples_it_ho
     given_up = dict(stranded, closing=True, abandon_close=True)
     assert behind_other_stages(483, 484, 8, 3.5, 3.0, False, False, **given_up) == "advance"
     assert behind_other_stages(483, 484, 8, 2.5, 3.0, False, False, **given_up) == "wait"  # the grace
+    # the step loop exchanging or applying the step decides it: no adoption under it
+    assert behind_other_stages(483, 484, 8, 3.5, 3.0, False, False, finishing=True, **given_up) == "wait"
 
 
 def test_a_replica_that_has_stepped_with_the_swarm_waits_a_request_timeout_before_it_advances():

@@ -87,6 +87,9 @@ class LagRule:
     window: int = KEEP_STEPS_AHEAD  # the close window: 1 + max_staleness, at least KEEP_STEPS_AHEAD
     keep_ahead: int = KEEP_STEPS_AHEAD
     max_replay: int = MAX_REPLAY_STEPS
+    # how long the step loop waits for a trainer's close that has not come (the run's request timeout):
+    # a stuck close is given up with the samples the replica holds of its step only after this long
+    close_timeout_s: float = 10.0
 
 
 @dataclass(frozen=True)
@@ -200,8 +203,9 @@ def decide_catch_up(view: LagView, rule: LagRule) -> CatchUp:
        the same when held back (the step's closes went to the peer alone).
        Stuck, with every replica its close names silent or gone (`_holders_silent`): nobody can finish
        the step, and it adopts the other stages' step, or the step after its own if they are not ahead,
-       although its step has a close (`abandon_close`); this comes before the next rule, which keeps a
-       step with a close. Left behind, with no peer that answers ahead and one silent (or none left), on
+       although its step has a close (`abandon_close`), and, once `close_timeout_s` has passed since
+       the close came, although it holds samples of the step (lost with it); this comes before the next
+       rule, which keeps a step with a close. Left behind, with no peer that answers ahead and one silent (or none left), on
        a fresh close from a vouched sender (`SwarmAhead.trusted`): those that ran the steps are frozen or
        cut off, and it adopts the other stages' step after the lag grace instead of a request timeout
        (the frozen peer wins a fingerprint mismatch when it wakes, planner/restore.follows_on_mismatch).
@@ -259,7 +263,7 @@ def _asked(view: LagView, rule: LagRule) -> CatchUp | None:
     # a stuck close whose holders are silent is given up before the far-close adoption is looked at:
     # that one keeps a step with a close, so a replica with both held its step for good (netbed chaos,
     # seed 0: 25 s, until the frozen holder woke)
-    if stuck is not None and _holders_silent(stuck.members, asked):
+    if stuck is not None and _holders_silent(stuck.members, asked) and _may_drop_samples(view, stuck, rule):
         return CatchUp(
             ADOPT, grace_s=rule.lag_grace_s, behind_since_s=view.behind_since_s, abandon_close=True
         )
@@ -267,6 +271,15 @@ def _asked(view: LagView, rule: LagRule) -> CatchUp | None:
     if frozen and _shows_ahead(view.ahead.trusted, epoch, view.now_s, rule):
         return CatchUp(ADOPT, grace_s=rule.lag_grace_s, behind_since_s=view.behind_since_s)
     return None
+
+
+def _may_drop_samples(view: LagView, stuck: Stuck, rule: LagRule) -> bool:
+    """Giving a stuck close up drops the samples the replica holds of its step: only once the step loop
+    would have stopped waiting for a trainer's close that has not come (`close_timeout_s` since the
+    stuck close came). Sooner, a slow trainer's close, naming this replica, may still bring the step
+    to a close here (its requests to the silent holder failed over; netbed chaos, seed 0: a stage-0
+    replica holding 8 samples held its step, and the trainers' requests of the next one, for 21 s)."""
+    return view.own_samples == 0 or view.now_s - stuck.since_s >= rule.close_timeout_s
 
 
 def _holders_silent(members: frozenset[str], asked: Mapping[str, int | None]) -> bool:

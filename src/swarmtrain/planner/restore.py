@@ -79,6 +79,7 @@ def behind_other_stages(
     restored: bool = True,
     stranded_grace_s: float = math.inf,
     abandon_close: bool = False,
+    finishing: bool = False,
 ) -> str:
     """ "wait", "advance" (adopt `other_stage_epoch`) or "refuse" for a replica whose own stage has no
     replica ahead of it. A replica still holding a step's gradients, or whose current step is being
@@ -88,7 +89,9 @@ def behind_other_stages(
     has been silent for the lag grace, planner/catch_up.py): nobody can finish that step, and the
     samples it holds of it are lost with the step (the caller writes them to the ledger). Netbed chaos,
     seed 0: a stage-0 replica holding 8 samples of such a step kept it, and the trainers' requests of
-    the next step, for 21 s, until the cut-off holder came back.
+    the next step, for 21 s, until the cut-off holder came back. Never while the step loop is `finishing`
+    the step (an exchange or apply under way: it decides the step, and an adoption under it would log its
+    samples lost twice).
 
     A replica that was not `restored` from a checkpoint (or started fresh) without stepping since, but
     has stepped with the swarm or downloaded its state from peers, waits `stranded_grace_s` (a request
@@ -96,7 +99,7 @@ def behind_other_stages(
     trainer). Sooner, it could skip a step its peers are still closing; never, and a stage whose only
     replica that applied a step died stays a step behind the other stages for good, every micro-batch
     timing out at it (both shown by bench/chaos.py)."""
-    held = not abandon_close and (pending_samples > 0 or closing)
+    held = finishing or (not abandon_close and (pending_samples > 0 or closing))
     if other_stage_epoch <= epoch or held or behind_for_s < grace_s:
         return "wait"
     if not (restored or untrained) and behind_for_s < stranded_grace_s:

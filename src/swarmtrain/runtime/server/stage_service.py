@@ -274,6 +274,7 @@ class StageService:
             allow_fresh=self.options.fresh_start,
             download_rule=self.options.download_rule,
             stranded_grace_s=swarm.request_timeout_s,
+            close_timeout_s=swarm.request_timeout_s,
             evidence_ttl_s=evidence_ttl_s(swarm.request_timeout_s, swarm.averaging_timeout_s),
         )
         return StageSynchronizer(

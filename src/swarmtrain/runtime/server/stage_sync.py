@@ -77,6 +77,8 @@ class SyncSettings:
     # how long a replica that has stepped with the swarm waits behind the other stages before it adopts
     # their step (planner/restore.behind_other_stages): the swarm's request timeout
     stranded_grace_s: float = 30.0
+    # how long the step loop waits for a trainer's close that has not come (the swarm's request timeout)
+    close_timeout_s: float = 10.0
 
 
 class RestoreRefused(UserError):
@@ -125,7 +127,12 @@ class StageSynchronizer:
         self.serving = threading.Event()
         self.stop_event = threading.Event()
         self._fp: tuple[int, list[float]] | None = None  # (step, parameter fingerprint at that step)
-        rule = LagRule(settings.lag_grace_s, settings.evidence_ttl_s, steps.window)
+        rule = LagRule(
+            settings.lag_grace_s,
+            settings.evidence_ttl_s,
+            steps.window,
+            close_timeout_s=settings.close_timeout_s,
+        )
         self.catch_up = StageCatchUp(worker, steps, rule)  # what a replica behind its stage does
         self._publish_now = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -280,6 +287,7 @@ class StageSynchronizer:
             self.restored,
             self.settings.stranded_grace_s if stranded_grace_s is None else stranded_grace_s,
             abandon_close,
+            self.steps.finishing(),
         )
         if action == "advance":
             if target > other:
