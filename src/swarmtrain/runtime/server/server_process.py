@@ -32,6 +32,7 @@ import torch
 from swarmtrain.config import RunConfig
 from swarmtrain.net.data_plane import DataPlaneClient, DataPlaneServer, connection_limits
 from swarmtrain.net.dht_records import RunRecords
+from swarmtrain.net.dht_rejoin import rejoin_if_alone
 from swarmtrain.net.engine import (
     PeerNetwork,
     peer_identity,
@@ -247,6 +248,13 @@ class ServerProcess:
             ),
             asyncio.create_task(
                 self._every(self.options.metrics_period_s, lambda: self._publish_metrics(service))
+            ),
+            # a link cut long enough leaves our DHT node knowing nobody, and nobody it (net/dht_rejoin.py)
+            asyncio.create_task(
+                self._every(
+                    self.cfg.swarm.announce_period_s,
+                    lambda: rejoin_if_alone(self.dht, self.options.initial_peers),
+                )
             ),
         ]
         stopped = asyncio.create_task(self._stop.wait())
