@@ -3,14 +3,17 @@ real hivemind DHT nodes on 127.0.0.1.
 
 The lost neighbours are made the way hivemind loses them: it deletes a node from its routing table when a
 request to it goes unanswered (hivemind/dht/protocol.py `update_routing_table`), which a cut link does to
-every request both ways; here the entries are deleted directly, on both sides. Netbed chaos, seed 0: a
+every request both ways; here the entries are deleted directly, on both sides, and the libp2p
+connection between them closed. Netbed chaos, seed 0: a
 stage-0 replica cut off for 26 s read no record of its stage peers for the rest of the run."""
 
+import asyncio
 import time
+from functools import partial
 
 import pytest
 
-from swarmtrain.net.dht_rejoin import rejoin_if_alone
+from swarmtrain.net.dht_rejoin import keep_joined, rejoin_if_alone
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 
@@ -31,6 +34,7 @@ async def _forget(_dht, node, peer_ids: tuple[str, ...]) -> int:
         if uid is not None:
             del table[uid]
             forgotten += 1
+        await node.protocol.p2p._client.disconnect(PeerID.from_base58(peer))  # the cut drops the link
     return forgotten
 
 
@@ -44,8 +48,6 @@ def _read(node, key: str):
 
 
 def test_a_node_that_knows_nobody_joins_again_and_reads_the_others_records():
-    from functools import partial
-
     first = _node()
     initial = [str(a) for a in first.get_visible_maddrs()]
     second = _node(initial)
@@ -77,3 +79,30 @@ def test_a_node_with_no_initial_peers_is_left_alone():
         assert rejoin_if_alone(node, None) is None
     finally:
         node.shutdown()
+
+
+def test_a_trainers_loop_keeps_its_node_joined():
+    """A trainer runs `keep_joined` beside its training (runtime/trainer/swarm_trainer.train_async)."""
+    first = _node()
+    initial = [str(a) for a in first.get_visible_maddrs()]
+    second = _node(initial)
+    try:
+        ids = (first.peer_id.to_base58(), second.peer_id.to_base58())
+        first.run_coroutine(partial(_forget, peer_ids=ids[1:]))
+        second.run_coroutine(partial(_forget, peer_ids=ids[:1]))
+        assert second.run_coroutine(_known) == 0
+
+        async def scenario() -> int:
+            loop = asyncio.get_running_loop()
+            joining = asyncio.create_task(keep_joined(second, initial, period_s=0.2))
+            deadline = time.monotonic() + 20.0
+            while (known := await loop.run_in_executor(None, second.run_coroutine, _known)) == 0:
+                assert time.monotonic() < deadline, "the loop never joined the node again"
+                await asyncio.sleep(0.2)
+            joining.cancel()
+            return known
+
+        assert asyncio.run(scenario()) >= 1
+    finally:
+        second.shutdown()
+        first.shutdown()

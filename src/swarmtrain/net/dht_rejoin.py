@@ -8,9 +8,11 @@ good. Netbed chaos, seed 0: a stage-0 replica cut off for 26 s saw no stage peer
 run ("no records", no DHT error) and ended it 65 steps behind its peers.
 
 `rejoin_if_alone` does what the bootstrap does, when the routing table holds no other node: it dials and
-pings the initial peers (a ping answered adds each side to the other's table) and looks up its own
-neighbours. A server calls it every announce period; it costs one call into the DHT's process while the
-node knows anybody, and pings only while it knows nobody.
+pings the initial peers (a ping answered adds each side to the other's table), clears their bans, and
+looks up its own neighbours. Servers and trainers check every announce period; it costs one call into the
+DHT's process while the node knows anybody, and pings only while it knows nobody. (An empty table is the
+one state that never heals by itself: a live entry left after a cut adds us back on our next request to
+it, a dead one is deleted on the first.)
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ def rejoin_if_alone(dht, initial_peers: list[str] | None, timeout_s: float = REJ
     try:
         answered = dht.run_coroutine(rejoin, return_future=True).result(timeout=3 * timeout_s)
     except Exception as exc:  # a dead or stuck DHT process: the caller's next period tries again
-        logger.info("checking the DHT's routing table failed: %r", exc)
+        log_repeated(logger, logging.INFO, "checking the DHT's routing table failed: %r", exc)
         return None
     if answered is not None:  # while nobody answers, once per repeat period (utils/logging.py)
         log_repeated(
@@ -46,8 +48,17 @@ def rejoin_if_alone(dht, initial_peers: list[str] | None, timeout_s: float = REJ
             "a ping to join again",
             answered,
             len(initial_peers),
+            key=answered > 0,  # the line that says it joined again is never swallowed by the others
         )
     return answered
+
+
+async def keep_joined(dht, initial_peers: list[str] | None, period_s: float) -> None:
+    """`rejoin_if_alone` every `period_s`, off the event loop, until cancelled (a trainer's loop)."""
+    loop = asyncio.get_running_loop()
+    while True:
+        await asyncio.sleep(period_s)
+        await loop.run_in_executor(None, rejoin_if_alone, dht, initial_peers)
 
 
 async def _rejoin(_dht, node, initial_peers: tuple[str, ...], timeout_s: float) -> int | None:
@@ -66,7 +77,12 @@ async def _rejoin(_dht, node, initial_peers: tuple[str, ...], timeout_s: float) 
     answers = await asyncio.gather(
         *(_ping(node, peer, maddrs, timeout_s) for peer, maddrs in addresses.items())
     )
-    answered = sum(answer is not None for answer in answers)
+    answered = 0
+    for peer, answer in zip(addresses, answers, strict=True):
+        if answer is not None:
+            answered += 1
+            with suppress(Exception):  # banned during the cut, the lookup below would skip it
+                node.blacklist.register_success(peer)
     if answered:
         with suppress(Exception):  # its neighbours are found by later calls too
             await asyncio.wait_for(node.find_nearest_nodes([node.node_id]), timeout_s)
@@ -75,9 +91,13 @@ async def _rejoin(_dht, node, initial_peers: tuple[str, ...], timeout_s: float) 
 
 async def _ping(node, peer, maddrs, timeout_s: float):
     """Dial `peer` at its initial addresses (the daemon may have forgotten them), then ping it."""
-    with suppress(Exception):  # a dial that fails leaves the ping to the addresses the daemon knows
-        # hivemind's P2P offers no public dial; its daemon client does
-        await asyncio.wait_for(node.protocol.p2p._client.connect(peer, maddrs), timeout_s)
+    from hivemind.utils.multiaddr import Multiaddr
+
+    try:  # hivemind's P2P offers no public dial; its daemon client does, to addresses without /p2p/
+        bare = [m.decapsulate(Multiaddr(f"/p2p/{peer.to_base58()}")) for m in maddrs]
+        await asyncio.wait_for(node.protocol.p2p._client.connect(peer, bare), timeout_s)
+    except Exception as exc:  # the ping below still tries the addresses the daemon knows
+        logger.debug("dialing initial peer %s failed: %r", peer, exc)
     with suppress(Exception):
         return await asyncio.wait_for(node.protocol.call_ping(peer), timeout_s)
     return None

@@ -27,6 +27,7 @@ from swarmtrain.config.errors import UserError
 from swarmtrain.config.model import SUBSPACE
 from swarmtrain.net.codec import encode
 from swarmtrain.net.dht_records import RunRecords
+from swarmtrain.net.dht_rejoin import keep_joined
 from swarmtrain.net.engine import PeerNetwork
 from swarmtrain.net.protocol import close_message, encode_labels, namespace
 from swarmtrain.net.token_ids import IDS, encode_token_ids
@@ -529,7 +530,9 @@ def transport_summary(stats) -> dict:
     }
 
 
-async def train_async(cfg: RunConfig, options: TrainerOptions, dht, batches_from, val_set=None) -> dict:
+async def train_async(
+    cfg: RunConfig, options: TrainerOptions, dht, batches_from, val_set=None, initial_peers=None
+) -> dict:
     import signal
 
     trainer = SwarmTrainer(cfg, options, dht)
@@ -538,6 +541,8 @@ async def train_async(cfg: RunConfig, options: TrainerOptions, dht, batches_from
         loop.add_signal_handler(sig, trainer.stopping.set)
     await trainer.setup()
     remember_group_sockets()
+    # a cut link can leave our DHT node knowing nobody (net/dht_rejoin.py)
+    rejoining = asyncio.create_task(keep_joined(dht, initial_peers, cfg.swarm.announce_period_s))
     evaluating = bool(options.eval_samples and val_set is not None)
     # a close to a server reachable only through a relay is retried until the relay is reserved
     result = await trainer.train(batches_from, CLOSE_RETRY_S if evaluating else CLOSE_EXIT_WAIT_S)
@@ -563,6 +568,7 @@ async def train_async(cfg: RunConfig, options: TrainerOptions, dht, batches_from
         rpc=trainer.caller.peers.timing_summary(),
     )
     trainer.ledger.close()
+    rejoining.cancel()
     return summary
 
 
@@ -587,7 +593,7 @@ def run_trainer(cfg: RunConfig, options: TrainerOptions, initial_peers: list[str
 
     dht = start_dht(initial_peers, options.network, client_mode=True)
     try:
-        return asyncio.run(train_async(cfg, options, dht, batches_from, val_set))
+        return asyncio.run(train_async(cfg, options, dht, batches_from, val_set, initial_peers))
     finally:
         shutdown_quietly(dht)
         reap_own_group()
