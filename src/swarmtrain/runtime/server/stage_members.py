@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from collections.abc import Set as AbstractSet
 
 from swarmtrain.net.dht_records import RunRecords
+from swarmtrain.utils.awake_clock import awake_clock
 from swarmtrain.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -31,20 +32,22 @@ class LiveReplicas:
     """The stage's live replicas (this run's config digest) as the DHT last showed them, and peers that
     answered a stage ping since; the server refreshes it off the event loop (`update`), the step
     coordinator reads it per message. A peer stays `keep_s` after it was last seen, so one failed or
-    partial DHT read drops nobody."""
+    partial DHT read drops nobody. `clock`: what those seconds are counted on, by default one that stands
+    still while the process is stopped (utils/awake_clock.py), so a replica that wakes from a freeze
+    still has the peers it saw just before it, and asks them."""
 
-    def __init__(self, keep_s: float) -> None:
-        self.keep_s = keep_s
+    def __init__(self, keep_s: float, clock: Callable[[], float] | None = None) -> None:
+        self.keep_s, self._clock = keep_s, clock or awake_clock()
         self._seen: dict[str, float] = {}
 
     def update(self, peers: Iterable[str], now_s: float | None = None) -> None:
-        now_s = time.monotonic() if now_s is None else now_s
+        now_s = self._clock() if now_s is None else now_s
         for peer in peers:
             self._seen[peer] = now_s
         self._seen = {p: t for p, t in self._seen.items() if now_s - t <= self.keep_s}
 
     def current(self, now_s: float | None = None) -> frozenset[str]:
-        now_s = time.monotonic() if now_s is None else now_s
+        now_s = self._clock() if now_s is None else now_s
         return frozenset(p for p, t in self._seen.items() if now_s - t <= self.keep_s)
 
 
