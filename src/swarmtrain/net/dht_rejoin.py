@@ -54,7 +54,7 @@ def rejoin_if_alone(dht, initial_peers: list[str] | None, timeout_s: float = REJ
 
 
 async def keep_joined(dht, initial_peers: list[str] | None, period_s: float) -> None:
-    """`rejoin_if_alone` every `period_s`, off the event loop, until cancelled (a trainer's loop)."""
+    """`rejoin_if_alone` every `period_s`, off the event loop, until cancelled (servers' and trainers' loops)."""
     loop = asyncio.get_running_loop()
     while True:
         await asyncio.sleep(period_s)

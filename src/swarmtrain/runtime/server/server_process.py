@@ -32,7 +32,7 @@ import torch
 from swarmtrain.config import RunConfig
 from swarmtrain.net.data_plane import DataPlaneClient, DataPlaneServer, connection_limits
 from swarmtrain.net.dht_records import RunRecords
-from swarmtrain.net.dht_rejoin import rejoin_if_alone
+from swarmtrain.net.dht_rejoin import keep_joined
 from swarmtrain.net.engine import (
     PeerNetwork,
     peer_identity,
@@ -251,10 +251,7 @@ class ServerProcess:
             ),
             # a link cut long enough leaves our DHT node knowing nobody, and nobody it (net/dht_rejoin.py)
             asyncio.create_task(
-                self._every(
-                    self.cfg.swarm.announce_period_s,
-                    lambda: rejoin_if_alone(self.dht, self.options.initial_peers),
-                )
+                keep_joined(self.dht, self.options.initial_peers, self.cfg.swarm.announce_period_s)
             ),
         ]
         stopped = asyncio.create_task(self._stop.wait())
