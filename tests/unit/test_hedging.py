@@ -12,7 +12,8 @@ from test_stage_calls import A, B, SpyTable
 from swarmtrain.config import SwarmConfig
 from swarmtrain.planner import deadlines
 from swarmtrain.runtime.trainer.call_policy import Attempt, CallStats, PeerChoice
-from swarmtrain.runtime.trainer.hedging import Copy, Hedger, SilentPastDeadline, first_success, silent_while
+from swarmtrain.runtime.trainer.hedging import Copy, Hedger, SilentPastDeadline, first_success
+from swarmtrain.utils.silence import silent_while
 
 pytestmark = pytest.mark.unit
 

@@ -16,6 +16,7 @@ from swarmtrain.runtime.server.stage_steps import StepCoordinator, StepSettings
 from swarmtrain.runtime.server.stage_worker import StageWorker
 from swarmtrain.runtime.server.step_versions import VersionGate
 from swarmtrain.runtime.trainer.step_tracker import StepTracker
+from swarmtrain.utils.silence import PeerSilent
 
 pytestmark = pytest.mark.unit
 
@@ -35,6 +36,8 @@ class Net:
     def __init__(self):
         self.nodes: dict[str, StepCoordinator] = {}
         self.unreachable: set[str] = set()
+        self.freeze_when_replayed_from: set[str] = set()  # they freeze once asked for a step's means
+        self.frozen: set[str] = set()
         self.sent: list[tuple[str, str, int]] = []
 
     def sender(self, me: str):
@@ -485,11 +488,16 @@ class NetLink:
         self.net = net
 
     async def epoch_of(self, peer):
+        if peer in self.net.frozen:
+            await asyncio.sleep(3600)  # a frozen peer's ping is never answered; the asker gives it up
         return None if peer in self.net.unreachable else self.net.nodes[peer].worker.epoch
 
     async def step_means(self, peer, step):
         if peer in self.net.unreachable:
             raise ConnectionError(f"{peer} is unreachable")
+        if peer in self.net.freeze_when_replayed_from | self.net.frozen:
+            self.net.frozen.add(peer)
+            raise PeerSilent(f"{peer} stopped answering pings")  # what the real link's watch raises
         kept = self.net.nodes[peer].means_of(step)
         if kept is None:
             raise ConnectionError(f"the means of step {step} are not kept at {peer}")
@@ -581,6 +589,89 @@ def test_a_replica_stuck_on_a_close_whose_sums_it_never_got_replays_the_step_fro
 
 
 RULE = LagRule(lag_grace_s=0.3, window=4)
+
+
+class DonorClient:
+    """A stage peer's client as `StagePeerLink.step_means` uses it: the means come after `means_s`;
+    the peer answers pings while `alive` (a frozen one never does)."""
+
+    def __init__(self, means_s: float, alive: bool):
+        self.means_s, self.alive, self.pings = means_s, alive, 0
+
+    async def call(self, peer, message, timeout_s):
+        await asyncio.sleep(self.means_s)
+        return Message("result", {"samples": 8, "empty": True})
+
+    async def ping_reply(self, peer, message, timeout_s):
+        self.pings += 1
+        return Message("result", {"epoch": 3}) if self.alive else None
+
+
+@pytest.mark.parametrize("alive", [True, False])
+def test_a_replay_gives_up_a_donor_that_stops_answering_pings(tiny_cfg, alive):
+    """A step's means from a peer that answers pings are waited for however long they take (a slow link);
+    from one that does not, the call ends at its first unanswered ping (`PeerSilent`), long before its
+    request timeout (netbed chaos, seed 0: a donor frozen during a replay held the stage 10 s)."""
+    from swarmtrain.runtime.faults import FaultHooks
+    from swarmtrain.runtime.server.stage_exchange import StagePeerLink
+
+    async def scenario():
+        spec = tiny_cfg.stages()[1]
+        link = StagePeerLink(
+            spec, "d", StageWorker(tiny_cfg, spec), FaultHooks(), 5.0, request_timeout_s=60.0
+        )
+        client = DonorClient(means_s=4.0, alive=alive)
+        link.attach(client)
+        if alive:
+            assert await link.step_means("peer", 3) == (8, None)
+            assert client.pings >= 1  # asked meanwhile, and waited for
+        else:
+            with pytest.raises(PeerSilent):
+                await asyncio.wait_for(link.step_means("peer", 3), 3.5)  # the call alone takes 4 s
+            assert client.pings == 1
+
+    asyncio.run(scenario())
+
+
+def test_a_replica_whose_donor_freezes_during_the_replay_adopts_the_step_without_downloading(
+    tiny_cfg, micro_batches, start_compute, monkeypatch
+):
+    """Netbed chaos, seed 0: a woken stage-1 replica was replaying a step from its only peer when that
+    peer froze; the replay took a whole request timeout to fail, the download from the same frozen peer
+    3 s more, and the trainers waited 33 s. A donor that stops answering pings ends the replay
+    (`Replay.DONOR_SILENT`) with no download; the next tick asks again: the frozen peer's ping is never
+    answered, the live peer D's answer is kept (one frozen peer used to fail the whole ask), and with
+    the step's only holder silent the replica adopts the step although it has a close."""
+    import swarmtrain.runtime.server.stage_catch_up as catch_up_module
+
+    monkeypatch.setattr(catch_up_module, "PEER_EPOCHS_TIMEOUT_S", 2.0)
+
+    async def scenario():
+        net = Net()
+        nodes = await _replicas(tiny_cfg, ["A", "C", "D"], net, start_compute)
+        a, c = nodes["A"], nodes["C"]
+        for node in nodes.values():
+            node.inbox.live = lambda: frozenset("ACD")
+        tasks = [asyncio.create_task(n.run()) for n in (a, c)]
+        net.unreachable.update("CD")  # A's sums of step 0 reach neither
+        _train(a.worker, micro_batches[:2], prefix="a")
+        for node in (a, c):
+            node.inbox.vouch(["t"])
+            node.inbox.on_close(0, 0, 1, {"A": 16}, ["A", "C"], "t")
+        await _until(lambda: a.worker.epoch == 1 and a.means_of(0) is not None)
+        net.unreachable.clear()
+        net.freeze_when_replayed_from.add("A")
+        catch_up = StageCatchUp(c.worker, StepsBridge(c, NetLink(net), asyncio.get_running_loop()), RULE)
+        sync = StuckSync()
+        await asyncio.sleep(RULE.lag_grace_s + 0.1)
+        await asyncio.to_thread(catch_up.tick, sync)  # A answers ahead, then freezes: no download
+        assert c.worker.epoch == 0 and c.counters.replayed_steps == 0 and sync.calls == []
+        await asyncio.to_thread(catch_up.tick, sync)  # A silent, D at step 0: the holder is silent
+        assert sync.calls == [("adopt", 0, RULE.lag_grace_s, True)]
+        for task in tasks:
+            task.cancel()
+
+    asyncio.run(scenario())
 
 
 def test_a_replica_that_holds_a_request_back_replays_the_step_its_peer_applied(

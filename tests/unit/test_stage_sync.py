@@ -9,7 +9,7 @@ import torch
 from swarmtrain.net.protocol import StageRequest
 from swarmtrain.planner.catch_up import Heard, SwarmAhead
 from swarmtrain.runtime.ledger import Ledger, read_ledger
-from swarmtrain.runtime.server.stage_catch_up import Detached
+from swarmtrain.runtime.server.stage_catch_up import Detached, Replay
 from swarmtrain.runtime.server.stage_sync import StageSynchronizer, SyncSettings
 from swarmtrain.runtime.server.stage_worker import StageWorker
 
@@ -53,7 +53,7 @@ class FakeSteps(Detached):
     end)` answers replays; `answers()` the stage peers' pinged epochs (None: asking failed); `left_behind`:
     a trainer's close came far past this replica's epoch a moment ago, from a vouched sender (`vouched`)."""
 
-    def __init__(self, replay=lambda peer, start, end: False, answers=lambda: None):
+    def __init__(self, replay=lambda peer, start, end: Replay.FAILED, answers=lambda: None):
         self._replay, self._answers = replay, answers
         self.left_behind, self.vouched, self.asked = False, True, 0
 
@@ -499,7 +499,7 @@ def test_a_replica_a_step_behind_replays_it_instead_of_downloading(tiny_cfg, sta
 
     def replay(peer, start, end):
         replays.append((peer, start, end))
-        return ok
+        return Replay.DONE if ok else Replay.FAILED
 
     worker = StageWorker(tiny_cfg, tiny_cfg.stages()[1])
     records, averager = FakeRecords(), FakeAverager()
@@ -531,7 +531,7 @@ def test_a_replica_far_behind_replays_at_once_while_its_peer_keeps_the_steps(tin
 
     def replay(peer, start, end):
         replays.append((peer, start, end))
-        return ok
+        return Replay.DONE if ok else Replay.FAILED
 
     worker = StageWorker(tiny_cfg, tiny_cfg.stages()[1])
     records, averager = FakeRecords(), FakeAverager()
@@ -563,7 +563,7 @@ def test_a_replica_a_close_shows_far_behind_asks_its_peers_directly_when_the_dht
 
     def replay(peer, start, end):
         replays.append((peer, start, end))
-        return ok
+        return Replay.DONE if ok else Replay.FAILED
 
     steps = FakeSteps(replay, lambda: None if answers is None else dict(answers))
     sync, worker, records, averager = make_sync(lag_grace_s=60.0, steps=steps)

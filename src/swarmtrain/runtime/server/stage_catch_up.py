@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import enum
 import logging
 import time
 from typing import TYPE_CHECKING, Protocol
@@ -44,6 +45,7 @@ from swarmtrain.planner.catch_up import (
 )
 from swarmtrain.runtime.server.stage_worker import StageWorker
 from swarmtrain.utils.logging import get_logger, log_repeated
+from swarmtrain.utils.silence import PeerSilent
 
 if TYPE_CHECKING:
     from swarmtrain.runtime.server.stage_exchange import StagePeerLink
@@ -51,8 +53,18 @@ if TYPE_CHECKING:
 
 logger = get_logger(__name__)
 
-# the pings that ask a trailing replica's stage peers their epochs (each bounded by its own deadline)
+# the pings that ask a trailing replica's stage peers their epochs, each bounded by its own deadline:
+# those that have not answered by then count as silent, the others' answers are kept
 PEER_EPOCHS_TIMEOUT_S = 10.0
+ASK_MARGIN_S = 1.0  # of PEER_EPOCHS_TIMEOUT_S, for the answers to reach the sync thread
+
+
+class Replay(enum.Enum):
+    """How a replay of missed steps from a peer's mean gradients ended."""
+
+    DONE = "done"  # every step applied
+    FAILED = "failed"  # the donor refused or broke off: the state is downloaded instead
+    DONOR_SILENT = "donor silent"  # the donor stopped answering pings: the next tick decides again
 
 
 class StepsPort(Protocol):
@@ -91,8 +103,8 @@ class StepsPort(Protocol):
         """The epoch each stage peer answers a ping with (None: silent); None when asking failed."""
         ...
 
-    def replay(self, peer: str, start: int, end: int) -> bool:
-        """Apply steps start..end-1 from `peer`'s mean gradients; False when that failed."""
+    def replay(self, peer: str, start: int, end: int) -> Replay:
+        """Apply steps start..end-1 from `peer`'s mean gradients."""
         ...
 
 
@@ -145,8 +157,8 @@ class Detached:
     def peer_epochs(self) -> dict[str, int | None] | None:
         return None
 
-    def replay(self, peer: str, start: int, end: int) -> bool:
-        return False
+    def replay(self, peer: str, start: int, end: int) -> Replay:
+        return Replay.FAILED
 
 
 DETACHED = Detached()
@@ -214,29 +226,36 @@ class StepsBridge:
             return None
 
     async def _peer_epochs(self) -> dict[str, int | None]:
+        """Each peer's answer; one that has not answered in time counts as silent (a frozen peer's
+        ping must not throw a live peer's answer away: netbed chaos, docs/LOG.md)."""
         peers = sorted(set(self.steps.inbox.live() or ()) - {self.steps.peer_id})
-        epochs = await asyncio.gather(*(self.link.epoch_of(peer) for peer in peers))
-        return dict(zip(peers, epochs, strict=True))
+        asks = {peer: asyncio.ensure_future(self.link.epoch_of(peer)) for peer in peers}
+        answered: set[asyncio.Future] = set()
+        if asks:
+            answered, late = await asyncio.wait(asks.values(), timeout=PEER_EPOCHS_TIMEOUT_S - ASK_MARGIN_S)
+            for ask in late:
+                ask.cancel()
+        return {peer: ask.result() if ask in answered else None for peer, ask in asks.items()}
 
-    def replay(self, peer: str, start: int, end: int) -> bool:
+    def replay(self, peer: str, start: int, end: int) -> Replay:
         if self.link.client is None:
-            return False
+            return Replay.FAILED
         future = asyncio.run_coroutine_threadsafe(self._replay_from(peer, start, end), self.loop)
         try:
             return future.result(timeout=self.link.request_timeout_s * (end - start) + 5.0)
         except Exception as exc:  # unreachable donor, a step it no longer keeps, a malformed answer
             future.cancel()
             logger.info("replaying steps %d-%d from %s failed: %r", start, end - 1, peer[-8:], exc)
-            return False
+            return Replay.DONOR_SILENT if isinstance(exc, PeerSilent) else Replay.FAILED
 
-    async def _replay_from(self, peer: str, start: int, end: int) -> bool:
+    async def _replay_from(self, peer: str, start: int, end: int) -> Replay:
         for step in range(start, end):
             if self.steps.finishing == step:  # the step loop applies it: no means to fetch for nothing
-                return False
+                return Replay.FAILED
             samples, means = await self.link.step_means(peer, step)
             if not await self.steps.replay(step, samples, means):
-                return False
-        return True
+                return Replay.FAILED
+        return Replay.DONE
 
 
 class StageCatchUp:
@@ -346,7 +365,8 @@ class StageCatchUp:
 
     def _act(self, decision: CatchUp, view: LagView, sync: SyncPort) -> None:
         if decision.action == REPLAY:
-            if self.steps.replay(decision.donor, view.epoch, decision.end):
+            replay = self.steps.replay(decision.donor, view.epoch, decision.end)
+            if replay is Replay.DONE:
                 logger.info(
                     "stage %d: replayed steps %d-%d from %s",
                     self.stage,
@@ -356,8 +376,13 @@ class StageCatchUp:
                 )
                 sync.publish()
                 return
-            if self.worker.epoch != view.epoch or self.steps.finishing():
-                return  # the step loop applied the step, or is applying it: no download for that
+            if replay is Replay.DONOR_SILENT and self.worker.epoch != view.epoch:
+                sync.publish()  # some of the steps came before the donor went silent
+            if replay is Replay.DONOR_SILENT or self.worker.epoch != view.epoch or self.steps.finishing():
+                # a donor that froze is no donor for a download either: the next tick asks the peers
+                # again and replays from another, or adopts the step; the step loop applied the step,
+                # or is applying it: no download for that
+                return
             sync.resync(decision.reason)
         elif decision.action == RESYNC:
             sync.resync(decision.reason)

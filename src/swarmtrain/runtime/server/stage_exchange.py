@@ -11,6 +11,7 @@ counts as answered, a send fails).
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING
@@ -35,6 +36,7 @@ from swarmtrain.runtime.server.stage_steps import StepCoordinator
 from swarmtrain.runtime.server.stage_worker import StageWorker, all_finite
 from swarmtrain.runtime.server.sums_codec import SumsCodec, WireSums
 from swarmtrain.utils.logging import get_logger
+from swarmtrain.utils.silence import PeerSilent, silent_while
 
 if TYPE_CHECKING:  # hivemind is imported only once the process has prepared its environment
     from swarmtrain.net.transport import Handler, StageClient
@@ -101,8 +103,10 @@ class StagePeerLink:
         (planner/deadlines.py), or None (no answer, or not a peer id)."""
         assert self.client is not None  # checked by the callers
         message = ping_message(self.spec.index, self.digest)
-        timeout_s = exchange_ping_timeout_s(self._exchange_times.get(peer), self._sums_bytes)
-        return await self.client.ping_reply(peer, message, timeout_s)
+        return await self.client.ping_reply(peer, message, self._ping_timeout_s(peer))
+
+    def _ping_timeout_s(self, peer: str) -> float:
+        return exchange_ping_timeout_s(self._exchange_times.get(peer), self._sums_bytes)
 
     def _observe_exchange(self, peer: str, took_s: float) -> None:
         times = self._exchange_times.pop(peer, CallTimes()).observed(took_s)
@@ -143,12 +147,24 @@ class StagePeerLink:
 
     async def step_means(self, peer: str, step: int) -> tuple[int, list[torch.Tensor] | None]:
         """(samples, mean gradients) `peer` applied at `step` (None: a step without any); raises what
-        the call raises, ProtocolError for a malformed answer."""
+        the call raises, ProtocolError for a malformed answer, PeerSilent when the peer stops answering
+        pings while it sends them."""
         if self.client is None:
             raise ConnectionError("this stage does not serve yet")
         request = Message("step_means", {"step": step, "stage": self.spec.index, "digest": self.digest})
-        reply = await self.client.call(peer, request, self.request_timeout_s)
+        call = asyncio.ensure_future(self.client.call(peer, request, self.request_timeout_s))
+        try:
+            # a donor that froze is given up within seconds, not at the request timeout: the replica
+            # decides again meanwhile (another donor, or adopting the step), the trainers held by it
+            if await silent_while(call, self._ping_timeout_s(peer), lambda: self._silent(peer)):
+                raise PeerSilent(f"{peer[-8:]} stopped answering pings while sending step {step}'s means")
+            reply = await call
+        finally:
+            call.cancel()  # nothing when it is done
         return validate_step_means(reply, self.worker.names, self.param_shapes)
+
+    async def _silent(self, peer: str) -> list[str]:
+        return [] if await self._ping_reply(peer) is not None else [peer]
 
 
 class StepExchange:

@@ -29,25 +29,12 @@ from typing import Any, Generic, TypeVar
 from swarmtrain.planner.deadlines import CallTimes, check_after_s, ping_timeout_s, silent_deadline_s
 from swarmtrain.runtime.trainer.call_policy import Attempt, CallStats, PeerChoice
 from swarmtrain.utils.logging import get_logger
+from swarmtrain.utils.silence import silent_while
 
 logger = get_logger(__name__)
 
 T = TypeVar("T")
-P = TypeVar("P")
 Pair = tuple[int, str]  # (stage, peer)
-
-
-async def silent_while(call: asyncio.Future, check_after_s: float, probe: Callable[[], Awaitable[list[P]]]):
-    """Wait for `call`; every `check_after_s` while it runs, ask `probe()` which of the peers it waits
-    on do not answer. Returns those once there are any and the call still runs; [] when the call
-    finished (successfully or not: the caller awaits it)."""
-    while True:
-        done, _ = await asyncio.wait({call}, timeout=check_after_s)
-        if done:
-            return []
-        silent = await probe()
-        if silent and not call.done():
-            return silent
 
 
 class SilentPastDeadline(TimeoutError):
