@@ -18,6 +18,7 @@ from swarmtrain.planner.deadlines import (
     deadline_s,
     exchange_ping_timeout_s,
     ping_timeout_s,
+    reply_ping_timeout_s,
     silent_deadline_s,
 )
 
@@ -115,4 +116,17 @@ def test_a_silent_peer_not_yet_measured_is_given_up_at_the_floor_not_the_request
         silent_deadline_s(measured, deadline_s(measured, CAP_S))
         == deadline_s(measured, CAP_S)
         > DEADLINE_FLOOR_S
+    )
+
+
+def test_a_ping_during_a_replay_waits_for_the_means_it_queues_behind():
+    """A donor's ping answer queues behind the step's means it sends (fp32): the exchange's timeout scaled
+    by how much larger they are than the sums (8-bit sums: a quarter), the means' own size at a slow
+    link's rate before any sums were sent, never less than the exchange's own timeout."""
+    slow_link, means = _times(*[2.0] * 10), 4_000_000
+    assert reply_ping_timeout_s(slow_link, means // 4, means) == pytest.approx(4 * EXCHANGE_PING_RATIO * 2.0)
+    assert reply_ping_timeout_s(slow_link, means, means) == pytest.approx(EXCHANGE_PING_RATIO * 2.0)
+    assert reply_ping_timeout_s(slow_link, 2 * means, means) == pytest.approx(EXCHANGE_PING_RATIO * 2.0)
+    assert reply_ping_timeout_s(None, 0, means) == pytest.approx(
+        EXCHANGE_PING_RATIO * means / UNMEASURED_EXCHANGE_BYTES_PER_S
     )

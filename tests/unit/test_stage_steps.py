@@ -10,7 +10,7 @@ import torch
 from swarmtrain.net.protocol import Message, StageRequest
 from swarmtrain.planner.catch_up import LagRule, left_behind
 from swarmtrain.runtime.server.chain_hop import Admitted
-from swarmtrain.runtime.server.stage_catch_up import StageCatchUp, StepsBridge
+from swarmtrain.runtime.server.stage_catch_up import Replay, StageCatchUp, StepsBridge
 from swarmtrain.runtime.server.stage_desk import Admission, MicroBatchDesk
 from swarmtrain.runtime.server.stage_steps import StepCoordinator, StepSettings
 from swarmtrain.runtime.server.stage_worker import StageWorker
@@ -489,7 +489,8 @@ class NetLink:
 
     async def epoch_of(self, peer):
         if peer in self.net.frozen:
-            await asyncio.sleep(3600)  # a frozen peer's ping is never answered; the asker gives it up
+            await asyncio.sleep(0.5)  # a frozen peer's ping is never answered: None at its deadline
+            return None
         return None if peer in self.net.unreachable else self.net.nodes[peer].worker.epoch
 
     async def step_means(self, peer, step):
@@ -591,6 +592,33 @@ def test_a_replica_stuck_on_a_close_whose_sums_it_never_got_replays_the_step_fro
 RULE = LagRule(lag_grace_s=0.3, window=4)
 
 
+def test_a_replay_follows_its_donor_to_the_steps_it_applied_meanwhile(tiny_cfg, micro_batches, start_compute):
+    """Netbed chaos, seed 2: a joiner replayed up to the step its peer answered (825) while the peer
+    applied 825-828; stopped there, it held the trainers' requests of step 829, and the peer was cut off
+    2 s later: 30 s without a completed micro-batch. A replay asked up to step 1 goes on to step 2, where
+    its donor is now, bitwise the donor's state."""
+
+    async def scenario():
+        net = Net()
+        nodes = await _replicas(tiny_cfg, ["A", "C"], net, start_compute)
+        a, c = nodes["A"], nodes["C"]
+        tasks = [asyncio.create_task(n.run()) for n in (a, c)]
+        net.unreachable.add("C")  # A applies steps 0 and 1 alone
+        for step, batches in ((0, micro_batches[:2]), (1, micro_batches[2:])):
+            _train(a.worker, batches, step=step, prefix=f"a{step}")
+            a.inbox.on_close(step, 0, 1, {"A": 16}, ["A"], "t")
+            await _until(lambda step=step: a.worker.epoch == step + 1 and a.means_of(step) is not None)
+        net.unreachable.clear()
+        bridge = StepsBridge(c, NetLink(net), asyncio.get_running_loop())
+        assert await asyncio.to_thread(bridge.replay, "A", 0, 1) is Replay.DONE
+        assert c.worker.epoch == 2 and c.counters.replayed_steps == 2
+        assert all(torch.equal(p, q) for p, q in zip(a.worker.params, c.worker.params, strict=True))
+        for task in tasks:
+            task.cancel()
+
+    asyncio.run(scenario())
+
+
 class DonorClient:
     """A stage peer's client as `StagePeerLink.step_means` uses it: the means come after `means_s`;
     the peer answers pings while `alive` (a frozen one never does)."""
@@ -599,6 +627,8 @@ class DonorClient:
         self.means_s, self.alive, self.pings = means_s, alive, 0
 
     async def call(self, peer, message, timeout_s):
+        if message.kind == "grads":  # a step's exchange, at once: the link times its peer with it
+            return Message("result", {"ok": True})
         await asyncio.sleep(self.means_s)
         return Message("result", {"samples": 8, "empty": True})
 
@@ -611,17 +641,21 @@ class DonorClient:
 def test_a_replay_gives_up_a_donor_that_stops_answering_pings(tiny_cfg, alive):
     """A step's means from a peer that answers pings are waited for however long they take (a slow link);
     from one that does not, the call ends at its first unanswered ping (`PeerSilent`), long before its
-    request timeout (netbed chaos, seed 0: a donor frozen during a replay held the stage 10 s)."""
+    request timeout (netbed chaos, seed 0: a donor frozen during a replay held the stage 10 s). The
+    pings are sized for the means (`reply_ping_timeout_s`): here fp32 sums were exchanged at once, so
+    the floor."""
     from swarmtrain.runtime.faults import FaultHooks
     from swarmtrain.runtime.server.stage_exchange import StagePeerLink
+    from swarmtrain.runtime.server.sums_codec import SumsCodec
 
     async def scenario():
         spec = tiny_cfg.stages()[1]
-        link = StagePeerLink(
-            spec, "d", StageWorker(tiny_cfg, spec), FaultHooks(), 5.0, request_timeout_s=60.0
-        )
+        worker = StageWorker(tiny_cfg, spec)
+        link = StagePeerLink(spec, "d", worker, FaultHooks(), 5.0, request_timeout_s=60.0)
         client = DonorClient(means_s=4.0, alive=alive)
         link.attach(client)
+        zeros = SumsCodec().encode([torch.zeros(p.shape) for p in worker.params])
+        assert await link.send_grads("peer", 0, 8, zeros)
         if alive:
             assert await link.step_means("peer", 3) == (8, None)
             assert client.pings >= 1  # asked meanwhile, and waited for
@@ -634,17 +668,14 @@ def test_a_replay_gives_up_a_donor_that_stops_answering_pings(tiny_cfg, alive):
 
 
 def test_a_replica_whose_donor_freezes_during_the_replay_adopts_the_step_without_downloading(
-    tiny_cfg, micro_batches, start_compute, monkeypatch
+    tiny_cfg, micro_batches, start_compute
 ):
     """Netbed chaos, seed 0: a woken stage-1 replica was replaying a step from its only peer when that
     peer froze; the replay took a whole request timeout to fail, the download from the same frozen peer
     3 s more, and the trainers waited 33 s. A donor that stops answering pings ends the replay
     (`Replay.DONOR_SILENT`) with no download; the next tick asks again: the frozen peer's ping is never
-    answered, the live peer D's answer is kept (one frozen peer used to fail the whole ask), and with
-    the step's only holder silent the replica adopts the step although it has a close."""
-    import swarmtrain.runtime.server.stage_catch_up as catch_up_module
-
-    monkeypatch.setattr(catch_up_module, "PEER_EPOCHS_TIMEOUT_S", 2.0)
+    answered, the live peer D answers, and with the step's only holder silent the replica adopts the
+    step although it has a close."""
 
     async def scenario():
         net = Net()

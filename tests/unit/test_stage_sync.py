@@ -520,6 +520,39 @@ def test_a_replica_a_step_behind_replays_it_instead_of_downloading(tiny_cfg, sta
     assert len(replays) == 2 and averager.calls == [("download",)] * 2  # its own samples: a resync
 
 
+def test_a_donor_silent_during_two_replays_in_a_row_is_no_donor(tiny_cfg, start_compute):
+    """A donor that goes silent during a replay is given up with no download (the next tick decides
+    again: netbed chaos, a frozen donor); one that does so on two replays in a row although it answers the
+    ask in between (its pings queue behind its reply on a slow link) is no donor: the state is downloaded."""
+    from swarmtrain.runtime.server.stage_catch_up import SILENT_REPLAYS
+
+    outcomes = [Replay.DONOR_SILENT] * SILENT_REPLAYS + [Replay.DONOR_SILENT]
+
+    def replay(peer, start, end):
+        return outcomes.pop(0)
+
+    worker = StageWorker(tiny_cfg, tiny_cfg.stages()[1])
+    records, averager = FakeRecords(), FakeAverager()
+    sync = StageSynchronizer(
+        worker,
+        start_compute(),
+        averager,
+        records,
+        "B",
+        "d",
+        SyncSettings(lag_grace_s=0.0),
+        steps=FakeSteps(replay),
+    )
+    records.progress["A"] = _peer(2)
+    for _ in range(SILENT_REPLAYS - 1):
+        sync.tick()
+        assert averager.calls == []
+    sync.tick()
+    assert averager.calls == [("download",)]
+    sync.tick()  # counted afresh after the download
+    assert averager.calls == [("download",)] and outcomes == []
+
+
 def test_a_replica_far_behind_replays_at_once_while_its_peer_keeps_the_steps(tiny_cfg, start_compute):
     """A moved server whose download took several steps is more than KEEP_STEPS_AHEAD behind: it
     replays the missed steps at once (it used to download the whole state again, and fall behind again),

@@ -107,3 +107,14 @@ def exchange_ping_timeout_s(times: CallTimes | None, sums_bytes: int = 0) -> flo
         return max(PING_TIMEOUT_FLOOR_S, unmeasured_s)
     usual_s = times.mean_s + CHECK_SPREAD * times.var_s2**0.5
     return max(PING_TIMEOUT_FLOOR_S, EXCHANGE_PING_RATIO * usual_s)
+
+
+def reply_ping_timeout_s(times: CallTimes | None, sums_bytes: int, reply_bytes: int) -> float:
+    """How long a stage peer may take to answer a ping while it sends us a reply of `reply_bytes`
+    (a step's mean gradients, fp32) on the connection the ping shares: `exchange_ping_timeout_s` scaled
+    by how much larger the reply is than the sums our exchanges with it sent (8-bit sums are a quarter
+    of the means), or, before any sums were sent, the reply's own size at a slow link's rate. Sized for
+    the sums alone, a live donor on a 4 Mbit/s link looked frozen on every replay from it."""
+    if sums_bytes <= 0:
+        return exchange_ping_timeout_s(None, reply_bytes)
+    return exchange_ping_timeout_s(times, sums_bytes) * max(1.0, reply_bytes / sums_bytes)

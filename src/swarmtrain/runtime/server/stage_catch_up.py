@@ -53,10 +53,14 @@ if TYPE_CHECKING:
 
 logger = get_logger(__name__)
 
-# the pings that ask a trailing replica's stage peers their epochs, each bounded by its own deadline:
-# those that have not answered by then count as silent, the others' answers are kept
-PEER_EPOCHS_TIMEOUT_S = 10.0
-ASK_MARGIN_S = 1.0  # of PEER_EPOCHS_TIMEOUT_S, for the answers to reach the sync thread
+# the pings that ask a trailing replica's stage peers their epochs end at their own deadlines (a silent
+# peer's after what exchanges with it take); this bounds only a wedged or closing event loop
+PEER_EPOCHS_TIMEOUT_S = 60.0
+# a donor that answers the ask's ping and then goes silent during this many replays in a row is no
+# donor: the state is downloaded instead (a ping that keeps queueing behind its reply on a slow link)
+SILENT_REPLAYS = 2
+# steps a replay follows its donor past the epoch the donor answered (it went on meanwhile)
+FOLLOW_STEPS = 2 * KEEP_STEPS_AHEAD
 
 
 class Replay(enum.Enum):
@@ -226,23 +230,26 @@ class StepsBridge:
             return None
 
     async def _peer_epochs(self) -> dict[str, int | None]:
-        """Each peer's answer; one that has not answered in time counts as silent (a frozen peer's
-        ping must not throw a live peer's answer away: netbed chaos, docs/LOG.md)."""
+        """Each peer's answer, None for one silent until its own deadline. The ask waits for every
+        deadline: with one fixed bound for all, a frozen peer whose deadline was longer (a slow link)
+        failed the whole ask and threw the live peers' answers away (netbed chaos, docs/LOG.md), and
+        cutting its ping short would count a slow peer as silent."""
         peers = sorted(set(self.steps.inbox.live() or ()) - {self.steps.peer_id})
-        asks = {peer: asyncio.ensure_future(self.link.epoch_of(peer)) for peer in peers}
-        answered: set[asyncio.Future] = set()
-        if asks:
-            answered, late = await asyncio.wait(asks.values(), timeout=PEER_EPOCHS_TIMEOUT_S - ASK_MARGIN_S)
-            for ask in late:
-                ask.cancel()
-        return {peer: ask.result() if ask in answered else None for peer, ask in asks.items()}
+        answers = await asyncio.gather(*(self.link.epoch_of(p) for p in peers), return_exceptions=True)
+        epochs: dict[str, int | None] = {}
+        for peer, answer in zip(peers, answers, strict=True):
+            if isinstance(answer, BaseException):
+                logger.warning("asking %s its epoch failed: %r", peer[-8:], answer)
+                answer = None
+            epochs[peer] = answer
+        return epochs
 
     def replay(self, peer: str, start: int, end: int) -> Replay:
         if self.link.client is None:
             return Replay.FAILED
         future = asyncio.run_coroutine_threadsafe(self._replay_from(peer, start, end), self.loop)
         try:
-            return future.result(timeout=self.link.request_timeout_s * (end - start) + 5.0)
+            return future.result(timeout=self.link.request_timeout_s * (end - start + FOLLOW_STEPS) + 5.0)
         except Exception as exc:  # unreachable donor, a step it no longer keeps, a malformed answer
             future.cancel()
             logger.info("replaying steps %d-%d from %s failed: %r", start, end - 1, peer[-8:], exc)
@@ -250,12 +257,36 @@ class StepsBridge:
 
     async def _replay_from(self, peer: str, start: int, end: int) -> Replay:
         for step in range(start, end):
-            if self.steps.finishing == step:  # the step loop applies it: no means to fetch for nothing
+            if not await self._replayed(peer, step):
                 return Replay.FAILED
-            samples, means = await self.link.step_means(peer, step)
-            if not await self.steps.replay(step, samples, means):
-                return Replay.FAILED
+        await self._follow(peer, end)
         return Replay.DONE
+
+    async def _replayed(self, peer: str, step: int) -> bool:
+        if self.steps.finishing == step:  # the step loop applies it: no means to fetch for nothing
+            return False
+        samples, means = await self.link.step_means(peer, step)
+        return await self.steps.replay(step, samples, means)
+
+    async def _follow(self, peer: str, step: int) -> None:
+        """After a replay up to `step`, the steps the donor applied meanwhile too, up to FOLLOW_STEPS:
+        a replica that stopped where the donor was when asked trails it by the steps the trainers ran
+        during the replay and holds their requests of the next step, which the donor alone can bring
+        it to (netbed chaos, seed 2: a joiner replayed to 825 while its peer reached 829, the peer was
+        cut off 2 s later, and the trainers waited 30 s). Anything that stops it stops only the
+        following: the steps asked for are applied."""
+        last = step + FOLLOW_STEPS
+        try:
+            while step < last:
+                donor_epoch = await self.link.epoch_of(peer)
+                if donor_epoch is None or donor_epoch <= step:
+                    return
+                while step < min(donor_epoch, last):
+                    if not await self._replayed(peer, step):
+                        return
+                    step += 1
+        except Exception as exc:  # the donor went silent or broke off: the steps asked for are applied
+            logger.info("following %s past step %d stopped: %r", peer[-8:], step, exc)
 
 
 class StageCatchUp:
@@ -267,6 +298,7 @@ class StageCatchUp:
         self._behind_since_s: float | None = None  # since when the records have shown a peer ahead
         # the epoch the last read of the records saw, and since when: how long it has gone without a step
         self._seen_epoch: tuple[int, float] = (-1, time.monotonic())
+        self._silent_replays: tuple[str, int] = ("", 0)  # the donor last silent during a replay, how often
 
     def tick(self, sync: SyncPort) -> None:
         """(sync thread) Decide, asking the peers or reading the records when the rule needs them, and act."""
@@ -363,21 +395,36 @@ class StageCatchUp:
             epoch_since_s=self._seen_epoch[1],
         )
 
+    def _replayed(self, donor: str, start: int, end: int) -> Replay:
+        """`StepsPort.replay`, a donor silent during SILENT_REPLAYS replays in a row counted as failed."""
+        replay = self.steps.replay(donor, start, end)
+        last, times = self._silent_replays
+        times = (
+            times + 1
+            if replay is Replay.DONOR_SILENT and donor == last
+            else int(replay is Replay.DONOR_SILENT)
+        )
+        self._silent_replays = (donor, times)
+        if times >= SILENT_REPLAYS:
+            self._silent_replays = ("", 0)
+            return Replay.FAILED
+        return replay
+
     def _act(self, decision: CatchUp, view: LagView, sync: SyncPort) -> None:
         if decision.action == REPLAY:
-            replay = self.steps.replay(decision.donor, view.epoch, decision.end)
+            replay = self._replayed(decision.donor, view.epoch, decision.end)
             if replay is Replay.DONE:
                 logger.info(
                     "stage %d: replayed steps %d-%d from %s",
                     self.stage,
                     view.epoch,
-                    decision.end - 1,
+                    self.worker.epoch - 1,
                     decision.donor[-8:],
                 )
                 sync.publish()
                 return
-            if replay is Replay.DONOR_SILENT and self.worker.epoch != view.epoch:
-                sync.publish()  # some of the steps came before the donor went silent
+            if self.worker.epoch != view.epoch:
+                sync.publish()  # some of the steps came before it stopped
             if replay is Replay.DONOR_SILENT or self.worker.epoch != view.epoch or self.steps.finishing():
                 # a donor that froze is no donor for a download either: the next tick asks the peers
                 # again and replays from another, or adopts the step; the step loop applied the step,

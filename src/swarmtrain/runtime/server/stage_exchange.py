@@ -30,7 +30,7 @@ from swarmtrain.net.protocol import (
     validate_step_means,
     validate_step_means_request,
 )
-from swarmtrain.planner.deadlines import CallTimes, exchange_ping_timeout_s
+from swarmtrain.planner.deadlines import CallTimes, exchange_ping_timeout_s, reply_ping_timeout_s
 from swarmtrain.runtime.faults import FaultHooks, nan_like
 from swarmtrain.runtime.server.stage_steps import StepCoordinator
 from swarmtrain.runtime.server.stage_worker import StageWorker, all_finite
@@ -62,6 +62,7 @@ class StagePeerLink:
         self.spec, self.digest, self.worker, self.faults = spec, digest, worker, faults
         self.averaging_timeout_s, self.request_timeout_s = averaging_timeout_s, request_timeout_s
         self.param_shapes = [tuple(p.shape) for p in worker.params]
+        self.means_bytes = 4 * sum(p.numel() for p in worker.params)  # a step's means go as fp32
         self.client: StageClient | None = None  # the process's, once the stage serves
         # by peer, most recent last: how long sending it our sums took (a ping's timeout, below)
         self._exchange_times: OrderedDict[str, CallTimes] = OrderedDict()
@@ -103,10 +104,8 @@ class StagePeerLink:
         (planner/deadlines.py), or None (no answer, or not a peer id)."""
         assert self.client is not None  # checked by the callers
         message = ping_message(self.spec.index, self.digest)
-        return await self.client.ping_reply(peer, message, self._ping_timeout_s(peer))
-
-    def _ping_timeout_s(self, peer: str) -> float:
-        return exchange_ping_timeout_s(self._exchange_times.get(peer), self._sums_bytes)
+        timeout_s = exchange_ping_timeout_s(self._exchange_times.get(peer), self._sums_bytes)
+        return await self.client.ping_reply(peer, message, timeout_s)
 
     def _observe_exchange(self, peer: str, took_s: float) -> None:
         times = self._exchange_times.pop(peer, CallTimes()).observed(took_s)
@@ -156,15 +155,19 @@ class StagePeerLink:
         try:
             # a donor that froze is given up within seconds, not at the request timeout: the replica
             # decides again meanwhile (another donor, or adopting the step), the trainers held by it
-            if await silent_while(call, self._ping_timeout_s(peer), lambda: self._silent(peer)):
+            times = self._exchange_times.get(peer)
+            check_s = reply_ping_timeout_s(times, self._sums_bytes, self.means_bytes)
+            if await silent_while(call, check_s, lambda: self._silent(peer, check_s)):
                 raise PeerSilent(f"{peer[-8:]} stopped answering pings while sending step {step}'s means")
             reply = await call
         finally:
             call.cancel()  # nothing when it is done
         return validate_step_means(reply, self.worker.names, self.param_shapes)
 
-    async def _silent(self, peer: str) -> list[str]:
-        return [] if await self._ping_reply(peer) is not None else [peer]
+    async def _silent(self, peer: str, timeout_s: float) -> list[str]:
+        assert self.client is not None  # checked by the caller
+        reply = await self.client.ping_reply(peer, ping_message(self.spec.index, self.digest), timeout_s)
+        return [] if reply is not None else [peer]
 
 
 class StepExchange:
