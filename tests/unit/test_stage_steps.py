@@ -638,15 +638,24 @@ class DonorClient:
 
 
 @pytest.mark.parametrize("alive", [True, False])
-def test_a_replay_gives_up_a_donor_that_stops_answering_pings(tiny_cfg, alive):
+def test_a_replay_gives_up_a_donor_that_stops_answering_pings(tiny_cfg, alive, monkeypatch):
     """A step's means from a peer that answers pings are waited for however long they take (a slow link);
     from one that does not, the call ends at its first unanswered ping (`PeerSilent`), long before its
     request timeout (netbed chaos, seed 0: a donor frozen during a replay held the stage 10 s). The
     pings are sized for the means (`reply_ping_timeout_s`): here fp32 sums were exchanged at once, so
     the floor."""
+    import swarmtrain.runtime.server.stage_exchange as exchange
     from swarmtrain.runtime.faults import FaultHooks
     from swarmtrain.runtime.server.stage_exchange import StagePeerLink
     from swarmtrain.runtime.server.sums_codec import SumsCodec
+
+    sized = []  # the sizes the pings' timeout was asked for: our sums', the means'
+
+    def reply_ping_timeout_s(times, sums_bytes, reply_bytes):
+        sized.append((sums_bytes, reply_bytes))
+        return exchange.exchange_ping_timeout_s(times, sums_bytes)
+
+    monkeypatch.setattr(exchange, "reply_ping_timeout_s", reply_ping_timeout_s)
 
     async def scenario():
         spec = tiny_cfg.stages()[1]
@@ -663,6 +672,8 @@ def test_a_replay_gives_up_a_donor_that_stops_answering_pings(tiny_cfg, alive):
             with pytest.raises(PeerSilent):
                 await asyncio.wait_for(link.step_means("peer", 3), 3.5)  # the call alone takes 4 s
             assert client.pings == 1
+        fp32_bytes = 4 * sum(p.numel() for p in worker.params)
+        assert sized == [(fp32_bytes, fp32_bytes)]  # sized for the fp32 means it queues behind
 
     asyncio.run(scenario())
 

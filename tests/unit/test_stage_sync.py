@@ -520,37 +520,42 @@ def test_a_replica_a_step_behind_replays_it_instead_of_downloading(tiny_cfg, sta
     assert len(replays) == 2 and averager.calls == [("download",)] * 2  # its own samples: a resync
 
 
-def test_a_donor_silent_during_two_replays_in_a_row_is_no_donor(tiny_cfg, start_compute):
-    """A donor that goes silent during a replay is given up with no download (the next tick decides
-    again: netbed chaos, a frozen donor); one that does so on two replays in a row although it answers the
-    ask in between (its pings queue behind its reply on a slow link) is no donor: the state is downloaded."""
-    from swarmtrain.runtime.server.stage_catch_up import SILENT_REPLAYS
-
-    outcomes = [Replay.DONOR_SILENT] * SILENT_REPLAYS + [Replay.DONOR_SILENT]
+def test_a_donor_silent_during_a_replay_is_asked_first_and_given_up_only_if_it_answers(
+    tiny_cfg, start_compute
+):
+    """A donor that goes silent during a replay is given up with no download (netbed chaos: a frozen
+    donor). The next tick asks the peers first: while the donor stays silent it is no donor, whatever its
+    record says; one that answers and then goes silent during the replay again (its pings queue behind its
+    reply on a slow link) is no donor either, and the state is downloaded. A replay in between that
+    ends otherwise starts the count afresh."""
+    outcomes: list[Replay] = []
+    answers: dict[str, int | None] = {}
 
     def replay(peer, start, end):
         return outcomes.pop(0)
 
     worker = StageWorker(tiny_cfg, tiny_cfg.stages()[1])
     records, averager = FakeRecords(), FakeAverager()
+    steps = FakeSteps(replay, lambda: dict(answers))
     sync = StageSynchronizer(
-        worker,
-        start_compute(),
-        averager,
-        records,
-        "B",
-        "d",
-        SyncSettings(lag_grace_s=0.0),
-        steps=FakeSteps(replay),
+        worker, start_compute(), averager, records, "B", "d", SyncSettings(lag_grace_s=0.0), steps=steps
     )
     records.progress["A"] = _peer(2)
-    for _ in range(SILENT_REPLAYS - 1):
-        sync.tick()
-        assert averager.calls == []
+    outcomes[:] = [Replay.DONOR_SILENT]
     sync.tick()
-    assert averager.calls == [("download",)]
-    sync.tick()  # counted afresh after the download
+    assert averager.calls == [] and steps.asked == 0
+    answers["A"] = None  # still silent: its record names it ahead, but nothing is tried with it
+    sync.tick()
+    assert averager.calls == [] and steps.asked == 1 and outcomes == []
+    answers["A"] = 2  # it answers, and goes silent during the replay again: a download
+    outcomes[:] = [Replay.DONOR_SILENT]
+    sync.tick()
     assert averager.calls == [("download",)] and outcomes == []
+    outcomes[:] = [Replay.DONOR_SILENT, Replay.FAILED, Replay.DONOR_SILENT]
+    sync.tick()  # silent once more: no download
+    sync.tick()  # it answers; the replay fails otherwise: a download, and the count starts afresh
+    sync.tick()
+    assert averager.calls == [("download",)] * 2 and outcomes == []
 
 
 def test_a_replica_far_behind_replays_at_once_while_its_peer_keeps_the_steps(tiny_cfg, start_compute):

@@ -191,6 +191,44 @@ class TimedClient:
         return Message("result", {"epoch": 0})
 
 
+class AwayClient(TimedClient):
+    """A stage peer that is away for the first grads call (it times out) and back for the retry."""
+
+    def __init__(self, exchange_s: float):
+        super().__init__(exchange_s)
+        self.grads_calls = 0
+
+    async def call(self, peer, message, timeout_s):
+        self.grads_calls += 1
+        if self.grads_calls == 1:
+            raise TimeoutError("the peer was frozen")
+        return await super().call(peer, message, timeout_s)
+
+
+def test_a_retried_exchange_does_not_time_the_link(tiny_cfg):
+    """Netbed chaos, seed 2: a peer's exchanges retried while it was frozen were timed as its link's, and
+    its stage pings waited ~22 s for the rest of the run (a catch-up's ask blocked as long). Only a first
+    attempt times the link: after a retried exchange a ping's timeout is what it was before."""
+
+    async def scenario():
+        worker = StageWorker(tiny_cfg, tiny_cfg.stages()[1])
+        link = StagePeerLink(tiny_cfg.stages()[1], "d", worker, FaultHooks(), 5.0, 5.0)
+        client = AwayClient(exchange_s=0.6)
+        link.attach(client)
+        sums = SumsCodec().encode([torch.zeros(p.shape) for p in worker.params])
+        assert await link.answers_ping("peer")
+        assert await link.send_grads("peer", 0, 8, sums) and client.grads_calls == 2
+        assert await link.answers_ping("peer")  # untimed yet: its size at a slow link's rate
+        assert await link.send_grads("peer", 1, 8, sums)
+        assert await link.answers_ping("peer")  # timed by the first attempt
+        return client.ping_timeouts_s
+
+    _, after_retry, after_first = asyncio.run(scenario())
+    sums_bytes = sum(4 * p.numel() for p in StageWorker(tiny_cfg, tiny_cfg.stages()[1]).params)
+    assert after_retry == pytest.approx(EXCHANGE_PING_RATIO * sums_bytes / UNMEASURED_EXCHANGE_BYTES_PER_S)
+    assert after_first == pytest.approx(EXCHANGE_PING_RATIO * 0.6, rel=0.2)
+
+
 @pytest.mark.parametrize("exchange_s, want_s", [(0.01, PING_TIMEOUT_FLOOR_S), (0.6, 1.2)])
 def test_a_stage_peer_is_pinged_with_as_long_as_exchanges_with_it_take(tiny_cfg, exchange_s, want_s):
     async def scenario():

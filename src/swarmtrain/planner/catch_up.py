@@ -212,7 +212,8 @@ def decide_catch_up(view: LagView, rule: LagRule) -> CatchUp:
        A stranger's close far ahead makes the replica ask,
        never by itself leave its step (every peer that answers is believed; a forger cannot silence an
        honest one); a stranger's close of its own step does nothing. Otherwise the records decide.
-    3. The records not read yet: `READ`. They show no peer, and the replica has not stepped for the lag
+    3. The records not read yet: `READ`. Peers that were asked and were silent count as absent from the
+       records. They show no peer, and the replica has not stepped for the lag
        grace: `ASK`, and the answers stand in for the records below (netbed chaos, seed 1: a replica cut
        off until the trainers had left stayed a step behind its peer to the end, every DHT read timing
        out and nothing else telling it).
@@ -238,7 +239,11 @@ def decide_catch_up(view: LagView, rule: LagRule) -> CatchUp:
         return CatchUp(ASK, behind_since_s=view.behind_since_s)
     # the records show nobody (lapsed, or the DHT unreachable from here): the peers' answers stand in
     epochs = view.recorded or {peer: e for peer, e in (view.asked or {}).items() if e is not None}
-    return _recorded(view, epochs, rule)
+    # a peer silent when asked is no donor, whatever its record says (a frozen peer's record lives on
+    # for its time-to-live): a replay from it ends at its first unanswered ping, a download from it at
+    # the download's deadline, and the replica would try it again every tick
+    silent = {peer for peer, e in (view.asked or {}).items() if e is None}
+    return _recorded(view, {peer: e for peer, e in epochs.items() if peer not in silent}, rule)
 
 
 def _asked(view: LagView, rule: LagRule) -> CatchUp | None:

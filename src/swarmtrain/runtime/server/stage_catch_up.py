@@ -22,11 +22,13 @@ The part reaches the step exchange through one port, `StepsPort` (the event loop
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import enum
 import logging
 import time
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from swarmtrain.planner.catch_up import (
     ADOPT,
@@ -53,12 +55,11 @@ if TYPE_CHECKING:
 
 logger = get_logger(__name__)
 
-# the pings that ask a trailing replica's stage peers their epochs end at their own deadlines (a silent
-# peer's after what exchanges with it take); this bounds only a wedged or closing event loop
-PEER_EPOCHS_TIMEOUT_S = 60.0
-# a donor that answers the ask's ping and then goes silent during this many replays in a row is no
-# donor: the state is downloaded instead (a ping that keeps queueing behind its reply on a slow link)
-SILENT_REPLAYS = 2
+T = TypeVar("T")
+
+# how often the sync thread looks whether the event loop still runs while it waits for an ask or a
+# replay there: each ends by itself (every ping and call in it has its own deadline)
+LOOP_CHECK_S = 1.0
 # steps a replay follows its donor past the epoch the donor answered (it went on meanwhile)
 FOLLOW_STEPS = 2 * KEEP_STEPS_AHEAD
 
@@ -170,7 +171,7 @@ DETACHED = Detached()
 
 class StepsBridge:
     """The step exchange as the sync thread reaches it: the inbox is read where it is, the pings and
-    a replay run on the event loop, each bounded from here."""
+    a replay run on the event loop, each bounded there by the deadlines of its calls."""
 
     def __init__(self, steps: StepCoordinator, link: StagePeerLink, loop: asyncio.AbstractEventLoop) -> None:
         self.steps, self.link, self.loop = steps, link, loop
@@ -221,13 +222,23 @@ class StepsBridge:
     def peer_epochs(self) -> dict[str, int | None] | None:
         if self.link.client is None:
             return None
-        future = asyncio.run_coroutine_threadsafe(self._peer_epochs(), self.loop)
         try:
-            return future.result(timeout=PEER_EPOCHS_TIMEOUT_S)
-        except Exception as exc:  # the loop is shutting down, or the pings outlived the timeout
-            future.cancel()
+            return self._on_loop(self._peer_epochs())
+        except Exception as exc:  # the loop is shutting down
             logger.info("asking the stage peers' epochs failed: %r", exc)
             return None
+
+    def _on_loop(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        """`coroutine`'s result, run on the event loop; waited for as long as the loop runs. A fixed bound
+        cut an ask whose pings' deadlines (sized by a slow link's exchanges) were longer, and a replay
+        in the middle of applying a step; each ends by itself."""
+        future = asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+        # waited on, not `result(timeout)`: its own TimeoutError (a silent donor) is no reason to wait on
+        while not concurrent.futures.wait([future], timeout=LOOP_CHECK_S).done:
+            if not self.loop.is_running():
+                future.cancel()
+                raise RuntimeError("the event loop stopped")
+        return future.result()
 
     async def _peer_epochs(self) -> dict[str, int | None]:
         """Each peer's answer, None for one silent until its own deadline. The ask waits for every
@@ -239,7 +250,7 @@ class StepsBridge:
         epochs: dict[str, int | None] = {}
         for peer, answer in zip(peers, answers, strict=True):
             if isinstance(answer, BaseException):
-                logger.warning("asking %s its epoch failed: %r", peer[-8:], answer)
+                log_repeated(logger, logging.WARNING, "asking %s its epoch failed: %r", peer[-8:], answer)
                 answer = None
             epochs[peer] = answer
         return epochs
@@ -247,11 +258,9 @@ class StepsBridge:
     def replay(self, peer: str, start: int, end: int) -> Replay:
         if self.link.client is None:
             return Replay.FAILED
-        future = asyncio.run_coroutine_threadsafe(self._replay_from(peer, start, end), self.loop)
         try:
-            return future.result(timeout=self.link.request_timeout_s * (end - start + FOLLOW_STEPS) + 5.0)
+            return self._on_loop(self._replay_from(peer, start, end))
         except Exception as exc:  # unreachable donor, a step it no longer keeps, a malformed answer
-            future.cancel()
             logger.info("replaying steps %d-%d from %s failed: %r", start, end - 1, peer[-8:], exc)
             return Replay.DONOR_SILENT if isinstance(exc, PeerSilent) else Replay.FAILED
 
@@ -263,8 +272,8 @@ class StepsBridge:
         return Replay.DONE
 
     async def _replayed(self, peer: str, step: int) -> bool:
-        if self.steps.finishing == step:  # the step loop applies it: no means to fetch for nothing
-            return False
+        if self.steps.worker.epoch != step or self.steps.finishing == step:
+            return False  # the step loop applied it, or applies it: no means to fetch for nothing
         samples, means = await self.link.step_means(peer, step)
         return await self.steps.replay(step, samples, means)
 
@@ -298,11 +307,13 @@ class StageCatchUp:
         self._behind_since_s: float | None = None  # since when the records have shown a peer ahead
         # the epoch the last read of the records saw, and since when: how long it has gone without a step
         self._seen_epoch: tuple[int, float] = (-1, time.monotonic())
-        self._silent_replays: tuple[str, int] = ("", 0)  # the donor last silent during a replay, how often
+        # the donor that went silent during the last replay, and whether it answered an ask since
+        self._silent_donor: tuple[str, bool] | None = None
 
     def tick(self, sync: SyncPort) -> None:
         """(sync thread) Decide, asking the peers or reading the records when the rule needs them, and act."""
         view = self._view(self.steps.swarm_ahead(), self.steps.stuck(), held_since_s=self.steps.held_since())
+        view = self._asked_after_a_silent_replay(view)
         decision = decide_catch_up(view, self.rule)
         while decision.action in (ASK, READ):
             view = self._asked(view) if decision.action == ASK else self._read(view, sync)
@@ -396,19 +407,28 @@ class StageCatchUp:
         )
 
     def _replayed(self, donor: str, start: int, end: int) -> Replay:
-        """`StepsPort.replay`, a donor silent during SILENT_REPLAYS replays in a row counted as failed."""
+        """`StepsPort.replay`; a donor silent during a replay again, although it answered the ask in
+        between, counts as failed: its pings queue behind its reply (a slow link), and the state is
+        downloaded instead of trying it every tick."""
         replay = self.steps.replay(donor, start, end)
-        last, times = self._silent_replays
-        times = (
-            times + 1
-            if replay is Replay.DONOR_SILENT and donor == last
-            else int(replay is Replay.DONOR_SILENT)
-        )
-        self._silent_replays = (donor, times)
-        if times >= SILENT_REPLAYS:
-            self._silent_replays = ("", 0)
+        again = self._silent_donor == (donor, True)
+        self._silent_donor = (donor, False) if replay is Replay.DONOR_SILENT else None
+        if replay is Replay.DONOR_SILENT and again:
+            self._silent_donor = None
             return Replay.FAILED
         return replay
+
+    def _asked_after_a_silent_replay(self, view: LagView) -> LagView:
+        """After a replay whose donor went silent the tick asks first: the rule then counts the donor
+        out while it is silent (planner/catch_up.py), and a donor that answers is marked as having
+        answered (`_replayed`)."""
+        if self._silent_donor is None:
+            return view
+        view = self._asked(view)
+        donor = self._silent_donor[0]
+        if (view.asked or {}).get(donor) is not None:
+            self._silent_donor = (donor, True)
+        return view
 
     def _act(self, decision: CatchUp, view: LagView, sync: SyncPort) -> None:
         if decision.action == REPLAY:

@@ -129,7 +129,9 @@ class StagePeerLink:
             try:
                 start_s = time.monotonic()
                 await self.client.call(peer, message, timeout_s=self.averaging_timeout_s)
-                self._observe_exchange(peer, time.monotonic() - start_s)
+                if attempt == 0:  # a retry's time says how long the peer was away (frozen, cut off), not
+                    # what the link takes: timed, a peer that froze once was given 22 s pings for good
+                    self._observe_exchange(peer, time.monotonic() - start_s)
                 return True
             except Exception as exc:  # the trainer's failure table (net/failures.py); a bug is raised
                 failure = on_request_failure(exc)
