@@ -174,8 +174,10 @@ class LocalSwarm:
             str(self.workdir / f"{name}.summary.json"),
             *extra,
         ]
+        proc = self._spawn(name, args)
+        # after the spawn: the stall watchdog's thread reads the name's process (a KeyError once at start)
         self.trainer_names.append(name)
-        return self._spawn(name, args)
+        return proc
 
     def start_replica(
         self, name: str, shard: str, *extra: str, faults: FaultHooks | None = None
