@@ -283,14 +283,19 @@ CASES = [
         CatchUp(REPLAY, REPLAY_DHT.format(1), "A", 11),
     ),
     (
-        "the records show a peer ahead that was silent when asked: no donor, the other stages decide",
-        _view(recorded={"A": 12, "C": 10}, asked={"A": None, "C": 10}, epoch_since_s=LONG_AGO),
-        CatchUp(ADOPT),
+        "the records show a peer ahead for the lag grace that was silent when asked: no donor, wait",
+        _view(recorded={"A": 12, "C": 10}, asked={"A": None, "C": 10}, behind_since_s=NOW - 3.0),
+        CatchUp(WAIT, behind_since_s=NOW - 3.0),
+    ),
+    (
+        "the same, far ahead, holding samples: no download from a silent peer either",
+        _view(recorded={"A": 20}, asked={"A": None}, own_samples=8, epoch_since_s=LONG_AGO),
+        CatchUp(WAIT, behind_since_s=NOW),
     ),
     (
         "the records show two peers ahead, the furthest silent when asked: replay from the other",
         _view(recorded={"A": 12, "C": 11}, asked={"A": None, "C": 11}, behind_since_s=NOW - 3.0),
-        CatchUp(REPLAY, REPLAY_DHT.format(1), "C", 11),
+        CatchUp(REPLAY, REPLAY_DHT.format(2), "C", 11),
     ),
     (
         "the records show nobody, nobody answers ahead: the other stages decide, as before",

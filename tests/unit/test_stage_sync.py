@@ -525,9 +525,9 @@ def test_a_donor_silent_during_a_replay_is_asked_first_and_given_up_only_if_it_a
 ):
     """A donor that goes silent during a replay is given up with no download (netbed chaos: a frozen
     donor). The next tick asks the peers first: while the donor stays silent it is no donor, whatever its
-    record says; one that answers and then goes silent during the replay again (its pings queue behind its
-    reply on a slow link) is no donor either, and the state is downloaded. A replay in between that
-    ends otherwise starts the count afresh."""
+    record says; one that answers such an ask and then goes silent during the replay again (its pings
+    queue behind its reply on a slow link) is no donor either, and the state is downloaded. A replay that
+    ends otherwise starts the count afresh; a replay cut by the service's stop downloads nothing."""
     outcomes: list[Replay] = []
     answers: dict[str, int | None] = {}
 
@@ -541,21 +541,28 @@ def test_a_donor_silent_during_a_replay_is_asked_first_and_given_up_only_if_it_a
         worker, start_compute(), averager, records, "B", "d", SyncSettings(lag_grace_s=0.0), steps=steps
     )
     records.progress["A"] = _peer(2)
-    outcomes[:] = [Replay.DONOR_SILENT]
-    sync.tick()
+
+    def tick(*replays: Replay) -> None:
+        outcomes[:] = replays
+        sync.tick()
+        assert outcomes == []
+
+    tick(Replay.DONOR_SILENT)
     assert averager.calls == [] and steps.asked == 0
-    answers["A"] = None  # still silent: its record names it ahead, but nothing is tried with it
-    sync.tick()
-    assert averager.calls == [] and steps.asked == 1 and outcomes == []
-    answers["A"] = 2  # it answers, and goes silent during the replay again: a download
-    outcomes[:] = [Replay.DONOR_SILENT]
-    sync.tick()
-    assert averager.calls == [("download",)] and outcomes == []
-    outcomes[:] = [Replay.DONOR_SILENT, Replay.FAILED, Replay.DONOR_SILENT]
-    sync.tick()  # silent once more: no download
-    sync.tick()  # it answers; the replay fails otherwise: a download, and the count starts afresh
-    sync.tick()
-    assert averager.calls == [("download",)] * 2 and outcomes == []
+    answers["A"] = None
+    tick()  # asked first: A is silent, and nothing is tried with it whatever its record says
+    assert averager.calls == [] and steps.asked == 1
+    answers["A"] = 2
+    tick(Replay.DONOR_SILENT)  # not asked this tick: silent once more, not counted
+    assert averager.calls == [] and steps.asked == 1
+    tick(Replay.DONOR_SILENT)  # asked first, A answers, then goes silent during the replay again
+    assert averager.calls == [("download",)] and steps.asked == 2
+    tick(Replay.DONOR_SILENT)
+    tick(Replay.FAILED)  # it answered the ask, the replay failed otherwise: a download
+    tick(Replay.DONOR_SILENT)  # counted afresh
+    assert averager.calls == [("download",)] * 2
+    tick(Replay.STOPPED)
+    assert averager.calls == [("download",)] * 2
 
 
 def test_a_replica_far_behind_replays_at_once_while_its_peer_keeps_the_steps(tiny_cfg, start_compute):

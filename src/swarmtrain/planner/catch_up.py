@@ -212,14 +212,15 @@ def decide_catch_up(view: LagView, rule: LagRule) -> CatchUp:
        A stranger's close far ahead makes the replica ask,
        never by itself leave its step (every peer that answers is believed; a forger cannot silence an
        honest one); a stranger's close of its own step does nothing. Otherwise the records decide.
-    3. The records not read yet: `READ`. Peers that were asked and were silent count as absent from the
-       records. They show no peer, and the replica has not stepped for the lag
+    3. The records not read yet: `READ`. They show no peer, and the replica has not stepped for the lag
        grace: `ASK`, and the answers stand in for the records below (netbed chaos, seed 1: a replica cut
        off until the trainers had left stayed a step behind its peer to the end, every DHT read timing
        out and nothing else telling it).
     4. A peer in the records ahead for the lag grace, or more than `keep_ahead` steps ahead at once:
        replay the missed steps from the most advanced peer when the replica holds no samples of its own
-       (it was no participant of those steps) and at most `max_replay` are missing, else resync.
+       (it was no participant of those steps) and at most `max_replay` are missing, else resync; but
+       from no peer that was asked and was silent, and when every peer ahead was, wait (step 2 adopts
+       when a trusted close shows the stage went on).
     5. Parameters diverged from a peer it follows: ask the peers first, and resync only when one it
        diverged from answers at its step or past it (a download from peers that are cut off or frozen
        refuses the trainers for its whole deadline, and this replica may be the stage's only one they
@@ -239,11 +240,7 @@ def decide_catch_up(view: LagView, rule: LagRule) -> CatchUp:
         return CatchUp(ASK, behind_since_s=view.behind_since_s)
     # the records show nobody (lapsed, or the DHT unreachable from here): the peers' answers stand in
     epochs = view.recorded or {peer: e for peer, e in (view.asked or {}).items() if e is not None}
-    # a peer silent when asked is no donor, whatever its record says (a frozen peer's record lives on
-    # for its time-to-live): a replay from it ends at its first unanswered ping, a download from it at
-    # the download's deadline, and the replica would try it again every tick
-    silent = {peer for peer, e in (view.asked or {}).items() if e is None}
-    return _recorded(view, {peer: e for peer, e in epochs.items() if peer not in silent}, rule)
+    return _recorded(view, epochs, rule)
 
 
 def _asked(view: LagView, rule: LagRule) -> CatchUp | None:
@@ -332,7 +329,16 @@ def _donor_answers(view: LagView) -> bool:
 def _replay_or_resync(view: LagView, epochs: Mapping[str, int], rule: LagRule, reason: str) -> CatchUp:
     """A replica holding no samples of its own (it was no participant of the missed steps) applies them
     from a peer's mean gradients: the same state as its peers, for one mean per step instead of a whole
-    state download. Either way the lag clock restarts."""
+    state download. Either way the lag clock restarts. A peer silent when asked is no donor, whatever its
+    record says (a frozen peer's record lives on for its time-to-live): a replay from it ends at its
+    first unanswered ping, a download from it at the download's deadline, every tick; with only such
+    peers ahead the replica waits, its lag clock running."""
+    silent = {peer for peer, e in (view.asked or {}).items() if e is None}
+    epochs = {peer: e for peer, e in epochs.items() if peer not in silent and e > view.epoch}
+    if not epochs:
+        return CatchUp(
+            WAIT, behind_since_s=view.behind_since_s if view.behind_since_s is not None else view.now_s
+        )
     donor = max(epochs, key=lambda peer: epochs[peer])
     end = epochs[donor]
     if end - view.epoch <= rule.max_replay and view.own_samples == 0:

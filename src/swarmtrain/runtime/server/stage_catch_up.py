@@ -70,6 +70,11 @@ class Replay(enum.Enum):
     DONE = "done"  # every step applied
     FAILED = "failed"  # the donor refused or broke off: the state is downloaded instead
     DONOR_SILENT = "donor silent"  # the donor stopped answering pings: the next tick decides again
+    STOPPED = "stopped"  # the event loop stopped (the service closes): nothing more is done
+
+
+class LoopStopped(RuntimeError):
+    """The event loop stopped while the sync thread waited on it: the service is closing."""
 
 
 class StepsPort(Protocol):
@@ -237,7 +242,7 @@ class StepsBridge:
         while not concurrent.futures.wait([future], timeout=LOOP_CHECK_S).done:
             if not self.loop.is_running():
                 future.cancel()
-                raise RuntimeError("the event loop stopped")
+                raise LoopStopped("the event loop stopped")
         return future.result()
 
     async def _peer_epochs(self) -> dict[str, int | None]:
@@ -260,6 +265,8 @@ class StepsBridge:
             return Replay.FAILED
         try:
             return self._on_loop(self._replay_from(peer, start, end))
+        except LoopStopped:
+            return Replay.STOPPED  # no download for a service that closes
         except Exception as exc:  # unreachable donor, a step it no longer keeps, a malformed answer
             logger.info("replaying steps %d-%d from %s failed: %r", start, end - 1, peer[-8:], exc)
             return Replay.DONOR_SILENT if isinstance(exc, PeerSilent) else Replay.FAILED
@@ -307,8 +314,9 @@ class StageCatchUp:
         self._behind_since_s: float | None = None  # since when the records have shown a peer ahead
         # the epoch the last read of the records saw, and since when: how long it has gone without a step
         self._seen_epoch: tuple[int, float] = (-1, time.monotonic())
-        # the donor that went silent during the last replay, and whether it answered an ask since
-        self._silent_donor: tuple[str, bool] | None = None
+        # the donor that went silent during a replay at this epoch, and whether it answered an ask since
+        self._silent_donor: tuple[str, int, bool] | None = None
+        self._ask_first = False  # the tick after a silent replay asks the peers before deciding
 
     def tick(self, sync: SyncPort) -> None:
         """(sync thread) Decide, asking the peers or reading the records when the rule needs them, and act."""
@@ -407,27 +415,31 @@ class StageCatchUp:
         )
 
     def _replayed(self, donor: str, start: int, end: int) -> Replay:
-        """`StepsPort.replay`; a donor silent during a replay again, although it answered the ask in
-        between, counts as failed: its pings queue behind its reply (a slow link), and the state is
-        downloaded instead of trying it every tick."""
+        """`StepsPort.replay`; a donor silent during a replay again, at the same epoch, although it
+        answered the ask in between, counts as failed: its pings queue behind its reply (a slow link), and
+        the state is downloaded instead of trying it every tick."""
         replay = self.steps.replay(donor, start, end)
-        again = self._silent_donor == (donor, True)
-        self._silent_donor = (donor, False) if replay is Replay.DONOR_SILENT else None
+        again = self._silent_donor == (donor, start, True)
+        self._silent_donor = (donor, start, False) if replay is Replay.DONOR_SILENT else None
+        self._ask_first = replay is Replay.DONOR_SILENT
         if replay is Replay.DONOR_SILENT and again:
-            self._silent_donor = None
+            self._silent_donor, self._ask_first = None, False
             return Replay.FAILED
         return replay
 
     def _asked_after_a_silent_replay(self, view: LagView) -> LagView:
-        """After a replay whose donor went silent the tick asks first: the rule then counts the donor
-        out while it is silent (planner/catch_up.py), and a donor that answers is marked as having
-        answered (`_replayed`)."""
-        if self._silent_donor is None:
+        """The tick after a replay whose donor went silent asks first: the rule then counts the donor out
+        while it is silent (planner/catch_up.py), and a donor that answers is marked as having answered
+        (`_replayed`). A replica that moved on since forgets the donor."""
+        if self._silent_donor is not None and self._silent_donor[1] != view.epoch:
+            self._silent_donor, self._ask_first = None, False
+        if not self._ask_first or self._silent_donor is None:
             return view
+        self._ask_first = False
         view = self._asked(view)
-        donor = self._silent_donor[0]
+        donor, epoch, _ = self._silent_donor
         if (view.asked or {}).get(donor) is not None:
-            self._silent_donor = (donor, True)
+            self._silent_donor = (donor, epoch, True)
         return view
 
     def _act(self, decision: CatchUp, view: LagView, sync: SyncPort) -> None:
@@ -445,10 +457,11 @@ class StageCatchUp:
                 return
             if self.worker.epoch != view.epoch:
                 sync.publish()  # some of the steps came before it stopped
-            if replay is Replay.DONOR_SILENT or self.worker.epoch != view.epoch or self.steps.finishing():
-                # a donor that froze is no donor for a download either: the next tick asks the peers
-                # again and replays from another, or adopts the step; the step loop applied the step,
-                # or is applying it: no download for that
+            # no download: from a donor that froze (no donor for one either: the next tick asks the peers
+            # again and replays from another, or adopts the step), for a service that closes, or for a
+            # step the step loop applied or is applying
+            moved = self.worker.epoch != view.epoch or self.steps.finishing()
+            if replay in (Replay.DONOR_SILENT, Replay.STOPPED) or moved:
                 return
             sync.resync(decision.reason)
         elif decision.action == RESYNC:

@@ -105,7 +105,9 @@ class StagePeerLink:
         assert self.client is not None  # checked by the callers
         message = ping_message(self.spec.index, self.digest)
         timeout_s = exchange_ping_timeout_s(self._exchange_times.get(peer), self._sums_bytes)
-        return await self.client.ping_reply(peer, message, timeout_s)
+        # a ping queues behind an exchange, and an exchange longer than the averaging timeout fails
+        # anyway: beyond it (a large stage never timed), a catch-up's ask waited minutes on a frozen peer
+        return await self.client.ping_reply(peer, message, min(timeout_s, self.averaging_timeout_s))
 
     def _observe_exchange(self, peer: str, took_s: float) -> None:
         times = self._exchange_times.pop(peer, CallTimes()).observed(took_s)
