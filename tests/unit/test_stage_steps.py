@@ -510,6 +510,7 @@ class StuckSync:
     nobody), and what the catch-up asked of it is recorded."""
 
     fresh_state = False
+    stopping = False
 
     def __init__(self):
         self.calls: list[tuple] = []

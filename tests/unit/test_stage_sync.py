@@ -565,6 +565,25 @@ def test_a_donor_silent_during_a_replay_is_asked_first_and_given_up_only_if_it_a
     assert averager.calls == [("download",)] * 2
 
 
+def test_a_closing_service_starts_no_replay_or_download(tiny_cfg, start_compute):
+    """Once the synchronizer is told to stop, its last tick starts nothing: a download during the
+    service's close raced its final checkpoint."""
+    replays = []
+    worker = StageWorker(tiny_cfg, tiny_cfg.stages()[1])
+    records, averager = FakeRecords(), FakeAverager()
+    steps = FakeSteps(lambda peer, start, end: replays.append(peer) or Replay.FAILED)
+    sync = StageSynchronizer(
+        worker, start_compute(), averager, records, "B", "d", SyncSettings(lag_grace_s=0.0), steps=steps
+    )
+    records.progress["A"] = _peer(2)
+    sync.stop_event.set()
+    sync.tick()
+    assert replays == [] and averager.calls == []
+    sync.stop_event.clear()
+    sync.tick()
+    assert replays == ["A"] and averager.calls == [("download",)]
+
+
 def test_a_replica_far_behind_replays_at_once_while_its_peer_keeps_the_steps(tiny_cfg, start_compute):
     """A moved server whose download took several steps is more than KEEP_STEPS_AHEAD behind: it
     replays the missed steps at once (it used to download the whole state again, and fall behind again),

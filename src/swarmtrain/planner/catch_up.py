@@ -218,9 +218,9 @@ def decide_catch_up(view: LagView, rule: LagRule) -> CatchUp:
        out and nothing else telling it).
     4. A peer in the records ahead for the lag grace, or more than `keep_ahead` steps ahead at once:
        replay the missed steps from the most advanced peer when the replica holds no samples of its own
-       (it was no participant of those steps) and at most `max_replay` are missing, else resync; but
-       from no peer that was asked and was silent, and when every peer ahead was, wait (step 2 adopts
-       when a trusted close shows the stage went on).
+       (it was no participant of those steps) and at most `max_replay` are missing, else resync; but,
+       on a tick that asked, from no peer that was silent, and when every peer ahead was, wait (step 2
+       adopts when a trusted close shows the stage went on; a dead or frozen peer's record lapses).
     5. Parameters diverged from a peer it follows: ask the peers first, and resync only when one it
        diverged from answers at its step or past it (a download from peers that are cut off or frozen
        refuses the trainers for its whole deadline, and this replica may be the stage's only one they

@@ -126,6 +126,11 @@ class SyncPort(Protocol):
         """Restored from a checkpoint, or initial weights, with no step applied since."""
         ...
 
+    @property
+    def stopping(self) -> bool:
+        """The service closes: nothing more is started (a download during the close raced its checkpoint)."""
+        ...
+
     def recorded_peers(self) -> dict[str, dict]: ...  # the stage peers' progress records (a DHT read)
 
     def diverged_from(self, others: dict[str, dict]) -> frozenset[str]: ...
@@ -341,6 +346,7 @@ class StageCatchUp:
                 ("held", view.held_since_s is not None),
                 ("diverged", bool(view.diverged)),
                 ("no records", view.recorded is not None and not view.recorded),
+                ("a donor went silent", self._silent_donor is not None),
             )
             if shown
         ]
@@ -443,6 +449,8 @@ class StageCatchUp:
         return view
 
     def _act(self, decision: CatchUp, view: LagView, sync: SyncPort) -> None:
+        if sync.stopping:
+            return
         if decision.action == REPLAY:
             replay = self._replayed(decision.donor, view.epoch, decision.end)
             if replay is Replay.DONE:

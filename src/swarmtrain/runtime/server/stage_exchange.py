@@ -30,7 +30,12 @@ from swarmtrain.net.protocol import (
     validate_step_means,
     validate_step_means_request,
 )
-from swarmtrain.planner.deadlines import CallTimes, exchange_ping_timeout_s, reply_ping_timeout_s
+from swarmtrain.planner.deadlines import (
+    EXCHANGE_PING_RATIO,
+    CallTimes,
+    exchange_ping_timeout_s,
+    reply_ping_timeout_s,
+)
 from swarmtrain.runtime.faults import FaultHooks, nan_like
 from swarmtrain.runtime.server.stage_steps import StepCoordinator
 from swarmtrain.runtime.server.stage_worker import StageWorker, all_finite
@@ -105,9 +110,11 @@ class StagePeerLink:
         assert self.client is not None  # checked by the callers
         message = ping_message(self.spec.index, self.digest)
         timeout_s = exchange_ping_timeout_s(self._exchange_times.get(peer), self._sums_bytes)
-        # a ping queues behind an exchange, and an exchange longer than the averaging timeout fails
-        # anyway: beyond it (a large stage never timed), a catch-up's ask waited minutes on a frozen peer
-        return await self.client.ping_reply(peer, message, min(timeout_s, self.averaging_timeout_s))
+        # a ping queues behind an exchange each way, and an exchange longer than the averaging timeout
+        # fails anyway: beyond that (a large stage never timed), a catch-up's ask waited minutes on a
+        # frozen peer
+        cap_s = EXCHANGE_PING_RATIO * self.averaging_timeout_s
+        return await self.client.ping_reply(peer, message, min(timeout_s, cap_s))
 
     def _observe_exchange(self, peer: str, took_s: float) -> None:
         times = self._exchange_times.pop(peer, CallTimes()).observed(took_s)
@@ -160,7 +167,10 @@ class StagePeerLink:
             # a donor that froze is given up within seconds, not at the request timeout: the replica
             # decides again meanwhile (another donor, or adopting the step), the trainers held by it
             times = self._exchange_times.get(peer)
-            check_s = reply_ping_timeout_s(times, self._sums_bytes, self.means_bytes)
+            # beyond the call's own timeout the call ends first
+            check_s = min(
+                reply_ping_timeout_s(times, self._sums_bytes, self.means_bytes), self.request_timeout_s
+            )
             if await silent_while(call, check_s, lambda: self._silent(peer, check_s)):
                 raise PeerSilent(f"{peer[-8:]} stopped answering pings while sending step {step}'s means")
             reply = await call

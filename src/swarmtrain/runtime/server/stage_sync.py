@@ -224,6 +224,10 @@ class StageSynchronizer:
         self._threads.append(thread)
         thread.start()
 
+    @property
+    def stopping(self) -> bool:
+        return self.stop_event.is_set()
+
     def stop(self, timeout_s: float = 5.0) -> None:
         self.stop_event.set()
         self._publish_now.set()
