@@ -152,6 +152,44 @@ CASES = [
         _view(held_since_s=NOW - 4.0, asked={"A": 10, "B": None}),
         CatchUp(READ),
     ),
+    (
+        # netbed chaos, seed 0: woken 50 steps behind, the replica heard the close of 663 naming only its
+        # peer, which froze 2 s later; it adopted the other stages' 663 and then held the trainers' requests
+        # of 664 for the stranded grace
+        "held back at a step a vouched close was heard of while far behind, every peer silent: give it up",
+        _view(held_since_s=NOW - 4.0, asked={"A": None}, ahead=_trusted(10, age_s=5.0)),
+        CatchUp(ADOPT, grace_s=3.0, abandon_close=True),
+    ),
+    (
+        "the same with no peer in its view",
+        _view(held_since_s=NOW - 4.0, asked={}, ahead=_trusted(12, age_s=5.0)),
+        CatchUp(ADOPT, grace_s=3.0, abandon_close=True),
+    ),
+    (
+        "the same, but a peer answers at its step: the records decide",
+        _view(held_since_s=NOW - 4.0, asked={"A": 10}, ahead=_trusted(10, age_s=5.0)),
+        CatchUp(READ),
+    ),
+    (
+        "the same, but a stranger's close: nothing given up",
+        _view(held_since_s=NOW - 4.0, asked={"A": None}, ahead=_stranger(10, age_s=5.0)),
+        CatchUp(READ),
+    ),
+    (
+        "the same, but the close was of an earlier step",
+        _view(held_since_s=NOW - 4.0, asked={"A": None}, ahead=_trusted(9, age_s=5.0)),
+        CatchUp(READ),
+    ),
+    (
+        "the same, holding samples, the close heard less than a close timeout ago: kept",
+        _view(held_since_s=NOW - 4.0, asked={"A": None}, ahead=_trusted(10, age_s=5.0), own_samples=8),
+        CatchUp(READ),
+    ),
+    (
+        "the same, holding samples, the close heard a close timeout ago: given up with them",
+        _view(held_since_s=NOW - 4.0, asked={"A": None}, ahead=_trusted(10, age_s=11.0), own_samples=8),
+        CatchUp(ADOPT, grace_s=3.0, abandon_close=True),
+    ),
     ("a fresh close far past the window: ask the peers", _view(ahead=_trusted(40)), CatchUp(ASK)),
     (
         "a peer that answers far ahead: replay from the furthest",
