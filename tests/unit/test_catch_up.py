@@ -162,7 +162,22 @@ CASES = [
     ),
     (
         "the same with no peer in its view",
+        _view(held_since_s=NOW - 4.0, asked={}, ahead=_trusted(10, age_s=5.0)),
+        CatchUp(ADOPT, grace_s=3.0, abandon_close=True),
+    ),
+    (
+        "the same, but the close was of a later step: spent once the replica moved past the step it named",
         _view(held_since_s=NOW - 4.0, asked={}, ahead=_trusted(12, age_s=5.0)),
+        CatchUp(READ),
+    ),
+    (
+        "the same, but the close is older than the evidence lasts",
+        _view(held_since_s=NOW - 4.0, asked={}, ahead=_trusted(10, age_s=121.0)),
+        CatchUp(READ),
+    ),
+    (
+        "the same, reached through records that show nobody (a stage of one replica)",
+        _view(recorded={}, epoch_since_s=LONG_AGO, asked={}, ahead=_trusted(10, age_s=5.0)),
         CatchUp(ADOPT, grace_s=3.0, abandon_close=True),
     ),
     (
@@ -181,14 +196,19 @@ CASES = [
         CatchUp(READ),
     ),
     (
-        "the same, holding samples, the close heard less than a close timeout ago: kept",
-        _view(held_since_s=NOW - 4.0, asked={"A": None}, ahead=_trusted(10, age_s=5.0), own_samples=8),
+        "the same, with a kept close of the step naming nobody: the step loop's and the stuck rule's",
+        _view(
+            held_since_s=NOW - 4.0,
+            asked={},
+            ahead=_trusted(10, age_s=5.0),
+            stuck=Stuck(NOW - 3.0, NOW - 3.0, frozenset()),
+        ),
         CatchUp(READ),
     ),
     (
-        "the same, holding samples, the close heard a close timeout ago: given up with them",
+        "the same, holding samples of the step: the step loop's",
         _view(held_since_s=NOW - 4.0, asked={"A": None}, ahead=_trusted(10, age_s=11.0), own_samples=8),
-        CatchUp(ADOPT, grace_s=3.0, abandon_close=True),
+        CatchUp(READ),
     ),
     ("a fresh close far past the window: ask the peers", _view(ahead=_trusted(40)), CatchUp(ASK)),
     (

@@ -205,8 +205,9 @@ def decide_catch_up(view: LagView, rule: LagRule) -> CatchUp:
        the step, and it adopts the other stages' step, or the step after its own if they are not ahead,
        although its step has a close (`abandon_close`), and, once `close_timeout_s` has passed since
        the close came, although it holds samples of the step (lost with it); this comes before the next
-       rule, which keeps a step with a close. Every peer silent (or none left) after a vouched close of its
-       step or a later one was heard (`_closed_elsewhere`): the same adoption. Left behind, with no peer
+       rule, which keeps a step with a close. Every peer silent (or none left), no samples and no kept
+       close of its step, whose vouched close was heard while it was far behind (`_closed_elsewhere`):
+       the same adoption. Left behind, with no peer
        that answers ahead and one silent (or none left), on
        a fresh close from a vouched sender (`SwarmAhead.trusted`): those that ran the steps are frozen or
        cut off, and it adopts the other stages' step after the lag grace instead of a request timeout
@@ -282,19 +283,18 @@ def _asked(view: LagView, rule: LagRule) -> CatchUp | None:
 
 
 def _closed_elsewhere(view: LagView, rule: LagRule) -> bool:
-    """A vouched trainer closed this replica's step, or a later one, while the replica was further behind
-    (a close past the window is heard, not kept: `Stuck` never shows it), and no stage peer answers: the
-    replicas that ran the step are frozen or cut off, and none can bring this one to it. Netbed chaos,
-    seed 0: a replica woke 50 steps behind, heard the close of 663 naming only its peer, which froze 2 s
-    later; it adopted the other stages' 663 and then waited the stranded grace at it, the trainers' requests
-    of 664 held, until the other stages reached 664. Giving the step up takes what its samples would (the
-    close timeout since the close came, `_may_drop_samples`)."""
+    """A vouched trainer closed this replica's very step while the replica was further behind (a close
+    past the window is heard, not kept: `Stuck` never shows it), no stage peer answers, and the replica
+    holds nothing of the step and has no close of it: the replicas that ran it are frozen or cut off, and
+    none can bring this one to it. Netbed chaos, seed 0: a replica woke 50 steps behind, heard the close of
+    663 naming only its peer, which froze 2 s later; it adopted the other stages' 663 and then waited the
+    stranded grace at it, the trainers' requests of 664 held, until the other stages reached 664. Only
+    that step: once past it the evidence is spent (the rule cannot walk a replica on step by step), and a
+    step with samples or a kept close is the step loop's and the stuck rule's."""
     closed = view.ahead.trusted
-    if closed is None or view.now_s - closed.heard_s > rule.evidence_ttl_s:
+    if closed is None or closed.step != view.epoch or view.now_s - closed.heard_s > rule.evidence_ttl_s:
         return False
-    if not view.epoch <= closed.step <= view.epoch + rule.window:
-        return False  # an earlier step's; or far past the window: left behind, its own rule below
-    return view.own_samples == 0 or view.now_s - closed.heard_s >= rule.close_timeout_s
+    return view.own_samples == 0 and view.stuck is None
 
 
 def _may_drop_samples(view: LagView, stuck: Stuck, rule: LagRule) -> bool:
