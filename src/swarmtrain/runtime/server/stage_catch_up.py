@@ -278,12 +278,12 @@ class StepsBridge:
 
     async def _replay_from(self, peer: str, start: int, end: int) -> Replay:
         for step in range(start, end):
-            if not await self._replayed(peer, step):
+            if not await self._replay_step(peer, step):
                 return Replay.FAILED
         await self._follow(peer, end)
         return Replay.DONE
 
-    async def _replayed(self, peer: str, step: int) -> bool:
+    async def _replay_step(self, peer: str, step: int) -> bool:
         if self.steps.worker.epoch != step or self.steps.finishing == step:
             return False  # the step loop applied it, or applies it: no means to fetch for nothing
         samples, means = await self.link.step_means(peer, step)
@@ -303,7 +303,7 @@ class StepsBridge:
                 if donor_epoch is None or donor_epoch <= step:
                     return
                 while step < min(donor_epoch, last):
-                    if not await self._replayed(peer, step):
+                    if not await self._replay_step(peer, step):
                         return
                     step += 1
         except Exception as exc:  # the donor went silent or broke off: the steps asked for are applied
