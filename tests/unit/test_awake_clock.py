@@ -35,3 +35,30 @@ def test_a_replica_that_wakes_from_a_freeze_still_has_the_peers_it_saw_before():
     assert monotonic.current() == frozenset()  # on the monotonic clock it had gone
     now[0] += 8.5  # awake for longer than the keep time: gone
     assert view.current() == frozenset()
+
+
+def test_a_stop_between_two_sleeps_is_counted():
+    """CI, a loaded machine: a real SIGSTOP went uncounted. The watching thread's readings are contiguous,
+    so a stop that lands after one reading and before the next sleep still shows as an overshoot."""
+    now = [100.0]
+    sleeps = [0]
+
+    class Done(Exception):
+        pass
+
+    def sleep(tick_s):
+        sleeps[0] += 1
+        if sleeps[0] == 4:
+            raise Done
+        now[0] += tick_s
+
+    def read():
+        value = now[0]
+        if sleeps[0] == 1:
+            now[0] += 19.0  # stopped right after the reading that followed the first sleep
+        return value
+
+    clock = AwakeClock(tick_s=0.25, gap_s=2.0, clock=read, sleep=sleep)
+    with pytest.raises(Done):
+        clock._watch()
+    assert clock.stopped_s == pytest.approx(19.0)

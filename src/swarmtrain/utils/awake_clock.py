@@ -8,8 +8,11 @@ replica frozen for 19 s woke with none left: it could not ask the peer that had 
 timeout (netbed chaos, seed 0: 23 s without a micro-batch). On this clock the peers it saw just before it
 froze are still there when it wakes, and are asked.
 
-A daemon thread sleeps `tick_s` and counts every overshoot past `gap_s` as stopped time. A process forked
-after the clock started has no such thread: its clock is the monotonic one.
+A daemon thread sleeps `tick_s` and counts every overshoot past `gap_s` as stopped time. Its readings are
+contiguous (each sleep is measured from the previous reading, not from a fresh one), so a stop that lands
+between two sleeps is counted too; `start()` returns once the thread has taken its first reading, so a
+stop right after it is counted. A process forked after the clock started has no such thread: its clock is
+the monotonic one.
 """
 
 from __future__ import annotations
@@ -27,10 +30,15 @@ class AwakeClock:
     """`clock()` less the time this process was seen stopped; `start()` runs the watching thread."""
 
     def __init__(
-        self, tick_s: float = TICK_S, gap_s: float = GAP_S, clock: Callable[[], float] = time.monotonic
+        self,
+        tick_s: float = TICK_S,
+        gap_s: float = GAP_S,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
-        self.tick_s, self.gap_s, self._clock = tick_s, gap_s, clock
+        self.tick_s, self.gap_s, self._clock, self._sleep = tick_s, gap_s, clock, sleep
         self._lock = threading.Lock()
+        self._watching = threading.Event()
         self.stopped_s = 0.0
 
     def __call__(self) -> float:
@@ -46,13 +54,19 @@ class AwakeClock:
 
     def start(self) -> AwakeClock:
         threading.Thread(target=self._watch, name="awake-clock", daemon=True).start()
+        # a stop before the first reading would go uncounted (CI, a loaded machine: the thread had not run
+        # yet when the test stopped the process)
+        self._watching.wait()
         return self
 
     def _watch(self) -> None:
+        last_s = self._clock()
+        self._watching.set()
         while True:
-            slept_from_s = self._clock()
-            time.sleep(self.tick_s)
-            self.observe(slept_from_s, self._clock())
+            self._sleep(self.tick_s)
+            now_s = self._clock()
+            self.observe(last_s, now_s)
+            last_s = now_s
 
 
 _shared: AwakeClock | None = None
