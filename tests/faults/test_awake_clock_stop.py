@@ -28,6 +28,20 @@ print(json.dumps({"monotonic_s": time.monotonic() - start_m, "awake_s": clock() 
 """
 
 
+def _stopped_within(pid: int, timeout_s: float) -> bool:
+    """Whether /proc shows every thread of `pid` stopped ("T") within `timeout_s`."""
+    deadline_s = time.monotonic() + timeout_s
+    while time.monotonic() < deadline_s:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/stat") as stat:
+                states.append(stat.read().rsplit(")", 1)[1].split()[0])
+        if all(state == "T" for state in states):
+            return True
+        time.sleep(0.02)
+    return False
+
+
 def test_the_time_a_process_was_stopped_does_not_count_on_its_awake_clock():
     child = subprocess.Popen(
         [sys.executable, "-c", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
@@ -36,6 +50,8 @@ def test_the_time_a_process_was_stopped_does_not_count_on_its_awake_clock():
         assert child.stdout.readline().strip() == "ready"
         time.sleep(0.5)
         os.kill(child.pid, signal.SIGSTOP)
+        # a failure should say whether the stop took effect at all (CI failed twice with nothing counted)
+        assert _stopped_within(child.pid, timeout_s=5.0), "SIGSTOP did not stop the child"
         time.sleep(3.0)
         os.kill(child.pid, signal.SIGCONT)
         child.stdin.write("go\n")
