@@ -38,7 +38,7 @@ def _view(**fields) -> LagView:
 
 def _trusted(step, age_s=1.0) -> SwarmAhead:
     close = Heard(step, NOW - age_s)
-    return SwarmAhead(step, close, close)
+    return SwarmAhead(step, close, close, step)
 
 
 def _stranger(step, age_s=1.0) -> SwarmAhead:
@@ -158,16 +158,27 @@ CASES = [
         # of 664 for the stranded grace
         "held back at a step a vouched close was heard of while far behind, every peer silent: give it up",
         _view(held_since_s=NOW - 4.0, asked={"A": None}, ahead=_trusted(10, age_s=5.0)),
-        CatchUp(ADOPT, grace_s=3.0, abandon_close=True),
+        CatchUp(ADOPT, grace_s=3.0, end=11, abandon_close=True),
     ),
     (
         "the same with no peer in its view",
         _view(held_since_s=NOW - 4.0, asked={}, ahead=_trusted(10, age_s=5.0)),
-        CatchUp(ADOPT, grace_s=3.0, abandon_close=True),
+        CatchUp(ADOPT, grace_s=3.0, end=11, abandon_close=True),
     ),
     (
-        "the same, but the close was of a later step: spent once the replica moved past the step it named",
+        # netbed chaos, seed 0: retried closes of ~50 steps reached the woken replica at once, in no order
+        "the same, the highest close a later step: past it at once, not a step at a time",
         _view(held_since_s=NOW - 4.0, asked={}, ahead=_trusted(12, age_s=5.0)),
+        CatchUp(ADOPT, grace_s=3.0, end=13, abandon_close=True),
+    ),
+    (
+        "the same, the close far ahead: at most a close window past its step",
+        _view(held_since_s=NOW - 4.0, asked={}, ahead=_trusted(40, age_s=5.0)),
+        CatchUp(ADOPT, grace_s=3.0, end=14, abandon_close=True),
+    ),
+    (
+        "the same, the close of an earlier step: nothing shows its own step ran elsewhere",
+        _view(held_since_s=NOW - 4.0, asked={}, ahead=_trusted(9, age_s=5.0)),
         CatchUp(READ),
     ),
     (
@@ -178,7 +189,7 @@ CASES = [
     (
         "the same, reached through records that show nobody (a stage of one replica)",
         _view(recorded={}, epoch_since_s=LONG_AGO, asked={}, ahead=_trusted(10, age_s=5.0)),
-        CatchUp(ADOPT, grace_s=3.0, abandon_close=True),
+        CatchUp(ADOPT, grace_s=3.0, end=11, abandon_close=True),
     ),
     (
         "the same, but a peer answers at its step: the records decide",
@@ -227,9 +238,9 @@ CASES = [
         CatchUp(ADOPT, grace_s=3.0),
     ),
     (
-        "no peer left in the view: adopt after the lag grace",
+        "no peer left in the view: adopt after the lag grace, at least a close window past its step",
         _view(ahead=_trusted(40), asked={}),
-        CatchUp(ADOPT, grace_s=3.0),
+        CatchUp(ADOPT, grace_s=3.0, end=14, abandon_close=True),
     ),
     (
         "every peer answers at our step (a forged close): the records decide",
@@ -268,21 +279,21 @@ CASES = [
     (
         "stuck, the replica that holds the step silent: give the close up, adopt",
         _view(stuck=STUCK, asked={"A": None, "C": 10}),
-        CatchUp(ADOPT, grace_s=3.0, abandon_close=True),
+        CatchUp(ADOPT, grace_s=3.0, end=11, abandon_close=True),
     ),
     (
         # netbed chaos, seed 0: a replica that woke 90 steps behind heard far closes too, and the far-close
         # adoption (which keeps a step with a close) held its step 25 s, until the frozen holder woke
         "stuck with its holder silent, and a vouched close far ahead: give the close up all the same",
         _view(stuck=STUCK, ahead=_trusted(40), asked={"A": None}),
-        CatchUp(ADOPT, grace_s=3.0, abandon_close=True),
+        CatchUp(ADOPT, grace_s=3.0, end=14, abandon_close=True),
     ),
     (
         # netbed chaos, seed 0: a stage-0 replica held 8 samples of a step whose close named only its
         # cut-off peer; they held the step, and the trainers' requests of the next one, for 21 s
         "stuck holding samples, its holder silent for the close timeout: give the close and samples up",
         _view(stuck=Stuck(NOW - 10.0, NOW - 10.0, frozenset("A")), asked={"A": None}, own_samples=8),
-        CatchUp(ADOPT, grace_s=3.0, abandon_close=True),
+        CatchUp(ADOPT, grace_s=3.0, end=11, abandon_close=True),
     ),
     (
         # a slow trainer's close, naming this replica, may still bring the step to a close here
@@ -300,7 +311,7 @@ CASES = [
         # held the step for 85 s (a name no replica answers to is no better: no close naming it is acted on)
         "stuck, the holder it names has left its view of the stage: nobody can finish the step, adopt",
         _view(stuck=Stuck(NOW - 3.0, NOW - 3.0, frozenset("X")), asked={"A": 10}),
-        CatchUp(ADOPT, grace_s=3.0, abandon_close=True),
+        CatchUp(ADOPT, grace_s=3.0, end=11, abandon_close=True),
     ),
     (
         "stuck on a close naming no other replica (the only replica of its stage): the records",
@@ -387,12 +398,16 @@ def test_a_forged_close_far_ahead_expires():
 
 def test_the_evidence_a_close_leaves():
     ahead = SwarmAhead().heard(40, 1.0, far=True, trusted=True)
-    assert ahead == SwarmAhead(40, Heard(40, 1.0), Heard(40, 1.0))
+    assert ahead == SwarmAhead(40, Heard(40, 1.0), Heard(40, 1.0), 40)
     forged = ahead.heard(10**9, 2.0, far=True, trusted=False)  # a stranger's keeps the vouched one
-    assert forged == SwarmAhead(10**9, Heard(10**9, 2.0), Heard(40, 1.0))
+    assert forged == SwarmAhead(10**9, Heard(10**9, 2.0), Heard(40, 1.0), 40)
     near = forged.heard(12, 3.0, far=False, trusted=True)  # within the window: only the newest step moves
     assert near == forged
     assert ahead.heard(41, 3.0, far=True, trusted=True).trusted == Heard(41, 3.0)
+    # retried closes come in no order: a lower one keeps the highest step, and is the latest news of it
+    assert ahead.heard(39, 3.0, far=True, trusted=True).trusted == Heard(40, 3.0)
+    assert SwarmAhead().heard(12, 1.0, far=False, trusted=True).vouched_step == 12
+    assert SwarmAhead().heard(12, 1.0, far=False, trusted=False).vouched_step == -1
 
 
 def test_the_lag_clock_runs_while_a_peer_is_ahead_and_restarts_after_an_action():

@@ -103,10 +103,18 @@ def test_a_replica_that_has_stepped_with_the_swarm_waits_a_request_timeout_befor
     assert behind_other_stages(1050, 1051, 0, 99.0, 3.0, False, False, restored=False) == "wait"
 
 
-def test_of_two_mismatched_replicas_the_one_that_skipped_steps_follows():
-    from swarmtrain.planner.restore import follows_on_mismatch
+def test_of_two_mismatched_replicas_the_one_that_skipped_steps_or_trained_less_follows():
+    from swarmtrain.planner.restore import Line, follows_on_mismatch
 
-    assert follows_on_mismatch("B", False, "A", False) and not follows_on_mismatch("A", False, "B", False)
-    assert follows_on_mismatch("A", True, "B", False)  # skipped: follows whatever the ids
-    assert not follows_on_mismatch("B", False, "A", True)
-    assert follows_on_mismatch("B", True, "A", True) and not follows_on_mismatch("A", True, "B", True)
+    def follows(ours, theirs):
+        return follows_on_mismatch(Line(*ours), Line(*theirs))
+
+    assert follows(("B", False), ("A", False)) and not follows(("A", False), ("B", False))
+    assert follows(("A", True), ("B", False))  # skipped: follows whatever the ids
+    assert not follows(("B", False), ("A", True))
+    assert follows(("B", True), ("A", True)) and not follows(("A", True), ("B", True))
+    # netbed chaos, seed 2: the replica that computed the recent steps' gradients keeps its line,
+    # whatever the ids; the follower of those exchanges (no samples of its own) takes it
+    assert not follows(("B", False, 256), ("A", False, 0)) and follows(("A", False, 0), ("B", False, 256))
+    assert follows(("B", False, 8), ("A", True, 0)) is False  # skipped still comes first
+    assert follows(("B", False, 8), ("A", False, 8))  # a tie: by id

@@ -365,7 +365,7 @@ def test_a_replica_that_missed_steps_replays_them_from_a_peers_means(tiny_cfg, m
             task.cancel()
         a, c = nodes["A"], nodes["C"]
         stepped: list[tuple[int, bool]] = []  # what the stage service hears (it saves live steps only)
-        c.on_step = lambda epoch, fingerprint, live: stepped.append((epoch, live))
+        c.on_step = lambda epoch, fingerprint, live, own: stepped.append((epoch, live))
         for step in (0, 1):
             samples, means = a.means_of(step)
             assert samples == 32
@@ -524,7 +524,7 @@ class StuckSync:
     def resync(self, reason):
         self.calls.append(("resync", reason))
 
-    def check_other_stages(self, epoch, now_s, stranded_grace_s=None, abandon_close=False):
+    def check_other_stages(self, epoch, now_s, stranded_grace_s=None, abandon_close=False, at_least=0):
         self.calls.append(("adopt", epoch, stranded_grace_s, abandon_close))
 
     def stop_adopting(self):

@@ -54,16 +54,23 @@ class SwarmAhead:
 
     newest_step: int = -1  # the highest step any close named, kept or not (`trails_stage`)
     latest: Heard | None = None  # the last close past the close window, from any sender
-    trusted: Heard | None = None  # the last of those whose sender's closes were found true here
+    # the highest step of those whose sender's closes were found true here, heard when the last of them
+    # came: retried closes of many steps reach a woken replica at once, in no order, and the last of them
+    # says less than the highest (netbed chaos, seed 0: the close of the replica's step was not the last)
+    trusted: Heard | None = None
+    vouched_step: int = -1  # the highest step a vouched sender's close named, kept or not
 
     def heard(self, step: int, now_s: float, far: bool, trusted: bool) -> SwarmAhead:
         """After a close of `step` came: `far` when past the close window, `trusted` when its sender
         is vouched for (planner/step_decision.py's `vouched_senders`)."""
         newest = max(self.newest_step, step)
+        vouched = max(self.vouched_step, step) if trusted else self.vouched_step
         if not far:
-            return SwarmAhead(newest, self.latest, self.trusted)
-        close = Heard(step, now_s)
-        return SwarmAhead(newest, close, close if trusted else self.trusted)
+            return SwarmAhead(newest, self.latest, self.trusted, vouched)
+        kept = self.trusted
+        if trusted:
+            kept = Heard(step if kept is None else max(step, kept.step), now_s)
+        return SwarmAhead(newest, Heard(step, now_s), kept, vouched)
 
 
 @dataclass(frozen=True)
@@ -121,7 +128,7 @@ class CatchUp:
     action: str  # ASK, READ, REPLAY, RESYNC, ADOPT or WAIT
     reason: str = ""  # RESYNC's, and REPLAY's when the replay fails
     donor: str = ""  # REPLAY: the peer whose mean gradients it applies
-    end: int = 0  # REPLAY: steps epoch..end-1
+    end: int = 0  # REPLAY: steps epoch..end-1; ADOPT with `abandon_close`: adopt at least this step
     grace_s: float | None = None  # ADOPT: how long behind before adopting (None: a request timeout)
     behind_since_s: float | None = None  # the lag clock from now on
     abandon_close: bool = False  # ADOPT: even while its own step has a close (its holders are silent)
@@ -202,11 +209,13 @@ def decide_catch_up(view: LagView, rule: LagRule) -> CatchUp:
        went to this replica while it downloaded its state or was cut off, and nobody sends them again);
        the same when held back (the step's closes went to the peer alone).
        Stuck, with every replica its close names silent or gone (`_holders_silent`): nobody can finish
-       the step, and it adopts the other stages' step, or the step after its own if they are not ahead,
+       the step, and it adopts the other stages' step, or if they are not that far the step after the
+       highest a vouched trainer closed here (`_give_up_step`, at most a close window past its own),
        although its step has a close (`abandon_close`), and, once `close_timeout_s` has passed since
        the close came, although it holds samples of the step (lost with it); this comes before the next
        rule, which keeps a step with a close. Every peer silent (or none left), no samples and no kept
-       close of its step, whose vouched close was heard while it was far behind (`_closed_elsewhere`):
+       close of its step, whose vouched close (or a later one) was heard while it was far behind
+       (`_closed_elsewhere`):
        the same adoption. Left behind, with no peer
        that answers ahead and one silent (or none left), on
        a fresh close from a vouched sender (`SwarmAhead.trusted`): those that ran the steps are frozen or
@@ -269,30 +278,39 @@ def _asked(view: LagView, rule: LagRule) -> CatchUp | None:
     # that one keeps a step with a close, so a replica with both held its step for good (netbed chaos,
     # seed 0: 25 s, until the frozen holder woke)
     if stuck is not None and _holders_silent(stuck.members, asked) and _may_drop_samples(view, stuck, rule):
-        return CatchUp(
-            ADOPT, grace_s=rule.lag_grace_s, behind_since_s=view.behind_since_s, abandon_close=True
-        )
+        return _give_up_step(view, rule)
     if not answered and _closed_elsewhere(view, rule):
-        return CatchUp(
-            ADOPT, grace_s=rule.lag_grace_s, behind_since_s=view.behind_since_s, abandon_close=True
-        )
+        return _give_up_step(view, rule)
     frozen = not answered or len(answered) < len(asked)
     if frozen and _shows_ahead(view.ahead.trusted, epoch, view.now_s, rule):
         return CatchUp(ADOPT, grace_s=rule.lag_grace_s, behind_since_s=view.behind_since_s)
     return None
 
 
+def _give_up_step(view: LagView, rule: LagRule) -> CatchUp:
+    """Adopt past a step nobody reachable can finish: at least the step after the highest a vouched
+    trainer closed here (the trainers went on past it; netbed chaos, seed 0: the other stages' records,
+    the adoption's other target, were read from a DHT whose stores timed out, and a lone replica gave
+    its closes up one step at a time, 6-10 s each), but at most a close window past its own step, so a
+    vouched sender's close cannot make it skip far (the other stages' step may, as before)."""
+    floor = max(view.epoch + 1, min(view.ahead.vouched_step + 1, view.epoch + rule.window))
+    return CatchUp(
+        ADOPT, grace_s=rule.lag_grace_s, end=floor, behind_since_s=view.behind_since_s, abandon_close=True
+    )
+
+
 def _closed_elsewhere(view: LagView, rule: LagRule) -> bool:
-    """A vouched trainer closed this replica's very step while the replica was further behind (a close
-    past the window is heard, not kept: `Stuck` never shows it), no stage peer answers, and the replica
-    holds nothing of the step and has no close of it: the replicas that ran it are frozen or cut off, and
-    none can bring this one to it. Netbed chaos, seed 0: a replica woke 50 steps behind, heard the close of
-    663 naming only its peer, which froze 2 s later; it adopted the other stages' 663 and then waited the
-    stranded grace at it, the trainers' requests of 664 held, until the other stages reached 664. Only
-    that step: once past it the evidence is spent (the rule cannot walk a replica on step by step), and a
-    step with samples or a kept close is the step loop's and the stuck rule's."""
+    """A vouched trainer closed this replica's step, or a later one, while the replica was further behind
+    (a close past the window is heard, not kept: `Stuck` never shows it), no stage peer answers, and the
+    replica holds nothing of its step and has no close of it: the replicas that ran the step are frozen or
+    cut off, and none can bring this one to it. Netbed chaos, seed 0: a replica woke 50 steps behind, heard
+    the close of 663 naming only its peer, which froze 2 s later; it adopted the other stages' 663 and then
+    waited the stranded grace at it, the trainers' requests of 664 held, until the other stages reached
+    664. The adoption goes past the highest such close (`_give_up_step`), so the evidence is spent once
+    used and cannot walk a replica on step by step; a step with samples or a kept close is the step
+    loop's and the stuck rule's."""
     closed = view.ahead.trusted
-    if closed is None or closed.step != view.epoch or view.now_s - closed.heard_s > rule.evidence_ttl_s:
+    if closed is None or closed.step < view.epoch or view.now_s - closed.heard_s > rule.evidence_ttl_s:
         return False
     return view.own_samples == 0 and view.stuck is None
 

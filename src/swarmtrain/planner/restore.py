@@ -12,7 +12,7 @@ Pure decisions (no I/O), used by the server's synchronizer and unit-tested on th
   step was applied by a replica of this stage that died, or by none), which is what a checkpoint
   period and the loss of a dead peer's unsaved work bound;
 - `follows_on_mismatch`: of two replicas whose parameters differ at the same step, which one resyncs
-  from the other.
+  from the other (the one that skipped steps, else the one that trained fewer samples of its own lately).
 """
 
 from __future__ import annotations
@@ -109,13 +109,35 @@ def behind_other_stages(
     return "advance"
 
 
-def follows_on_mismatch(peer_id: str, skipped: bool, other_id: str, other_skipped: bool) -> bool:
-    """Whether replica `peer_id` resyncs from `other_id`, their parameters differing at the same step.
-    One whose state skipped steps (it adopted the other stages' step without this stage's updates: its
-    stage peers were frozen or cut off, `behind_other_stages`) follows one that applied them; otherwise
-    the larger id follows. By id alone, a replica that wakes from a freeze, adopts the swarm's step and
-    has the smaller id would make its peer, which applied the steps it missed, throw them away
-    (bench/chaos.py --netbed, docs/LOG.md)."""
-    if skipped != other_skipped:
-        return skipped
-    return peer_id > other_id
+@dataclass(frozen=True)
+class Line:
+    """What a replica's progress record says of the line its parameters are on, at its fingerprint's step."""
+
+    peer_id: str
+    skipped: bool  # it adopted the other stages' step without this stage's updates of the steps between
+    # samples of its own in the steps it applied among the last RECENT_STEPS, as of the fingerprint's step
+    own_samples: int = 0
+
+
+# how far back a replica's own samples count for which line a diverged pair keeps (`follows_on_mismatch`):
+# a divergence is found within a few heartbeats, far less than this many steps
+RECENT_STEPS = 32
+
+
+def follows_on_mismatch(ours: Line, theirs: Line) -> bool:
+    """Whether the replica on line `ours` resyncs from the one on `theirs`, their parameters differing at
+    the same step. One whose state skipped steps (it adopted the other stages' step without this stage's
+    updates: its stage peers were frozen or cut off, `behind_other_stages`) follows one that applied them.
+    Then the one that trained fewer samples of its own in the recent steps follows: it was the follower
+    of the stage's exchanges (a replica that receives the members' means but served no micro-batch), the
+    other the one that computed the gradients; netbed chaos, seed 2: settled by id, the replica that had
+    computed every gradient of 50 steps threw its state away for a follower's, and the loss after the
+    whole-swarm restart was 5% worse. Last, the larger id follows. Both replicas read the same numbers
+    (each pinned to the fingerprint's step), so exactly one of them follows. By id alone, a replica that
+    wakes from a freeze, adopts the swarm's step and has the smaller id would make its peer, which applied
+    the steps it missed, throw them away (bench/chaos.py --netbed, docs/LOG.md)."""
+    if ours.skipped != theirs.skipped:
+        return ours.skipped
+    if ours.own_samples != theirs.own_samples:
+        return ours.own_samples < theirs.own_samples
+    return ours.peer_id > theirs.peer_id

@@ -138,7 +138,12 @@ class SyncPort(Protocol):
     def resync(self, reason: str) -> None: ...
 
     def check_other_stages(
-        self, epoch: int, now_s: float, stranded_grace_s: float | None = None, abandon_close: bool = False
+        self,
+        epoch: int,
+        now_s: float,
+        stranded_grace_s: float | None = None,
+        abandon_close: bool = False,
+        at_least: int = 0,
     ) -> None: ...
 
     def stop_adopting(self) -> None: ...  # not behind the other stages: their clock starts again
@@ -475,6 +480,8 @@ class StageCatchUp:
         elif decision.action == RESYNC:
             sync.resync(decision.reason)
         elif decision.action == ADOPT:
-            sync.check_other_stages(view.epoch, view.now_s, decision.grace_s, decision.abandon_close)
+            sync.check_other_stages(
+                view.epoch, view.now_s, decision.grace_s, decision.abandon_close, decision.end
+            )
         else:
             sync.stop_adopting()

@@ -291,8 +291,10 @@ class StageService:
             steps=StepsBridge(self.steps, self.link, self.node.loop),
         )
 
-    def _step_applied(self, epoch: int, fingerprint: list[float] | None, live: bool) -> None:
-        self.sync.step_applied(epoch, fingerprint)
+    def _step_applied(
+        self, epoch: int, fingerprint: list[float] | None, live: bool, own_samples: int
+    ) -> None:
+        self.sync.step_applied(epoch, fingerprint, own_samples)
         if self.checkpointer is not None:
             self.checkpointer.after_step(self.worker.epoch, live)
 

@@ -91,7 +91,9 @@ logger = get_logger(__name__)
 # unreachable (gone)
 GradSender = Callable[[str, int, int, WireSums], Awaitable[bool]]
 # (epoch, parameter fingerprint or None, live): `live` is False for a step replayed from a peer's means
-OnStep = Callable[[int, list[float] | None, bool], None]
+# after a step: the new epoch, the new parameters' fingerprint (None: a local step), whether the step was
+# this replica's own (False: a replay from a peer's means), and the samples of its own it applied
+OnStep = Callable[[int, list[float] | None, bool, int], None]
 Alive = Callable[[str], Awaitable[bool]]  # does this peer's event loop answer a ping?
 # The mean gradients of recent steps are kept for replicas that missed them (`replay`): at least
 # `KEPT_STEP_MEANS` steps, more while they fit in `KEPT_MEANS_BYTES`. Three alone are too few for a
@@ -278,7 +280,7 @@ class StepCoordinator:
         self.counters.replayed_steps += 1
         self.ledger.write("replay", step=step, n=samples, applied=applied)
         if self.on_step is not None:
-            self.on_step(step + 1, fingerprint, False)
+            self.on_step(step + 1, fingerprint, False, 0)
         return True
 
     async def _finish(self, step: int) -> None:
@@ -428,7 +430,8 @@ class StepCoordinator:
         self.counters.last_group_size = len(contributions)
         self.ledger.write("sync", step=step, group={p: n for p, (n, _) in contributions.items()})
         if self.on_step is not None:
-            self.on_step(step + 1, fingerprint, True)
+            own = contributions.get(self.peer_id)
+            self.on_step(step + 1, fingerprint, True, 0 if own is None else own[0])
 
     async def _wait_for_sums(
         self, state: PendingStep, others: AbstractSet[str], ready: Callable[[PendingStep], bool] | None = None
@@ -494,7 +497,7 @@ class StepCoordinator:
             exchange_s=round(c.last_exchange_s, 4),
         )
         if self.on_step is not None and not hold_epoch:
-            self.on_step(step + 1, fingerprint, True)
+            self.on_step(step + 1, fingerprint, True, group.get(self.peer_id, 0))
 
     def _combine(self, step: int, contributions: dict) -> list[torch.Tensor] | None:
         means, clipped = robust_mean(contributions)

@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from swarmtrain.config.errors import UserError
 from swarmtrain.net.protocol import ProtocolError
@@ -38,7 +40,13 @@ from swarmtrain.planner.download_deadline import (
     donor_deadline_s,
     state_bytes,
 )
-from swarmtrain.planner.restore import behind_other_stages, choose_start, follows_on_mismatch
+from swarmtrain.planner.restore import (
+    RECENT_STEPS,
+    Line,
+    behind_other_stages,
+    choose_start,
+    follows_on_mismatch,
+)
 from swarmtrain.runtime.ledger import Ledger
 from swarmtrain.runtime.server.compute import PRIORITY_SYNC, ComputeWorker
 from swarmtrain.runtime.server.stage_catch_up import DETACHED, StageCatchUp, StepsPort
@@ -46,6 +54,34 @@ from swarmtrain.runtime.server.stage_worker import StageWorker
 from swarmtrain.utils.logging import get_logger
 
 logger = get_logger(__name__)
+
+
+class Fingerprint(NamedTuple):
+    """The parameters' fingerprint at `step`, and the samples of its own the replica trained in the
+    recent steps as of then (`planner/restore.Line`): both published together, so two replicas compare
+    the same numbers."""
+
+    step: int
+    values: list[float]
+    own_samples: int = 0
+
+
+def _follows_diverged(ours: Fingerprint, peer_id: str, skipped: bool, peer: str, record: dict) -> bool:
+    """Peer `peer`'s progress `record` shows other parameters than `ours` at the same step, and this
+    replica is the one of the pair that follows (`planner/restore.follows_on_mismatch`)."""
+    theirs, their_own = record.get("fp"), record.get("fp_own")
+    if record.get("fp_epoch") != ours.step or not isinstance(theirs, list) or len(theirs) != 2:
+        return False
+    own = their_own if isinstance(their_own, int) else 0
+    if not follows_on_mismatch(
+        Line(peer_id, skipped, ours.own_samples), Line(peer, record.get("skipped") is True, own)
+    ):
+        return False
+    return any(
+        abs(a - b) > FINGERPRINT_RTOL * (abs(a) + abs(b) + 1e-12)
+        for a, b in zip(theirs, ours.values, strict=True)
+    )
+
 
 # Replicas on the same kind of device hold bitwise-equal parameters; one step applied from different
 # contributions changes the sums by ~1e-4 relative and more. Replicas on different hardware would drift
@@ -126,7 +162,8 @@ class StageSynchronizer:
         self.counters = SyncCounters()
         self.serving = threading.Event()
         self.stop_event = threading.Event()
-        self._fp: tuple[int, list[float]] | None = None  # (step, parameter fingerprint at that step)
+        self._fp: Fingerprint | None = None
+        self._own_recent: deque[int] = deque(maxlen=RECENT_STEPS)  # own samples of the last steps applied
         rule = LagRule(
             settings.lag_grace_s,
             settings.evidence_ttl_s,
@@ -242,12 +279,14 @@ class StageSynchronizer:
                 logger.exception("stage sync tick failed")
 
     # checks -------------------------------------------------------------------------------------
-    def step_applied(self, epoch: int, fingerprint: list[float] | None) -> None:
-        """Called after every applied step (from the event loop). Not published at once: a DHT store
-        per step per replica cost CPU the stage needs (several steps per second on `tiny`); the
-        heartbeat carries the epoch and its fingerprint together."""
+    def step_applied(self, epoch: int, fingerprint: list[float] | None, own_samples: int = 0) -> None:
+        """Called after every applied step (from the event loop), with the samples of its own the step
+        applied (0 for a replay). Not published at once: a DHT store per step per replica cost CPU the
+        stage needs (several steps per second on `tiny`); the heartbeat carries the epoch and its
+        fingerprint together."""
+        self._own_recent.append(own_samples)
         if fingerprint is not None:  # None: a local step (swarm.local_steps), replicas differ until the round
-            self._fp = (epoch, fingerprint)
+            self._fp = Fingerprint(epoch, fingerprint, sum(self._own_recent))
         self.untrained = self.restored = False
         self.averager.state_sharing_priority = self._sharing_priority()
 
@@ -263,15 +302,20 @@ class StageSynchronizer:
         self._other_ahead_since_s = None
 
     def check_other_stages(
-        self, epoch: int, now_s: float, stranded_grace_s: float | None = None, abandon_close: bool = False
+        self,
+        epoch: int,
+        now_s: float,
+        stranded_grace_s: float | None = None,
+        abandon_close: bool = False,
+        at_least: int = 0,
     ) -> None:
         """No replica of this stage is ahead: are the other stages, for longer than a step takes?
         `stranded_grace_s`: instead of the settings' (no replica that answers is ahead); `abandon_close`:
         neither a close of this replica's step nor the samples it holds of it hold it back, and it adopts
-        at least the step after its own (a vouched close says the stage ran the step; those who hold it
-        are silent)."""
+        at least `at_least`, and at least the step after its own (a vouched close says the stage ran the
+        step; those who hold it are silent)."""
         other = self._other_stages_step()
-        target = max(other, epoch + 1) if abandon_close else other
+        target = max(other, epoch + 1, at_least) if abandon_close else other
         if target <= epoch or abandon_close != self._abandoning:
             # the clock of one kind of adoption is not the other's: a close is given up only after
             # its holders were silent for the whole grace
@@ -295,7 +339,7 @@ class StageSynchronizer:
         )
         if action == "advance":
             if target > other:
-                why = f"a trainer's close of step {epoch} came and the replicas that ran it are silent"
+                why = f"trainers closed step {target - 1} here and the replicas that ran it are silent"
             else:
                 why = f"the other stages at {other}"
             self._advance(epoch, target, now_s - since, why)
@@ -435,22 +479,9 @@ class StageSynchronizer:
         at the same step."""
         if self._fp is None:
             return frozenset()
-        step, ours = self._fp
-        diverged = set()
-        for peer, value in others.items():
-            theirs = value.get("fp")
-            if (
-                follows_on_mismatch(self.peer_id, self.skipped, peer, value.get("skipped") is True)
-                and value.get("fp_epoch") == step
-                and isinstance(theirs, list)
-                and len(theirs) == 2
-            ):
-                if any(
-                    abs(a - b) > FINGERPRINT_RTOL * (abs(a) + abs(b) + 1e-12)
-                    for a, b in zip(theirs, ours, strict=True)
-                ):
-                    diverged.add(peer)
-        return frozenset(diverged)
+        return frozenset(
+            p for p, v in others.items() if _follows_diverged(self._fp, self.peer_id, self.skipped, p, v)
+        )
 
     def _sharing_priority(self) -> float:
         """Donors are picked by the highest priority: the step, a state that skipped steps half a step
@@ -459,11 +490,15 @@ class StageSynchronizer:
 
     @property
     def fingerprint(self) -> list | None:
-        return None if self._fp is None else [self._fp[0], list(self._fp[1])]
+        return None if self._fp is None else [self._fp.step, list(self._fp.values)]
 
     def _refresh_fingerprint(self) -> None:
-        """After the state changed other than by a step (download, restore): fingerprint it as it is."""
-        self._fp = self._on_compute(lambda: (self.worker.epoch, self.worker.param_fingerprint()))
+        """After the state changed other than by a step (download, restore): fingerprint it as it is. The
+        samples it trained before are no longer on its line."""
+        self._own_recent.clear()
+        self._fp = Fingerprint(
+            *self._on_compute(lambda: (self.worker.epoch, self.worker.param_fingerprint()))
+        )
 
     def _on_compute(self, fn):
         return self.compute.submit(fn, PRIORITY_SYNC).result(timeout=self.settings.compute_timeout_s)
@@ -484,8 +519,9 @@ class StageSynchronizer:
                 "samples": self.worker.unapplied_samples,
                 "digest": self.digest,
                 "serving": self.serving.is_set(),
-                "fp_epoch": None if self._fp is None else self._fp[0],
-                "fp": None if self._fp is None else self._fp[1],
+                "fp_epoch": None if self._fp is None else self._fp.step,
+                "fp": None if self._fp is None else self._fp.values,
+                "fp_own": None if self._fp is None else self._fp.own_samples,
                 "skipped": self.skipped,
                 "restored": self.restored,  # from a checkpoint, no step since (`_swarm_restarting`)
             }
