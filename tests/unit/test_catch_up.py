@@ -172,6 +172,11 @@ CASES = [
         CatchUp(ADOPT, grace_s=3.0, end=13, abandon_close=True),
     ),
     (
+        "the same, but it holds samples or a close of the next step: not past that one",
+        _view(held_since_s=NOW - 4.0, asked={}, ahead=_trusted(12, age_s=5.0), next_held=11),
+        CatchUp(ADOPT, grace_s=3.0, end=11, abandon_close=True),
+    ),
+    (
         "the same, the close far ahead: at most a close window past its step",
         _view(held_since_s=NOW - 4.0, asked={}, ahead=_trusted(40, age_s=5.0)),
         CatchUp(ADOPT, grace_s=3.0, end=14, abandon_close=True),

@@ -118,3 +118,5 @@ def test_of_two_mismatched_replicas_the_one_that_skipped_steps_or_trained_less_f
     assert not follows(("B", False, 256), ("A", False, 0)) and follows(("A", False, 0), ("B", False, 256))
     assert follows(("B", False, 8), ("A", True, 0)) is False  # skipped still comes first
     assert follows(("B", False, 8), ("A", False, 8))  # a tie: by id
+    # a peer of an earlier version publishes no count: both go by id
+    assert follows(("B", False, 8), ("A", False, None)) and not follows(("A", False, 0), ("B", False, None))

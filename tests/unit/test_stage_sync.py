@@ -738,6 +738,15 @@ def test_a_replica_gives_up_its_steps_close_only_when_the_catch_up_abandons_it(m
         sync.check_other_stages(7, time.monotonic(), 0.1, abandon_close=True, at_least=10)
         time.sleep(0.15)
     assert worker.epoch == 10 and sync.skipped
+    # the step loop applied the step while the adoption's clock ran: a new epoch starts a new clock
+    sync.check_other_stages(10, time.monotonic(), 0.1, abandon_close=True)
+    time.sleep(0.15)
+    worker.advance_to(11)
+    sync.check_other_stages(11, time.monotonic(), 0.1, abandon_close=True)
+    assert worker.epoch == 11
+    time.sleep(0.15)
+    sync.check_other_stages(11, time.monotonic(), 0.1, abandon_close=True)
+    assert worker.epoch == 12
     sync.stop()
 
 
@@ -790,4 +799,4 @@ def test_a_stuck_replica_whose_ping_round_fails_ends_its_tick(make_sync):
     assert not ticking.is_alive() and steps.asked == 1
     steps._answers = lambda: {"A": None}  # asked, the holder silent: adopt, giving the close up
     sync.tick()
-    assert steps.asked == 2 and sync._abandoning
+    assert steps.asked == 2 and sync._adoption is not None and sync._adoption[0]

@@ -118,6 +118,7 @@ class LagView:
     epoch_since_s: float = float("-inf")  # since when it has been at `epoch`
     stuck: Stuck | None = None  # its step has a close it has not applied
     held_since_s: float | None = None  # a training request has waited for a later epoch since then
+    next_held: int | None = None  # the lowest step past `epoch` it holds samples or a close of
     ask_failed: bool = False  # the pings could not be sent this tick: nothing that needs them happens
 
 
@@ -131,7 +132,8 @@ class CatchUp:
     end: int = 0  # REPLAY: steps epoch..end-1; ADOPT with `abandon_close`: adopt at least this step
     grace_s: float | None = None  # ADOPT: how long behind before adopting (None: a request timeout)
     behind_since_s: float | None = None  # the lag clock from now on
-    abandon_close: bool = False  # ADOPT: even while its own step has a close (its holders are silent)
+    # ADOPT: even while its own step has a close or samples (nobody reachable can finish the step)
+    abandon_close: bool = False
 
 
 def evidence_ttl_s(request_timeout_s: float, averaging_timeout_s: float) -> float:
@@ -210,16 +212,15 @@ def decide_catch_up(view: LagView, rule: LagRule) -> CatchUp:
        the same when held back (the step's closes went to the peer alone).
        Stuck, with every replica its close names silent or gone (`_holders_silent`): nobody can finish
        the step, and it adopts the other stages' step, or if they are not that far the step after the
-       highest a vouched trainer closed here (`_give_up_step`, at most a close window past its own),
-       although its step has a close (`abandon_close`), and, once `close_timeout_s` has passed since
-       the close came, although it holds samples of the step (lost with it); this comes before the next
-       rule, which keeps a step with a close. Every peer silent (or none left), no samples and no kept
-       close of its step, whose vouched close (or a later one) was heard while it was far behind
-       (`_closed_elsewhere`):
-       the same adoption. Left behind, with no peer
-       that answers ahead and one silent (or none left), on
-       a fresh close from a vouched sender (`SwarmAhead.trusted`): those that ran the steps are frozen or
-       cut off, and it adopts the other stages' step after the lag grace instead of a request timeout
+       highest a vouched trainer closed here (`_give_up_step`: at most a close window past its own, and
+       never past a later step it holds samples or a close of), although its step has a close
+       (`abandon_close`), and, once `close_timeout_s` has passed since the close came, although it
+       holds samples of the step (lost with it); this comes before the next rules, which keep a step
+       with a close. Every peer silent (or none left), no samples and no kept close of its step, and a
+       vouched close of its step or a later one heard while it was far behind (`_closed_elsewhere`):
+       the same adoption. Left behind, with no peer that answers ahead and some silent, on a fresh
+       close from a vouched sender (`SwarmAhead.trusted`): those that ran the steps are frozen or cut
+       off, and it adopts the other stages' step after the lag grace instead of a request timeout
        (the frozen peer wins a fingerprint mismatch when it wakes, planner/restore.follows_on_mismatch).
        A stranger's close far ahead makes the replica ask,
        never by itself leave its step (every peer that answers is believed; a forger cannot silence an
@@ -291,11 +292,19 @@ def _give_up_step(view: LagView, rule: LagRule) -> CatchUp:
     """Adopt past a step nobody reachable can finish: at least the step after the highest a vouched
     trainer closed here (the trainers went on past it; netbed chaos, seed 0: the other stages' records,
     the adoption's other target, were read from a DHT whose stores timed out, and a lone replica gave
-    its closes up one step at a time, 6-10 s each), but at most a close window past its own step, so a
-    vouched sender's close cannot make it skip far (the other stages' step may, as before)."""
-    floor = max(view.epoch + 1, min(view.ahead.vouched_step + 1, view.epoch + rule.window))
+    its closes up one step at a time, 6-10 s each). Never past a later step it holds samples or a close
+    of (that step can still close here, with peers that answer), and at most a close window past its own
+    step, so one vouched close cannot make it skip far: evidence further ahead takes it there a window
+    per lag grace (the other stages' step, when their records are read, at once, as before)."""
+    floor = min(view.ahead.vouched_step + 1, view.epoch + rule.window)
+    if view.next_held is not None:
+        floor = min(floor, view.next_held)
     return CatchUp(
-        ADOPT, grace_s=rule.lag_grace_s, end=floor, behind_since_s=view.behind_since_s, abandon_close=True
+        ADOPT,
+        grace_s=rule.lag_grace_s,
+        end=max(view.epoch + 1, floor),
+        behind_since_s=view.behind_since_s,
+        abandon_close=True,
     )
 
 
@@ -306,9 +315,8 @@ def _closed_elsewhere(view: LagView, rule: LagRule) -> bool:
     cut off, and none can bring this one to it. Netbed chaos, seed 0: a replica woke 50 steps behind, heard
     the close of 663 naming only its peer, which froze 2 s later; it adopted the other stages' 663 and then
     waited the stranded grace at it, the trainers' requests of 664 held, until the other stages reached
-    664. The adoption goes past the highest such close (`_give_up_step`), so the evidence is spent once
-    used and cannot walk a replica on step by step; a step with samples or a kept close is the step
-    loop's and the stuck rule's."""
+    664. The adoption goes past the highest such close (`_give_up_step`, a window at a time), not a step
+    at a time; a step with samples or a kept close is the step loop's and the stuck rule's."""
     closed = view.ahead.trusted
     if closed is None or closed.step < view.epoch or view.now_s - closed.heard_s > rule.evidence_ttl_s:
         return False

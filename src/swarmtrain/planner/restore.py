@@ -116,7 +116,8 @@ class Line:
     peer_id: str
     skipped: bool  # it adopted the other stages' step without this stage's updates of the steps between
     # samples of its own in the steps it applied among the last RECENT_STEPS, as of the fingerprint's step
-    own_samples: int = 0
+    # (None: not published, a peer of an earlier version)
+    own_samples: int | None = 0
 
 
 # how far back a replica's own samples count for which line a diverged pair keeps (`follows_on_mismatch`):
@@ -133,11 +134,16 @@ def follows_on_mismatch(ours: Line, theirs: Line) -> bool:
     other the one that computed the gradients; netbed chaos, seed 2: settled by id, the replica that had
     computed every gradient of 50 steps threw its state away for a follower's, and the loss after the
     whole-swarm restart was 5% worse. Last, the larger id follows. Both replicas read the same numbers
-    (each pinned to the fingerprint's step), so exactly one of them follows. By id alone, a replica that
+    (each pinned to the fingerprint's step), so exactly one of them follows; with a peer that does not
+    publish its own samples (an earlier version) both go by id, as before. By id alone, a replica that
     wakes from a freeze, adopts the swarm's step and has the smaller id would make its peer, which applied
     the steps it missed, throw them away (bench/chaos.py --netbed, docs/LOG.md)."""
     if ours.skipped != theirs.skipped:
         return ours.skipped
-    if ours.own_samples != theirs.own_samples:
+    if (
+        ours.own_samples is not None
+        and theirs.own_samples is not None
+        and ours.own_samples != theirs.own_samples
+    ):
         return ours.own_samples < theirs.own_samples
     return ours.peer_id > theirs.peer_id

@@ -101,6 +101,10 @@ class StepsPort(Protocol):
         """Since when a training request has waited for parameters past this replica's epoch."""
         ...
 
+    def next_held(self) -> int | None:
+        """The lowest step past this replica's epoch it holds samples or a close of (None: none)."""
+        ...
+
     def finishing(self) -> bool:
         """The step loop is closing, exchanging or applying the step this replica is at."""
         ...
@@ -168,6 +172,9 @@ class Detached:
     def held_since(self) -> float | None:
         return None
 
+    def next_held(self) -> int | None:
+        return None
+
     def finishing(self) -> bool:
         return False
 
@@ -227,6 +234,13 @@ class StepsBridge:
         if self.steps.worker.outer is not None:
             return None
         return self.steps.versions.held_since(self.steps.worker.epoch + self.window)
+
+    def next_held(self) -> int | None:
+        # read from the sync thread while the loop adds buckets and closes: copies of the keys
+        epoch = self.steps.worker.epoch
+        held = [s for s in list(self.steps.worker.buckets) if s > epoch]
+        held += [s for s, state in list(self.steps.pending.items()) if s > epoch and state.closes]
+        return min(held, default=None)
 
     def finishing(self) -> bool:
         return self.steps.finishing == self.steps.worker.epoch
@@ -390,6 +404,7 @@ class StageCatchUp:
             ahead,
             behind_since_s=self._behind_since_s,
             stuck=stuck,
+            next_held=self.steps.next_held(),
             **known,
         )
 

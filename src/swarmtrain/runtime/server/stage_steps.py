@@ -429,9 +429,8 @@ class StepCoordinator:
         self.versions.changed()
         self.counters.last_group_size = len(contributions)
         self.ledger.write("sync", step=step, group={p: n for p, (n, _) in contributions.items()})
-        if self.on_step is not None:
-            own = contributions.get(self.peer_id)
-            self.on_step(step + 1, fingerprint, True, 0 if own is None else own[0])
+        if self.on_step is not None:  # its samples were counted by the local steps that trained them
+            self.on_step(step + 1, fingerprint, True, 0)
 
     async def _wait_for_sums(
         self, state: PendingStep, others: AbstractSet[str], ready: Callable[[PendingStep], bool] | None = None

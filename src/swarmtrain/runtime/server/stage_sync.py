@@ -66,13 +66,21 @@ class Fingerprint(NamedTuple):
     own_samples: int = 0
 
 
+def _fingerprint_record(fp: Fingerprint | None) -> dict:
+    """The progress record's fingerprint fields, from one read of it: a step may replace it meanwhile,
+    and its parts must agree."""
+    if fp is None:
+        return {"fp_epoch": None, "fp": None, "fp_own": None}
+    return {"fp_epoch": fp.step, "fp": fp.values, "fp_own": fp.own_samples}
+
+
 def _follows_diverged(ours: Fingerprint, peer_id: str, skipped: bool, peer: str, record: dict) -> bool:
     """Peer `peer`'s progress `record` shows other parameters than `ours` at the same step, and this
     replica is the one of the pair that follows (`planner/restore.follows_on_mismatch`)."""
     theirs, their_own = record.get("fp"), record.get("fp_own")
     if record.get("fp_epoch") != ours.step or not isinstance(theirs, list) or len(theirs) != 2:
         return False
-    own = their_own if isinstance(their_own, int) else 0
+    own = their_own if isinstance(their_own, int) else None  # None: a peer that does not publish it
     if not follows_on_mismatch(
         Line(peer_id, skipped, ours.own_samples), Line(peer, record.get("skipped") is True, own)
     ):
@@ -158,7 +166,8 @@ class StageSynchronizer:
         # applied them wins a fingerprint mismatch, and donors without this are preferred)
         self.skipped = False
         self._other_ahead_since_s: float | None = None
-        self._abandoning = False  # the running adoption clock gives up a close (`check_other_stages`)
+        # what the running adoption clock is for (`check_other_stages`): giving a close up or not, at which epoch
+        self._adoption: tuple[bool, int] | None = None
         self.counters = SyncCounters()
         self.serving = threading.Event()
         self.stop_event = threading.Event()
@@ -313,13 +322,14 @@ class StageSynchronizer:
         `stranded_grace_s`: instead of the settings' (no replica that answers is ahead); `abandon_close`:
         neither a close of this replica's step nor the samples it holds of it hold it back, and it adopts
         at least `at_least`, and at least the step after its own (a vouched close says the stage ran the
-        step; those who hold it are silent)."""
+        step; those who hold it are silent). The clock restarts when the epoch moves: a replica that
+        stepped meanwhile is not the one that waited."""
         other = self._other_stages_step()
         target = max(other, epoch + 1, at_least) if abandon_close else other
-        if target <= epoch or abandon_close != self._abandoning:
+        if target <= epoch or (abandon_close, epoch) != self._adoption:
             # the clock of one kind of adoption is not the other's: a close is given up only after
             # its holders were silent for the whole grace
-            self._other_ahead_since_s, self._abandoning = None, abandon_close
+            self._other_ahead_since_s, self._adoption = None, (abandon_close, epoch)
         if target <= epoch:
             return
         since = self._other_ahead_since_s = self._other_ahead_since_s or now_s
@@ -339,7 +349,7 @@ class StageSynchronizer:
         )
         if action == "advance":
             if target > other:
-                why = f"trainers closed step {target - 1} here and the replicas that ran it are silent"
+                why = f"step {epoch} was closed here or further on, and no replica that can finish it answers"
             else:
                 why = f"the other stages at {other}"
             self._advance(epoch, target, now_s - since, why)
@@ -519,9 +529,7 @@ class StageSynchronizer:
                 "samples": self.worker.unapplied_samples,
                 "digest": self.digest,
                 "serving": self.serving.is_set(),
-                "fp_epoch": None if self._fp is None else self._fp.step,
-                "fp": None if self._fp is None else self._fp.values,
-                "fp_own": None if self._fp is None else self._fp.own_samples,
+                **_fingerprint_record(self._fp),
                 "skipped": self.skipped,
                 "restored": self.restored,  # from a checkpoint, no step since (`_swarm_restarting`)
             }
