@@ -324,19 +324,26 @@ class _FakeCuda:
         self.now += self.queued_s
         self.queued_s = 0.0
 
+    def current_stream(self, device=None) -> types.SimpleNamespace:
+        """The calling thread's stream: the queued kernels are this fake's only stream's."""
+        return types.SimpleNamespace(synchronize=lambda: self.synchronize(device))
+
     def perf_counter(self) -> float:
         self.calls.append(("read",))
         return self.now
 
 
 def test_busy_clock_on_cuda_waits_for_queued_kernels(monkeypatch):
-    """The CUDA branch of busy_clock_s against a fake torch.cuda.synchronize and wall clock (this
-    machine has no GPU; the test runs on CPU): it synchronizes the given device before each read, so a
-    job's difference is the time of the kernels it queued, not the earlier job's, and not ~0."""
+    """The CUDA branch of busy_clock_s against a fake torch.cuda.current_stream and wall clock (this
+    machine has no GPU; the test runs on CPU): it synchronizes the given device's current stream before
+    each read, so a job's difference is the time of the kernels it queued, not the earlier job's, and
+    not ~0. The current stream, not the whole device: a reply's copy to the host on a side stream must
+    not hold the compute thread (tests/unit/test_send_overlap.py, gpu tier)."""
     import swarmtrain.model.device as device_module
 
     gpu = _FakeCuda()
-    monkeypatch.setattr(torch.cuda, "synchronize", gpu.synchronize)
+    monkeypatch.setattr(torch.cuda, "current_stream", gpu.current_stream)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: pytest.fail("the whole device was waited on"))
     fake_time = types.SimpleNamespace(perf_counter=gpu.perf_counter, thread_time=time.thread_time)
     monkeypatch.setattr(device_module, "time", fake_time)
     device = torch.device("cuda", 1)

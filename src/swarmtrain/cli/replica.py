@@ -75,7 +75,13 @@ def register(subparsers) -> None:
     parser.add_argument(
         "--eval-samples", type=int, default=0, help="at the end, the validation loss on this many samples"
     )
-    parser.add_argument("--threads", type=positive_int, metavar="N", help="torch CPU threads")
+    parser.add_argument(
+        "--threads",
+        type=positive_int,
+        metavar="N",
+        help="torch CPU threads (default: torch's choice, one per core: a replica trains a whole model; "
+        "pass 1 where several replicas or servers share a machine's cores)",
+    )
     parser.add_argument(
         "--offload-budget-mb",
         type=float,

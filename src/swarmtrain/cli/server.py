@@ -114,7 +114,14 @@ def register(subparsers) -> None:
         help="serve initial weights even though the swarm has already trained and this stage has no live "
         "replica or checkpoint (its training so far is lost); without it such a server refuses to start",
     )
-    parser.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads (default: 1)")
+    parser.add_argument(
+        "--threads",
+        type=positive_int,
+        metavar="N",
+        help="torch CPU threads for the host's tensor work (default: 1 on CPU, where a swarm's servers share "
+        "a machine's cores; on CUDA min(4, this process's cores), for what stays on the host: the stage "
+        "exchange's gradient sums and their robust mean). The server prints it when it is ready",
+    )
     parser.add_argument(
         "--cache-size",
         type=positive_int,
@@ -174,6 +181,7 @@ def run(args: argparse.Namespace, faults: FaultHooks | None = None) -> int:
     from swarmtrain.config.errors import UserError
 
     prepare_process()
+    from swarmtrain.model.device import server_threads
     from swarmtrain.net.engine import validate_initial_peers
     from swarmtrain.runtime.faults import NO_FAULTS
     from swarmtrain.runtime.server.server_process import ServerOptions, ServerProcess
@@ -219,7 +227,7 @@ def run(args: argparse.Namespace, faults: FaultHooks | None = None) -> int:
         stage=stage,
         initial_peers=initial_peers,
         network=network,
-        threads=args.threads,
+        threads=args.threads or server_threads(compute.device),
         ledger_path=args.ledger,
         stage_choice=choice,
         metrics_period_s=args.metrics_period_s,

@@ -7,15 +7,16 @@ are not rounded to 8 mantissa bits (bf16) and a replica's state is the same kind
 peers compute in. fp16's narrow range needs a loss scaler (`grad_scaler`); bf16 has fp32's range and
 needs none. bf16 autocast runs on CPU too, which is how the mixed-precision path is tested here.
 
-The CUDA-only code is the two branches marked "CUDA" below (a pinned staging copy, a synchronize before
-reading the clock), and net/device_bytes.py's staging buffers. They run in the `gpu` test tier
-(tests/unit/test_device.py, tests/unit/test_codec_device.py); on CPU the busy clock's is run against a
-fake torch.cuda.synchronize.
+The CUDA-only code is the two branches marked "CUDA" below (a pinned staging copy, a synchronize of the
+current stream before reading the clock), and net/device_bytes.py's staging buffers and streams. They run
+in the `gpu` test tier (tests/unit/test_device.py, tests/unit/test_codec_device.py); on CPU the busy
+clock's is run against a fake torch.cuda.current_stream.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from dataclasses import dataclass
 
@@ -131,10 +132,28 @@ CPU_FP32 = ComputeDevice(torch.device("cpu"), "fp32")  # the default of every AP
 
 def busy_clock_s(device: torch.device) -> float:
     """A clock whose differences around one job are the time the device spent on it: this thread's CPU
-    time on CPU (exact however busy the machine is); on CUDA, wall time read after a synchronize,
-    because kernels run asynchronously and the launching thread's CPU time would read near zero. The
-    compute thread runs one job at a time, so the synchronize at a job's start waits for nothing of it."""
+    time on CPU (exact however busy the machine is); on CUDA, wall time read after synchronizing this
+    thread's current stream, because kernels run asynchronously and the launching thread's CPU time would
+    read near zero. The compute thread runs one job at a time, so the synchronize at a job's start waits
+    for nothing of it. The current stream only, not the whole device: a reply's encoding and its copy to
+    the host run on a side stream (net/device_bytes.behind_current) and must not hold the compute thread
+    (they are not counted as the job's time; decodes the job used are, the current stream waits for them)."""
     if device.type == "cuda":  # CUDA
-        torch.cuda.synchronize(device)
+        torch.cuda.current_stream(device).synchronize()
         return time.perf_counter()
     return time.thread_time()
+
+
+def server_threads(device: torch.device, cores: int | None = None) -> int:
+    """A stage server's torch CPU threads when `--threads` is not given. CPU: 1, because a CPU swarm's
+    servers share a machine's cores (and tests and benches run several per machine). CUDA: the per-element
+    work is on the device, but host tensor work remains (the stage exchange's gradient sums, their robust
+    mean, sealed buckets): a few threads, min(4, the cores this process may run on; `cores` for tests)."""
+    if device.type != "cuda":
+        return 1
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(SERVER_CUDA_THREADS, cores))
+
+
+SERVER_CUDA_THREADS = 4  # a CUDA server's default torch threads, on a machine with that many cores

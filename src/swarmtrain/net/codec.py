@@ -22,7 +22,8 @@ to a whole block.
 
 Integer and bool tensors are never compressed (token ids, labels): any codec sends them raw.
 Everything is vectorized torch on the tensor's device (a stage server's GPU: net/device_bytes.py moves
-only payload bytes between it and the host); no numpy round trips, no Python loops over blocks.
+only payload bytes between it and the host; on CUDA `decode` and `encode_behind` run on side streams,
+overlapping the compute queued there); no numpy round trips, no Python loops over blocks.
 hivemind's own 8-bit codecs fail under numpy 2 and are ~10x slower (docs/DESIGN.md section 4).
 """
 
@@ -107,27 +108,62 @@ def effective_codec(dtype: torch.dtype, codec: str) -> str:
     return codec
 
 
+@dataclass(frozen=True)
+class PendingTensor:
+    """An encoding whose payload is still being copied to the host (`encode_behind` on CUDA)."""
+
+    codec: str
+    dtype: str
+    shape: tuple[int, ...]
+    download: device_bytes.Download
+
+    def result(self) -> EncodedTensor:
+        """The encoding, once the payload's copy has run (waits for that copy alone)."""
+        return EncodedTensor(self.codec, self.dtype, self.shape, self.download.result())
+
+
 def encode(tensor: torch.Tensor, codec: str, stochastic: bool = False) -> EncodedTensor:
     """Encode a tensor (any layout, on any device: the arithmetic runs where it is, only the payload's
     bytes come to the host) with `codec`; integer tensors are sent as they are. `stochastic`: unbiased
     stochastic rounding (for gradients) in the codecs below 8 bits."""
+    applied, payload = _payload(tensor, codec, stochastic)
+    return EncodedTensor(
+        applied, DTYPE_NAMES[tensor.dtype], tuple(tensor.shape), device_bytes.download(payload)
+    )
+
+
+def encode_behind(
+    tensor: torch.Tensor, codec: str, stochastic: bool = False
+) -> EncodedTensor | PendingTensor:
+    """`encode`, overlapped with what the caller queues next on CUDA: the arithmetic and the payload's
+    copy to the host run on a side stream, after the work queued so far on the current stream (the
+    tensor's own computation included), and nothing waits for them here; the `PendingTensor`'s `result()`
+    does (net/device_bytes.py, `behind_current`). `tensor` must not be written to afterwards. Off CUDA:
+    `encode`, the same code in the same order; the bytes are the same on every device."""
+    if tensor.device.type != "cuda":
+        return encode(tensor, codec, stochastic)
+    with device_bytes.behind_current(tensor):
+        applied, payload = _payload(tensor, codec, stochastic)
+        download = device_bytes.start_download(payload)
+    return PendingTensor(applied, DTYPE_NAMES[tensor.dtype], tuple(tensor.shape), download)
+
+
+def _payload(tensor: torch.Tensor, codec: str, stochastic: bool) -> tuple[str, torch.Tensor]:
+    """(the codec applied, the payload as a uint8 tensor beside `tensor`)."""
     if tensor.dtype not in DTYPE_NAMES:
         raise CodecError(f"unsupported dtype {tensor.dtype}")
-    tensor = tensor.detach()
     applied = effective_codec(tensor.dtype, codec)
-    flat = tensor.contiguous().view(-1)
+    flat = tensor.detach().contiguous().view(-1)
     if flat.numel() == 0:
-        payload = b""
-    elif applied == "none":
-        payload = device_bytes.download(_as_bytes(flat))
-    elif applied == "float16":
-        payload = device_bytes.download(_as_bytes(flat.to(torch.float16)))
-    elif applied == "8bit":
-        payload = device_bytes.download(_encode_8bit(flat))
-    else:
-        bits, rotated = LOWBIT[applied]
-        payload = device_bytes.download(_encode_lowbit(flat, bits, rotated, stochastic))
-    return EncodedTensor(applied, DTYPE_NAMES[tensor.dtype], tuple(tensor.shape), payload)
+        return applied, torch.empty(0, dtype=torch.uint8, device=flat.device)
+    if applied == "none":
+        return applied, _as_bytes(flat)
+    if applied == "float16":
+        return applied, _as_bytes(flat.to(torch.float16))
+    if applied == "8bit":
+        return applied, _encode_8bit(flat)
+    bits, rotated = LOWBIT[applied]
+    return applied, _encode_lowbit(flat, bits, rotated, stochastic)
 
 
 def decode(encoded: EncodedTensor, device: torch.device | None = None) -> torch.Tensor:

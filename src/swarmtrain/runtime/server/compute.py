@@ -13,6 +13,12 @@ the work, so several trainers' micro-batches in one call serve more samples per 
 to arrive together (a bundle's items, a batched forward's backwards coming back in one reply) reach the
 queue a few callbacks apart, and an idle thread would start the first alone: an item names how many
 `mates` it expects, and a thread with nothing else queued waits up to `MATES_WAIT_S` for them.
+
+Finishing (`finish`, a CUDA server's): a job may return before its outcome is complete (a reply whose
+payloads are still being copied to the host, runtime/server/stage_replies.py). Its outcomes then go to a
+second thread, `<name>-send`, which finishes them and hands them to their callers in the order the jobs
+ran, while the compute thread takes its next job. Without `finish` (CPU) the compute thread hands its
+outcomes over itself, as before.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import asyncio
 import concurrent.futures
 import heapq
 import itertools
+import queue
 import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
@@ -72,14 +79,20 @@ class ComputeWorker:
         name: str = "stage-compute",
         busy_clock: Callable[[], float] = time.thread_time,
         max_batch_tokens: int = 0,
+        finish: Callable[[Any], Any] | None = None,
     ) -> None:
         """`busy_clock`: differences around a job are the device's time on it (`model.device.busy_clock_s`:
-        this thread's CPU time on CPU, wall time after a synchronize on CUDA). `max_batch_tokens`: the
-        most tokens one batched call takes (0: every request runs alone)."""
+        this thread's CPU time on CPU, wall time after synchronizing its current stream on CUDA).
+        `max_batch_tokens`: the most tokens one batched call takes (0: every request runs alone).
+        `finish(outcome)`: what the caller gets for an outcome, computed on the send thread (None: the
+        outcome, from this thread)."""
         self._heap: list[_Job] = []
         self._ready = threading.Condition()
         self._order = itertools.count()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._finish = finish
+        self._outbox: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()  # ran jobs, for the send thread
+        self._sender = threading.Thread(target=self._send_loop, name=f"{name}-send", daemon=True)
         self._stopped = threading.Event()
         self._busy_clock = busy_clock
         self.max_batch_tokens = max_batch_tokens
@@ -92,12 +105,17 @@ class ComputeWorker:
 
     def start(self) -> None:
         self._thread.start()
+        if self._finish is not None:
+            self._sender.start()
 
     def stop(self, timeout_s: float = 5.0) -> None:
         self._stopped.set()
         self._push(_Job(-1, next(self._order), None, None, None))
         if self._thread.is_alive():
             self._thread.join(timeout_s)
+        self._outbox.put(None)  # after the jobs that ran: their callers still get their outcomes
+        if self._sender.is_alive():
+            self._sender.join(timeout_s)
 
     @property
     def queue_len(self) -> int:
@@ -212,6 +230,19 @@ class ComputeWorker:
         self.work_s_by_priority[priority] = self.work_s_by_priority.get(priority, 0.0) + work_s
         self.tasks_done += len(jobs)
         self.calls += 1
+        if self._finish is None:
+            self._hand_over(jobs, outcomes, error, elapsed_s)
+        else:  # the next job starts now; the send thread finishes these outcomes meanwhile
+            self._outbox.put((jobs, outcomes, error, elapsed_s))
+
+    def _send_loop(self) -> None:
+        while (ran := self._outbox.get()) is not None:
+            self._hand_over(*ran)
+
+    def _hand_over(
+        self, jobs: list[_Job], outcomes: Sequence[Any] | None, error: BaseException | None, elapsed_s: float
+    ) -> None:
+        """Each job's outcome (finished, with `finish`) or the error to its caller."""
         total_tokens = sum(j.batch.tokens for j in jobs if j.batch is not None) or 1
         for i, job in enumerate(jobs):
             assert job.future is not None
@@ -220,6 +251,11 @@ class ComputeWorker:
                 continue
             assert outcomes is not None
             outcome = outcomes[i]
+            if self._finish is not None and not isinstance(outcome, BaseException):
+                try:
+                    outcome = self._finish(outcome)
+                except Exception as exc:  # this caller's failure; the others' outcomes still go
+                    outcome = exc
             if isinstance(outcome, BaseException):
                 job.future.set_exception(outcome)
             elif job.batch is None:

@@ -478,6 +478,7 @@ def _ready_line(service: StageService, node: Node) -> str:
     """The line launchers wait for (local_swarm.READY_MARKER): everything, sockets included, exists."""
     worker, compute = service.worker, service.options.compute.describe()
     return (
-        f"stage {service.spec.index} replica {node.peer_id} ready (epoch {worker.epoch}, {compute}, forward "
-        f"graphs kept within {worker.cache_max_bytes >> 20} MB); addresses: {' '.join(node.addresses)}"
+        f"stage {service.spec.index} replica {node.peer_id} ready (epoch {worker.epoch}, {compute}, "
+        f"{torch.get_num_threads()} torch threads, forward graphs kept within {worker.cache_max_bytes >> 20} "
+        f"MB); addresses: {' '.join(node.addresses)}"
     )

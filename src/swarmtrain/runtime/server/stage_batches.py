@@ -34,8 +34,9 @@ import torch
 
 from swarmtrain.config import RunConfig
 from swarmtrain.model.device import ComputeDevice, busy_clock_s
-from swarmtrain.net.protocol import Message, ProtocolError, StageRequest, make_message
+from swarmtrain.net.protocol import ProtocolError, StageRequest
 from swarmtrain.runtime.server.compute import BatchItem
+from swarmtrain.runtime.server.stage_replies import Reply
 from swarmtrain.runtime.server.stage_worker import CacheEntry, StageWorker, all_finite
 
 
@@ -73,7 +74,7 @@ def backwards_left(worker: StageWorker, micro_batch_id: str) -> int:
     return len(group.pending) if isinstance(group, Group) and group.pending else 1
 
 
-def run_forwards(worker: StageWorker, requests: list[StageRequest]) -> Sequence[Message | Exception]:
+def run_forwards(worker: StageWorker, requests: list[StageRequest]) -> Sequence[Reply | Exception]:
     """`worker.forward` of each request (the last stage's fused forward and backward included)."""
     if len(requests) == 1:
         return _one_by_one(worker.forward, requests)
@@ -86,7 +87,7 @@ def run_forwards(worker: StageWorker, requests: list[StageRequest]) -> Sequence[
     return _forward_group(worker, requests)
 
 
-def run_backwards(worker: StageWorker, requests: list[StageRequest]) -> Sequence[Message | Exception]:
+def run_backwards(worker: StageWorker, requests: list[StageRequest]) -> Sequence[Reply | Exception]:
     """`worker.backward` of each request. The members here of a group back-propagate its graph once
     (whether or not the whole group is here); a micro-batch with a graph of its own uses it; the others
     (no graph kept) are recomputed together in one forward and one backward."""
@@ -94,7 +95,7 @@ def run_backwards(worker: StageWorker, requests: list[StageRequest]) -> Sequence
     by_mb = {r.micro_batch_id: r for r in requests}
     if len(by_mb) < len(requests) or not _may_share_accumulation(worker, requests):
         return [_guarded(lambda r=r: worker.backward_from(r, entries[r.micro_batch_id])) for r in requests]
-    outcomes: dict[str, Message | Exception] = {}
+    outcomes: dict[str, Reply | Exception] = {}
     for group in {id(e.group): e.group for e in entries.values() if e is not None and e.group}.values():
         assert isinstance(group, Group)
         here = [mb for mb in group.members if mb in by_mb and mb in group.pending]
@@ -121,7 +122,7 @@ def run_backwards(worker: StageWorker, requests: list[StageRequest]) -> Sequence
 
 
 # forwards ---------------------------------------------------------------------------------------------
-def _evaluate(worker: StageWorker, requests: list[StageRequest]) -> list[Message | Exception]:
+def _evaluate(worker: StageWorker, requests: list[StageRequest]) -> list[Reply | Exception]:
     inputs, offsets = _concat(worker, [r.inputs for r in requests])
     with torch.no_grad():
         outputs = worker.run_module(worker.live, inputs, *_logits_args(worker, requests))
@@ -131,32 +132,31 @@ def _evaluate(worker: StageWorker, requests: list[StageRequest]) -> list[Message
             mb = request.micro_batch_id
             if worker.spec.is_last:
                 loss = worker.module.loss(outputs[a:b], worker.compute.to_device(request.labels))
-                replies.append(make_message("result", {"mb": mb, "loss": float(loss)}, {}, request.codec))
+                replies.append(worker.replies.result({"mb": mb, "loss": float(loss)}, {}, request.codec))
             else:
-                tensors = {"outputs": worker.compute.wire(outputs[a:b])}
-                replies.append(make_message("result", {"mb": mb}, tensors, request.codec))
+                replies.append(worker.replies.result({"mb": mb}, {"outputs": outputs[a:b]}, request.codec))
     return replies
 
 
-def _forward_group(worker: StageWorker, requests: list[StageRequest]) -> list[Message | Exception]:
+def _forward_group(worker: StageWorker, requests: list[StageRequest]) -> list[Reply | Exception]:
     inputs, offsets = _concat(worker, [r.inputs for r in requests])
     inputs = inputs if worker.spec.is_first else inputs.detach().requires_grad_(True)
     params = worker.live
     outputs = worker.run_module(params, inputs)
     members = tuple(r.micro_batch_id for r in requests)
     group = Group(members, offsets, inputs, outputs, params)
-    replies: list[Message | Exception] = []
+    replies: list[Reply | Exception] = []
     for request, (a, b) in zip(requests, _spans(offsets), strict=True):
         entry = CacheEntry(worker.epoch, inputs[a:b].detach(), outputs[a:b], params, group=group)
         worker.cache_put(request.micro_batch_id, entry)
         worker.counters.forward += 1
         worker.counters.samples_forward += request.num_samples
-        tensors = {"outputs": worker.compute.wire(outputs[a:b])}
-        replies.append(make_message("result", {"mb": request.micro_batch_id}, tensors, request.codec))
+        tensors = {"outputs": outputs[a:b]}
+        replies.append(worker.replies.result({"mb": request.micro_batch_id}, tensors, request.codec))
     return replies
 
 
-def _fused(worker: StageWorker, requests: list[StageRequest]) -> list[Message | Exception]:
+def _fused(worker: StageWorker, requests: list[StageRequest]) -> list[Reply | Exception]:
     """The last stage's forward, loss and backward of several micro-batches in one graph."""
     inputs, offsets = _concat(worker, [r.inputs for r in requests])
     inputs = inputs.detach().requires_grad_(not worker.spec.is_first)
@@ -175,14 +175,14 @@ def _fused(worker: StageWorker, requests: list[StageRequest]) -> list[Message | 
     if not all_finite(param_grads):
         return _one_by_one(worker.forward, requests)  # find the micro-batch at fault, keep the others
     worker.accumulate(requests, param_grads)
-    replies: list[Message | Exception] = []
+    replies: list[Reply | Exception] = []
     for request, loss, (a, b) in zip(requests, losses, spans, strict=True):
         worker.counters.fused += 1
         worker.counters.samples_forward += request.num_samples
         sent = grads[-1][a:b, ..., worker.grad_columns] if wants_input_grad else None  # coordinates only
-        tensors = {"grad_inputs": worker.compute.wire(sent)} if sent is not None else {}
+        tensors = {"grad_inputs": sent} if sent is not None else {}
         header = {"mb": request.micro_batch_id, "loss": float(loss.detach()), "acc": request.num_samples}
-        replies.append(make_message("result", header, tensors, request.codec))
+        replies.append(worker.replies.result(header, tensors, request.codec))
     return replies
 
 
@@ -234,14 +234,14 @@ def _group_backward(worker: StageWorker, group: Group, requests: list[StageReque
     if not all_finite(param_grads):  # each recomputes alone, so only the one at fault is refused
         return {r.micro_batch_id: _guarded(lambda r=r: worker.backward_from(r, None)) for r in requests}
     worker.accumulate(requests, param_grads)
-    outcomes: dict[str, Message | Exception] = {}
+    outcomes: dict[str, Reply | Exception] = {}
     for request in requests:
         a, b = spans[request.micro_batch_id]
         worker.counters.backward += 1
         sent = grads[-1][a:b, ..., worker.grad_columns] if wants_input_grad else None  # coordinates only
-        tensors = {"grad_inputs": worker.compute.wire(sent)} if sent is not None else {}
+        tensors = {"grad_inputs": sent} if sent is not None else {}
         header = {"mb": request.micro_batch_id, "acc": request.num_samples}
-        outcomes[request.micro_batch_id] = make_message("result", header, tensors, request.codec)
+        outcomes[request.micro_batch_id] = worker.replies.result(header, tensors, request.codec)
     return outcomes
 
 
@@ -273,11 +273,11 @@ def _spans(offsets: tuple[int, ...]) -> list[tuple[int, int]]:
     return list(zip(offsets[:-1], offsets[1:], strict=True))
 
 
-def _one_by_one(fn, requests: list[StageRequest]) -> list[Message | Exception]:
+def _one_by_one(fn, requests: list[StageRequest]) -> list[Reply | Exception]:
     return [_guarded(lambda r=r: fn(r)) for r in requests]
 
 
-def _guarded(call) -> Message | Exception:
+def _guarded(call) -> Reply | Exception:
     """A request's outcome: its reply, or the protocol error its caller gets (others in the call go on)."""
     try:
         return call()

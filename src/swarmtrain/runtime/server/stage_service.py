@@ -72,6 +72,7 @@ from swarmtrain.runtime.server.stage_checkpoint import checkpointer_for
 from swarmtrain.runtime.server.stage_desk import Admission, Handler, MicroBatchDesk
 from swarmtrain.runtime.server.stage_exchange import StagePeerLink, StepExchange
 from swarmtrain.runtime.server.stage_members import LiveReplicas, keep_live_replicas_fresh, read_live_replicas
+from swarmtrain.runtime.server.stage_replies import finished
 from swarmtrain.runtime.server.stage_status import (
     CacheUsage,
     StageSnapshot,
@@ -189,11 +190,9 @@ class StageService:
             init_from_hf=options.init_from_hf,
             fault_grad_scale=self.faults.grad_scale,
             compute=options.compute,
+            overlap_sends=options.compute.device.type == "cuda",  # the sending half of the overlap
         )
-        self.compute = ComputeWorker(
-            busy_clock=partial(busy_clock_s, options.compute.device),
-            max_batch_tokens=options.max_batch_tokens,
-        )
+        self.compute = compute_thread(self.worker, options.max_batch_tokens)
         self.capacity = CapacityMeter(
             self._start_samples_per_s or probe_samples_per_s(self.worker, cfg, options.compute),
             min_samples=4 * cfg.training.micro_batch_size,
@@ -536,3 +535,14 @@ class StageService:
         compute_s = by_priority.get(PRIORITY_FORWARD, 0.0) + by_priority.get(PRIORITY_BACKWARD, 0.0)
         stats = self._transport.stats if self._transport is not None else None
         return compute_s + (stats.cpu_s((*TRAINING_KINDS, BUNDLE_KIND)) if stats is not None else 0.0)
+
+
+def compute_thread(worker: StageWorker, max_batch_tokens: int) -> ComputeWorker:
+    """The stage's compute thread: its busy clock reads the worker's device; when the worker's replies
+    leave with their payloads still copying to the host (`Replies.overlap`, a CUDA server), its send
+    thread finishes them before their callers see them (runtime/server/stage_replies.py)."""
+    return ComputeWorker(
+        busy_clock=partial(busy_clock_s, worker.compute.device),
+        max_batch_tokens=max_batch_tokens,
+        finish=finished if worker.replies.overlap else None,
+    )

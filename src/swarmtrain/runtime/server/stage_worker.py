@@ -6,7 +6,9 @@ Every method except `export_state` runs on the server's single compute thread (r
 
 Device: the stage's parameters, optimizer state, cached graphs and open gradient buckets live on the
 `ComputeDevice` (model/device.py), forwards run under its autocast; what crosses to the network or to the
-other replicas is on the host: results in fp32, a sealed bucket's sums, exported state.
+other replicas is on the host: results in fp32 (encoded on the device, `replies`: on a CUDA server their
+payloads may still be copying when a method returns, runtime/server/stage_replies.py), a sealed bucket's
+sums, exported state.
 
 Gradient bookkeeping: every training request names the global step it belongs to, and its gradient
 goes into that step's bucket. The last stage back-propagates `loss * batch_size`, so buckets hold
@@ -38,8 +40,9 @@ from swarmtrain.model.device import CPU_FP32, ComputeDevice
 from swarmtrain.model.diloco import OuterOptimizer
 from swarmtrain.model.hf_checkpoint import load_stage_from_hf
 from swarmtrain.model.optim import build_optimizer, lr_at, set_lr
-from swarmtrain.net.protocol import Message, ProtocolError, StageRequest, make_message
+from swarmtrain.net.protocol import ProtocolError, StageRequest
 from swarmtrain.runtime.ledger import Ledger
+from swarmtrain.runtime.server.stage_replies import Replies, Reply
 
 
 @dataclass
@@ -104,14 +107,18 @@ class StageWorker:
         init_from_hf: str | Path | None = None,
         fault_grad_scale: float = 1.0,
         compute: ComputeDevice = CPU_FP32,
+        overlap_sends: bool = False,
     ) -> None:
         """`init_from_hf`: a Hugging Face model directory whose weights replace the seed's initial ones
         (only this stage's tensors are read); they are what a stage with no trained replica or
         checkpoint starts from, like the seed's weights would be. `fault_grad_scale`: a byzantine
         replica's factor on its gradient sums (tests; runtime/faults.py). `compute`: the device and the
         autocast dtype. `cache_max_bytes`: memory for kept forward graphs (None: the device's default,
-        `ComputeDevice.graph_budget_bytes`, read once the parameters and optimizer state exist)."""
+        `ComputeDevice.graph_budget_bytes`, read once the parameters and optimizer state exist).
+        `overlap_sends`: on CUDA, replies leave with their payloads still copying (`Replies.overlap`; on
+        CPU there is nothing to overlap: replies are made as without it)."""
         self.cfg, self.spec, self.compute = cfg, spec, compute
+        self.replies = Replies(compute, overlap_sends and compute.device.type == "cuda")
         self.module = build_stage(cfg.model, spec, seed=cfg.training.seed)
         # after a subspace boundary the inputs' last column is the token ids (net/token_ids.py): their
         # (zero) gradient is not sent, only the coordinates' columns of an input gradient are
@@ -154,7 +161,7 @@ class StageWorker:
         return cache_max_bytes, per_sample
 
     # requests -----------------------------------------------------------------------------------
-    def forward(self, request: StageRequest) -> Message:
+    def forward(self, request: StageRequest) -> Reply:
         if self.spec.is_last:
             return self._forward_last(request)
         inputs = self.compute.to_device(request.inputs)
@@ -168,17 +175,12 @@ class StageWorker:
             outputs = entry.outputs
             self.counters.forward += 1
             self.counters.samples_forward += request.num_samples
-        return make_message(
-            "result",
-            {"mb": request.micro_batch_id},
-            {"outputs": self.compute.wire(outputs)},
-            request.codec,
-        )
+        return self.replies.result({"mb": request.micro_batch_id}, {"outputs": outputs}, request.codec)
 
-    def backward(self, request: StageRequest) -> Message:
+    def backward(self, request: StageRequest) -> Reply:
         return self.backward_from(request, self.cache_pop(request.micro_batch_id))
 
-    def backward_from(self, request: StageRequest, entry: CacheEntry | None) -> Message:
+    def backward_from(self, request: StageRequest, entry: CacheEntry | None) -> Reply:
         """The backward of one micro-batch whose cache entry (if any) was already taken."""
         mb = request.micro_batch_id
         inputs = self.compute.to_device(request.inputs)
@@ -191,17 +193,17 @@ class StageWorker:
             request, entry.outputs, grad_outputs, entry.inputs, entry.params
         )
         sent = None if grad_inputs is None else grad_inputs[..., self.grad_columns]
-        tensors = {} if sent is None else {"grad_inputs": self.compute.wire(sent)}
-        return make_message("result", {"mb": mb, "acc": accumulated}, tensors, request.codec)
+        tensors = {} if sent is None else {"grad_inputs": sent}
+        return self.replies.result({"mb": mb, "acc": accumulated}, tensors, request.codec)
 
-    def _forward_last(self, request: StageRequest) -> Message:
+    def _forward_last(self, request: StageRequest) -> Reply:
         mb, n = request.micro_batch_id, request.num_samples
         inputs, labels = self.compute.to_device(request.inputs), self.compute.to_device(request.labels)
         if request.evaluate:  # loss only, nothing kept
             with torch.no_grad():
                 loss = self.run_module(self.live, inputs, labels)
             self.counters.eval += 1
-            return make_message("result", {"mb": mb, "loss": float(loss)}, {}, request.codec)
+            return self.replies.result({"mb": mb, "loss": float(loss)}, {}, request.codec)
         inputs = inputs.detach().requires_grad_(not self.spec.is_first)
         params = self.live
         loss = self.run_module(params, inputs, labels)
@@ -209,9 +211,9 @@ class StageWorker:
         self.counters.samples_forward += n
         grad_inputs, accumulated = self._backpropagate(request, loss * n, None, inputs, params)
         sent = None if grad_inputs is None else grad_inputs[..., self.grad_columns]
-        tensors = {} if sent is None else {"grad_inputs": self.compute.wire(sent)}
+        tensors = {} if sent is None else {"grad_inputs": sent}
         header = {"mb": mb, "loss": float(loss.detach()), "acc": accumulated}
-        return make_message("result", header, tensors, request.codec)
+        return self.replies.result(header, tensors, request.codec)
 
     def entry_usable(self, entry: CacheEntry, inputs: torch.Tensor) -> bool:
         """A cached graph serves a backward if it is recent and was built on the same inputs."""
