@@ -386,6 +386,31 @@ def test_a_replica_that_missed_steps_replays_them_from_a_peers_means(tiny_cfg, m
     asyncio.run(scenario())
 
 
+def test_an_epoch_moved_by_the_sync_thread_is_reached_by_the_step_loop_at_once(tiny_cfg, start_compute):
+    """Netbed chaos, seed 2: a trainer's empty close came 0.16 s after an adoption, before the step loop's
+    next poll reached the step; taken for a close sent ahead of the step, it waited a second close
+    timeout (20 s without a micro-batch). The adoption wakes the step loop: the step is reached then."""
+
+    async def scenario():
+        settings = StepSettings(close_timeout_s=5.0, exchange_timeout_s=5.0, poll_s=5.0)  # a slow poll
+        node = (await _replicas(tiny_cfg, ["C"], Net(), start_compute, settings))["C"]
+        bridge = StepsBridge(node, None, asyncio.get_running_loop())
+        loop_task = asyncio.create_task(node.run())
+        await _until(lambda: 0 in node.pending and node.pending[0].reached_s is not None)
+
+        def adopt() -> float:  # what the sync thread does
+            node.worker.advance_to(3)
+            bridge.epoch_moved()
+            return time.monotonic()
+
+        moved_s = await asyncio.to_thread(adopt)
+        await _until(lambda: 3 in node.pending and node.pending[3].reached_s is not None, timeout_s=2.0)
+        assert node.pending[3].reached_s - moved_s < 1.0
+        loop_task.cancel()
+
+    asyncio.run(scenario())
+
+
 def test_a_replica_trailing_its_stage_refuses_requests_at_once_and_lets_go_of_held_ones(
     tiny_cfg, micro_batches, start_compute
 ):
