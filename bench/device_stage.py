@@ -7,9 +7,10 @@ bf16; request batching off vs on with several trainers; on CUDA, the layer swapp
 Rows, all measured in this one invocation, one after the other (the bench runs nothing beside a
 measurement but the processes it names; the machine itself may be shared, see the local rows):
 - local stage S: stage S of --preset built with `swarmtrain.model.build_stage` in this process on the
-  device, `--threads` torch threads (the servers' count), forward + backward of random micro-batches of
-  the row's size (compute under the dtype's autocast, fp32 master weights, the optimizer step once per
-  global batch: what a server computes), for --local-duration-s of wall time after 2 untimed ones;
+  device, `--threads` torch threads (the servers' count; default what a server takes without it, 1 on
+  CPU and min(4, cores) on CUDA), forward + backward of random micro-batches of the row's size
+  (compute under the dtype's autocast, fp32 master weights, the optimizer step once per global batch:
+  what a server computes), for --local-duration-s of wall time after 2 untimed ones;
   samples/s. For the served rows it runs right before and right after the swarm and the two are averaged
   (a warning is printed when they differ by more than 20%: the machine's load changed meanwhile);
 - served: a DHT, one `swarmtrain server --stage S --threads T --device D --dtype X` per stage and one
@@ -65,7 +66,7 @@ import torch
 
 from swarmtrain.config import RunConfig, StageSpec, get_preset, load_run_config
 from swarmtrain.model import build_model, build_stage
-from swarmtrain.model.device import ComputeDevice, DeviceError, resolve_device
+from swarmtrain.model.device import ComputeDevice, DeviceError, resolve_device, server_threads
 from swarmtrain.model.optim import build_optimizer
 from swarmtrain.runtime.harness.local_swarm import LocalSwarm, SwarmStartError, write_run_toml
 from swarmtrain.runtime.ledger import read_ledger
@@ -738,7 +739,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--local-duration-s", type=float, help=f"per local stage (default {DEFAULT_LOCAL_DURATION_S:g})"
     )
     parser.add_argument(
-        "--threads", type=int, default=1, help="torch threads per server and local (default 1)"
+        "--threads",
+        type=int,
+        help="torch threads per server and local (default: a server's own, 1 on CPU, min(4, cores) on CUDA)",
     )
     parser.add_argument("--batch-micro-batch", type=int, default=2, help="micro-batch of the batching rows")
     parser.add_argument(
@@ -763,7 +766,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     _apply_defaults(args)
     positive = ("duration_s", "local_duration_s", "threads", "batch_micro_batch", "swap_budget_fraction")
     non_negative = (args.warmup_s, args.max_batch_tokens, args.in_flight)
-    if any(getattr(args, name) <= 0 for name in positive) or min(non_negative) < 0:
+    given = [getattr(args, name) for name in positive if getattr(args, name) is not None]  # None: default
+    if any(value <= 0 for value in given) or min(non_negative) < 0:
         parser.error(
             f"{', '.join('--' + n.replace('_', '-') for n in positive)} must be positive, "
             "--warmup-s, --max-batch-tokens and --in-flight >= 0"
@@ -842,6 +846,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     args.device_name = str(args.device)
+    args.threads = args.threads or server_threads(args.device)  # what a server takes without --threads
     signal.signal(signal.SIGTERM, _raise_interrupt)
     torch.set_num_threads(args.threads)  # the local rows: as many threads as a server has
     with ExitStack() as stack:

@@ -36,7 +36,9 @@ def test_defaults_and_quick_defaults():
     args = bench.parse_args([])
     assert (args.dtypes, args.trainers) == (["fp32", "bf16"], [1, 4, 8])
     assert (args.duration_s, args.warmup_s, args.local_duration_s) == (30.0, 5.0, 5.0)
-    assert (args.device, args.threads, args.batch_micro_batch, args.max_batch_tokens) == ("auto", 1, 2, 0)
+    # --threads: None here, a server's own default once the device is known (main: server_threads)
+    assert (args.device, args.threads, args.batch_micro_batch, args.max_batch_tokens) == ("auto", None, 2, 0)
+    assert bench.parse_args(["--threads", "3"]).threads == 3
     assert args.in_flight == 0  # the trainer's own default
     quick = bench.parse_args(["--quick"])
     assert (quick.dtypes, quick.trainers, quick.duration_s, quick.warmup_s) == (["fp32"], [4], 10.0, 3.0)
