@@ -7,8 +7,9 @@ thread goes on, and its send thread waits for that copy's event before the calle
 the bytes and the code path are today's.
 
 CPU tests here: the CPU path gives the reference bytes; the download bookkeeping (a pinned buffer lent to
-one copy at a time, given back only once its bytes were read; the event waited on before reading) against
-fake buffers and events; the compute thread's send thread; `server_threads`. The `gpu` tests (skipped
+one copy at a time, given back only once its bytes were read, or once its download is dropped unread; the
+event waited on before reading) against fake buffers and events; the per-device maps' keys; the compute
+thread's send thread, stopping included; `server_threads`. The `gpu` tests (skipped
 without CUDA) check on a device that the overlapped bytes are the host's, that a result encoded behind is
 not corrupted by the next job's compute, that buffers are not reused too early, and that neither the
 compute thread nor its busy clock waits for the copy.
@@ -17,13 +18,14 @@ compute thread nor its busy clock waits for the copy.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import threading
 import time
 
 import pytest
 import torch
 
-from swarmtrain.model.device import CPU_FP32, ComputeDevice, busy_clock_s, server_threads
+from swarmtrain.model.device import CPU_FP32, ComputeDevice, busy_clock_s, resolve_device, server_threads
 from swarmtrain.net import codec, device_bytes
 from swarmtrain.net.protocol import Message, StageRequest, make_message, pack
 from swarmtrain.runtime.server.compute import PRIORITY_FORWARD, BatchItem, ComputeWorker
@@ -212,6 +214,37 @@ def test_a_download_waits_for_its_copy_then_gives_its_buffer_back(monkeypatch):
     assert c.result() == bytes([3]) * 40  # a buffer lent again carries the new copy's bytes
 
 
+def test_a_download_dropped_unread_gives_its_buffer_back(monkeypatch):
+    pool = _fake_start(monkeypatch)
+    copied, pending = (device_bytes.start_download(torch.full((64,), i, dtype=torch.uint8)) for i in (1, 2))
+    copied._event.synchronize()  # this copy has run; the other has not
+    assert pool.lent == 2
+    del copied, pending
+    gc.collect()
+    assert pool.lent == 0
+    assert len(pool._idle) == 1  # the copied one is lent again; the one a copy may still write is let go
+    again = device_bytes.start_download(torch.full((64,), 5, dtype=torch.uint8))
+    assert again.result() == bytes([5]) * 64 and pool.lent == 0
+
+
+def test_a_batch_failing_after_its_replies_were_started_gives_their_buffers_back(monkeypatch):
+    pool = _fake_start(monkeypatch)
+
+    def run_many(items):
+        started = [device_bytes.start_download(torch.full((8,), 1, dtype=torch.uint8)) for _ in items]
+        assert len(started) == len(items)
+        raise RuntimeError("the batch failed after making its replies")
+
+    worker = _started(finish=finished, max_batch_tokens=64)
+    future = worker.submit(None, PRIORITY_FORWARD, batch=BatchItem("k", 8, "x", run_many))
+    with pytest.raises(RuntimeError, match="after making its replies"):
+        future.result(HANG_GUARD_S)
+    worker.stop()
+    del future  # its error's traceback held the replies made
+    gc.collect()
+    assert pool.lent == 0
+
+
 def test_a_pending_reply_finishes_to_the_reference_message(monkeypatch):
     """What the send thread makes of a reply whose payloads were still copying: the Message
     `make_message` makes, packed to the same bytes, tensors in order."""
@@ -293,18 +326,63 @@ def test_without_finish_outcomes_are_handed_over_by_the_compute_thread_as_before
 
 
 def test_stopping_delivers_the_outcomes_of_the_jobs_that_ran():
-    release = threading.Event()
+    started = threading.Event()
 
     def finish(outcome):
-        release.wait(HANG_GUARD_S)
+        worker._stopped.wait(HANG_GUARD_S)  # a copy still running when stop is called
         return outcome
 
     worker = _started(finish=finish)
-    future = worker.submit(lambda: "ran", PRIORITY_FORWARD)
-    time.sleep(0.05)  # the job has run; its outcome waits on the send thread
-    threading.Timer(0.05, release.set).start()
-    worker.stop()
-    assert future.result(HANG_GUARD_S) == "ran" and not worker._sender.is_alive()
+    future = worker.submit(lambda: started.set() or "ran", PRIORITY_FORWARD)
+    assert started.wait(HANG_GUARD_S)  # taken before the stop marker: it runs, whatever the machine's load
+    worker.stop()  # its outcome is held on the send thread until now
+    assert future.result(HANG_GUARD_S) == "ran"
+    worker._sender.join(HANG_GUARD_S)
+    assert not worker._sender.is_alive()
+
+
+def test_a_job_still_running_when_stop_gives_up_waiting_still_reaches_its_caller():
+    started, release = threading.Event(), threading.Event()
+
+    def job():
+        started.set()
+        release.wait(HANG_GUARD_S)
+        return "late"
+
+    worker = _started(finish=lambda outcome: f"{outcome} finished")
+    future = worker.submit(job, PRIORITY_FORWARD)
+    queued = worker.submit(lambda: "never run", PRIORITY_FORWARD)
+    assert started.wait(HANG_GUARD_S)
+    worker.stop(timeout_s=0.01)  # returns with the job still running
+    assert worker._thread.is_alive() and not future.done()
+    release.set()
+    assert future.result(HANG_GUARD_S) == "late finished"  # the send thread waited for it
+    with pytest.raises(RuntimeError, match="compute worker stopped"):
+        queued.result(HANG_GUARD_S)
+    worker._thread.join(HANG_GUARD_S)
+    worker._sender.join(HANG_GUARD_S)
+    assert not worker._thread.is_alive() and not worker._sender.is_alive()
+
+
+def test_a_jobs_seconds_include_what_its_busy_clock_waited_for():
+    """On CUDA a job's call only queues its kernels, and the busy clock's reading at its end waits for
+    them: the job's seconds (a reply's `compute_s`) are read after that, so they include them."""
+    readings: list[float] = []
+
+    def clock() -> float:
+        if len(readings) % 2 == 1:  # the reading at the job's end: the device finishes the job meanwhile
+            time.sleep(0.05)
+        readings.append(time.perf_counter())
+        return readings[-1]
+
+    worker = _started(busy_clock=clock, max_batch_tokens=64)
+    try:
+        item = BatchItem("k", 8, "x", lambda items: list(items))
+        outcome, share_s = worker.submit(None, PRIORITY_FORWARD, batch=item).result(HANG_GUARD_S)
+        assert outcome == "x" and share_s >= 0.05 and worker.busy_s >= 0.05
+        assert worker.work_s_by_priority[PRIORITY_FORWARD] >= 0.05
+    finally:
+        worker.stop()
 
 
 # a server's default threads ------------------------------------------------------------------------------
@@ -330,6 +408,21 @@ def test_the_server_threads_flag_defaults_by_device_and_says_so(capsys):
     assert "default: torch's choice, one per core" in " ".join(capsys.readouterr().out.split())
 
 
+# per-device maps ----------------------------------------------------------------------------------------------
+def test_device_keys_name_a_cuda_device_by_its_index(monkeypatch):
+    """`cuda` and `cuda:N` (N the current device) get one side stream and one staging pool: tensors on it
+    say `cuda:N`. Nothing here touches CUDA (the current device is faked)."""
+    cpu = torch.device("cpu")
+    assert device_bytes.device_key(cpu) is cpu and device_bytes.device_key(torch.device("meta")).index is None
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    assert device_bytes.device_key(torch.device("cuda")) == torch.device("cuda", 2)
+    assert device_bytes.device_key(torch.device("cuda", 1)) == torch.device("cuda", 1)  # kept as it is
+    monkeypatch.setattr(device_bytes, "_pools", {})
+    shared = device_bytes._pool(torch.device("cuda"))
+    assert device_bytes._pool(torch.device("cuda", 2)) is shared
+    assert device_bytes._pool(torch.device("cuda", 1)) is not shared
+
+
 # on a GPU (skipped without one; not run when this was written) -------------------------------------------
 def _delay_side_stream(device: torch.device, cycles: int = 200_000_000) -> None:
     """Queue ~0.1 s of sleep on this thread's side stream, so what `encode_behind` queues there next
@@ -343,7 +436,7 @@ def _delay_side_stream(device: torch.device, cycles: int = 200_000_000) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", DETERMINISTIC)
 def test_on_cuda_a_reply_encoded_behind_has_the_host_bytes(name):
-    device = torch.device("cuda")
+    device = resolve_device("cuda")  # as a server makes it: cuda:N
     values = activations().view(50, 100)
     behind = codec.encode_behind(values.to(device), name)
     assert isinstance(behind, codec.PendingTensor)
@@ -357,7 +450,7 @@ def test_on_cuda_a_result_encoded_behind_is_not_corrupted_by_the_next_jobs_compu
     """The result's memory goes back to the allocator as soon as the compute thread drops it; the next
     job's allocations of its size, written at once on the current stream, must not get it before the
     side stream (delayed here) has encoded it."""
-    device = torch.device("cuda")
+    device = resolve_device("cuda")  # as a server makes it: cuda:N
     host = activations(1 << 20, seed=6)
     expected = codec.encode(host, "8bit")
     for _ in range(3):
@@ -373,7 +466,7 @@ def test_on_cuda_a_result_encoded_behind_is_not_corrupted_by_the_next_jobs_compu
 
 @pytest.mark.gpu
 def test_on_cuda_staging_buffers_are_not_reused_before_their_bytes_are_read(monkeypatch):
-    device = torch.device("cuda")
+    device = resolve_device("cuda")  # as a server makes it: cuda:N
     pool = device_bytes._pool(device)
     lent_before = pool.lent
     _delay_side_stream(device)
@@ -393,7 +486,7 @@ def test_on_cuda_staging_buffers_are_not_reused_before_their_bytes_are_read(monk
 
 @pytest.mark.gpu
 def test_on_cuda_neither_the_compute_thread_nor_its_busy_clock_waits_for_the_copy():
-    device = torch.device("cuda")
+    device = resolve_device("cuda")  # as a server makes it: cuda:N
     values = activations(1 << 16, seed=7)
     _delay_side_stream(device)
     pending = codec.encode_behind(values.to(device), "8bit")
@@ -404,7 +497,7 @@ def test_on_cuda_neither_the_compute_thread_nor_its_busy_clock_waits_for_the_cop
 
 @pytest.mark.gpu
 def test_on_cuda_a_server_reply_sent_through_the_send_thread_is_the_plain_one(tiny_cfg):
-    device = ComputeDevice(torch.device("cuda"))
+    device = ComputeDevice.from_names("cuda")  # as a server makes it
     cfg, spec = _middle_stage(tiny_cfg)
     plain = StageWorker(cfg, spec, compute=device)
     overlapped = StageWorker(cfg, spec, compute=device, overlap_sends=True)
@@ -419,3 +512,24 @@ def test_on_cuda_a_server_reply_sent_through_the_send_thread_is_the_plain_one(ti
             assert pack(sent.result(HANG_GUARD_S)) == pack(plain.forward(request))
     finally:
         worker.stop()
+
+
+@pytest.mark.gpu
+def test_on_cuda_a_device_named_without_its_index_is_the_current_one():
+    named, indexed = torch.device("cuda"), resolve_device("cuda")
+    assert device_bytes.device_key(named) == indexed == torch.device("cuda", torch.cuda.current_device())
+    assert device_bytes._side(named) is device_bytes._side(indexed)
+    assert device_bytes._pool(named) is device_bytes._pool(indexed)
+    assert ComputeDevice(named).to_device(torch.ones(3, device=indexed)).device == indexed  # not pinned
+    assert ComputeDevice(named).to_device(torch.ones(3)).device == indexed
+
+
+@pytest.mark.gpu
+def test_on_cuda_an_empty_reply_tensor_takes_no_staging_buffer():
+    device = resolve_device("cuda")
+    pool = device_bytes._pool(device)
+    lent_before = pool.lent
+    for name in ("none", "8bit", "4bit-rht"):
+        empty = codec.encode_behind(torch.empty(0, 7, device=device), name)
+        assert empty == codec.encode(torch.empty(0, 7), name) and empty.payload == b""
+        assert pool.lent == lent_before

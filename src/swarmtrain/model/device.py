@@ -86,11 +86,11 @@ class ComputeDevice:
 
     def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         """A received tensor on the compute device (one a stage decoded there already stays as it is)."""
-        if tensor.device == self.device or self.device.type != "cuda":
-            return tensor.to(self.device)
-        # CUDA: through a pinned host buffer, so the copy is a DMA that does not block this thread; the
-        # caching host allocator keeps the buffer until the copy on the current stream has run. Only
-        # small tensors come this way (token ids, labels): float ones arrive decoded on the device
+        if tensor.device.type != "cpu" or self.device.type != "cuda":
+            return tensor.to(self.device)  # on a device already (`cuda` and `cuda:0` alike): no pinning
+        # a host tensor to CUDA: through a pinned host buffer, so the copy is a DMA that does not block
+        # this thread; the caching host allocator keeps the buffer until the copy on the current stream
+        # has run. Only small tensors come this way (token ids, labels): float ones arrive decoded there
         return tensor.pin_memory().to(self.device, non_blocking=True)
 
     def wire(self, tensor: torch.Tensor) -> torch.Tensor:

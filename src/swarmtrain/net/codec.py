@@ -138,9 +138,10 @@ def encode_behind(
     """`encode`, overlapped with what the caller queues next on CUDA: the arithmetic and the payload's
     copy to the host run on a side stream, after the work queued so far on the current stream (the
     tensor's own computation included), and nothing waits for them here; the `PendingTensor`'s `result()`
-    does (net/device_bytes.py, `behind_current`). `tensor` must not be written to afterwards. Off CUDA:
-    `encode`, the same code in the same order; the bytes are the same on every device."""
-    if tensor.device.type != "cuda":
+    does (net/device_bytes.py, `behind_current`). `tensor` must not be written to afterwards. Off CUDA,
+    and for an empty tensor (its payload is empty: no copy, no staging buffer): `encode`, the same code
+    in the same order; the bytes are the same on every device."""
+    if tensor.device.type != "cuda" or tensor.numel() == 0:
         return encode(tensor, codec, stochastic)
     with device_bytes.behind_current(tensor):
         applied, payload = _payload(tensor, codec, stochastic)

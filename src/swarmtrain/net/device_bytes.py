@@ -30,8 +30,10 @@ The two halves of the overlap with compute, on CUDA:
 from __future__ import annotations
 
 import contextlib
+import queue
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -82,11 +84,15 @@ def download(payload: torch.Tensor) -> bytes:
 class Download:
     """A payload's bytes on their way to the host: the copy into a pinned `buffer` lent by `pool`, and
     the `event` recorded behind it. `result()` waits for that event, reads the bytes and gives the buffer
-    back (once: later calls return the same bytes). One thread calls `result()`."""
+    back (once: later calls return the same bytes). One thread calls `result()`. A download dropped
+    unread (a batch that failed after making some of its replies, a reply never finished) gives its
+    buffer back when it is collected (`StagingPool.drop`), so none stays counted as lent."""
 
     def __init__(self, pool: StagingPool, buffer: Any, event: Any, size: int) -> None:
         self._pool, self._buffer, self._event, self._size = pool, buffer, event, size
         self._bytes: bytes | None = None
+        self._unread = weakref.finalize(self, pool.drop, buffer, event)
+        self._unread.atexit = False  # at exit nothing is lent any more, and CUDA may be gone
 
     def done(self) -> bool:
         """Whether `result()` would return without waiting (the copy has run, or the bytes were read)."""
@@ -96,6 +102,7 @@ class Download:
         if self._bytes is None:
             self._event.synchronize()  # this copy alone: the compute queued since goes on
             self._bytes = self._buffer[: self._size].numpy().tobytes()
+            self._unread.detach()
             self._pool.give_back(self._buffer, self._event)  # read: a later copy may write into it
             self._buffer = self._event = None
         return self._bytes
@@ -117,20 +124,31 @@ class StagingPool:
     time: a buffer comes back (`give_back`) only once its bytes were read, so two copies pending at once
     (a reply still being read while the next job's is started) never share one. Buffers are reused, grown
     as needed, never pinned anew per message; at most `keep` idle ones are held, a surplus one is let go
-    (torch's pinned-memory cache takes it back). `new_buffer(size)` and `new_event()` make them (tests
-    give fakes)."""
+    (torch's pinned-memory cache takes it back, once the copies recorded on it have run). `new_buffer(size)`
+    and `new_event()` make them (tests give fakes)."""
 
     def __init__(self, new_buffer: Callable[[int], Any], new_event: Callable[[], Any], keep: int = 4) -> None:
         self._new_buffer, self._new_event, self.keep = new_buffer, new_event, keep
         self._idle: list[tuple[Any, Any]] = []  # (buffer, event), every copy from or into them done
         self._lock = threading.Lock()
-        self.lent = 0  # buffers out now
+        self._lent = 0
+        # buffers of downloads dropped unread; a queue, not the lock: `drop` runs in a finalizer, which
+        # may interrupt this pool's own thread while it holds the lock (SimpleQueue.put is reentrant)
+        self._dropped: queue.SimpleQueue[tuple[Any, Any]] = queue.SimpleQueue()
+
+    @property
+    def lent(self) -> int:
+        """Buffers out now."""
+        with self._lock:
+            self._settle()
+            return self._lent
 
     def lend(self, size: int) -> tuple[Any, Any]:
         """An idle buffer of at least `size` bytes (the smallest that fits) and its event, or a new one
         (twice the largest idle one when that one is too small: a growing message grows it a few times)."""
         with self._lock:
-            self.lent += 1
+            self._settle()
+            self._lent += 1
             by_size = sorted(range(len(self._idle)), key=lambda i: self._idle[i][0].numel())
             fitting = [i for i in by_size if self._idle[i][0].numel() >= size]
             if fitting:
@@ -142,8 +160,22 @@ class StagingPool:
     def give_back(self, buffer: Any, event: Any) -> None:
         """A lent buffer whose bytes were read (and whose copy therefore ran)."""
         with self._lock:
-            self.lent -= 1
+            self._settle()
+            self._lent -= 1
             if len(self._idle) < self.keep:
+                self._idle.append((buffer, event))
+
+    def drop(self, buffer: Any, event: Any) -> None:
+        """A lent buffer whose bytes will never be read (its download was dropped): no longer lent; idle
+        again if its copy has run, else let go. Safe from a finalizer: settled by the pool's next call."""
+        self._dropped.put((buffer, event))
+
+    def _settle(self) -> None:
+        """Take the dropped buffers back (the lock held)."""
+        while not self._dropped.empty():
+            buffer, event = self._dropped.get()
+            self._lent -= 1
+            if event.query() and len(self._idle) < self.keep:  # never one a pending copy still writes
                 self._idle.append((buffer, event))
 
 
@@ -188,20 +220,30 @@ def _as_is(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def device_key(device: torch.device) -> torch.device:
+    """`device` as the per-device maps here key it: a CUDA device without an index is the current one
+    (`cuda` and `cuda:0` are one device, and its tensors say `cuda:0`); any other device as it is."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def _side(device: torch.device) -> torch.cuda.Stream:
     streams = getattr(_staging, "streams", None)
     if streams is None:
         streams = _staging.streams = {}
-    if device not in streams:
-        streams[device] = torch.cuda.Stream(device)
-    return streams[device]
+    key = device_key(device)
+    if key not in streams:
+        streams[key] = torch.cuda.Stream(key)
+    return streams[key]
 
 
 def _pool(device: torch.device) -> StagingPool:
+    key = device_key(device)
     with _pools_lock:
-        if device not in _pools:
-            _pools[device] = StagingPool(lambda size: _pinned(device, size), torch.cuda.Event)
-        return _pools[device]
+        if key not in _pools:
+            _pools[key] = StagingPool(lambda size: _pinned(key, size), torch.cuda.Event)
+        return _pools[key]
 
 
 def _pinned(device: torch.device, size: int) -> torch.Tensor:
@@ -214,6 +256,7 @@ def _upload_buffer(device: torch.device, size: int) -> tuple[torch.Tensor, torch
     buffers = getattr(_staging, "buffers", None)
     if buffers is None:
         buffers = _staging.buffers = {}
+    device = device_key(device)
     held = buffers.get(device)
     if held is None or held[0].numel() < size:
         if held is not None:

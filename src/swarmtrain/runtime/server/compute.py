@@ -109,11 +109,13 @@ class ComputeWorker:
             self._sender.start()
 
     def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop taking jobs: the queued ones fail, the running one finishes. Waits up to `timeout_s` for
+        each thread; a job still running then goes on, and its outcome still reaches its caller (the
+        compute thread ends the send thread's queue only after its last job's outcomes)."""
         self._stopped.set()
         self._push(_Job(-1, next(self._order), None, None, None))
         if self._thread.is_alive():
             self._thread.join(timeout_s)
-        self._outbox.put(None)  # after the jobs that ran: their callers still get their outcomes
         if self._sender.is_alive():
             self._sender.join(timeout_s)
 
@@ -195,13 +197,16 @@ class ComputeWorker:
         )
 
     def _loop(self) -> None:
-        while not self._stopped.is_set():
-            jobs = [j for j in self._take() if self._runnable(j)]
-            if any(j.fn is None and j.batch is None for j in jobs):
-                break
-            if jobs:
-                self._run(jobs)
-        self._fail_queued()
+        try:
+            while not self._stopped.is_set():
+                jobs = [j for j in self._take() if self._runnable(j)]
+                if any(j.fn is None and j.batch is None for j in jobs):
+                    break
+                if jobs:
+                    self._run(jobs)
+            self._fail_queued()
+        finally:  # after the outcomes of every job that ran: their callers still get them
+            self._outbox.put(None)
 
     def _runnable(self, job: _Job) -> bool:
         """Claims the job's future (False: cancelled, or expired in the queue and failed)."""
@@ -223,10 +228,12 @@ class ComputeWorker:
         # counted before the callers see the outcome: whoever counts the job's samples then finds its
         # work counted too (a window with samples and not their CPU read 5,556 samples per CPU second
         # for a 190 one, and the balancer planned a move back)
+        work_s = self._busy_clock() - start_work_s
+        # read after the busy clock: on CUDA it waited for the job's kernels, which the call only queued
+        # (its replies' encoding and copy to the host, on a side stream, are not waited for)
         elapsed_s = time.perf_counter() - start
         self.busy_s += elapsed_s
         priority = jobs[0].priority
-        work_s = self._busy_clock() - start_work_s
         self.work_s_by_priority[priority] = self.work_s_by_priority.get(priority, 0.0) + work_s
         self.tasks_done += len(jobs)
         self.calls += 1
