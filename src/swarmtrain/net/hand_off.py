@@ -165,7 +165,8 @@ class HopReport:
     """One stage of a chain as the stage itself reports it: the peer, the samples it accumulated
     (0 or the micro-batch's), its time from request to reply (`server_s`), of which `compute_s` on its
     compute thread, `step_wait_s` waiting for the previous step and `child_s` in the call to the next
-    stage (its caller measured the call to it the same way)."""
+    stage (its caller measured the call to it the same way). On a CUDA server `compute_s` leaves out its
+    replies' encoding and copy to the host (runtime/server/stage_replies.py): they are in `server_s`."""
 
     stage: int
     peer: str

@@ -18,8 +18,9 @@ share (stage 0: 0.7-0.9 ms compute at 8 and at 50 samples/s). What every replica
 is left out, so a plan slightly overrates what one more replica adds: with 4 replicas the per-step work
 was ~6% of a 0.25-CPU server's usable CPU here, inside the policy's 10% hysteresis margin. On a GPU the
 compute thread's CPU is not its work (kernels run asynchronously on the device), so the compute thread
-reads the device's busy time instead (`model.device.busy_clock_s`: wall time after a synchronize; never
-run here, no GPU). With request batching on (`--max-batch-tokens`), a call of several micro-batches
+reads the device's busy time instead (`model.device.busy_clock_s`: wall time after synchronizing the
+compute thread's current stream only, so a reply's encoding and its copy to the host, which run on a side
+stream while the next job computes, are not counted; never run here, no GPU). With request batching on (`--max-batch-tokens`), a call of several micro-batches
 costs less per sample than one alone, so the figure then rises with the load that queues together.
 
 Samples count once their backward ran here, after the job's CPU was counted (runtime/server/compute.py),

@@ -224,7 +224,9 @@ class MicroBatchDesk:
             return error_message(str(exc), "timeout")
         except ProtocolError as exc:
             return error_message(str(exc), exc.code)
-        # queue wait + compute: the caller subtracts it from its round trip to see the transport's share
+        # queue wait + compute: the caller subtracts it from its round trip to see the transport's share.
+        # On CUDA `compute_s` (the compute thread's time) leaves out the reply's encoding and its copy to
+        # the host (a side stream, runtime/server/stage_replies.py); `server_s` includes waiting for them
         reply.header["server_s"] = round(time.monotonic() - admitted.arrived_s, 6)
         reply.header["compute_s"] = round(compute_s, 6)
         # waiting for the previous step is the step's pace, not this peer's speed: routers leave it out
