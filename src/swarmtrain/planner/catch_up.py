@@ -162,8 +162,11 @@ def trails_stage(step: int, epoch: int, newest_close: int, window: int) -> bool:
 
 def left_behind(ahead: SwarmAhead, epoch: int, now_s: float, rule: LagRule) -> bool:
     """A close past the window came within `rule.evidence_ttl_s`: another replica ran steps this one
-    has not, and it asks its stage peers how far they are."""
-    return _shows_ahead(ahead.latest, epoch, now_s, rule)
+    has not, and it asks its stage peers how far they are. The last such close, or the highest vouched
+    one: retried closes reach a woken replica in no order, and the last of them may lie within its
+    window (netbed chaos, seed 0: a replica woke 41 steps behind and asked nobody for 3 s, while the
+    one peer that had run the steps froze)."""
+    return _shows_ahead(ahead.latest, epoch, now_s, rule) or _shows_ahead(ahead.trusted, epoch, now_s, rule)
 
 
 def stuck_on_close(view: LagView, rule: LagRule) -> bool:
@@ -212,8 +215,8 @@ def decide_catch_up(view: LagView, rule: LagRule) -> CatchUp:
        the same when held back (the step's closes went to the peer alone).
        Stuck, with every replica its close names silent or gone (`_holders_silent`): nobody can finish
        the step, and it adopts the other stages' step, or if they are not that far the step after the
-       highest a vouched trainer closed here (`_give_up_step`: at most a close window past its own, and
-       never past a later step it holds samples or a close of), although its step has a close
+       highest a vouched trainer closed here (`_give_up_step`: with a peer that answers at most a close
+       window past its own, and never past a later step it holds samples or a close of), although its step has a close
        (`abandon_close`), and, once `close_timeout_s` has passed since the close came, although it
        holds samples of the step (lost with it); this comes before the next rules, which keep a step
        with a close. Every peer silent (or none left), no samples and no kept close of its step, and a
@@ -279,24 +282,27 @@ def _asked(view: LagView, rule: LagRule) -> CatchUp | None:
     # that one keeps a step with a close, so a replica with both held its step for good (netbed chaos,
     # seed 0: 25 s, until the frozen holder woke)
     if stuck is not None and _holders_silent(stuck.members, asked) and _may_drop_samples(view, stuck, rule):
-        return _give_up_step(view, rule)
+        return _give_up_step(view, rule, alone=not answered)
     if not answered and _closed_elsewhere(view, rule):
-        return _give_up_step(view, rule)
+        return _give_up_step(view, rule, alone=True)
     frozen = not answered or len(answered) < len(asked)
     if frozen and _shows_ahead(view.ahead.trusted, epoch, view.now_s, rule):
         return CatchUp(ADOPT, grace_s=rule.lag_grace_s, behind_since_s=view.behind_since_s)
     return None
 
 
-def _give_up_step(view: LagView, rule: LagRule) -> CatchUp:
+def _give_up_step(view: LagView, rule: LagRule, alone: bool) -> CatchUp:
     """Adopt past a step nobody reachable can finish: at least the step after the highest a vouched
     trainer closed here (the trainers went on past it; netbed chaos, seed 0: the other stages' records,
     the adoption's other target, were read from a DHT whose stores timed out, and a lone replica gave
     its closes up one step at a time, 6-10 s each). Never past a later step it holds samples or a close
-    of (that step can still close here, with peers that answer), and at most a close window past its own
-    step, so one vouched close cannot make it skip far: evidence further ahead takes it there a window
-    per lag grace (the other stages' step, when their records are read, at once, as before)."""
-    floor = min(view.ahead.vouched_step + 1, view.epoch + rule.window)
+    of (that step can still close here). With a stage peer that answers (`alone` false), at most a close
+    window past its own step: that peer may still be closing the steps between. With none, straight to
+    the trainers' step: a cap made a replica woken 41 steps behind adopt three times, 17 s (netbed
+    chaos, seed 0); the other stages' step, when their records are read, may take it further, as before."""
+    floor = view.ahead.vouched_step + 1
+    if not alone:
+        floor = min(floor, view.epoch + rule.window)
     if view.next_held is not None:
         floor = min(floor, view.next_held)
     return CatchUp(
@@ -315,8 +321,8 @@ def _closed_elsewhere(view: LagView, rule: LagRule) -> bool:
     cut off, and none can bring this one to it. Netbed chaos, seed 0: a replica woke 50 steps behind, heard
     the close of 663 naming only its peer, which froze 2 s later; it adopted the other stages' 663 and then
     waited the stranded grace at it, the trainers' requests of 664 held, until the other stages reached
-    664. The adoption goes past the highest such close (`_give_up_step`, a window at a time), not a step
-    at a time; a step with samples or a kept close is the step loop's and the stuck rule's."""
+    664. The adoption goes past the highest such close (`_give_up_step`), not a step at a time; a step with
+    samples or a kept close is the step loop's and the stuck rule's."""
     closed = view.ahead.trusted
     if closed is None or closed.step < view.epoch or view.now_s - closed.heard_s > rule.evidence_ttl_s:
         return False
