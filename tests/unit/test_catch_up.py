@@ -183,6 +183,11 @@ CASES = [
         CatchUp(ADOPT, grace_s=3.0, end=41, abandon_close=True),
     ),
     (
+        "the same, a vouched close absurdly far ahead: at most max_replay steps at once",
+        _view(held_since_s=NOW - 4.0, asked={}, ahead=_trusted(2**53 - 1, age_s=5.0)),
+        CatchUp(ADOPT, grace_s=3.0, end=74, abandon_close=True),
+    ),
+    (
         "the same, the close of an earlier step: nothing shows its own step ran elsewhere",
         _view(held_since_s=NOW - 4.0, asked={}, ahead=_trusted(9, age_s=5.0)),
         CatchUp(READ),

@@ -215,8 +215,8 @@ def decide_catch_up(view: LagView, rule: LagRule) -> CatchUp:
        the same when held back (the step's closes went to the peer alone).
        Stuck, with every replica its close names silent or gone (`_holders_silent`): nobody can finish
        the step, and it adopts the other stages' step, or if they are not that far the step after the
-       highest a vouched trainer closed here (`_give_up_step`: with a peer that answers at most a close
-       window past its own, and never past a later step it holds samples or a close of), although its step has a close
+       highest a vouched trainer closed here (`_give_up_step`: at most a close window past its own with a
+       peer that answers, `max_replay` with none, never past a later step it holds samples or a close of), although its step has a close
        (`abandon_close`), and, once `close_timeout_s` has passed since the close came, although it
        holds samples of the step (lost with it); this comes before the next rules, which keep a step
        with a close. Every peer silent (or none left), no samples and no kept close of its step, and a
@@ -297,12 +297,13 @@ def _give_up_step(view: LagView, rule: LagRule, alone: bool) -> CatchUp:
     the adoption's other target, were read from a DHT whose stores timed out, and a lone replica gave
     its closes up one step at a time, 6-10 s each). Never past a later step it holds samples or a close
     of (that step can still close here). With a stage peer that answers (`alone` false), at most a close
-    window past its own step: that peer may still be closing the steps between. With none, straight to
-    the trainers' step: a cap made a replica woken 41 steps behind adopt three times, 17 s (netbed
-    chaos, seed 0); the other stages' step, when their records are read, may take it further, as before."""
-    floor = view.ahead.vouched_step + 1
-    if not alone:
-        floor = min(floor, view.epoch + rule.window)
+    window past its own step: that peer may still be closing the steps between. With none, up to
+    `max_replay` steps at once: a window cap made a replica woken 41 steps behind adopt three times, 17 s
+    (netbed chaos, seed 0). A cap remains because one vouched sender's close sets `vouched_step` (in an
+    open run any trainer whose closes were found true; a forged far close from one walks a lone replica
+    `max_replay` steps per lag grace while that evidence lasts, instead of a window). The other stages'
+    step, when their records are read, may take it further, as before."""
+    floor = min(view.ahead.vouched_step + 1, view.epoch + (rule.max_replay if alone else rule.window))
     if view.next_held is not None:
         floor = min(floor, view.next_held)
     return CatchUp(

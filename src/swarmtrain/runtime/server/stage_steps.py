@@ -275,7 +275,9 @@ class StepCoordinator:
         finally:
             self._replaying = False
         self._keep_means(step, samples, kept)
-        self.pending.pop(step, None)
+        replayed = self.pending.pop(step, None)
+        if replayed is not None:  # the step loop, waiting on this step, looks at the next one now
+            replayed.changed.set()
         self.versions.changed()
         self.counters.replayed_steps += 1
         self.ledger.write("replay", step=step, n=samples, applied=applied)

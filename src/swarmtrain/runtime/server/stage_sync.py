@@ -375,6 +375,7 @@ class StageSynchronizer:
         moved = self._on_compute(advance)
         if moved is None:
             return
+        self.steps.epoch_moved()  # at once: the step loop reaches the new step before a close of it comes
         lost_samples, lost_ids = moved
         if lost_ids:  # samples accumulated for the steps given up: the ledger's accounts name them
             self.ledger.write("lost", mbs=lost_ids, n=lost_samples, reason="advance")
@@ -394,7 +395,6 @@ class StageSynchronizer:
         self.averager.state_sharing_priority = self._sharing_priority()
         self._refresh_fingerprint()
         self._other_ahead_since_s = None
-        self.steps.epoch_moved()
         self.publish()
 
     def _swarm_restarting(self, swarm_step: int, checkpoint_step: int) -> bool:
