@@ -519,4 +519,8 @@ def print_report(report: dict) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # main's cleanup has stopped every process and removed the test bed
+        print("\nchaos: interrupted; the swarm was stopped", file=sys.stderr, flush=True)
+        sys.exit(130)
