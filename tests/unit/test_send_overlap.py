@@ -24,6 +24,7 @@ import time
 
 import pytest
 import torch
+from test_codec_device import FLOAT_CODECS, activations
 
 from swarmtrain.model.device import CPU_FP32, ComputeDevice, busy_clock_s, resolve_device, server_threads
 from swarmtrain.net import codec, device_bytes
@@ -36,14 +37,7 @@ from swarmtrain.runtime.server.stage_worker import StageWorker
 pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_torch_thread")]
 
 HANG_GUARD_S = 20.0  # a future or event that never comes fails the test instead of hanging it
-DETERMINISTIC = ["none", "float16", "8bit", "4bit", "3bit", "2bit", "4bit-rht", "2bit-rht"]
-
-
-def activations(numel: int = 5000, seed: int = 0) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    values = torch.randn(numel, generator=generator)
-    values[::97] *= 40.0
-    return values
+DETERMINISTIC = FLOAT_CODECS
 
 
 # the CPU path is today's ------------------------------------------------------------------------------
