@@ -223,7 +223,10 @@ def probe_state(cfg, swarm: LocalSwarm, val_set, want_params: bool) -> dict:
     probe = SwarmProbe(cfg, [swarm.address])
     try:
         probe.wait_for_peers([1] * cfg.swarm.num_stages, timeout_s=120)
-        val_loss = probe.run(probe.trainer.evaluate(val_set, 256), timeout_s=300)
+        # the step the whole pipeline has reached: a replica released from a freeze a moment ago, or one
+        # still replaying, would otherwise answer on older parameters and the loss would read too high
+        reached = swarm_step(probe, cfg.swarm.num_stages)
+        val_loss = probe.run(probe.trainer.evaluate(val_set, 256, step=reached), timeout_s=300)
         replicas = {}
         for stage in range(cfg.swarm.num_stages):
             for peer in probe.peers(stage):
@@ -243,6 +246,23 @@ def probe_state(cfg, swarm: LocalSwarm, val_set, want_params: bool) -> dict:
         return {"val_loss": val_loss, "replicas": replicas}
     finally:
         probe.close()
+
+
+def swarm_step(probe, num_stages: int) -> int | None:
+    """The lowest over stages of the highest epoch a live server of that stage reports: a step every
+    stage has a replica at (None when some stage has no server that answers)."""
+    highest = []
+    for stage in range(num_stages):
+        epochs = []
+        for peer in probe.peers(stage):
+            try:
+                epochs.append(int(probe.info(peer).header["epoch"]))
+            except Exception:  # killed or frozen a moment ago, its announcement not yet expired
+                continue
+        if not epochs:
+            return None
+        highest.append(max(epochs))
+    return min(highest)
 
 
 def run_half(chaos: Chaos, args, half: str, duration_s: float, crash: bool) -> dict[str, int | str | None]:

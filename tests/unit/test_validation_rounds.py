@@ -38,9 +38,11 @@ def trainer_failing(failures: dict[int, int], monkeypatch) -> tuple[SwarmTrainer
     trainer.cfg = cfg.replace(swarm=dataclasses.replace(cfg.swarm, announce_period_s=0.001))
     trainer.options, trainer.tracker = TrainerOptions(trainer_id="t"), None
     asked: list[str] = []
+    trainer.versions = []  # the step each validation micro-batch named
 
     async def evaluate_one(mb, n, inputs, labels, version):
         asked.append(mb)
+        trainer.versions.append(version)
         i = int(inputs[0, 0])
         if failures.get(i, 0) > 0:
             failures[i] -= 1
@@ -63,3 +65,12 @@ def test_a_micro_batch_failing_every_round_is_a_validation_failure_naming_it(mon
     with pytest.raises(ValidationFailed, match=rf"eval1: {EVAL_ROUNDS} rounds failed, last: stage 0"):
         asyncio.run(trainer.evaluate(Batches(), 4))
     assert len(asked) == 1 + EVAL_ROUNDS
+
+
+def test_a_named_step_reaches_every_micro_batch_and_none_names_none(monkeypatch):
+    """A probe that never trained names the swarm's step (bench/chaos.py), so a replica still behind it
+    waits instead of answering on older parameters; without one, no step is named."""
+    trainer, _ = trainer_failing({}, monkeypatch)
+    asyncio.run(trainer.evaluate(Batches(), 4, step=17))
+    asyncio.run(trainer.evaluate(Batches(), 4))
+    assert trainer.versions == [17, 17, None, None]

@@ -423,13 +423,17 @@ class SwarmTrainer:
             self.tracker.finished(step, stage, peer, accumulated if isinstance(accumulated, int) else 0)
         done.add(stage)
 
-    async def evaluate(self, dataset, max_samples: int) -> float:
+    async def evaluate(self, dataset, max_samples: int, step: int | None = None) -> float:
         """Mean loss over the first validation samples, computed through the swarm (forward only), by the
         same path as training: handed from server to server with direct hand-off (`--hand-off direct`),
         through the trainer with `relay`. A validation micro-batch keeps nothing anywhere, so one that
-        failed is asked again after a pause (`EVAL_ROUNDS`); ValidationFailed when every round failed."""
+        failed is asked again after a pause (`EVAL_ROUNDS`); ValidationFailed when every round failed.
+        `step`: the parameter version every stage must have reached (default: after this trainer's last
+        step; none for a trainer that never trained, which any replica answers on whatever it holds)."""
         total, count = 0.0, 0
-        version = self.tracker.next_step if self.tracker is not None else None  # after our last step
+        version = step
+        if version is None and self.tracker is not None:
+            version = self.tracker.next_step  # after our last step
         pause_s = max(EVAL_PAUSE_MIN_S, 2 * self.cfg.swarm.announce_period_s)
         for i, (inputs, labels) in enumerate(
             dataset.ordered_batches(self.cfg.training.micro_batch_size, max_samples)
