@@ -800,3 +800,27 @@ def test_a_stuck_replica_whose_ping_round_fails_ends_its_tick(make_sync):
     steps._answers = lambda: {"A": None}  # asked, the holder silent: adopt, giving the close up
     sync.tick()
     assert steps.asked == 2 and sync._adoption is not None and sync._adoption[0]
+
+
+class SteppingAverager(FakeAverager):
+    """The replica's step loop closes a step while the state downloads."""
+
+    def __init__(self, donor_state, worker):
+        super().__init__(donor_state)
+        self.worker = worker
+
+    def download_state(self, donor_deadline_s, max_donors):
+        _train(self.worker, 2, self.worker.epoch)
+        _apply(self.worker)
+        return super().download_state(donor_deadline_s, max_donors)
+
+
+def test_a_resync_whose_replica_stepped_during_the_download_keeps_its_state(make_sync, tiny_cfg, caplog):
+    donor = StageWorker(tiny_cfg, tiny_cfg.stages()[1])
+    sync, worker, _, _ = make_sync()
+    sync.averager = SteppingAverager(donor.export_state(), worker)
+    caplog.set_level(logging.WARNING)
+    sync.resync("parameters diverged from a peer after a partial exchange")
+    assert worker.epoch == 1 and sync.counters.resyncs == 0 and sync.serving.is_set()
+    assert "behind this replica's 1" in caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]

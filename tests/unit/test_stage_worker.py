@@ -9,7 +9,7 @@ import torch
 from swarmtrain.model import build_model
 from swarmtrain.model.optim import build_optimizer, lr_at, set_lr
 from swarmtrain.net.protocol import ProtocolError, StageRequest
-from swarmtrain.runtime.server.stage_worker import StageWorker
+from swarmtrain.runtime.server.stage_worker import StageWorker, StateBehind
 
 pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -204,3 +204,20 @@ def test_state_export_import_round_trip(tiny_cfg, batches):
     other_stage = StageWorker(tiny_cfg, tiny_cfg.stages()[1])
     with pytest.raises(ValueError):
         other_stage.import_state(*a.export_state())
+
+
+def test_a_resync_refuses_a_state_behind_the_step_its_replica_closed_meanwhile(tiny_cfg, batches):
+    """A resync decided at step k downloads a donor's state of step k while the replica's step loop closes
+    k: loading it would set the replica back to k, holding samples of k + 1 its peers closed without it."""
+    donor = StageWorker(tiny_cfg, tiny_cfg.stages()[0])
+    state = donor.export_state()  # step 0
+    replica = StageWorker(tiny_cfg, tiny_cfg.stages()[0])
+    replica.forward(_req("forward", "m0", batches[0][0]))
+    replica.backward(_req("backward", "m0", batches[0][0], grad_outputs=torch.randn(8, 64, 64)))
+    _step(replica)  # the step loop closed step 0 during the download
+    after = [p.detach().clone() for p in replica.params]
+    with pytest.raises(StateBehind, match="at step 0, behind this replica's 1"):
+        replica.import_state(*state, not_behind=True)
+    assert replica.epoch == 1 and all(torch.equal(a, p) for a, p in zip(after, replica.params, strict=True))
+    replica.import_state(*state)  # a join or a restore takes what it is given
+    assert replica.epoch == 0

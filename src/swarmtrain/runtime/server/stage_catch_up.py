@@ -499,7 +499,9 @@ class StageCatchUp:
                 return
             sync.resync(decision.reason)
         elif decision.action == RESYNC:
-            sync.resync(decision.reason)
+            # not for a view the step loop overtook (it closed a step since): the next tick decides anew
+            if self.worker.epoch == view.epoch and not self.steps.finishing():
+                sync.resync(decision.reason)
         elif decision.action == ADOPT:
             sync.check_other_stages(
                 view.epoch, view.now_s, decision.grace_s, decision.abandon_close, decision.end

@@ -50,7 +50,7 @@ from swarmtrain.planner.restore import (
 from swarmtrain.runtime.ledger import Ledger
 from swarmtrain.runtime.server.compute import PRIORITY_SYNC, ComputeWorker
 from swarmtrain.runtime.server.stage_catch_up import DETACHED, StageCatchUp, StepsPort
-from swarmtrain.runtime.server.stage_worker import StageWorker
+from swarmtrain.runtime.server.stage_worker import StageWorker, StateBehind
 from swarmtrain.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -434,18 +434,21 @@ class StageSynchronizer:
         self.publish()
         donor_s = self._download_deadline_s()[0]
         loaded = self.averager.download_state(donor_s, max_donors or self.settings.download_rule.max_donors)
-        imported = None
+        imported, behind = None, False
         if loaded is not None:
             self.counters.downloaded_bytes += sum(t.numel() * t.element_size() for t in loaded[1])
             try:
-                imported = self._on_compute(lambda: self.worker.import_state(*loaded))
+                imported = self._on_compute(lambda: self.worker.import_state(*loaded, not_behind=not joining))
             except ProtocolError as exc:  # e.g. the donor died mid-stream: a truncated state
                 logger.error("downloaded stage state refused: %s", exc)
+            except StateBehind as exc:  # the step loop closed a step meanwhile: the next tick decides anew
+                logger.warning("downloaded stage state not loaded (%s); serving the local state", exc)
+                behind = True
         if imported is None and joining:
             logger.info("state download failed (%s)", reason)
-        elif imported is None:
+        elif imported is None and not behind:
             logger.error("state download failed; serving the local state and retrying later")
-        else:
+        elif imported is not None:
             lost_samples, lost_ids = imported
             self.untrained = self.restored = self.skipped = False
             self.counters.resyncs += 1
@@ -460,12 +463,9 @@ class StageSynchronizer:
         self.publish()
 
     def _stage_epochs(self, swarm_step: int, checkpoint_step: int | None = None) -> list[int]:
-        """The steps the stage's serving replicas are at. A joiner's record says nothing about the stage's
-        state, and a live replica's record can lapse for seconds: a donor at a CPU quota busy sending its
-        state missed its heartbeats while a second mover joined, which saw only the first (still joining,
-        step 0) and started from initial weights as if the run were new (bench/rebalance_live.py). So
-        while the other stages have stepped and no serving replica shows, read again for a while; not while
-        the swarm restarts from checkpoints (`_swarm_restarting`): every whole-swarm restart paid it in full."""
+        """The steps the stage's serving replicas are at. A live replica's record can lapse for seconds (a
+        donor busy sending its state), so while the other stages have stepped and none shows, read again
+        for a while; not while the swarm restarts from checkpoints (`_swarm_restarting`)."""
         deadline_s = time.monotonic() + self.settings.missing_replica_wait_s
         while True:
             epochs = [

@@ -45,6 +45,13 @@ from swarmtrain.runtime.ledger import Ledger
 from swarmtrain.runtime.server.stage_replies import Replies, Reply
 
 
+class StateBehind(Exception):
+    """A downloaded state older than the replica's epoch, which moved while it downloaded."""
+
+    def __init__(self, state_epoch: int, epoch: int) -> None:
+        super().__init__(f"the downloaded state is at step {state_epoch}, behind this replica's {epoch}")
+
+
 @dataclass
 class CacheEntry:
     epoch: int
@@ -431,8 +438,13 @@ class StageWorker:
             }
         return meta, tensors
 
-    def import_state(self, meta: dict, tensors: list[torch.Tensor]) -> tuple[int, list[str]]:
-        """Load a downloaded stage state; returns what it made obsolete (samples, micro-batch ids)."""
+    def import_state(
+        self, meta: dict, tensors: list[torch.Tensor], not_behind: bool = False
+    ) -> tuple[int, list[str]]:
+        """Load a downloaded stage state; returns what it made obsolete (samples, micro-batch ids).
+        `not_behind`: a replica's resync, whose step loop may have closed a step while the state
+        downloaded: a state older than the epoch it now has is refused (StateBehind), not loaded over
+        it (it would take the replica back to a step its peers closed, holding samples of the next)."""
         n = len(self.params)
         if (
             meta.get("names") != self.names
@@ -444,6 +456,8 @@ class StageWorker:
             if tensors[i].shape != p.shape or tensors[n + i].shape != p.shape:
                 raise ProtocolError(f"downloaded state: shape mismatch for {self.names[i]}")
         with self.state_lock:
+            if not_behind and int(meta["epoch"]) < self.epoch:
+                raise StateBehind(int(meta["epoch"]), self.epoch)
             with torch.no_grad():
                 for i, p in enumerate(self.params):
                     p.copy_(tensors[i])

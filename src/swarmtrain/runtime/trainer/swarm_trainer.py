@@ -428,12 +428,9 @@ class SwarmTrainer:
         same path as training: handed from server to server with direct hand-off (`--hand-off direct`),
         through the trainer with `relay`. A validation micro-batch keeps nothing anywhere, so one that
         failed is asked again after a pause (`EVAL_ROUNDS`); ValidationFailed when every round failed.
-        `step`: the parameter version every stage must have reached (default: after this trainer's last
-        step; none for a trainer that never trained, which any replica answers on whatever it holds)."""
+        `step`: the version every stage must have reached (default: after this trainer's last step)."""
         total, count = 0.0, 0
-        version = step
-        if version is None and self.tracker is not None:
-            version = self.tracker.next_step  # after our last step
+        version = step if step is not None or self.tracker is None else self.tracker.next_step
         pause_s = max(EVAL_PAUSE_MIN_S, 2 * self.cfg.swarm.announce_period_s)
         for i, (inputs, labels) in enumerate(
             dataset.ordered_batches(self.cfg.training.micro_batch_size, max_samples)
