@@ -56,6 +56,10 @@ class FakeSteps(Detached):
     def __init__(self, replay=lambda peer, start, end: Replay.FAILED, answers=lambda: None):
         self._replay, self._answers = replay, answers
         self.left_behind, self.vouched, self.asked = False, True, 0
+        self.means = {}  # step -> (samples, means) applied here
+
+    def means_of(self, step):
+        return self.means.get(step)
 
     def swarm_ahead(self):
         if not self.left_behind:
@@ -803,24 +807,29 @@ def test_a_stuck_replica_whose_ping_round_fails_ends_its_tick(make_sync):
 
 
 class SteppingAverager(FakeAverager):
-    """The replica's step loop closes a step while the state downloads."""
+    """The replica's step loop closes its step and takes samples of the next while the state downloads;
+    `steps` keeps the mean it applied."""
 
-    def __init__(self, donor_state, worker):
+    def __init__(self, donor_state, worker, steps):
         super().__init__(donor_state)
-        self.worker = worker
+        self.worker, self.steps = worker, steps
 
     def download_state(self, donor_deadline_s, max_donors):
-        _train(self.worker, 2, self.worker.epoch)
-        _apply(self.worker)
+        step = self.worker.epoch
+        _train(self.worker, 2, step)
+        bucket = self.worker.seal(step)
+        means = [g / bucket.samples for g in bucket.grad_sums]
+        self.steps.means[step] = (bucket.samples, [m.clone() for m in means])
+        self.worker.apply_step(step, means, bucket.samples)
+        _train(self.worker, 1, step + 1)
         return super().download_state(donor_deadline_s, max_donors)
 
 
-def test_a_resync_whose_replica_stepped_during_the_download_keeps_its_state(make_sync, tiny_cfg, caplog):
-    donor = StageWorker(tiny_cfg, tiny_cfg.stages()[1])
-    sync, worker, _, _ = make_sync()
-    sync.averager = SteppingAverager(donor.export_state(), worker)
-    caplog.set_level(logging.WARNING)
+def test_a_resync_whose_replica_stepped_during_the_download_keeps_its_step_and_samples(make_sync, tiny_cfg):
+    steps = FakeSteps()
+    sync, worker, _, _ = make_sync(steps=steps)
+    donor = StageWorker(tiny_cfg, tiny_cfg.stages()[1])  # the same initial state, at step 0
+    sync.averager = SteppingAverager(donor.export_state(), worker, steps)
     sync.resync("parameters diverged from a peer after a partial exchange")
-    assert worker.epoch == 1 and sync.counters.resyncs == 0 and sync.serving.is_set()
-    assert "behind this replica's 1" in caplog.text
-    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert worker.epoch == 1 and worker.unapplied_samples == 8 and sync.counters.lost_samples == 0
+    assert sync.counters.resyncs == 1 and sync.serving.is_set()

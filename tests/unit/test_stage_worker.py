@@ -9,7 +9,7 @@ import torch
 from swarmtrain.model import build_model
 from swarmtrain.model.optim import build_optimizer, lr_at, set_lr
 from swarmtrain.net.protocol import ProtocolError, StageRequest
-from swarmtrain.runtime.server.stage_worker import StageWorker, StateBehind
+from swarmtrain.runtime.server.stage_worker import StageWorker, import_keeping_step
 
 pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -206,18 +206,40 @@ def test_state_export_import_round_trip(tiny_cfg, batches):
         other_stage.import_state(*a.export_state())
 
 
-def test_a_resync_refuses_a_state_behind_the_step_its_replica_closed_meanwhile(tiny_cfg, batches):
-    """A resync decided at step k downloads a donor's state of step k while the replica's step loop closes
-    k: loading it would set the replica back to k, holding samples of k + 1 its peers closed without it."""
-    donor = StageWorker(tiny_cfg, tiny_cfg.stages()[0])
-    state = donor.export_state()  # step 0
-    replica = StageWorker(tiny_cfg, tiny_cfg.stages()[0])
-    replica.forward(_req("forward", "m0", batches[0][0]))
-    replica.backward(_req("backward", "m0", batches[0][0], grad_outputs=torch.randn(8, 64, 64)))
-    _step(replica)  # the step loop closed step 0 during the download
-    after = [p.detach().clone() for p in replica.params]
-    with pytest.raises(StateBehind, match="at step 0, behind this replica's 1"):
-        replica.import_state(*state, not_behind=True)
-    assert replica.epoch == 1 and all(torch.equal(a, p) for a, p in zip(after, replica.params, strict=True))
-    replica.import_state(*state)  # a join or a restore takes what it is given
-    assert replica.epoch == 0
+def _train_and_close(worker, batches, step):
+    """Samples of `step` accumulated and the step applied; returns the (samples, means) it applied."""
+    for i, (x, _) in enumerate(batches):
+        worker.forward(_req("forward", f"s{step}-{i}", x, step=step))
+        worker.backward(_req("backward", f"s{step}-{i}", x, step=step, grad_outputs=torch.ones(8, 64, 64)))
+    bucket = worker.seal(step)
+    means = [g / bucket.samples for g in bucket.grad_sums]
+    kept = (bucket.samples, [m.clone() for m in means])
+    worker.apply_step(step, means, bucket.samples)
+    return kept
+
+
+def test_a_state_behind_the_step_closed_during_its_download_is_caught_up_with_the_replicas_own_means(
+    tiny_cfg, batches
+):
+    """A resync decided at step 0 downloads a donor's state of step 0 while the replica's step loop closes
+    step 0: loaded alone it would set the replica back to 0, holding samples of step 1 its peers go on
+    without. The replica applies step 0 again with the means it applied it with: its step, parameters
+    and the samples it holds stay."""
+    donor, replica = (StageWorker(tiny_cfg, tiny_cfg.stages()[0]) for _ in range(2))
+    kept = _train_and_close(replica, batches[:2], 0)
+    closed = [p.detach().clone() for p in replica.params]
+    replica.forward(_req("forward", "s1-0", batches[2][0], step=1))
+    replica.backward(_req("backward", "s1-0", batches[2][0], step=1, grad_outputs=torch.ones(8, 64, 64)))
+    lost = import_keeping_step(replica, *donor.export_state(), {0: kept}.get)
+    assert lost == (0, []) and replica.epoch == 1 and replica.unapplied_samples == 8
+    assert all(torch.equal(a, p) for a, p in zip(closed, replica.params, strict=True))
+
+
+def test_a_state_behind_with_a_mean_not_kept_drops_the_samples_the_replica_holds(tiny_cfg, batches):
+    donor, replica = (StageWorker(tiny_cfg, tiny_cfg.stages()[0]) for _ in range(2))
+    _train_and_close(replica, batches[:2], 0)
+    replica.forward(_req("forward", "s1-0", batches[2][0], step=1))
+    replica.backward(_req("backward", "s1-0", batches[2][0], step=1, grad_outputs=torch.ones(8, 64, 64)))
+    lost = import_keeping_step(replica, *donor.export_state(), lambda step: None)
+    assert lost == (8, ["s1-0"]) and replica.epoch == 0 and not replica.buckets
+    assert all(torch.equal(a, p) for a, p in zip(donor.params, replica.params, strict=True))

@@ -50,6 +50,8 @@ from swarmtrain.utils.logging import get_logger, log_repeated
 from swarmtrain.utils.silence import PeerSilent
 
 if TYPE_CHECKING:
+    import torch
+
     from swarmtrain.runtime.server.stage_exchange import StagePeerLink
     from swarmtrain.runtime.server.stage_steps import StepCoordinator
 
@@ -122,6 +124,11 @@ class StepsPort(Protocol):
         """Apply steps start..end-1 from `peer`'s mean gradients."""
         ...
 
+    def means_of(self, step: int) -> tuple[int, list[torch.Tensor] | None] | None:
+        """(samples, mean gradients) this replica applied step `step` with; None when not kept. Read on
+        the compute thread."""
+        ...
+
 
 class SyncPort(Protocol):
     """What the catch-up asks of the synchronizer (runtime/server/stage_sync.py's StageSynchronizer)."""
@@ -188,6 +195,9 @@ class Detached:
     def replay(self, peer: str, start: int, end: int) -> Replay:
         return Replay.FAILED
 
+    def means_of(self, step: int) -> tuple[int, list[torch.Tensor] | None] | None:
+        return None
+
 
 DETACHED = Detached()
 
@@ -245,6 +255,9 @@ class StepsBridge:
 
     def finishing(self) -> bool:
         return self.steps.finishing == self.steps.worker.epoch
+
+    def means_of(self, step: int) -> tuple[int, list[torch.Tensor] | None] | None:
+        return self.steps.means_of(step)  # a dict read: the loop may keep a mean meanwhile
 
     def epoch_moved(self) -> None:
         self.steps.versions.changed_threadsafe()
@@ -499,8 +512,7 @@ class StageCatchUp:
                 return
             sync.resync(decision.reason)
         elif decision.action == RESYNC:
-            # not for a view the step loop overtook (it closed a step since): the next tick decides anew
-            if self.worker.epoch == view.epoch and not self.steps.finishing():
+            if self.worker.epoch == view.epoch:  # else the step loop overtook the view: decide anew
                 sync.resync(decision.reason)
         elif decision.action == ADOPT:
             sync.check_other_stages(

@@ -50,7 +50,7 @@ from swarmtrain.planner.restore import (
 from swarmtrain.runtime.ledger import Ledger
 from swarmtrain.runtime.server.compute import PRIORITY_SYNC, ComputeWorker
 from swarmtrain.runtime.server.stage_catch_up import DETACHED, StageCatchUp, StepsPort
-from swarmtrain.runtime.server.stage_worker import StageWorker, StateBehind
+from swarmtrain.runtime.server.stage_worker import StageWorker, import_keeping_step
 from swarmtrain.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -434,21 +434,20 @@ class StageSynchronizer:
         self.publish()
         donor_s = self._download_deadline_s()[0]
         loaded = self.averager.download_state(donor_s, max_donors or self.settings.download_rule.max_donors)
-        imported, behind = None, False
+        imported = None
         if loaded is not None:
             self.counters.downloaded_bytes += sum(t.numel() * t.element_size() for t in loaded[1])
             try:
-                imported = self._on_compute(lambda: self.worker.import_state(*loaded, not_behind=not joining))
+                imported = self._on_compute(
+                    lambda: import_keeping_step(self.worker, *loaded, self.steps.means_of)
+                )
             except ProtocolError as exc:  # e.g. the donor died mid-stream: a truncated state
                 logger.error("downloaded stage state refused: %s", exc)
-            except StateBehind as exc:  # the step loop closed a step meanwhile: the next tick decides anew
-                logger.warning("downloaded stage state not loaded (%s); serving the local state", exc)
-                behind = True
         if imported is None and joining:
             logger.info("state download failed (%s)", reason)
-        elif imported is None and not behind:
+        elif imported is None:
             logger.error("state download failed; serving the local state and retrying later")
-        elif imported is not None:
+        else:
             lost_samples, lost_ids = imported
             self.untrained = self.restored = self.skipped = False
             self.counters.resyncs += 1

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,13 +44,6 @@ from swarmtrain.model.optim import build_optimizer, lr_at, set_lr
 from swarmtrain.net.protocol import ProtocolError, StageRequest
 from swarmtrain.runtime.ledger import Ledger
 from swarmtrain.runtime.server.stage_replies import Replies, Reply
-
-
-class StateBehind(Exception):
-    """A downloaded state older than the replica's epoch, which moved while it downloaded."""
-
-    def __init__(self, state_epoch: int, epoch: int) -> None:
-        super().__init__(f"the downloaded state is at step {state_epoch}, behind this replica's {epoch}")
 
 
 @dataclass
@@ -438,13 +432,8 @@ class StageWorker:
             }
         return meta, tensors
 
-    def import_state(
-        self, meta: dict, tensors: list[torch.Tensor], not_behind: bool = False
-    ) -> tuple[int, list[str]]:
-        """Load a downloaded stage state; returns what it made obsolete (samples, micro-batch ids).
-        `not_behind`: a replica's resync, whose step loop may have closed a step while the state
-        downloaded: a state older than the epoch it now has is refused (StateBehind), not loaded over
-        it (it would take the replica back to a step its peers closed, holding samples of the next)."""
+    def import_state(self, meta: dict, tensors: list[torch.Tensor]) -> tuple[int, list[str]]:
+        """Load a downloaded stage state; returns what it made obsolete (samples, micro-batch ids)."""
         n = len(self.params)
         if (
             meta.get("names") != self.names
@@ -456,8 +445,6 @@ class StageWorker:
             if tensors[i].shape != p.shape or tensors[n + i].shape != p.shape:
                 raise ProtocolError(f"downloaded state: shape mismatch for {self.names[i]}")
         with self.state_lock:
-            if not_behind and int(meta["epoch"]) < self.epoch:
-                raise StateBehind(int(meta["epoch"]), self.epoch)
             with torch.no_grad():
                 for i, p in enumerate(self.params):
                     p.copy_(tensors[i])
@@ -506,6 +493,32 @@ def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
 
 
 _LEDGER_EVENT = {"duplicates": "dup", "late": "late", "not_accumulated": "noacc"}
+
+# (samples, mean gradients) a replica applied a recent step with; None when not kept
+MeansOf = Callable[[int], "tuple[int, list[torch.Tensor] | None] | None"]
+
+
+def import_keeping_step(
+    worker: StageWorker, meta: dict, tensors: list[torch.Tensor], means_of: MeansOf
+) -> tuple[int, list[str]]:
+    """A resync's download loaded (on the compute thread, as every step is), keeping the step the
+    replica reached while it downloaded: its step loop may have closed steps meanwhile, and the state
+    alone would take it back to a step its peers closed while it holds samples of a later one (netbed
+    chaos: a stall). The steps between are applied again with the mean gradients it applied them with;
+    where one is not kept (or it adopted those steps), every sample it holds is dropped instead and it
+    catches up as any replica behind its peers. Returns what was made obsolete (samples, micro-batches)."""
+    start, end = int(meta["epoch"]), worker.epoch
+    means = [means_of(step) for step in range(start, end)]
+    lost_samples, lost_ids = worker.import_state(meta, tensors)
+    if start >= end:
+        return lost_samples, lost_ids
+    if any(kept is None for kept in means):
+        dropped, ids = worker.drop_steps_before(max(worker.buckets, default=start) + 1)
+        return lost_samples + dropped, lost_ids + ids
+    for step, kept in enumerate(means, start=start):
+        samples, grads = kept  # type: ignore[misc]  # checked above: none is None
+        worker.apply_step(step, None if grads is None else [g.clone() for g in grads], samples)
+    return lost_samples, lost_ids
 
 
 def all_finite(tensors) -> bool:
