@@ -9,6 +9,7 @@ import torch
 from swarmtrain.model import build_model
 from swarmtrain.model.optim import build_optimizer, lr_at, set_lr
 from swarmtrain.net.protocol import ProtocolError, StageRequest
+from swarmtrain.runtime.server import stage_worker
 from swarmtrain.runtime.server.stage_worker import StageWorker, import_keeping_step
 
 pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_torch_thread")]
@@ -218,28 +219,45 @@ def _train_and_close(worker, batches, step):
     return kept
 
 
+def _one_sample_of(worker, batches, step):
+    worker.forward(_req("forward", f"s{step}-0", batches[2][0], step=step))
+    worker.backward(
+        _req("backward", f"s{step}-0", batches[2][0], step=step, grad_outputs=torch.ones(8, 64, 64))
+    )
+
+
 def test_a_state_behind_the_step_closed_during_its_download_is_caught_up_with_the_replicas_own_means(
-    tiny_cfg, batches
+    tiny_cfg, batches, monkeypatch
 ):
-    """A resync decided at step 0 downloads a donor's state of step 0 while the replica's step loop closes
-    step 0: loaded alone it would set the replica back to 0, holding samples of step 1 its peers go on
-    without. The replica applies step 0 again with the means it applied it with: its step, parameters
-    and the samples it holds stay."""
-    donor, replica = (StageWorker(tiny_cfg, tiny_cfg.stages()[0]) for _ in range(2))
-    kept = _train_and_close(replica, batches[:2], 0)
-    closed = [p.detach().clone() for p in replica.params]
-    replica.forward(_req("forward", "s1-0", batches[2][0], step=1))
-    replica.backward(_req("backward", "s1-0", batches[2][0], step=1, grad_outputs=torch.ones(8, 64, 64)))
-    lost = import_keeping_step(replica, *donor.export_state(), {0: kept}.get)
-    assert lost == (0, []) and replica.epoch == 1 and replica.unapplied_samples == 8
-    assert all(torch.equal(a, p) for a, p in zip(closed, replica.params, strict=True))
+    """A resync decided at step 1 downloads a donor's state of step 1 while the replica's step loop closes
+    step 1: loaded alone it would set the replica back to 1, holding samples of step 2 its peers go on
+    without. The donor's state is loaded and step 1 applied again with the means the replica applied it
+    with, the epoch never lower than 2; the samples of step 2 stay."""
+    donor, replica, expected = (StageWorker(tiny_cfg, tiny_cfg.stages()[0]) for _ in range(3))
+    _train_and_close(donor, batches[3:5], 0)  # the donor's line differs from the replica's
+    _train_and_close(replica, batches[:2], 0)
+    kept = _train_and_close(replica, batches[:2], 1)
+    _one_sample_of(replica, batches, 2)
+    state = donor.export_state()
+    expected.import_state(*state)
+    expected.apply_step(1, [g.clone() for g in kept[1]], kept[0])
+    seen = []
+    step_once = stage_worker._step_parameters
+    monkeypatch.setattr(
+        stage_worker, "_step_parameters", lambda w, *a: seen.append(w.epoch) or step_once(w, *a)
+    )
+    lost = import_keeping_step(replica, *state, {1: kept}.get)
+    assert lost == (0, []) and seen == [2] and replica.epoch == 2 and replica.unapplied_samples == 8
+    assert replica.samples_seen == expected.samples_seen
+    for a, b in zip(expected.params, replica.params, strict=True):
+        assert torch.equal(a, b)
+        assert torch.equal(expected.optimizer.state[a]["exp_avg"], replica.optimizer.state[b]["exp_avg"])
 
 
 def test_a_state_behind_with_a_mean_not_kept_drops_the_samples_the_replica_holds(tiny_cfg, batches):
     donor, replica = (StageWorker(tiny_cfg, tiny_cfg.stages()[0]) for _ in range(2))
     _train_and_close(replica, batches[:2], 0)
-    replica.forward(_req("forward", "s1-0", batches[2][0], step=1))
-    replica.backward(_req("backward", "s1-0", batches[2][0], step=1, grad_outputs=torch.ones(8, 64, 64)))
+    _one_sample_of(replica, batches, 1)
     lost = import_keeping_step(replica, *donor.export_state(), lambda step: None)
     assert lost == (8, ["s1-0"]) and replica.epoch == 0 and not replica.buckets
     assert all(torch.equal(a, p) for a, p in zip(donor.params, replica.params, strict=True))

@@ -269,12 +269,13 @@ class StepCoordinator:
             kept = None if means is None else [m.clone() for m in means]  # clipping scales in place
 
             def apply() -> tuple[bool, list[float]]:
-                return self.worker.apply_step(step, means, samples), self.worker.param_fingerprint()
+                applied = self.worker.apply_step(step, means, samples)
+                self._keep_means(step, samples, kept)  # in the job, as a step's (`_apply`)
+                return applied, self.worker.param_fingerprint()
 
             applied, fingerprint = await self._on_compute(apply)
         finally:
             self._replaying = False
-        self._keep_means(step, samples, kept)
         replayed = self.pending.pop(step, None)
         if replayed is not None:  # the step loop, waiting on this step, looks at the next one now
             replayed.changed.set()
@@ -465,20 +466,21 @@ class StepCoordinator:
         # between outer rounds (local steps) replicas legitimately differ: no fingerprint to compare
         local_step = self.worker.outer is not None
 
+        kept = None if means is None else [m.clone() for m in means]  # clipping scales in place
+
         def apply() -> tuple[bool, list[float] | None] | None:
             if self.worker.epoch != step:  # the sync thread adopted the other stages' step meanwhile
                 return None
             applied = self.worker.apply_step(step, means, samples, hold_epoch)
+            if not hold_epoch:  # kept in the same compute job: a resync's next one may re-apply it
+                self._keep_means(step, samples, kept)
             return applied, None if local_step else self.worker.param_fingerprint()
 
-        kept = None if means is None else [m.clone() for m in means]  # clipping scales in place
         result = await self._on_compute(apply)
         if result is None:
             logger.info("step %d: this replica left the step meanwhile; not applied", step)
             return
         applied, fingerprint = result
-        if not hold_epoch:
-            self._keep_means(step, samples, kept)
         if not hold_epoch:
             self.pending.pop(step, None)
             self.versions.changed()

@@ -97,6 +97,11 @@ class WorkerCounters:
         setattr(self, name, getattr(self, name) + n)
 
 
+# (samples, mean gradients) a replica applied a step with, and where it finds those of a recent step
+KeptMean = tuple[int, "list[torch.Tensor] | None"]
+MeansOf = Callable[[int], "KeptMean | None"]
+
+
 class StageWorker:
     def __init__(
         self,
@@ -343,22 +348,8 @@ class StageWorker:
         `hold_epoch`: the step ends with an outer round (`finish_sync` moves the epoch)."""
         if step != self.epoch:
             raise RuntimeError(f"step {step} applied at epoch {self.epoch}")
-        t = self.cfg.training
-        applied = mean_grads is not None and all_finite(mean_grads)
         with self.state_lock:
-            if applied and mean_grads is not None:
-                for p, g in zip(self.params, mean_grads, strict=True):
-                    p.grad = g.to(p.device)
-                if t.grad_clip_norm > 0:
-                    torch.nn.utils.clip_grad_norm_(self.params, t.grad_clip_norm)
-                set_lr(self.optimizer, lr_at(step * t.global_batch_size, t))
-                self.optimizer.step()
-                for p in self.params:
-                    p.grad = None
-                self.samples_seen += samples
-                self.samples_since_sync += samples
-            else:
-                self.counters.skipped_steps += 1
+            applied = _step_parameters(self, step, mean_grads, samples)
             if not hold_epoch:
                 self.epoch += 1
                 self.live = self._live_copy()
@@ -432,8 +423,12 @@ class StageWorker:
             }
         return meta, tensors
 
-    def import_state(self, meta: dict, tensors: list[torch.Tensor]) -> tuple[int, list[str]]:
-        """Load a downloaded stage state; returns what it made obsolete (samples, micro-batch ids)."""
+    def import_state(
+        self, meta: dict, tensors: list[torch.Tensor], reapply: list[KeptMean] | None = None
+    ) -> tuple[int, list[str]]:
+        """Load a downloaded stage state; returns what it made obsolete (samples, micro-batch ids).
+        `reapply`: the steps from the state's on, applied again with these means in the same hold of the
+        state lock, so the epoch moves once, to after the last of them (`import_keeping_step`)."""
         n = len(self.params)
         if (
             meta.get("names") != self.names
@@ -452,9 +447,11 @@ class StageWorker:
                     state["exp_avg"].copy_(tensors[n + i])
                     state["exp_avg_sq"].copy_(tensors[2 * n + i])
                     state["step"].fill_(float(tensors[3 * n + i].reshape(-1)[0]))
-            self.epoch = int(meta["epoch"])
             self.samples_seen = int(meta["samples_seen"])
             self._import_outer(meta, tensors[4 * n :])
+            for step, (samples, grads) in enumerate(reapply or [], start=int(meta["epoch"])):
+                _step_parameters(self, step, None if grads is None else [g.clone() for g in grads], samples)
+            self.epoch = int(meta["epoch"]) + len(reapply or [])
             self.live = self._live_copy()
         self.cache.clear()
         self.cache_bytes = 0
@@ -494,8 +491,26 @@ def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
 
 _LEDGER_EVENT = {"duplicates": "dup", "late": "late", "not_accumulated": "noacc"}
 
-# (samples, mean gradients) a replica applied a recent step with; None when not kept
-MeansOf = Callable[[int], "tuple[int, list[torch.Tensor] | None] | None"]
+
+def _step_parameters(
+    worker: StageWorker, step: int, mean_grads: list[torch.Tensor] | None, samples: int
+) -> bool:
+    """`StageWorker.apply_step`'s parameter update, the epoch aside (under the worker's `state_lock`)."""
+    t = worker.cfg.training
+    if mean_grads is None or not all_finite(mean_grads):
+        worker.counters.skipped_steps += 1
+        return False
+    for p, g in zip(worker.params, mean_grads, strict=True):
+        p.grad = g.to(p.device)
+    if t.grad_clip_norm > 0:
+        torch.nn.utils.clip_grad_norm_(worker.params, t.grad_clip_norm)
+    set_lr(worker.optimizer, lr_at(step * t.global_batch_size, t))
+    worker.optimizer.step()
+    for p in worker.params:
+        p.grad = None
+    worker.samples_seen += samples
+    worker.samples_since_sync += samples
+    return True
 
 
 def import_keeping_step(
@@ -503,22 +518,18 @@ def import_keeping_step(
 ) -> tuple[int, list[str]]:
     """A resync's download loaded (on the compute thread, as every step is), keeping the step the
     replica reached while it downloaded: its step loop may have closed steps meanwhile, and the state
-    alone would take it back to a step its peers closed while it holds samples of a later one (netbed
-    chaos: a stall). The steps between are applied again with the mean gradients it applied them with;
-    where one is not kept (or it adopted those steps), every sample it holds is dropped instead and it
-    catches up as any replica behind its peers. Returns what was made obsolete (samples, micro-batches)."""
+    alone would take it back to a step its peers closed while it holds samples of a later one (a
+    stall). The steps between are applied again with the mean gradients it applied them with, the
+    epoch never seen lower; where one is not kept (or it adopted those steps), every sample it holds is
+    dropped instead and it catches up as any replica behind its peers. Returns what was made obsolete
+    (samples, micro-batch ids)."""
     start, end = int(meta["epoch"]), worker.epoch
-    means = [means_of(step) for step in range(start, end)]
+    kept = [means_of(step) for step in range(start, end)]
+    if all(mean is not None for mean in kept):
+        return worker.import_state(meta, tensors, [mean for mean in kept if mean is not None])
     lost_samples, lost_ids = worker.import_state(meta, tensors)
-    if start >= end:
-        return lost_samples, lost_ids
-    if any(kept is None for kept in means):
-        dropped, ids = worker.drop_steps_before(max(worker.buckets, default=start) + 1)
-        return lost_samples + dropped, lost_ids + ids
-    for step, kept in enumerate(means, start=start):
-        samples, grads = kept  # type: ignore[misc]  # checked above: none is None
-        worker.apply_step(step, None if grads is None else [g.clone() for g in grads], samples)
-    return lost_samples, lost_ids
+    dropped, ids = worker.drop_steps_before(max(worker.buckets, default=start) + 1)
+    return lost_samples + dropped, lost_ids + ids
 
 
 def all_finite(tensors) -> bool:
