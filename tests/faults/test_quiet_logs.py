@@ -6,8 +6,10 @@ runtime/harness/netbed.py), the replicas on loopback; skipped without the test b
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -24,6 +26,7 @@ MANY_SAMPLES = str(1 << 20)  # more than the test lasts: every run here ends by 
 FROZEN_S = 10.0  # long enough for DHT requests to the frozen peer to time out (5 s)
 CUT_S = 6.0
 TRAIN_S = 6.0  # between events: the swarm trains
+ROUNDS = 3  # outer rounds the replicas average before one is frozen
 # where a traceback (or asyncio's report of one) would show
 TRACEBACK_MARKS = ("Traceback", "never retrieved", "Exception in callback")
 
@@ -42,41 +45,36 @@ def test_no_log_shows_a_traceback_through_faults_crashes_and_stops(tmp_path, bed
     config = write_run_toml(tmp_path / "run.toml", "tiny", sections)
     logs = []
 
-    with LocalSwarm(tmp_path / "first", config, netbed=bed, netbed_peers=PEERS) as swarm:
-        _start(swarm)
-        time.sleep(TRAIN_S)
-        _freeze(swarm, "s0b", FROZEN_S)
-        bed.cut(PEERS["s1"])  # the only stage-1 server: the swarm stalls until the link is back
-        time.sleep(CUT_S)
-        bed.reconnect(PEERS["s1"])
-        time.sleep(TRAIN_S)
-        for proc in swarm.processes.values():  # a power cut: everything at once, mid-step
-            proc.kill()
-        logs += _logs(swarm)
+    # the replicas run on loopback, apart from the test bed's peers: their part (a freeze and two stops) starts
+    # while the bed's swarm is stalled by the cut link, its cores idle, and runs beside the rest of the test
+    # instead of after it
+    with ThreadPoolExecutor(1) as pool:
+        with LocalSwarm(tmp_path / "first", config, netbed=bed, netbed_peers=PEERS) as swarm:
+            _start(swarm)
+            time.sleep(TRAIN_S)
+            _freeze(swarm, "s0b", FROZEN_S)
+            bed.cut(PEERS["s1"])  # the only stage-1 server: the swarm stalls until the link is back
+            replicas = pool.submit(_replicas, tmp_path)
+            time.sleep(CUT_S)
+            bed.reconnect(PEERS["s1"])
+            time.sleep(TRAIN_S)
+            for proc in swarm.processes.values():  # a power cut: everything at once, mid-step
+                proc.kill()
+            logs += _logs(swarm)
 
-    with LocalSwarm(tmp_path / "second", config, netbed=bed, netbed_peers=PEERS) as swarm:
-        _start(swarm)  # each stage restores from its checkpoints
-        time.sleep(TRAIN_S)
-        codes = _stop(swarm, {"trainer": signal.SIGINT})
-        codes |= _stop(swarm, {"s0a": signal.SIGTERM, "s0b": signal.SIGINT, "s1": signal.SIGTERM})
-        codes |= _stop(swarm, {"dht": signal.SIGINT})
-        logs += _logs(swarm)
-        assert "restored" in swarm.processes["s1"].log_text().lower(), swarm.processes["s1"].log_text()[
-            -2000:
-        ]
-
-    replica_config = write_run_toml(tmp_path / "replicas.toml", "tiny", {"swarm": dict(FAST_SWARM)})
-    with LocalSwarm(tmp_path / "replicas", replica_config) as swarm:
-        swarm.start_dht()
-        common = ("--max-samples", MANY_SAMPLES, "--wait-for-replicas", "2", "--threads", "1")
-        swarm.start_replica("replica0", "0/2", *common)
-        swarm.start_replica("replica1", "1/2", *common)
-        time.sleep(2 * TRAIN_S)  # a few outer rounds averaged
-        _freeze(swarm, "replica1", FROZEN_S)
-        time.sleep(TRAIN_S / 2)
-        codes |= _stop(swarm, {"replica0": signal.SIGINT, "replica1": signal.SIGTERM})
-        codes |= _stop(swarm, {"dht": signal.SIGTERM})
-        logs += _logs(swarm)
+        with LocalSwarm(tmp_path / "second", config, netbed=bed, netbed_peers=PEERS) as swarm:
+            _start(swarm)  # each stage restores from its checkpoints
+            time.sleep(TRAIN_S)
+            codes = _stop(swarm, {"trainer": signal.SIGINT})
+            codes |= _stop(swarm, {"s0a": signal.SIGTERM, "s0b": signal.SIGINT, "s1": signal.SIGTERM})
+            codes |= _stop(swarm, {"dht": signal.SIGINT})
+            logs += _logs(swarm)
+            assert "restored" in swarm.processes["s1"].log_text().lower(), swarm.processes["s1"].log_text()[
+                -2000:
+            ]
+        replica_codes, replica_logs = replicas.result()
+    codes |= replica_codes
+    logs += replica_logs
 
     print("exit codes:", codes)
     assert all(code is not None and code >= 0 for code in codes.values()), codes  # none died of a signal
@@ -84,6 +82,35 @@ def test_no_log_shows_a_traceback_through_faults_crashes_and_stops(tmp_path, bed
         assert text.strip(), f"{name} wrote nothing"
         marks = [mark for mark in TRACEBACK_MARKS if mark in text]
         assert not marks, f"{name}: {marks}\n{_around(text, marks[0])}"
+
+
+def _replicas(tmp_path) -> tuple[dict[str, int | None], list[tuple[str, str]]]:
+    """Two DiLoCo replicas average a few outer rounds, one is frozen, then both are stopped (SIGINT,
+    SIGTERM): their exit codes and every log of their swarm."""
+    replica_config = write_run_toml(tmp_path / "replicas.toml", "tiny", {"swarm": dict(FAST_SWARM)})
+    with LocalSwarm(tmp_path / "replicas", replica_config) as swarm:
+        swarm.start_dht()
+        common = ("--max-samples", MANY_SAMPLES, "--wait-for-replicas", "2", "--threads", "1")
+        common += ("--log-period-s", "1")  # a progress line (rounds averaged so far) every second
+        swarm.start_replica("replica0", "0/2", *common)
+        swarm.start_replica("replica1", "1/2", *common)
+        # a few outer rounds averaged before the freeze: waited for, not slept (beside the bed's swarm the
+        # replicas start and train slower than alone)
+        names = ("replica0", "replica1")
+        deadline = time.monotonic() + 120
+        while min(_rounds_averaged(swarm.processes[n].log_text()) for n in names) < ROUNDS:
+            assert time.monotonic() < deadline, {n: swarm.processes[n].log_text()[-2000:] for n in names}
+            time.sleep(0.5)
+        _freeze(swarm, "replica1", FROZEN_S)
+        time.sleep(TRAIN_S / 2)
+        codes = _stop(swarm, {"replica0": signal.SIGINT, "replica1": signal.SIGTERM})
+        codes |= _stop(swarm, {"dht": signal.SIGTERM})
+        return codes, _logs(swarm)
+
+
+def _rounds_averaged(log_text: str) -> int:
+    """The outer rounds a replica's progress lines say it averaged, so far."""
+    return max((int(n) for n in re.findall(r"rounds averaged (\d+)", log_text)), default=0)
 
 
 def _start(swarm: LocalSwarm) -> None:
