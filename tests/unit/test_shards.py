@@ -550,12 +550,18 @@ def test_shard_vocab_and_tokenizer_mismatches_name_both(tmp_path, shards_dir, to
 # --- memory ----------------------------------------------------------------------------------------
 
 
-CORPUS_MB = 200
-PEAK_LIMIT_MB = 128  # well under the corpus: the job needs ~90 MB (45 MB of it imports) whatever the size
+CORPUS_MB = 64
+PEAK_LIMIT_MB = 128  # the job needs ~90 MB (45 MB of it imports) whatever the size
+# how much the job's peak may grow over the last three quarters of the corpus, per MB of them. Measured:
+# ~1 MB in all (its chunks' memory is reached within the first quarter), the same over 150 MB of a 200 MB
+# corpus. Holding the text read grows it by ~1 MB per MB, the token ids as uint16 by ~0.16.
+GROWTH_LIMIT_PER_MB = 0.125
 
 
 def test_tokenize_memory_does_not_grow_with_the_corpus(tmp_path):
-    """A 200 MB corpus through the real CLI in a child process: its peak RSS stays far below the corpus."""
+    """A 64 MB corpus through the real CLI in a child process: its peak RSS stays bounded, and does not
+    grow while the last three quarters of the corpus go through (the peak after the first quarter was
+    encoded against the peak at the end; a wrapper around the job's encode_batch takes the first)."""
     rng = np.random.default_rng(0)
     letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
     words = np.array(["".join(rng.choice(letters, rng.integers(8, 16))) for _ in range(300)], dtype=object)
@@ -577,18 +583,33 @@ def test_tokenize_memory_does_not_grow_with_the_corpus(tmp_path):
     script = textwrap.dedent(
         """
         import re, resource, sys
+        import swarmtrain.data.tokenize_job as job
         from swarmtrain.cli.main import main
+
+        def peak_kb():
+            try:
+                with open("/proc/self/status") as status:
+                    return int(re.search(r"VmHWM:\\s+(\\d+) kB", status.read()).group(1))
+            except OSError:
+                return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+        encode, quarter, encoded = job.encode_batch, int(sys.argv.pop(1)), [0]
+
+        def encode_batch(tok, texts, *args):
+            before = encoded[0]
+            encoded[0] += sum(len(text) for text in texts)
+            if before < quarter <= encoded[0]:
+                print("QUARTER_PEAK_KB", encoded[0], peak_kb())
+            return encode(tok, texts, *args)
+
+        job.encode_batch = encode_batch
         code = main(sys.argv[1:])
-        try:
-            with open("/proc/self/status") as status:
-                peak_kb = int(re.search(r"VmHWM:\\s+(\\d+) kB", status.read()).group(1))
-        except OSError:
-            peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        print("PEAK_RSS_KB", peak_kb)
+        print("PEAK_RSS_KB", peak_kb())
         sys.exit(code)
         """
     )
     argv = [
+        str(total // 4),
         "tokenize",
         "--tokenizer",
         str(tok_path),
@@ -600,11 +621,21 @@ def test_tokenize_memory_does_not_grow_with_the_corpus(tmp_path):
     argv += ["--no-progress", str(corpus)]
     done = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    peak_mb = int(done.stdout.split("PEAK_RSS_KB")[1]) / 1024
+    lines = done.stdout.splitlines()
+    readings = {line.split()[0]: [int(x) for x in line.split()[1:]] for line in lines if "_KB " in line}
+    assert readings.keys() == {"QUARTER_PEAK_KB", "PEAK_RSS_KB"}, done.stdout  # both taken
+    (quarter_chars, quarter_kb), (peak_kb,) = readings["QUARTER_PEAK_KB"], readings["PEAK_RSS_KB"]
+    peak_mb, grown_mb = peak_kb / 1024, (peak_kb - quarter_kb) / 1024
+    rest_mb = (total - quarter_chars) / 2**20
     manifest = read_manifest(tmp_path / "out")
     tokens = manifest["progress"]["train_tokens"] + manifest["progress"]["val_tokens"]
+    summary = next(line for line in lines if "_KB " not in line)
     print(
-        f"corpus {total / 2**20:.0f} MB, {tokens:,} tokens, peak RSS {peak_mb:.0f} MB; {done.stdout.splitlines()[0]}"
+        f"corpus {total / 2**20:.0f} MB, {tokens:,} tokens, peak RSS {peak_mb:.0f} MB, {grown_mb:.1f} MB of it "
+        f"over the last {rest_mb:.0f} MB; {summary}"
     )
     assert manifest["complete"] and tokens > total / 20
     assert peak_mb < PEAK_LIMIT_MB, f"peak RSS {peak_mb:.0f} MB for a {total / 2**20:.0f} MB corpus"
+    assert rest_mb > CORPUS_MB / 2 and grown_mb < GROWTH_LIMIT_PER_MB * rest_mb, (
+        f"peak RSS grew by {grown_mb:.1f} MB over the last {rest_mb:.0f} MB of the corpus"
+    )

@@ -687,7 +687,8 @@ def test_a_replay_gives_up_a_donor_that_stops_answering_pings(tiny_cfg, alive, m
         spec = tiny_cfg.stages()[1]
         worker = StageWorker(tiny_cfg, spec)
         link = StagePeerLink(spec, "d", worker, FaultHooks(), 5.0, request_timeout_s=60.0)
-        client = DonorClient(means_s=4.0, alive=alive)
+        # alive: past the first ping check (the floor, 1 s), so the call was waited for after a ping
+        client = DonorClient(means_s=1.5 if alive else 4.0, alive=alive)
         link.attach(client)
         zeros = SumsCodec().encode([torch.zeros(p.shape) for p in worker.params])
         assert await link.send_grads("peer", 0, 8, zeros)

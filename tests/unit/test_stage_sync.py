@@ -108,6 +108,20 @@ def _peer(epoch, fp=None, fp_epoch=None, fp_own=None):
     return {"epoch": epoch, "samples": 0, "digest": "d", "fp_epoch": fp_epoch, "fp": fp, "fp_own": fp_own}
 
 
+class HandClock:
+    """The times a test gives `check_other_stages`, which reads no clock but the one it is given: moved on
+    by hand (`wait`), so a grace passes without waiting for it."""
+
+    def __init__(self):
+        self.now_s = time.monotonic()  # not 0: the synchronizer takes a zero start of its clock for none
+
+    def __call__(self):
+        return self.now_s
+
+    def wait(self, seconds):
+        self.now_s += seconds
+
+
 def test_a_replica_far_behind_drops_its_work_and_downloads(make_sync, tiny_cfg):
     donor = StageWorker(tiny_cfg, tiny_cfg.stages()[1])
     for step in range(6):
@@ -313,30 +327,41 @@ def test_join_refuses_initial_weights_in_a_swarm_that_stepped(make_joiner):
     fresh.stop()
 
 
-def test_a_joiner_that_sees_only_another_joiner_waits_for_the_stage_replicas_record(make_joiner, tiny_cfg):
+def test_a_joiner_that_sees_only_another_joiner_waits_for_the_stage_replicas_record(
+    make_joiner, tiny_cfg, monkeypatch
+):
     """Found live: two servers moved into a stage together while its one replica, busy sending its
     state at a CPU quota, missed its heartbeats. The second saw only the first (joining, step 0) and
     started from initial weights as if the run were new. A joiner's record says nothing about the
     stage's state: the second now reads again until the replica's record is back, and downloads."""
     import threading
 
+    from swarmtrain.runtime.server import stage_sync
+
+    monkeypatch.setattr(stage_sync, "JOIN_RETRY_S", 0.1)  # reads again every 0.1 s, not every second
     donor = _donor(tiny_cfg, 3)
     averager = FakeAverager(donor_state=donor.export_state())
     sync, worker, records, _ = make_joiner(averager=averager, wait_s=10.0)
     records.by_stage[0] = {"X": _peer(3)}  # the other stage has stepped
     records.progress["J"] = dict(_peer(0), serving=False)  # the first mover, still downloading
-    threading.Timer(1.5, lambda: records.progress.update(Z=dict(_peer(3), serving=True))).start()
+    # several reads after the first one (without the wait, the join refuses: no live replica, no checkpoint)
+    threading.Timer(0.5, lambda: records.progress.update(Z=dict(_peer(3), serving=True))).start()
     sync.join()
     assert ("download",) in averager.calls and worker.epoch == 3 and not sync.untrained
     assert all(torch.equal(a, b) for a, b in zip(worker.params, donor.params, strict=True))
     sync.stop()
 
 
-def test_join_falls_back_to_the_checkpoint_when_the_replicas_died(make_joiner, tiny_cfg):
+def test_join_falls_back_to_the_checkpoint_when_the_replicas_died(make_joiner, tiny_cfg, monkeypatch):
+    from swarmtrain.runtime.server import stage_sync
+
+    # the record stays, so the join tries the download again (JOIN_RETRIES), 0.1 s apart, not a second
+    monkeypatch.setattr(stage_sync, "JOIN_RETRY_S", 0.1)
     donor = _donor(tiny_cfg, 3)
     sync, worker, records, _ = make_joiner(checkpoint_from=donor, averager=FakeAverager(donor_state=None))
     records.progress["A"] = _peer(4)  # a record of a replica that is gone: its download fails
     sync.join()
+    assert len(sync.averager.calls) == 1 + stage_sync.JOIN_RETRIES  # tried again while the record stayed
     assert worker.epoch == 3 and not sync.untrained
     sync.stop()
 
@@ -703,6 +728,7 @@ def test_a_replica_gives_up_its_steps_close_only_when_the_catch_up_abandons_it(m
         def closing(self):
             return True
 
+    clock = HandClock()
     sync, worker, records, fatal = make_joiner(lag_grace_s=0.1, stranded_s=60.0, steps=Closing())
     donor = _donor(tiny_cfg, 3)
     sync.averager.donor_state = donor.export_state()
@@ -711,45 +737,45 @@ def test_a_replica_gives_up_its_steps_close_only_when_the_catch_up_abandons_it(m
     sync.join()
     records.by_stage[0] = {"X": _peer(5)}
     for _ in range(2):
-        sync.check_other_stages(3, time.monotonic(), 0.1)
-        time.sleep(0.15)
+        sync.check_other_stages(3, clock(), 0.1)
+        clock.wait(0.15)
     assert worker.epoch == 3  # its step has a close: held
-    sync.check_other_stages(3, time.monotonic(), 0.1, abandon_close=True)
+    sync.check_other_stages(3, clock(), 0.1, abandon_close=True)
     assert worker.epoch == 3  # giving the close up has a clock of its own: the whole grace
-    time.sleep(0.15)
-    sync.check_other_stages(3, time.monotonic(), 0.1, abandon_close=True)
+    clock.wait(0.15)
+    sync.check_other_stages(3, clock(), 0.1, abandon_close=True)
     assert worker.epoch == 5 and sync.skipped and fatal == []
     # netbed chaos, seed 0 (this session): the other stages were at the replica's own step, which only
     # its frozen peer had run: a vouched close of it lets the replica take the step after, not wait 27 s
     for _ in range(2):
-        sync.check_other_stages(5, time.monotonic(), 0.1, abandon_close=True)
-        time.sleep(0.15)
+        sync.check_other_stages(5, clock(), 0.1, abandon_close=True)
+        clock.wait(0.15)
     assert worker.epoch == 6
-    sync.check_other_stages(6, time.monotonic(), 0.1)
-    time.sleep(0.15)
-    sync.check_other_stages(6, time.monotonic(), 0.1)
+    sync.check_other_stages(6, clock(), 0.1)
+    clock.wait(0.15)
+    sync.check_other_stages(6, clock(), 0.1)
     assert worker.epoch == 6  # without a close to abandon, nothing ahead of it: it stays
     # the step loop applied the step while the sync thread decided: no adoption, not marked skipped
     sync.skipped = False
     worker.advance_to(7)
     for _ in range(2):
-        sync.check_other_stages(6, time.monotonic(), 0.1, abandon_close=True)
-        time.sleep(0.15)
+        sync.check_other_stages(6, clock(), 0.1, abandon_close=True)
+        clock.wait(0.15)
     assert worker.epoch == 7 and not sync.skipped
     # netbed chaos, seed 0: the trainers had closed steps past it while the other stages' records were
     # stale; giving the close up takes it past the highest of them at once, not a step at a time
     for _ in range(2):
-        sync.check_other_stages(7, time.monotonic(), 0.1, abandon_close=True, at_least=10)
-        time.sleep(0.15)
+        sync.check_other_stages(7, clock(), 0.1, abandon_close=True, at_least=10)
+        clock.wait(0.15)
     assert worker.epoch == 10 and sync.skipped
     # the step loop applied the step while the adoption's clock ran: a new epoch starts a new clock
-    sync.check_other_stages(10, time.monotonic(), 0.1, abandon_close=True)
-    time.sleep(0.15)
+    sync.check_other_stages(10, clock(), 0.1, abandon_close=True)
+    clock.wait(0.15)
     worker.advance_to(11)
-    sync.check_other_stages(11, time.monotonic(), 0.1, abandon_close=True)
+    sync.check_other_stages(11, clock(), 0.1, abandon_close=True)
     assert worker.epoch == 11
-    time.sleep(0.15)
-    sync.check_other_stages(11, time.monotonic(), 0.1, abandon_close=True)
+    clock.wait(0.15)
+    sync.check_other_stages(11, clock(), 0.1, abandon_close=True)
     assert worker.epoch == 12
     sync.stop()
 
@@ -764,18 +790,19 @@ def test_a_replica_that_gives_its_steps_close_up_loses_the_samples_it_holds_of_i
         def closing(self):
             return True
 
+    clock = HandClock()
     sync, worker, records, _ = make_sync(lag_grace_s=0.1, steps=Closing())
     sync.ledger = Ledger(tmp_path / "ledger.jsonl")
     sync.untrained = sync.restored = False  # it has stepped with the swarm: the stranded grace applies
     _train(worker, 1, step=0)
     assert worker.unapplied_samples == 8
     for _ in range(2):
-        sync.check_other_stages(0, time.monotonic(), 0.1)
-        time.sleep(0.15)
+        sync.check_other_stages(0, clock(), 0.1)
+        clock.wait(0.15)
     assert worker.epoch == 0  # no close given up: its samples and the close hold it
     for _ in range(2):
-        sync.check_other_stages(0, time.monotonic(), 0.1, abandon_close=True)
-        time.sleep(0.15)
+        sync.check_other_stages(0, clock(), 0.1, abandon_close=True)
+        clock.wait(0.15)
     assert worker.epoch == 1 and worker.unapplied_samples == 0 and sync.skipped
     sync.ledger.close()
     lost = [entry for entry in read_ledger(tmp_path / "ledger.jsonl") if entry["e"] == "lost"]

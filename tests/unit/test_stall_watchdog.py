@@ -3,7 +3,6 @@ next completion, silent while no trainer runs."""
 
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -37,13 +36,15 @@ def test_a_ledger_tail_counts_new_completions_and_waits_for_a_line_being_written
 
 @pytest.fixture
 def sleeper():
-    proc = subprocess.Popen(
-        [sys.executable, "-c", "import time\ndef waiting_here():\n    time.sleep(600)\nwaiting_here()"]
+    code = (
+        "import time\ndef waiting_here():\n    print('in', flush=True)\n    time.sleep(600)\nwaiting_here()"
     )
-    time.sleep(1.0)  # let it reach the sleep
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "in\n"  # inside waiting_here: its frame is on the stack from now on
     yield proc
     proc.kill()
     proc.wait(10)
+    proc.stdout.close()
 
 
 @pytest.mark.skipif(py_spy_path() is None, reason="py-spy is not installed (a dev dependency)")
