@@ -230,7 +230,9 @@ def test_an_empty_close_for_a_later_step_skips_no_step(tiny_cfg, micro_batches, 
         steps = []
         for step in range(3):
             a, b = micro_batches[2 * step : 2 * step + 1], micro_batches[2 * step + 1 : 2 * step + 2]
-            await _until(lambda s=step: all(n.worker.epoch == s for n in nodes.values()))
+            # the step's compute job done, not only its epoch moved: `live` (what `_train`'s forwards
+            # read, on this thread) is rebuilt after the epoch
+            await _until(lambda s=step: all(n.counters.steps == s for n in nodes.values()))
             await asyncio.sleep(0.2)  # the forged close of step 1 has had every chance
             assert all(n.worker.epoch == step for n in nodes.values())
             _train(nodes["A"].worker, a, step, f"a{step}")  # not stale, not late: accumulated
@@ -264,7 +266,7 @@ def test_a_strangers_short_close_decides_no_step_while_the_trainers_is_late(
         for name, (batches, prefix) in zip("AB", steps[0], strict=True):
             _train(nodes[name].worker, batches, 0, prefix)
         _close(nodes, 0, {"A": 8, "B": 8})  # the trainer's closes were found true before
-        await _until(lambda: all(n.worker.epoch == 1 for n in nodes.values()))
+        await _until(lambda: all(n.counters.steps == 1 for n in nodes.values()))  # `live` rebuilt too
         assert all(TRAINER in n.inbox.trusted for n in nodes.values())
         steps.append([(micro_batches[2:4], "a1"), (micro_batches[4:6], "b1")])
         for name, (batches, prefix) in zip("AB", steps[1], strict=True):
@@ -298,7 +300,7 @@ def test_a_trainers_short_close_decides_after_the_grace_once_its_closes_were_fou
         steps = [[(micro_batches[:1], "a0")], [(micro_batches[1:3], "a1")]]
         _train(nodes["A"].worker, micro_batches[:1], 0, "a0")
         _close(nodes, 0, {"A": 8})
-        await _until(lambda: nodes["A"].worker.epoch == 1)
+        await _until(lambda: nodes["A"].counters.steps == 1)  # `live` rebuilt, not only the epoch moved
         _train(nodes["A"].worker, micro_batches[1:3], 1, "a1")
         start = time.monotonic()
         _close(nodes, 1, {"A": 8})
