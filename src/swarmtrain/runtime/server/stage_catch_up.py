@@ -257,7 +257,7 @@ class StepsBridge:
         return self.steps.finishing == self.steps.worker.epoch
 
     def means_of(self, step: int) -> tuple[int, list[torch.Tensor] | None] | None:
-        return self.steps.means_of(step)  # a dict read: the loop may keep a mean meanwhile
+        return self.steps.means_of(step)  # kept on the compute thread, where this is read
 
     def epoch_moved(self) -> None:
         self.steps.versions.changed_threadsafe()
