@@ -419,6 +419,40 @@ def test_a_restored_stage_behind_the_others_adopts_their_step_an_untrained_one_r
     untrained.stop()
 
 
+class StepDuringRead(StagedRecords):
+    """Stage 0's records, read while the step loop applies this replica's step 0 (from another thread in a
+    server; here inside the read): its epoch moves and its bucket empties before `step_applied` reaches the
+    synchronizer, which still holds the epoch the tick began with."""
+
+    def __init__(self, worker):
+        super().__init__()
+        self.worker, self.armed = worker, False
+
+    def stage_progress(self, stage):
+        if stage == 0 and self.armed and self.worker.epoch == 0:
+            _apply(self.worker)
+        return super().stage_progress(stage)
+
+
+def test_an_untrained_replica_whose_step_applies_during_the_check_is_not_refused(make_joiner):
+    """CI, tests/integration/test_nat.py: stage 1's close came late through the NAT; stage 0 had stepped.
+    The tick read stage 1 at step 0 holding 128 samples, the close arrived, the step applied during the
+    other stages' DHT read, and the rule saw a replica at step 0 with no samples, untrained and not
+    finishing: it refused to serve and stopped a healthy server. The epoch moved: nothing is decided."""
+    sync, worker, _, fatal = make_joiner(lag_grace_s=0.1)
+    sync.join()
+    records = sync.records = StepDuringRead(worker)
+    _train(worker, 2)
+    records.by_stage[0] = {"X": _peer(1)}
+    clock = HandClock()
+    sync.check_other_stages(0, clock.now_s)  # the clock starts
+    clock.wait(0.2)
+    records.armed = True
+    sync.check_other_stages(0, clock.now_s)
+    assert worker.epoch == 1 and fatal == [] and sync.serving.is_set()
+    sync.stop()
+
+
 def test_a_replica_whose_stage_peer_died_with_a_step_adopts_the_other_stages_step(make_joiner, tiny_cfg):
     """The chaos test in CI: the only stage-0 replica that applied step 711 was killed; the ones left had
     downloaded their state at 711, held no samples, and waited while stage 1 was at 712: every

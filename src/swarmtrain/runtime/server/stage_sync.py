@@ -347,6 +347,12 @@ class StageSynchronizer:
             abandon_close,
             self.steps.finishing(),
         )
+        if self.worker.epoch != epoch:
+            # the step loop applied `epoch` while the rule's inputs were read (the DHT read is slow): its
+            # samples are gone and `untrained` is cleared only later, so the inputs describe an idle
+            # replica that never stepped, which is refused. The apply moves the epoch before it drops
+            # the bucket, so an empty bucket read above always shows as a moved epoch here.
+            return
         if action == "advance":
             if target > other:
                 why = f"step {epoch} was closed here or further on, and no replica that can finish it answers"
