@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
+from pathlib import Path
 from typing import TypeVar
 
 import pytest
@@ -41,16 +43,28 @@ def in_background(fn: Callable[[], T]) -> Future[T]:
     each other's rounds: test_replicas); a stage swarm at full load slowed as much as it saved
     (docs/LOG.md, fourteenth session). A test that fails before asking for the result leaves the thread
     to finish at nice 19."""
+
+    def niced() -> T:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        return fn()
+
+    return on_a_thread(niced, "one-process-reference")
+
+
+def on_a_thread(fn: Callable[[], T], name: str = "beside-the-test") -> Future[T]:
+    """`fn()` on a thread of this process while the test goes on, e.g. work that needs no swarm while the
+    test starts its DHT (~2 s to its address file). Peers are started on the test's own thread, never in
+    `fn`: a peer gets its parent's death signal (`procs.child_preexec`, PR_SET_PDEATHSIG) when the thread
+    that spawned it ends. A test that fails before asking for the result leaves the thread to finish."""
     future: Future[T] = Future()
 
     def run() -> None:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         try:
             future.set_result(fn())
         except BaseException as exc:  # handed to whoever waits on the result
             future.set_exception(exc)
 
-    threading.Thread(target=run, name="one-process-reference", daemon=True).start()
+    threading.Thread(target=run, name=name, daemon=True).start()
     return future
 
 
@@ -65,6 +79,21 @@ def start_servers(swarm, servers: dict[str, int]) -> None:
 @pytest.fixture
 def make_swarm(tmp_path):
     """make_swarm(preset, overrides) -> (LocalSwarm, RunConfig); all swarms stopped at teardown."""
+    with _swarm_maker(tmp_path) as make:
+        yield make
+
+
+@pytest.fixture(scope="module")
+def make_module_swarm(tmp_path_factory, request):
+    """`make_swarm` for the tests of one module together: a swarm they share, one start less per test, which
+    each must leave as the others expect it (e.g. they check what they change as deltas); stopped after
+    the module's last test."""
+    with _swarm_maker(tmp_path_factory.mktemp(request.module.__name__.rpartition(".")[2])) as make:
+        yield make
+
+
+@contextlib.contextmanager
+def _swarm_maker(tmp_path: Path):
     swarms, probes = [], []
 
     def make(preset: str = "tiny", overrides: dict | None = None):
@@ -85,13 +114,15 @@ def make_swarm(tmp_path):
         return client
 
     make.probe = probe
-    yield make
-    for client in probes:
-        client.close()
-    # nothing looks at a swarm after its test: each process group is SIGKILLed at once (tests that check
-    # a graceful stop call `stop_all` themselves); a grace would cost every test its length
-    for swarm in swarms:
-        swarm.stop_all(grace_s=TEARDOWN_GRACE_S)
+    try:
+        yield make
+    finally:
+        for client in probes:
+            client.close()
+        # nothing looks at a swarm after its test: each process group is SIGKILLed at once (tests that
+        # check a graceful stop call `stop_all` themselves); a grace would cost every test its length
+        for swarm in swarms:
+            swarm.stop_all(grace_s=TEARDOWN_GRACE_S)
 
 
 def _print_dump(path) -> None:

@@ -1,1 +1,1 @@
-from swarm_fixtures import make_swarm  # noqa: F401 (fixture)
+from swarm_fixtures import make_module_swarm, make_swarm  # noqa: F401 (fixtures)

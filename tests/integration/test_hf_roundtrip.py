@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from swarm_fixtures import on_a_thread
 from swarmtrain.cli.common import with_hf_model
 from swarmtrain.data import build_datasets, iterate_batches
 from swarmtrain.model import build_stage, load_stage_from_checkpoint
@@ -65,14 +66,15 @@ def test_a_swarm_seeded_from_a_hf_model_exports_one_transformers_loads(make_swar
     import json as json_module  # the data source: a small stdlib package, read in well under a second
 
     started_s = time.monotonic()
-    hf_in = tmp_path / "hf_in"
-    original = _hf_llama(hf_in)
-    checkpoints = tmp_path / "checkpoints"
     data = {"source": str(Path(json_module.__file__).parent)}
     swarm, base = make_swarm("tiny", {"data": data, "training": {"eval_samples": EVAL_SAMPLES}})
+    hf_in = tmp_path / "hf_in"
+    made = on_a_thread(lambda: _hf_llama(hf_in))
+    swarm.start_dht()  # while the Hugging Face model is made: the DHT needs none of it
+    original = made.result(timeout=120)
+    checkpoints = tmp_path / "checkpoints"
     cfg = with_hf_model(base, str(hf_in))
     assert (cfg.model.arch, cfg.model.kv_heads, cfg.model.num_layers) == ("llama", 2, 4)
-    swarm.start_dht()
     for stage in (0, 1):
         swarm.start_server(
             f"s{stage}", stage, "--init-from-hf", str(hf_in), "--checkpoint-dir", str(checkpoints)

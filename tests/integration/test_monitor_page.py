@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -125,7 +126,12 @@ def check_metrics(text: str) -> None:
 def check_page(url: str, tmp_path: Path) -> None:
     if not Path(CHROMIUM).exists():
         pytest.skip(f"{CHROMIUM} is missing (apt-get install -y chromium): the API checks above passed")
-    dom = chromium(url, tmp_path / "profile-dom", "--dump-dom")
+    shot = tmp_path / "monitor.png"
+    with ThreadPoolExecutor(2) as pool:  # the page's DOM and its screenshot side by side (~2 s each)
+        dom_run = pool.submit(chromium, url, tmp_path / "profile-dom", "--dump-dom")
+        shot_args = (f"--screenshot={shot}", "--window-size=1280,1300")
+        shot_run = pool.submit(chromium, url, tmp_path / "profile-shot", *shot_args)
+        dom, result = dom_run.result(), shot_run.result()
     assert dom.returncode == 0, dom.stderr[-2000:]
     html = dom.stdout
     assert re.search(r'<section class="panel stage" id="stage-0" data-peers="1">', html), html[:3000]
@@ -136,8 +142,6 @@ def check_page(url: str, tmp_path: Path) -> None:
     )
     assert loss and 0 < float(loss.group(1)) < 6.0
     assert "trainer trainer started" in html and "<svg" in html and "training loss per trainer" in html
-    shot = tmp_path / "monitor.png"
-    result = chromium(url, tmp_path / "profile-shot", f"--screenshot={shot}", "--window-size=1280,1300")
     assert result.returncode == 0 and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", result.stderr[-2000:]
     keep = os.environ.get("SWARMTRAIN_MONITOR_SCREENSHOT")
     if keep:

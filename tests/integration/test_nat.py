@@ -31,7 +31,7 @@ from contextlib import ExitStack
 import pytest
 
 from helper_records import wait_for_record
-from swarm_fixtures import FAST_SWARM
+from swarm_fixtures import FAST_SWARM, TEARDOWN_GRACE_S
 from swarmtrain.runtime.harness import natbed, netbed
 from swarmtrain.runtime.harness.local_swarm import LocalSwarm, write_run_toml
 from swarmtrain.runtime.harness.natbed import NatTestbed
@@ -66,9 +66,10 @@ def nat_swarm(tmp_path):
             bed = stack.enter_context(NatTestbed(len(public), len(private)))
             config = write_run_toml(tmp_path / "run.toml", preset, {"swarm": dict(FAST_SWARM)})
             peers = {name: i for i, name in enumerate([*public, *private])}
-            swarm = stack.enter_context(
-                LocalSwarm(tmp_path / "swarm", config, netbed=bed, netbed_peers=peers)
-            )
+            swarm = LocalSwarm(tmp_path / "swarm", config, netbed=bed, netbed_peers=peers)
+            # stopped before its bed is removed; every process group SIGKILLed at once, as `make_swarm`
+            # does (nothing looks at a swarm after its test; a SIGTERM grace cost each test 0.5-2 s)
+            stack.callback(swarm.stop_all, grace_s=TEARDOWN_GRACE_S)
             return bed, swarm
 
         yield make

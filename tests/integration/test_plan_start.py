@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from swarm_fixtures import on_a_thread
+
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 FLEET = {
@@ -28,15 +30,16 @@ def test_servers_and_trainer_from_a_plan(make_swarm, tmp_path):
     fleet.write_text(json.dumps(FLEET))
     command = [sys.executable, "-m", "swarmtrain.cli.main", "plan", "--scenario-file", str(fleet)]
     command += ["--model", "tiny", "--compute", "--json", "--budget-s", "1"]
-    out = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    planned = on_a_thread(lambda: subprocess.run(command, capture_output=True, text=True, timeout=120))
+    swarm, cfg = make_swarm("tiny")
+    swarm.start_dht()  # while the plan is made: the DHT needs none of it
+    out = planned.result(timeout=150)
     assert out.returncode == 0, out.stderr[-2000:]
     plan_path = tmp_path / "plan.json"
     plan_path.write_text(out.stdout)
     plan = json.loads(out.stdout)
     assert sum(plan["layers_per_stage"]) == 4
 
-    swarm, cfg = make_swarm("tiny")
-    swarm.start_dht()
     for device in range(2):
         swarm.start_server(f"device{device}", None, "--plan", str(plan_path), "--device-index", str(device))
     swarm.wait_ready(["device0", "device1"])

@@ -35,6 +35,9 @@ def test_private_run_refuses_strangers(make_swarm, tmp_path):
     swarm.start_trainer("trainer", *key, "--max-samples", str(2 * cfg.training.global_batch_size))
     assert swarm.wait_exit("trainer", 120) == 0, swarm.processes["trainer"].log_text()[-3000:]
     assert member.info(s1).header["epoch"] == 2
+    # a member joins stage 1 now (checked at the end): it starts while the stranger below waits out its
+    # negative checks, which its start-up does not touch (the stranger reads no record of a member)
+    swarm.start_server("s1b", 1, *key)
 
     # a stranger sees no server, and a direct call (trainer request or a forged close) is refused
     stranger = make_swarm.probe(cfg, swarm)
@@ -64,8 +67,7 @@ def test_private_run_refuses_strangers(make_swarm, tmp_path):
     for action in ("download our state", "join our averaging group", "send an averaging part"):
         assert f"{action}: not a peer of this private run" in log, action
 
-    # a member joining stage 1 downloads the state from s1 (the guard lets members through)
-    swarm.start_server("s1b", 1, *key)
+    # the member that joined stage 1 downloaded the state from s1 (the guard lets members through)
     swarm.wait_ready(["s1b"])
     member.wait_for_peers([1, 2])
     joiner = next(p for p in member.peers(1) if p != s1)

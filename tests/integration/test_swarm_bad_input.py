@@ -93,20 +93,23 @@ def _bad_requests(cfg, digest):
     ]
 
 
-def _last_stage_server(make_swarm):
-    """A swarm of one stage-1 server: (its config, a probe, the server's peer id)."""
-    swarm, cfg = make_swarm("tiny")
+@pytest.fixture(scope="module")
+def last_stage_server(make_module_swarm):
+    """A swarm of one stage-1 server, shared by this module's tests (each starts no swarm of its own: one
+    less DHT and server start); (its config, a probe, the server's peer id). Neither test closes a step,
+    each uses micro-batch ids of its own and checks what it changes as a delta, whichever runs first."""
+    swarm, cfg = make_module_swarm("tiny")
     swarm.start_dht()
     swarm.start_server("s1", 1)
     swarm.wait_ready(["s1"])
-    probe = make_swarm.probe(cfg, swarm)
+    probe = make_module_swarm.probe(cfg, swarm)
     probe.wait_for_peers([0, 1])
     (peer,) = probe.peers(1)
     return cfg, probe, peer
 
 
-def test_bad_requests_get_error_answers_and_change_nothing(make_swarm):
-    cfg, probe, peer = _last_stage_server(make_swarm)
+def test_bad_requests_get_error_answers_and_change_nothing(last_stage_server):
+    cfg, probe, peer = last_stage_server
     before = probe.info(peer, want="params")
 
     for description, kind, data in _bad_requests(cfg, cfg.digest()):
@@ -115,23 +118,25 @@ def test_bad_requests_get_error_answers_and_change_nothing(make_swarm):
         print(f"{description:28s} -> {reply.header['code']}: {reply.header['error'][:90]}")
 
     after = probe.info(peer, want="params")
-    assert after.header["pending_samples"] == 0 and after.header["epoch"] == 0
+    assert after.header["pending_samples"] == before.header["pending_samples"]
+    assert after.header["epoch"] == before.header["epoch"] == 0
     for name in before.tensors:
         assert torch.equal(before.tensor(name), after.tensor(name)), name
     # still serving: a valid request works
     hidden = torch.randn(2, cfg.model.seq_len, cfg.model.d_model)
     labels = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_len))
     good = request_message(
-        "forward_backward", "good-1", 1, cfg.digest(), "none", {"inputs": hidden, "labels": labels}, step=0
+        "forward_backward", "valid-1", 1, cfg.digest(), "none", {"inputs": hidden, "labels": labels}, step=0
     )
     reply = probe.call_raw(peer, "forward_backward", pack(good))
     assert reply.kind == "result" and reply.header["loss"] > 0
     assert reply.tensor("grad_inputs").shape == hidden.shape
 
 
-def test_a_bundle_answers_each_item_as_if_it_came_alone(make_swarm):
-    cfg, probe, peer = _last_stage_server(make_swarm)
+def test_a_bundle_answers_each_item_as_if_it_came_alone(last_stage_server):
+    cfg, probe, peer = last_stage_server
     m, t = cfg.model, cfg.model.seq_len
+    pending = probe.info(peer).header["pending_samples"]  # what the module's other test left
 
     def item(mb: str, digest: str) -> Message:
         tensors = {"inputs": torch.randn(2, t, m.d_model), "labels": torch.randint(0, m.vocab_size, (2, t))}
@@ -145,7 +150,7 @@ def test_a_bundle_answers_each_item_as_if_it_came_alone(make_swarm):
     assert [answers[0].header["mb"], answers[2].header["mb"]] == ["good-1", "good-2"]
     assert answers[0].tensor("grad_inputs").shape == (2, t, m.d_model)
     # the two good micro-batches accumulated once each; sent again, neither accumulates twice
-    assert probe.info(peer).header["pending_samples"] == 4
+    assert probe.info(peer).header["pending_samples"] == pending + 4
     again = split_bundle(probe.call_raw(peer, "bundle", pack(bundle_message(items[::2], 1))), REPLY_KINDS)
     assert all(a.kind == "result" for a in again)
-    assert probe.info(peer).header["pending_samples"] == 4
+    assert probe.info(peer).header["pending_samples"] == pending + 4
