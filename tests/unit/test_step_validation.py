@@ -183,6 +183,56 @@ def test_a_close_naming_unknown_members_is_not_acted_on(tiny_cfg, micro_batches,
     asyncio.run(scenario())
 
 
+def _sums_of(cfg, batches, prefix):
+    """The sealed gradient sums of `batches` at step 0, as a stage peer sends them."""
+    worker = StageWorker(cfg, cfg.stages()[1])
+    _train(worker, batches, 0, prefix)
+    bucket = worker.seal(0)
+    return bucket.samples, [g.clone() for g in bucket.grad_sums]
+
+
+def _drop_from_view(view: LiveReplicas, keep: list[str]) -> None:
+    """The DHT records of everyone but `keep` lapsed (a read far enough ahead prunes them)."""
+    view.update(keep, now_s=time.monotonic() + view.keep_s + 1.0)
+
+
+@pytest.mark.parametrize("sender_known", [True, False], ids=["live-when-sent", "never-live"])
+def test_a_member_whose_sums_came_while_it_was_live_still_counts_once_the_view_drops_it(
+    tiny_cfg, micro_batches, start_compute, sender_known
+):
+    """Netbed chaos, seed 2 (docs/LOG.md): B sent its sums of the step, then its link was cut and its DHT
+    records lapsed; the close naming A and B, due after the close timeout, named a peer outside A's view,
+    so no candidate was left and A held the step until B came back (25 s). A peer that was live when its
+    sums came is a member for that step; sums from a peer that never was (a stranger's) make it nothing."""
+
+    async def scenario():
+        net = Net()
+        peer = "B" if sender_known else "U"
+        view = _view(["A", "B"])
+        (node,) = _replicas(
+            tiny_cfg, ["A"], net, start_compute, _settings(close_timeout_s=0.5), view_of=lambda _: view
+        ).values()
+        _train(node.worker, micro_batches[:1], 0, "a")
+        samples, sums = _sums_of(tiny_cfg, micro_batches[1:2], "b")
+        assert node.inbox.on_grads(peer, 0, samples, sums)
+        _drop_from_view(view, ["A"])
+        tasks = await _start({"A": node})
+        # one trainer's close of two (the other was sent to B only)
+        node.inbox.on_close(0, 0, 2, {"A": 8, peer: 8}, ["A", peer], sender=TRAINER)
+        if sender_known:
+            await _until(lambda: node.counters.steps == 1)
+            reference = _reference(tiny_cfg, [[(micro_batches[:1], "a"), (micro_batches[1:2], "b")]])
+            _assert_same_params([reference, node.worker])
+            assert node.worker.samples_seen == reference.samples_seen
+            assert node.counters.partial_exchanges == 0
+        else:
+            await asyncio.sleep(1.5)  # three close timeouts: not acted on
+            assert node.worker.epoch == 0 and node.counters.steps == 0
+        await _stop(tasks)
+
+    asyncio.run(scenario())
+
+
 @pytest.mark.parametrize("data_first", [True, False], ids=["after-the-data", "before-the-data"])
 def test_a_close_naming_a_replica_that_holds_nothing_is_not_acted_on(
     tiny_cfg, micro_batches, start_compute, data_first

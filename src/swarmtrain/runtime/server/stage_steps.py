@@ -27,7 +27,8 @@ A step is decided by what the stage knows, not by one message: in an open run (n
 send a `close` or `grads`, so each is checked against this replica's own state and the stage's live
 replicas (planner/step_decision.py, pure functions): a close is kept only for this
 replica's next step to apply or the one after (`close_window`: 1 + max_staleness), and acted on only
-at its own step; its members must be live replicas of this stage (or this replica); the samples it
+at its own step; its members must be live replicas of this stage (or this replica, or a peer that was
+live when its sums of the step came: a member cut off after sending still counts); the samples it
 attributes to this replica must equal what this replica accumulated for the step, each close for
 exactly the samples of its sender's micro-batches (`backed_by_origin`: a stranger reading the public
 count speaks for none of them), unless another
@@ -211,7 +212,7 @@ class StepCoordinator:
         by_origin = dict(bucket.by_origin) if bucket is not None else {}
         if own and state.held_s is None:
             state.held_s = time.monotonic()
-        live = self.inbox.live()
+        live = self.inbox.view_of(state)
         heard_peers = any(live is None or peer in live for peer in state.received)
         state.decision = decide_step(
             self._candidates(state),
@@ -241,7 +242,7 @@ class StepCoordinator:
 
     def _candidates(self, state: PendingStep, due: bool = False) -> list[StepDecision]:
         candidates = step_candidates(
-            state.closes.values(), self.peer_id, self.inbox.live(), self.settings.close_timeout_s
+            state.closes.values(), self.peer_id, self.inbox.view_of(state), self.settings.close_timeout_s
         )
         now_s = time.monotonic()
         return [c for c in candidates if c.due_s <= now_s] if due else candidates

@@ -39,6 +39,9 @@ class PendingStep:
     reached_s: float | None = None  # when this replica's step loop reached this step
     held_s: float | None = None  # when the step loop first saw samples of this step held here
     received: dict[str, tuple[int, list[torch.Tensor]]] = field(default_factory=dict)
+    # peers that were live replicas of the stage when their sums of this step came: members of this
+    # step's closes even after the view drops them (a member cut off after sending, its records lapsed)
+    known: set[str] = field(default_factory=set)
     unreachable: set[str] = field(default_factory=set)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -131,7 +134,8 @@ class StepInbox:
         """A stage peer's gradient sums of a step; kept from a live replica of the stage, or (a few per
         step) from a peer our view lacks, which is then pinged (a replica that joined, or our view expired
         while this replica was frozen). They count only if the step's decided close names `peer`, which
-        must then be a live replica, with exactly `samples`. False if not kept."""
+        must then be a live replica (or have been one when these sums came: `view_of`), with exactly
+        `samples`. False if not kept."""
         live, state = self.live(), self.state(step)
         if state is None:
             return False
@@ -148,6 +152,8 @@ class StepInbox:
                 )
                 return False
             self.members.check_unknown([peer])
+        elif live is not None and peer in live:
+            state.known.add(peer)
         state.received[peer] = (samples, sums)
         state.changed.set()
         return True
@@ -178,6 +184,13 @@ class StepInbox:
     def live(self) -> AbstractSet[str] | None:
         """The stage's live replicas as this replica knows them (None: not checked)."""
         return self.members.current()
+
+    def view_of(self, state: PendingStep) -> AbstractSet[str] | None:
+        """Who may be a member of `state`'s step: the live replicas, and the peers that were live when
+        their sums of the step came (`PendingStep.known`). Sums from outside the view add nobody: a
+        stranger can send them."""
+        live = self.live()
+        return None if live is None else live | state.known
 
     def wake(self) -> None:
         """Waiting steps look again (the stage's members changed)."""
