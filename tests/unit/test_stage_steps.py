@@ -411,6 +411,24 @@ def test_an_epoch_moved_by_the_sync_thread_is_reached_by_the_step_loop_at_once(t
     asyncio.run(scenario())
 
 
+def test_a_step_being_finished_holds_the_catch_up_until_its_bookkeeping_ran(tiny_cfg, start_compute):
+    """The apply moves the epoch inside its compute job; `untrained` and the rest are updated only when
+    `_finish` returns. In between, the catch-up must still see the step as being finished, or it reads a
+    replica at the new epoch that seems never to have stepped."""
+
+    async def scenario():
+        node = (await _replicas(tiny_cfg, ["C"], Net(), start_compute))["C"]
+        bridge = StepsBridge(node, None, asyncio.get_running_loop())
+        assert not bridge.finishing()
+        node.finishing = 0
+        node.worker.advance_to(1)  # the epoch moved, `_finish` of step 0 not yet returned
+        assert bridge.finishing()
+        node.finishing = None
+        assert not bridge.finishing()
+
+    asyncio.run(scenario())
+
+
 def test_a_replica_trailing_its_stage_refuses_requests_at_once_and_lets_go_of_held_ones(
     tiny_cfg, micro_batches, start_compute
 ):

@@ -453,6 +453,20 @@ def test_an_untrained_replica_whose_step_applies_during_the_check_is_not_refused
     sync.stop()
 
 
+def test_an_adoption_the_step_loop_overtook_is_dropped_not_applied(make_joiner):
+    """The rule decided "advance" at epoch 0; the step loop applied step 0 before the adoption's compute
+    job ran: the replica, now at 1 with samples of step 1, is not moved on to the target (those samples
+    would be lost for a decision made on a state that no longer holds)."""
+    sync, worker, records, _ = make_joiner(allow_fresh=True)
+    sync.join()
+    _train(worker, 1, 0)
+    _apply(worker)
+    _train(worker, 1, 1)
+    sync._advance(0, 5, 10.0, "a test")
+    assert worker.epoch == 1 and worker.unapplied_samples == 8
+    sync.stop()
+
+
 def test_a_replica_whose_stage_peer_died_with_a_step_adopts_the_other_stages_step(make_joiner, tiny_cfg):
     """The chaos test in CI: the only stage-0 replica that applied step 711 was killed; the ones left had
     downloaded their state at 711, held no samples, and waited while stage 1 was at 712: every

@@ -233,6 +233,28 @@ def test_a_member_whose_sums_came_while_it_was_live_still_counts_once_the_view_d
     asyncio.run(scenario())
 
 
+def test_sums_held_from_an_unknown_peer_make_it_a_member_once_it_is_seen_live_and_never_before():
+    """The held path (sums from a peer the view lacks, pinged meanwhile): once the peer shows up live
+    while its sums are held, it stays a member of the step after the view drops it again; a peer never
+    seen live stays out. Peers known for the step leave the held-sums room for unknown ones."""
+    from swarmtrain.runtime.server.step_inbox import MAX_HELD_GRADS, StepCounters, StepInbox
+
+    view = _view(["A"])
+    inbox = StepInbox(lambda: 0, "A", StepCounters(), live_replicas=view)
+    sums = [torch.zeros(1)]
+    assert inbox.on_grads("B", 0, 8, sums) and inbox.on_grads("U", 0, 8, sums)  # both held, unknown
+    state = inbox.state(0)
+    assert inbox.view_of(state) == {"A"}
+    view.update(["A", "B"])  # B answered its ping (or the DHT showed it)
+    assert inbox.view_of(state) == {"A", "B"}
+    _drop_from_view(view, ["A"])
+    assert inbox.view_of(state) == {"A", "B"}  # B: a member of step 0 still
+    assert inbox.state(1) is not None and inbox.view_of(inbox.state(1)) == {"A"}  # of no other step
+    others = [f"J{i}" for i in range(MAX_HELD_GRADS - 1)]  # U holds one place of the room
+    assert all(inbox.on_grads(peer, 0, 8, sums) for peer in others)
+    assert not inbox.on_grads("J-last", 0, 8, sums)  # the room is full of unknown peers only
+
+
 @pytest.mark.parametrize("data_first", [True, False], ids=["after-the-data", "before-the-data"])
 def test_a_close_naming_a_replica_that_holds_nothing_is_not_acted_on(
     tiny_cfg, micro_batches, start_compute, data_first

@@ -254,7 +254,10 @@ class StepsBridge:
         return min(held, default=None)
 
     def finishing(self) -> bool:
-        return self.steps.finishing == self.steps.worker.epoch
+        # any step, not only the current epoch's: `_finish` holds it until the apply's `on_step` has run,
+        # while the epoch moves inside the apply (a tick between them reads a replica that seems to
+        # have stepped nowhere: still untrained, the step's samples gone)
+        return self.steps.finishing is not None
 
     def means_of(self, step: int) -> tuple[int, list[torch.Tensor] | None] | None:
         return self.steps.means_of(step)  # kept on the compute thread, where this is read

@@ -376,7 +376,9 @@ class StageSynchronizer:
         `target` meanwhile."""
 
         def advance() -> tuple[int, list[str]] | None:
-            return None if self.worker.epoch >= target else self.worker.advance_to(target)
+            # the step loop stepped since the rule decided: it decides anew (the replica may no longer
+            # be behind, and its new step's samples are not the ones the rule saw)
+            return None if self.worker.epoch != epoch else self.worker.advance_to(target)
 
         moved = self._on_compute(advance)
         if moved is None:

@@ -114,7 +114,7 @@ class StepInbox:
             log_repeated(logger, level, "close of step %d from %s ignored: %s", step, short(sender), refusal)
             return False
         kept = {peer: int(n) for peer, n in members.items() if int(n) > 0}
-        unknown = unknown_members(kept, self.peer_id, self.live())
+        unknown = unknown_members(kept, self.peer_id, self.view_of(state))
         if unknown:
             self.counters.unknown_member_closes += 1
             logger.info(
@@ -140,7 +140,7 @@ class StepInbox:
         if state is None:
             return False
         if live is not None and peer not in live and peer not in state.received:
-            held = sum(1 for p in state.received if p not in live)
+            held = sum(1 for p in state.received if p not in live and p not in state.known)
             if held >= MAX_HELD_GRADS:
                 self.counters.ignored_grads += 1
                 log_repeated(
@@ -187,10 +187,14 @@ class StepInbox:
 
     def view_of(self, state: PendingStep) -> AbstractSet[str] | None:
         """Who may be a member of `state`'s step: the live replicas, and the peers that were live when
-        their sums of the step came (`PendingStep.known`). Sums from outside the view add nobody: a
-        stranger can send them."""
+        their sums of the step came or while this replica held them (`PendingStep.known`). Sums from
+        a peer never seen live add nobody: a stranger can send them."""
         live = self.live()
-        return None if live is None else live | state.known
+        if live is None:
+            return None
+        # sums held while their sender was unknown count from when it is verified (it is live now)
+        state.known |= live.intersection(state.received)
+        return live | state.known
 
     def wake(self) -> None:
         """Waiting steps look again (the stage's members changed)."""
