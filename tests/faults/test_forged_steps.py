@@ -179,8 +179,9 @@ def test_forged_closes_to_an_idle_swarm_move_no_epoch(make_swarm):
     plausible counts (8 and 16: what a replica holds once the next trainer's micro-batches land), which
     speak for none of that trainer's samples: its steps all succeed with the replicas of each stage in
     step."""
-    # the close timeout is the request timeout: a short one keeps the wait for its fallback short
-    swarm, cfg = make_swarm("tiny", {"swarm": {"request_timeout_s": 5.0}})
+    # the close timeout is the request timeout: a short one keeps the wait for its fallback short (2 s, as
+    # test_hung_replica's trainers and servers run at; 5 s cost this test 6 s of idle waiting)
+    swarm, cfg = make_swarm("tiny", {"swarm": {"request_timeout_s": 2.0}})
     start_servers(swarm, TWO_REPLICAS_OF_STAGE_0)
     batch = cfg.training.global_batch_size
     swarm.start_trainer("first", "--max-samples", str(2 * batch))
