@@ -76,9 +76,12 @@ def test_byzantine_replica_is_contained(make_swarm):
 
 def _replica_run(make_swarm, byzantine: bool) -> tuple[dict, dict]:
     # a round whose all-reduce the bad replica spoils waits the all-reduce timeout, and a replica at a
-    # round's end waits for the other up to the matchmaking time: short ones keep the test short (1-4
-    # minutes with the defaults of 60 s and 30 s, as rounds happened to fall)
-    diloco = {"averaging_timeout_s": 10.0, "matchmaking_time_s": 10.0}
+    # round's end waits for the other (the bad one downloading state after a spoiled round) up to the
+    # matchmaking time: short ones keep the test short (1-4 minutes with the defaults of 60 s and 30 s,
+    # 36-121 s with 10 s, as rounds happened to fall). 5 s: an honest round's all-reduce of tiny's
+    # pseudo-gradients (8-bit, ~0.2 MB) on loopback takes well under a second, and the two replicas, started
+    # together at the same speed, reach a round's end within about a second of each other. Both runs have it
+    diloco = {"averaging_timeout_s": 5.0, "matchmaking_time_s": 5.0}
     swarm, cfg = make_swarm("tiny", {"training": {"max_samples": REPLICA_SAMPLES}, "diloco": diloco})
     swarm.start_dht()
     for k in range(2):
