@@ -1,1 +1,1 @@
-from swarm_fixtures import make_swarm  # noqa: F401 (fixture)
+from swarm_fixtures import compiled_sources, make_swarm  # noqa: F401 (fixtures)
