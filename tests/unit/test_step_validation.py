@@ -233,6 +233,39 @@ def test_a_member_whose_sums_came_while_it_was_live_still_counts_once_the_view_d
     asyncio.run(scenario())
 
 
+def test_a_member_cut_off_during_the_exchange_is_left_out_at_once_though_the_view_drops_it(
+    tiny_cfg, micro_batches, start_compute
+):
+    """Netbed chaos, seed 2 (docs/LOG.md): both replicas of stage 1 held a step closed naming both; B's
+    link was cut as the exchange began and, the DHT failing, B left A's view. A's send to B failed (B is
+    unreachable: left out), but the close naming B was no candidate any more, so nothing settled and A
+    waited out the exchange timeout, with the next step's micro-batches behind it, while B, whose view
+    still had A, stepped at once. A member seen live while the step was pending stays one."""
+
+    async def scenario():
+        net = Net()
+        view = _view(["A", "B"])
+        settings = _settings(exchange_timeout_s=60.0)  # waiting it out fails the test's own wait
+        (node,) = _replicas(tiny_cfg, ["A"], net, start_compute, settings, view_of=lambda _: view).values()
+        send = node.sums_out.send_grads
+
+        async def cut(peer, step, samples, sums):  # B's link goes as A sends; its records lapse
+            _drop_from_view(view, ["A"])
+            return await send(peer, step, samples, sums)  # not on the net: a failed send
+
+        node.sums_out.send_grads = cut
+        _train(node.worker, micro_batches[:1], 0, "a")
+        tasks = await _start({"A": node})
+        node.inbox.on_close(0, 0, 1, {"A": 8, "B": 8}, ["A", "B"], sender=TRAINER)
+        await _until(lambda: node.counters.steps == 1)
+        assert node.counters.partial_exchanges == 1  # B's sums never came: stepped without them
+        reference = _reference(tiny_cfg, [[(micro_batches[:1], "a")]])
+        _assert_same_params([reference, node.worker])
+        await _stop(tasks)
+
+    asyncio.run(scenario())
+
+
 def test_sums_held_from_an_unknown_peer_make_it_a_member_once_it_is_seen_live_and_never_before():
     """The held path (sums from a peer the view lacks, pinged meanwhile): once the peer shows up live
     while its sums are held, it stays a member of the step after the view drops it again; a peer never

@@ -39,8 +39,9 @@ class PendingStep:
     reached_s: float | None = None  # when this replica's step loop reached this step
     held_s: float | None = None  # when the step loop first saw samples of this step held here
     received: dict[str, tuple[int, list[torch.Tensor]]] = field(default_factory=dict)
-    # peers that were live replicas of the stage when their sums of this step came: members of this
-    # step's closes even after the view drops them (a member cut off after sending, its records lapsed)
+    # peers seen as live replicas of the stage while this step was pending here (when their sums came,
+    # or whenever the step loop looked): members of this step's closes even after the view drops them
+    # (a member cut off mid-step whose DHT records lapsed)
     known: set[str] = field(default_factory=set)
     unreachable: set[str] = field(default_factory=set)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -186,15 +187,14 @@ class StepInbox:
         return self.members.current()
 
     def view_of(self, state: PendingStep) -> AbstractSet[str] | None:
-        """Who may be a member of `state`'s step: the live replicas, and the peers that were live when
-        their sums of the step came or while this replica held them (`PendingStep.known`). Sums from
-        a peer never seen live add nobody: a stranger can send them."""
+        """Who may be a member of `state`'s step: the live replicas, and the peers seen live while the
+        step was pending (`PendingStep.known`). A close naming them was a candidate then, so keeping it
+        one admits no stranger; a peer never seen live (sums or names from anyone) adds nobody."""
         live = self.live()
         if live is None:
             return None
-        # sums held while their sender was unknown count from when it is verified (it is live now)
-        state.known |= live.intersection(state.received)
-        return live | state.known
+        state.known |= live
+        return frozenset(state.known)
 
     def wake(self) -> None:
         """Waiting steps look again (the stage's members changed)."""
