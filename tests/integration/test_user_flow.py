@@ -77,6 +77,8 @@ def test_from_a_text_folder_to_a_model_transformers_loads(tmp_path):
         "texts",
     )
     assert sorted(p.name for p in (tmp_path / "shards").glob("*.tok"))[:1] == ["train-00000.tok"]
+    # 15 s of training (was 25): the exported model's loss is then ~0.9 below uniform where the check
+    # needs 0.5 (two runs at 15 s: 5.94 and 6.01; one at 25 s: 5.69; uniform 6.93)
     out = _swarmtrain(
         tmp_path,
         "demo",
@@ -86,7 +88,7 @@ def test_from_a_text_folder_to_a_model_transformers_loads(tmp_path):
         "ckpt",
         "--no-kill",
         "--duration-s",
-        "25",
+        "15",
         "--no-monitor",
         "--no-reference",
         "--workdir",
