@@ -49,6 +49,10 @@ IDLE_CONNECTIONS = data_plane.MAX_CONNECTIONS_PER_ADDRESS + 16
 BIG_FRAME_LINKS = 24
 RSS_SLACK_BYTES = 96 << 20  # allocator and interpreter noise on top of the held-bytes budget
 GARBAGE_SOURCE = "127.0.0.2"  # a loopback address of its own (the servers listen on 127.0.0.1)
+# the idle connections fill their address's share of a server's connections (MAX_CONNECTIONS_PER_ADDRESS)
+# for a handshake timeout: from 127.0.0.1, the address stage 0's server dials stage 1's from, a first
+# dial in that window was refused by design (closed unread: DialFailed, then libp2p for DIAL_COOLDOWN_S)
+IDLE_SOURCE = "127.0.0.3"
 
 
 def test_the_data_plane_refuses_what_strangers_send_and_the_swarm_trains_on(make_swarm):
@@ -114,13 +118,14 @@ async def _attack_all(cfg, targets, swarm, names, bounds) -> dict:
                 "hostile identities": await _hostile_identities(address, peer, swarm_peers),
                 "invalid messages": await _invalid_messages(address, peer, cfg, stage),
                 "bad frames": await _bad_frames(address, peer),
-                "idle connections": await _idle_connections(address),
+                "idle connections": await _idle_connections(address, IDLE_SOURCE),
             }
 
         # the garbage (one connection at a time, ~5 s of waiting for the handshake timeout) comes from
         # another loopback address beside the attacks above: the server counts connections per remote
-        # address, so the idle ones fill this address's share alone as before; the big unfinished frames
-        # (which measure the server's memory) still run alone, last
+        # address, so the idle ones (from a third address, not the swarm's own 127.0.0.1) fill their
+        # address's share alone; the big unfinished frames (which measure the server's memory) still run
+        # alone, last
         garbage, report = await asyncio.gather(_garbage(address, GARBAGE_SOURCE), in_turn())
         return {
             "garbage": garbage,
@@ -334,10 +339,10 @@ async def _bad_frames(address, server: str) -> int:
     return len(frames) + 1
 
 
-async def _idle_connections(address) -> int:
-    """More idle connections than one address may hold: the extra ones are refused at once, all of them
-    closed by the handshake timeout."""
-    held = [await asyncio.open_connection(*address) for _ in range(IDLE_CONNECTIONS)]
+async def _idle_connections(address, source: str) -> int:
+    """More idle connections than one address may hold, from `source`: the extra ones are refused at
+    once, all of them closed by the handshake timeout."""
+    held = [await asyncio.open_connection(*address, local_addr=(source, 0)) for _ in range(IDLE_CONNECTIONS)]
     results = await asyncio.gather(*(_closed(reader) for reader, _ in held))
     for _, writer in held:
         writer.close()
