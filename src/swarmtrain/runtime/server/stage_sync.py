@@ -137,6 +137,15 @@ class SyncCounters:
     extra: dict = field(default_factory=dict)
 
 
+def untrained_refusal(stage: int, other_step: int) -> str:
+    """Why a replica holding untrained initial weights stops when the other stages have stepped."""
+    return (
+        f"stage {stage} holds untrained initial weights but the other stages are at step "
+        f"{other_step}: refusing to serve (that would silently reset this stage). Restart it with "
+        "--checkpoint-dir pointing at its checkpoints, or with --fresh-start on purpose"
+    )
+
+
 class StageSynchronizer:
     def __init__(
         self,
@@ -348,10 +357,8 @@ class StageSynchronizer:
             self.steps.finishing(),
         )
         if self.worker.epoch != epoch:
-            # the step loop applied `epoch` while the rule's inputs were read (the DHT read is slow): its
-            # samples are gone and `untrained` is cleared only later, so the inputs describe an idle
-            # replica that never stepped, which is refused. The apply moves the epoch before it drops
-            # the bucket, so an empty bucket read above always shows as a moved epoch here.
+            # inputs read across an apply (the DHT read is slow; the apply moves the epoch, then drops
+            # the bucket, and `untrained` is cleared after it): they describe no state, decide nothing
             return
         if action == "advance":
             if target > other:
@@ -362,22 +369,15 @@ class StageSynchronizer:
         elif action == "refuse":
             self.serving.clear()
             self.publish()
-            message = (
-                f"stage {self.stage} holds untrained initial weights but the other stages are at step "
-                f"{other}: refusing to serve (that would silently reset this stage). Restart it with "
-                "--checkpoint-dir pointing at its checkpoints, or with --fresh-start on purpose"
-            )
             if self.on_fatal is not None:
-                self.on_fatal(message)
+                self.on_fatal(untrained_refusal(self.stage, other))
 
     def _advance(self, epoch: int, target: int, behind_s: float, why: str) -> None:
         """Adopt step `target` without this stage's updates of the steps between (`skipped`: the replica
-        follows a peer that applied them when their parameters differ); nothing if the step loop reached
-        `target` meanwhile."""
+        follows a peer that applied them when their parameters differ); nothing if the step loop stepped
+        since the rule decided (it decides anew: the samples it saw are no longer the ones held)."""
 
         def advance() -> tuple[int, list[str]] | None:
-            # the step loop stepped since the rule decided: it decides anew (the replica may no longer
-            # be behind, and its new step's samples are not the ones the rule saw)
             return None if self.worker.epoch != epoch else self.worker.advance_to(target)
 
         moved = self._on_compute(advance)
