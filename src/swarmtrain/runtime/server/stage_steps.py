@@ -27,8 +27,8 @@ A step is decided by what the stage knows, not by one message: in an open run (n
 send a `close` or `grads`, so each is checked against this replica's own state and the stage's live
 replicas (planner/step_decision.py, pure functions): a close is kept only for this
 replica's next step to apply or the one after (`close_window`: 1 + max_staleness), and acted on only
-at its own step; its members must be live replicas of this stage (or this replica, or a peer that was
-live when its sums of the step came: a member cut off after sending still counts); the samples it
+at its own step; its members must be live replicas of this stage (or this replica, or a peer seen
+live while the step was pending: a member cut off mid-step still counts); the samples it
 attributes to this replica must equal what this replica accumulated for the step, each close for
 exactly the samples of its sender's micro-batches (`backed_by_origin`: a stranger reading the public
 count speaks for none of them), unless another

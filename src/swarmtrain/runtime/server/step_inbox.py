@@ -135,8 +135,8 @@ class StepInbox:
         """A stage peer's gradient sums of a step; kept from a live replica of the stage, or (a few per
         step) from a peer our view lacks, which is then pinged (a replica that joined, or our view expired
         while this replica was frozen). They count only if the step's decided close names `peer`, which
-        must then be a live replica (or have been one when these sums came: `view_of`), with exactly
-        `samples`. False if not kept."""
+        must then be a live replica (or one seen live while the step was pending: `view_of`), with
+        exactly `samples`. False if not kept."""
         live, state = self.live(), self.state(step)
         if state is None:
             return False
