@@ -84,7 +84,9 @@ def compiled_sources():
     (~0.13 CPU-s per process measured for a server's and a trainer's imports; the installed packages
     ship theirs); a .pyc that exists is read all the same. Python checks each against its source's mtime
     and size: a source changed meanwhile is compiled afresh, as before. The files go where Python puts
-    them (`__pycache__`, ignored by git); only those this fixture wrote are removed."""
+    them (`__pycache__`, ignored by git); only those this fixture wrote are removed. Under pytest-xdist each
+    worker compiles (the files are written atomically) and the first to finish removes them: the other's
+    later processes compile in memory, as without this fixture."""
     import compileall
 
     import swarmtrain

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-pytestmark = [pytest.mark.faults, pytest.mark.timeout(60)]
+pytestmark = [pytest.mark.faults, pytest.mark.timeout(60), pytest.mark.serial]
 
 CHILD = """
 import json, sys, time

@@ -18,7 +18,7 @@ from swarm_fixtures import TWO_REPLICAS_OF_STAGE_0, start_servers
 from swarmtrain.runtime.harness.accounting import account_stage
 from swarmtrain.runtime.ledger import read_ledger
 
-pytestmark = [pytest.mark.faults, pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.faults, pytest.mark.timeout(400), pytest.mark.serial]
 
 MICRO_BATCHES = 100_000  # more than the test runs: the trainer is stopped after the thaw
 FROZEN_S = 12.0

@@ -16,7 +16,7 @@ from swarmtrain.runtime.harness import netbed
 from swarmtrain.runtime.harness.netbed import WanTestbed
 from swarmtrain.runtime.procs import ManagedProcess
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60), pytest.mark.serial]
 
 # Accepts `connections` connections; answers each with the number of bytes it received.
 SERVER = """
