@@ -38,7 +38,7 @@ from swarmtrain.runtime.harness.natbed import NatTestbed
 from swarmtrain.runtime.ledger import read_ledger
 from swarmtrain.runtime.procs import ManagedProcess
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240), pytest.mark.serial]
 
 RELAY_PORT = 31337  # a fixed port is needed to announce a name; every namespace has its own ports
 TRAINER_SAMPLES = 256
