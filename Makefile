@@ -42,12 +42,12 @@ lint: setup
 
 # the default tier (unit, integration, faults: <= 12 minutes on 2 cores); `test-slow` runs the long ones
 # (chaos schedules, end-to-end user flows, long parity runs: <= 20 minutes). CI runs both. Unit tests run
-# on every core (pytest-xdist). Swarm tests run two at a time, a module per worker (a swarm test alone
-# left ~30% of two cores idle: process starts, DHT waits, timeouts); those marked `serial`, whose
-# assertions bound a time, run alone after them
+# on every core (pytest-xdist). Swarm tests run two at a time (one alone left ~30% of two cores idle:
+# process starts, DHT waits, timeouts), a module per worker and never two `timed` ones side by side
+# (tests/conftest.py); those marked `serial` run alone after them
 test: lint
 	$(BIN)/pytest tests/unit -m "not slow" -n auto $(PYTEST_ARGS)
-	$(BIN)/pytest tests/integration tests/faults -m "not slow and not serial" -n 2 --dist loadfile $(PYTEST_ARGS)
+	$(BIN)/pytest tests/integration tests/faults -m "not slow and not serial" -n 2 --dist loadgroup $(PYTEST_ARGS)
 	$(BIN)/pytest tests/integration tests/faults -m "not slow and serial" $(PYTEST_ARGS)
 
 test-slow: setup

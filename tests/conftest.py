@@ -14,7 +14,13 @@ GPU_SKIP_REASON = "needs a CUDA device; torch sees none"
 
 def pytest_collection_modifyitems(config, items):
     """The default test command deselects only `slow`: `gpu` tests are collected and, without CUDA,
-    skipped with a reason, so a run says how many GPU tests it did not run (never silently none)."""
+    skipped with a reason, so a run says how many GPU tests it did not run (never silently none).
+    Swarm tests run two at a time (`make test`: pytest-xdist, `--dist loadgroup`): each module's tests
+    on one worker (a module-scoped swarm starts once), and every `timed` test on the same one, so no two
+    of them run side by side."""
+    for item in items:
+        group = "timed" if item.get_closest_marker("timed") is not None else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))
     gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
     if not gpu_items:
         return

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-pytestmark = [pytest.mark.faults, pytest.mark.timeout(60), pytest.mark.serial]
+pytestmark = [pytest.mark.faults, pytest.mark.timeout(60), pytest.mark.timed]
 
 CHILD = """
 import json, sys, time

@@ -49,7 +49,7 @@ from swarmtrain.runtime.harness.local_swarm import READY_MARKER, LocalSwarm, wri
 from swarmtrain.runtime.harness.netbed import WanTestbed
 from swarmtrain.runtime.ledger import read_ledger
 
-pytestmark = [pytest.mark.faults, pytest.mark.timeout(180), pytest.mark.serial]
+pytestmark = [pytest.mark.faults, pytest.mark.timeout(180), pytest.mark.timed]
 
 # one namespace per peer; the two trainers run one after the other in the same one
 PEERS = {"dht": 0, "s0": 1, "frozen": 2, "trickle": 3, "joiner": 4, "trainer": 5, "trainer2": 5}

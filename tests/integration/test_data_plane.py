@@ -37,7 +37,7 @@ from swarmtrain.net.server_bounds import ByteBounds
 from swarmtrain.net.tcp_tuning import set_congestion_control
 from swarmtrain.net.transport import RemoteError
 
-pytestmark = [pytest.mark.integration, pytest.mark.serial]
+pytestmark = [pytest.mark.integration, pytest.mark.timed]
 
 SERVER_IDENTITY, CALLER_IDENTITY = PeerIdentity.generate(), PeerIdentity.generate()
 SERVER, CALLER = SERVER_IDENTITY.peer_id, CALLER_IDENTITY.peer_id

@@ -16,7 +16,7 @@ from swarmtrain.runtime.harness import netbed
 from swarmtrain.runtime.harness.netbed import WanTestbed
 from swarmtrain.runtime.procs import ManagedProcess
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(60), pytest.mark.serial]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60), pytest.mark.timed]
 
 # Accepts `connections` connections; answers each with the number of bytes it received.
 SERVER = """

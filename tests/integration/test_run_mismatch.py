@@ -10,7 +10,7 @@ import pytest
 from swarm_fixtures import start_servers
 from swarmtrain.runtime.trainer.peer_table import MISMATCH_GRACE_PERIODS
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(240), pytest.mark.serial]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240), pytest.mark.timed]
 
 EXIT_WITHIN_S = 60.0
 

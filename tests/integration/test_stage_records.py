@@ -9,7 +9,7 @@ import pytest
 
 from swarm_fixtures import start_servers
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(180), pytest.mark.serial]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(180), pytest.mark.timed]
 
 ANNOUNCE_PERIOD_S = 20.0  # an online record lives 60 s
 

@@ -18,7 +18,7 @@ import torch
 
 from swarmtrain.planner.download_deadline import REPORT_SLACK_S, DownloadRule, donor_deadline_s, state_bytes
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(90), pytest.mark.serial]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(90), pytest.mark.timed]
 
 CHUNK_TIMEOUT_S = 2.0
 # a small stage's rule: the base dominates, as it does for `tiny` (30 s there)
