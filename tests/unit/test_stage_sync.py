@@ -908,3 +908,50 @@ def test_a_resync_whose_replica_stepped_during_the_download_keeps_its_step_and_s
     sync.resync("parameters diverged from a peer after a partial exchange")
     assert worker.epoch == 1 and worker.unapplied_samples == 8 and sync.counters.lost_samples == 0
     assert sync.counters.resyncs == 1 and sync.serving.is_set()
+
+
+def test_a_replica_holding_a_step_nobody_closes_applies_it_a_close_timeout_after_the_other_stages_went_on(
+    make_joiner,
+):
+    """tests/integration/test_nat.py beside another swarm: the trainer gave up its close of step 0 to the
+    stage-1 server behind the NAT, which held every sample of the step, never advanced (it holds samples)
+    and never closed (no close came): stuck at step 0 for good. Now, once the other stages have been past
+    the step and its samples unchanged for a close timeout, it has the step loop apply them, with the
+    stage peers whose records show samples of the same step (planner/held_step.py)."""
+
+    class Steps(FakeSteps):
+        def __init__(self):
+            super().__init__()
+            self.applied, self.close = [], False
+
+        def has_close(self):
+            return self.close
+
+        def apply_held(self, step, members):
+            self.applied.append((step, dict(members)))
+            return True
+
+    clock, steps = HandClock(), Steps()
+    sync, worker, records, fatal = make_joiner(lag_grace_s=0.1, steps=steps)
+    sync.untrained = sync.restored = False  # it has stepped with the swarm
+    timeout_s = sync.settings.close_timeout_s
+    records.progress["A"] = {**_peer(0), "samples": 16}  # a stage peer holding samples of step 0 too
+    records.progress["C"] = _peer(0)  # one holding none
+    records.by_stage[0] = {"X": _peer(1)}  # the other stage went on
+    _train(worker, 1, step=0)
+    sync.check_other_stages(0, clock())
+    clock.wait(timeout_s - 1.0)
+    _train(worker, 2, step=0)  # another micro-batch still came (m0-1): the step was under way here
+    assert worker.unapplied_samples == 16
+    sync.check_other_stages(0, clock())
+    clock.wait(2.0)
+    sync.check_other_stages(0, clock())
+    assert steps.applied == []  # behind for a close timeout, but its samples changed a second ago
+    steps.close = True
+    clock.wait(timeout_s)
+    sync.check_other_stages(0, clock())
+    assert steps.applied == []  # a close came: the step loop decides on it
+    steps.close = False
+    sync.check_other_stages(0, clock())
+    assert steps.applied == [(0, {"A": 16, "B": 16})]
+    assert worker.epoch == 0 and not sync.skipped and fatal == []  # the step loop applies it, not this

@@ -27,7 +27,7 @@ import dataclasses
 import enum
 import logging
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Mapping
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from swarmtrain.planner.catch_up import (
@@ -93,6 +93,15 @@ class StepsPort(Protocol):
 
     def closing(self) -> bool:
         """The step this replica is at has a close or gradients pending (it must not adopt another)."""
+        ...
+
+    def has_close(self) -> bool:
+        """The step this replica is at has a trainer's close (a peer's gradients alone do not count)."""
+        ...
+
+    def apply_held(self, step: int, members: Mapping[str, int]) -> bool:
+        """Apply step `step` with the samples held of it and no close (planner/held_step.py), exchanging
+        with `members`; False when the step loop could not take it (it moved on, or a close came)."""
         ...
 
     def stuck(self) -> Stuck | None:
@@ -174,6 +183,12 @@ class Detached:
     def closing(self) -> bool:
         return False
 
+    def has_close(self) -> bool:
+        return False
+
+    def apply_held(self, step: int, members: Mapping[str, int]) -> bool:
+        return False
+
     def stuck(self) -> Stuck | None:
         return None
 
@@ -218,6 +233,19 @@ class StepsBridge:
 
     def closing(self) -> bool:
         return self.steps.inbox.closing(self.steps.worker.epoch)
+
+    def has_close(self) -> bool:
+        state = self.steps.pending.get(self.steps.worker.epoch)
+        return state is not None and bool(state.closes)
+
+    def apply_held(self, step: int, members: Mapping[str, int]) -> bool:
+        async def apply() -> bool:
+            return self.steps.apply_held(step, members)
+
+        try:
+            return self._on_loop(apply())
+        except LoopStopped:
+            return False
 
     def stuck(self) -> Stuck | None:
         # with local steps (DiLoCo) replicas keep no means to replay and an outer round holds its step

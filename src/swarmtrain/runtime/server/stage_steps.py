@@ -43,7 +43,9 @@ close, when it comes, decides. Only when no close passes for `close_timeout_s` a
 trainer died mid-step, or all of a step's micro-batches failed) does the replica act on the best
 remaining one as before these checks (`lenient`): a stage must not stall. Not on a close nobody can
 verify, though: the fallback needs samples of its own or gradients from a live replica of the stage
-(forged closes to an idle open swarm moved a replica's epoch that way).
+(forged closes to an idle open swarm moved a replica's epoch that way). When no close of the step comes
+at all (its trainer died before closing, or gave a close up) and the other stages went on, the
+synchronizer has the samples held applied the same way (`apply_held`, planner/held_step.py).
 
 The live replicas are what the DHT last showed (`LiveReplicas`, refreshed every announce period) plus
 every peer that answered a direct stage ping (`verify`): a close naming a peer the view lacks (a replica
@@ -59,7 +61,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
@@ -67,6 +69,7 @@ import torch
 
 from swarmtrain.net.robust import robust_mean
 from swarmtrain.planner.catch_up import MAX_REPLAY_STEPS
+from swarmtrain.planner.held_step import held_step_decision
 from swarmtrain.planner.step_decision import (
     StepDecision,
     decide_step,
@@ -205,8 +208,11 @@ class StepCoordinator:
         """Whether this replica closes its step now (`decide_step`); keeps the candidate it starts with."""
         if state.reached_s is None:
             state.reached_s = time.monotonic()
-        if self._replaying or not state.closes:
+        if self._replaying or not (state.closes or state.held):
             return False
+        if not state.closes:  # no trainer's close came, the other stages went on (`apply_held`)
+            state.decision = state.held
+            return True
         bucket = self.worker.buckets.get(state.step)
         own = bucket.samples if bucket is not None else 0
         by_origin = dict(bucket.by_origin) if bucket is not None else {}
@@ -246,6 +252,20 @@ class StepCoordinator:
         )
         now_s = time.monotonic()
         return [c for c in candidates if c.due_s <= now_s] if due else candidates
+
+    def apply_held(self, step: int, members: Mapping[str, int]) -> bool:
+        """Apply step `step` with the samples held of it and no trainer's close (planner/held_step.py:
+        its close was lost and the other stages went on), exchanging with `members` as a lenient
+        decision does. False, and nothing changes, when this replica left the step, is finishing or
+        replaying one, or a close of it came meanwhile (the step loop decides on that)."""
+        if self.worker.epoch != step or self.finishing is not None or self._replaying:
+            return False
+        state, bucket = self.pending.setdefault(step, PendingStep(step)), self.worker.buckets.get(step)
+        if state.closes or bucket is None or not bucket.samples:
+            return False
+        state.held = held_step_decision(members, self.peer_id, time.monotonic())
+        state.changed.set()
+        return True
 
     # steps missed: replayed from a peer's means ---------------------------------------------------
     def means_of(self, step: int) -> tuple[int, list[torch.Tensor] | None] | None:
@@ -299,19 +319,7 @@ class StepCoordinator:
         start = state.decision
         assert start is not None  # set by `_decided`
         if start.lenient:
-            self.counters.lenient_steps += 1
-            bucket = self.worker.buckets.get(step)
-            # samples of a peer that sent no close: a trainer that died, or an older server's hand-off
-            # (it names no trainer: `micro_batch_origin`), whose steps always end here
-            origins = {short(p): n for p, n in (bucket.by_origin if bucket else {}).items()}
-            logger.warning(
-                "step %d: no close agreed with this replica's samples (by origin %s) or was confirmed by a "
-                "member's within %.0f s; acting on %s as before the checks",
-                step,
-                origins,
-                self.settings.close_timeout_s,
-                {short(p): n for p, n in start.members.items()},
-            )
+            self._log_fallback(step, start)
         bucket = await self._on_compute(lambda: self.worker.seal(step))
         if self.worker.outer is not None:
             await self._finish_local(state, start, bucket, start_s)
@@ -328,6 +336,33 @@ class StepCoordinator:
         await self._apply(step, contributions, bucket.micro_batch_ids, start_s)
         # the close's count: the whole swarm's samples of the step, whoever of this stage sent sums
         self.step_rate.applied(sum(final.members.values()), time.monotonic())
+
+    def _log_fallback(self, step: int, start: StepDecision) -> None:
+        """A step decided without a close that passed the checks: counted and said once."""
+        bucket = self.worker.buckets.get(step)
+        # samples of a peer that sent no close: a trainer that died, or an older server's hand-off
+        # (it names no trainer: `micro_batch_origin`), whose steps always end here
+        origins = {short(p): n for p, n in (bucket.by_origin if bucket else {}).items()}
+        members = {short(p): n for p, n in start.members.items()}
+        if start.closes == 0:  # `apply_held`
+            self.counters.held_steps += 1
+            logger.warning(
+                "step %d: no trainer's close came for the samples held here (by origin %s) and the other "
+                "stages went on; applying them with %s",
+                step,
+                origins,
+                members,
+            )
+            return
+        self.counters.lenient_steps += 1
+        logger.warning(
+            "step %d: no close agreed with this replica's samples (by origin %s) or was confirmed by a "
+            "member's within %.0f s; acting on %s as before the checks",
+            step,
+            origins,
+            self.settings.close_timeout_s,
+            members,
+        )
 
     async def _exchange(
         self, state: PendingStep, start: StepDecision, own: int, sums: WireSums, origins: dict[str, int]

@@ -38,6 +38,8 @@ class PendingStep:
     decision: StepDecision | None = None  # set once the step is closed
     reached_s: float | None = None  # when this replica's step loop reached this step
     held_s: float | None = None  # when the step loop first saw samples of this step held here
+    # no trainer's close will come: apply the samples held (planner/held_step.py, `apply_held`)
+    held: StepDecision | None = None
     received: dict[str, tuple[int, list[torch.Tensor]]] = field(default_factory=dict)
     # peers seen as live replicas of the stage while this step was pending here (when their sums came,
     # or whenever the step loop looked): members of this step's closes even after the view drops them
@@ -63,6 +65,7 @@ class StepCounters:
     ignored_grads: int = 0  # gradients from a peer that is no live replica, no member, or a wrong count
     disagreeing_closes: int = 0  # steps decided by a close whose count for this replica was not its own
     lenient_steps: int = 0  # no close passed the checks in time: acted on one as before them
+    held_steps: int = 0  # no close came at all, the other stages went on: applied the samples held
 
 
 class StepInbox:
