@@ -61,6 +61,9 @@ class PeerTable:
         # per stage: since when (monotonic) it shows peers of other digests and none of ours
         self._unmatched_since: list[float | None] = [None] * num_stages
         self._foreign: list[dict[str, StageAnnouncement]] = [{} for _ in range(num_stages)]
+        # peer -> when (monotonic) a DHT read last listed it, not "offline": how long a peer the trainer
+        # cannot connect to has been gone from the DHT tells a dead peer (planner/close_retry.py)
+        self._listed_at_s: dict[str, float] = {}
 
     def fetch(self) -> list[dict[str, StageAnnouncement]]:
         """Blocking DHT read of every stage's announcements (run in an executor)."""
@@ -72,6 +75,7 @@ class PeerTable:
         now_s = time.monotonic() if now_s is None else now_s
         new_peers = []
         for stage, found in enumerate(fetched):
+            self._listed_at_s.update((p, now_s) for p, a in found.items() if a.state != "offline")
             ours = {}
             for peer, ann in found.items():
                 if ann.config_digest != self.digest:
@@ -182,6 +186,12 @@ class PeerTable:
     def unban(self, stage: int, peer: str) -> None:
         self.routers[stage].unban(peer)
         self._banned_at.pop(peer, None)
+
+    def unlisted_s(self, peer: str, now_s: float) -> float | None:
+        """How long no DHT read has listed `peer` (as anything but "offline") at `now_s`; None if none ever
+        did: no evidence that it is gone."""
+        listed_at_s = self._listed_at_s.get(peer)
+        return None if listed_at_s is None else max(0.0, now_s - listed_at_s)
 
     def close_recipients(self, stage: int, members: dict[str, int]) -> set[str]:
         """Who hears a close of `stage`: every replica of it we know of, banned ones too, and the
