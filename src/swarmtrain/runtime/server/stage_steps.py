@@ -61,7 +61,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
@@ -84,6 +84,7 @@ from swarmtrain.runtime.server.compute import PRIORITY_SYNC, ComputeWorker
 from swarmtrain.runtime.server.stage_members import LiveReplicas, Verify
 from swarmtrain.runtime.server.stage_worker import StageWorker
 from swarmtrain.runtime.server.step_inbox import PendingStep, StepCounters, StepInbox, short
+from swarmtrain.runtime.server.step_outbox import Alive, GradSender, SumsOut
 from swarmtrain.runtime.server.step_rate import StepRate
 from swarmtrain.runtime.server.step_versions import VersionGate
 from swarmtrain.runtime.server.sums_codec import SumsCodec, WireSums
@@ -91,14 +92,10 @@ from swarmtrain.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
-# (peer, step, samples, gradient sums as encoded once for every peer) -> False when the peer is
-# unreachable (gone)
-GradSender = Callable[[str, int, int, WireSums], Awaitable[bool]]
 # (epoch, parameter fingerprint or None, live): `live` is False for a step replayed from a peer's means
 # after a step: the new epoch, the new parameters' fingerprint (None: a local step), whether the step was
 # this replica's own (False: a replay from a peer's means), and the samples of its own it applied
 OnStep = Callable[[int, list[float] | None, bool, int], None]
-Alive = Callable[[str], Awaitable[bool]]  # does this peer's event loop answer a ping?
 # The mean gradients of recent steps are kept for replicas that missed them (`replay`): at least
 # `KEPT_STEP_MEANS` steps, more while they fit in `KEPT_MEANS_BYTES`. Three alone are too few for a
 # moved server: `tiny` steps 4-7 times during its state download, so it would download the whole state
@@ -254,14 +251,13 @@ class StepCoordinator:
         return [c for c in candidates if c.due_s <= now_s] if due else candidates
 
     def apply_held(self, step: int, members: Mapping[str, int]) -> bool:
-        """Apply step `step` with the samples held of it and no trainer's close (planner/held_step.py:
-        its close was lost and the other stages went on), exchanging with `members` as a lenient
-        decision does. False, and nothing changes, when this replica left the step, is finishing or
-        replaying one, or a close of it came meanwhile (the step loop decides on that)."""
-        if self.worker.epoch != step or self.finishing is not None or self._replaying:
+        """Apply the samples held of `step` with `members`, no close having come (planner/held_step.py);
+        False when it left the step, is finishing or replaying one, or a close came (that decides)."""
+        held = self.worker.buckets.get(step)
+        if self.finishing is not None or self._replaying or self.worker.epoch != step or not held:
             return False
-        state, bucket = self.pending.setdefault(step, PendingStep(step)), self.worker.buckets.get(step)
-        if state.closes or bucket is None or not bucket.samples:
+        state = self.pending.setdefault(step, PendingStep(step))
+        if state.closes or not held.samples:
             return False
         state.held = held_step_decision(members, self.peer_id, time.monotonic())
         state.changed.set()
@@ -319,7 +315,7 @@ class StepCoordinator:
         start = state.decision
         assert start is not None  # set by `_decided`
         if start.lenient:
-            self._log_fallback(step, start)
+            _say_fallback(step, start, self.worker.buckets.get(step), self.counters, self.settings)
         bucket = await self._on_compute(lambda: self.worker.seal(step))
         if self.worker.outer is not None:
             await self._finish_local(state, start, bucket, start_s)
@@ -336,33 +332,6 @@ class StepCoordinator:
         await self._apply(step, contributions, bucket.micro_batch_ids, start_s)
         # the close's count: the whole swarm's samples of the step, whoever of this stage sent sums
         self.step_rate.applied(sum(final.members.values()), time.monotonic())
-
-    def _log_fallback(self, step: int, start: StepDecision) -> None:
-        """A step decided without a close that passed the checks: counted and said once."""
-        bucket = self.worker.buckets.get(step)
-        # samples of a peer that sent no close: a trainer that died, or an older server's hand-off
-        # (it names no trainer: `micro_batch_origin`), whose steps always end here
-        origins = {short(p): n for p, n in (bucket.by_origin if bucket else {}).items()}
-        members = {short(p): n for p, n in start.members.items()}
-        if start.closes == 0:  # `apply_held`
-            self.counters.held_steps += 1
-            logger.warning(
-                "step %d: no trainer's close came for the samples held here (by origin %s) and the other "
-                "stages went on; applying them with %s",
-                step,
-                origins,
-                members,
-            )
-            return
-        self.counters.lenient_steps += 1
-        logger.warning(
-            "step %d: no close agreed with this replica's samples (by origin %s) or was confirmed by a "
-            "member's within %.0f s; acting on %s as before the checks",
-            step,
-            origins,
-            self.settings.close_timeout_s,
-            members,
-        )
 
     async def _exchange(
         self, state: PendingStep, start: StepDecision, own: int, sums: WireSums, origins: dict[str, int]
@@ -568,66 +537,33 @@ class KeptMeans:
         return self.steps.get(step)
 
 
-class SumsOut:
-    """A replica's gradient sums on their way to its stage peers, in the background (the step waits
-    for the other members' sums, never for a send), and the pings that find members whose sums are
-    late because they froze (they are then left out)."""
-
-    def __init__(
-        self, peer_id: str, send_grads: GradSender, alive: Alive | None, probe_after_s: float
-    ) -> None:
-        """`alive`: None when late members are waited for until the exchange timeout."""
-        self.peer_id, self.send_grads = peer_id, send_grads
-        self.alive, self.probe_after_s = alive, probe_after_s
-        self._tasks: set[asyncio.Task] = set()
-
-    def send_where_named(
-        self, state: PendingStep, due: list[StepDecision], own: int, sums: WireSums, sent: set[str]
-    ) -> None:
-        """Our sealed sums, with their real count, to the participants of every `due` candidate naming us:
-        where the count is what the candidate says they confirm it, elsewhere they tell its members at
-        once to leave us out (instead of waiting for the exchange timeout)."""
-        if not own:
-            return
-        peers: set[str] = set()
-        for candidate in due:
-            if self.peer_id in candidate.members:
-                peers |= candidate.participants | set(candidate.members)
-        peers -= sent | {self.peer_id}
-        if peers:
-            sent |= peers
-            self.send(state, peers, own, sums)
-
-    async def probe_late(self, state: PendingStep, awaited: Callable[[], AbstractSet[str]]) -> None:
-        """Every `probe_after_s`, ping the members whose sums have not come: a silent one is left out."""
-        assert self.alive is not None
-        while True:
-            await asyncio.sleep(self.probe_after_s)
-            late = sorted(awaited() - {self.peer_id} - set(state.received) - state.unreachable)
-            answers = await asyncio.gather(*(self.alive(peer) for peer in late))
-            silent = [peer for peer, ok in zip(late, answers, strict=True) if not ok]
-            if silent:
-                logger.warning("step %d: %s do not answer a ping; stepping without them", state.step, silent)
-                state.unreachable.update(silent)
-                state.changed.set()
-
-    def send(self, state: PendingStep, peers: AbstractSet[str], samples: int, sums: WireSums) -> None:
-        """Send our sums to `peers` in the background: the step waits for the other members' sums, never
-        for a send (a hung participant must not stall the stage)."""
-        for peer in sorted(set(peers) - {self.peer_id}):
-            task = asyncio.create_task(self.send_grads(peer, state.step, samples, sums))
-            self._tasks.add(task)
-            task.add_done_callback(lambda t, p=peer: self._sent(state, p, t))
-
-    def _sent(self, state: PendingStep, peer: str, task: asyncio.Task) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:  # a bug, not a failure of the peer
-            logger.error(
-                "step %d: sending gradients to %s failed: %r", state.step, peer[-8:], task.exception()
-            )
-        if task.cancelled() or task.exception() is not None or task.result() is False:
-            state.unreachable.add(peer)  # a member we cannot reach will not send us its sums either
-            state.changed.set()
+def _say_fallback(
+    step: int, start: StepDecision, bucket, counters: StepCounters, settings: StepSettings
+) -> None:
+    """A step decided without a close that passed the checks (`lenient`): counted and said once."""
+    # samples of a peer that sent no close: a trainer that died, or an older server's hand-off (it
+    # names no trainer: `micro_batch_origin`), whose steps always end here
+    origins = {short(p): n for p, n in (bucket.by_origin if bucket else {}).items()}
+    members = {short(p): n for p, n in start.members.items()}
+    if start.closes == 0:  # `apply_held`
+        counters.held_steps += 1
+        logger.warning(
+            "step %d: no trainer's close came for the samples held here (by origin %s) and the other "
+            "stages went on; applying them with %s",
+            step,
+            origins,
+            members,
+        )
+        return
+    counters.lenient_steps += 1
+    logger.warning(
+        "step %d: no close agreed with this replica's samples (by origin %s) or was confirmed by a "
+        "member's within %.0f s; acting on %s as before the checks",
+        step,
+        origins,
+        settings.close_timeout_s,
+        members,
+    )
 
 
 def _counts(state: PendingStep) -> dict[str, int]:

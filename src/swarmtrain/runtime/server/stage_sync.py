@@ -40,7 +40,6 @@ from swarmtrain.planner.download_deadline import (
     donor_deadline_s,
     state_bytes,
 )
-from swarmtrain.planner.held_step import applies_held_step, held_step_members
 from swarmtrain.planner.restore import (
     RECENT_STEPS,
     Line,
@@ -50,6 +49,7 @@ from swarmtrain.planner.restore import (
 )
 from swarmtrain.runtime.ledger import Ledger
 from swarmtrain.runtime.server.compute import PRIORITY_SYNC, ComputeWorker
+from swarmtrain.runtime.server.held_steps import HeldStepClock
 from swarmtrain.runtime.server.stage_catch_up import DETACHED, StageCatchUp, StepsPort
 from swarmtrain.runtime.server.stage_worker import StageWorker, import_keeping_step
 from swarmtrain.utils.logging import get_logger
@@ -178,8 +178,7 @@ class StageSynchronizer:
         self._other_ahead_since_s: float | None = None
         # what the running adoption clock is for (`check_other_stages`): giving a close up or not, at which epoch
         self._adoption: tuple[bool, int] | None = None
-        # (epoch, samples held of it, since when) for a held step's clock (`_apply_held_step`)
-        self._held_seen: tuple[int, int, float] | None = None
+        self.held_step = HeldStepClock(worker, steps, peer_id, settings.close_timeout_s)  # nobody closes
         self.counters = SyncCounters()
         self.serving = threading.Event()
         self.stop_event = threading.Event()
@@ -364,40 +363,17 @@ class StageSynchronizer:
             # the bucket, and `untrained` is cleared after it): they describe no state, decide nothing
             return
         if action == "wait":
-            self._apply_held_step(epoch, other, now_s - since, now_s)
+            self.held_step.check(epoch, other, now_s - since, now_s, self.recorded_peers)
         elif action == "advance":
-            if target > other:
-                why = f"step {epoch} was closed here or further on, and no replica that can finish it answers"
-            else:
-                why = f"the other stages at {other}"
-            self._advance(epoch, target, now_s - since, why)
+            closed = f"step {epoch} was closed here or further on, and no replica that can finish it answers"
+            self._advance(
+                epoch, target, now_s - since, closed if target > other else f"the other stages at {other}"
+            )
         elif action == "refuse":
             self.serving.clear()
             self.publish()
             if self.on_fatal is not None:
                 self.on_fatal(untrained_refusal(self.stage, other))
-
-    def _apply_held_step(self, epoch: int, other: int, behind_s: float, now_s: float) -> None:
-        """Samples of this replica's step held with no trainer's close while the other stages went on:
-        applied once both have lasted a close timeout (planner/held_step.py; the step loop says so)."""
-        bucket = self.worker.buckets.get(epoch)
-        held = bucket.samples if bucket is not None else 0
-        if self._held_seen is None or self._held_seen[:2] != (epoch, held):
-            self._held_seen = (epoch, held, now_s)  # the samples changed: the step was still under way
-        due = applies_held_step(
-            epoch,
-            other,
-            held,
-            self.steps.has_close(),
-            self.steps.finishing(),
-            behind_s,
-            now_s - self._held_seen[2],
-            self.settings.close_timeout_s,
-        )
-        if due and self.steps.apply_held(
-            epoch, held_step_members(self.peer_id, held, epoch, self.recorded_peers())
-        ):
-            self._held_seen = None
 
     def _advance(self, epoch: int, target: int, behind_s: float, why: str) -> None:
         """Adopt step `target` without this stage's updates of the steps between (`skipped`: the replica
