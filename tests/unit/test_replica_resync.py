@@ -35,14 +35,14 @@ class StubPeer(ReplicaPeer):
         self.calls += 1
         return others
 
-    def _download(self, reason: str, retry: bool = False, left_s: float = float("inf")) -> bool:
+    def _download(self, reason: str, retry: bool = False, left_s: float = float("inf")) -> str:
         self.lefts.append(left_s)
         ahead = [v["outer_step"] for v in self.timeline[min(self.calls, len(self.timeline)) - 1].values()]
         if not any(step > self.outer.outer_step for step in ahead):
-            return False
+            return "failed"
         self.downloads += 1
         self.outer.outer_step = max(ahead)
-        return True
+        return "done"
 
     def _adopt_position(self, others) -> None:
         pass
@@ -90,13 +90,24 @@ def test_a_resync_whose_downloads_keep_failing_ends_at_the_download_deadline():
     peer.options = ReplicaOptions(
         download_rule=DownloadRule(base_s=0.25, min_rate_bytes_per_s=1e12, max_donors=2)
     )
-    peer._download = lambda reason, retry=False, left_s=float("inf"): bool(peer.lefts.append(left_s))
+    peer._download = lambda reason, retry=False, left_s=float("inf"): peer.lefts.append(left_s) or "failed"
     start_s = time.monotonic()
     peer._resync(1, "started outer step 1 from other weights than the group")
     took_s = time.monotonic() - start_s
     assert 0.5 <= took_s < 0.5 + 0.2, took_s  # the deadline, plus one poll (0.01 s here) and the stubs
     assert peer.lefts and all(0 < left <= 0.5 for left in peer.lefts)
     assert peer.lefts == sorted(peer.lefts, reverse=True)
+
+
+def test_a_resync_whose_donor_serves_a_state_it_refuses_goes_on_at_once():
+    """The byzantine DiLoCo test's honest replica refused its only donor's state ("the donor's weights have
+    norm 2.16e+04, ours 26.4") 144 times in a minute: hivemind serves the state of the highest sharing
+    priority, the same donor's at every try. A refused state now ends the resync: it trains on."""
+    peer = StubPeer(1, [{"byzantine": at(3)}])
+    peer._download = lambda reason, retry=False, left_s=float("inf"): peer.lefts.append(left_s) or "refused"
+    peer._resync(1, "started outer step 1 from other weights than the group")
+    assert len(peer.lefts) == 1 and peer.outer.outer_step == 1
+    assert peer.summary.round_outcomes == {"1": "resynced"}
 
 
 def test_the_last_rounds_reference_stays_until_the_replica_behind_caught_up():

@@ -184,23 +184,25 @@ class ReplicaPeer:
             self.lineage = str(meta.get("lineage", ""))
             load_adam_state(self.inner.optimizer, self.inner.params(), tensors[2 * n :])
 
-    def _download(self, reason: str, retry: bool = False, left_s: float = math.inf) -> bool:
-        """`retry`: a repeated try of one resync (logged at debug); `left_s`: the time left to its deadline."""
+    def _download(self, reason: str, retry: bool = False, left_s: float = math.inf) -> str:
+        """ "done", "failed" (no donor answered in time) or "refused" (a donor's state this replica will not
+        load: another run's, or implausible weights). `retry`: a repeated try of one resync (logged at
+        debug); `left_s`: the time left to its deadline."""
         plan = downloads.replica_plan(self.state_params, left_s, self.options.download_rule)
         loaded = self.averager.download_state(*plan)
         if loaded is None:
             logger.log(
                 logging.DEBUG if retry else logging.WARNING, "replica state download failed (%s)", reason
             )
-            return False
+            return "failed"
         self.summary.state_bytes_received += sum(t.numel() * t.element_size() for t in loaded[1])
         try:
             self._import_state(*loaded)
         except (UserError, ValueError) as exc:
             logger.warning("downloaded replica state refused (%s): %s", reason, exc)
-            return False
+            return "refused"
         logger.info("replica state downloaded (%s): outer step %d", reason, self.outer.outer_step)
-        return True
+        return "done"
 
     # records ----------------------------------------------------------------------------------
     def _others(self) -> dict[str, dict]:
@@ -249,7 +251,11 @@ class ReplicaPeer:
         state_bytes = downloads.state_bytes(self.state_params, downloads.REPLICA_COPIES)
         logger.info("state downloads: %s", downloads.describe(state_bytes, self.options.download_rule))
         others = self._others()
-        if others and max(v["outer_step"] for v in others.values()) > 0 and self._download("joining"):
+        if (
+            others
+            and max(v["outer_step"] for v in others.values()) > 0
+            and self._download("joining") == "done"
+        ):
             self.summary.joined_from = "peers"
             self._adopt_position(self._others())
         elif others:  # the others have not finished a round yet: start their first round with them
@@ -390,7 +396,13 @@ class ReplicaPeer:
                 # the replicas ahead left (their records expired): nobody to download from
                 logger.warning("no live replica past outer step %d to download from: this one goes on", k)
                 break
-            if self._download(reason, tried, deadline - time.monotonic()) and self.outer.outer_step >= target:
+            outcome = self._download(reason, tried, deadline - time.monotonic())
+            if outcome == "done" and self.outer.outer_step >= target:
+                break
+            if outcome == "refused":
+                # the state served first is the same donor's each time (the highest sharing priority):
+                # asking again downloaded a byzantine replica's state 144 times a minute
+                logger.warning("the replica ahead serves a state this one refuses: this one goes on")
                 break
             tried = True
             time.sleep(PEER_POLL_S)  # the donor is still applying the round
