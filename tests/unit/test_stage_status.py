@@ -77,7 +77,7 @@ INFO_KEYS = {
     "steps": [
         "steps", "partial_exchanges", "solo_steps", "timed_out_closes", "unconfirmed_samples",
         "last_group_size", "last_exchange_s", "clipped_contributions", "replayed_steps", "refused_closes",
-        "unknown_member_closes", "ignored_grads", "disagreeing_closes", "lenient_steps",
+        "unknown_member_closes", "ignored_grads", "disagreeing_closes", "lenient_steps", "held_steps",
     ],
     "compute": ["requests", "calls", "bundles_sent"],
     "capacity": ["samples_per_s", "limit", "compute", "uplink", "downlink"],

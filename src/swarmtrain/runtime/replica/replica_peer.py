@@ -45,7 +45,7 @@ from swarmtrain.planner import download_deadline as downloads
 from swarmtrain.planner.outer_rounds import INITIAL_LINEAGE, RoundState, next_lineage, started_from_reference
 from swarmtrain.runtime.faults import NO_FAULTS, FaultHooks
 from swarmtrain.runtime.replica.replica_inner import InnerTrainer
-from swarmtrain.runtime.replica.replica_metrics import ReplicaMetrics
+from swarmtrain.runtime.replica.replica_metrics import log_progress
 from swarmtrain.runtime.replica.round_repair import RoundRepair
 from swarmtrain.utils.logging import get_logger
 
@@ -465,7 +465,9 @@ class ReplicaPeer:
             self.summary.samples_per_s = self.summary.samples / max(now - start, 1e-9)
             self.summary.final_loss = sum(losses[-10:]) / len(losses[-10:])
             if now >= next_log:
-                self._log_progress(t.global_batch_size)
+                log_progress(
+                    self.summary, self.inner.step, self.stop_step, self.outer.outer_step, t.global_batch_size
+                )
                 next_log = now + opts.log_period_s
         if self.round_samples and self.inner.step % d.inner_steps:
             self.outer_round()  # stopped mid-round (duration or Ctrl-C): the others get its samples
@@ -498,36 +500,6 @@ class ReplicaPeer:
         """At the end of this replica's current round: local step (outer step + 1) x H, or the last."""
         end = (self.outer.outer_step + 1) * self.cfg.diloco.inner_steps
         return self.inner.step >= min(end, self.stop_step) and self.inner.step > 0
-
-    def _log_progress(self, global_batch: int) -> None:
-        s = self.summary
-        m = ReplicaMetrics(
-            shard=s.shard,
-            inner_step=self.inner.step,
-            stop_step=self.stop_step,
-            samples=self.inner.step * global_batch,
-            outer_step=self.outer.outer_step,
-            loss=s.final_loss if s.final_loss is not None else float("nan"),
-            samples_per_s=s.samples_per_s,
-            rounds_averaged=s.rounds_averaged,
-            rounds_alone=s.rounds_alone,
-            rounds_resynced=s.rounds_resynced,
-        )
-        logger.info(
-            "replica %s: inner step %d/%d (run at ~%d samples), outer step %d, loss %.4f, %.1f samples/s, "
-            "rounds averaged %d alone %d resynced %d",
-            m.shard,
-            m.inner_step,
-            m.stop_step,
-            m.samples,
-            m.outer_step,
-            m.loss,
-            m.samples_per_s,
-            m.rounds_averaged,
-            m.rounds_alone,
-            m.rounds_resynced,
-        )
-        logger.info("%s", m.log_line())
 
 
 def _member_weight(gathered: dict) -> float:
