@@ -1,5 +1,6 @@
 """Wire codecs: round-trip error bounds, odd sizes, empty and non-contiguous tensors, integers untouched."""
 
+import struct
 import warnings
 
 import pytest
@@ -177,6 +178,28 @@ def test_blockwise_codec_inside_hivemind_serialization():
     assert len(wire.buffer) == 3072 + 4 * 3072 // 256
     for row in range(3):  # per-block scales: the small row keeps its own precision
         assert (x[row] - y[row]).abs().max() <= x[row].abs().max() / 254 * 1.01
+
+
+def test_an_all_reduce_part_with_non_finite_scales_decodes_to_nan_and_a_wrong_size_still_raises():
+    """A replica's part whose 8-bit block scales are not finite (a byzantine or broken sender) decodes
+    to NaN values, which the robust reducer drops (tests/unit/test_robust.py), instead of raising inside
+    hivemind's all-reduce ("Future exception was never retrieved ... CodecError" in a replica's log)."""
+    from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+    from hivemind.proto import runtime_pb2
+
+    from swarmtrain.net.codec import CodecError
+    from swarmtrain.net.outer_averaging import _codec
+
+    _codec("8bit")
+    wire = serialize_torch_tensor(torch.ones(2, 512), runtime_pb2.CompressionType.BLOCKWISE_8BIT)
+    payload = bytearray(wire.buffer)
+    payload[0:4] = struct.pack("<f", float("inf"))  # the first block's scale
+    wire.buffer = bytes(payload)
+    y = deserialize_torch_tensor(wire)
+    assert y.shape == (2, 512) and bool(torch.isnan(y).all())
+    wire.buffer = bytes(payload[:-1])
+    with pytest.raises(CodecError, match="payload of"):
+        deserialize_torch_tensor(wire)
 
 
 def test_a_partial_all_reduce_is_recognised():

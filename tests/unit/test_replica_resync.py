@@ -29,6 +29,7 @@ class StubPeer(ReplicaPeer):
         self.summary = ReplicaSummary(replica_id="me", shard="1/2")
         self.round_samples = 0
         self.timeline, self.calls, self.downloads, self.lefts = timeline, 0, 0, []
+        self._set_aside = (0, replica_peer.SET_ASIDE_FIRST)
 
     def _others(self) -> dict[str, dict]:
         others = self.timeline[min(self.calls, len(self.timeline) - 1)]
@@ -108,6 +109,17 @@ def test_a_resync_whose_donor_serves_a_state_it_refuses_goes_on_at_once():
     peer._resync(1, "started outer step 1 from other weights than the group")
     assert len(peer.lefts) == 1 and peer.outer.outer_step == 1
     assert peer.summary.round_outcomes == {"1": "resynced"}
+    # every later round's resync asked once more (57 downloads in one run): the next 2 go on without a
+    # download, then one tries, is refused again, and the next 4 go on without; a state loaded resets it
+    downloads = []
+    for k in range(2, 10):
+        peer._resync(k, "the others are past")
+        downloads.append(len(peer.lefts))
+    assert downloads == [1, 1, 2, 2, 2, 2, 2, 3]
+    peer._download = StubPeer._download.__get__(peer)
+    peer._set_aside = (0, 8)
+    peer._resync(10, "the others are past")
+    assert peer.outer.outer_step == 3 and peer._set_aside == (0, replica_peer.SET_ASIDE_FIRST)
 
 
 def test_the_last_rounds_reference_stays_until_the_replica_behind_caught_up():

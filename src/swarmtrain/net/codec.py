@@ -67,6 +67,10 @@ class CodecError(ValueError):
     """A payload that does not match its description (size, dtype, codec)."""
 
 
+class NonFiniteScales(CodecError):
+    """A scaled codec's payload of the right size whose block scales (or steps) are not finite."""
+
+
 @dataclass(frozen=True)
 class EncodedTensor:
     """One tensor as sent: `codec` actually applied ('none' for integers), original dtype and shape."""
@@ -230,7 +234,7 @@ def _host_scales(encoded: EncodedTensor) -> torch.Tensor:
 def _checked_scales(encoded: EncodedTensor) -> None:
     if not bool(torch.isfinite(_host_scales(encoded)).all()):
         kind = "block scales" if encoded.codec == "8bit" else "block steps"
-        raise CodecError(f"{encoded.codec} payload has non-finite {kind}")
+        raise NonFiniteScales(f"{encoded.codec} payload has non-finite {kind}")
 
 
 def magnitude_bound(encoded: EncodedTensor) -> float | None:

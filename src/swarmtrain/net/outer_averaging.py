@@ -26,7 +26,7 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils.mpfuture import MPFuture
 
 from swarmtrain.net.averaging import StageAverager
-from swarmtrain.net.codec import EncodedTensor, decode, encode
+from swarmtrain.net.codec import EncodedTensor, NonFiniteScales, decode, encode
 from swarmtrain.net.robust import robust_weighted_mean
 from swarmtrain.utils.logging import get_logger
 
@@ -60,8 +60,16 @@ class BlockwiseCodec(CompressionBase):
         )
 
     def extract(self, serialized_tensor) -> torch.Tensor:
+        """A sender's part whose block scales are not finite decodes to NaN values: the robust reducer
+        drops a non-finite part (`_CollectingAccumulator`), as it does one sent in float16 or uncompressed.
+        Raised inside hivemind's all-reduce instead, the error left a "Future exception was never
+        retrieved ... CodecError" in a replica's log (tests/faults/test_byzantine_replica.py)."""
         encoded = EncodedTensor("8bit", "float32", tuple(serialized_tensor.size), serialized_tensor.buffer)
-        return decode(encoded).requires_grad_(serialized_tensor.requires_grad)
+        try:
+            values = decode(encoded)  # a payload not of its shape's size still raises: nothing to drop
+        except NonFiniteScales:
+            values = torch.full(encoded.shape, float("nan"))
+        return values.requires_grad_(serialized_tensor.requires_grad)
 
     def estimate_compression_ratio(self, info: CompressionInfo) -> float:
         return 8.25 / 32  # one byte per value plus a 4-byte scale per block of 256

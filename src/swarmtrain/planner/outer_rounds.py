@@ -14,6 +14,7 @@ still catches a group whose all-reduce silently kept some parts local (a reducer
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 
 INITIAL_LINEAGE = "init"  # every replica starts from the seed's weights
@@ -50,3 +51,25 @@ def next_lineage(outer_step: int, members: list[str], lineage: str) -> str:
     """The lineage after round `outer_step` applied by `members` from `lineage` (the same on each)."""
     text = f"{outer_step}|{','.join(sorted(members))}|{lineage}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def round_state(gathered: dict) -> RoundState:
+    """A member's `RoundState` from the metadata it gathered into the all-reduce."""
+    try:
+        return RoundState(
+            int(gathered["outer_step"]),
+            str(gathered["lineage"]),
+            float(gathered["fp"]),
+            gathered.get("serves", True) is not False,
+        )
+    except (KeyError, TypeError, ValueError):
+        return RoundState(-1, "", float("nan"))  # a malformed member never becomes the reference
+
+
+def member_weight(gathered: dict, floor: float) -> float:
+    """A member's weight in a round from what it gathered (its samples), as it gave it to the all-reduce;
+    `floor` for a member that trained nothing in it or sent no usable count."""
+    samples = gathered.get("samples")
+    if isinstance(samples, int | float) and math.isfinite(samples) and samples > 0:
+        return float(samples)
+    return floor

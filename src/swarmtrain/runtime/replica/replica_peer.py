@@ -42,7 +42,14 @@ from swarmtrain.net.engine import PeerNetwork
 from swarmtrain.net.outer_averaging import WIRE_BYTES_PER_ELEMENT, RoundResult
 from swarmtrain.net.robust import norm_of
 from swarmtrain.planner import download_deadline as downloads
-from swarmtrain.planner.outer_rounds import INITIAL_LINEAGE, RoundState, next_lineage, started_from_reference
+from swarmtrain.planner.outer_rounds import (
+    INITIAL_LINEAGE,
+    RoundState,
+    member_weight,
+    next_lineage,
+    round_state,
+    started_from_reference,
+)
 from swarmtrain.runtime.faults import NO_FAULTS, FaultHooks
 from swarmtrain.runtime.replica.replica_inner import InnerTrainer
 from swarmtrain.runtime.replica.replica_metrics import log_progress
@@ -59,6 +66,9 @@ GROUP_TIMEOUT_S = 10.0
 ROUND_WEIGHT_FLOOR = 1e-3  # a joiner at the round's end trained nothing in it: a small weight, not zero
 LINGER_S = 30.0  # at the run's end: how long a replica stays for another still finishing its last round
 ANCHOR_NORM_RATIO = 3.0  # a downloaded model whose norm is beyond this many times ours is refused
+# after a refused donor state, the next resyncs go on without a download, 2 then 4, ... at most 32:
+# hivemind serves the same donor's state first each time (the highest sharing priority)
+SET_ASIDE_FIRST, SET_ASIDE_MAX = 2, 32
 
 
 @dataclass
@@ -159,6 +169,7 @@ class ReplicaPeer:
         self.stop_step = (options.max_samples or t.max_samples) // t.global_batch_size
         self.round_samples = 0
         self._sent: list[torch.Tensor] = []  # this round's pseudo-gradients as sent to the all-reduce
+        self._set_aside = (0, SET_ASIDE_FIRST)  # (resyncs left without a download, the next set-aside)
 
     # state for joiners ------------------------------------------------------------------------
     def _export_state(self) -> tuple[dict, list[torch.Tensor]]:
@@ -361,7 +372,7 @@ class ReplicaPeer:
         self.summary.rounds_partial += 1
         before = self.repair.bytes_received
         # the weights the all-reduce used: each member's samples of the round (ours as `_average` gave it)
-        weights = {p: _member_weight(g) for p, g in result.gathered.items()}
+        weights = {p: member_weight(g, ROUND_WEIGHT_FLOOR) for p, g in result.gathered.items()}
         weights[self.peer_id] = self._weight
         merged = self.repair.repair(k, self._sent, result.averaged, weights, self.peer_id)
         self.summary.repair_bytes_received += self.repair.bytes_received - before
@@ -373,7 +384,7 @@ class ReplicaPeer:
         return dataclasses.replace(result, averaged=merged, complete=True)
 
     def _is_reference_member(self, gathered: dict[str, dict], k: int) -> bool:
-        states = {p: _round_state(g) for p, g in gathered.items()}
+        states = {p: round_state(g) for p, g in gathered.items()}
         states[self.peer_id] = RoundState(k, self.lineage, fingerprint(self.outer.anchor), self.serves_state)
         return started_from_reference(states, self.peer_id)
 
@@ -384,7 +395,9 @@ class ReplicaPeer:
         target = self.outer.outer_step + 1
         rule = self.options.download_rule
         deadline = time.monotonic() + downloads.replica_deadline_s(self.state_params, rule)
-        tried = False
+        tried, (skipped, next_skip) = False, self._set_aside
+        if skipped:  # a donor's state was refused lately: not downloaded again yet
+            self._set_aside, deadline = (skipped - 1, next_skip), 0.0
         while time.monotonic() < deadline:
             steps = [v["outer_step"] for v in self._others().values()]
             if not any(step >= target for step in steps):
@@ -398,11 +411,17 @@ class ReplicaPeer:
                 break
             outcome = self._download(reason, tried, deadline - time.monotonic())
             if outcome == "done" and self.outer.outer_step >= target:
+                self._set_aside = (0, SET_ASIDE_FIRST)
                 break
             if outcome == "refused":
-                # the state served first is the same donor's each time (the highest sharing priority):
-                # asking again downloaded a byzantine replica's state 144 times a minute
-                logger.warning("the replica ahead serves a state this one refuses: this one goes on")
+                # asking again downloaded a byzantine replica's state 144 times a minute, and every
+                # round's resync once more (57 times in a run)
+                self._set_aside = (next_skip, min(2 * next_skip, SET_ASIDE_MAX))
+                logger.warning(
+                    "the replica ahead serves a state this one refuses: this one goes on, and skips the "
+                    "download of its next %d resync(s)",
+                    next_skip,
+                )
                 break
             tried = True
             time.sleep(PEER_POLL_S)  # the donor is still applying the round
@@ -502,30 +521,10 @@ class ReplicaPeer:
         return self.inner.step >= min(end, self.stop_step) and self.inner.step > 0
 
 
-def _member_weight(gathered: dict) -> float:
-    """A member's weight in a round from what it gathered (its samples), as it gave it to the all-reduce."""
-    samples = gathered.get("samples")
-    if isinstance(samples, int | float) and math.isfinite(samples) and samples > 0:
-        return float(samples)
-    return ROUND_WEIGHT_FLOOR
-
-
 def _averaged_outcome(result: RoundResult, repair_tried: bool) -> str:
     if not result.complete:
         return "partial"  # the members' means could not fill it
     return "repaired" if repair_tried else "averaged"
-
-
-def _round_state(gathered: dict) -> RoundState:
-    try:
-        return RoundState(
-            int(gathered["outer_step"]),
-            str(gathered["lineage"]),
-            float(gathered["fp"]),
-            gathered.get("serves", True) is not False,
-        )
-    except (KeyError, TypeError, ValueError):
-        return RoundState(-1, "", float("nan"))  # a malformed member never becomes the reference
 
 
 def _check_plausible(anchor: list[torch.Tensor], own: list[torch.Tensor]) -> None:
