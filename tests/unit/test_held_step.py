@@ -5,10 +5,9 @@ import asyncio
 
 import pytest
 import torch
-from test_stage_steps import Net, _close, _replicas, _train, _until
+from test_stage_steps import Net, _apply_all, _close, _replicas, _split_over_two, _train, _until
 
 from swarmtrain.planner.held_step import applies_held_step, held_step_decision, held_step_members
-from swarmtrain.runtime.server.stage_worker import StageWorker
 
 pytestmark = pytest.mark.unit
 
@@ -82,11 +81,7 @@ def test_two_replicas_with_no_close_apply_their_held_samples_together(tiny_cfg, 
 
     async def scenario():
         net = Net()
-        nodes = await _replicas(tiny_cfg, ["A", "B"], net, start_compute)
-        single = StageWorker(tiny_cfg, tiny_cfg.stages()[1])
-        _train(nodes["A"].worker, micro_batches[:3])
-        _train(nodes["B"].worker, micro_batches[3:], prefix="b")
-        _train(single, micro_batches)
+        nodes, single = await _split_over_two(tiny_cfg, micro_batches, net, start_compute)
         tasks = [asyncio.create_task(n.run()) for n in nodes.values()]
         await asyncio.sleep(0.2)
         assert all(n.worker.epoch == 0 for n in nodes.values())  # no close: nothing moves by itself
@@ -96,8 +91,7 @@ def test_two_replicas_with_no_close_apply_their_held_samples_together(tiny_cfg, 
         await _until(lambda: all(n.counters.steps == 1 for n in nodes.values()))
         for task in tasks:
             task.cancel()
-        bucket = single.seal(0)
-        single.apply_step(0, [g / bucket.samples for g in bucket.grad_sums], bucket.samples)
+        _apply_all(single)
         for node in nodes.values():
             assert node.worker.epoch == 1 and node.worker.samples_seen == 32
             assert node.counters.held_steps == 1 and node.counters.lenient_steps == 0

@@ -67,6 +67,22 @@ async def _replicas(cfg, names, net, start_compute, settings=None):
     return nodes
 
 
+async def _split_over_two(cfg, batches, net, start_compute):
+    """Replicas A (3 of 4 micro-batches) and B (the last), and `single`, one worker holding all four:
+    what one replica of every sample applies."""
+    nodes = await _replicas(cfg, ["A", "B"], net, start_compute)
+    single = StageWorker(cfg, cfg.stages()[1])
+    _train(nodes["A"].worker, batches[:3])
+    _train(nodes["B"].worker, batches[3:], prefix="b")
+    _train(single, batches)
+    return nodes, single
+
+
+def _apply_all(worker):
+    bucket = worker.seal(worker.epoch)
+    worker.apply_step(worker.epoch, [g / bucket.samples for g in bucket.grad_sums], bucket.samples)
+
+
 def _close(nodes, step, members, shard=0, shards=1, to=None):
     for name in to or nodes:
         nodes[name].inbox.on_close(step, shard, shards, members, sorted(nodes))
@@ -86,11 +102,7 @@ def test_replicas_sum_their_samples_and_apply_exactly_one_global_batch(
 
     async def scenario():
         net = Net()
-        nodes = await _replicas(tiny_cfg, ["A", "B"], net, start_compute)
-        single = StageWorker(tiny_cfg, tiny_cfg.stages()[1])
-        _train(nodes["A"].worker, micro_batches[:3])
-        _train(nodes["B"].worker, micro_batches[3:], prefix="b")
-        _train(single, micro_batches)
+        nodes, single = await _split_over_two(tiny_cfg, micro_batches, net, start_compute)
         tasks = [asyncio.create_task(n.run()) for n in nodes.values()]
         parked = asyncio.create_task(nodes["B"].versions.wait(1, time.monotonic() + 10))
         await asyncio.sleep(0.05)
@@ -100,8 +112,7 @@ def test_replicas_sum_their_samples_and_apply_exactly_one_global_batch(
         await _until(lambda: all(n.counters.steps == 1 for n in nodes.values()))
         for task in tasks:
             task.cancel()
-        bucket = single.seal(0)
-        single.apply_step(0, [g / bucket.samples for g in bucket.grad_sums], bucket.samples)
+        _apply_all(single)
         # each replica sends to the other one only: a send to itself was a failed dial every step
         assert sorted((me, peer) for me, peer, _ in net.sent) == [("A", "B"), ("B", "A")]
         for node in nodes.values():
