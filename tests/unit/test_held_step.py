@@ -4,6 +4,7 @@ samples it holds of such a step with its stage peers (runtime/server/stage_steps
 import asyncio
 
 import pytest
+import test_stage_steps
 import torch
 from test_stage_steps import Net, _apply_all, _close, _replicas, _split_over_two, _train, _until
 
@@ -14,13 +15,7 @@ pytestmark = pytest.mark.unit
 GRACE_S = 10.0
 
 
-@pytest.fixture(scope="module")
-def micro_batches():
-    generator = torch.Generator().manual_seed(1)
-    return [
-        (torch.randn(8, 64, 64, generator=generator), torch.randint(0, 256, (8, 64), generator=generator))
-        for _ in range(4)
-    ]
+micro_batches = test_stage_steps.micro_batches  # the same four micro-batches (a fixture)
 
 
 def _due(**changes):
