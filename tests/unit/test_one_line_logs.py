@@ -1,7 +1,8 @@
 """No traceback in any log (utils/logging.py): after `setup_logging`, an exception logged by us, by a
 library (hivemind's loggers), by asyncio for a task nobody awaited, by Python for an exception it could
-not raise, or by a thread that died is one line naming it; at SWARMTRAIN_LOGLEVEL=DEBUG the traceback
-stays. Each case runs in its own interpreter: the hooks are process-wide."""
+not raise, by a thread that died, or handed to `sys.excepthook` is one line naming it; at
+SWARMTRAIN_LOGLEVEL=DEBUG the traceback stays. Each case runs in its own interpreter: the hooks are
+process-wide."""
 
 from __future__ import annotations
 
@@ -43,6 +44,11 @@ gc.collect()
 thread = threading.Thread(target=lambda: 1 / 0, name="worker")
 thread.start()
 thread.join()
+import sys
+try:
+    raise EOFError()
+except EOFError:
+    sys.excepthook(*sys.exc_info())  # as multiprocessing's resource_sharer thread does
 print("done", flush=True)
 """
 
@@ -67,13 +73,14 @@ def test_every_exception_is_one_line_and_named():
         "(TimeoutError)",
         "(RuntimeError: in a finalizer)",
         "thread worker failed (ZeroDivisionError: division by zero)",
+        "uncaught exception (EOFError)",
     ):
         assert any(expected in line for line in lines), (expected, err)
 
 
 def test_debug_keeps_the_tracebacks():
     err = _run("DEBUG")
-    assert err.count("Traceback") >= 4, err
+    assert err.count("Traceback") >= 5, err
 
 
 def test_a_bug_in_a_command_is_one_line_and_exit_1(monkeypatch, capsys):

@@ -91,6 +91,9 @@ def one_line_exceptions() -> None:
         logging.setLogRecordFactory(_one_line_factory(factory))
     sys.unraisablehook = _unraisable_in_one_line
     threading.excepthook = _thread_exception_in_one_line
+    # uncaught in the main thread, and what calls the hook itself (multiprocessing's resource_sharer
+    # thread printed an EOFError's traceback in a DiLoCo replica's log at its exit)
+    sys.excepthook = _uncaught_in_one_line
 
 
 def describe(exc: BaseException) -> str:
@@ -129,3 +132,8 @@ def _thread_exception_in_one_line(args) -> None:
         return
     name = args.thread.name if args.thread is not None else "?"
     logging.getLogger("swarmtrain").error("thread %s failed (%s)", name, describe(args.exc_value))
+
+
+def _uncaught_in_one_line(exc_type, exc, _traceback) -> None:
+    what = describe(exc) if exc is not None else exc_type.__name__
+    logging.getLogger("swarmtrain").error("uncaught exception (%s)", what)
