@@ -109,3 +109,23 @@ def test_a_malformed_dial_back_answer_is_no_verdict():
         "reachable": None,
         "tried": [],
     }
+
+
+CIRCUIT = "/dns4/relay.test/tcp/31337/p2p/QmRelay/p2p-circuit/p2p/QmSelf"
+
+
+def test_a_peer_behind_a_nat_waits_until_its_addresses_include_a_relayed_one():
+    polls = iter([["/ip4/10.0.0.2/tcp/5/p2p/QmSelf"]] * 2 + [["/ip4/10.0.0.2/tcp/5/p2p/QmSelf", CIRCUIT]])
+    asked = []
+
+    def visible():
+        asked.append(1)
+        return next(polls)
+
+    assert r.wait_for_relay(visible, timeout_s=30.0) == [CIRCUIT]
+    assert len(asked) == 3  # asked again until the relayed address appeared, not once more
+
+
+def test_a_peer_no_relay_reserves_goes_on_after_the_wait_with_a_warning(caplog):
+    assert r.wait_for_relay(lambda: ["/ip4/10.0.0.2/tcp/5/p2p/QmSelf"], timeout_s=0.0) == []
+    assert "no relay reserved a slot" in caplog.text

@@ -234,6 +234,7 @@ def _require_reachable(dht, initial_peers: list[str], network: PeerNetwork) -> N
 
     dht.run_coroutine(reachability.serve_dial_backs)
     if network.use_auto_relay:
+        reachability.wait_for_relay(lambda: [str(a) for a in dht.get_visible_maddrs(latest=True)])
         return
     reason = reachability.check_reachable(dht, initial_peers, visible_addresses(dht))
     if reason is not None:

@@ -20,6 +20,7 @@ import asyncio
 import functools
 import ipaddress
 import json
+import time
 
 from swarmtrain.utils.logging import get_logger
 
@@ -31,6 +32,8 @@ ASK_TIMEOUT_S = 10.0  # the whole request: its dials plus the round trip
 _MAX_PORTS = 4  # ports of one asker the asked peer dials (a peer announces one or two)
 _DIALS_AT_ONCE = 4  # requests one peer serves concurrently; the rest wait
 _ASK_AT_MOST = 3  # initial peers asked
+RELAY_WAIT_S = 60.0  # how long a peer behind a NAT (--auto-relay) waits for a relay before it serves
+_RELAY_POLL_S = 0.5
 MAX_REQUEST_BYTES = 1 << 16  # a request names a few addresses (a few hundred bytes each at most)
 
 _dial_slots: asyncio.Semaphore | None = None  # made in the DHT process's event loop
@@ -210,3 +213,31 @@ def check_reachable(dht, initial_peers: list[str], visible_addrs: list[str]) -> 
     answers = dht.run_coroutine(functools.partial(ask_dial_back, peer_ids=peer_ids))
     logger.debug("dial-back answers: %s", answers)
     return unreachable_reason(answers)
+
+
+def relayed(addrs: list[str]) -> list[str]:
+    """The addresses among `addrs` that reach this peer through a circuit relay."""
+    return [a for a in addrs if "/p2p-circuit" in a]
+
+
+def wait_for_relay(visible_addrs, timeout_s: float = RELAY_WAIT_S) -> list[str]:
+    """Poll `visible_addrs()` until one reaches this peer through a relay, for at most `timeout_s`:
+    the relayed addresses, or [] after a warning. A server behind a NAT that announced itself first
+    took micro-batches it could not finish: a trainer's closes reach it only through a relay, and a
+    step's micro-batches wait at it for the close of the step before (tests/integration/test_nat.py)."""
+    logger.info("behind a NAT (--auto-relay): waiting for a relay to reserve a slot for this peer")
+    start_s = time.monotonic()
+    while True:
+        addrs = relayed(visible_addrs())
+        waited_s = time.monotonic() - start_s
+        if addrs:
+            logger.info("reachable through a relay after %.1f s: %s", waited_s, addrs[0])
+            return addrs
+        if waited_s >= timeout_s:
+            logger.warning(
+                "no relay reserved a slot for this peer in %.0f s; going on: peers reach it only over "
+                "connections it opens until one does (start public `swarmtrain dht` peers to relay)",
+                timeout_s,
+            )
+            return []
+        time.sleep(_RELAY_POLL_S)
