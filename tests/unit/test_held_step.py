@@ -65,7 +65,7 @@ def test_the_members_are_the_stage_peers_holding_samples_of_the_same_step():
     members = held_step_members("B", 8, 5, records)
     assert members == {"A": 4, "B": 8, "C": 16} and list(members) == ["A", "B", "C"]
     decision = held_step_decision(members, "B", 100.0)
-    assert decision.lenient and decision.closes == 0 and decision.complete
+    assert decision.held and decision.lenient and decision.closes == 0 and decision.complete
     assert decision.participants == {"A", "C"} and decision.due_s == 100.0
 
 

@@ -64,7 +64,7 @@ def held_step_members(
 
 def held_step_decision(members: Mapping[str, int], peer_id: str, now_s: float) -> StepDecision:
     """The decision the step loop acts on for a held step: lenient (every member counts with whatever
-    it sends, as for a close none confirmed), merging no close (`closes` = 0, which tells it from the
+    it sends, as for a close none confirmed), merging no close, marked `held` (which tells it from the
     lenient fallback), due now, and `complete`: no trainer's close is awaited any more."""
     return StepDecision(
         members=dict(members),
@@ -74,4 +74,5 @@ def held_step_decision(members: Mapping[str, int], peer_id: str, now_s: float) -
         first_s=now_s,
         due_s=now_s,
         lenient=True,
+        held=True,
     )

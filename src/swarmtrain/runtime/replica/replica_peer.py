@@ -392,12 +392,22 @@ class ReplicaPeer:
         """Replace round k by the state of a replica that has applied it (or a later one)."""
         self.summary.rounds_resynced += 1
         self.summary.round_outcomes[str(k)] = "resynced"
+        skipped, next_skip = self._set_aside
+        if skipped:  # a donor's state was refused lately: not downloaded again yet
+            self._set_aside = (skipped - 1, next_skip)
+        else:
+            self._download_past(k, reason)
+        self._adopt_position(self._others())
+        self.round_samples = 0
+        self._advertise_state()
+        self.publish()
+
+    def _download_past(self, k: int, reason: str) -> None:
+        """Download the state of a replica past round k, within the download rule's deadline."""
         target = self.outer.outer_step + 1
         rule = self.options.download_rule
         deadline = time.monotonic() + downloads.replica_deadline_s(self.state_params, rule)
-        tried, (skipped, next_skip) = False, self._set_aside
-        if skipped:  # a donor's state was refused lately: not downloaded again yet
-            self._set_aside, deadline = (skipped - 1, next_skip), 0.0
+        tried = False
         while time.monotonic() < deadline:
             steps = [v["outer_step"] for v in self._others().values()]
             if not any(step >= target for step in steps):
@@ -408,27 +418,28 @@ class ReplicaPeer:
                     continue
                 # the replicas ahead left (their records expired): nobody to download from
                 logger.warning("no live replica past outer step %d to download from: this one goes on", k)
-                break
+                return
             outcome = self._download(reason, tried, deadline - time.monotonic())
             if outcome == "done" and self.outer.outer_step >= target:
                 self._set_aside = (0, SET_ASIDE_FIRST)
-                break
+                return
             if outcome == "refused":
-                # asking again downloaded a byzantine replica's state 144 times a minute, and every
-                # round's resync once more (57 times in a run)
-                self._set_aside = (next_skip, min(2 * next_skip, SET_ASIDE_MAX))
-                logger.warning(
-                    "the replica ahead serves a state this one refuses: this one goes on, and skips the "
-                    "download of its next %d resync(s)",
-                    next_skip,
-                )
-                break
+                self._set_aside_downloads()
+                return
             tried = True
             time.sleep(PEER_POLL_S)  # the donor is still applying the round
-        self._adopt_position(self._others())
-        self.round_samples = 0
-        self._advertise_state()
-        self.publish()
+
+    def _set_aside_downloads(self) -> None:
+        """A donor's state was refused: skip the downloads of the next resyncs, twice as many each time.
+        Asking again downloaded a byzantine replica's state 144 times a minute, and every round's resync
+        once more (57 times in a run)."""
+        next_skip = self._set_aside[1]
+        self._set_aside = (next_skip, min(2 * next_skip, SET_ASIDE_MAX))
+        logger.warning(
+            "the replica ahead serves a state this one refuses: this one goes on, and skips the "
+            "download of its next %d resync(s)",
+            next_skip,
+        )
 
     @property
     def serves_state(self) -> bool:

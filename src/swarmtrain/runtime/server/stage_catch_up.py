@@ -235,8 +235,7 @@ class StepsBridge:
         return self.steps.inbox.closing(self.steps.worker.epoch)
 
     def has_close(self) -> bool:
-        state = self.steps.pending.get(self.steps.worker.epoch)
-        return state is not None and bool(state.closes)
+        return self.steps.inbox.has_close(self.steps.worker.epoch)
 
     def apply_held(self, step: int, members: Mapping[str, int]) -> bool:
         async def apply() -> bool:

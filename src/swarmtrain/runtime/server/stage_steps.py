@@ -545,7 +545,7 @@ def _say_fallback(
     # names no trainer: `micro_batch_origin`), whose steps always end here
     origins = {short(p): n for p, n in (bucket.by_origin if bucket else {}).items()}
     members = {short(p): n for p, n in start.members.items()}
-    if start.closes == 0:  # `apply_held`
+    if start.held:  # `apply_held`
         counters.held_steps += 1
         logger.warning(
             "step %d: no trainer's close came for the samples held here (by origin %s) and the other "

@@ -176,6 +176,11 @@ class StepInbox:
         state = self.pending.get(step)
         return state is not None and (bool(state.closes) or bool(state.received))
 
+    def has_close(self, step: int) -> bool:
+        """A trainer's close of `step` arrived (a peer's gradients alone do not count)."""
+        state = self.pending.get(step)
+        return state is not None and bool(state.closes)
+
     def vouch(self, senders: Iterable[str]) -> None:
         """`senders`' closes were found true: trust them, forgetting the longest unheard of beyond
         `MAX_TRUSTED_SENDERS` (a sender gets in only by a close found true)."""
