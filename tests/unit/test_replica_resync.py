@@ -14,6 +14,7 @@ import torch
 
 from swarmtrain.planner.download_deadline import DownloadRule
 from swarmtrain.runtime.replica import replica_peer
+from swarmtrain.runtime.replica.download_set_aside import DownloadSetAside
 from swarmtrain.runtime.replica.replica_peer import ReplicaOptions, ReplicaPeer, ReplicaSummary
 
 pytestmark = pytest.mark.unit
@@ -29,7 +30,7 @@ class StubPeer(ReplicaPeer):
         self.summary = ReplicaSummary(replica_id="me", shard="1/2")
         self.round_samples = 0
         self.timeline, self.calls, self.downloads, self.lefts = timeline, 0, 0, []
-        self._set_aside = (0, replica_peer.SET_ASIDE_FIRST)
+        self.set_aside = DownloadSetAside()
 
     def _others(self) -> dict[str, dict]:
         others = self.timeline[min(self.calls, len(self.timeline) - 1)]
@@ -117,9 +118,10 @@ def test_a_resync_whose_donor_serves_a_state_it_refuses_goes_on_at_once():
         downloads.append(len(peer.lefts))
     assert downloads == [1, 1, 2, 2, 2, 2, 2, 3]
     peer._download = StubPeer._download.__get__(peer)
-    peer._set_aside = (0, 8)
+    assert peer.set_aside == DownloadSetAside(left=8, next_skip=16)
+    peer.set_aside.left = 0
     peer._resync(10, "the others are past")
-    assert peer.outer.outer_step == 3 and peer._set_aside == (0, replica_peer.SET_ASIDE_FIRST)
+    assert peer.outer.outer_step == 3 and peer.set_aside == DownloadSetAside()
 
 
 def test_the_last_rounds_reference_stays_until_the_replica_behind_caught_up():

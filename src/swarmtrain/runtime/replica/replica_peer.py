@@ -51,6 +51,7 @@ from swarmtrain.planner.outer_rounds import (
     started_from_reference,
 )
 from swarmtrain.runtime.faults import NO_FAULTS, FaultHooks
+from swarmtrain.runtime.replica.download_set_aside import DownloadSetAside
 from swarmtrain.runtime.replica.replica_inner import InnerTrainer
 from swarmtrain.runtime.replica.replica_metrics import log_progress
 from swarmtrain.runtime.replica.round_repair import RoundRepair
@@ -68,7 +69,6 @@ LINGER_S = 30.0  # at the run's end: how long a replica stays for another still 
 ANCHOR_NORM_RATIO = 3.0  # a downloaded model whose norm is beyond this many times ours is refused
 # after a refused donor state, the next resyncs go on without a download, 2 then 4, ... at most 32:
 # hivemind serves the same donor's state first each time (the highest sharing priority)
-SET_ASIDE_FIRST, SET_ASIDE_MAX = 2, 32
 
 
 @dataclass
@@ -169,7 +169,7 @@ class ReplicaPeer:
         self.stop_step = (options.max_samples or t.max_samples) // t.global_batch_size
         self.round_samples = 0
         self._sent: list[torch.Tensor] = []  # this round's pseudo-gradients as sent to the all-reduce
-        self._set_aside = (0, SET_ASIDE_FIRST)  # (resyncs left without a download, the next set-aside)
+        self.set_aside = DownloadSetAside()  # resyncs without a download after a refused state
 
     # state for joiners ------------------------------------------------------------------------
     def _export_state(self) -> tuple[dict, list[torch.Tensor]]:
@@ -392,10 +392,7 @@ class ReplicaPeer:
         """Replace round k by the state of a replica that has applied it (or a later one)."""
         self.summary.rounds_resynced += 1
         self.summary.round_outcomes[str(k)] = "resynced"
-        skipped, next_skip = self._set_aside
-        if skipped:  # a donor's state was refused lately: not downloaded again yet
-            self._set_aside = (skipped - 1, next_skip)
-        else:
+        if not self.set_aside.take():  # taken: a donor's state was refused lately, not downloaded again yet
             self._download_past(k, reason)
         self._adopt_position(self._others())
         self.round_samples = 0
@@ -421,25 +418,17 @@ class ReplicaPeer:
                 return
             outcome = self._download(reason, tried, deadline - time.monotonic())
             if outcome == "done" and self.outer.outer_step >= target:
-                self._set_aside = (0, SET_ASIDE_FIRST)
+                self.set_aside.loaded()
                 return
             if outcome == "refused":
-                self._set_aside_downloads()
+                logger.warning(
+                    "the replica ahead serves a state this one refuses: this one goes on, and skips the "
+                    "download of its next %d resync(s)",
+                    self.set_aside.refused(),
+                )
                 return
             tried = True
             time.sleep(PEER_POLL_S)  # the donor is still applying the round
-
-    def _set_aside_downloads(self) -> None:
-        """A donor's state was refused: skip the downloads of the next resyncs, twice as many each time.
-        Asking again downloaded a byzantine replica's state 144 times a minute, and every round's resync
-        once more (57 times in a run)."""
-        next_skip = self._set_aside[1]
-        self._set_aside = (next_skip, min(2 * next_skip, SET_ASIDE_MAX))
-        logger.warning(
-            "the replica ahead serves a state this one refuses: this one goes on, and skips the "
-            "download of its next %d resync(s)",
-            next_skip,
-        )
 
     @property
     def serves_state(self) -> bool:
