@@ -45,7 +45,7 @@ TABLE = [
     (RemoteError("something_new", "x"), FailureAction(MAYBE)),
     # silent, or cut off after answering (a TimeoutError is an OSError, a TruncatedReply a ConnectionError)
     (TimeoutError(), FailureAction(MAYBE, timed_out=True)),
-    (TruncatedReply("cut"), FailureAction(MAYBE)),
+    (TruncatedReply("cut"), FailureAction(MAYBE, resend=True)),
     # gone
     (ConnectionResetError(), FailureAction(GONE, ban=True)),
     (ConnectionRefusedError(), FailureAction(GONE, ban=True)),

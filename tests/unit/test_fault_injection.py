@@ -73,6 +73,48 @@ def test_a_backward_to_a_dead_peer_is_accumulated_by_the_next_and_the_dead_one_b
     assert table.is_banned(A) and caller.stats.connection_errors == 1
 
 
+class WorkerClient:
+    """Stage 0 of a one-stage model: each peer a real StageWorker that runs the fused forward-backward
+    of a fixed micro-batch and accumulates it as the server does (at most once per micro-batch id)."""
+
+    def __init__(self, tiny_cfg):
+        self.workers = {p: StageWorker(tiny_cfg, tiny_cfg.stages()[1]) for p in (A, B)}
+        generator = torch.Generator().manual_seed(5)
+        self.x = torch.randn(8, 64, 64, generator=generator)
+        self.y = torch.randint(0, 256, (8, 64), generator=generator)
+
+    async def call(self, peer_id, message, timeout_s):
+        header = message.header
+        request = StageRequest(
+            "forward_backward", header["mb"], "none", self.x, labels=self.y,
+            accumulate=header.get("accumulate", True), step=header["step"],
+        )  # fmt: skip
+        reply = self.workers[str(peer_id)].forward(request)
+        return Message("result", {"acc": reply.header["acc"]})
+
+
+def test_a_reply_cut_after_the_peer_accumulated_is_sent_there_again_and_counted_once(tiny_cfg, monkeypatch):
+    """Issue 57's 0-byte replies: the peer ran the micro-batch and accumulated it, and its reply stream
+    ended empty. Sent to the same peer again as it was, the copy is answered as held (its id is in the
+    step's bucket) and not added twice: the micro-batch counts once, where it was, and nowhere else."""
+    monkeypatch.setattr(call_policy, "BACKOFF_MAX_S", 0.001)
+    table = PeerTable(records=None, num_stages=1, digest="d")
+    table.apply([{A: _ann(0), B: _ann(0)}])
+    faults, client = FailureInjector(), WorkerClient(tiny_cfg)
+    faults.fail_call("forward_backward", peer=A, error="cut_after")
+    caller = stage_calls.StageCaller(
+        faults.wrap_client(client), table, SwarmConfig(), "d", "none", asyncio.Event()
+    )
+    reply, answered_by = asyncio.run(
+        caller.call_peer(0, "forward_backward", "t.0-7", 8, {}, 1.0, prefer=A, persistent=True, step=0)
+    )
+    assert answered_by == A and reply.header["acc"] == 8  # held there: the trainer's close names it
+    a, b = client.workers[A], client.workers[B]
+    assert a.buckets[0].micro_batch_ids == ["t.0-7"] and a.buckets[0].samples == 8
+    assert a.counters.duplicates == 1 and 0 not in b.buckets
+    assert caller.stats.not_accumulated == 0 and caller.stats.retries == 1
+
+
 def test_a_refused_forward_twice_then_served(caller):
     caller, faults, client, _ = caller
     faults.fail_call("forward", error="refused", times=2)

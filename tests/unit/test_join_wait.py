@@ -33,7 +33,6 @@ def _joiner(own: list[dict[str, dict]], other_stage: dict[str, dict]):
         recorded_peers=recorded_peers,
         records=SimpleNamespace(stage_progress=lambda stage: other_stage if stage == 0 else {}),
     )
-    joiner._swarm_restarting = lambda *args: StageSynchronizer._swarm_restarting(joiner, *args)
     joiner._other_stage_records = lambda: StageSynchronizer._other_stage_records(joiner)
     return joiner, reads
 

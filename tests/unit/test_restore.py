@@ -120,3 +120,15 @@ def test_of_two_mismatched_replicas_the_one_that_skipped_steps_or_trained_less_f
     assert follows(("B", False, 8), ("A", False, 8))  # a tie: by id
     # a peer of an earlier version publishes no count: both go by id
     assert follows(("B", False, 8), ("A", False, None)) and not follows(("A", False, 0), ("B", False, None))
+    # counted: the one that skipped more of the recent steps follows, whatever it trained and the ids
+    assert follows(("A", 14, 0), ("B", 1, 200)) and not follows(("B", 1, 200), ("A", 14, 0))
+
+
+def test_a_skip_counts_for_the_recent_steps_only():
+    """Netbed chaos, seed 0: s0-7 adopted step 387 over one step, then applied every step to 420; s0-12
+    was restored from the checkpoint of 400 at step 414, 14 updates lost."""
+    from swarmtrain.planner.restore import RECENT_STEPS, recent_skipped
+
+    assert recent_skipped([(387, 1)], 420) == 0 and recent_skipped([(414, 14)], 420) == 14
+    assert recent_skipped([(420 - RECENT_STEPS + 1, 1)], 420) == 1  # the oldest step still counted
+    assert recent_skipped([(400, 3), (410, 2), (300, 50)], 420) == 5 and recent_skipped([], 7) == 0

@@ -102,7 +102,7 @@ def _call(caller, kind="backward", prefer=A, **header):
 #   (timeouts, connection_errors, not_accumulated)
 ONE_FAILURE = [
     (TimeoutError(), False, False, (1, 0, 1)),  # at the request timeout: not banned (no deadline known)
-    (TruncatedReply("cut"), False, False, (0, 0, 1)),
+    (TruncatedReply("cut"), False, False, (0, 0, 1)),  # the second time (sent to A again the first)
     (RemoteError("internal", "bug"), False, False, (0, 0, 1)),
     (RemoteError("something_new", "x"), False, False, (0, 0, 1)),
     (ConnectionResetError("gone"), None, True, (0, 1, 0)),  # its accumulator died with it
@@ -119,14 +119,15 @@ ONE_FAILURE = [
 def test_an_accumulating_call_is_retried_elsewhere_without_accumulating_only_if_it_may_have_applied(
     kind, exc, accumulate, banned, counters
 ):
-    table, client = SpyTable([[A, B]]), ScriptedClient(exc)
+    resent = isinstance(exc, TruncatedReply)  # its reply cut: once more to A as it was, then elsewhere
+    table, client = SpyTable([[A, B]]), ScriptedClient(*[exc] * (1 + resent))
     caller = _caller(client, table)
     reply, answered_by = _call(caller, kind)
     assert answered_by == B and reply.header["acc"] == 8
-    assert client.calls == [(A, kind, None), (B, kind, accumulate)]
+    assert client.calls == [(A, kind, None)] * (1 + resent) + [(B, kind, accumulate)]
     assert (table.is_banned(A), table.bans) == (banned, [(0, A)] if banned else [])
     assert _counted(caller, "timeouts connection_errors not_accumulated") == counters
-    assert caller.stats.retries == 1
+    assert caller.stats.retries == 1 + resent
     # a timeout is charged to the silent peer's throughput; the answer to the one that answered
     charged = [(0, A, TIMEOUT_S)] if isinstance(exc, TimeoutError) else []
     assert table.reports[:-1] == charged and table.reports[-1][:2] == (0, B)
@@ -134,10 +135,12 @@ def test_an_accumulating_call_is_retried_elsewhere_without_accumulating_only_if_
 
 @pytest.mark.parametrize("exc,accumulate,banned,counters", ONE_FAILURE, ids=lambda v: repr(v)[:30])
 def test_a_forward_never_carries_an_accumulate_flag(exc, accumulate, banned, counters):
-    table, client = SpyTable([[A, B]]), ScriptedClient(exc)
+    resent = isinstance(exc, TruncatedReply)
+    table, client = SpyTable([[A, B]]), ScriptedClient(*[exc] * (1 + resent))
     caller = _caller(client, table)
     _, answered_by = _call(caller, "forward")
-    assert answered_by == B and client.calls == [(A, "forward", None), (B, "forward", None)]
+    assert answered_by == B
+    assert client.calls == [(A, "forward", None)] * (1 + resent) + [(B, "forward", None)]
     assert table.is_banned(A) == banned
     assert _counted(caller, "timeouts connection_errors not_accumulated") == counters[:2] + (0,)
 
@@ -255,7 +258,6 @@ def _chain(client, table, **swarm):
 #   (timeouts, connection_errors, not_accumulated)
 CHAIN_FAILURE = [
     (TimeoutError(), (False, False), False, (1, 0, 2)),
-    (TruncatedReply("cut"), (False, False), False, (0, 0, 2)),
     (RemoteError("internal", "bug"), (False, False), False, (0, 0, 2)),
     (ConnectionResetError("gone"), (True, False), True, (0, 1, 1)),
     (RemoteError(NEXT_HOP_FAILED, "stage 1 gone"), (True, False), False, (0, 0, 1)),
@@ -277,6 +279,29 @@ def test_a_chain_retry_clears_the_flags_of_the_stages_that_may_hold_the_micro_ba
     assert _counted(caller, "timeouts connection_errors not_accumulated") == counters
     assert caller.stats.retries == 1
     assert ((0, first, TIMEOUT_S * 2) in table.reports) == isinstance(exc, TimeoutError)
+
+
+def test_a_chain_whose_reply_was_cut_goes_to_the_same_peer_once_more_as_it_was():
+    """Issue 57's 0-byte replies: the reply stream of a stage-0 peer that had run the chain ended empty
+    (CI: the forged-steps test, 8 unconfirmed samples on the replica that had accumulated them). Every hop
+    answers a copy of a micro-batch it accumulated as held without adding it again, so the same request,
+    to the same peer and route, is counted once: flags unchanged, nothing retried without accumulating."""
+    table, client = (
+        SpyTable([[A, B], [C]]),
+        ScriptedClient(TruncatedReply("0-byte reply"), reply=_chain_reply),
+    )
+    caller, loss, hops, flags = _chain(client, table)
+    assert loss == 1.5 and flags == [(True, True), (True, True)]
+    assert client.calls[0][0] == client.calls[1][0] and [hop.acc for hop in hops] == [8, 8]
+    assert _counted(caller, "timeouts connection_errors not_accumulated") == (0, 0, 0)
+    assert caller.stats.retries == 1 and table.bans == []
+    # cut again: then as any reply that may have been applied, elsewhere and without accumulating
+    table = SpyTable([[A, B], [C]])
+    client = ScriptedClient(*[TruncatedReply("cut")] * 2, reply=_chain_reply)
+    caller, loss, hops, flags = _chain(client, table)
+    assert flags == [(True, True), (True, True), (False, False)] and [h.acc for h in hops] == [0, 0]
+    assert client.calls[0][0] == client.calls[1][0] != client.calls[2][0]
+    assert _counted(caller, "timeouts connection_errors not_accumulated") == (0, 0, 2)
 
 
 def test_a_fatal_answer_fails_a_chain_at_once():

@@ -10,7 +10,12 @@ from swarmtrain.net.protocol import StageRequest
 from swarmtrain.planner.catch_up import Heard, SwarmAhead
 from swarmtrain.runtime.ledger import Ledger, read_ledger
 from swarmtrain.runtime.server.stage_catch_up import Detached, Replay
-from swarmtrain.runtime.server.stage_sync import Fingerprint, StageSynchronizer, SyncSettings
+from swarmtrain.runtime.server.stage_sync import (
+    Fingerprint,
+    StageSynchronizer,
+    SyncSettings,
+    _follows_diverged,
+)
 from swarmtrain.runtime.server.stage_worker import StageWorker
 
 pytestmark = pytest.mark.unit
@@ -308,6 +313,7 @@ def test_join_restores_the_checkpoint_at_the_swarm_step(make_joiner, tiny_cfg):
     records.by_stage[0] = {"X": _peer(7)}  # stage 0 lives at step 7
     sync.join()
     assert worker.epoch == 7 and worker.samples_seen == donor.samples_seen and not sync.untrained
+    assert sync.skipped == 2  # the checkpoint's step 5 to the swarm's 7: this stage's updates of 2 lost
     assert all(torch.equal(a, b) for a, b in zip(worker.params, donor.params, strict=True))
     sync.stop()
 
@@ -754,7 +760,7 @@ def test_a_replica_that_skipped_steps_follows_its_peer_whatever_the_ids(make_syn
         averager=FakeAverager(donor_state=donor.export_state()),
         steps=FakeSteps(answers=lambda: {"A": 0}),
     )  # the smaller id
-    sync.skipped = True
+    sync._skips.append((0, 1))  # it adopted step 0 over one step
     sync._fp = Fingerprint(0, [1.0, 2.0])
     records.progress["A"] = _peer(0, fp=[1.0, 2.5])
     sync.tick()
@@ -765,6 +771,30 @@ def test_a_replica_that_skipped_steps_follows_its_peer_whatever_the_ids(make_syn
     peer_sync.tick()
     assert peer_averager.calls == []
     assert peer_records.progress.get("B") is None or peer_records.progress["B"].get("skipped") is not True
+
+
+def test_a_replica_whose_skip_is_long_past_keeps_its_line_against_one_restored_from_an_older_checkpoint(
+    make_sync,
+):
+    """Netbed chaos, seed 0 (docs/LOG.md, twenty-third session): s0-7 had adopted step 387 over one step
+    and applied every step since; s0-12 was restored from the checkpoint of step 400 at step 414 (14
+    updates lost) and replayed 414-419. At 420 their parameters differed, and s0-7, flagged `skipped` for
+    good, took s0-12's state: the stage lost those 14 updates. Counted within the recent steps, s0-7
+    skipped none and s0-12 14: s0-12 follows."""
+    sync, worker, records, averager = make_sync(peer="0", steps=FakeSteps(answers=lambda: {"A": 420}))
+    worker.advance_to(420)
+    sync._skips.append((387, 1))
+    sync._fp = Fingerprint(420, [1.0, 2.0])
+    records.progress["A"] = dict(_peer(420, fp=[1.0, 2.5]), skipped=True, skipped_steps=14)
+    assert sync.skipped == 0 and sync.diverged_from(records.progress) == frozenset()
+    sync.tick()
+    assert averager.calls == []  # it keeps its line
+    # the one restored from the checkpoint sees the same pair the other way round: it follows
+    assert _follows_diverged(Fingerprint(420, [1.0, 2.5]), "A", 14, "0", dict(_peer(420, fp=[1.0, 2.0])))
+    # a peer of an earlier version publishes only the flag: one skipped update
+    older = dict(_peer(420, fp=[1.0, 2.5]), skipped=True)
+    assert _follows_diverged(Fingerprint(420, [1.0, 2.0]), "0", 2, "A", older)
+    assert not _follows_diverged(Fingerprint(420, [1.0, 2.0]), "0", 0, "A", older)
 
 
 def test_a_replica_gives_up_its_steps_close_only_when_the_catch_up_abandons_it(make_joiner, tiny_cfg):
@@ -804,7 +834,7 @@ def test_a_replica_gives_up_its_steps_close_only_when_the_catch_up_abandons_it(m
     sync.check_other_stages(6, clock(), 0.1)
     assert worker.epoch == 6  # without a close to abandon, nothing ahead of it: it stays
     # the step loop applied the step while the sync thread decided: no adoption, not marked skipped
-    sync.skipped = False
+    sync._skips.clear()
     worker.advance_to(7)
     for _ in range(2):
         sync.check_other_stages(6, clock(), 0.1, abandon_close=True)

@@ -263,7 +263,15 @@ class StageAverager(DecentralizedAverager):
             and isinstance(entry.value, int | float)
             and not isinstance(entry.value, bool)
         }
-        return sorted((peer for peer in priority if peer != self.peer_id), key=priority.get, reverse=True)
+        donors = sorted((peer for peer in priority if peer != self.peer_id), key=priority.get, reverse=True)
+        # which donors a download saw declared, in the order it tries them: a donor never tried is told
+        # apart from one tried and cut (the state-download e2e test once saw only one of its two donors)
+        logger.info(
+            "state download: %d donor(s) declared: %s",
+            len(donors),
+            ", ".join(f"{p.to_base58()[-8:]} ({priority[p][0]:g})" for p in donors) or "none",
+        )
+        return donors
 
     async def _download_from(self, peer: PeerID) -> tuple[dict, list[torch.Tensor]] | None:
         """The donor's (metadata, tensors), or None if it shares none or went silent."""

@@ -16,7 +16,7 @@ the accumulate flags of the retry, so a stage applies each micro-batch at most o
 | RemoteError `next_hop_failed`                                  | NEXT_FAILED   | no  | no        |
 | RemoteError `internal` (or a code not above)                   | MAYBE_APPLIED | no  | no        |
 | TimeoutError                                                   | MAYBE_APPLIED | no  | yes       |
-| TruncatedReply (the peer answered before)                      | MAYBE_APPLIED | no  | no        |
+| TruncatedReply (the peer answered before): resent once as is  | MAYBE_APPLIED | no  | no        |
 | connection error (`is_connection_error`)                       | GONE          | yes | no        |
 | anything else: a bug, not a failure of the peer                | re-raised     |     |           |
 """
@@ -51,11 +51,13 @@ class Outcome(Enum):
 @dataclass(frozen=True)
 class FailureAction:
     """A failed call's `outcome` and what the caller does about the peer: `ban` it until it
-    re-announces; `timed_out`: it kept us waiting the whole timeout (fold that into its throughput)."""
+    re-announces; `timed_out`: it kept us waiting the whole timeout (fold that into its throughput);
+    `resend`: the same request may go to the same peer once more as it is (see `on_request_failure`)."""
 
     outcome: Outcome
     ban: bool = False
     timed_out: bool = False
+    resend: bool = False
 
 
 def on_request_failure(exc: BaseException) -> FailureAction:
@@ -65,7 +67,11 @@ def on_request_failure(exc: BaseException) -> FailureAction:
     if isinstance(exc, TimeoutError):  # before the connection errors: a TimeoutError is an OSError
         return FailureAction(Outcome.MAYBE_APPLIED, timed_out=True)
     if isinstance(exc, TruncatedReply):  # a ConnectionError, but the peer answered: no ban
-        return FailureAction(Outcome.MAYBE_APPLIED)
+        # its reply stream ended early (libp2p closed it; issue 57's 0-byte replies) after the peer may
+        # have accumulated the micro-batch. Every hop keeps the ids it accumulated in the step's bucket
+        # and answers a copy as held without adding it again (`StageWorker.skip_reason`), so the same
+        # request to the same peer (the same route) is counted once wherever the first one got
+        return FailureAction(Outcome.MAYBE_APPLIED, resend=True)
     if is_connection_error(exc):
         return FailureAction(Outcome.GONE, ban=True)
     raise exc  # a bug, not a failure of the peer

@@ -18,6 +18,7 @@ Pure decisions (no I/O), used by the server's synchronizer and unit-tested on th
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 
@@ -114,21 +115,34 @@ class Line:
     """What a replica's progress record says of the line its parameters are on, at its fingerprint's step."""
 
     peer_id: str
-    skipped: bool  # it adopted the other stages' step without this stage's updates of the steps between
+    # this stage's updates its state lacks among the last RECENT_STEPS steps (`recent_skipped`): it
+    # adopted the other stages' step without them, or was restored from a checkpoint older than that step
+    skipped: int
     # samples of its own in the steps it applied among the last RECENT_STEPS, as of the fingerprint's step
     # (None: not published, a peer of an earlier version)
     own_samples: int | None = 0
 
 
-# how far back a replica's own samples count for which line a diverged pair keeps (`follows_on_mismatch`):
-# a divergence is found within a few heartbeats, far less than this many steps
+# how far back a replica's own samples and skipped updates count for which line a diverged pair keeps
+# (`follows_on_mismatch`): a divergence is found within a few heartbeats, far less than this many steps
 RECENT_STEPS = 32
+
+
+def recent_skipped(skips: Sequence[tuple[int, int]], epoch: int) -> int:
+    """How many of this stage's updates a state at `epoch` lacks among the last RECENT_STEPS steps;
+    `skips`: (the step it moved to, how many steps it moved over without their updates), one per skip.
+    A skip further back no longer counts: the replica has applied the steps since, as its peers did."""
+    return sum(count for at, count in skips if epoch - at < RECENT_STEPS)
 
 
 def follows_on_mismatch(ours: Line, theirs: Line) -> bool:
     """Whether the replica on line `ours` resyncs from the one on `theirs`, their parameters differing at
-    the same step. One whose state skipped steps (it adopted the other stages' step without this stage's
-    updates: its stage peers were frozen or cut off, `behind_other_stages`) follows one that applied them.
+    the same step. One whose state skipped more of the recent steps (it adopted the other stages' step
+    without this stage's updates: its stage peers were frozen or cut off, `behind_other_stages`; or it
+    was restored from an older checkpoint) follows. Netbed chaos, seed 0, when this was a flag that
+    stayed set: a replica that had skipped 1 step 33 steps before, and applied every step since, threw
+    its state away for that of a replica restored from the checkpoint 14 steps older, which carried no
+    flag; the stage lost those 14 updates and the final loss rose from 2.21 (step 400) to 2.39 (420).
     Then the one that trained fewer samples of its own in the recent steps follows: it was the follower
     of the stage's exchanges (a replica that receives the members' means but served no micro-batch), the
     other the one that computed the gradients; netbed chaos, seed 2: settled by id, the replica that had
@@ -139,7 +153,7 @@ def follows_on_mismatch(ours: Line, theirs: Line) -> bool:
     wakes from a freeze, adopts the swarm's step and has the smaller id would make its peer, which applied
     the steps it missed, throw them away (bench/chaos.py --netbed, docs/LOG.md)."""
     if ours.skipped != theirs.skipped:
-        return ours.skipped
+        return ours.skipped > theirs.skipped
     if (
         ours.own_samples is not None
         and theirs.own_samples is not None
@@ -147,3 +161,18 @@ def follows_on_mismatch(ours: Line, theirs: Line) -> bool:
     ):
         return ours.own_samples < theirs.own_samples
     return ours.peer_id > theirs.peer_id
+
+
+def swarm_restarting(other_stage_records: Iterable[dict], swarm_step: int, checkpoint_step: int) -> bool:
+    """The swarm restarts from its checkpoints: a replica of another stage at the swarm's step was
+    restored there and has not stepped since (its progress record among `other_stage_records`), and this
+    replica's checkpoint is at that step (or past it). No step has been trained since, so a replica of
+    this stage that the records miss would hold that step's state, the checkpoint's: waiting for it could
+    change no start's step (one past the other stages is caught up to as any replica behind its stage
+    is). A swarm that trains on (the other stages stepped since their start) gets the wait as before,
+    checkpoint or not."""
+    if checkpoint_step < swarm_step or swarm_step <= 0:
+        return False
+    return any(
+        value.get("epoch") == swarm_step and value.get("restored") is True for value in other_stage_records
+    )

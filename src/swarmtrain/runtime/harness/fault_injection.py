@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from swarmtrain.runtime.server.sums_codec import WireSums
 
-ERRORS = ("timeout", "connection", "refused", "truncated")
+ERRORS = ("timeout", "connection", "refused", "truncated", "cut_after")
 
 
 @dataclass
@@ -70,7 +70,8 @@ class FailureInjector:
     ) -> FailureInjector:
         """The next `times` RPCs of `kind` (to `peer`, for micro-batch `mb`, of `step`; None: any)
         fail with `error`: "timeout" (no answer in time), "connection" (the peer is gone), "refused"
-        (the peer answers with an error) or "truncated" (the reply is cut off)."""
+        (the peer answers with an error), "truncated" (the reply is cut off before the peer got the
+        request) or "cut_after" (the peer got the request and did its work; its reply is cut off)."""
         if error not in ERRORS:
             raise ValueError(f"error must be one of {ERRORS}, got {error!r}")
         self._calls.append(_CallRule(kind, peer, mb, step, error, times))
@@ -109,21 +110,26 @@ class FailureInjector:
 
         return injected
 
-    def _call_failure(self, kind: str, peer: str, header: dict) -> Exception | None:
-        from swarmtrain.net.transport import RemoteError, TruncatedReply
-
+    def _call_failure(self, kind: str, peer: str, header: dict) -> tuple[Exception, bool] | None:
+        """The exception a matching rule raises, and whether the call reaches the peer first."""
         for rule in self._calls:
             if rule.matches(kind, peer, header):
                 rule.times -= 1
                 self.fired.append(("fail_call", kind, peer, header.get("mb"), rule.error))
-                if rule.error == "timeout":
-                    return TimeoutError(f"injected: {kind} to {peer} timed out")
-                if rule.error == "connection":
-                    return ConnectionRefusedError(f"injected: {peer} is gone")
-                if rule.error == "refused":
-                    return RemoteError("internal", f"injected: {peer} failed the {kind}")
-                return TruncatedReply(f"injected: the reply of {peer} to {kind} was cut off")
+                return _exception(rule.error, kind, peer), rule.error == "cut_after"
         return None
+
+
+def _exception(error: str, kind: str, peer: str) -> Exception:
+    from swarmtrain.net.transport import RemoteError, TruncatedReply
+
+    if error == "timeout":
+        return TimeoutError(f"injected: {kind} to {peer} timed out")
+    if error == "connection":
+        return ConnectionRefusedError(f"injected: {peer} is gone")
+    if error == "refused":
+        return RemoteError("internal", f"injected: {peer} failed the {kind}")
+    return TruncatedReply(f"injected: the reply of {peer} to {kind} was cut off")
 
 
 class _InjectedClient:
@@ -132,9 +138,12 @@ class _InjectedClient:
 
     async def call(self, peer: str, message, timeout_s: float):
         failure = self._injector._call_failure(message.kind, peer, message.header)
-        if failure is not None:
-            raise failure
-        return await self._client.call(peer, message, timeout_s)
+        if failure is None:
+            return await self._client.call(peer, message, timeout_s)
+        exc, after = failure
+        if after:  # the peer does the work; its reply is lost
+            await self._client.call(peer, message, timeout_s)
+        raise exc
 
     def __getattr__(self, name: str):  # connect, stats, ...: the real client's
         return getattr(self._client, name)

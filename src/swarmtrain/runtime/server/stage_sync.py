@@ -46,6 +46,8 @@ from swarmtrain.planner.restore import (
     behind_other_stages,
     choose_start,
     follows_on_mismatch,
+    recent_skipped,
+    swarm_restarting,
 )
 from swarmtrain.runtime.ledger import Ledger
 from swarmtrain.runtime.server.compute import PRIORITY_SYNC, ComputeWorker
@@ -75,7 +77,7 @@ def _fingerprint_record(fp: Fingerprint | None) -> dict:
     return {"fp_epoch": fp.step, "fp": fp.values, "fp_own": fp.own_samples}
 
 
-def _follows_diverged(ours: Fingerprint, peer_id: str, skipped: bool, peer: str, record: dict) -> bool:
+def _follows_diverged(ours: Fingerprint, peer_id: str, skipped: int, peer: str, record: dict) -> bool:
     """Peer `peer`'s progress `record` shows other parameters than `ours` at the same step, and this
     replica is the one of the pair that follows (`planner/restore.follows_on_mismatch`)."""
     theirs, their_own = record.get("fp"), record.get("fp_own")
@@ -83,13 +85,22 @@ def _follows_diverged(ours: Fingerprint, peer_id: str, skipped: bool, peer: str,
         return False
     own = their_own if isinstance(their_own, int) else None  # None: a peer that does not publish it
     if not follows_on_mismatch(
-        Line(peer_id, skipped, ours.own_samples), Line(peer, record.get("skipped") is True, own)
+        Line(peer_id, skipped, ours.own_samples), Line(peer, _skipped_steps(record), own)
     ):
         return False
     return any(
         abs(a - b) > FINGERPRINT_RTOL * (abs(a) + abs(b) + 1e-12)
         for a, b in zip(theirs, ours.values, strict=True)
     )
+
+
+def _skipped_steps(record: dict) -> int:
+    """A peer's recently skipped updates, from its progress record (a stranger's: anything may be there);
+    a peer of an earlier version publishes only whether it skipped any."""
+    count = record.get("skipped_steps")
+    if isinstance(count, int) and not isinstance(count, bool):
+        return max(0, count)
+    return 1 if record.get("skipped") is True else 0
 
 
 # Replicas on the same kind of device hold bitwise-equal parameters; one step applied from different
@@ -172,9 +183,10 @@ class StageSynchronizer:
         self.checkpoints, self.on_fatal, self.steps = checkpoints, on_fatal, steps
         self.untrained = True  # initial weights: never stepped, downloaded or restored
         self.restored = False  # state from a checkpoint (or --fresh-start), no step applied since
-        # our parameters lack updates the stage applied: we adopted the other stages' step (a peer that
-        # applied them wins a fingerprint mismatch, and donors without this are preferred)
-        self.skipped = False
+        # (the step moved to, the steps moved over) for each time our parameters skipped updates the stage
+        # applied: an adoption of the other stages' step, a restore from an older checkpoint (a peer that
+        # skipped fewer recently wins a fingerprint mismatch, and donors that skipped none are preferred)
+        self._skips: list[tuple[int, int]] = []
         self._other_ahead_since_s: float | None = None
         # what the running adoption clock is for (`check_other_stages`): giving a close up or not, at which epoch
         self._adoption: tuple[bool, int] | None = None
@@ -236,6 +248,7 @@ class StageSynchronizer:
         self.untrained = start.source == "fresh"
         self.restored = start.source == "checkpoint" or (start.source == "fresh" and start.epoch > 0)
         if start.epoch > self.worker.epoch:
+            self._skips.append((start.epoch, start.epoch - self.worker.epoch))
             self._on_compute(lambda: self.worker.advance_to(start.epoch))
         self._refresh_fingerprint()
         log = logger.warning if start.lost_steps else logger.info
@@ -402,25 +415,11 @@ class StageSynchronizer:
             target - epoch,
         )
         self.ledger.write("advance", epoch=target, skipped=target - epoch, lost=lost_samples)
-        self.skipped = True
+        self._skips.append((target, target - epoch))
         self.averager.state_sharing_priority = self._sharing_priority()
         self._refresh_fingerprint()
         self._other_ahead_since_s = None
         self.publish()
-
-    def _swarm_restarting(self, swarm_step: int, checkpoint_step: int) -> bool:
-        """The swarm restarts from its checkpoints: a replica of another stage at the swarm's step was
-        restored there and has not stepped since, and this replica's checkpoint is at that step (or past
-        it). No step has been trained since, so a replica of this stage that the records miss would hold
-        that step's state, the checkpoint's: waiting for it could change no start's step (one past the
-        other stages is caught up to as any replica behind its stage is). A swarm that trains on (the
-        other stages stepped since their start) gets the wait as before, checkpoint or not."""
-        if checkpoint_step < swarm_step or swarm_step <= 0:
-            return False
-        return any(
-            value.get("epoch") == swarm_step and value.get("restored") is True
-            for value in self._other_stage_records()
-        )
 
     def _other_stages_step(self) -> int:
         """The highest step a live replica of another stage of this run reports (a DHT read per stage)."""
@@ -460,7 +459,8 @@ class StageSynchronizer:
             logger.error("state download failed; serving the local state and retrying later")
         else:
             lost_samples, lost_ids = imported
-            self.untrained = self.restored = self.skipped = False
+            self.untrained = self.restored = False
+            self._skips.clear()
             self.counters.resyncs += 1
             if lost_ids:
                 self.counters.lost_samples += lost_samples
@@ -475,7 +475,7 @@ class StageSynchronizer:
     def _stage_epochs(self, swarm_step: int, checkpoint_step: int | None = None) -> list[int]:
         """The steps the stage's serving replicas are at. A live replica's record can lapse for seconds (a
         donor busy sending its state), so while the other stages have stepped and none shows, read again
-        for a while; not while the swarm restarts from checkpoints (`_swarm_restarting`)."""
+        for a while; not while the swarm restarts from checkpoints (`swarm_restarting`)."""
         deadline_s = time.monotonic() + self.settings.missing_replica_wait_s
         while True:
             epochs = [
@@ -485,7 +485,8 @@ class StageSynchronizer:
             ]
             if epochs or swarm_step == 0 or time.monotonic() >= deadline_s:
                 return epochs
-            if checkpoint_step is not None and self._swarm_restarting(swarm_step, checkpoint_step):
+            others = self._other_stage_records
+            if checkpoint_step is not None and swarm_restarting(others(), swarm_step, checkpoint_step):
                 return epochs
             time.sleep(JOIN_RETRY_S)
 
@@ -502,6 +503,11 @@ class StageSynchronizer:
         return frozenset(
             p for p, v in others.items() if _follows_diverged(self._fp, self.peer_id, self.skipped, p, v)
         )
+
+    @property
+    def skipped(self) -> int:
+        """This stage's updates our state lacks among the last RECENT_STEPS steps (`recent_skipped`)."""
+        return recent_skipped(self._skips, self.worker.epoch)
 
     def _sharing_priority(self) -> float:
         """Donors are picked by the highest priority: the step, a state that skipped steps half a step
@@ -540,8 +546,9 @@ class StageSynchronizer:
                 "digest": self.digest,
                 "serving": self.serving.is_set(),
                 **_fingerprint_record(self._fp),
-                "skipped": self.skipped,
-                "restored": self.restored,  # from a checkpoint, no step since (`_swarm_restarting`)
+                "skipped": self.skipped > 0,  # what an earlier version reads
+                "skipped_steps": self.skipped,
+                "restored": self.restored,  # from a checkpoint, no step since (`swarm_restarting`)
             }
             try:
                 self.records.publish_progress(self.stage, self.peer_id, value, self.settings.progress_ttl_s)

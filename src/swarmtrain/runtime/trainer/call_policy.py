@@ -253,9 +253,10 @@ def retry_delay_s(attempt: int) -> float:
 async def run_call(peers: PeerChoice, stats: CallStats, plan: CallPlan[T]) -> T:
     """`plan`'s answer, retried by one policy; MicroBatchFailed when no retry can help (our request is
     refused, every live peer already applied the micro-batch's step) or the plan is out of retries."""
-    attempt, excluded, stale_from = 0, set[str](), set[str]()
+    attempt, excluded, stale_from, resent_to = 0, set[str](), set[str](), set[str]()
+    again: Attempt | None = None  # an attempt sent once more as it was (`FailureAction.resend`)
     while True:
-        chosen = await plan.choose(attempt, excluded)
+        chosen = again or await plan.choose(attempt, excluded)
         try:
             return await plan.send(chosen)
         except Exception as exc:
@@ -270,9 +271,14 @@ async def run_call(peers: PeerChoice, stats: CallStats, plan: CallPlan[T]) -> T:
             raise MicroBatchFailed(f"stage {stage} peer {peer} refused the {plan.what}: {reason}")
         if peers.stale_everywhere(stage, peer, error, stale_from):
             raise MicroBatchFailed(f"stage {stage} applied the step of {plan.mb} without it: {reason}")
-        plan.retry_with(failure)
-        if plan.excludes(failure):
-            excluded.add(peer)
+        again = chosen if failure.resend and peer not in resent_to else None
+        if again is not None:  # the same request to the same peer, once: it counts it once
+            resent_to.add(peer)
+            reason += ", sent to it again as it was"
+        else:
+            plan.retry_with(failure)
+            if plan.excludes(failure):
+                excluded.add(peer)
         attempt += 1
         delay_s = retry_delay_s(attempt)
         if plan.out_of_retries(attempt, delay_s):
