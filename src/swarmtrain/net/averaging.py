@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import logging
 import multiprocessing as mp
 import random
 import signal
@@ -48,7 +49,7 @@ from swarmtrain.net.dht_records import live_subkeys
 from swarmtrain.net.engine import restore_sigint
 from swarmtrain.planner.download_deadline import REPORT_SLACK_S
 from swarmtrain.planner.idle_pace import outlasting_expiration, store_expiration, stored_ttl_s
-from swarmtrain.utils.logging import get_logger
+from swarmtrain.utils.logging import get_logger, log_repeated
 
 logger = get_logger(__name__)
 
@@ -266,10 +267,13 @@ class StageAverager(DecentralizedAverager):
         donors = sorted((peer for peer in priority if peer != self.peer_id), key=priority.get, reverse=True)
         # which donors a download saw declared, in the order it tries them: a donor never tried is told
         # apart from one tried and cut (the state-download e2e test once saw only one of its two donors)
-        logger.info(
+        log_repeated(  # a joiner that finds none asks again twice a second: one line every few seconds
+            logger,
+            logging.INFO,
             "state download: %d donor(s) declared: %s",
             len(donors),
             ", ".join(f"{p.to_base58()[-8:]} ({priority[p][0]:g})" for p in donors) or "none",
+            key="donors",
         )
         return donors
 

@@ -26,7 +26,14 @@ from torch import Tensor
 
 from swarmtrain.net.data_plane import Address, DataPlaneClient, dial_address
 from swarmtrain.net.dht_records import RunRecords, StageView
-from swarmtrain.net.failures import NEXT_HOP_FAILED, Outcome, classify_failure, flags_after
+from swarmtrain.net.failures import (
+    NEXT_HOP_FAILED,
+    FailureAction,
+    Outcome,
+    classify_failure,
+    flags_after,
+    on_request_failure,
+)
 from swarmtrain.net.hand_off import (
     ChainRequest,
     HopReport,
@@ -225,8 +232,10 @@ class ChainHop:
         if not candidates:
             raise NextHopFailed(f"no candidate of stage {stage} in the route is a live peer of it")
         flags = list(chain.accumulate_after)
-        last_reason = ""
-        for peer in candidates:
+        last_reason, resent = "", set[str]()
+        tries = list(candidates)
+        while tries:
+            peer = tries.pop(0)
             # the next stage gets what is left but a share for our own backward (one per stage from here)
             timeout_s = (deadline_s - time.monotonic()) * (1 - 1 / (self.num_stages - self.io.stage))
             if timeout_s <= 0:
@@ -240,12 +249,16 @@ class ChainHop:
                 )
                 return reply, self._hops(chain, peer, reply), grad
             except ProtocolError as exc:  # a malformed reply: it may have applied, like a cut-off one
-                outcome, last_reason = Outcome.MAYBE_APPLIED, str(exc)
+                failure, last_reason = FailureAction(Outcome.MAYBE_APPLIED), str(exc)
             except Exception as exc:
-                outcome, last_reason = classify_failure(exc), f"{exc!r:.200}"
-            if outcome is Outcome.FATAL:
+                failure, last_reason = on_request_failure(exc), f"{exc!r:.200}"
+            if failure.outcome is Outcome.FATAL:
                 raise NextHopFailed(f"stage {stage} peer {peer} refused: {last_reason}", "bad_request")
-            flags = flags_after(flags, outcome)
+            if failure.resend and peer not in resent:  # a cut reply: the same hand-off once more (run_call)
+                resent.add(peer)
+                tries.insert(0, peer)
+            else:
+                flags = flags_after(flags, failure.outcome)
             self.retries += 1
             log_repeated(  # while the next stage's replica catches up, every hand-off to it fails
                 logger,
