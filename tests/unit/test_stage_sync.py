@@ -985,3 +985,13 @@ def test_a_replica_holding_a_step_nobody_closes_applies_it_a_close_timeout_after
     sync.check_other_stages(0, clock())
     assert steps.applied == [(0, {"A": 16, "B": 16})]
     assert worker.epoch == 0 and not sync.skipped and fatal == []  # the step loop applies it, not this
+
+
+def test_a_peers_skipped_steps_are_read_from_what_its_record_holds():
+    from swarmtrain.runtime.server.stage_sync import _skipped_steps
+
+    assert _skipped_steps({"skipped": True, "skipped_steps": 14}) == 14
+    assert _skipped_steps({"skipped": True}) == 1 and _skipped_steps({"skipped": False}) == 0
+    # a stranger's record may hold anything: a count that is no count reads as the flag
+    assert _skipped_steps({"skipped_steps": -3}) == 0 and _skipped_steps({"skipped_steps": True}) == 0
+    assert _skipped_steps({"skipped_steps": "7", "skipped": True}) == 1 and _skipped_steps({}) == 0
