@@ -40,7 +40,8 @@ def add_network_args(parser: argparse.ArgumentParser, needs_peers: bool = True) 
     reach.add_argument(
         "--auto-relay",
         action="store_true",
-        help="behind a NAT without port forwarding: find relays among the peers and be reached through them",
+        help="behind a NAT without port forwarding: find relays among the peers and be reached through "
+        "them (the peer announces itself once a relay holds a slot for it, within 60 s)",
     )
     reach.add_argument(
         "--no-relay", action="store_true", help="never use circuit relays (direct connections only)"
