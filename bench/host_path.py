@@ -159,7 +159,9 @@ def measure(preset: str, codec_name: str, device: str, repeats: int) -> dict[str
             "unseal": cpu_ms(lambda: Seal(bytes(16), b"rply", b"rply").open(b"h", sealed), repeats),
             "unpack": cpu_ms(lambda: protocol.unpack(packed, limit), repeats),
             "decode": cpu_ms(lambda: received.tensor("outputs", compute.device), repeats),
-            "check": cpu_ms(lambda: protocol.checked_values("outputs", message.tensors["outputs"], on_device), repeats),
+            "check": cpu_ms(
+                lambda: protocol.checked_values("outputs", message.tensors["outputs"], on_device), repeats
+            ),
             "copy in": cpu_ms(lambda: compute.to_device(decoded), repeats),
             "copy out": cpu_ms(lambda: compute.wire(on_device), repeats),
             "encode": cpu_ms(lambda: protocol.encode_tensor("grad_inputs", on_device, codec_name), repeats),
@@ -175,7 +177,19 @@ def measure(preset: str, codec_name: str, device: str, repeats: int) -> dict[str
 
 
 def report(rows: dict[str, float], preset: str, codec_name: str, device: str, wire_bytes: int) -> str:
-    order = ["receive", "unseal", "unpack", "decode", "check", "copy in", "copy out", "encode", "pack", "seal", "send"]
+    order = [
+        "receive",
+        "unseal",
+        "unpack",
+        "decode",
+        "check",
+        "copy in",
+        "copy out",
+        "encode",
+        "pack",
+        "seal",
+        "send",
+    ]
     lines = [
         f"host CPU per micro-batch (forward + backward) at a middle stage of {preset}, codec {codec_name}, "
         f"device {device}; each message {wire_bytes:,} bytes",

@@ -54,7 +54,9 @@ def measure_local(preset: str, threads: int, steps: int) -> float:
 
 
 def measure_swarm(preset: str, duration_s: float, in_flight: int, codec: str, workdir: Path) -> dict:
-    config = write_run_toml(workdir / "run.toml", preset, {"swarm": {"announce_period_s": 1.0, "rebalance_period_s": 0.0}})
+    config = write_run_toml(
+        workdir / "run.toml", preset, {"swarm": {"announce_period_s": 1.0, "rebalance_period_s": 0.0}}
+    )
     cfg = load_run_config(config)
     with LocalSwarm(workdir / "peers", config) as swarm:
         swarm.start_dht()

@@ -145,6 +145,7 @@ class BenchConfig:
     trainer_args: tuple[str, ...] = ()
     # boundary layers between the stages ([model] boundary): (kind, divisor): boundary_dim = d_model / divisor
     boundary: tuple[str, int] | None = None
+    table: bool = False  # subspace only: E0 from the training data (`swarmtrain boundary-table`)
 
     def run_file(self, setup: Setup, workdir: Path) -> Path:
         """The run file of this configuration: the setup's, plus a codec below 8 bits and boundary
@@ -155,10 +156,32 @@ class BenchConfig:
         if self.boundary:
             kind, divisor = self.boundary
             overrides["model"] = {"boundary": kind, "boundary_dim": setup.d_model // divisor}
+            if self.table:
+                overrides["model"]["boundary_table"] = str(boundary_table_file(setup))
         if not overrides:
             return setup.config_path
         workdir.mkdir(parents=True, exist_ok=True)
         return derived_run_toml(setup.config_path, workdir / "run.toml", overrides)
+
+
+def boundary_table_file(setup: Setup) -> Path:
+    """The setup's subspace token table, made once beside its run file from the tokens its runs train on
+    (training.max_samples sequences: a table from more data than the run sees would compare unequally)."""
+    path = setup.config_path.parent / "boundary-table.safetensors"
+    if not path.exists():
+        cfg = load_run_config(setup.config_path)
+        tokens = cfg.training.max_samples * cfg.model.seq_len
+        argv = [
+            sys.executable,
+            "-m",
+            "swarmtrain.cli.main",
+            "boundary-table",
+            "--config",
+            str(setup.config_path),
+        ]
+        argv += ["--max-tokens", str(tokens), "--out", str(path)]
+        subprocess.run(argv, check=True, timeout=SERVER_READY_TIMEOUT_S)
+    return path
 
 
 # counters and processes ----------------------------------------------------------------------------
@@ -348,17 +371,22 @@ def _result(samples: int, samples_per_s: float, by_role: dict, use: dict | None)
 
 
 # the registry: codecs and model boundary layers plug in here
-def _swarm_config(hand_off: str, codec: str, boundary: tuple[str, int] | None = None) -> BenchConfig:
+def _swarm_config(
+    hand_off: str, codec: str, boundary: tuple[str, int] | None = None, table: bool = False
+) -> BenchConfig:
     label = ("fp32" if codec == "none" else codec) + (f"-{boundary[0]}{boundary[1]}" if boundary else "")
+    label += "-table" if table else ""
     return BenchConfig(
         name=f"{hand_off}-{label}",
         runner=run_swarm,
         description=f"swarm, --hand-off {hand_off} --compression {codec}"
-        + (f", {boundary[0]} boundary of d_model/{boundary[1]}" if boundary else ""),
+        + (f", {boundary[0]} boundary of d_model/{boundary[1]}" if boundary else "")
+        + (", token table from the data" if table else ""),
         math=f"swarm-{label}",
         hand_off=hand_off,
         codec=codec,
         boundary=boundary,
+        table=table,
     )
 
 
@@ -384,6 +412,10 @@ REGISTRY: list[BenchConfig] = [
     _swarm_config("direct", "4bit", ("subspace", 16)),
     _swarm_config("direct", "8bit", ("subspace", 16)),
     _swarm_config("direct", "4bit", ("subspace", 8)),
+    # ... with the fixed token table made from the training data (data/token_table.py)
+    _swarm_config("direct", "4bit", ("subspace", 16), table=True),
+    _swarm_config("direct", "8bit", ("subspace", 16), table=True),
+    _swarm_config("direct", "4bit", ("subspace", 8), table=True),
 ]
 # what runs without --configs: GPipe and the swarm's data paths at fp32 and 8-bit
 DEFAULT_CONFIGS = "gpipe-fp32,relay-fp32,relay-8bit,direct-fp32,direct-8bit"
@@ -737,7 +769,7 @@ def matched_plain(cfg):
     (d_ff, nearest, at least 1; every other field as it is): what a boundary is compared with at equal
     parameters. Where the embedding dominates (`llama-tiny`: 131k of 447k) no d_ff reaches a subspace
     model's count; the report prints both counts."""
-    plain = dataclasses.replace(cfg.model, boundary="none", boundary_dim=0)
+    plain = dataclasses.replace(cfg.model, boundary="none", boundary_dim=0, boundary_table="")
 
     def count(d_ff: int) -> int:
         return parameter_count(cfg.replace(model=dataclasses.replace(plain, d_ff=d_ff)))

@@ -27,9 +27,13 @@ K = 8
 PRESETS = ("tiny", "llama-tiny")  # GPT-2 style and Llama
 
 
-def _config(preset: str, k: int = K, num_stages: int = 3, layers=(2, 1, 1), seq_len: int = 16):
+def _config(
+    preset: str, k: int = K, num_stages: int = 3, layers=(2, 1, 1), seq_len: int = 16, table: str = ""
+):
     cfg = get_preset(preset)
-    model = dataclasses.replace(cfg.model, boundary="subspace", boundary_dim=k, seq_len=seq_len)
+    model = dataclasses.replace(
+        cfg.model, boundary="subspace", boundary_dim=k, seq_len=seq_len, boundary_table=table
+    )
     swarm = dataclasses.replace(cfg.swarm, num_stages=num_stages, layers_per_stage=layers)
     return cfg.replace(model=model, swarm=swarm)
 
@@ -71,9 +75,22 @@ def _through_stages(stages, tokens, labels=None):
     return stages[-1](last_inputs, labels), sent, last_inputs
 
 
-@pytest.mark.parametrize("preset", PRESETS)
-def test_stages_compose_to_the_whole_model_bit_for_bit_and_send_k_values(preset):
+def _table_file(cfg_model, path) -> str:
+    """A token table file for `cfg_model` (rows of a fixed draw, every third a zero row: drawn from the
+    seed), as `swarmtrain boundary-table` writes one."""
+    from swarmtrain.model.subspace import save_token_table
+
+    rows = torch.randn(cfg_model.vocab_size, cfg_model.d_model, generator=torch.Generator().manual_seed(11))
+    rows[::3] = 0.0
+    save_token_table(path, rows)
+    return str(path)
+
+
+@pytest.mark.parametrize("preset, table", [(p, False) for p in PRESETS] + [("llama-tiny", True)])
+def test_stages_compose_to_the_whole_model_bit_for_bit_and_send_k_values(preset, table, tmp_path):
     cfg = _config(preset)
+    if table:
+        cfg = _config(preset, table=_table_file(cfg.model, tmp_path / "table.safetensors"))
     stages, whole = _stages_and_whole(cfg)
     named = {name: p for stage in stages for name, p in stage.named_parameters()}
     assert set(named) == {name for name, _ in whole.named_parameters()}
@@ -191,16 +208,28 @@ def test_the_digest_tells_boundaries_and_k_apart_and_bad_settings_are_one_line_e
         dataclasses.replace(llama, boundary="subspace", boundary_dim=llama.d_model)
 
 
-@pytest.mark.parametrize("preset", PRESETS)
-def test_export_hf_out_folds_into_a_plain_model_transformers_loads_with_the_same_logits(preset, tmp_path):
+@pytest.mark.parametrize("preset, table", [(p, False) for p in PRESETS] + [(p, True) for p in PRESETS])
+def test_export_hf_out_folds_into_a_plain_model_transformers_loads_with_the_same_logits(
+    preset, table, tmp_path
+):
     transformers = pytest.importorskip("transformers")
     cfg = _config(preset, num_stages=2, layers=None, seq_len=get_preset(preset).model.seq_len)
+    table_flags = []
+    if table:  # E0 from a file: the fold writes the file's rows (scaled) into the plain embedding
+        path = _table_file(cfg.model, tmp_path / "table.safetensors")
+        cfg, table_flags = (
+            cfg.replace(model=dataclasses.replace(cfg.model, boundary_table=path)),
+            [
+                "--boundary-table",
+                path,
+            ],
+        )
     whole = build_model(cfg.model, seed=cfg.training.seed, cuts=cfg.boundary_cuts())
     _trained_like(whole)
     save_file(
         {n: p.detach().contiguous() for n, p in whole.named_parameters()}, str(tmp_path / "m.safetensors")
     )
-    flags = ["--preset", preset, "--boundary", "subspace", "--boundary-dim", str(K)]
+    flags = ["--preset", preset, "--boundary", "subspace", "--boundary-dim", str(K), *table_flags]
     out = tmp_path / "hf"
     assert main(["export", "--from-file", str(tmp_path / "m.safetensors"), "--hf-out", str(out), *flags]) == 0
     raw = read_hf_config(out)
@@ -213,7 +242,8 @@ def test_export_hf_out_folds_into_a_plain_model_transformers_loads_with_the_same
         theirs = model.float().eval()(input_ids=tokens).logits
         assert (ours - theirs).abs().max().item() < 1e-4
         # and train-local's way in (--init-from-hf): a plain model of the run's shape
-        plain = build_model(dataclasses.replace(cfg.model, boundary="none", boundary_dim=0), seed=0)
+        plain_model = dataclasses.replace(cfg.model, boundary="none", boundary_dim=0, boundary_table="")
+        plain = build_model(plain_model, seed=0)
         hf.load_stage_from_hf(plain, out)
         assert (plain.eval()(tokens) - ours).abs().max().item() < 1e-4
 

@@ -19,7 +19,7 @@ from typing import Any
 from swarmtrain.config import RunConfig, get_preset, load_run_config, preset_names
 from swarmtrain.config.errors import ConfigError, UserError
 from swarmtrain.config.hf_config import model_config_from_hf, read_hf_config
-from swarmtrain.config.model import BOUNDARY_CHOICES
+from swarmtrain.config.model import BOUNDARY_CHOICES, SUBSPACE
 
 
 def add_run_config_args(parser: argparse.ArgumentParser, default_preset: str = "tiny") -> None:
@@ -66,24 +66,44 @@ def add_boundary_args(parser: argparse.ArgumentParser) -> None:
         metavar="K",
         help="values per token a boundary sends (replaces model.boundary_dim), below d_model",
     )
+    parser.add_argument(
+        "--boundary-table",
+        default=None,
+        metavar="FILE",
+        help="with --boundary subspace: the fixed token table made by `swarmtrain boundary-table` from the "
+        "training data (replaces model.boundary_table; default: drawn from the seed). Every peer passes a "
+        "file of the same content",
+    )
 
 
-def with_boundary(cfg: RunConfig, kind: str | None, dim: int | None) -> RunConfig:
-    """`cfg` with `--boundary KIND --boundary-dim K` applied (None: the run file's own)."""
-    if kind is None and dim is None:
+def with_boundary(cfg: RunConfig, kind: str | None, dim: int | None, table: str | None = None) -> RunConfig:
+    """`cfg` with `--boundary KIND --boundary-dim K --boundary-table FILE` applied (None: the run file's
+    own). A boundary other than subspace drops the run file's table."""
+    if kind is None and dim is None and table is None:
         return cfg
+    needs_subspace = "--boundary-table needs --boundary subspace (it is a subspace run's token table)"
     if kind is None:
         if cfg.model.boundary == "none":
+            if dim is None:
+                raise UserError(needs_subspace)
             raise UserError("--boundary-dim needs --boundary KIND (the run sets no model.boundary)")
         kind = cfg.model.boundary
+    if table is not None and kind != SUBSPACE:
+        raise UserError(needs_subspace)
     if kind == "none":
         if dim is not None:
             raise UserError("--boundary none takes no --boundary-dim")
-        return cfg.replace(model=dataclasses.replace(cfg.model, boundary="none", boundary_dim=0))
+        return cfg.replace(
+            model=dataclasses.replace(cfg.model, boundary="none", boundary_dim=0, boundary_table="")
+        )
     if dim is None and cfg.model.boundary != kind:
         raise UserError(f"--boundary {kind} needs --boundary-dim K (values per token, below d_model)")
     dim = dim if dim is not None else cfg.model.boundary_dim
-    return cfg.replace(model=dataclasses.replace(cfg.model, boundary=kind, boundary_dim=dim))
+    if table is None:
+        table = cfg.model.boundary_table if kind == SUBSPACE else ""
+    return cfg.replace(
+        model=dataclasses.replace(cfg.model, boundary=kind, boundary_dim=dim, boundary_table=table)
+    )
 
 
 def run_config_from_args(args: argparse.Namespace) -> RunConfig:
@@ -91,7 +111,12 @@ def run_config_from_args(args: argparse.Namespace) -> RunConfig:
         cfg = load_run_config(args.config, preset=args.preset)
     else:
         cfg = get_preset(args.preset or args.default_preset)
-    cfg = with_boundary(cfg, getattr(args, "boundary", None), getattr(args, "boundary_dim", None))
+    cfg = with_boundary(
+        cfg,
+        getattr(args, "boundary", None),
+        getattr(args, "boundary_dim", None),
+        getattr(args, "boundary_table", None),
+    )
     model_dir = getattr(args, "init_from_hf", None)
     return with_hf_model(cfg, model_dir) if model_dir else cfg
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from swarmtrain.cli.common import (
     add_boundary_args,
@@ -108,8 +109,14 @@ def run(args: argparse.Namespace) -> int:
         checkpoint_dir=args.checkpoint_dir,
         init_from_hf=args.init_from_hf,
         model_overrides=(
-            {"boundary": cfg.model.boundary, "boundary_dim": cfg.model.boundary_dim}
-            if args.boundary or args.boundary_dim
+            {
+                "boundary": cfg.model.boundary,
+                "boundary_dim": cfg.model.boundary_dim,
+                "boundary_table": os.path.abspath(cfg.model.boundary_table)
+                if cfg.model.boundary_table
+                else "",
+            }
+            if args.boundary or args.boundary_dim or args.boundary_table
             else {}
         ),
         device=str(compute.device),  # resolved once: every server and the reference on the same device
@@ -125,5 +132,5 @@ def _swarm_config(args: argparse.Namespace):
     from swarmtrain.config import get_preset, load_run_config
 
     cfg = load_run_config(args.config) if args.config else get_preset(args.preset)
-    cfg = with_boundary(cfg, args.boundary, args.boundary_dim)
+    cfg = with_boundary(cfg, args.boundary, args.boundary_dim, args.boundary_table)
     return with_hf_model(cfg, args.init_from_hf) if args.init_from_hf else cfg

@@ -181,11 +181,11 @@ def _plain_model(named: dict, meta: dict, cfg, how: str):
             raise UserError(
                 f"--hf-out: the checkpoint was made under run config digest {meta['digest']}, this config's "
                 f"is {cfg.digest()}; a subspace model's fixed token table and basis come from the run's "
-                "config (seed, shape), so pass the peers' exact --preset/--config and flags"
+                "config (seed, shape, boundary table), so pass the peers' exact --preset/--config and flags"
             )
         check_state_dict(named, cfg.model, source, cfg.boundary_cuts())
         folded = fold_subspace(named, cfg.model.arch, *fixed_subspace(cfg.model, cfg.training.seed))
-        return folded, dataclasses.replace(cfg.model, boundary="none", boundary_dim=0)
+        return folded, dataclasses.replace(cfg.model, boundary="none", boundary_dim=0, boundary_table="")
     if cfg.model.boundary != "none" or any(name.startswith("boundaries.") for name in named):
         raise UserError(
             f"--hf-out: this model has {cfg.model.boundary if cfg.model.boundary != 'none' else 'boundary'} "

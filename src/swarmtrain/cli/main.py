@@ -25,6 +25,7 @@ SUBCOMMANDS = (
     ("export", "swarmtrain.cli.export"),
     ("tokenizer", "swarmtrain.cli.tokenizer"),
     ("tokenize", "swarmtrain.cli.tokenize"),
+    ("boundary-table", "swarmtrain.cli.boundary_table"),
     ("plan", "swarmtrain.cli.plan"),
     ("simulate", "swarmtrain.cli.simulate"),
 )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from swarmtrain.config.errors import ConfigError
 
@@ -45,6 +46,9 @@ class ModelConfig:
     # its coordinates and the token ids and the next one rebuilds the hidden state exactly (model/subspace.py)
     boundary: str = "none"
     boundary_dim: int = 0
+    # "subspace" only: a file of the fixed token table E0 (model/subspace.py; `swarmtrain boundary-table`
+    # makes one from the training data); "" = E0 drawn from the seed. Its content is in the digest
+    boundary_table: str = ""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "seq_len"):
@@ -80,6 +84,13 @@ class ModelConfig:
                 'model.boundary = "subspace" needs model.tie_embeddings = false (a tied model trains on one '
                 "stage, where no boundary is crossed)"
             )
+        if self.boundary_table and self.boundary != SUBSPACE:
+            raise ConfigError(
+                f'model.boundary_table needs model.boundary = "subspace" (it is the fixed token table of a '
+                f"subspace run), got boundary {self.boundary!r}"
+            )
+        if self.boundary_table and not Path(self.boundary_table).is_file():
+            raise ConfigError(f"model.boundary_table: no such file {self.boundary_table!r}")
         if self.boundary == SUBSPACE and self.vocab_size > MAX_SUBSPACE_VOCAB:
             raise ConfigError(
                 f'model.boundary = "subspace" takes a vocabulary of at most {MAX_SUBSPACE_VOCAB:,} tokens '

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
+import os
 from dataclasses import dataclass, field
 
 from swarmtrain.config.errors import ConfigError
@@ -305,10 +307,31 @@ def _model_settings(model: ModelConfig) -> dict:
         "shared_layer_repeats",
         "boundary",
         "boundary_dim",
+        "boundary_table",
     ):
         if settings[name] == getattr(ModelConfig, name):
             settings.pop(name)
+    if model.boundary_table:  # what the peers must agree on is the table, not where each keeps it
+        settings["boundary_table"] = file_sha256(model.boundary_table)[:16]
     return settings
+
+
+@functools.lru_cache(maxsize=8)
+def _sha256_of(path: str, size: int, mtime_ns: int) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def file_sha256(path: str) -> str:
+    """The file's SHA-256 (hex), read once per version of the file (path, size, modification time)."""
+    try:
+        stat = os.stat(path)
+        return _sha256_of(os.path.realpath(path), stat.st_size, stat.st_mtime_ns)
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc.strerror or exc}") from None
 
 
 def _outer_step_settings(diloco: DilocoConfig) -> dict:

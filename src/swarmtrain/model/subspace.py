@@ -33,7 +33,10 @@ gap to the plain model went from +9.6% to +5.1% (`llama-tiny` k=4, mean of 3 see
 them like any B and E0.
 
 E0 and B come from the run's seed (`training.seed`, in the digest) and fixed names (`fixed_parts`), so
-every stage builds the same ones. They are non-persistent buffers: never in a checkpoint, a gradient
+every stage builds the same ones. E0 can instead come from a file (`[model] boundary_table`, its content
+in the digest): a table of the training data's token co-occurrences (data/token_table.py, `swarmtrain
+boundary-table`), whose rows place tokens used alike near each other; on `llama-tiny` it closes the loss
+gap to the plain model that a random E0 leaves (docs/LOG.md, "A fixed token table from the data"). They are non-persistent buffers: never in a checkpoint, a gradient
 exchange or the optimizer. Cost: E0 (vocab_size x d_model fp32) on every stage, which rebuilds x from it.
 
 A stage after a subspace boundary takes its coordinates and token ids as one float tensor (batch, seq,
@@ -50,15 +53,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import cast
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 from torch import nn
 
+from swarmtrain.config.errors import ConfigError
 from swarmtrain.config.model import ModelConfig
 
 BASIS_NAME, TABLE_NAME = "subspace.basis", "subspace.tokens"  # the fixed parts' seeds' names
+TABLE_KEY = "table"  # the tensor's name in a `[model] boundary_table` file
 TABLE_SCALE = 8.0  # E0's standard deviation in units of `init_std` (the module docstring's "Scales")
 # per architecture: the learned token embedding, other learned rows that write into the stream (GPT's
 # positions), and the modules whose outputs a confined layer writes into the stream
@@ -68,14 +76,44 @@ RESIDUAL_WRITES = {"llama": (".self_attn.o_proj.", ".mlp.down_proj."), "gpt": ("
 
 
 def fixed_parts(cfg: ModelConfig, seed_of: Callable[[str], int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B: d_model x k, orthogonal columns of norm sqrt(d_model / k); E0: vocab_size x d_model,
-    normal(0, TABLE_SCALE x init_std)), each from `seed_of(its name)`: the same on every stage and in
-    every process of a run. The scales are the module docstring's "Scales"."""
+    """(B: d_model x k, orthogonal columns of norm sqrt(d_model / k); E0: vocab_size x d_model of entries
+    of standard deviation TABLE_SCALE x init_std), each from `seed_of(its name)`: the same on every stage
+    and in every process of a run. E0's rows are normal draws, or with `[model] boundary_table` the file's
+    rows (a row of zeros: the draw). The scales are the module docstring's "Scales"."""
     generator = torch.Generator().manual_seed(seed_of(BASIS_NAME))
     basis, _ = torch.linalg.qr(torch.randn(cfg.d_model, cfg.boundary_dim, generator=generator))
     generator = torch.Generator().manual_seed(seed_of(TABLE_NAME))
-    table = torch.randn(cfg.vocab_size, cfg.d_model, generator=generator) * (TABLE_SCALE * cfg.init_std)
-    return (basis * lift_scale(cfg)).contiguous(), table
+    table = torch.randn(cfg.vocab_size, cfg.d_model, generator=generator)
+    if cfg.boundary_table:
+        rows = load_token_table(cfg.boundary_table, cfg)
+        seen = rows.abs().sum(dim=1) > 0
+        table[seen] = rows[seen]
+    return (basis * lift_scale(cfg)).contiguous(), table * (TABLE_SCALE * cfg.init_std)
+
+
+def save_token_table(path: str | Path, rows: torch.Tensor) -> None:
+    """Write a token table (`[model] boundary_table`): vocab_size x d_model float32, rows of unit-variance
+    entries, zero rows for tokens the model draws from the seed (data/token_table.py makes one)."""
+    save_file({TABLE_KEY: rows.float().contiguous()}, str(path))
+
+
+def load_token_table(path: str | Path, cfg: ModelConfig) -> torch.Tensor:
+    """The rows of `[model] boundary_table`, checked against the model; ConfigError naming the file."""
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            if TABLE_KEY not in handle.keys():
+                raise ConfigError(f"model.boundary_table {path} holds no {TABLE_KEY!r} tensor")
+            rows = handle.get_tensor(TABLE_KEY)
+    except (OSError, SafetensorError) as exc:
+        raise ConfigError(f"model.boundary_table {path}: not a readable safetensors file ({exc})") from None
+    if tuple(rows.shape) != (cfg.vocab_size, cfg.d_model):
+        raise ConfigError(
+            f"model.boundary_table {path} is {tuple(rows.shape)}, the model needs (vocab_size, d_model) = "
+            f"({cfg.vocab_size}, {cfg.d_model}): make it for this model (`swarmtrain boundary-table`)"
+        )
+    if not torch.isfinite(rows).all():
+        raise ConfigError(f"model.boundary_table {path} holds non-finite values")
+    return rows.float()
 
 
 def lift_scale(cfg: ModelConfig) -> float:

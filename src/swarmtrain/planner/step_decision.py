@@ -48,7 +48,9 @@ class StepDecision:
     first_s: float  # when its first close arrived
     due_s: float  # when it can be acted on: complete, or the close timeout after its first close
     lenient: bool = False  # no candidate passed the checks in time: acted on as before them
-    held: bool = False  # no trainer's close: the samples held, the other stages gone on (planner/held_step.py)
+    held: bool = (
+        False  # no trainer's close: the samples held, the other stages gone on (planner/held_step.py)
+    )
     senders: frozenset[str] = frozenset()  # who sent the closes it merges
     naming: frozenset[str] = frozenset()  # those of them whose close names a member
     # sender -> the samples its close names this replica with (only senders that name it)
