@@ -92,3 +92,14 @@ def test_flags_after_does_not_change_its_argument():
     flags = [True, True]
     flags_after(flags, MAYBE)
     assert flags == [True, True]
+
+
+def test_a_cut_reply_is_resent_to_its_peer_once_and_nothing_else_is():
+    from swarmtrain.net.failures import resend_once
+
+    resent: set[str] = set()
+    cut, timed_out = on_request_failure(TruncatedReply("cut")), on_request_failure(TimeoutError())
+    assert resend_once(cut, "peer-a", resent) and resent == {"peer-a"}
+    assert not resend_once(cut, "peer-a", resent)  # cut twice: another peer gets it
+    assert resend_once(cut, "peer-b", resent)
+    assert not resend_once(timed_out, "peer-c", resent) and "peer-c" not in resent

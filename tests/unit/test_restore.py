@@ -132,3 +132,20 @@ def test_a_skip_counts_for_the_recent_steps_only():
     assert recent_skipped([(387, 1)], 420) == 0 and recent_skipped([(414, 14)], 420) == 14
     assert recent_skipped([(420 - RECENT_STEPS + 1, 1)], 420) == 1  # the oldest step still counted
     assert recent_skipped([(400, 3), (410, 2), (300, 50)], 420) == 5 and recent_skipped([], 7) == 0
+
+
+def test_a_skips_record_keeps_only_what_can_still_count():
+    from swarmtrain.planner.restore import RECENT_STEPS, recent_skipped, with_skip
+
+    skips: list[tuple[int, int]] = []
+    for step in range(0, 10 * RECENT_STEPS, 3):  # a replica adopting a step over and over, for long
+        skips = with_skip(skips, step, 1)
+    assert len(skips) <= RECENT_STEPS  # not one entry per skip ever made
+    last = 10 * RECENT_STEPS - 1
+    assert recent_skipped(skips, last) == len(
+        [s for s in range(0, 10 * RECENT_STEPS, 3) if last - s < RECENT_STEPS]
+    )
+    assert with_skip([(100, 3)], 140, 2) == [(140, 2)] and with_skip([(130, 3)], 140, 2) == [
+        (130, 3),
+        (140, 2),
+    ]

@@ -60,6 +60,15 @@ class FailureAction:
     resend: bool = False
 
 
+def resend_once(failure: FailureAction, peer: str, resent: set[str]) -> bool:
+    """Whether the failed request goes to `peer` again as it was: a cut reply (`resend`), at most once per
+    peer and request (`resent`, updated): a peer whose replies keep being cut is left for another."""
+    if not failure.resend or peer in resent:
+        return False
+    resent.add(peer)
+    return True
+
+
 def on_request_failure(exc: BaseException) -> FailureAction:
     """The row of the module's table for `exc`; re-raises `exc` if it is no failure of the peer."""
     if isinstance(exc, RemoteError):

@@ -128,6 +128,12 @@ class Line:
 RECENT_STEPS = 32
 
 
+def with_skip(skips: Sequence[tuple[int, int]], at: int, count: int) -> list[tuple[int, int]]:
+    """`skips` (as `recent_skipped` takes them) with a skip of `count` steps to step `at`, less the ones
+    too far back to count from there: the list stays RECENT_STEPS long at most."""
+    return [(step, n) for step, n in skips if at - step < RECENT_STEPS] + [(at, count)]
+
+
 def recent_skipped(skips: Sequence[tuple[int, int]], epoch: int) -> int:
     """How many of this stage's updates a state at `epoch` lacks among the last RECENT_STEPS steps;
     `skips`: (the step it moved to, how many steps it moved over without their updates), one per skip.

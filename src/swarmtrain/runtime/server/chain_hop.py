@@ -33,6 +33,7 @@ from swarmtrain.net.failures import (
     classify_failure,
     flags_after,
     on_request_failure,
+    resend_once,
 )
 from swarmtrain.net.hand_off import (
     ChainRequest,
@@ -254,8 +255,7 @@ class ChainHop:
                 failure, last_reason = on_request_failure(exc), f"{exc!r:.200}"
             if failure.outcome is Outcome.FATAL:
                 raise NextHopFailed(f"stage {stage} peer {peer} refused: {last_reason}", "bad_request")
-            if failure.resend and peer not in resent:  # a cut reply: the same hand-off once more (run_call)
-                resent.add(peer)
+            if resend_once(failure, peer, resent):  # a cut reply: the same hand-off once more
                 tries.insert(0, peer)
             else:
                 flags = flags_after(flags, failure.outcome)

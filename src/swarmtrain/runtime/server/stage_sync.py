@@ -48,6 +48,7 @@ from swarmtrain.planner.restore import (
     follows_on_mismatch,
     recent_skipped,
     swarm_restarting,
+    with_skip,
 )
 from swarmtrain.runtime.ledger import Ledger
 from swarmtrain.runtime.server.compute import PRIORITY_SYNC, ComputeWorker
@@ -248,7 +249,7 @@ class StageSynchronizer:
         self.untrained = start.source == "fresh"
         self.restored = start.source == "checkpoint" or (start.source == "fresh" and start.epoch > 0)
         if start.epoch > self.worker.epoch:
-            self._skips.append((start.epoch, start.epoch - self.worker.epoch))
+            self._skips = with_skip(self._skips, start.epoch, start.epoch - self.worker.epoch)
             self._on_compute(lambda: self.worker.advance_to(start.epoch))
         self._refresh_fingerprint()
         log = logger.warning if start.lost_steps else logger.info
@@ -415,7 +416,7 @@ class StageSynchronizer:
             target - epoch,
         )
         self.ledger.write("advance", epoch=target, skipped=target - epoch, lost=lost_samples)
-        self._skips.append((target, target - epoch))
+        self._skips = with_skip(self._skips, target, target - epoch)
         self.averager.state_sharing_priority = self._sharing_priority()
         self._refresh_fingerprint()
         self._other_ahead_since_s = None
@@ -540,14 +541,15 @@ class StageSynchronizer:
             self._publish_now.clear()
             if self.stop_event.is_set():
                 break
+            skipped = self.skipped
             value = {
                 "epoch": self.worker.epoch,
                 "samples": self.worker.unapplied_samples,
                 "digest": self.digest,
                 "serving": self.serving.is_set(),
                 **_fingerprint_record(self._fp),
-                "skipped": self.skipped > 0,  # what an earlier version reads
-                "skipped_steps": self.skipped,
+                "skipped": skipped > 0,  # what an earlier version reads
+                "skipped_steps": skipped,
                 "restored": self.restored,  # from a checkpoint, no step since (`swarm_restarting`)
             }
             try:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
 from swarmtrain.config import SwarmConfig
-from swarmtrain.net.failures import FailureAction, Outcome
+from swarmtrain.net.failures import FailureAction, Outcome, resend_once
 from swarmtrain.net.transport import RemoteError
 from swarmtrain.planner.deadlines import CallTimes, deadline_s
 from swarmtrain.runtime.trainer.peer_table import PeerTable, RunMismatch
@@ -271,9 +271,8 @@ async def run_call(peers: PeerChoice, stats: CallStats, plan: CallPlan[T]) -> T:
             raise MicroBatchFailed(f"stage {stage} peer {peer} refused the {plan.what}: {reason}")
         if peers.stale_everywhere(stage, peer, error, stale_from):
             raise MicroBatchFailed(f"stage {stage} applied the step of {plan.mb} without it: {reason}")
-        again = chosen if failure.resend and peer not in resent_to else None
+        again = chosen if resend_once(failure, peer, resent_to) else None
         if again is not None:  # the same request to the same peer, once: it counts it once
-            resent_to.add(peer)
             reason += ", sent to it again as it was"
         else:
             plan.retry_with(failure)
