@@ -325,3 +325,24 @@ def test_subspace_configurations_and_the_plain_model_of_their_parameter_count(tm
     )
     assert abs(wan.parameter_count(matched) - wan.parameter_count(boundary)) <= per_unit / 2
     assert wan.parse_args(["--time-to-target", "--ttt-matched"]).ttt_matched
+
+
+def test_a_subspace_configuration_with_the_datas_token_table_makes_it_once_from_the_runs_own_tokens(
+    tmp_path,
+):
+    from swarmtrain.config import load_run_config
+    from swarmtrain.runtime.harness.local_swarm import write_run_toml
+
+    base = write_run_toml(tmp_path / "run.toml", "llama-tiny", {"training": {"max_samples": 64}})
+    setup = wan.Setup(base, 2, 32, 10.0, 60.0, 64, d_model=64)
+    by_name = {c.name: c for c in wan.REGISTRY}
+    config = by_name["direct-4bit-subspace16-table"]
+    cfg = load_run_config(config.run_file(setup, tmp_path / "t"))
+    assert (cfg.model.boundary, cfg.model.boundary_dim) == ("subspace", 4)
+    table = Path(cfg.model.boundary_table)
+    assert table == tmp_path / "boundary-table.safetensors" and table.is_absolute()
+    made = table.stat().st_mtime_ns
+    again = load_run_config(by_name["direct-4bit-subspace8-table"].run_file(setup, tmp_path / "u"))
+    assert again.model.boundary_table == str(table) and table.stat().st_mtime_ns == made  # made once
+    assert config.math != by_name["direct-4bit-subspace16"].math  # another model: its own steps to target
+    assert wan.matched_plain(cfg).model.boundary_table == ""
