@@ -1,8 +1,9 @@
 """Exact subspace boundaries (model/subspace.py, net/token_ids.py) through a real swarm: stage servers hand
 the coordinates and the token ids to each other over the direct data plane. Without a codec a micro-batch
 through three stages (a middle one included) equals the whole model that train-local builds, loss and every
-gradient; with 4-bit coordinates it stays close. A short training run with checkpoints exports with
-`export --hf-out` as a plain model that transformers loads with no missing or unexpected weights and the
+gradient; with 4-bit coordinates it stays close. A short training run with the data's token table
+(`swarmtrain boundary-table`, `[model] boundary_table`) and checkpoints exports with `export --hf-out` as
+a plain model that transformers loads with no missing or unexpected weights and the
 logits of the servers' own stages within 1e-4."""
 
 from __future__ import annotations
@@ -52,9 +53,13 @@ def test_a_subspace_swarm_trains_and_exports_a_plain_model_transformers_loads(ma
 
     checkpoints = tmp_path / "checkpoints"
     data = {"source": str(Path(json_module.__file__).parent)}
+    # the token table made from the same data, as a user makes it (`swarmtrain boundary-table`)
+    table_run, table = tmp_path / "table-run.toml", tmp_path / "table.safetensors"
+    table_run.write_text(f'preset = "llama-tiny"\n[data]\nsource = "{data["source"]}"\n')
+    assert main(["boundary-table", "--config", str(table_run), "--out", str(table)]) == 0
     # 4-bit coordinates for servers and trainer alike (a trainer of other settings exits 2)
     overrides = {
-        "model": SUBSPACE,
+        "model": {**SUBSPACE, "boundary_table": str(table)},
         "data": data,
         "training": {"eval_samples": EVAL_SAMPLES},
         "swarm": {"compression": "4bit"},
@@ -87,7 +92,7 @@ def test_a_subspace_swarm_trains_and_exports_a_plain_model_transformers_loads(ma
     assert not (info["missing_keys"] or info["unexpected_keys"] or info["mismatched_keys"]), info
     exported = exported.float().eval()
 
-    # the swarm's own stages from the servers' final checkpoints (E0 and B from the run's seed)
+    # the swarm's own stages from the servers' final checkpoints (E0 from the table, B from the run's seed)
     stages = []
     for spec in cfg.stages():
         newest = list_checkpoints(checkpoints, spec.index)[-1]
