@@ -102,6 +102,7 @@ GPIPE_PORT = 29500  # every GPipe run has fresh namespaces: no other process hol
 GPIPE_WARMUP_STEPS = 1
 GPIPE_MAX_STEPS = 100_000  # --duration-s ends the run
 SERVER_READY_TIMEOUT_S = 180.0
+TABLE_TIMEOUT_S = 180.0  # `swarmtrain boundary-table` on a run's own tokens: seconds on the presets
 PROGRESS_EVERY_S = 10.0
 POLL_S = 0.5
 TTT_RATE_MBIT_S = 10.0
@@ -180,7 +181,7 @@ def boundary_table_file(setup: Setup) -> Path:
             str(setup.config_path),
         ]
         argv += ["--max-tokens", str(tokens), "--out", str(path)]
-        subprocess.run(argv, check=True, timeout=SERVER_READY_TIMEOUT_S)
+        subprocess.run(argv, check=True, timeout=TABLE_TIMEOUT_S)
     return path
 
 

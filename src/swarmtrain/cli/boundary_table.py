@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
 
     from swarmtrain.data.packing import build_datasets
     from swarmtrain.data.token_table import cooccurrence_counts, token_table
-    from swarmtrain.model.subspace import save_token_table
+    from swarmtrain.model.subspace import save_token_table, seen_rows
 
     started = time.monotonic()
     cfg = run_config_from_args(args)
@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     counts = cooccurrence_counts(_reported(batches, model.seq_len, started), model.vocab_size)
     rows = token_table(counts, model.d_model)
     save_token_table(args.out, rows)
-    seen = int((rows.abs().sum(dim=1) > 0).sum())
+    seen = int(seen_rows(rows).sum())
     print(
         f"wrote {args.out}: {model.vocab_size:,} x {model.d_model} token table from "
         f"{min(len(train), max_rows) * model.seq_len:,} tokens ({seen:,} of the ids seen; the others are "

@@ -86,9 +86,15 @@ def fixed_parts(cfg: ModelConfig, seed_of: Callable[[str], int]) -> tuple[torch.
     table = torch.randn(cfg.vocab_size, cfg.d_model, generator=generator)
     if cfg.boundary_table:
         rows = load_token_table(cfg.boundary_table, cfg)
-        seen = rows.abs().sum(dim=1) > 0
+        seen = seen_rows(rows)
         table[seen] = rows[seen]
     return (basis * lift_scale(cfg)).contiguous(), table * (TABLE_SCALE * cfg.init_std)
+
+
+def seen_rows(rows: torch.Tensor) -> torch.Tensor:
+    """Which rows of a token table hold the data's row (bool per id); the others are zero rows, which
+    `fixed_parts` draws from the seed."""
+    return rows.abs().sum(dim=1) > 0
 
 
 def save_token_table(path: str | Path, rows: torch.Tensor) -> None:
