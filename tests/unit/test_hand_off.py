@@ -28,6 +28,7 @@ from swarmtrain.net.protocol import (
     unpack,
     validate_request,
 )
+from swarmtrain.net.token_ids import encode_token_ids
 
 pytestmark = pytest.mark.unit
 
@@ -194,3 +195,60 @@ def test_a_micro_batchs_origin_is_the_named_trainer_or_else_the_caller():
     for bad in ("", 7, ["x"], "x" * 200, True):
         with pytest.raises(ProtocolError, match="origin"):
             micro_batch_origin({"origin": bad}, "12D3trainer")
+
+
+def _stage0_chain(cfg, ids, labels, evaluate=False):
+    vocab, route = cfg.model.vocab_size, [["p1"], ["p2"]]
+    inputs, sent_labels = encode_token_ids(ids, labels, vocab), encode_labels(labels, vocab)
+    if evaluate:
+        message = evaluate_chain_message("mb-1", 0, DIGEST, "none", inputs, sent_labels, route, step=3)
+    else:
+        message = chain_message("mb-1", 0, DIGEST, "none", inputs, sent_labels, route, [True] * 3, step=3)
+    return unpack(pack(message), 10**8)
+
+
+@pytest.mark.parametrize("evaluate", [False, True])
+def test_stage_0_reads_its_ids_from_the_labels_of_a_chain_that_sends_them_compact(three_stages, evaluate):
+    rows = torch.randint(0, 256, (4, three_stages.model.seq_len + 1))
+    ids, labels = rows[:, :-1], rows[:, 1:]
+    message = _stage0_chain(three_stages, ids, labels, evaluate)
+    assert message.tensors["inputs"].shape == (4, 1) and message.tensors["inputs"].dtype == "int16"
+    check = validate_evaluate_chain if evaluate else validate_chain
+    chain = check(message, _io(three_stages, 0), DIGEST, 3)
+    assert chain.forward.inputs.dtype == torch.int64 and torch.equal(chain.forward.inputs, ids)
+    # an ignored label names no id: the ids go whole (int16), and arrive the same
+    labels = labels.clone()
+    labels[1, 5] = -100
+    whole = _stage0_chain(three_stages, ids, labels, evaluate)
+    assert whole.tensors["inputs"].shape == tuple(ids.shape)
+    assert torch.equal(check(whole, _io(three_stages, 0), DIGEST, 3).forward.inputs, ids)
+
+
+def test_compact_stage_0_ids_that_do_not_fit_their_labels_are_refused(three_stages):
+    io, seq = _io(three_stages, 0), three_stages.model.seq_len
+    labels = encode_labels(torch.randint(0, 256, (2, seq)), 256)
+    route = [["p1"], ["p2"]]
+
+    def chain(inputs):
+        message = chain_message("mb-1", 0, DIGEST, "none", inputs, labels, route, [True] * 3, step=3)
+        return unpack(pack(message), 10**8)
+
+    with pytest.raises(ProtocolError, match="labels must be"):  # three samples' ids, two samples' labels
+        validate_chain(chain(codec.encode(torch.zeros(3, 1, dtype=torch.int16), "none")), io, DIGEST, 3)
+    with pytest.raises(ProtocolError, match="must be in"):
+        validate_chain(chain(codec.encode(torch.full((2, 1), 300, dtype=torch.int16), "none")), io, DIGEST, 3)
+    with pytest.raises(ProtocolError, match="stage 0 takes token ids"):
+        validate_chain(chain(codec.encode(torch.zeros(2, seq), "none")), io, DIGEST, 3)
+
+
+def test_stage_0_takes_whole_ids_of_any_integer_width_and_refuses_floats(three_stages):
+    io, seq = _io(three_stages, 0), three_stages.model.seq_len
+    ids = torch.randint(0, 256, (2, seq))
+    for dtype in (torch.int16, torch.int32, torch.int64):
+        message = Message("forward", {"mb": "m", "stage": 0, "digest": DIGEST, "step": 0},
+                          {"inputs": codec.encode(ids.to(dtype), "none")})  # fmt: skip
+        assert torch.equal(validate_request(unpack(pack(message), 10**8), io, DIGEST).inputs, ids)
+    floats = Message("forward", {"mb": "m", "stage": 0, "digest": DIGEST, "step": 0},
+                     {"inputs": codec.encode(ids.float(), "none")})  # fmt: skip
+    with pytest.raises(ProtocolError, match="stage 0 takes token ids"):
+        validate_request(floats, io, DIGEST)

@@ -93,9 +93,11 @@ def test_with_a_per_call_cost_batching_serves_more():
 
 
 # Recorded before batching existed (same fleets and configs, unmodified simulator): the event digest
-# covers every event's time and handler, so the default path is unchanged bit for bit.
-DIGEST_BEFORE = "15d6d0c44829c453f55686681ce794658646be910558d2b91e2918c499e37b68"
-DIGEST_BEFORE_CHURN = "3ccda36746ba1b1bda84261d255267e506e409f93006a5a9fb29cbd01f78175d"
+# covers every event's time and handler, so the default path is unchanged bit for bit. Recorded again
+# (2026-11-29) when stage 0's token ids went from int64 to int16 on the wire (sim/costs.py `token_bytes`),
+# which moves the transfer events; the digests then matched with batching off as well.
+DIGEST_BEFORE = "2d6e02d333f8f7831a55b5af12d6eb05a771c362a319f85653ebc6857cf9e234"
+DIGEST_BEFORE_CHURN = "da30362da2914a9da4ae7d0b7a72bf78d0740ab003e6a73e1bc5b2edffaadbe9"
 
 
 def test_defaults_give_the_results_recorded_before_batching_existed():
@@ -109,7 +111,7 @@ def test_defaults_give_the_results_recorded_before_batching_existed():
     swarm = SimConfig(duration_s=600.0, seed=1, chunk_samples=32, record_events=True, num_samples=10)
     summary = run_simulation(fleet, get_preset("gpt3-xl"), swarm, churn, global_batch_size=16384).summary
     assert summary["event_digest"] == DIGEST_BEFORE_CHURN
-    assert summary["samples_per_s"] == 21.226666666666667 and summary["failures"] == 4
+    assert summary["samples_per_s"] == 20.64 and summary["failures"] == 4
 
 
 def _built(schedule: ChurnSchedule, **kw):

@@ -14,7 +14,7 @@ from swarmtrain.sim.runner import costs_for, run_simulation
 
 pytestmark = pytest.mark.unit
 
-TINY = get_preset("tiny")  # 2 stages; 8-bit activations of 64 x 64 per sample, int64 tokens (512 B)
+TINY = get_preset("tiny")  # 2 stages; 8-bit activations of 64 x 64 per sample, int16 tokens (128 B)
 LINK = 1e6  # bytes/s each way: every run below is link-bound (compute is 10 us per sample)
 
 
@@ -85,7 +85,8 @@ def test_a_relaying_trainer_with_an_unlimited_link_leaves_the_stage_links_as_the
     act, tokens = costs.activation_bytes_per_sample, costs.token_bytes_per_sample
     # stage 0 receives its tokens twice (forward, backward) and the gradient of its output
     busiest = max(2 * tokens + act, act + tokens)
-    summary = swarm(relay_via_trainer=True)
+    # three calls one after the other per micro-batch: more in flight than the default keep a link busy
+    summary = swarm(relay_via_trainer=True, in_flight=8)
     assert summary["samples_per_s"] == pytest.approx(LINK / busiest, rel=0.1)
 
 

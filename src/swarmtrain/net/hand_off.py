@@ -32,7 +32,7 @@ from swarmtrain.net.protocol import (
     StageRequest,
     checked_label_shape,
 )
-from swarmtrain.net.token_ids import IDS, encode_token_ids, validate_stage_request
+from swarmtrain.net.token_ids import IDS, encode_token_ids, validate_stage_request, whole_first_inputs
 
 CHAIN_KIND = "chain"
 EVALUATE_CHAIN_KIND = "evaluate_chain"
@@ -114,9 +114,11 @@ def _validate_hand_off(
             f"{message.kind} carries {', '.join(sorted(names))}, got {sorted(message.tensors)}"
         )
     labels = message.tensors["labels"]
-    checked_label_shape(labels, tuple(message.tensors["inputs"].shape[:2]))
-    decoded = message.tensor("labels") if io.subspace else None
     hop = {name: t for name, t in message.tensors.items() if name != "labels"}
+    if io.is_first:  # the trainer sends stage 0's ids compact beside the labels (net/token_ids.py)
+        hop["inputs"] = whole_first_inputs(hop["inputs"], labels, io.vocab_size)
+    checked_label_shape(labels, tuple(hop["inputs"].shape[:2]))
+    decoded = message.tensor("labels") if io.subspace else None
     forward = validate_stage_request(Message(hop_kind, header, hop), io, digest, decoded)
     ids = message.tensors.get(IDS)  # relayed as received; stage 0 writes the ids its inputs are
     if io.subspace and io.is_first:

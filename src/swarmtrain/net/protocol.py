@@ -400,9 +400,9 @@ def _checked_inputs(message: Message, io: StageIO) -> torch.Tensor:
     desc = message.tensors["inputs"]
     if io.is_first:
         _check_shape(desc, 2, io)
-        if desc.dtype != "int64":
-            raise ProtocolError(f"stage 0 takes int64 token ids, got {desc.dtype}")
-        tokens = message.tensor("inputs")
+        if desc.dtype not in LABEL_DTYPES:
+            raise ProtocolError(f"stage 0 takes token ids ({'/'.join(LABEL_DTYPES)}), got {desc.dtype}")
+        tokens = message.tensor("inputs").long()
         if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= io.vocab_size):
             raise ProtocolError(f"token ids must be in [0, {io.vocab_size})")
         return tokens

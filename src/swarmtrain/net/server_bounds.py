@@ -50,7 +50,7 @@ _WIDEST = "none"  # fp32: the widest codec a message may name
 
 def request_bytes(io: StageIO, kind: str, codec_name: str, samples: int) -> int:
     """Bytes of the largest `kind` request of `samples` samples that `io`'s stage validates, its floats
-    in `codec_name`: inputs (int64 token ids at stage 0), the gradient of the outputs (`backward`), labels
+    in `codec_name`: inputs (token ids at stage 0: int64 at most), the gradient of the outputs (`backward`), labels
     (the last stage's, and every chain's; int64 at most), token ids after a subspace boundary (int32 at
     most, net/token_ids.py) and the envelope."""
     tokens = samples * io.seq_len

@@ -30,6 +30,7 @@ from swarmtrain.net.protocol import (
     ProtocolError,
     StageIO,
     StageRequest,
+    checked_label_shape,
     validate_request,
 )
 
@@ -69,6 +70,23 @@ def checked_token_ids(
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
         raise ProtocolError(f"token ids must be in [0, {vocab_size})")
     return ids
+
+
+def whole_first_inputs(
+    inputs: codec.EncodedTensor, labels: codec.EncodedTensor, vocab_size: int
+) -> codec.EncodedTensor:
+    """Stage 0's inputs as a hand-off carries them beside its labels: the token ids whole, as they are,
+    or compact (batch, 1) and returned whole (int64) from the labels, so stage 0 reads them as any other
+    request's. A shape that is neither is returned as it is, for the request's own check to refuse."""
+    if len(inputs.shape) != 2 or len(labels.shape) != 2 or inputs.shape[1] != 1 or labels.shape[1] <= 1:
+        return inputs
+    batch, seq = labels.shape
+    checked_label_shape(labels, (inputs.shape[0], seq))
+    try:
+        decoded = codec.decode(labels).long()
+    except codec.CodecError as exc:
+        raise ProtocolError(f"tensor 'labels': {exc}") from None
+    return codec.encode(checked_token_ids(inputs, batch, seq, vocab_size, decoded), "none")
 
 
 def pack_token_ids(coords: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:

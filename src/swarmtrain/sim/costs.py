@@ -12,8 +12,8 @@ Cost model (documented here once; the modes and the optimum use exactly these nu
 - traffic per sample at a stage: the downlink receives the forward input (token ids at stage 0) and,
   except at the last stage, the output gradient; the uplink sends the forward output and, except at
   stage 0, the input gradient. Boundary tensors are seq x d values at the configured compression. The
-  labels (int64 like the ids) ride every forward hop to the last stage, as the runtime's direct
-  hand-offs carry them (net/hand_off.py);
+  labels (int16 like the ids, int32 above 32,767 tokens) ride every forward hop to the last stage, as
+  the runtime's direct hand-offs carry them (net/hand_off.py);
 - averaging: each time a stage has processed a global batch, its peers exchange gradients
   (`StageCosts.exchange_bytes`). `butterfly` (the default, SWARM's hivemind all-reduce): every peer of
   an n-peer stage sends and receives 2 (n - 1) / n x its fp16 gradients. `all-to-all` (what the live
@@ -41,7 +41,14 @@ BYTES_PER_VALUE = {
     # below 8 bits (net/codec.py): `bits` per value and one bf16 step per 64
     **{name: (8 * int(name[0]) + 2) / 64 for name in LOWBIT_COMPRESSION},
 }
-TOKEN_BYTES = 8  # int64 token ids
+INT16_VOCAB = 32_767  # token ids and labels go as int16 up to this vocabulary, int32 above (net/token_ids.py)
+
+
+def token_bytes(vocab_size: int) -> int:
+    """Bytes per token id on the wire."""
+    return 2 if vocab_size <= INT16_VOCAB else 4
+
+
 STAGE_EXCHANGES = ("butterfly", "all-to-all")
 TRAIN_STATE_BYTES_PER_PARAM = 16  # fp32 params, grads, Adam m and v
 ACTIVATION_BYTES_PER_TOKEN_PER_D = 34
@@ -86,7 +93,7 @@ class StageCosts:
 
     @property
     def label_bytes_per_sample(self) -> float:
-        """The labels: one int64 per position, like the token ids."""
+        """The labels: one integer per position, as wide as the token ids."""
         return self.token_bytes_per_sample
 
     def down_bytes_per_sample(self, stage: int) -> float:
@@ -145,7 +152,7 @@ def stage_costs(
         ),
         averaging_bytes=tuple(float(p * sizes.FP16_BYTES) for p in params),
         activation_bytes_per_sample=sizes.activation_bytes_per_sample(model, BYTES_PER_VALUE[compression]),
-        token_bytes_per_sample=float(model.seq_len * TOKEN_BYTES),
+        token_bytes_per_sample=float(model.seq_len * token_bytes(model.vocab_size)),
         micro_batch_size=micro_batch_size,
         global_batch_size=global_batch_size,
         exchange=exchange,

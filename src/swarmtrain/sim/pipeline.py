@@ -180,7 +180,7 @@ class PipelineSimulation(Simulation):
             if relay:  # the runtime sends the stage's input again with the gradient of its output
                 return "gradients", k * (act + (tokens if chunk.stage == 0 else act))
             return "gradients", k * act * (2 if chunk.recompute else 1)
-        # the labels (int64, as the ids): relayed, the trainer sends them to the last stage; handed off
+        # the labels (as wide as the ids): relayed, the trainer sends them to the last stage; handed off
         # directly, they ride every forward hop there (net/hand_off.py)
         labels = k * self.costs.label_bytes_per_sample if not relay or chunk.stage == self.last else 0.0
         if chunk.stage == 0:

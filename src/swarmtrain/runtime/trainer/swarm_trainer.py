@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from swarmtrain.config import RunConfig
 from swarmtrain.config.errors import UserError
 from swarmtrain.config.model import SUBSPACE
-from swarmtrain.net.codec import encode
 from swarmtrain.net.dht_records import RunRecords
 from swarmtrain.net.dht_rejoin import keep_joined
 from swarmtrain.net.engine import PeerNetwork
@@ -342,7 +341,8 @@ class SwarmTrainer:
         done: set[int] = set()
         try:
             first = self._direct_from(n)
-            x = encode(input_ids, self.codec)
+            # stage 0's ids as int16, compact beside the labels of a hand-off from it (net/token_ids.py)
+            x = encode_token_ids(input_ids, labels if first == 0 < last else None, self.cfg.model.vocab_size)
             stage_inputs, forward_peers = [], []
             for stage in range(first):
                 tensors = {"inputs": x, **self._ids(stage, input_ids)}
@@ -452,8 +452,8 @@ class SwarmTrainer:
         return total / max(count, 1)
 
     async def _evaluate_one(self, mb: str, n: int, inputs, labels, version) -> float:
-        x, first = encode(inputs, self.codec), self._direct_from(n)
-        vocab_size = self.cfg.model.vocab_size
+        first, vocab_size = self._direct_from(n), self.cfg.model.vocab_size
+        x = encode_token_ids(inputs, labels if first == 0 < self.num_stages - 1 else None, vocab_size)
         for stage in range(first):
             tensors = {"inputs": x, **self._ids(stage, inputs)}
             reply = await self.caller.call(stage, "evaluate", mb, n, tensors, FORWARD_WEIGHT, step=version)
