@@ -33,8 +33,10 @@ def namespace(cfg: RunConfig) -> str:
 
 
 # 2: training requests carry the global step they belong to; 3: forward_backward and evaluate are
-# message kinds of their own (were flags on forward); 4: chain (direct hand-off, net/hand_off.py)
-PROTOCOL_VERSION = 5
+# message kinds of their own (were flags on forward); 4: chain (direct hand-off, net/hand_off.py);
+# 5: bundle (net/bundle.py); 6: stage 0's token ids int16 and compact beside a chain's labels, which a
+# server of 5 refuses (net/token_ids.py `whole_first_inputs`)
+PROTOCOL_VERSION = 6
 MAGIC = b"SWT1"
 MAX_HEADER_BYTES = 64 * 1024
 MAX_ID_CHARS = 128
