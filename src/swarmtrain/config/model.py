@@ -12,6 +12,12 @@ ARCH_CHOICES = ("gpt", "llama")
 BOUNDARY_CHOICES = ("none", "bottleneck", "maxout", "lowrank", "lowrank-embed", "subspace")
 SUBSPACE = "subspace"
 MAX_SUBSPACE_VOCAB = 2**24  # token ids travel beside a stage's coordinates as fp32 values (exact below it)
+INT16_VOCAB = 32_767  # token ids and labels go as int16 up to this vocabulary, int32 above
+
+
+def token_id_bytes(vocab_size: int) -> int:
+    """Bytes per token id or label on the wire (net/token_ids.py, net/protocol.py `encode_labels`)."""
+    return 2 if vocab_size <= INT16_VOCAB else 4
 
 
 @dataclass(frozen=True)

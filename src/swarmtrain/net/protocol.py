@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from swarmtrain.config import RunConfig
-from swarmtrain.config.model import SUBSPACE, ModelConfig, StageSpec
+from swarmtrain.config.model import SUBSPACE, ModelConfig, StageSpec, token_id_bytes
 from swarmtrain.net import codec
 
 
@@ -471,7 +471,7 @@ LABEL_DTYPES = ("int16", "int32", "int64")
 def encode_labels(labels: torch.Tensor, vocab_size: int) -> codec.EncodedTensor:
     """Labels as sent: int16 when every id and the ignored label (-100) fit, int32 otherwise. They cross
     every stage boundary of a direct hand-off, so int64 cost a `small` hand-off 8 kB of its 272."""
-    narrow = torch.int16 if vocab_size <= torch.iinfo(torch.int16).max else torch.int32
+    narrow = torch.int16 if token_id_bytes(vocab_size) == 2 else torch.int32
     return codec.encode(labels.to(narrow), "none")
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from swarmtrain.config.model import token_id_bytes
 from swarmtrain.net import codec
 from swarmtrain.net.protocol import (
     LABEL_DTYPES,
@@ -42,7 +43,7 @@ def encode_token_ids(
 ) -> codec.EncodedTensor:
     """The ids of a micro-batch (batch, seq) as sent: position 0 only when `labels` (sent in the same
     message) name the others, else all of them; int16, or int32 for a vocabulary over 32,767."""
-    narrow = torch.int16 if vocab_size <= torch.iinfo(torch.int16).max else torch.int32
+    narrow = torch.int16 if token_id_bytes(vocab_size) == 2 else torch.int32
     token_ids = token_ids.cpu()
     if labels is not None and token_ids.shape[-1] > 1 and torch.equal(token_ids[:, 1:], labels.cpu()[:, :-1]):
         token_ids = token_ids[:, :1]

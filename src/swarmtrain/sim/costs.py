@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from swarmtrain.config import ModelConfig, StageSpec, sizes
+from swarmtrain.config.model import token_id_bytes
 from swarmtrain.config.run import LOWBIT_COMPRESSION
 from swarmtrain.planner.link_capacity import limited_rates, link_samples_per_s
 from swarmtrain.sim.entities import PeerSpec
@@ -41,14 +42,6 @@ BYTES_PER_VALUE = {
     # below 8 bits (net/codec.py): `bits` per value and one bf16 step per 64
     **{name: (8 * int(name[0]) + 2) / 64 for name in LOWBIT_COMPRESSION},
 }
-INT16_VOCAB = 32_767  # token ids and labels go as int16 up to this vocabulary, int32 above (net/token_ids.py)
-
-
-def token_bytes(vocab_size: int) -> int:
-    """Bytes per token id on the wire."""
-    return 2 if vocab_size <= INT16_VOCAB else 4
-
-
 STAGE_EXCHANGES = ("butterfly", "all-to-all")
 TRAIN_STATE_BYTES_PER_PARAM = 16  # fp32 params, grads, Adam m and v
 ACTIVATION_BYTES_PER_TOKEN_PER_D = 34
@@ -152,7 +145,7 @@ def stage_costs(
         ),
         averaging_bytes=tuple(float(p * sizes.FP16_BYTES) for p in params),
         activation_bytes_per_sample=sizes.activation_bytes_per_sample(model, BYTES_PER_VALUE[compression]),
-        token_bytes_per_sample=float(model.seq_len * token_bytes(model.vocab_size)),
+        token_bytes_per_sample=float(model.seq_len * token_id_bytes(model.vocab_size)),
         micro_batch_size=micro_batch_size,
         global_batch_size=global_batch_size,
         exchange=exchange,
