@@ -127,7 +127,7 @@ def _swarm_maker(tmp_path: Path):
         for section, values in (overrides or {}).items():
             sections.setdefault(section, {}).update(values)
         path = write_run_toml(tmp_path / f"run{len(swarms)}.toml", preset, sections)
-        swarm = LocalSwarm(tmp_path / f"swarm{len(swarms)}", path)
+        swarm = LocalSwarm(tmp_path / f"swarm{len(swarms)}", path, preloaded=True)
         swarm.watch_stalls(STALL_DUMP_AFTER_S, on_dump=_print_dump)
         swarms.append(swarm)
         return swarm, load_run_config(path)

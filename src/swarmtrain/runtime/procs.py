@@ -189,22 +189,33 @@ class ManagedProcess:
     """A peer started by a launcher (demo, tests, benchmark): own process group, log file."""
 
     def __init__(
-        self, name: str, argv: list[str], log_path: str | Path, env: dict | None = None, cpu_quota=None
+        self,
+        name: str,
+        argv: list[str],
+        log_path: str | Path,
+        env: dict | None = None,
+        cpu_quota=None,
+        start=None,
     ) -> None:
+        """`start(argv, log_path, env)`: starts the peer some other way than a fresh process (it returns
+        what `subprocess.Popen` would: runtime/harness/preloaded.py); not with a `cpu_quota`."""
         self.name = name
         self.cpu_quota = cpu_quota  # a CpuQuota the peer's whole tree runs in, or None
         self.argv = argv
         self.log_path = Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")  # noqa: SIM115 (closed in wait/kill)
-        self.proc = subprocess.Popen(
-            argv,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            preexec_fn=child_preexec if cpu_quota is None else _preexec_in(cpu_quota),
-            env=env,
-        )
+        if start is not None and cpu_quota is None:
+            self.proc = start(argv, str(self.log_path), env)
+        else:
+            self.proc = subprocess.Popen(
+                argv,
+                stdout=self._log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                preexec_fn=child_preexec if cpu_quota is None else _preexec_in(cpu_quota),
+                env=env,
+            )
         self.pid = self.proc.pid
         self.sockets: set[str] = set()
 

@@ -1,0 +1,73 @@
+"""Peers forked from the preloaded interpreter (runtime/harness/preloaded.py), which every swarm test's peers are:
+they exit, log and die as the fresh processes users start do."""
+
+import os
+import signal
+import sys
+import time
+
+import pytest
+
+from swarmtrain.runtime.harness.preloaded import PreloadedPeer, preloadable
+from swarmtrain.runtime.procs import ManagedProcess, group_members
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+ENTRY = [sys.executable, "-m", "swarmtrain.cli.main"]
+
+
+def run_to_exit(tmp_path, name: str, argv: list[str], preloaded: bool) -> tuple[int, str]:
+    start = PreloadedPeer if preloaded else None
+    proc = ManagedProcess(name, argv, tmp_path / f"{name}.log", env=dict(os.environ), start=start)
+    assert isinstance(proc.proc, PreloadedPeer) == preloaded
+    code = proc.proc.wait(timeout=60)
+    proc.kill()
+    return code, proc.log_text()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["keygen", "{dir}/key"],  # a command that succeeds and prints
+        ["keygen", "{dir}/missing/folder/key"],  # a user's mistake: one line, exit 1
+        ["server", "--stage", "0"],  # argparse's error: exit 2, usage on stderr
+        ["no-such-command"],
+    ],
+)
+def test_a_preloaded_peer_exits_and_logs_as_a_fresh_process_does(tmp_path, args):
+    results = []
+    for preloaded in (False, True):
+        where = tmp_path / ("forked" if preloaded else "fresh")
+        where.mkdir()
+        argv = [*ENTRY, *(a.format(dir=where) for a in args)]
+        code, log = run_to_exit(where, "peer", argv, preloaded)
+        results.append((code, log.replace(str(where), "DIR")))
+    (fresh_code, fresh_log), (forked_code, forked_log) = results
+    assert forked_code == fresh_code and forked_log == fresh_log, results
+    assert "Traceback" not in forked_log
+
+
+def test_a_preloaded_peer_leads_its_own_group_and_a_kill_takes_the_whole_group(tmp_path):
+    address = tmp_path / "dht.addr"
+    argv = [*ENTRY, "dht", "--address-file", str(address)]
+    proc = ManagedProcess("dht", argv, tmp_path / "dht.log", env=dict(os.environ), start=PreloadedPeer)
+    deadline = time.monotonic() + 60
+    while not address.exists():
+        assert proc.alive and time.monotonic() < deadline, proc.log_text()
+        time.sleep(0.1)
+    assert os.getpgid(proc.pid) == proc.pid  # a session of its own, as `child_preexec` gives a fresh one
+    assert len(group_members(proc.pid)) >= 2  # the peer and its p2pd
+    with pytest.raises(Exception, match="timed out"):
+        proc.proc.wait(timeout=0.2)
+    proc.kill()
+    assert proc.proc.returncode == -signal.SIGKILL and group_members(proc.pid) == []
+
+
+def test_only_swarmtrain_entry_points_of_this_interpreter_are_forked():
+    assert preloadable([*ENTRY, "server"])
+    assert preloadable([sys.executable, "-m", "swarmtrain.cli.faulty", "--", "server"])
+    assert not preloadable(["/usr/bin/python3", "-m", "swarmtrain.cli.main", "server"])
+    assert not preloadable([sys.executable, "-m", "json.tool"])
+    assert not preloadable(["ip", "netns", "exec", "ns0", *ENTRY, "server"])
+    with pytest.raises(ValueError):
+        PreloadedPeer([sys.executable, "-c", "pass"], "/dev/null", None)
