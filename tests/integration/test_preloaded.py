@@ -3,7 +3,9 @@ they exit, log and die as the fresh processes users start do."""
 
 import os
 import signal
+import subprocess
 import sys
+import textwrap
 import time
 
 import pytest
@@ -71,3 +73,34 @@ def test_only_swarmtrain_entry_points_of_this_interpreter_are_forked():
     assert not preloadable(["ip", "netns", "exec", "ns0", *ENTRY, "server"])
     with pytest.raises(ValueError):
         PreloadedPeer([sys.executable, "-c", "pass"], "/dev/null", None)
+
+
+def test_a_launcher_that_leaves_a_peer_running_still_exits_and_takes_the_peer_with_it(tmp_path):
+    """multiprocessing joins every live child at exit: without the kill before it, a peer left running
+    would hold its launcher's exit forever."""
+    script = tmp_path / "launcher.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import os, sys, time
+            from pathlib import Path
+            from swarmtrain.runtime.harness.preloaded import PreloadedPeer
+
+            if __name__ == "__main__":
+                address = Path({str(tmp_path / "dht.addr")!r})
+                argv = [sys.executable, "-m", "swarmtrain.cli.main", "dht", "--address-file", str(address)]
+                peer = PreloadedPeer(argv, {str(tmp_path / "dht.log")!r}, dict(os.environ))
+                deadline = time.monotonic() + 60
+                while not address.exists() and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                print(peer.pid, flush=True)
+            """
+        )
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-3000:]
+    pid = int(done.stdout.split()[-1])
+    deadline = time.monotonic() + 10
+    while group_members(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert group_members(pid) == []  # the peer and its p2pd

@@ -42,6 +42,7 @@ ENTRY_MODULES = ("swarmtrain.cli.main", "swarmtrain.cli.faulty")
 
 _context: multiprocessing.context.ForkServerContext | None = None
 _context_lock = threading.Lock()
+_peers: list[multiprocessing.process.BaseProcess] = []  # every peer started, for `_kill_leftovers`
 
 
 def _fork_server() -> multiprocessing.context.ForkServerContext:
@@ -51,8 +52,23 @@ def _fork_server() -> multiprocessing.context.ForkServerContext:
         if _context is None:
             context = multiprocessing.get_context("forkserver")
             context.set_forkserver_preload(list(PRELOAD))
+            # registered after multiprocessing's own exit hook, so it runs first: that hook joins every
+            # live child, and a peer a launcher left running would hold the launcher's exit forever
+            atexit.register(_kill_leftovers)
             _context = context
         return _context
+
+
+def _kill_leftovers() -> None:
+    """At the launcher's exit: SIGKILL the process group of every peer still running (a fresh process
+    would get SIGTERM from its parent-death signal; a forked peer's parent is the fork server)."""
+    for process in _peers:
+        if process.exitcode is None and process.pid is not None:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except OSError:
+                pass
+            process.join(timeout=5.0)
 
 
 def preloadable(argv: list[str]) -> bool:
@@ -75,6 +91,7 @@ class PreloadedPeer:
             name=f"peer:{argv[3] if len(argv) > 3 else argv[2]}",
         )
         self._process.start()
+        _peers.append(self._process)
         self.pid: int = self._process.pid  # type: ignore[assignment]  # set by start()
 
     @property
