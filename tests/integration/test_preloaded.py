@@ -104,3 +104,38 @@ def test_a_launcher_that_leaves_a_peer_running_still_exits_and_takes_the_peer_wi
     while group_members(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert group_members(pid) == []  # the peer and its p2pd
+
+
+def test_a_launcher_killed_outright_takes_its_peers_with_it(tmp_path):
+    """A fresh peer gets SIGTERM when its launcher dies (procs.py); a forked one when the fork server
+    ends, which it does once nothing holds the launcher's end of its pipe."""
+    script = tmp_path / "launcher.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import os, sys, time
+            from pathlib import Path
+            from swarmtrain.runtime.harness.preloaded import PreloadedPeer
+
+            if __name__ == "__main__":
+                address = Path({str(tmp_path / "dht.addr")!r})
+                argv = [sys.executable, "-m", "swarmtrain.cli.main", "dht", "--address-file", str(address)]
+                peer = PreloadedPeer(argv, {str(tmp_path / "dht.log")!r}, dict(os.environ))
+                while not address.exists():
+                    time.sleep(0.1)
+                print(peer.pid, flush=True)
+                time.sleep(600)
+            """
+        )
+    )
+    launcher = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        pid = int(launcher.stdout.readline())
+        assert len(group_members(pid)) >= 2
+    finally:
+        launcher.kill()
+        launcher.wait(timeout=10)
+    deadline = time.monotonic() + 20
+    while group_members(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert group_members(pid) == []

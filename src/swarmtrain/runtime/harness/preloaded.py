@@ -125,6 +125,7 @@ def run_entry(module: str, args: list[str], log_path: str, env: dict) -> None:
     """In the forked peer: become what `Popen(argv, stdout=log, stderr=STDOUT, stdin=DEVNULL,
     preexec_fn=child_preexec, env=env)` would start, run the entry module's `main(args)`, and end as an
     interpreter ends."""
+    _let_go_of_the_launchers_pipe()
     child_preexec()
     log_fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     os.dup2(log_fd, 1)
@@ -150,6 +151,20 @@ def run_entry(module: str, args: list[str], log_path: str, env: dict) -> None:
     finally:
         _end_as_an_interpreter_does()
     sys.exit(code)  # multiprocessing turns it into the exit status, as the interpreter would
+
+
+def _let_go_of_the_launchers_pipe() -> None:
+    """Close the peer's copy of the launcher's end of the fork server's "alive" pipe. The fork server
+    exits when the launcher's end closes; every fork holds a copy (for its own forks, which a peer never
+    makes through the fork server), and so would the peer's DHT process and p2pd: a launcher killed
+    outright would leave the fork server, and with it every peer, running (their parent-death signal
+    fires when the fork server ends)."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver  # type: ignore[attr-defined]
+    if server._forkserver_alive_fd is not None:
+        os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = None
 
 
 def _end_as_an_interpreter_does() -> None:
