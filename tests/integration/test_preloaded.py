@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -75,10 +76,11 @@ def test_only_swarmtrain_entry_points_of_this_interpreter_are_forked():
         PreloadedPeer([sys.executable, "-c", "pass"], "/dev/null", None)
 
 
-def test_a_launcher_that_leaves_a_peer_running_still_exits_and_takes_the_peer_with_it(tmp_path):
-    """multiprocessing joins every live child at exit: without the kill before it, a peer left running
-    would hold its launcher's exit forever."""
+def write_launcher(tmp_path, then: str = "") -> Path:
+    """A launcher script: it forks a DHT from the preloaded server, prints the peer's pid once the DHT is
+    up, then runs `then` (a statement) and exits without stopping the peer."""
     script = tmp_path / "launcher.py"
+    address, log = str(tmp_path / "dht.addr"), str(tmp_path / "dht.log")
     script.write_text(
         textwrap.dedent(
             f"""
@@ -87,16 +89,24 @@ def test_a_launcher_that_leaves_a_peer_running_still_exits_and_takes_the_peer_wi
             from swarmtrain.runtime.harness.preloaded import PreloadedPeer
 
             if __name__ == "__main__":
-                address = Path({str(tmp_path / "dht.addr")!r})
+                address = Path({address!r})
                 argv = [sys.executable, "-m", "swarmtrain.cli.main", "dht", "--address-file", str(address)]
-                peer = PreloadedPeer(argv, {str(tmp_path / "dht.log")!r}, dict(os.environ))
+                peer = PreloadedPeer(argv, {log!r}, dict(os.environ))
                 deadline = time.monotonic() + 60
                 while not address.exists() and time.monotonic() < deadline:
                     time.sleep(0.1)
                 print(peer.pid, flush=True)
+                {then}
             """
         )
     )
+    return script
+
+
+def test_a_launcher_that_leaves_a_peer_running_still_exits_and_takes_the_peer_with_it(tmp_path):
+    """multiprocessing joins every live child at exit: without the kill before it, a peer left running
+    would hold its launcher's exit forever."""
+    script = write_launcher(tmp_path)
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr[-3000:]
     pid = int(done.stdout.split()[-1])
@@ -109,25 +119,7 @@ def test_a_launcher_that_leaves_a_peer_running_still_exits_and_takes_the_peer_wi
 def test_a_launcher_killed_outright_takes_its_peers_with_it(tmp_path):
     """A fresh peer gets SIGTERM when its launcher dies (procs.py); a forked one when the fork server
     ends, which it does once nothing holds the launcher's end of its pipe."""
-    script = tmp_path / "launcher.py"
-    script.write_text(
-        textwrap.dedent(
-            f"""
-            import os, sys, time
-            from pathlib import Path
-            from swarmtrain.runtime.harness.preloaded import PreloadedPeer
-
-            if __name__ == "__main__":
-                address = Path({str(tmp_path / "dht.addr")!r})
-                argv = [sys.executable, "-m", "swarmtrain.cli.main", "dht", "--address-file", str(address)]
-                peer = PreloadedPeer(argv, {str(tmp_path / "dht.log")!r}, dict(os.environ))
-                while not address.exists():
-                    time.sleep(0.1)
-                print(peer.pid, flush=True)
-                time.sleep(600)
-            """
-        )
-    )
+    script = write_launcher(tmp_path, then="time.sleep(600)")
     launcher = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     try:
         pid = int(launcher.stdout.readline())
