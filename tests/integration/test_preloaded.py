@@ -1,6 +1,7 @@
 """Peers forked from the preloaded interpreter (runtime/harness/preloaded.py), which every swarm test's peers are:
 they exit, log and die as the fresh processes users start do."""
 
+import multiprocessing.connection
 import os
 import signal
 import subprocess
@@ -48,6 +49,24 @@ def test_a_preloaded_peer_exits_and_logs_as_a_fresh_process_does(tmp_path, args)
     (fresh_code, fresh_log), (forked_code, forked_log) = results
     assert forked_code == fresh_code and forked_log == fresh_log, results
     assert "Traceback" not in forked_log
+
+
+def test_a_launcher_keeps_no_descriptor_of_a_peer_that_ended(tmp_path):
+    """`multiprocessing` keeps two pipes per process until its object is closed: kept for every peer, a CI
+    session's launcher ran out of descriptors and every later swarm test's DHT "did not start"."""
+
+    def open_descriptors() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    run_to_exit(tmp_path, "first", [*ENTRY, "--help"], preloaded=True)  # the fork server is up
+    before = open_descriptors()
+    for i in range(4):
+        code, _ = run_to_exit(tmp_path, f"peer{i}", [*ENTRY, "--help"], preloaded=True)
+        assert code == 0
+    unobserved = PreloadedPeer([*ENTRY, "--help"], str(tmp_path / "unobserved.log"), None)
+    assert multiprocessing.connection.wait([unobserved.sentinel], timeout=60)  # ended; nobody polled it
+    run_to_exit(tmp_path, "last", [*ENTRY, "--help"], preloaded=True)  # its start releases the one above
+    assert open_descriptors() == before
 
 
 def test_a_preloaded_peer_leads_its_own_group_and_a_kill_takes_the_whole_group(tmp_path):

@@ -66,6 +66,18 @@ def group_members(pgid: int) -> list[int]:
     return [pid for pid, fields in _live_stats() if int(fields[2]) == pgid]
 
 
+def process_state(pid: int) -> str:
+    """One line on a process, for an error report: pid, state (R, S, D, T, Z), the kernel function it
+    waits in, its command line's start."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        wchan = Path(f"/proc/{pid}/wchan").read_text() or "-"
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError as exc:
+        return f"{pid}: gone ({exc.strerror})"
+    return f"{pid}: state {stat[stat.rfind(')') + 2]}, waits in {wchan}: {cmdline[:160]}"
+
+
 def kill_group_members(pgid: int, sig: int = signal.SIGKILL, exclude: tuple[int, ...] = ()) -> int:
     count = 0
     for pid in group_members(pgid):
@@ -230,8 +242,8 @@ class ManagedProcess:
     def log_text(self) -> str:
         try:
             return self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
+        except OSError as exc:
+            return f"(the log {self.log_path} could not be read: {exc.strerror})"
 
     def kill(self) -> None:
         """SIGKILL the whole peer (a crash or a preempted machine), then remove its sockets."""

@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING
 from swarmtrain.config.errors import UserError
 from swarmtrain.runtime.harness.cpu_quota import CpuQuota
 from swarmtrain.runtime.harness.preloaded import PreloadedPeer, preloadable
-from swarmtrain.runtime.harness.stall_watchdog import StallWatchdog
+from swarmtrain.runtime.harness.stall_watchdog import StallWatchdog, dump_stacks
 from swarmtrain.runtime.ledger import read_ledger
-from swarmtrain.runtime.procs import ManagedProcess
+from swarmtrain.runtime.procs import ManagedProcess, group_members, process_state
 
 if TYPE_CHECKING:
     from swarmtrain.runtime.faults import FaultHooks
@@ -63,6 +63,21 @@ def _toml_value(value) -> str:
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     raise TypeError(f"cannot write {value!r} to TOML")
+
+
+def not_started(proc: ManagedProcess, what: str) -> SwarmStartError:
+    """The error for a peer that did not start: its exit code, or, still running, each of its processes'
+    state and Python stacks (a start that hangs once in a CI run leaves nothing else to read), then its
+    log."""
+    code = proc.proc.poll()
+    if code is not None:
+        head = f"{what} did not start: exit code {code}"
+    else:
+        members = group_members(proc.pid)
+        states = "\n".join(process_state(pid) for pid in members)
+        stacks = dump_stacks({f"{proc.name}'s group": pid for pid in members if pid == proc.pid})
+        head = f"{what} did not start: still running; its processes:\n{states}\n{stacks}"
+    return SwarmStartError(f"{head}\nits log:\n{proc.log_text()[-3000:]}")
 
 
 class LocalSwarm:
@@ -122,7 +137,9 @@ class LocalSwarm:
         if self.netbed is not None and name in self.netbed_peers:
             argv = self.netbed.wrap(self.netbed_peers[name], argv)
         start = PreloadedPeer if self.preloaded and cpu_quota is None and preloadable(argv) else None
-        proc = ManagedProcess(name, argv, self.workdir / f"{name}.log", env=self.env, cpu_quota=cpu_quota, start=start)
+        proc = ManagedProcess(
+            name, argv, self.workdir / f"{name}.log", env=self.env, cpu_quota=cpu_quota, start=start
+        )
         self.processes[name] = proc
         return proc
 
@@ -133,7 +150,7 @@ class LocalSwarm:
         deadline = time.monotonic() + timeout_s
         while not address_file.exists():
             if not proc.alive or time.monotonic() > deadline:
-                raise SwarmStartError(f"DHT did not start:\n{proc.log_text()[-3000:]}")
+                raise not_started(proc, "the DHT")
             time.sleep(0.1)
         self.address = address_file.read_text().split()[0]
         proc.remember_sockets()
@@ -213,7 +230,7 @@ class LocalSwarm:
         deadline = time.monotonic() + timeout_s
         while not url_file.exists():
             if not proc.alive or time.monotonic() > deadline:
-                raise SwarmStartError(f"the monitor did not start:\n{proc.log_text()[-3000:]}")
+                raise not_started(proc, "the monitor")
             time.sleep(0.1)
         return url_file.read_text().strip()
 
@@ -231,9 +248,9 @@ class LocalSwarm:
                     pending.remove(name)
                     proc.remember_sockets()
                 elif not proc.alive:
-                    raise SwarmStartError(f"{name} exited during start-up:\n{proc.log_text()[-3000:]}")
+                    raise not_started(proc, name)
             if pending and time.monotonic() > deadline:
-                raise SwarmStartError(f"{pending} not ready after {timeout_s:.0f}s")
+                raise not_started(self.processes[pending[0]], f"{pending} (not ready after {timeout_s:.0f}s)")
             time.sleep(0.2)
 
     def wait_exit(self, name: str, timeout_s: float) -> int | None:

@@ -42,7 +42,7 @@ ENTRY_MODULES = ("swarmtrain.cli.main", "swarmtrain.cli.faulty")
 
 _context: multiprocessing.context.ForkServerContext | None = None
 _context_lock = threading.Lock()
-_peers: list[multiprocessing.process.BaseProcess] = []  # every peer started, for `_kill_leftovers`
+_peers: list[PreloadedPeer] = []  # peers not yet seen to end, for `_kill_leftovers`
 
 
 def _fork_server() -> multiprocessing.context.ForkServerContext:
@@ -62,13 +62,13 @@ def _fork_server() -> multiprocessing.context.ForkServerContext:
 def _kill_leftovers() -> None:
     """At the launcher's exit: SIGKILL the process group of every peer still running (a fresh process
     would get SIGTERM from its parent-death signal; a forked peer's parent is the fork server)."""
-    for process in _peers:
-        if process.exitcode is None and process.pid is not None:
+    for peer in list(_peers):
+        if peer.poll() is None:
             try:
-                os.killpg(process.pid, signal.SIGKILL)
+                os.killpg(peer.pid, signal.SIGKILL)
             except OSError:
                 pass
-            process.join(timeout=5.0)
+            peer.wait_quietly(timeout_s=5.0)
 
 
 def preloadable(argv: list[str]) -> bool:
@@ -85,30 +85,56 @@ class PreloadedPeer:
         if not preloadable(argv):
             raise ValueError(f"not a swarmtrain entry point of this interpreter: {argv[:3]}")
         self.args = list(argv)
+        self._returncode: int | None = None
+        for peer in list(_peers):
+            peer.poll()  # releases the pipes of peers that ended unobserved
         self._process = _fork_server().Process(
             target=run_entry,
             args=(argv[2], argv[3:], str(log_path), dict(os.environ if env is None else env)),
             name=f"peer:{argv[3] if len(argv) > 3 else argv[2]}",
         )
         self._process.start()
-        _peers.append(self._process)
+        _peers.append(self)
         self.pid: int = self._process.pid  # type: ignore[assignment]  # set by start()
 
     @property
     def returncode(self) -> int | None:
-        return self._process.exitcode
+        return self.poll()
+
+    @property
+    def sentinel(self) -> int:
+        """Readable once the peer's exit status is known (`multiprocessing.connection.wait`)."""
+        return self._process.sentinel
 
     def poll(self) -> int | None:
-        return self._process.exitcode
+        if self._returncode is None and self._process.exitcode is not None:
+            self._returncode = self._process.exitcode
+            self._release()
+        return self._returncode
+
+    def _release(self) -> None:
+        """Close the ended process's two pipes to the fork server. `multiprocessing` keeps them until the
+        process object is collected or closed; kept for every peer, a test session ran out of file
+        descriptors, and every later peer failed to start (docs/LOG.md, "twenty-seventh session")."""
+        self._process.close()
+        _peers.remove(self)
 
     def wait(self, timeout: float | None = None) -> int:
-        self._process.join(timeout)
-        if self._process.exitcode is None:
+        if self.poll() is None:
+            self._process.join(timeout)
+        code = self.poll()
+        if code is None:
             raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
-        return self._process.exitcode
+        return code
+
+    def wait_quietly(self, timeout_s: float) -> None:
+        try:
+            self.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
 
     def send_signal(self, sig: int) -> None:
-        if self._process.exitcode is None:
+        if self.poll() is None:
             try:
                 os.kill(self.pid, sig)
             except ProcessLookupError:
