@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from swarmtrain.runtime.harness.preloaded import PreloadedPeer, preloadable
+from swarmtrain.runtime.harness.preloaded import LOCKS_MADE_AT_IMPORT, PreloadedPeer, preloadable
 from swarmtrain.runtime.procs import ManagedProcess, group_members
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -95,29 +95,28 @@ def test_only_swarmtrain_entry_points_of_this_interpreter_are_forked():
         PreloadedPeer([sys.executable, "-c", "pass"], "/dev/null", None)
 
 
-def write_launcher(tmp_path, then: str = "") -> Path:
-    """A launcher script: it forks a DHT from the preloaded server, prints the peer's pid once the DHT is
-    up, then runs `then` (a statement) and exits without stopping the peer."""
+def write_launcher(tmp_path, then: str = "", first: str = "", definitions: str = "") -> Path:
+    """A launcher script: it runs `first` (statements; `definitions` are the module's own), forks a DHT
+    from the preloaded server, prints the peer's pid once the DHT is up (or after 60 s), then runs `then`
+    and exits without stopping the peer."""
     script = tmp_path / "launcher.py"
     address, log = str(tmp_path / "dht.addr"), str(tmp_path / "dht.log")
+    main = textwrap.dedent(
+        f"""
+        address = Path({address!r})
+        argv = [sys.executable, "-m", "swarmtrain.cli.main", "dht", "--address-file", str(address)]
+        peer = PreloadedPeer(argv, {log!r}, dict(os.environ))
+        deadline = time.monotonic() + 60
+        while not address.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        print(peer.pid, flush=True)
+        """
+    )
+    body = "\n".join(textwrap.dedent(part) for part in (first, main, then))
+    imports = "import os, signal, sys, time\nfrom pathlib import Path\n"
+    imports += "from swarmtrain.runtime.harness.preloaded import PreloadedPeer, _fork_server\n"
     script.write_text(
-        textwrap.dedent(
-            f"""
-            import os, sys, time
-            from pathlib import Path
-            from swarmtrain.runtime.harness.preloaded import PreloadedPeer
-
-            if __name__ == "__main__":
-                address = Path({address!r})
-                argv = [sys.executable, "-m", "swarmtrain.cli.main", "dht", "--address-file", str(address)]
-                peer = PreloadedPeer(argv, {log!r}, dict(os.environ))
-                deadline = time.monotonic() + 60
-                while not address.exists() and time.monotonic() < deadline:
-                    time.sleep(0.1)
-                print(peer.pid, flush=True)
-                {then}
-            """
-        )
+        f"{imports}\n{textwrap.dedent(definitions)}\n\nif __name__ == '__main__':\n{textwrap.indent(body, '    ')}"
     )
     return script
 
@@ -150,3 +149,62 @@ def test_a_launcher_killed_outright_takes_its_peers_with_it(tmp_path):
     while group_members(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert group_members(pid) == []
+
+
+SCAN_FOR_LOCKS = """
+import importlib, inspect, sys
+import multiprocessing.synchronize as sync
+from swarmtrain.runtime.harness.preloaded import PRELOAD
+
+def is_a_lock(value):
+    kinds = (sync.SemLock, sync.Event, sync.Condition, sync.Barrier)
+    return isinstance(value, kinds) or type(value).__module__ == "multiprocessing.sharedctypes"
+
+for module in PRELOAD:
+    importlib.import_module(module)
+found = set()
+for name, module in list(sys.modules.items()):
+    for attr, value in list(vars(module).items()):
+        if is_a_lock(value):
+            found.add(f"{name}.{attr}")
+        if inspect.isclass(value) and value.__module__ == name:
+            found |= {f"{name}.{attr}.{a}" for a, v in list(vars(value).items()) if is_a_lock(v)}
+print("\\n".join(sorted(found)))
+"""
+
+
+def test_every_lock_a_preloaded_module_makes_at_import_is_made_again_in_each_peer():
+    """A multiprocessing lock made at import in the fork server is shared by every peer forked from it;
+    `preloaded._own_locks_of_hivemind` makes the ones it knows again. A new one (a hivemind upgrade) fails
+    here by name."""
+    done = subprocess.run([sys.executable, "-c", SCAN_FOR_LOCKS], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == sorted(LOCKS_MADE_AT_IMPORT)
+
+
+def test_a_peer_killed_holding_hiveminds_lock_stalls_no_peer_forked_after_it(tmp_path):
+    """The CI failure of docs/LOG.md's "twenty-seventh session": a peer SIGKILLed inside a DHT call held
+    hivemind's `SharedBytes._lock`, made in the fork server, and every peer forked after it waited forever
+    at its first DHT call. Here a fork of the same server takes that lock and is killed; a DHT forked next
+    must still start."""
+    flag = str(tmp_path / "held")
+    definitions = f"""
+        def hold_the_lock():
+            from hivemind.utils.mpfuture import SharedBytes
+
+            SharedBytes._lock.acquire()  # as a peer killed inside `SharedBytes.next` leaves it
+            Path({flag!r}).write_text("held")
+            time.sleep(600)
+        """
+    first = f"""
+        holder = _fork_server().Process(target=hold_the_lock)
+        holder.start()
+        while not Path({flag!r}).exists():
+            time.sleep(0.05)
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.join()
+        """
+    script = write_launcher(tmp_path, first=first, definitions=definitions)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=90)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "dht.addr").exists(), (tmp_path / "dht.log").read_text()[-3000:]
