@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from swarmtrain.runtime.harness.preloaded import LOCKS_MADE_AT_IMPORT, PreloadedPeer, preloadable
+from swarmtrain.net.engine import LOCKS_MADE_AT_IMPORT
+from swarmtrain.runtime.harness.preloaded import PreloadedPeer, preloadable
 from swarmtrain.runtime.procs import ManagedProcess, group_members
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -72,13 +73,19 @@ def test_a_launcher_keeps_no_descriptor_of_a_peer_that_ended(tmp_path):
 def test_a_preloaded_peer_leads_its_own_group_and_a_kill_takes_the_whole_group(tmp_path):
     address = tmp_path / "dht.addr"
     argv = [*ENTRY, "dht", "--address-file", str(address)]
+    shared_before = set(os.listdir("/dev/shm"))  # killed processes' files may carry a pid in use again
     proc = ManagedProcess("dht", argv, tmp_path / "dht.log", env=dict(os.environ), start=PreloadedPeer)
     deadline = time.monotonic() + 60
     while not address.exists():
         assert proc.alive and time.monotonic() < deadline, proc.log_text()
         time.sleep(0.1)
     assert os.getpgid(proc.pid) == proc.pid  # a session of its own, as `child_preexec` gives a fresh one
-    assert len(group_members(proc.pid)) >= 2  # the peer and its p2pd
+    members = group_members(proc.pid)
+    assert len(members) >= 2  # the peer and its p2pd
+    # hivemind shares its futures' state as a fresh peer does (`file_descriptor`): no /dev/shm files, which
+    # a SIGKILL would leave behind (the fork server imported hivemind before the peer's environment was set)
+    shared = set(os.listdir("/dev/shm")) - shared_before
+    assert [f for f in shared if any(f.startswith(f"torch_{pid}_") for pid in members)] == []
     with pytest.raises(Exception, match="timed out"):
         proc.proc.wait(timeout=0.2)
     proc.kill()
@@ -175,7 +182,7 @@ print("\\n".join(sorted(found)))
 
 def test_every_lock_a_preloaded_module_makes_at_import_is_made_again_in_each_peer():
     """A multiprocessing lock made at import in the fork server is shared by every peer forked from it;
-    `preloaded._own_locks_of_hivemind` makes the ones it knows again. A new one (a hivemind upgrade) fails
+    `net/engine.py renew_after_preloaded_fork` makes the ones it knows again. A new one (a hivemind upgrade) fails
     here by name."""
     done = subprocess.run([sys.executable, "-c", SCAN_FOR_LOCKS], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]

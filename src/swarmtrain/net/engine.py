@@ -44,6 +44,37 @@ def prepare_environment(log_level: str = "WARNING") -> None:
     asyncio.set_event_loop_policy(StopTolerantLoopPolicy())
 
 
+# the multiprocessing locks hivemind makes at import, which `renew_after_preloaded_fork` makes again
+# (tests/integration/test_preloaded.py looks for any other lock a preloaded module makes at import)
+LOCKS_MADE_AT_IMPORT = (
+    "hivemind.utils.asyncio._AsyncContextWrapper.EXECUTOR_LOCK",
+    "hivemind.utils.mpfuture.MPFuture._initialization_lock",
+    "hivemind.utils.mpfuture.MPFuture._update_lock",
+    "hivemind.utils.mpfuture.SharedBytes._lock",
+)
+
+
+def renew_after_preloaded_fork() -> None:
+    """In a peer forked from a process that imported hivemind before this process's environment was set
+    (the test harness's fork server, runtime/harness/preloaded.py): what hivemind set up at import, made
+    again as a fresh interpreter would. Its tensor sharing strategy, read from the environment at import
+    (the fork server's had no `prepare_environment`: `file_system`, which leaves /dev/shm files behind
+    after a SIGKILL). And the multiprocessing locks it makes at import, meant for one process and its own
+    forks: made in the fork server, one set was every peer's, and a peer SIGKILLed while it held
+    `SharedBytes._lock` (taken for every DHT call) left every other peer of the test session, later ones
+    too, waiting forever at their next DHT call (docs/LOG.md, "twenty-seventh session")."""
+    prepare_environment()
+    import multiprocessing
+
+    import torch.multiprocessing
+    from hivemind.utils.asyncio import _AsyncContextWrapper
+    from hivemind.utils.mpfuture import MPFuture
+
+    torch.multiprocessing.set_sharing_strategy(os.environ["HIVEMIND_MEMORY_SHARING_STRATEGY"])
+    MPFuture.reset_backend()  # hivemind's own: new MPFuture and SharedBytes locks; no future exists yet
+    _AsyncContextWrapper.EXECUTOR_LOCK = multiprocessing.Lock()
+
+
 class StopTolerantLoopPolicy(asyncio.DefaultEventLoopPolicy):
     """Event loops that stay quiet when the libp2p daemon is gone. A Ctrl-C or SIGTERM to a peer's
     process group stops its `p2pd` at once; hivemind's daemon bindings then fail in background tasks

@@ -164,7 +164,9 @@ def run_entry(module: str, args: list[str], log_path: str, env: dict) -> None:
     # a fork server's child inherits "forkserver" as its start method; a fresh interpreter has the
     # platform's default (hivemind's DHT and averager processes are started with it)
     multiprocessing.set_start_method(None, force=True)
-    _own_locks_of_hivemind()
+    from swarmtrain.net.engine import renew_after_preloaded_fork
+
+    renew_after_preloaded_fork()
     import numpy
 
     numpy.random.seed()  # the fork server's global generator is every peer's otherwise
@@ -178,29 +180,6 @@ def run_entry(module: str, args: list[str], log_path: str, env: dict) -> None:
     finally:
         _end_as_an_interpreter_does()
     sys.exit(code)  # multiprocessing turns it into the exit status, as the interpreter would
-
-
-# the multiprocessing locks hivemind makes at import, which `_own_locks_of_hivemind` makes again
-# (tests/integration/test_preloaded.py looks for any other lock a preloaded module makes at import)
-LOCKS_MADE_AT_IMPORT = (
-    "hivemind.utils.asyncio._AsyncContextWrapper.EXECUTOR_LOCK",
-    "hivemind.utils.mpfuture.MPFuture._initialization_lock",
-    "hivemind.utils.mpfuture.MPFuture._update_lock",
-    "hivemind.utils.mpfuture.SharedBytes._lock",
-)
-
-
-def _own_locks_of_hivemind() -> None:
-    """Give the peer its own copies of the locks hivemind makes at import. They are meant for a process and
-    its own forks (its DHT and averager processes); made in the fork server, one set was every peer's, and
-    a peer SIGKILLed while it held `SharedBytes._lock` (taken for every DHT call) left every other peer of
-    the test session, later ones too, waiting forever at their next DHT call (docs/LOG.md,
-    "twenty-seventh session"). A fresh interpreter makes its own at import."""
-    from hivemind.utils.asyncio import _AsyncContextWrapper
-    from hivemind.utils.mpfuture import MPFuture
-
-    MPFuture.reset_backend()  # hivemind's own: new MPFuture and SharedBytes locks; no future exists yet
-    _AsyncContextWrapper.EXECUTOR_LOCK = multiprocessing.Lock()
 
 
 def _let_go_of_the_launchers_pipe() -> None:
