@@ -7,10 +7,12 @@ time (docs/LOG.md, "twenty-sixth session"). Here one process per launcher import
 (`multiprocessing`'s fork server, with those modules preloaded) and forks each peer from it. The peer then
 runs the same `main(argv)` a fresh interpreter would, with its own log, environment, session and
 parent-death signal, and ends as an interpreter does: non-daemon threads joined, `atexit` handlers run,
-output flushed. What differs from a fresh interpreter: environment variables read at import time were read
-in the fork server's environment, and modules are already imported (seeds: Python's `random` reseeds at
-every fork; numpy's global generator is reseeded here). Users' own launchers (`swarmtrain demo`, the
-benches) start fresh interpreters.
+output flushed. What the imports set up once and a peer must own is made again in each peer
+(`net/engine.py renew_after_preloaded_fork`: hivemind's import-time multiprocessing locks, which one
+killed peer holding them once stalled every other, and its tensor sharing strategy; numpy's global
+generator is reseeded here, Python's `random` reseeds at every fork). What still differs from a fresh
+interpreter: other environment variables read at import time were read in the fork server's environment.
+Users' own launchers (`swarmtrain demo`, the benches) start fresh interpreters.
 """
 
 from __future__ import annotations
