@@ -75,7 +75,7 @@ def not_started(proc: ManagedProcess, what: str) -> SwarmStartError:
     else:
         members = group_members(proc.pid)
         states = "\n".join(process_state(pid) for pid in members)
-        stacks = dump_stacks({f"{proc.name}'s group": pid for pid in members if pid == proc.pid})
+        stacks = dump_stacks({proc.name: proc.pid})  # its Python; p2pd's Go stacks py-spy cannot read
         head = f"{what} did not start: still running; its processes:\n{states}\n{stacks}"
     return SwarmStartError(f"{head}\nits log:\n{proc.log_text()[-3000:]}")
 

@@ -116,8 +116,8 @@ class PreloadedPeer:
 
     def _release(self) -> None:
         """Close the ended process's two pipes to the fork server. `multiprocessing` keeps them until the
-        process object is collected or closed; kept for every peer, a test session ran out of file
-        descriptors, and every later peer failed to start (docs/LOG.md, "twenty-seventh session")."""
+        process object is collected or closed; kept for every peer, a launcher's descriptors grew by two
+        per peer (with `ulimit -n 40` the 16th start failed: docs/LOG.md, "twenty-seventh session")."""
         self._process.close()
         _peers.remove(self)
 
