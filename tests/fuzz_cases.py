@@ -69,9 +69,10 @@ def valid_messages(cfg: RunConfig, stage: int) -> list[tuple[str, bytes]]:
         if spec.is_first
         else torch.randn(b, m.seq_len, m.d_model)
     )
-    tensors = {"inputs": inputs}
+    # token ids and labels packed as a trainer sends them (net/codec.py `encode_ints`)
+    tensors = {"inputs": encode_labels(inputs, m.vocab_size) if spec.is_first else inputs}
     if spec.is_last:
-        tensors["labels"] = torch.randint(0, m.vocab_size, (b, m.seq_len))
+        tensors["labels"] = encode_labels(torch.randint(0, m.vocab_size, (b, m.seq_len)), m.vocab_size)
     kind = "forward_backward" if spec.is_last else "forward"
     forward = request_message(kind, "fz-1", stage, digest, "8bit", tensors, step=0)
     evaluate = request_message("evaluate", "fz-2", stage, digest, "8bit", tensors)
@@ -148,7 +149,8 @@ def _edit_descriptor(rng: random.Random, data: bytes, kind: str) -> tuple[str, b
         header["tensors"] = [["inputs", "none", "float32", [2, 2], 16]]
     entry = rng.choice(header["tensors"])
     slot = rng.randrange(5)
-    entry[slot] = rng.choice([-1, 0, 2**40, "float64", "zip", [10**6] * 9, [-3], None, {"a": 1}, "inputs"])
+    hostile = [-1, 0, 2**40, "float64", "zip", "bits0", "bits33", "bits16", [10**6] * 9, [-3], None, {"a": 1}]
+    entry[slot] = rng.choice([*hostile, "inputs"])
     return f"descriptor slot {slot}", _join(json.dumps(header).encode(), payload)
 
 

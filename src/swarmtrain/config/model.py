@@ -16,8 +16,14 @@ INT16_VOCAB = 32_767  # token ids and labels go as int16 up to this vocabulary, 
 
 
 def token_id_bytes(vocab_size: int) -> int:
-    """Bytes per token id or label on the wire (net/token_ids.py, net/protocol.py `encode_labels`)."""
+    """Bytes per token id or label sent unpacked (an ignored label among them): int16 or int32."""
     return 2 if vocab_size <= INT16_VOCAB else 4
+
+
+def token_id_bits(vocab_size: int) -> int:
+    """Bits per token id or label on the wire, packed (net/protocol.py `encode_labels`): the fewest that
+    hold vocab_size - 1 (11 for 2,048 tokens, 16 for GPT-2's 50,257, 17 for Llama 3's 128,256)."""
+    return max(1, (vocab_size - 1).bit_length())
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,9 @@ and the pipeline-compression papers built on it). Payload: 64 values in 2 + 8 * 
 4.25 bits per value (7.5x fewer than fp32), 3-bit 3.25, 2-bit 2.25 (14.2x); a ragged tail is padded
 to a whole block.
 
-Integer and bool tensors are never compressed (token ids, labels): any codec sends them raw.
+Integer and bool tensors are never rounded: any codec sends them raw. Token ids and labels may instead
+go packed (`encode_ints`, codec `bits{N}`: N bits per non-negative value, net/bit_packing.py), which
+loses nothing.
 Everything is vectorized torch on the tensor's device (a stage server's GPU: net/device_bytes.py moves
 only payload bytes between it and the host; on CUDA `decode` and `encode_behind` run on side streams,
 overlapping the compute queued there); no numpy round trips, no Python loops over blocks.
@@ -35,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from swarmtrain.config.run import COMPRESSION_CHOICES, LOWBIT_COMPRESSION
-from swarmtrain.net import device_bytes
+from swarmtrain.net import bit_packing, device_bytes
 
 CODECS = COMPRESSION_CHOICES
 BLOCK_SIZE = 256
@@ -46,6 +48,9 @@ LOWBIT: dict[str, tuple[int, bool]] = {
     name: (int(name[0]), name.endswith("-rht")) for name in LOWBIT_COMPRESSION
 }
 SCALED = ("8bit", *LOWBIT)  # the codecs whose payload starts with per-block scales
+# lossless packing of non-negative integers at N bits each (`encode_ints`); a closed set of names
+PACKED: dict[str, int] = {f"bits{n}": n for n in range(1, bit_packing.MAX_BITS + 1)}
+WIRE_CODECS = (*CODECS, *PACKED)  # every codec a tensor on the wire may name
 
 # dtype names on the wire; a closed set, so a peer cannot make us build an arbitrary dtype
 DTYPES: dict[str, torch.dtype] = {
@@ -136,6 +141,28 @@ def encode(tensor: torch.Tensor, codec: str, stochastic: bool = False) -> Encode
     )
 
 
+def encode_ints(tensor: torch.Tensor, bits: int) -> EncodedTensor:
+    """An integer tensor packed at `bits` bits per value (codec `bits{N}`) when its values all lie in [0,
+    2^bits), else (an ignored label, -100) as it is, as `encode` sends it. Its dtype is kept for the
+    receiver, so `bits` must leave that dtype's sign bit clear."""
+    name, limit = DTYPE_NAMES.get(tensor.dtype), _packable_bits(tensor.dtype)
+    if name is None or not 1 <= bits <= limit:
+        raise CodecError(f"{tensor.dtype} cannot be packed at {bits} bits (1..{limit})")
+    flat = tensor.detach().contiguous().view(-1)
+    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= 2**bits):
+        return encode(tensor, "none")
+    payload = bit_packing.pack_bits(flat, bits)
+    return EncodedTensor(f"bits{bits}", name, tuple(tensor.shape), device_bytes.download(payload))
+
+
+def _packable_bits(dtype: torch.dtype) -> int:
+    """The widest packing whose values `dtype` holds as non-negative numbers (0: a float or bool)."""
+    if dtype.is_floating_point or dtype == torch.bool:
+        return 0
+    width = _itemsize(dtype) * 8 - (0 if dtype == torch.uint8 else 1)
+    return min(width, bit_packing.MAX_BITS)
+
+
 def encode_behind(
     tensor: torch.Tensor, codec: str, stochastic: bool = False
 ) -> EncodedTensor | PendingTensor:
@@ -196,6 +223,8 @@ def _decoded(encoded: EncodedTensor, dtype: torch.dtype, device: torch.device | 
         flat = _view(payload, torch.float16, numel).to(dtype)
     elif encoded.codec == "8bit":
         flat = _decode_8bit(payload, numel, dtype)
+    elif encoded.codec in PACKED:
+        flat = bit_packing.unpack_bits(payload, PACKED[encoded.codec], numel).to(dtype)
     else:
         bits, rotated = LOWBIT[encoded.codec]
         flat = _decode_lowbit(payload, numel, bits, rotated).to(dtype)
@@ -206,9 +235,13 @@ def _checked_description(encoded: EncodedTensor) -> torch.dtype:
     if encoded.dtype not in DTYPES:
         raise CodecError(f"unknown dtype {encoded.dtype!r}")
     dtype = DTYPES[encoded.dtype]
-    if encoded.codec not in CODECS:
+    if encoded.codec not in WIRE_CODECS:
         raise CodecError(f"unknown codec {encoded.codec!r}")
-    if encoded.codec != effective_codec(dtype, encoded.codec):
+    if encoded.codec in PACKED:
+        fits = PACKED[encoded.codec] <= _packable_bits(dtype)
+    else:
+        fits = encoded.codec == effective_codec(dtype, encoded.codec)
+    if not fits:
         raise CodecError(f"codec {encoded.codec} cannot carry {encoded.dtype}")
     if any(d < 0 for d in encoded.shape):
         raise CodecError(f"negative dimension in shape {encoded.shape}")
@@ -258,6 +291,8 @@ def payload_size(codec: str, dtype: torch.dtype, numel: int) -> int:
         return numel * _itemsize(dtype)
     if codec == "float16":
         return numel * 2
+    if codec in PACKED:
+        return bit_packing.packed_size(numel, PACKED[codec])
     if codec in LOWBIT:
         return -(-numel // LOWBIT_BLOCK) * (2 + 8 * LOWBIT[codec][0])
     num_blocks = -(-numel // BLOCK_SIZE)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from swarmtrain.config import RunConfig
-from swarmtrain.config.model import SUBSPACE, ModelConfig, StageSpec, token_id_bytes
+from swarmtrain.config.model import SUBSPACE, ModelConfig, StageSpec, token_id_bits, token_id_bytes
 from swarmtrain.net import codec
 
 
@@ -32,11 +32,11 @@ def namespace(cfg: RunConfig) -> str:
     return f"{cfg.swarm.run_id}_{cfg.digest()}"
 
 
-# 2: training requests carry the global step they belong to; 3: forward_backward and evaluate are
-# message kinds of their own (were flags on forward); 4: chain (direct hand-off, net/hand_off.py);
-# 5: bundle (net/bundle.py); 6: stage 0's token ids int16 and compact beside a chain's labels, which a
-# server of 5 refuses (net/token_ids.py `whole_first_inputs`)
-PROTOCOL_VERSION = 6
+# 2: requests carry their global step; 3: forward_backward, evaluate kinds (were flags on forward); 4:
+# chain (net/hand_off.py); 5: bundle (net/bundle.py); 6: stage 0's ids int16, compact beside a chain's
+# labels, which a server of 5 refuses (net/token_ids.py `whole_first_inputs`); 7: ids and labels packed
+# at the vocabulary's width (codec `bits{N}`, net/bit_packing.py), an unknown codec to a peer of 6
+PROTOCOL_VERSION = 7
 MAGIC = b"SWT1"
 MAX_HEADER_BYTES = 64 * 1024
 MAX_ID_CHARS = 128
@@ -244,7 +244,7 @@ def _parse_tensors(descriptors, data: bytes, offset: int) -> dict[str, codec.Enc
             isinstance(shape, list) and len(shape) <= 8 and all(isinstance(d, int) and d >= 0 for d in shape)
         ):
             raise ProtocolError(f"tensor {name!r}: bad shape {shape!r:.200}")
-        if not (_one_of(codec_name, codec.CODECS) and _one_of(dtype, codec.DTYPES)):
+        if not (_one_of(codec_name, codec.WIRE_CODECS) and _one_of(dtype, codec.DTYPES)):
             raise ProtocolError(f"tensor {name!r}: unknown codec {codec_name!r} or dtype {dtype!r}")
         expected = codec.payload_size(codec_name, codec.DTYPES[dtype], _numel(shape))
         if nbytes != expected:
@@ -469,10 +469,10 @@ LABEL_DTYPES = ("int16", "int32", "int64")
 
 
 def encode_labels(labels: torch.Tensor, vocab_size: int) -> codec.EncodedTensor:
-    """Labels as sent: int16 when every id and the ignored label (-100) fit, int32 otherwise. They cross
-    every stage boundary of a direct hand-off, so int64 cost a `small` hand-off 8 kB of its 272."""
-    narrow = torch.int16 if token_id_bytes(vocab_size) == 2 else torch.int32
-    return codec.encode(labels.to(narrow), "none")
+    """Labels or token ids as sent (they cross every boundary of a hand-off): `token_id_bits` each, packed
+    in int16 (int32 for a vocabulary over 32,767), which an ignored label (-100) makes go unpacked."""
+    narrow = labels.to(torch.int16 if token_id_bytes(vocab_size) == 2 else torch.int32)
+    return codec.encode_ints(narrow, token_id_bits(vocab_size))
 
 
 def checked_label_shape(desc: codec.EncodedTensor, shape: tuple[int, ...]) -> None:

@@ -4,14 +4,14 @@ k coordinates per token, and how a server reads a request that carries them.
 Every request to a stage after the first of a subspace run carries an `ids` tensor next to `inputs`
 (forward, backward, forward_backward, evaluate, and the hand-offs `chain` and `evaluate_chain`): the
 receiver rebuilds each position's hidden state from E0[its token] and the coordinates, so it needs the
-ids of the micro-batch's tokens. Integers are never compressed; they go as int16 when the vocabulary
-fits (int32 above 32,767 tokens), as labels do.
+ids of the micro-batch's tokens. They go as labels do (net/protocol.py `encode_labels`): packed at the
+fewest bits that hold the vocabulary (11 for 2,048 tokens), which loses nothing.
 
 Compact form (`encode_token_ids` with the labels): samples are windows of one token stream
 (data/packing.py), so the token at position t > 0 is the label at t - 1. Where a message also carries the
 labels (every hand-off, the last stage's requests) and they name every id but the first, `ids` holds only
-position 0 of each sample, (batch, 1), and the receiver reads the rest from the labels: 2 bytes per
-sample instead of per token. Otherwise (an ignored label, a relayed forward to a middle stage, which gets
+position 0 of each sample, (batch, 1), and the receiver reads the rest from the labels: one id per
+sample instead of one per token. Otherwise (an ignored label, a relayed forward to a middle stage, which gets
 no labels) the whole (batch, seq) goes. Either way the receiver gets exactly the sender's ids.
 
 A server hands its model the coordinates and the ids as one float tensor (batch, seq, k + 1), the ids in
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import torch
 
-from swarmtrain.config.model import token_id_bytes
 from swarmtrain.net import codec
 from swarmtrain.net.protocol import (
     LABEL_DTYPES,
@@ -32,6 +31,7 @@ from swarmtrain.net.protocol import (
     StageIO,
     StageRequest,
     checked_label_shape,
+    encode_labels,
     validate_request,
 )
 
@@ -42,12 +42,11 @@ def encode_token_ids(
     token_ids: torch.Tensor, labels: torch.Tensor | None, vocab_size: int
 ) -> codec.EncodedTensor:
     """The ids of a micro-batch (batch, seq) as sent: position 0 only when `labels` (sent in the same
-    message) name the others, else all of them; int16, or int32 for a vocabulary over 32,767."""
-    narrow = torch.int16 if token_id_bytes(vocab_size) == 2 else torch.int32
+    message) name the others, else all of them; packed as labels are (`encode_labels`)."""
     token_ids = token_ids.cpu()
     if labels is not None and token_ids.shape[-1] > 1 and torch.equal(token_ids[:, 1:], labels.cpu()[:, :-1]):
         token_ids = token_ids[:, :1]
-    return codec.encode(token_ids.to(narrow).contiguous(), "none")
+    return encode_labels(token_ids.contiguous(), vocab_size)
 
 
 def checked_token_ids(

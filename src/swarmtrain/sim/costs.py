@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from swarmtrain.config import ModelConfig, StageSpec, sizes
-from swarmtrain.config.model import token_id_bytes
+from swarmtrain.config.model import token_id_bits
 from swarmtrain.config.run import LOWBIT_COMPRESSION
 from swarmtrain.planner.link_capacity import limited_rates, link_samples_per_s
 from swarmtrain.sim.entities import PeerSpec
@@ -145,7 +145,7 @@ def stage_costs(
         ),
         averaging_bytes=tuple(float(p * sizes.FP16_BYTES) for p in params),
         activation_bytes_per_sample=sizes.activation_bytes_per_sample(model, BYTES_PER_VALUE[compression]),
-        token_bytes_per_sample=float(model.seq_len * token_id_bytes(model.vocab_size)),
+        token_bytes_per_sample=model.seq_len * token_id_bits(model.vocab_size) / 8,  # packed (net/codec.py)
         micro_batch_size=micro_batch_size,
         global_batch_size=global_batch_size,
         exchange=exchange,
