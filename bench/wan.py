@@ -27,6 +27,10 @@ Printed per rate (rows; configurations of a rate run back to back):
   its training loop, first step included), GPipe's timed steps (after its warm-up step);
 - ratios measured in the same run: direct-8bit / relay-8bit and direct-fp32 / gpipe-fp32 (samples/s),
   and, per direct configuration, the trainer's bytes per sample / a stage server's (the servers' mean);
+- the last stage's counted bytes per sample of every direct configuration against direct-fp32's: the
+  messages its transport received and sent (libp2p and the data plane: the boundary both ways with
+  labels, ids and message headers, the trainer's step closes), from its last metrics line (the server's
+  own `bytes_in`, `bytes_out` and `samples_seen`), without the DHT and TCP/IP traffic the wire adds;
 - bytes per sample of every role (trainer, stage-S server or GPipe rank, DHT): sent + received on the
   namespace's interfaces (/proc/net/dev inside it: payloads, RPC and DHT traffic, TCP/IP headers), from
   the moment the servers are ready (GPipe: before its ranks start) to the trainer's exit, / the samples
@@ -84,6 +88,7 @@ from swarmtrain.runtime.harness.local_swarm import (
     write_run_toml,
 )
 from swarmtrain.runtime.procs import ManagedProcess
+from swarmtrain.runtime.server.server_metrics import metrics_from_log
 from swarmtrain.runtime.trainer.trainer_metrics import trainer_metrics_from_log
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -298,10 +303,21 @@ def run_swarm(config: BenchConfig, setup: Setup, mbit_s: float, workdir: Path) -
         )
         after, elapsed_s = all_counters(bed, len(roles)), time.monotonic() - began_s
         summary = json.loads(swarm.summary_path("trainer").read_text())
+        counted = counted_bytes_per_sample(procs[servers[-1]].log_text())
     by_role = bytes_by_role(roles, before, after)
-    return _result(
+    result = _result(
         summary["samples"], summary["samples_per_s"], by_role, link_use(by_role, mbit_s, elapsed_s)
     )
+    return dict(result, last_stage_counted_bytes_per_sample=counted)
+
+
+def counted_bytes_per_sample(server_log: str) -> float | None:
+    """A server's transport bytes (received + sent: its messages, headers included) / the samples it
+    trained, at its last metrics line; None before it logged one with samples."""
+    found = metrics_from_log(server_log)
+    if not found or not found[-1].samples_seen:
+        return None
+    return (found[-1].bytes_in + found[-1].bytes_out) / found[-1].samples_seen
 
 
 def _gpipe_argv(setup: Setup, bed, rank: int, ifname: str, summary: Path) -> list[str]:
@@ -482,7 +498,17 @@ def ratios(runs: dict) -> dict[str, float | None]:
             out[f"last-stage bytes, direct-fp32 / {name}"] = last_stage_bytes_ratio(
                 runs["direct-fp32"], runs[name]
             )
+            out[f"last-stage counted bytes, direct-fp32 / {name}"] = counted_bytes_ratio(
+                runs["direct-fp32"], runs[name]
+            )
     return out
+
+
+def counted_bytes_ratio(reference: dict, run: dict) -> float | None:
+    """The last stage's counted bytes per sample (`counted_bytes_per_sample`) in `reference` / in `run`."""
+    key = "last_stage_counted_bytes_per_sample"
+    a, b = reference.get(key), run.get(key)
+    return a / b if a and b and not (reference.get("error") or run.get("error")) else None
 
 
 def last_stage_bytes_ratio(reference: dict, run: dict) -> float | None:

@@ -302,6 +302,30 @@ def test_lowbit_configurations_are_compared_with_8bit_speed_and_fp32_bytes():
     assert ratios["last-stage bytes, direct-fp32 / direct-4bit-lowrank2"] == pytest.approx(16.0)
 
 
+def test_the_last_stages_counted_bytes_come_from_its_last_metrics_line_and_compare_with_fp32s():
+    from swarmtrain.runtime.server.server_metrics import ServerMetrics
+
+    zeros = {f: 0 for f in ServerMetrics.__dataclass_fields__ if f not in ("role", "moved")}
+
+    def line(samples: int, received: int, sent: int) -> str:
+        counts = {"stage": 1, "samples_seen": samples, "bytes_in": received, "bytes_out": sent}
+        record = ServerMetrics(**{**zeros, **counts}, moved=None)
+        return "12:00:00 I swarmtrain.runtime.server.server_process: " + record.log_line()
+
+    log = "\n".join(["starting", line(0, 500, 0), line(64, 3000, 1000), line(128, 6400, 2560), "stopping"])
+    assert wan.counted_bytes_per_sample(log) == pytest.approx((6400 + 2560) / 128)
+    assert wan.counted_bytes_per_sample("starting\n" + line(0, 500, 0)) is None  # no samples yet
+    assert wan.counted_bytes_per_sample("no metrics at all") is None
+    runs = {
+        "direct-fp32": dict(run(10.0, trainer=1.0), last_stage_counted_bytes_per_sample=6400.0),
+        "direct-4bit-subspace16": dict(run(40.0, trainer=1.0), last_stage_counted_bytes_per_sample=80.0),
+        "direct-4bit": run(20.0, trainer=1.0),  # no metrics line: no ratio, no error
+    }
+    ratios = wan.ratios(runs)
+    assert ratios["last-stage counted bytes, direct-fp32 / direct-4bit-subspace16"] == pytest.approx(80.0)
+    assert ratios["last-stage counted bytes, direct-fp32 / direct-4bit"] is None
+
+
 def test_subspace_configurations_and_the_plain_model_of_their_parameter_count(tmp_path):
     """Subspace boundaries run as configurations of their own run file, and --ttt-matched compares a
     boundary with the plain model of its parameter count (d_ff matched)."""
