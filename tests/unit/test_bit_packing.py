@@ -45,7 +45,8 @@ def test_the_bit_stream_is_least_significant_bit_first():
 
 
 @pytest.mark.parametrize(
-    "vocab_size,bits,dtype", [(256, 8, "int16"), (2048, 11, "int16"), (50_257, 16, "int32"), (128_256, 17, "int32")]
+    "vocab_size,bits,dtype",
+    [(256, 8, "int16"), (2048, 11, "int16"), (50_257, 16, "int32"), (128_256, 17, "int32")],
 )
 def test_labels_go_packed_at_the_vocabularys_width_and_keep_their_narrow_dtype(vocab_size, bits, dtype):
     assert token_id_bits(vocab_size) == bits
@@ -91,7 +92,9 @@ def _last_stage(vocab_size: int):
 
 def _sent(cfg, labels: codec.EncodedTensor) -> Message:
     inputs = torch.randn(1, 4, cfg.model.d_model)
-    message = request_message("forward_backward", "m", 1, "d", "none", {"inputs": inputs, "labels": labels}, step=0)
+    message = request_message(
+        "forward_backward", "m", 1, "d", "none", {"inputs": inputs, "labels": labels}, step=0
+    )
     return unpack(pack(message), 10**8)  # as a server receives it
 
 
@@ -115,3 +118,41 @@ def test_an_unknown_width_on_the_wire_is_a_protocol_error(name):
     header = data[start:end].replace(b'"bits11"', f'"{name}"'.encode(), 1)
     with pytest.raises(ProtocolError, match="unknown codec"):
         unpack(MAGIC + struct.pack("<I", len(header)) + header + data[end:], 10**8)
+
+
+def _decoding_forbidden(monkeypatch):
+    def decode(*args, **kwargs):
+        raise AssertionError("decoded before its shape was checked")
+
+    monkeypatch.setattr(codec, "decode", decode)
+
+
+def test_a_hand_offs_labels_are_bounded_before_anything_decodes_them(monkeypatch):
+    # a packed width turns a payload byte into up to 8 values: a peer's shape is checked against the
+    # stage's bounds first, so decoding costs no more than a request of the run may
+    from swarmtrain.net.hand_off import chain_message, validate_chain
+
+    cfg = get_preset("tiny")
+    io = StageIO.from_config(cfg.model, cfg.stages()[0], max_batch=4)
+    seq = cfg.model.seq_len
+    for shape in ((5, seq), (2, seq + 1), (2, seq, 1)):
+        labels = codec.encode_ints(torch.ones(shape, dtype=torch.int16), 8)
+        ids = codec.encode_ints(torch.ones(shape[0], 1, dtype=torch.int16), 8)
+        message = unpack(
+            pack(chain_message("mb", 0, "d", "none", ids, labels, [["p"]], [True, True], step=0)), 10**8
+        )
+        _decoding_forbidden(monkeypatch)
+        with pytest.raises(ProtocolError, match="outside"):
+            validate_chain(message, io, "d", 2)
+        monkeypatch.undo()
+
+
+def test_ids_of_a_shape_the_message_cannot_use_are_refused_before_decoding(monkeypatch):
+    from swarmtrain.net.token_ids import checked_token_ids
+
+    ids = codec.encode_ints(torch.ones(2, 5, dtype=torch.int16), 11)
+    _decoding_forbidden(monkeypatch)
+    with pytest.raises(ProtocolError, match="need shape"):
+        checked_token_ids(ids, 2, 4, 2048, torch.ones(2, 4, dtype=torch.int64))
+    with pytest.raises(ProtocolError, match="need shape"):
+        checked_token_ids(codec.encode_ints(torch.ones(2, 1, dtype=torch.int16), 11), 2, 4, 2048, None)

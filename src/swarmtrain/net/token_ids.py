@@ -59,13 +59,13 @@ def checked_token_ids(
             f"ids must be {'/'.join(LABEL_DTYPES)} of shape [{batch}, {seq}] or [{batch}, 1], got "
             f"{desc.dtype}{list(desc.shape)}"
         )
+    if desc.shape[1] != seq and (desc.shape[1] != 1 or labels is None):  # checked before decoding
+        raise ProtocolError(f"ids of shape {list(desc.shape)} need shape [{batch}, {seq}] here")
     try:
         ids = codec.decode(desc).long()
     except codec.CodecError as exc:
         raise ProtocolError(f"tensor 'ids': {exc}") from None
-    if desc.shape[1] != seq:
-        if desc.shape[1] != 1 or labels is None:
-            raise ProtocolError(f"ids of shape {list(desc.shape)} need shape [{batch}, {seq}] here")
+    if labels is not None and desc.shape[1] != seq:
         ids = torch.cat((ids, labels.cpu()[:, :-1].long()), dim=1)  # the labels name positions 1..seq-1
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
         raise ProtocolError(f"token ids must be in [0, {vocab_size})")
@@ -77,7 +77,8 @@ def whole_first_inputs(
 ) -> codec.EncodedTensor:
     """Stage 0's inputs as a hand-off carries them beside its labels: the token ids whole, as they are,
     or compact (batch, 1) and returned whole (int64) from the labels, so stage 0 reads them as any other
-    request's. A shape that is neither is returned as it is, for the request's own check to refuse."""
+    request's. A shape that is neither is returned as it is, for the request's own check to refuse. The
+    caller has bounded the labels' shape (net/hand_off.py), so decoding them costs what a request may."""
     if len(inputs.shape) != 2 or len(labels.shape) != 2 or inputs.shape[1] != 1 or labels.shape[1] <= 1:
         return inputs
     batch, seq = labels.shape
