@@ -30,7 +30,7 @@ Printed per rate (rows; configurations of a rate run back to back):
 - the last stage's counted bytes per sample of every direct configuration against direct-fp32's: the
   messages its transport received and sent (libp2p and the data plane: the boundary both ways with
   labels, ids and message headers, the trainer's step closes), from its last metrics line (the server's
-  own `bytes_in`, `bytes_out` and `samples_seen`), without the DHT and TCP/IP traffic the wire adds;
+  own `bytes_in`, `bytes_out` and `samples_forward`), without the DHT and TCP/IP traffic the wire adds;
 - bytes per sample of every role (trainer, stage-S server or GPipe rank, DHT): sent + received on the
   namespace's interfaces (/proc/net/dev inside it: payloads, RPC and DHT traffic, TCP/IP headers), from
   the moment the servers are ready (GPipe: before its ranks start) to the trainer's exit, / the samples
@@ -312,12 +312,14 @@ def run_swarm(config: BenchConfig, setup: Setup, mbit_s: float, workdir: Path) -
 
 
 def counted_bytes_per_sample(server_log: str) -> float | None:
-    """A server's transport bytes (received + sent: its messages, headers included) / the samples it
-    trained, at its last metrics line; None before it logged one with samples."""
+    """A server's transport bytes (received + sent: its messages, headers included) / the samples of its
+    training forwards, at its last metrics line; None before it logged one with samples. Forwards, not
+    applied steps: a slow run applies one or two steps, and the micro-batches of the step in progress
+    would count as bytes without samples (`small` fp32 at 10 Mbit/s: twice the bytes per sample)."""
     found = metrics_from_log(server_log)
-    if not found or not found[-1].samples_seen:
+    if not found or not found[-1].samples_forward:
         return None
-    return (found[-1].bytes_in + found[-1].bytes_out) / found[-1].samples_seen
+    return (found[-1].bytes_in + found[-1].bytes_out) / found[-1].samples_forward
 
 
 def _gpipe_argv(setup: Setup, bed, rank: int, ifname: str, summary: Path) -> list[str]:

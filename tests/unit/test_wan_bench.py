@@ -308,10 +308,11 @@ def test_the_last_stages_counted_bytes_come_from_its_last_metrics_line_and_compa
     zeros = {f: 0 for f in ServerMetrics.__dataclass_fields__ if f not in ("role", "moved")}
 
     def line(samples: int, received: int, sent: int) -> str:
-        counts = {"stage": 1, "samples_seen": samples, "bytes_in": received, "bytes_out": sent}
+        counts = {"stage": 1, "samples_forward": samples, "bytes_in": received, "bytes_out": sent}
         record = ServerMetrics(**{**zeros, **counts}, moved=None)
         return "12:00:00 I swarmtrain.runtime.server.server_process: " + record.log_line()
 
+    # samples of training forwards, not of applied steps (those lag by the step in progress)
     log = "\n".join(["starting", line(0, 500, 0), line(64, 3000, 1000), line(128, 6400, 2560), "stopping"])
     assert wan.counted_bytes_per_sample(log) == pytest.approx((6400 + 2560) / 128)
     assert wan.counted_bytes_per_sample("starting\n" + line(0, 500, 0)) is None  # no samples yet
