@@ -30,6 +30,7 @@ from swarmtrain.net.protocol import (
     ProtocolError,
     StageIO,
     StageRequest,
+    check_batch_shape,
     checked_label_shape,
 )
 from swarmtrain.net.token_ids import IDS, encode_token_ids, validate_stage_request, whole_first_inputs
@@ -114,9 +115,7 @@ def _validate_hand_off(
             f"{message.kind} carries {', '.join(sorted(names))}, got {sorted(message.tensors)}"
         )
     labels = message.tensors["labels"]
-    shape = labels.shape  # bounded before anything decodes them (a packed width decodes to more memory)
-    if len(shape) != 2 or not (1 <= shape[0] <= io.max_batch and 1 <= shape[1] <= io.seq_len):
-        raise ProtocolError(f"labels of shape {list(shape)} outside [1..{io.max_batch}, 1..{io.seq_len}]")
+    check_batch_shape("labels", labels.shape, 2, io)
     hop = {name: t for name, t in message.tensors.items() if name != "labels"}
     if io.is_first:  # the trainer sends stage 0's ids compact beside the labels (net/token_ids.py)
         hop["inputs"] = whole_first_inputs(hop["inputs"], labels, io.vocab_size)

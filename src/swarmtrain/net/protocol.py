@@ -401,29 +401,28 @@ def _checked_step(header: dict, required: bool) -> int | None:
 def _checked_inputs(message: Message, io: StageIO) -> torch.Tensor:
     desc = message.tensors["inputs"]
     if io.is_first:
-        _check_shape(desc, 2, io)
+        check_batch_shape("inputs", desc.shape, 2, io)
         if desc.dtype not in LABEL_DTYPES:
             raise ProtocolError(f"stage 0 takes token ids ({'/'.join(LABEL_DTYPES)}), got {desc.dtype}")
         tokens = message.tensor("inputs").long()
         if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= io.vocab_size):
             raise ProtocolError(f"token ids must be in [0, {io.vocab_size})")
         return tokens
-    _check_shape(desc, 3, io)
+    check_batch_shape("inputs", desc.shape, 3, io)
     return _checked_float(message, "inputs", tuple(desc.shape), io.device)
 
 
-def _check_shape(desc: codec.EncodedTensor, ndim: int, io: StageIO) -> None:
-    shape = desc.shape
+def check_batch_shape(name: str, shape: tuple[int, ...], ndim: int, io: StageIO) -> None:
+    """`name`'s shape from its descriptor, before anything decodes it (a packed width decodes to more
+    memory than its bytes): `ndim` dimensions, (batch, sequence) within the stage's limits, wire width."""
     if len(shape) != ndim:
-        raise ProtocolError(f"inputs must have {ndim} dimensions, got shape {list(shape)}")
+        raise ProtocolError(f"{name} must have {ndim} dimensions, got shape {list(shape)}")
     if not 1 <= shape[0] <= io.max_batch:
-        raise ProtocolError(f"batch size {shape[0]} outside 1..{io.max_batch}")
+        raise ProtocolError(f"{name}: batch size {shape[0]} outside 1..{io.max_batch}")
     if not 1 <= shape[1] <= io.seq_len:
-        raise ProtocolError(f"sequence length {shape[1]} outside 1..{io.seq_len}")
+        raise ProtocolError(f"{name}: sequence length {shape[1]} outside 1..{io.seq_len}")
     if ndim == 3 and shape[2] != io.wire_dim:
-        raise ProtocolError(
-            f"hidden size {shape[2]} != {io.wire_dim} (this run's values per token between stages)"
-        )
+        raise ProtocolError(f"hidden size {shape[2]} != {io.wire_dim} (values per token between stages)")
 
 
 def _checked_float(
