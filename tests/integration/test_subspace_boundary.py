@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from swarm_fixtures import start_servers
+from swarmtrain.cli.common import with_boundary, with_compression
 from swarmtrain.cli.main import main
 from swarmtrain.data import build_datasets
 from swarmtrain.model import build_stage, load_stage_from_checkpoint
@@ -57,20 +58,25 @@ def test_a_subspace_swarm_trains_and_exports_a_plain_model_transformers_loads(ma
     table_run, table = tmp_path / "table-run.toml", tmp_path / "table.safetensors"
     table_run.write_text(f'preset = "llama-tiny"\n[data]\nsource = "{data["source"]}"\n')
     assert main(["boundary-table", "--config", str(table_run), "--out", str(table)]) == 0
-    # 4-bit coordinates for servers and trainer alike (a trainer of other settings exits 2)
-    overrides = {
-        "model": {**SUBSPACE, "boundary_table": str(table)},
-        "data": data,
-        "training": {"eval_samples": EVAL_SAMPLES},
-        "swarm": {"compression": "4bit"},
-    }
-    swarm, cfg = make_swarm("llama-tiny", overrides)
+    # 4-bit coordinates and the boundary given on every command line, as a user of the README's example
+    # does, over a run file that names neither (a peer of other settings is refused by the digest)
+    flags = [
+        "--compression",
+        "4bit",
+        "--boundary",
+        "subspace",
+        "--boundary-dim",
+        str(SUBSPACE["boundary_dim"]),
+    ]
+    flags += ["--boundary-table", str(table)]
+    swarm, plain = make_swarm("llama-tiny", {"data": data, "training": {"eval_samples": EVAL_SAMPLES}})
+    cfg = with_compression(with_boundary(plain, "subspace", SUBSPACE["boundary_dim"], str(table)), "4bit")
     swarm.start_dht()
     for stage in (0, 1):
-        swarm.start_server(f"s{stage}", stage, "--checkpoint-dir", str(checkpoints))
+        swarm.start_server(f"s{stage}", stage, "--checkpoint-dir", str(checkpoints), *flags)
     swarm.wait_ready(["s0", "s1"])
     args = ["--max-samples", str(SAMPLES), "--eval-samples", str(EVAL_SAMPLES)]
-    swarm.start_trainer("trainer", "--in-flight", "4", *args)
+    swarm.start_trainer("trainer", "--in-flight", "4", *args, *flags)
     assert swarm.wait_exit("trainer", 120) == 0, swarm.processes["trainer"].log_text()[-3000:]
     summary = json.loads((swarm.workdir / "trainer.summary.json").read_text())
     steps = SAMPLES // cfg.training.global_batch_size
@@ -87,7 +93,9 @@ def test_a_subspace_swarm_trains_and_exports_a_plain_model_transformers_loads(ma
         "--config",
         swarm.config_path,
     ]
-    assert main(argv) == 0, capsys.readouterr().err
+    assert main([*argv, *flags[2:]]) == 2  # without --compression: another run's digest, refused
+    assert "digest" in capsys.readouterr().err
+    assert main([*argv, *flags]) == 0, capsys.readouterr().err
     exported, info = transformers.AutoModelForCausalLM.from_pretrained(hf_out, output_loading_info=True)
     assert not (info["missing_keys"] or info["unexpected_keys"] or info["mismatched_keys"]), info
     exported = exported.float().eval()

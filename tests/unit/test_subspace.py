@@ -321,7 +321,7 @@ def test_the_demo_writes_the_boundary_into_the_run_file_every_peer_reads(tmp_pat
 
     overrides = {"boundary": "subspace", "boundary_dim": 8}
     written = load_run_config(
-        _run_file(DemoOptions(preset="llama-tiny", model_overrides=overrides), tmp_path)
+        _run_file(DemoOptions(preset="llama-tiny", overrides={"model": overrides}), tmp_path)
     )
     assert (written.model.boundary, written.model.boundary_dim, written.preset) == (
         "subspace",
@@ -330,7 +330,65 @@ def test_the_demo_writes_the_boundary_into_the_run_file_every_peer_reads(tmp_pat
     )
     own = tmp_path / "own.toml"
     own.write_text('preset = "tiny"\n[training]\nseed = 5\n')
-    options = DemoOptions(config_path=str(own), model_overrides=overrides)
+    options = DemoOptions(config_path=str(own), overrides={"model": overrides})
     derived = load_run_config(_run_file(options, tmp_path))
     assert (derived.model.boundary, derived.training.seed) == ("subspace", 5)
     assert _run_file(DemoOptions(config_path=str(own)), tmp_path) == str(own)
+
+
+PEER_ADDRESS = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWJWoaqZhDaoEFshF7Rh1bpY9ohihFhzcW6d69Lr2NASuq"
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["server", "--stage", "0", "--initial-peers", PEER_ADDRESS],
+        ["trainer", "--initial-peers", PEER_ADDRESS],
+        ["status", "--initial-peers", PEER_ADDRESS],
+        ["monitor"],
+        ["export", "--checkpoint-dir", "ckpt"],
+        ["replica", "--initial-peers", PEER_ADDRESS],
+    ],
+    ids=lambda argv: argv[0],
+)
+def test_compression_on_the_command_line_replaces_the_run_files_and_names_the_run(command):
+    """The recommended slow-link setting (4-bit + subspace) is a run of its own: every command that finds
+    a run by its digest takes `--compression` as the run file's `swarm.compression`."""
+    from swarmtrain.cli.common import run_config_from_args
+    from swarmtrain.cli.main import build_parser
+
+    def config(*extra):
+        return run_config_from_args(build_parser().parse_args([*command, "--preset", "llama-tiny", *extra]))
+
+    low_bit = config("--compression", "4bit", "--boundary", "subspace", "--boundary-dim", "4")
+    assert low_bit.swarm.compression == "4bit" and low_bit.model.boundary == "subspace"
+    assert low_bit.digest() != config("--boundary", "subspace", "--boundary-dim", "4").digest()
+    assert config("--compression", "8bit").digest() == config().digest()  # 8 bits and up: not in it
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([*command, "--compression", "5bit"])
+
+
+def test_train_local_and_boundary_table_take_no_compression(capsys):
+    from swarmtrain.cli.main import build_parser
+
+    for command in (["train-local"], ["boundary-table", "--out", "table.safetensors"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([*command, "--compression", "4bit"])
+        assert "unrecognized arguments: --compression" in capsys.readouterr().err
+
+
+def test_the_demo_writes_the_codec_beside_its_own_swarm_settings(tmp_path):
+    from swarmtrain.cli.demo import _overrides
+    from swarmtrain.cli.main import build_parser
+    from swarmtrain.config import load_run_config
+    from swarmtrain.runtime.harness.demo import DEMO_SWARM, DemoOptions, _run_file
+
+    args = build_parser().parse_args(["demo", "--preset", "llama-tiny", "--compression", "4bit"])
+    overrides = _overrides(args, get_preset("llama-tiny"))
+    written = load_run_config(_run_file(DemoOptions(preset="llama-tiny", overrides=overrides), tmp_path))
+    assert written.swarm.compression == "4bit" and written.model.boundary == "none"
+    assert written.swarm.announce_period_s == DEMO_SWARM["announce_period_s"]
+    own = tmp_path / "own.toml"
+    own.write_text('preset = "tiny"\n[swarm]\ncompression = "none"\nrequest_timeout_s = 7.0\n')
+    derived = load_run_config(_run_file(DemoOptions(config_path=str(own), overrides=overrides), tmp_path))
+    assert (derived.swarm.compression, derived.swarm.request_timeout_s) == ("4bit", 7.0)

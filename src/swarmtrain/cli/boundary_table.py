@@ -24,7 +24,7 @@ def register(subparsers) -> None:
         '`--boundary-table FILE` or `boundary_table = "FILE"` in the run file\'s [model]; every peer needs '
         "a file of the same content (its hash is in the run digest).",
     )
-    add_run_config_args(parser, default_preset="llama-tiny")
+    add_run_config_args(parser, default_preset="llama-tiny", compression=False)
     parser.add_argument("--out", required=True, metavar="FILE", help="the table to write (.safetensors)")
     parser.add_argument(
         "--max-tokens",

@@ -20,9 +20,15 @@ from swarmtrain.config import RunConfig, get_preset, load_run_config, preset_nam
 from swarmtrain.config.errors import ConfigError, UserError
 from swarmtrain.config.hf_config import model_config_from_hf, read_hf_config
 from swarmtrain.config.model import BOUNDARY_CHOICES, SUBSPACE
+from swarmtrain.config.run import COMPRESSION_CHOICES
 
 
-def add_run_config_args(parser: argparse.ArgumentParser, default_preset: str = "tiny") -> None:
+def add_run_config_args(
+    parser: argparse.ArgumentParser, default_preset: str = "tiny", compression: bool = True
+) -> None:
+    """`--preset`, `--config`, `--init-from-hf`, the boundary flags and (`compression`: commands whose
+    peers send activations, or that find a run by its digest) `--compression`; `run_config_from_args`
+    applies them."""
     parser.add_argument(
         "--preset",
         default=None,
@@ -45,7 +51,28 @@ def add_run_config_args(parser: argparse.ArgumentParser, default_preset: str = "
         "first). Every peer of the run passes the same DIR",
     )
     add_boundary_args(parser)
+    if compression:
+        add_compression_arg(parser)
     parser.set_defaults(default_preset=default_preset)
+
+
+def add_compression_arg(parser: argparse.ArgumentParser) -> None:
+    """`--compression CODEC`: the run file's `swarm.compression`, read by `with_compression`."""
+    parser.add_argument(
+        "--compression",
+        choices=COMPRESSION_CHOICES,
+        default=None,
+        help="codec of the activations and gradients between stages (replaces the run file's "
+        "swarm.compression; default there: 8bit). One below 8 bits (4bit, 3bit, 2bit and their -rht forms) "
+        "is part of the run digest: every peer passes the same",
+    )
+
+
+def with_compression(cfg: RunConfig, codec: str | None) -> RunConfig:
+    """`cfg` with `--compression CODEC` applied (None: the run file's own)."""
+    if codec is None:
+        return cfg
+    return cfg.replace(swarm=dataclasses.replace(cfg.swarm, compression=codec))
 
 
 def add_boundary_args(parser: argparse.ArgumentParser) -> None:
@@ -117,6 +144,7 @@ def run_config_from_args(args: argparse.Namespace) -> RunConfig:
         getattr(args, "boundary_dim", None),
         getattr(args, "boundary_table", None),
     )
+    cfg = with_compression(cfg, getattr(args, "compression", None))
     model_dir = getattr(args, "init_from_hf", None)
     return with_hf_model(cfg, model_dir) if model_dir else cfg
 

@@ -8,11 +8,13 @@ import os
 from swarmtrain.cli.common import (
     add_boundary_args,
     add_command,
+    add_compression_arg,
     add_device_args,
     compute_device_from_args,
     positive_float,
     positive_int,
     with_boundary,
+    with_compression,
     with_hf_model,
     write_summary_json,
 )
@@ -70,7 +72,8 @@ def register(subparsers) -> None:
         help="a local Hugging Face model directory (Llama or GPT-2): the run's model is DIR's config.json "
         "and the servers (and the one-process reference) start from its weights",
     )
-    add_boundary_args(parser)  # written into the demo's run file, which every peer reads
+    add_boundary_args(parser)  # these two written into the demo's run file, which every peer reads
+    add_compression_arg(parser)
     add_device_args(parser, what="the stage servers and the one-process reference")
     parser.add_argument(
         "--summary-json",
@@ -108,17 +111,7 @@ def run(args: argparse.Namespace) -> int:
         monitor_port=None if args.no_monitor else args.monitor_port,
         checkpoint_dir=args.checkpoint_dir,
         init_from_hf=args.init_from_hf,
-        model_overrides=(
-            {
-                "boundary": cfg.model.boundary,
-                "boundary_dim": cfg.model.boundary_dim,
-                "boundary_table": os.path.abspath(cfg.model.boundary_table)
-                if cfg.model.boundary_table
-                else "",
-            }
-            if args.boundary or args.boundary_dim or args.boundary_table
-            else {}
-        ),
+        overrides=_overrides(args, cfg),
         device=str(compute.device),  # resolved once: every server and the reference on the same device
         dtype=compute.dtype,
     )
@@ -132,5 +125,22 @@ def _swarm_config(args: argparse.Namespace):
     from swarmtrain.config import get_preset, load_run_config
 
     cfg = load_run_config(args.config) if args.config else get_preset(args.preset)
-    cfg = with_boundary(cfg, args.boundary, args.boundary_dim, args.boundary_table)
+    cfg = with_compression(
+        with_boundary(cfg, args.boundary, args.boundary_dim, args.boundary_table), args.compression
+    )
     return with_hf_model(cfg, args.init_from_hf) if args.init_from_hf else cfg
+
+
+def _overrides(args: argparse.Namespace, cfg) -> dict[str, dict]:
+    """What the demo's run file sets from the command line: the boundary (its table as an absolute
+    path, since the peers run elsewhere) and the codec."""
+    model = {}
+    if args.boundary or args.boundary_dim or args.boundary_table:
+        table = cfg.model.boundary_table
+        model = {
+            "boundary": cfg.model.boundary,
+            "boundary_dim": cfg.model.boundary_dim,
+            "boundary_table": os.path.abspath(table) if table else "",
+        }
+    swarm = {"compression": args.compression} if args.compression else {}
+    return {"model": model, "swarm": swarm}

@@ -26,7 +26,7 @@ def register(subparsers) -> None:
         ". AdamW, warmup + cosine, gradient clipping, "
         "accumulation to the global batch, periodic validation, checkpoint and resume.",
     )
-    add_run_config_args(parser)
+    add_run_config_args(parser, compression=False)
     parser.add_argument(
         "--max-samples", type=positive_int, metavar="N", help="train on N samples (overrides config)"
     )

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 
 from swarmtrain.cli.common import (
@@ -17,7 +16,6 @@ from swarmtrain.cli.common import (
     write_summary_json,
 )
 from swarmtrain.cli.net_args import add_identity_arg, add_network_args, network_from_args, prepare_process
-from swarmtrain.config.run import COMPRESSION_CHOICES
 
 HELP = "drive micro-batches through the swarm (stochastic wiring, retries, compression)"
 
@@ -33,13 +31,6 @@ def register(subparsers) -> None:
     add_run_config_args(parser)
     add_network_args(parser)
     add_identity_arg(parser)
-    parser.add_argument(
-        "--compression",
-        choices=COMPRESSION_CHOICES,
-        help="codec for activations and gradients (default: the run config's swarm.compression). It "
-        "replaces swarm.compression: a codec below 8 bits is part of the run digest, so the servers' "
-        "run config must name the same one",
-    )
     parser.add_argument(
         "--max-samples",
         type=positive_int,
@@ -90,8 +81,6 @@ def run(args: argparse.Namespace) -> int:
         from swarmtrain.planner.plan_file import config_from_plan, load_plan
 
         cfg = config_from_plan(cfg, load_plan(args.plan))
-    if args.compression:
-        cfg = cfg.replace(swarm=dataclasses.replace(cfg.swarm, compression=args.compression))
     require_swarm_model(cfg, args)  # a config mistake is one line before any process starts
     prepare_process()
     from swarmtrain.net.engine import validate_initial_peers

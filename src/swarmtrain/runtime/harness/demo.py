@@ -62,8 +62,9 @@ class DemoOptions:
     monitor_port: int | None = 0  # the live web page (`swarmtrain monitor`); 0: any free port; None: none
     checkpoint_dir: str | None = None  # servers write stage checkpoints here (`swarmtrain export` reads them)
     init_from_hf: str | None = None  # every peer's model (and servers' weights) from this HF directory
-    # [model] fields the demo's run file sets over the preset's or --config's (`--boundary`, ...)
-    model_overrides: dict = field(default_factory=dict)
+    # fields the demo's run file sets over the preset's or --config's, by section: [model] (`--boundary`,
+    # ...), [swarm] (`--compression`)
+    overrides: dict[str, dict] = field(default_factory=dict)
     # where the stage servers and the one-process reference compute (`--device`, `--dtype` of
     # model/device.py); fp16 is refused by the servers (whole-model commands only)
     device: str = "auto"
@@ -92,14 +93,15 @@ def _on_signal(signum, frame):
 
 
 def _run_file(options: DemoOptions, workdir: Path) -> Path | str:
-    """The run file every peer reads: --config, or the preset with the demo's swarm, plus the model's
+    """The run file every peer reads: --config, or the preset with the demo's swarm, plus the options'
     overrides (a copy when they change a given file)."""
-    model = {"model": options.model_overrides} if options.model_overrides else {}
+    overrides = {section: values for section, values in options.overrides.items() if values}
     if options.config_path is None:
-        return write_run_toml(workdir / "run.toml", options.preset, {"swarm": DEMO_SWARM, **model})
-    return (
-        derived_run_toml(options.config_path, workdir / "run.toml", model) if model else options.config_path
-    )
+        swarm = {**DEMO_SWARM, **overrides.get("swarm", {})}
+        return write_run_toml(workdir / "run.toml", options.preset, {**overrides, "swarm": swarm})
+    if not overrides:
+        return options.config_path
+    return derived_run_toml(options.config_path, workdir / "run.toml", overrides)
 
 
 def run_demo(options: DemoOptions, out=sys.stdout) -> dict:
