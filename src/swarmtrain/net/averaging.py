@@ -20,13 +20,16 @@ why hivemind's matchmaking is too slow for that); hivemind's averager serves the
 - while the owner's stage idles (`idle_slack_s`, set by the owner from its activity), a declaration lives
   and is renewed on the idle pace of the other records (planner/idle_pace.py), and never expires
   before the last one (the DHT would refuse a change of priority until the idle one lapsed); the first
-  one, if refused, goes once more outlasting any a previous life of the peer can have made.
+  one, if refused, goes once more outlasting any a previous life of the peer can have made;
+- a declaration is not stored again at every step, whose priority rises with each
+  (planner/donor_declarations.py: at most once a second for a rise, at once for a fall).
 """
 
 from __future__ import annotations
 
 import asyncio
 import ctypes
+import functools
 import logging
 import multiprocessing as mp
 import random
@@ -47,6 +50,7 @@ from hivemind.utils.streaming import combine_from_streaming
 
 from swarmtrain.net.dht_records import live_subkeys
 from swarmtrain.net.engine import restore_sigint
+from swarmtrain.planner.donor_declarations import declaration_wait_s
 from swarmtrain.planner.download_deadline import REPORT_SLACK_S
 from swarmtrain.planner.idle_pace import outlasting_expiration, store_expiration, stored_ttl_s
 from swarmtrain.utils.logging import get_logger, log_repeated
@@ -173,27 +177,32 @@ class StageAverager(DecentralizedAverager):
         return members
 
     async def _declare_for_download_periodically(self) -> None:
-        """(in the averager's process) Every `declare_state_period`, and whenever sharing is switched,
-        announce under the group's key whether (with which priority) this peer serves its state, as
-        hivemind does; each store runs on its own (a slow DHT does not delay the next declaration) and
-        its failure is logged in one line instead of left unretrieved."""
+        """(in the averager's process) Announce under the group's key whether (with which priority) this
+        peer serves its state, as hivemind does, but paced (planner/donor_declarations.py): not a store
+        per step. Each store after the first runs on its own (a slow DHT does not delay the next
+        declaration) and its failure is logged in one line instead of left unretrieved."""
         key = f"{self._matchmaking.group_key_manager.prefix}.all_averagers"
-        was_sharing, declared_until = self.allow_state_sharing, None
+        was_sharing, declared = self.allow_state_sharing, None
         while True:
-            self._state_updated.clear()  # a change from here on (even during an awaited store) is declared next
-            period_s = stored_ttl_s(self.declare_state_period, self.idle_slack_s)
-            expiration_time = store_expiration(get_dht_time(), period_s, declared_until)
-            if self.allow_state_sharing or was_sharing:  # a switch-off overwrites the last declaration
-                value = self.state_sharing_priority if self.allow_state_sharing else None
-                if declared_until is None:
+            self._state_updated.clear()  # a change from here on (even during an awaited store) is seen next
+            sharing, priority = self.allow_state_sharing, self.state_sharing_priority
+            wait = functools.partial(
+                declaration_wait_s, sharing=sharing, priority=priority, period_s=self.declare_state_period
+            )
+            now_s = get_dht_time()
+            if wait(now_s, was_sharing=was_sharing, declared=declared) <= 0:
+                period_s = stored_ttl_s(self.declare_state_period, self.idle_slack_s)
+                expiration_time = store_expiration(now_s, period_s, None if declared is None else declared[2])
+                value = priority if sharing else None
+                if declared is None:
                     expiration_time = await self._declare_first(key, value, expiration_time)
                 else:
                     task = asyncio.create_task(self._declare(key, value, expiration_time))
                     task.add_done_callback(_report_declaration)
-                was_sharing, declared_until = self.allow_state_sharing, expiration_time
+                was_sharing, declared = sharing, (priority, now_s, expiration_time)
+            remaining_s = wait(get_dht_time(), was_sharing=was_sharing, declared=declared)
             with suppress(TimeoutError):
-                remaining_s = max(0.0, expiration_time - get_dht_time())
-                await asyncio.wait_for(self._state_updated.wait(), timeout=remaining_s)
+                await asyncio.wait_for(self._state_updated.wait(), timeout=max(remaining_s, 0.01))
 
     async def _declare(self, key: str, value: float | None, expiration_time: float) -> bool:
         store = self.dht.store(
