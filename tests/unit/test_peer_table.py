@@ -212,3 +212,61 @@ def test_an_announcement_carries_its_settings_and_malformed_ones_read_as_none():
     assert StageAnnouncement.from_value(older).settings == {}
     for bad in ("x", ["a"], {"a": 1}, {1: "a"}, {"a": "x" * 1000}, {f"k{i}": "v" for i in range(1000)}):
         assert StageAnnouncement.from_value({**ann.to_value(), "settings": bad}).settings == {}
+
+
+class _Records:
+    """The two reads `PeerTable.fetch` makes, from fixed records; counts the settings reads."""
+
+    def __init__(self, announcements, settings):
+        self.announcements, self.settings, self.settings_reads = announcements, settings, []
+
+    def stage_peers(self, stage, with_offline=False):
+        return self.announcements[stage]
+
+    def settings_of(self, digest):
+        self.settings_reads.append(digest)
+        return self.settings.get(digest, {})
+
+
+def test_a_mismatch_names_the_settings_the_foreign_servers_publish_read_once_per_digest():
+    # today's servers announce no settings (they were 60% of each announcement's bytes): the trainer
+    # reads the run's settings record for a digest it does not know, once
+    records = _Records([{"a": _foreign(0)}, {"z": _ann(1, "ours")}], {})
+    table = PeerTable(records=records, num_stages=2, digest="ours", settings=_settings("4bit"))
+    t0 = time.monotonic()
+    table.apply(table.fetch(), t0)  # the record is not there yet: asked again next time
+    records.settings = {"theirs": _settings("8bit")}
+    table.apply(table.fetch(), t0 + 1)
+    table.apply(table.fetch(), t0 + 2)
+    assert records.settings_reads == ["theirs", "theirs"]  # no read once known, none for our digest
+    error = table.mismatch(t0 + MISMATCH_GRACE_S)
+    assert "swarm.compression: this run 4bit, the servers 8bit" in error
+
+
+def test_the_settings_record_reads_back_the_settings_of_a_digest_and_drops_malformed_ones():
+    from swarmtrain.net.dht_records import RunRecords, settings_key
+
+    stored = {}
+
+    class Dht:
+        def store(self, key, value, expiration, subkey, return_future):
+            stored.setdefault(key, {})[subkey] = value
+            return _Done(True)
+
+        def get(self, key, latest, return_future):
+            entries = {k: type("Item", (), {"value": v}) for k, v in stored.get(key, {}).items()}
+            return _Done(type("Found", (), {"value": entries}) if entries else None)
+
+    records = RunRecords(Dht(), "run")
+    assert records.publish_settings("peer-a", "d1", _settings("8bit"))
+    assert records.settings_of("d1") == _settings("8bit") and records.settings_of("d2") == {}
+    stored[settings_key("run")]["stranger"] = {"digest": "d2", "settings": {"a": 1}, "time": 0.0}
+    assert records.settings_of("d2") == {}  # not a settings summary: none
+
+
+class _Done:
+    def __init__(self, value):
+        self.value = value
+
+    def result(self, timeout=None):
+        return self.value

@@ -2,8 +2,7 @@
 
 Keys (docs/DESIGN.md section 4), one subkey per peer (its base58 peer id), every subkey with its own
 expiration so that dead peers disappear by themselves:
-- `{run}.stage{i}`          -> StageAnnouncement (addresses, throughput, queue, digest and what it is
-                               made of, state version)
+- `{run}.stage{i}`          -> StageAnnouncement (addresses, throughput, queue, digest, state version)
 - `{run}.stage{i}.progress` -> {epoch, samples, ready, params_digest, time}: drives intra-stage steps
 - `{run}.metrics`           -> {role, stage, step, loss, samples_per_s, time, ...}
 - `{run}.replicas`          -> {digest, outer_step, inner_step, samples_per_s, fp, time}: whole-model
@@ -11,6 +10,10 @@ expiration so that dead peers disappear by themselves:
 - `{run}.moves`             -> {from, to, rate, state, time}: rebalancing leases (proposed, moving, done)
 - `{run}.stops`             -> {step, shards, time}, subkey `shard{i}`: where a trainer shard on a time
                                limit proposes that every shard stops (planner/stop_step.py)
+- `{run}.settings`          -> {digest, settings, time}: what a server's config digest is made of
+                               (RunConfig.settings_summary), so that a peer of another digest can name
+                               the settings that differ. Apart from the announcements, which are read
+                               several times a second: there it was 60% of every record's bytes
 
 Every call is bounded by a timeout (a dead DHT process would otherwise hang callers forever) and
 tolerates malformed values from other peers (skipped, never raised). A stage server's records allow an
@@ -78,6 +81,15 @@ def stops_key(run_id: str) -> str:
     return f"{run_id}.stops"
 
 
+def settings_key(run_id: str) -> str:
+    return f"{run_id}.settings"
+
+
+# a server stores its settings record this often, to live three times as long: it never changes in a run
+SETTINGS_PERIOD_S = 20.0
+SETTINGS_TTL_S = 3 * SETTINGS_PERIOD_S
+
+
 @dataclass
 class StageAnnouncement:
     """What a stage server tells trainers about itself."""
@@ -101,8 +113,8 @@ class StageAnnouncement:
     swarm_samples_per_s: float = 0.0
     # the busy fraction of the resource that limits it (runtime/server/step_rate.Utilization); 0: not known
     utilization: float = 0.0
-    # what its config digest is made of (RunConfig.settings_summary): a reader whose digest differs can
-    # name the settings that do. {}: not announced (an older server)
+    # what its config digest is made of (RunConfig.settings_summary), as servers before the `{run}.settings`
+    # record announced it; today's servers leave it empty ({}) and publish it there
     settings: dict[str, str] = field(default_factory=dict)
 
     def to_value(self) -> dict:
@@ -376,6 +388,20 @@ class RunRecords:
             progress_key(self.run_id, stage),
             lambda v: isinstance(v.get("epoch"), int) and isinstance(v.get("samples"), int),
         )
+
+    # settings -----------------------------------------------------------------------------------
+    def publish_settings(self, peer_id: str, digest: str, settings: dict[str, str]) -> bool:
+        return self._publish(
+            settings_key(self.run_id), peer_id, {"digest": digest, "settings": settings}, SETTINGS_TTL_S
+        )
+
+    def settings_of(self, digest: str) -> dict[str, str]:
+        """What config digest `digest` is made of, as a server of it published ({}: none did)."""
+        for record in self._records(settings_key(self.run_id), lambda v: v.get("digest") == digest).values():
+            settings = _settings(record.get("settings"))
+            if settings:
+                return settings
+        return {}
 
     # metrics ------------------------------------------------------------------------------------
     def publish_metrics(self, peer_id: str, metrics: dict, ttl_s: float) -> bool:

@@ -40,7 +40,13 @@ from typing import TYPE_CHECKING
 from swarmtrain.config import RunConfig
 from swarmtrain.config.errors import UserError
 from swarmtrain.model.device import CPU_FP32, ComputeDevice, busy_clock_s
-from swarmtrain.net.dht_records import RunRecords, StageAnnouncement, progress_key, stage_key
+from swarmtrain.net.dht_records import (
+    SETTINGS_PERIOD_S,
+    RunRecords,
+    StageAnnouncement,
+    progress_key,
+    stage_key,
+)
 from swarmtrain.net.engine import shutdown_quietly
 from swarmtrain.net.link_meter import DOWN, UP, LinkMeter
 from swarmtrain.net.protocol import (
@@ -173,6 +179,7 @@ class StageService:
         self.hop: ChainHop | None = None  # this stage's part of direct hand-offs, while serving
         self.callers: StagePeers | None = None  # behind a NAT: the stage before, kept connected
         self._tasks: list[asyncio.Task] = []
+        self._settings_due_s = 0.0  # when `announce` next publishes the run's settings record
         with ExitStack() as undo:  # a failure half-way stops what was started, in reverse order
             self._build(undo)
             undo.pop_all()  # complete: from here `close()` stops it all
@@ -506,10 +513,13 @@ class StageService:
             self.link_capacity.update(self.admission.samples_done, totals)
             busy_s.update({UPLINK: totals[UP].busy_s, DOWNLINK: totals[DOWN].busy_s})
         self.utilization.update(time.monotonic(), busy_s)
-        announcement = announcement_of(self.snapshot(work_s), state, self.cfg.settings_summary())
+        announcement = announcement_of(self.snapshot(work_s), state)
         # an offline record too: the DHT replaces a record only by one that expires later, so a short-lived
         # offline record would be refused and trainers would route to a stopped server until it expired
         self.node.records.announce(self.peer_id, announcement, self.announce_ttl_s)
+        if time.monotonic() >= self._settings_due_s and state != "offline":
+            if self.node.records.publish_settings(self.peer_id, self.digest, self.cfg.settings_summary()):
+                self._settings_due_s = time.monotonic() + SETTINGS_PERIOD_S
         self.averager.idle_slack_s = self.node.records.slack_s()  # its declaration keeps the same pace
         return announcement
 
@@ -518,7 +528,7 @@ class StageService:
         return ANNOUNCE_TTL_PERIODS * self.cfg.swarm.announce_period_s
 
     def announcement(self, state: str | None = None) -> StageAnnouncement:
-        return announcement_of(self.snapshot(), state, self.cfg.settings_summary())
+        return announcement_of(self.snapshot(), state)
 
     def metrics(self) -> ServerMetrics:
         return metrics_of(self.snapshot())

@@ -99,11 +99,9 @@ def info_header(snap: StageSnapshot, names: list[str]) -> dict:
     }
 
 
-def announcement_of(
-    snap: StageSnapshot, state: str | None = None, settings: dict[str, str] | None = None
-) -> StageAnnouncement:
-    """The DHT record trainers route by; `state` (default: from the snapshot) online, joining or offline;
-    `settings`: what the digest is made of (RunConfig.settings_summary)."""
+def announcement_of(snap: StageSnapshot, state: str | None = None) -> StageAnnouncement:
+    """The DHT record trainers route by; `state` (default: from the snapshot) online, joining or offline.
+    What the digest is made of goes in its own record (`RunRecords.publish_settings`), not in this one."""
     state = state or ("offline" if snap.draining else "online" if snap.serving else "joining")
     return StageAnnouncement(
         stage=snap.stage,
@@ -118,7 +116,6 @@ def announcement_of(
         limit=snap.limit,
         swarm_samples_per_s=snap.swarm_samples_per_s,
         utilization=snap.utilization,
-        settings=dict(settings or {}),
     )
 
 

@@ -9,7 +9,9 @@ DHT's own nodes are cut off or frozen).
 
 A stage whose announced peers all run another config digest is a mismatch, not a wait: once it has
 been so for a grace (`mismatch`), the trainer stops with a one-line error naming the settings that
-differ, from what the servers announce their digest is made of (RunConfig.settings_summary).
+differ, from what the servers publish their digest is made of (RunConfig.settings_summary, the
+`{run}.settings` record, read once per foreign digest; servers of older versions put it in their
+announcements).
 """
 
 from __future__ import annotations
@@ -61,13 +63,21 @@ class PeerTable:
         # per stage: since when (monotonic) it shows peers of other digests and none of ours
         self._unmatched_since: list[float | None] = [None] * num_stages
         self._foreign: list[dict[str, StageAnnouncement]] = [{} for _ in range(num_stages)]
+        self._foreign_settings: dict[str, dict[str, str]] = {}  # digest -> its settings (`fetch`)
         # peer -> when (monotonic) a DHT read last listed it, not "offline": how long a peer the trainer
         # cannot connect to has been gone from the DHT tells a dead peer (planner/close_retry.py)
         self._listed_at_s: dict[str, float] = {}
 
     def fetch(self) -> list[dict[str, StageAnnouncement]]:
-        """Blocking DHT read of every stage's announcements (run in an executor)."""
-        return [self.records.stage_peers(stage, with_offline=True) for stage in range(self.num_stages)]
+        """Blocking DHT read of every stage's announcements (run in an executor), and of what each
+        config digest other than ours is made of, once per digest (what a mismatch error names)."""
+        fetched = [self.records.stage_peers(stage, with_offline=True) for stage in range(self.num_stages)]
+        foreign = {a.config_digest for found in fetched for a in found.values()} - {self.digest}
+        for digest in foreign - set(self._foreign_settings):
+            settings = self.records.settings_of(digest)
+            if settings:  # none yet (a server that just started): asked again at the next fetch
+                self._foreign_settings[digest] = settings
+        return fetched
 
     def apply(self, fetched: list[dict[str, StageAnnouncement]], now_s: float | None = None) -> list[str]:
         """Update routers from fetched records; returns peers seen for the first time. A peer whose
@@ -134,7 +144,8 @@ class PeerTable:
         """The error naming the settings our digest and the stage's most common foreign one differ in."""
         foreign = self._foreign[stage]
         digest, count = collections.Counter(a.config_digest for a in foreign.values()).most_common(1)[0]
-        theirs = next(a.settings for a in foreign.values() if a.config_digest == digest)
+        announced = next(a.settings for a in foreign.values() if a.config_digest == digest)
+        theirs = announced or self._foreign_settings.get(digest, {})  # announced: servers of older versions
         if theirs:
             differ = differing_settings(self.settings, theirs)
             named = "; ".join(
