@@ -6,7 +6,7 @@ The priority is the replica's step (half a step lower after it skipped steps, -1
 runtime/server/stage_sync.py), so it rises with every step, and hivemind's averager re-declares on every
 change of it: a DHT store (a traversal and a store on every nearest node) per step per replica. While a
 `llama-tiny` swarm trained at ~7 steps a second that was a quarter of the bytes its DHT nodes served
-(docs/LOG.md, 2026-11-29, thirtieth session). Now:
+(docs/LOG.md, 2026-11-29, twenty-ninth session). Now:
 - stored at once: the first declaration, sharing switched on or off, a priority that fell (a replica gone
   stale or marked as having skipped steps must not be picked on its old standing) or rose from below zero
   (a stale replica that caught up);
