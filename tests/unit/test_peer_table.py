@@ -223,12 +223,12 @@ class _Records:
     def stage_peers(self, stage, with_offline=False):
         return self.announcements[stage]
 
-    def settings_of(self, digest):
-        self.settings_reads.append(digest)
-        return self.settings.get(digest, {})
+    def published_settings(self):
+        self.settings_reads.append(sorted(self.settings))
+        return dict(self.settings)
 
 
-def test_a_mismatch_names_the_settings_the_foreign_servers_publish_read_once_per_digest():
+def test_a_mismatch_names_the_settings_the_foreign_servers_publish_read_while_a_digest_is_new():
     # today's servers announce no settings (they were 60% of each announcement's bytes): the trainer
     # reads the run's settings record for a digest it does not know, once
     records = _Records([{"a": _foreign(0)}, {"z": _ann(1, "ours")}], {})
@@ -238,7 +238,7 @@ def test_a_mismatch_names_the_settings_the_foreign_servers_publish_read_once_per
     records.settings = {"theirs": _settings("8bit")}
     table.apply(table.fetch(), t0 + 1)
     table.apply(table.fetch(), t0 + 2)
-    assert records.settings_reads == ["theirs", "theirs"]  # no read once known, none for our digest
+    assert records.settings_reads == [[], ["theirs"]]  # not read again once known, nor for our digest
     error = table.mismatch(t0 + MISMATCH_GRACE_S)
     assert "swarm.compression: this run 4bit, the servers 8bit" in error
 
@@ -259,9 +259,10 @@ def test_the_settings_record_reads_back_the_settings_of_a_digest_and_drops_malfo
 
     records = RunRecords(Dht(), "run")
     assert records.publish_settings("peer-a", "d1", _settings("8bit"))
-    assert records.settings_of("d1") == _settings("8bit") and records.settings_of("d2") == {}
+    assert records.published_settings() == {"d1": _settings("8bit")}
     stored[settings_key("run")]["stranger"] = {"digest": "d2", "settings": {"a": 1}, "time": 0.0}
-    assert records.settings_of("d2") == {}  # not a settings summary: none
+    stored[settings_key("run")]["other"] = {"digest": 5, "settings": _settings(), "time": 0.0}
+    assert records.published_settings() == {"d1": _settings("8bit")}  # malformed records: none
 
 
 class _Done:

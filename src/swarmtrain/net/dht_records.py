@@ -395,13 +395,16 @@ class RunRecords:
             settings_key(self.run_id), peer_id, {"digest": digest, "settings": settings}, SETTINGS_TTL_S
         )
 
-    def settings_of(self, digest: str) -> dict[str, str]:
-        """What config digest `digest` is made of, as a server of it published ({}: none did)."""
-        for record in self._records(settings_key(self.run_id), lambda v: v.get("digest") == digest).values():
+    def published_settings(self) -> dict[str, dict[str, str]]:
+        """Config digest -> what it is made of, as the servers of each published it (one DHT read)."""
+        out: dict[str, dict[str, str]] = {}
+        for record in self._records(
+            settings_key(self.run_id), lambda v: isinstance(v.get("digest"), str)
+        ).values():
             settings = _settings(record.get("settings"))
             if settings:
-                return settings
-        return {}
+                out.setdefault(record["digest"], settings)
+        return out
 
     # metrics ------------------------------------------------------------------------------------
     def publish_metrics(self, peer_id: str, metrics: dict, ttl_s: float) -> bool:

@@ -10,7 +10,7 @@ DHT's own nodes are cut off or frozen).
 A stage whose announced peers all run another config digest is a mismatch, not a wait: once it has
 been so for a grace (`mismatch`), the trainer stops with a one-line error naming the settings that
 differ, from what the servers publish their digest is made of (RunConfig.settings_summary, the
-`{run}.settings` record, read once per foreign digest; servers of older versions put it in their
+`{run}.settings` record, read when a foreign digest is new; servers of older versions put it in their
 announcements).
 """
 
@@ -73,10 +73,11 @@ class PeerTable:
         config digest other than ours is made of, once per digest (what a mismatch error names)."""
         fetched = [self.records.stage_peers(stage, with_offline=True) for stage in range(self.num_stages)]
         foreign = {a.config_digest for found in fetched for a in found.values()} - {self.digest}
-        for digest in foreign - set(self._foreign_settings):
-            settings = self.records.settings_of(digest)
-            if settings:  # none yet (a server that just started): asked again at the next fetch
-                self._foreign_settings[digest] = settings
+        known = {d: s for d, s in self._foreign_settings.items() if d in foreign}  # bounded by what is seen
+        if foreign - set(known):  # a digest not read yet (or not published yet: asked again next time)
+            published = self.records.published_settings()
+            known.update((d, published[d]) for d in foreign if d in published)
+        self._foreign_settings = known
         return fetched
 
     def apply(self, fetched: list[dict[str, StageAnnouncement]], now_s: float | None = None) -> list[str]:
