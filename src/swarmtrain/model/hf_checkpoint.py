@@ -173,21 +173,7 @@ def load_stage_from_hf(stage: DecoderStage, model_dir: str | Path) -> LoadReport
         with _open(path) as handle:
             for name, source, stored in entries:
                 _check_shape(name, source, stored, tuple(handle.get_slice(stored).get_shape()), params[name])
-    with torch.no_grad():
-        for path, entries in sorted(plan.items()):
-            with _open(path) as handle:
-                for name, source, stored in entries:
-                    tensor = (
-                        handle.get_slice(stored)[: source.rows]
-                        if source.rows is not None
-                        else handle.get_tensor(stored)
-                    )
-                    if source.transpose:
-                        tensor = tensor.t()
-                    params[name].copy_(tensor.to(params[name].dtype))
-                    report.tensors += 1
-                    report.bytes_read += tensor.numel() * tensor.element_size()
-            report.files.append(path.name)
+    _copy_planned(plan, params, report)
     note = gpt2_activation_note(raw)
     if note:
         report.notes.append(note)
@@ -203,6 +189,28 @@ def load_stage_from_hf(stage: DecoderStage, model_dir: str | Path) -> LoadReport
     for note in report.notes:
         logger.warning("%s", note)
     return report
+
+
+def _copy_planned(
+    plan: dict[Path, list[tuple[str, Source, str]]], params: Mapping[str, torch.Tensor], report: LoadReport
+) -> None:
+    """Copy every planned tensor (file -> (our name, source, name in the file)) into its parameter, rows
+    cut and transposed as its source says, file by file, counting them in `report`."""
+    with torch.no_grad():
+        for path, entries in sorted(plan.items()):
+            with _open(path) as handle:
+                for name, source, stored in entries:
+                    tensor = (
+                        handle.get_slice(stored)[: source.rows]
+                        if source.rows is not None
+                        else handle.get_tensor(stored)
+                    )
+                    if source.transpose:
+                        tensor = tensor.t()
+                    params[name].copy_(tensor.to(params[name].dtype))
+                    report.tensors += 1
+                    report.bytes_read += tensor.numel() * tensor.element_size()
+            report.files.append(path.name)
 
 
 def _check_same_model(raw: dict[str, Any], cfg: ModelConfig, model_dir: Path) -> None:
@@ -388,23 +396,11 @@ def save_hf_model(
     tensors = list(hf_tensors(state_dict, cfg))
     shards = _shards(tensors, max_shard_bytes)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    written: list[str] = []
     try:
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
-        weight_map: dict[str, str] = {}
-        total = 0
-        for i, shard in enumerate(shards, start=1):
-            file = SINGLE_FILE if len(shards) == 1 else f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            save_file(_unshared(shard), str(tmp / file), metadata={"format": "pt"})
-            weight_map.update({name: file for name, _ in shard})
-            total += sum(t.numel() * t.element_size() for _, t in shard)
-            written.append(file)
-        if len(shards) > 1:
-            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-            (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-            written.append(INDEX_FILE)
+        written, total = _write_weights(tmp, shards)
         for name, content in tokenizer.files.items():
             (tmp / name).write_bytes(content)
             written.append(name)
@@ -425,6 +421,25 @@ def save_hf_model(
         bytes_written=total,
         tokenizer=tokenizer.description,
     )
+
+
+def _write_weights(folder: Path, shards: list[list[tuple[str, torch.Tensor]]]) -> tuple[list[str], int]:
+    """Write the shards into `folder` as safetensors files, with an index when there are several:
+    (the files written, the tensors' bytes)."""
+    written: list[str] = []
+    weight_map: dict[str, str] = {}
+    total = 0
+    for i, shard in enumerate(shards, start=1):
+        file = SINGLE_FILE if len(shards) == 1 else f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(_unshared(shard), str(folder / file), metadata={"format": "pt"})
+        weight_map.update({name: file for name, _ in shard})
+        total += sum(t.numel() * t.element_size() for _, t in shard)
+        written.append(file)
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        written.append(INDEX_FILE)
+    return written, total
 
 
 def _unshared(shard: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
-from statistics import median
+from statistics import fmean, median
 from typing import Any
 
 from swarmtrain.config import RunConfig, sizes
@@ -265,10 +265,7 @@ def fleet_facts(
     stage_need = max(costs.train_memory_bytes)
     per_stage = [compute_s_per_sample(p, costs) for p in peers]
     stage_capable = [i for i, t in enumerate(per_stage) if any(math.isfinite(v) for v in t)]
-    mean_stage_s = [
-        sum(v for v in t if math.isfinite(v)) / sum(1 for v in t if math.isfinite(v))
-        for t in (per_stage[i] for i in stage_capable)
-    ]
+    mean_stage_s = [fmean(v for v in per_stage[i] if math.isfinite(v)) for i in stage_capable]
     links = [min(p.uplink_bytes_per_s, p.downlink_bytes_per_s) for p in peers]
     paths = _median_path_caps(fleet)
     act = costs.activation_bytes_per_sample
@@ -343,21 +340,38 @@ def _pct(v: float) -> str:
 
 def fleet_reasons(f: FleetFacts) -> list[str]:
     """Memory, device speed and bandwidth, from the cost model alone (no simulation)."""
-    out = []
+    reasons = [_memory_reason(f), _swapping_reason(f), _speed_reason(f), _swarm_link_reason(f)]
+    reasons.append(
+        f"averaging (SWARM): each stage all-reduces its fp16 gradients (up to "
+        f"{human_bytes(f.stage_averaging_bytes)}, about twice that each way per peer) once per global batch "
+        f"of {f.global_batch_size} samples, which alone caps SWARM at "
+        f"{_rate(f.swarm_averaging_cap_samples_per_s)} at the median link, however many peers it has"
+    )
+    if f.replica_capable_peers > 1:
+        reasons.append(_replica_link_reason(f))
+    return [r for r in reasons if r]
+
+
+def _memory_reason(f: FleetFacts) -> str:
+    need = (
+        f"memory: a full replica needs {human_bytes(f.replica_memory_bytes)} of training state (fp32 "
+        f"parameters, gradients, Adam moments, activations); "
+    )
     if f.replica_capable_peers == 0:
-        out.append(
-            f"memory: a full replica needs {human_bytes(f.replica_memory_bytes)} of training state (fp32 "
-            f"parameters, gradients, Adam moments, activations); no peer's host memory holds it (largest "
-            f"{human_bytes(f.largest_host_memory_bytes)}), so async replicas are impossible; SWARM splits it "
-            f"into {f.num_stages} stages of at most {human_bytes(f.stage_memory_bytes)}"
+        return need + (
+            f"no peer's host memory holds it (largest {human_bytes(f.largest_host_memory_bytes)}), so async "
+            f"replicas are impossible; SWARM splits it into {f.num_stages} stages of at most "
+            f"{human_bytes(f.stage_memory_bytes)}"
         )
-    else:
-        idle = f.num_peers - f.replica_capable_peers
-        out.append(
-            f"memory: a full replica needs {human_bytes(f.replica_memory_bytes)} of training state (fp32 "
-            f"parameters, gradients, Adam moments, activations); {f.replica_capable_peers} of {f.num_peers} "
-            f"peers hold it in host memory and can be replicas" + (f" ({idle} would idle)" if idle else "")
-        )
+    idle = f.num_peers - f.replica_capable_peers
+    return need + (
+        f"{f.replica_capable_peers} of {f.num_peers} peers hold it in host memory and can be replicas"
+        + (f" ({idle} would idle)" if idle else "")
+    )
+
+
+def _swapping_reason(f: FleetFacts) -> str:
+    """Whether replicas stream their layers from host memory ("": no replica-capable peer)."""
     if f.replica_swapping_peers:
         bound = (
             f"PCIe streaming is the bottleneck on {f.replica_swap_bound_peers} of them "
@@ -366,27 +380,29 @@ def fleet_reasons(f: FleetFacts) -> list[str]:
             if f.replica_swap_bound_peers
             else "the streaming hides behind compute"
         )
-        out.append(
+        return (
             f"swapping: the whole model does not fit the GPU of {f.replica_swapping_peers} replica-capable "
             f"peers, so they stream fp16 weights from host memory for every micro-batch; {bound}; a SWARM "
             f"stage ({human_bytes(f.stage_memory_bytes)}) fits the GPU of {f.stage_gpu_peers} of {f.num_peers} peers"
         )
-    elif f.replica_capable_peers:
-        out.append(
-            "swapping: every replica-capable peer holds the whole model on its GPU (no layer swapping)"
-        )
     if f.replica_capable_peers:
-        step_s = f.local_batch_samples * f.replica_compute_s_per_sample
-        out.append(
-            f"device speed: median {f.median_tflops:.3g} TFLOP/s sustained; a replica computes one sample in "
-            f"{f.replica_compute_s_per_sample:.3g} s, a local step of {f.local_batch_samples} samples in "
-            f"{step_s:.3g} s; a SWARM peer computes {_rate(f.swarm_compute_samples_per_s)} at a mean stage"
-        )
-    else:
-        out.append(
-            f"device speed: median {f.median_tflops:.3g} TFLOP/s sustained; a SWARM peer computes "
-            f"{_rate(f.swarm_compute_samples_per_s)} at a mean stage"
-        )
+        return "swapping: every replica-capable peer holds the whole model on its GPU (no layer swapping)"
+    return ""
+
+
+def _speed_reason(f: FleetFacts) -> str:
+    swarm = f"a SWARM peer computes {_rate(f.swarm_compute_samples_per_s)} at a mean stage"
+    if not f.replica_capable_peers:
+        return f"device speed: median {f.median_tflops:.3g} TFLOP/s sustained; {swarm}"
+    step_s = f.local_batch_samples * f.replica_compute_s_per_sample
+    return (
+        f"device speed: median {f.median_tflops:.3g} TFLOP/s sustained; a replica computes one sample in "
+        f"{f.replica_compute_s_per_sample:.3g} s, a local step of {f.local_batch_samples} samples in "
+        f"{step_s:.3g} s; {swarm}"
+    )
+
+
+def _swarm_link_reason(f: FleetFacts) -> str:
     bound = "link-bound" if f.swarm_link_samples_per_s < f.swarm_compute_samples_per_s else "compute-bound"
     paths = (
         f" (paths between locations cap each transfer at a median {_mbit(f.median_path_bytes_per_s)}, "
@@ -394,30 +410,25 @@ def fleet_reasons(f: FleetFacts) -> list[str]:
         if f.median_path_bytes_per_s < f.median_link_bytes_per_s
         else ""
     )
-    out.append(
+    return (
         f"bandwidth (SWARM): median peer link {_mbit(f.median_link_bytes_per_s)}{paths}; a stage boundary "
         f"carries {human_bytes(f.activation_bytes_per_sample)} per sample each way, so a middle-stage peer's "
         f"link carries at most {_rate(f.swarm_link_samples_per_s)} against {_rate(f.swarm_compute_samples_per_s)} "
         f"of compute: SWARM peers are {bound}"
     )
-    out.append(
-        f"averaging (SWARM): each stage all-reduces its fp16 gradients (up to "
-        f"{human_bytes(f.stage_averaging_bytes)}, about twice that each way per peer) once per global batch "
-        f"of {f.global_batch_size} samples, which alone caps SWARM at "
-        f"{_rate(f.swarm_averaging_cap_samples_per_s)} at the median link, however many peers it has"
+
+
+def _replica_link_reason(f: FleetFacts) -> str:
+    step_s = f.local_batch_samples * f.replica_compute_s_per_sample
+    share = {h: f.averaging_s_per_round / (h * step_s + f.averaging_s_per_round) for h in (1, 10, 100)}
+    return (
+        f"bandwidth (replicas): one averaging round moves {human_bytes(f.averaging_bytes_per_round)} each way "
+        f"per replica (fp16 butterfly all-reduce), {f.averaging_s_per_round:.3g} s at the median replica "
+        f"link vs {step_s:.3g} s per local step: averaging takes "
+        + " / ".join(f"{100 * v:.2g}%" for v in share.values())
+        + " of a replica's time at H = "
+        + " / ".join(str(h) for h in share)
     )
-    if f.replica_capable_peers > 1:
-        step_s = f.local_batch_samples * f.replica_compute_s_per_sample
-        share = {h: f.averaging_s_per_round / (h * step_s + f.averaging_s_per_round) for h in (1, 10, 100)}
-        out.append(
-            f"bandwidth (replicas): one averaging round moves {human_bytes(f.averaging_bytes_per_round)} each way "
-            f"per replica (fp16 butterfly all-reduce), {f.averaging_s_per_round:.3g} s at the median replica "
-            f"link vs {step_s:.3g} s per local step: averaging takes "
-            + " / ".join(f"{100 * v:.2g}%" for v in share.values())
-            + " of a replica's time at H = "
-            + " / ".join(str(h) for h in share)
-        )
-    return out
 
 
 def decision_reasons(

@@ -181,21 +181,12 @@ class SwarmTrainer:
         res.data_start_sample = res.start_step * shard_samples_per_step
         batches = batches_from(res.data_start_sample)
         self.tracker = StepTracker(self.num_stages, self.micro_batches_per_step, res.start_step, self._close)
+        wait_s = self.cfg.swarm.request_timeout_s  # as long as a stage waits for a step's missing closes
         self.stop_agreement = StopAgreement(
-            self.records,
-            self.tracker,
-            opts.shard_index,
-            opts.shard_count,
-            opts.duration_s,
-            self.cfg.swarm.request_timeout_s,  # as long as a stage waits for a step's missing closes
+            self.records, self.tracker, opts.shard_index, opts.shard_count, opts.duration_s, wait_s
         )
-        logger.info(
-            "starting at global step %d (data: sample %d of shard %d/%d)",
-            res.start_step,
-            res.data_start_sample,
-            opts.shard_index,
-            opts.shard_count,
-        )
+        where = (res.start_step, res.data_start_sample, opts.shard_index, opts.shard_count)
+        logger.info("starting at global step %d (data: sample %d of shard %d/%d)", *where)
         start = self._start_s = time.monotonic()
         background = [
             asyncio.create_task(self._every(self._refresh_period_s(), self.caller.refresh)),
@@ -211,16 +202,7 @@ class SwarmTrainer:
                 if not await self._keep_going(start):
                     slots.release()
                     break
-                data_start_s = time.perf_counter()
-                inputs, labels = next(batches)
-                res.data_wait_s += time.perf_counter() - data_start_s
-                step = self.tracker.begin()
-                mb = f"{opts.trainer_id}.{opts.incarnation}-{res.started}"
-                res.started += 1
-                self.ledger.write("start", mb=mb, n=int(inputs.shape[0]), step=step)
-                task = asyncio.create_task(self._micro_batch(mb, step, inputs, labels))
-                in_flight.add(task)
-                task.add_done_callback(lambda t: (in_flight.discard(t), slots.release()))
+                self._start_micro_batch(batches, in_flight, slots)
             self.tracker.truncate()  # stopped mid-step (Ctrl-C): the stages close it short
             if in_flight:
                 await asyncio.gather(*in_flight, return_exceptions=True)
@@ -231,6 +213,20 @@ class SwarmTrainer:
             for task in background:
                 task.cancel()
         return res
+
+    def _start_micro_batch(self, batches, in_flight: set[asyncio.Task], slots: asyncio.Semaphore) -> None:
+        """Take this shard's next micro-batch and start it, holding one of the slots until it is done."""
+        opts, res = self.options, self.result
+        data_start_s = time.perf_counter()
+        inputs, labels = next(batches)
+        res.data_wait_s += time.perf_counter() - data_start_s
+        step = self.tracker.begin()
+        mb = f"{opts.trainer_id}.{opts.incarnation}-{res.started}"
+        res.started += 1
+        self.ledger.write("start", mb=mb, n=int(inputs.shape[0]), step=step)
+        task = asyncio.create_task(self._micro_batch(mb, step, inputs, labels))
+        in_flight.add(task)
+        task.add_done_callback(lambda t: (in_flight.discard(t), slots.release()))
 
     async def _keep_going(self, start: float) -> bool:
         """Start another micro-batch? No on a signal at once; at --max-samples, the run's last step or
