@@ -85,7 +85,8 @@ def settings_key(run_id: str) -> str:
     return f"{run_id}.settings"
 
 
-# a server stores its settings record this often, to live three times as long: it never changes in a run
+# a server stores its settings record this often (runtime/server/server_process.py), to live three times as
+# long: it never changes in a run
 SETTINGS_PERIOD_S = 20.0
 SETTINGS_TTL_S = 3 * SETTINGS_PERIOD_S
 

@@ -31,7 +31,7 @@ import torch
 
 from swarmtrain.config import RunConfig
 from swarmtrain.net.data_plane import DataPlaneClient, DataPlaneServer, connection_limits
-from swarmtrain.net.dht_records import RunRecords
+from swarmtrain.net.dht_records import SETTINGS_PERIOD_S, RunRecords
 from swarmtrain.net.dht_rejoin import keep_joined
 from swarmtrain.net.engine import (
     PeerNetwork,
@@ -249,6 +249,7 @@ class ServerProcess:
             asyncio.create_task(
                 self._every(self.options.metrics_period_s, lambda: self._publish_metrics(service))
             ),
+            asyncio.create_task(self._every(SETTINGS_PERIOD_S, service.publish_settings)),
             # a link cut long enough leaves our DHT node knowing nobody, and nobody it (net/dht_rejoin.py)
             asyncio.create_task(
                 keep_joined(self.dht, self.options.initial_peers, self.cfg.swarm.announce_period_s)

@@ -40,13 +40,7 @@ from typing import TYPE_CHECKING
 from swarmtrain.config import RunConfig
 from swarmtrain.config.errors import UserError
 from swarmtrain.model.device import CPU_FP32, ComputeDevice, busy_clock_s
-from swarmtrain.net.dht_records import (
-    SETTINGS_PERIOD_S,
-    RunRecords,
-    StageAnnouncement,
-    progress_key,
-    stage_key,
-)
+from swarmtrain.net.dht_records import RunRecords, StageAnnouncement, progress_key, stage_key
 from swarmtrain.net.engine import shutdown_quietly
 from swarmtrain.net.link_meter import DOWN, UP, LinkMeter
 from swarmtrain.net.protocol import (
@@ -179,7 +173,6 @@ class StageService:
         self.hop: ChainHop | None = None  # this stage's part of direct hand-offs, while serving
         self.callers: StagePeers | None = None  # behind a NAT: the stage before, kept connected
         self._tasks: list[asyncio.Task] = []
-        self._settings_due_s = 0.0  # when `announce` next publishes the run's settings record
         with ExitStack() as undo:  # a failure half-way stops what was started, in reverse order
             self._build(undo)
             undo.pop_all()  # complete: from here `close()` stops it all
@@ -517,11 +510,13 @@ class StageService:
         # an offline record too: the DHT replaces a record only by one that expires later, so a short-lived
         # offline record would be refused and trainers would route to a stopped server until it expired
         self.node.records.announce(self.peer_id, announcement, self.announce_ttl_s)
-        if time.monotonic() >= self._settings_due_s and state != "offline":
-            if self.node.records.publish_settings(self.peer_id, self.digest, self.cfg.settings_summary()):
-                self._settings_due_s = time.monotonic() + SETTINGS_PERIOD_S
         self.averager.idle_slack_s = self.node.records.slack_s()  # its declaration keeps the same pace
         return announcement
+
+    def publish_settings(self) -> None:
+        """What this run's digest is made of, in its own record (every `SETTINGS_PERIOD_S`, by the server
+        process): a peer of another digest names the settings that differ from it."""
+        self.node.records.publish_settings(self.peer_id, self.digest, self.cfg.settings_summary())
 
     @property
     def announce_ttl_s(self) -> float:
