@@ -72,6 +72,7 @@ from swarmtrain.runtime.harness.local_swarm import LocalSwarm, SwarmStartError, 
 from swarmtrain.runtime.ledger import read_ledger
 from swarmtrain.runtime.procs import group_members
 
+ROWS = ("served", "batching", "swap")
 SERVER_DTYPES = ("fp32", "bf16")  # servers refuse fp16 (its loss scaler is for whole-model commands)
 DEFAULT_TRAINERS = "1,4,8"
 QUICK_TRAINERS = "4"
@@ -107,6 +108,25 @@ def parse_counts(text: str) -> list[int]:
     if not counts or counts[0] < 1:
         raise argparse.ArgumentTypeError(f"expected positive integers like 1,4,8, got {text!r}")
     return counts
+
+
+def parse_in_flight(text: str) -> list[int]:
+    """'0,16' -> [0, 16]: 0 is the trainer's own default."""
+    try:
+        counts = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected counts like 0,16, got {text!r}") from None
+    if not counts or min(counts) < 0:
+        raise argparse.ArgumentTypeError(f"expected counts >= 0 like 0,16, got {text!r}")
+    return counts
+
+
+def parse_rows(text: str) -> list[str]:
+    rows = [part.strip() for part in text.split(",") if part.strip()]
+    unknown = [row for row in rows if row not in ROWS]
+    if not rows or unknown:
+        raise argparse.ArgumentTypeError(f"rows are some of {','.join(ROWS)}, got {text!r}")
+    return rows
 
 
 def parse_dtypes(text: str) -> list[str]:
@@ -234,13 +254,15 @@ def bottleneck_stage(local_by_stage: dict[str, float]) -> tuple[str | None, floa
     return stage, local_by_stage[stage]
 
 
-def served_entry(dtype: str, local_before: dict, local_after: dict, run: dict) -> dict:
-    """One served row: the local stages (mean of before/after), the swarm run, served / bottleneck."""
+def served_entry(dtype: str, in_flight: int, local_before: dict, local_after: dict, run: dict) -> dict:
+    """One served row: the local stages (mean of before/after), the swarm run with `in_flight`
+    micro-batches in flight (0: the trainer's default), served / bottleneck."""
     stages = sorted(set(local_before) | set(local_after))
     local = {s: mean_or_none([local_before.get(s), local_after.get(s)]) for s in stages}
     stage, local_sps = bottleneck_stage({s: v for s, v in local.items() if v is not None})
     return {
         "dtype": dtype,
+        "in_flight": in_flight or None,
         "local_samples_per_s": local,
         "local_before": local_before,
         "local_after": local_after,
@@ -325,7 +347,7 @@ def served_lines(report: dict) -> list[str]:
     lines = [
         f"served vs local (micro-batch {s['micro_batch']}, 1 trainer, batching off; samples/s)",
         f"  {'dtype':5s} {'local stage' + ' / stage'.join(str(i) for i in range(s['num_stages'])):>26s} "
-        f"{'served':>9s} {'served/local':>12s} {'shared bound':>12s} {'served/bound':>12s} "
+        f"{'in flight':>9s} {'served':>9s} {'served/local':>12s} {'shared bound':>12s} {'served/bound':>12s} "
         f"{'recomp':>6s} {'cores srv/trn':>13s} {'fail':>4s}",
     ]
     for entry in report["served"]:
@@ -333,7 +355,7 @@ def served_lines(report: dict) -> list[str]:
         locals_text = " / ".join(_num(local.get(str(i)), ".1f", 7) for i in range(s["num_stages"]))
         run = entry["run"]
         lines.append(
-            f"  {entry['dtype']:5s} {locals_text:>26s} {_sps(run)} "
+            f"  {entry['dtype']:5s} {locals_text:>26s} {entry.get('in_flight') or 'default':>9} {_sps(run)} "
             f"{_num(entry['served_over_local'], '.3f', 12)} {_num(entry.get('shared_bound'), '.1f', 12)} "
             f"{_num(entry.get('served_over_shared_bound'), '.3f', 12)} "
             f"{_num(entry.get('recomputed_share'), '.0%', 6)} {_cores(run):>13s} {_failed(run):>4s}"
@@ -667,15 +689,21 @@ def swarm_run(args, row: SwarmRow, workdir: Path) -> Callable[[], dict]:
 
 
 def served_rows(args, cfg: RunConfig, config_path: Path, root: Path, report: dict, save) -> None:
+    """Per dtype: the local stages, a swarm per --served-in-flight count, the local stages again."""
     mb = cfg.training.micro_batch_size
     for dtype in args.dtypes:
         compute = ComputeDevice(args.device, dtype)
         print(f"served vs local, {dtype}:", flush=True)
         before = measure_local_stages(cfg, compute, mb, args.local_duration_s)
-        row = SwarmRow(config_path, cfg.swarm.num_stages, server_args(args, dtype, 0), trainers=1)
-        run = guarded_run(f"served {dtype}", swarm_run(args, row, root / f"served-{dtype}"))
+        runs = {}
+        for in_flight in args.served_in_flight:
+            trainer_args = ("--in-flight", str(in_flight)) if in_flight else ()
+            row = SwarmRow(config_path, cfg.swarm.num_stages, server_args(args, dtype, 0), 1, trainer_args)
+            label = f"served {dtype}" + (f", {in_flight} in flight" if in_flight else "")
+            runs[in_flight] = guarded_run(label, swarm_run(args, row, root / f"served-{dtype}-{in_flight}"))
         after = measure_local_stages(cfg, compute, mb, args.local_duration_s)
-        report["served"].append(served_entry(dtype, before, after, run))
+        for in_flight, run in runs.items():
+            report["served"].append(served_entry(dtype, in_flight, before, after, run))
         save()
 
 
@@ -757,6 +785,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="micro-batches in flight per trainer of the batching rows (default 0: the trainer's, 4)",
     )
     parser.add_argument(
+        "--served-in-flight",
+        type=parse_in_flight,
+        default=[0],
+        metavar="N[,N...]",
+        help="micro-batches in flight of the served rows' trainer, a row each (default 0: the trainer's, 4)",
+    )
+    parser.add_argument(
+        "--rows",
+        type=parse_rows,
+        default=list(ROWS),
+        metavar="ROW[,ROW...]",
+        help=f"which rows to run, of {','.join(ROWS)} (default all)",
+    )
+    parser.add_argument(
         "--swap-budget-fraction", type=float, default=0.5, help="CUDA: swapper budget / resident peak"
     )
     parser.add_argument("--quick", action="store_true", help="a smoke run: short, fp32 and 4 trainers")
@@ -824,6 +866,8 @@ def new_report(args, cfg: RunConfig, batch_cfg: RunConfig) -> dict:
         "batch_global_batch": batch_cfg.training.global_batch_size,
         "threads": args.threads,
         "batch_in_flight": args.in_flight or None,
+        "served_in_flight": args.served_in_flight,
+        "rows": args.rows,
         "dtypes": args.dtypes,
         "trainers": args.trainers,
         "duration_s": args.duration_s,
@@ -867,9 +911,12 @@ def run_all(args, served: tuple, batching: tuple, report: dict, root: Path) -> i
             Path(args.summary_json).write_text(json.dumps(report, indent=2, default=str) + "\n")
 
     try:
-        served_rows(args, *served, root, report, save)
-        batching_rows(args, *batching, root, report, save)
-        report["swap"] = swap_row(args, served[0])
+        if "served" in args.rows:
+            served_rows(args, *served, root, report, save)
+        if "batching" in args.rows:
+            batching_rows(args, *batching, root, report, save)
+        if "swap" in args.rows:
+            report["swap"] = swap_row(args, served[0])
     except KeyboardInterrupt:  # the swarm of the row in progress is already stopped (LocalSwarm's exit)
         report["interrupted"] = True
     save()

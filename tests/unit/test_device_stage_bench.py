@@ -40,6 +40,9 @@ def test_defaults_and_quick_defaults():
     assert (args.device, args.threads, args.batch_micro_batch, args.max_batch_tokens) == ("auto", None, 2, 0)
     assert bench.parse_args(["--threads", "3"]).threads == 3
     assert args.in_flight == 0  # the trainer's own default
+    assert (args.served_in_flight, args.rows) == ([0], ["served", "batching", "swap"])
+    chosen = bench.parse_args(["--served-in-flight", "0, 16", "--rows", "served,swap"])
+    assert (chosen.served_in_flight, chosen.rows) == ([0, 16], ["served", "swap"])
     quick = bench.parse_args(["--quick"])
     assert (quick.dtypes, quick.trainers, quick.duration_s, quick.warmup_s) == (["fp32"], [4], 10.0, 3.0)
     # --quick shortens what is not given; what is given stands
@@ -61,6 +64,10 @@ def test_defaults_and_quick_defaults():
         ["--threads", "0"],
         ["--max-batch-tokens", "-5"],
         ["--in-flight", "-1"],
+        ["--served-in-flight", "4,-1"],
+        ["--served-in-flight", "many"],
+        ["--rows", "served,all"],
+        ["--rows", ""],
     ],
 )
 def test_bad_arguments_are_refused(argv):
@@ -144,12 +151,12 @@ def test_local_spread_is_the_largest_relative_change_of_a_stage():
 
 def test_served_over_local_uses_the_slower_local_stage_averaged_before_and_after():
     entry = bench.served_entry(
-        "fp32", {"0": 100.0, "1": 80.0}, {"0": 120.0, "1": 60.0}, {"samples_per_s": 35.0, "label": "x"}
+        "fp32", 0, {"0": 100.0, "1": 80.0}, {"0": 120.0, "1": 60.0}, {"samples_per_s": 35.0, "label": "x"}
     )
     assert entry["local_samples_per_s"] == {"0": 110.0, "1": 70.0}
     assert entry["bottleneck_stage"] == "1"
     assert entry["served_over_local"] == pytest.approx(0.5)
-    failed = bench.served_entry("bf16", {"0": 1.0}, {"0": 1.0}, {"error": "RunFailed: boom", "label": "x"})
+    failed = bench.served_entry("bf16", 0, {"0": 1.0}, {"0": 1.0}, {"error": "RunFailed: boom", "label": "x"})
     assert failed["served_over_local"] is None
     assert bench.ratio(3.0, 0.0) is None and bench.ratio(None, 2.0) is None
 
@@ -193,8 +200,8 @@ def fake_report(swap: dict) -> dict:
         "quick": False,
     }
     served = [
-        bench.served_entry("fp32", {"0": 900.0, "1": 1000.0}, {"0": 900.0, "1": 1000.0}, _run(450.0)),
-        bench.served_entry("bf16", {"0": 200.0, "1": 400.0}, {"0": 400.0, "1": 400.0}, _run(150.0)),
+        bench.served_entry("fp32", 0, {"0": 900.0, "1": 1000.0}, {"0": 900.0, "1": 1000.0}, _run(450.0)),
+        bench.served_entry("bf16", 16, {"0": 200.0, "1": 400.0}, {"0": 400.0, "1": 400.0}, _run(150.0)),
     ]
     batching = [
         bench.batching_entry(1, 512, _run(100.0), _run(110.0)),
@@ -228,9 +235,22 @@ def test_tables_show_samples_ratios_cores_and_failures():
     lines = bench.report_lines(fake_report({"skipped": "device cpu: no accelerator"}))
     text = "\n".join(lines)
     # the shared-device bound of stages at 900 and 1000 samples/s: 1 / (1/900 + 1/1000) = 473.7
-    fp32 = ["fp32", "900.0", "/", "1000.0", "450.0", "0.500", "473.7", "0.950", "0%", "1.60/0.30", "0"]
+    fp32 = [
+        "fp32",
+        "900.0",
+        "/",
+        "1000.0",
+        "default",
+        "450.0",
+        "0.500",
+        "473.7",
+        "0.950",
+        "0%",
+        "1.60/0.30",
+        "0",
+    ]
     assert _row(lines, "fp32") == fp32
-    assert _row(lines, "bf16")[4:6] == ["150.0", "0.500"]
+    assert _row(lines, "bf16")[4:7] == ["16", "150.0", "0.500"]  # its trainer kept 16 micro-batches in flight
     # bf16's stage 0 read 200 before and 400 after: the machine was busy, and the table says so
     assert "! bf16: local before and after the swarm differ by up to 67%" in text
     assert "! fp32" not in text

@@ -400,6 +400,12 @@ def test_the_server_threads_flag_defaults_by_device_and_says_so(capsys):
     with pytest.raises(SystemExit):
         main(["replica", "--help"])
     assert "default: torch's choice, one per core" in " ".join(capsys.readouterr().out.split())
+    # a trainer computes no model: a couple of threads, not torch's one per core beside the servers
+    trainer = ["trainer", "--preset", "tiny", "--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/X"]
+    assert build_parser().parse_args(trainer).threads == 2
+    assert build_parser().parse_args([*trainer, "--threads", "1"]).threads == 1
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([*trainer, "--threads", "0"])
 
 
 # per-device maps ----------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ import time
 import pytest
 import torch
 
+from swarmtrain.model.device import ComputeDevice
 from swarmtrain.net.protocol import Message, StageRequest
 from swarmtrain.planner.catch_up import LagRule, left_behind
 from swarmtrain.runtime.server.chain_hop import Admitted
@@ -45,7 +46,8 @@ class Net:
             self.sent.append((me, peer, step))
             if peer in self.unreachable:
                 return False
-            self.nodes[peer].inbox.on_grads(me, step, samples, [s.clone() for s in sums])
+            # as the wire delivers them: decoded on the host, wherever the sender computed them
+            self.nodes[peer].inbox.on_grads(me, step, samples, [s.to("cpu", copy=True) for s in sums])
             return True
 
         return send
@@ -56,10 +58,12 @@ def _train(worker, batches, step=0, prefix="m"):
         worker.forward(StageRequest("forward_backward", f"{prefix}{i}", "none", x, labels=y, step=step))
 
 
-async def _replicas(cfg, names, net, start_compute, settings=None):
+async def _replicas(cfg, names, net, start_compute, settings=None, devices=None):
+    """`devices`: name -> torch device of that replica's compute (default: the host)."""
     nodes = {}
     for name in names:
-        worker = StageWorker(cfg, cfg.stages()[1])
+        device = (devices or {}).get(name, "cpu")
+        worker = StageWorker(cfg, cfg.stages()[1], compute=ComputeDevice(torch.device(device)))
         compute = start_compute()
         settings = settings or StepSettings(close_timeout_s=5.0, exchange_timeout_s=5.0, poll_s=0.05)
         nodes[name] = StepCoordinator(worker, compute, name, net.sender(name), settings)
@@ -286,6 +290,36 @@ def test_three_replicas_hold_bitwise_equal_parameters_after_a_step(tiny_cfg, mic
         a, b, c = (nodes[n].worker.params for n in "ABC")
         for p, q, r in zip(a, b, c, strict=True):
             assert torch.equal(p, q) and torch.equal(p, r)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_step_sums_and_updates_where_the_replica_computes(tiny_cfg, micro_batches, start_compute, device):
+    """A's sums stay on its compute device through the step (a GPU replica copied a whole gradient to
+    the host and back every step); B's arrive decoded on the host and are added there too; both apply
+    what one replica of every sample applies, and the means kept for replays are on the host."""
+
+    async def scenario():
+        net = Net()
+        nodes = await _replicas(tiny_cfg, ["A", "B"], net, start_compute, devices={"A": device})
+        single = StageWorker(tiny_cfg, tiny_cfg.stages()[1])
+        _train(nodes["A"].worker, micro_batches[:3])
+        _train(nodes["B"].worker, micro_batches[3:], prefix="b")
+        _train(single, micro_batches)
+        assert {g.device.type for g in nodes["A"].worker.bucket(0).grad_sums} == {torch.device(device).type}
+        tasks = [asyncio.create_task(n.run()) for n in nodes.values()]
+        _close(nodes, 0, {"A": 24, "B": 8})
+        await _until(lambda: all(n.counters.steps == 1 for n in nodes.values()))
+        for task in tasks:
+            task.cancel()
+        _apply_all(single)
+        for node in nodes.values():
+            assert node.worker.samples_seen == 32
+            for p, q in zip(node.worker.params, single.params, strict=True):
+                torch.testing.assert_close(p.cpu(), q, rtol=1e-5, atol=1e-6)
+            _, kept = node.means_of(0)
+            assert {m.device.type for m in kept} == {"cpu"}
 
     asyncio.run(scenario())
 

@@ -11,7 +11,12 @@ import json
 import sys
 from pathlib import Path
 
-CRITERIA = {"served/bound": (0.85, ">="), "recomputed": (0.05, "<="), "on/off": (1.3, ">="), "swap": (1.5, "<=")}
+CRITERIA = {
+    "served/bound": (0.85, ">="),
+    "recomputed": (0.05, "<="),
+    "on/off": (1.3, ">="),
+    "swap": (1.5, "<="),
+}
 
 
 def _num(value, spec: str) -> str:
@@ -38,7 +43,8 @@ def rows(report: dict) -> list[str]:
         ratio = entry.get("served_over_shared_bound")
         recomputed = entry.get("recomputed_share")
         lines.append(
-            f"{setup['preset']:<11} {entry['dtype']:<5} {stages:>23} {_num(entry.get('shared_bound'), '.1f'):>7} "
+            f"{setup['preset']:<11} {entry['dtype']:<5} {entry.get('in_flight') or 'def':>5} {stages:>23} "
+            f"{_num(entry.get('shared_bound'), '.1f'):>7} "
             f"{_num(entry['run'].get('samples_per_s'), '.1f'):>7} {_num(ratio, '.2f') + _verdict('served/bound', ratio):>8} "
             f"{_num(recomputed, '.0%') + _verdict('recomputed', recomputed):>7} "
             f"{_num(on_off, '.2f') + _verdict('on/off', on_off):>7} {_num(swap, '.2f') + _verdict('swap', swap):>7}"
@@ -48,7 +54,7 @@ def rows(report: dict) -> list[str]:
 
 def main(paths: list[str]) -> int:
     header = (
-        f"{'preset':<11} {'dtype':<5} {'local samples/s by stage':>23} {'bound':>7} {'served':>7} "
+        f"{'preset':<11} {'dtype':<5} {'in fl':>5} {'local samples/s by stage':>23} {'bound':>7} {'served':>7} "
         f"{'srv/bnd':>8} {'recomp':>7} {'on/off':>7} {'swap':>7}"
     )
     lines = [header]
@@ -58,6 +64,7 @@ def main(paths: list[str]) -> int:
         except (OSError, ValueError, KeyError) as exc:
             lines.append(f"{path}: unreadable ({exc})")
     lines.append(
+        "in fl: micro-batches in flight (def: the trainer's default, 4); "
         "bound: 1 / sum(1 / local) of servers sharing the GPU; srv/bnd >= 0.85, recomp <= 5%, batching on/off "
         "(fp32, 4 trainers of micro-batch 2) >= 1.3, swapped/resident (fp32, budget 0.5) <= 1.5; ! marks a miss"
     )

@@ -17,6 +17,8 @@ from swarmtrain.cli.common import (
 )
 from swarmtrain.cli.net_args import add_identity_arg, add_network_args, network_from_args, prepare_process
 
+TRAINER_THREADS = 2
+
 HELP = "drive micro-batches through the swarm (stochastic wiring, retries, compression)"
 
 
@@ -72,6 +74,14 @@ def register(subparsers) -> None:
     )
     parser.add_argument("--log-period-s", type=float, default=5.0, help="progress/metrics period")
     parser.add_argument("--summary-json", metavar="PATH", help="write the run summary here")
+    parser.add_argument(
+        "--threads",
+        type=positive_int,
+        default=TRAINER_THREADS,
+        help=f"torch threads for the trainer's own tensor work: token ids, labels, relayed activations "
+        f"(default {TRAINER_THREADS}: it computes no model, and torch's default, a thread per core, "
+        "competes with the servers beside it)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -83,6 +93,9 @@ def run(args: argparse.Namespace) -> int:
         cfg = config_from_plan(cfg, load_plan(args.plan))
     require_swarm_model(cfg, args)  # a config mistake is one line before any process starts
     prepare_process()
+    import torch
+
+    torch.set_num_threads(args.threads)
     from swarmtrain.net.engine import validate_initial_peers
     from swarmtrain.runtime.trainer.swarm_trainer import TrainerOptions, run_trainer
 

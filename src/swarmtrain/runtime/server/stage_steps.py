@@ -321,7 +321,8 @@ class StepCoordinator:
             await self._finish_local(state, start, bucket, start_s)
             self.step_rate.applied(sum(start.members.values()), time.monotonic())
             return
-        sums = await self._on_compute(lambda: self.sums_codec.encode(bucket.grad_sums))
+        peers = bool((start.participants | set(start.members)) - {self.peer_id})
+        sums = await self._on_compute(lambda: _encoded(self.sums_codec, bucket.grad_sums, peers))
         answered, final = await self._exchange(state, start, bucket.samples, sums, bucket.by_origin)
         if self.worker.epoch != step:
             return  # a resync moved us on meanwhile
@@ -471,7 +472,7 @@ class StepCoordinator:
         # between outer rounds (local steps) replicas legitimately differ: no fingerprint to compare
         local_step = self.worker.outer is not None
 
-        kept = None if means is None else [m.clone() for m in means]  # clipping scales in place
+        kept = None if means is None else [m.to("cpu", copy=True) for m in means]  # for replays, unclipped
 
         def apply() -> tuple[bool, list[float] | None] | None:
             if self.worker.epoch != step:  # the sync thread adopted the other stages' step meanwhile
@@ -508,7 +509,7 @@ class StepCoordinator:
             self.on_step(step + 1, fingerprint, True, group.get(self.peer_id, 0))
 
     def _combine(self, step: int, contributions: dict) -> list[torch.Tensor] | None:
-        means, clipped = robust_mean(contributions)
+        means, clipped = robust_mean(_on_one_device(contributions, self.peer_id, self.worker.compute.device))
         if clipped:
             self.counters.clipped_contributions += len(clipped)
             logger.warning("step %d: gradients of %s clipped (far larger than the others')", step, clipped)
@@ -535,6 +536,23 @@ class KeptMeans:
 
     def get(self, step: int) -> tuple[int, list[torch.Tensor] | None] | None:
         return self.steps.get(step)
+
+
+def _encoded(sums_codec: SumsCodec, grad_sums: list[torch.Tensor], for_peers: bool) -> WireSums:
+    """On the compute thread: a step's sums as the peers get them, their bytes made here when the step
+    names peers (a copy from the device: not on the event loop, which sends them)."""
+    sums = sums_codec.encode(grad_sums)
+    if for_peers:
+        sums.encoded  # noqa: B018 (computed once and kept by WireSums)
+    return sums
+
+
+def _on_one_device(contributions: dict, own_peer: str, compute_device: torch.device) -> dict:
+    """The contributions where ours are: the peers' sums arrive decoded on the host; ours stay where they
+    were made (the compute device for gradients, the host for a round's pseudo-gradients)."""
+    own = contributions.get(own_peer)
+    device = own[1][0].device if own and own[1] else compute_device
+    return {p: (n, [t.to(device) for t in sums]) for p, (n, sums) in contributions.items()}
 
 
 def _say_fallback(

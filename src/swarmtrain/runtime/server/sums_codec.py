@@ -71,7 +71,8 @@ class SumsCodec:
         else:
             corrected = list(sums)
         encoded = [codec.encode(t, self.codec_name if _finite(t) else "none") for t in corrected]
-        decoded = [codec.decode(e) for e in encoded]
+        # decoded where the sums are (the compute device): what the peers decode, the same values
+        decoded = [codec.decode(e, t.device) for e, t in zip(encoded, corrected, strict=True)]
         # a non-finite sum (a faulty step) goes as it is, so every replica sees it and skips the step
         # alike (runtime/server/stage_worker.py); nothing of it is carried forward
         self.residual = [
