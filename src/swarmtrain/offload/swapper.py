@@ -15,13 +15,15 @@ g's parameters and activations are freed. The last forward group stays resident 
 Transfers (`_Transfers`): on a CPU device they are plain copies and additions, done in program order,
 which is how everything here is tested. `_CudaTransfers` is the only CUDA code, kept in one place: a side
 stream for copies, events ordering compute after copies and copies after compute, `record_stream` so the
-caching allocator never reuses memory the other stream may still use, and one host synchronization per
-backward group. This repository's machines have no GPU: that class has never run
-here (the CUDA cases in tests/unit/test_offload.py skip without a device).
+caching allocator never reuses memory the other stream may still use, one host synchronization per
+backward group, and a thread that adds the staged gradients to the host `.grad` meanwhile. This
+repository's machines have no GPU: that class runs only in the `gpu` tier (the CUDA cases in
+tests/unit/test_offload.py, run by `make gpu-check`).
 """
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -122,6 +124,10 @@ class _Transfers:
             host.add_grads(module_grads, owned=True)
 
     def wait_grads(self) -> None:
+        """Every gradient sent is copied to the host (its device memory free), and no transfer is still
+        reading host memory; adding them to `.grad` may still be under way (`settle`)."""
+
+    def settle(self) -> None:
         """Every gradient sent is in host `.grad`, and no transfer is still reading host memory."""
 
 
@@ -141,16 +147,21 @@ class _CudaTransfers(_Transfers):
     - Gradients (allocated on the compute stream) are copied out on `side` after an event marking the end
       of their kernels, into pinned staging; `record_stream(side)` keeps their memory from being handed
       out again before the copy has read them. `wait_grads` is the one host synchronization per group:
-      after it the staged gradients are added to `.grad` on the host and the device gradients' memory is
-      free (plan.py counts no third group because of it). The same synchronization guarantees that no
-      copy reads host parameters once `LayerSwapper.backward` returns, so the optimizer may write them.
+      after it the device gradients' memory is free (plan.py counts no third group because of it) and the
+      staged gradients are handed to the adder thread, which adds them to `.grad` on the host while the
+      caller queues the next group. `settle` (the end of `LayerSwapper.backward`) waits for the adder
+      too, and guarantees that no copy reads host parameters, so the optimizer may write them.
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, background_adds: bool = True) -> None:
         super().__init__(device)
         self.side = torch.cuda.Stream(device)
         self._sent: list[tuple[HostParams, list[bool]]] = []
         self._sent_copied: torch.cuda.Event | None = None
+        # the host additions of a group's gradients run on a thread of their own while the next group's
+        # kernels are queued (on the caller's thread they left the device idle for as long as they took)
+        self._adder = ThreadPoolExecutor(1, thread_name_prefix="swap-grad-adds") if background_adds else None
+        self._adding: list[Future] = []
 
     @property
     def compute(self) -> torch.cuda.Stream:
@@ -192,12 +203,26 @@ class _CudaTransfers(_Transfers):
         if self._sent_copied is None:
             return
         self._sent_copied.synchronize()  # side is in order: every earlier parameter copy is done too
-        for host, present in self._sent:
-            staged = [
-                staging if sent else None for staging, sent in zip(host.grad_staging, present, strict=True)
-            ]
-            host.add_grads(staged, owned=False)
-        self._sent, self._sent_copied = [], None
+        # each host sends once per backward: its staging is not written again before `settle`
+        batch, self._sent, self._sent_copied = self._sent, [], None
+        if self._adder is None:
+            _add_staged(batch)
+        else:
+            self._adding.append(self._adder.submit(_add_staged, batch))
+
+    def settle(self) -> None:
+        self.wait_grads()
+        adding, self._adding = self._adding, []
+        for future in adding:
+            future.result()  # raises what an addition raised
+
+
+def _add_staged(batch: list[tuple[HostParams, list[bool]]]) -> None:
+    for host, present in batch:
+        host.add_grads(
+            [staging if sent else None for staging, sent in zip(host.grad_staging, present, strict=True)],
+            owned=False,
+        )
 
 
 def make_transfers(device: torch.device) -> _Transfers:
@@ -299,7 +324,7 @@ class LayerSwapper:
             grad = self._backward_group(group, self._group_inputs.pop(), grad)
             if not overlapped:
                 self._prefetch(group - 1)  # now that group's parameters and activations are freed
-        self.transfers.wait_grads()
+        self.transfers.settle()
         return grad
 
     def _backward_group(self, group: int, x: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:

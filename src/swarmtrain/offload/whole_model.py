@@ -221,7 +221,7 @@ class SwappedGPT:
         if fetched is not None:  # the outer gradients are on the leaves of the device copies
             grads = [params[f"stage.{name}"].grad for name in self._outer.names]
             self.swapper.transfers.send_grads([self._outer], [grads])
-            self.swapper.transfers.wait_grads()
+            self.swapper.transfers.settle()
         return loss
 
     def _head_and_loss(
