@@ -14,13 +14,13 @@ measurement but the processes it names; the machine itself may be shared, see th
   samples/s. For the served rows it runs right before and right after the swarm and the two are averaged
   (a warning is printed when they differ by more than 20%: the machine's load changed meanwhile);
 - served: a DHT, one `swarmtrain server --stage S --threads T --device D --dtype X` per stage and one
-  `swarmtrain trainer` with its defaults (in flight 4, direct hand-off, the run's codec) on the preset's
+  `swarmtrain trainer` with its defaults (4 in flight per stage, direct hand-off, the run's codec) on the preset's
   micro-batch, batching off. samples/s: samples of the micro-batches the trainers completed within a
   window of --duration-s (from their ledgers' `done` lines, wall clock) that opens --warmup-s after every
   trainer completed its first micro-batch; the trainers are then stopped. served / local: that over the
   slower local stage (the swarm cannot beat its bottleneck stage), so 1.0 would be serving for free;
 - batching off / on: the same swarm at micro-batch --batch-micro-batch (fp32) with N trainer shards
-  (`--shard k/N`, --in-flight micro-batches in flight each, default the trainer's 4) for each N of
+  (`--shard k/N`, --in-flight micro-batches in flight each, default the trainer's) for each N of
   --trainers, servers with `--max-batch-tokens 0` then `--max-batch-tokens M` (M: --max-batch-tokens, or
   by default max(4, N) micro-batches' tokens), each from scratch with the same run file, threads and
   window. on / off is the ratio of the two windows' samples/s (issue 24: >= 1.3 with 4+ trainers of
@@ -149,7 +149,7 @@ def batching_global_batch(global_batch: int, micro_batch: int, trainer_counts: I
 
 def batch_micro_batches(trainers: int) -> int:
     """Micro-batches per batched call by default: one per trainer (their micro-batches of a step reach
-    a stage at about the same time), at least MIN_BATCH_MICRO_BATCHES (one trainer keeps 4 in flight)."""
+    a stage at about the same time), at least MIN_BATCH_MICRO_BATCHES."""
     return max(MIN_BATCH_MICRO_BATCHES, trainers)
 
 
@@ -782,14 +782,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--in-flight",
         type=int,
         default=0,
-        help="micro-batches in flight per trainer of the batching rows (default 0: the trainer's, 4)",
+        help="micro-batches in flight per trainer of the batching rows (default 0: the trainer's, 4 per stage)",
     )
     parser.add_argument(
         "--served-in-flight",
         type=parse_in_flight,
         default=[0],
         metavar="N[,N...]",
-        help="micro-batches in flight of the served rows' trainer, a row each (default 0: the trainer's, 4)",
+        help="micro-batches in flight of the served rows' trainer, a row each (default 0: the trainer's, 4 per stage)",
     )
     parser.add_argument(
         "--rows",

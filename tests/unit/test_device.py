@@ -23,9 +23,11 @@ import torch
 from swarmtrain.cli.main import main
 from swarmtrain.config.errors import UserError
 from swarmtrain.model.device import CPU_FP32, ComputeDevice, DeviceError, busy_clock_s, resolve_device
+from swarmtrain.net import codec
 from swarmtrain.net.protocol import StageRequest
 from swarmtrain.runtime.local import LocalTrainer
 from swarmtrain.runtime.server.stage_worker import StageWorker
+from swarmtrain.runtime.server.sums_codec import SumsCodec
 
 pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -234,8 +236,16 @@ def test_stage_workers_in_bf16_send_fp32_and_match_fp32(tiny_cfg, device):
         ):
             assert p.dtype == torch.float32 and g16.dtype == torch.float32, name
             assert _relative_error(g16.cpu(), g32.cpu()) < STAGE_GRAD_RTOL, name
-        sealed = w16.seal(0)  # what goes to the stage's peers: fp32 on the host
-        assert all(g.dtype == torch.float32 and g.device.type == "cpu" for g in sealed.grad_sums)
+        # a sealed step's sums stay where they were summed (its mean and update run there); what goes
+        # to the stage's peers is their fp32 bytes
+        sealed = w16.seal(0)
+        assert all(
+            g.dtype == torch.float32 and g.device.type == w16.compute.device.type for g in sealed.grad_sums
+        )
+        sent = SumsCodec().encode(sealed.grad_sums).encoded
+        assert [(e.codec, e.dtype) for e in sent] == [("none", "float32")] * len(sent)
+        for e, g in zip(sent, sealed.grad_sums, strict=True):
+            assert torch.equal(codec.decode(e), g.cpu())
 
 
 # swarmtrain demo ------------------------------------------------------------------------------------

@@ -8,7 +8,8 @@ GPU at >= 0.6 of `train-local`), as a user would run them, one after the other:
 - one process: `swarmtrain train-local --max-samples N`, its samples/s as it reports it;
 - the swarm: `swarmtrain demo --replicas 1 --no-kill --no-reference --no-monitor` (a DHT, one server per
   stage, one trainer), its steady rate: samples between the demo's progress line at half the run and its
-  last one, over the seconds between them (the first half holds the servers' warm-up).
+  last one that counted more samples, over the seconds between them (the first half holds the servers'
+  warm-up, the lines after the last the final evaluation).
 
 Each command gets a time limit; a command that fails or prints no rate is reported as such, not as zero.
 """
@@ -28,11 +29,13 @@ STARTUP_ALLOWANCE_S = 120  # a demo's servers build their stages and load CUDA b
 
 
 def steady_rate(demo_log: str) -> float | None:
-    """Samples per second between the progress line at half the demo's run and its last one."""
+    """Samples per second between the progress line at half the demo's training and the line where its
+    count last grew (the lines after it are the final evaluation: no samples)."""
     points = [(int(t), int(n)) for t, n in PROGRESS.findall(demo_log)]
-    if len(points) < 2:
+    grew = [i for i in range(1, len(points)) if points[i][1] > points[i - 1][1]]
+    if not grew:
         return None
-    t_end, n_end = points[-1]
+    t_end, n_end = points[grew[-1]]
     t_mid, n_mid = next(p for p in points if p[0] >= t_end / 2)
     if t_end <= t_mid:
         return None

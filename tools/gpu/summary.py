@@ -64,7 +64,7 @@ def main(paths: list[str]) -> int:
         except (OSError, ValueError, KeyError) as exc:
             lines.append(f"{path}: unreadable ({exc})")
     lines.append(
-        "in fl: micro-batches in flight (def: the trainer's default, 4); "
+        "in fl: micro-batches in flight (def: the trainer's default, 4 per stage); "
         "bound: 1 / sum(1 / local) of servers sharing the GPU; srv/bnd >= 0.85, recomp <= 5%, batching on/off "
         "(fp32, 4 trainers of micro-batch 2) >= 1.3, swapped/resident (fp32, budget 0.5) <= 1.5; ! marks a miss"
     )

@@ -40,7 +40,7 @@ def register(subparsers) -> None:
     parser.add_argument("--no-kill", action="store_true", help="do not kill a replica mid-run")
     parser.add_argument("--replicas", type=positive_int, default=2, help="replicas of stage 0 (default: 2)")
     parser.add_argument(
-        "--in-flight", type=positive_int, default=4, help="micro-batches in flight (default: 4)"
+        "--in-flight", type=positive_int, help="micro-batches in flight (default: the trainer's, 4 per stage)"
     )
     parser.add_argument(
         "--workdir", metavar="DIR", help="where logs and ledgers go (default: a new temp dir)"

@@ -48,7 +48,10 @@ def register(subparsers) -> None:
         "then a whole global batch)",
     )
     parser.add_argument(
-        "--in-flight", type=positive_int, default=4, help="micro-batches in flight (default: 4)"
+        "--in-flight",
+        type=positive_int,
+        help="micro-batches in flight (default: 4 per stage of the run: enough to keep a GPU stage busy "
+        "while the others' messages are on the way)",
     )
     parser.add_argument(
         "--hand-off",
@@ -97,11 +100,12 @@ def run(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(args.threads)
     from swarmtrain.net.engine import validate_initial_peers
+    from swarmtrain.planner.in_flight import default_in_flight
     from swarmtrain.runtime.trainer.swarm_trainer import TrainerOptions, run_trainer
 
     options = TrainerOptions(
         codec=args.compression,
-        max_in_flight=args.in_flight,
+        max_in_flight=args.in_flight or default_in_flight(cfg.swarm.num_stages),
         max_samples=args.max_samples,
         duration_s=args.duration_s,
         eval_samples=args.eval_samples,

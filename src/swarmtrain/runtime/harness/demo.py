@@ -55,7 +55,7 @@ class DemoOptions:
     duration_s: float = 60.0
     kill: bool = True
     replicas: int = 2
-    in_flight: int = 4
+    in_flight: int | None = None  # None: the trainer's default (planner/in_flight.py)
     workdir: str | None = None
     config_path: str | None = None  # a TOML run file instead of the preset
     reference: bool = True  # train one process on the same samples afterwards, for comparison
@@ -162,8 +162,7 @@ def _train(swarm: LocalSwarm, cfg, servers, options: DemoOptions, killed: list[s
         "trainer",
         "--duration-s",
         str(options.duration_s),
-        "--in-flight",
-        str(options.in_flight),
+        *(("--in-flight", str(options.in_flight)) if options.in_flight else ()),
         "--log-period-s",
         "1",
         "--eval-samples",
