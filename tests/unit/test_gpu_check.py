@@ -60,3 +60,13 @@ def test_one_gpu_swarm_reports_a_failed_command_as_no_ratio(capsys):
     result |= {"local_samples_per_s": 500.0, "swarm_samples_per_s": None, "swarm_over_local": None}
     line = one_gpu_swarm.describe(result)
     assert "train-local 500.0 samples/s" in line and "16 in flight) - samples/s" in line and "ratio -" in line
+
+
+def test_the_summary_adds_the_swarm_on_one_gpu_with_its_criterion(tmp_path, capsys):
+    result = {"preset": "gpt2-small", "dtype": "bf16", "in_flight": None}
+    result |= {"local_samples_per_s": 160.0, "swarm_samples_per_s": 88.0, "swarm_over_local": 0.55}
+    path = tmp_path / "one_gpu_swarm.json"
+    path.write_text(json.dumps(result))
+    assert summary.main([str(path)]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("4-stage swarm"))
+    assert "default in flight): 88.0 samples/s, train-local 160.0: 0.55 ! (>= 0.6)" in line

@@ -52,6 +52,17 @@ def rows(report: dict) -> list[str]:
     return lines
 
 
+def swarm_line(result: dict) -> str:
+    """tools/gpu/one_gpu_swarm.py's result: the swarm on one GPU over `train-local` there (>= 0.6)."""
+    ratio = result.get("swarm_over_local")
+    return (
+        f"4-stage swarm on one GPU ({result.get('preset')} {result.get('dtype')}, "
+        f"{result.get('in_flight') or 'default'} in flight): {_num(result.get('swarm_samples_per_s'), '.1f')} "
+        f"samples/s, train-local {_num(result.get('local_samples_per_s'), '.1f')}: "
+        f"{_num(ratio, '.2f')}{' !' if ratio is None or ratio < 0.6 else ''} (>= 0.6)"
+    )
+
+
 def main(paths: list[str]) -> int:
     header = (
         f"{'preset':<11} {'dtype':<5} {'in fl':>5} {'local samples/s by stage':>23} {'bound':>7} {'served':>7} "
@@ -60,7 +71,8 @@ def main(paths: list[str]) -> int:
     lines = [header]
     for path in paths:
         try:
-            lines += rows(json.loads(Path(path).read_text()))
+            report = json.loads(Path(path).read_text())
+            lines += [swarm_line(report)] if "swarm_over_local" in report else rows(report)
         except (OSError, ValueError, KeyError) as exc:
             lines.append(f"{path}: unreadable ({exc})")
     lines.append(
