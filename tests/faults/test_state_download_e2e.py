@@ -137,7 +137,10 @@ def test_a_joiner_with_a_frozen_and_a_trickling_donor_serves_from_its_checkpoint
         if f"from {peer} cut at its deadline of {donor_s:.1f} s" in log
     }
     print(f"donors cut at their own deadline, as the joiner logged: {sorted(cut)}")
-    assert "frozen" in cut, log[-4000:]
+    # twice in CI (never alone, nor beside two busy cores) the joiner's first read listed the trickling
+    # donor only (docs/LOG.md, 2026-11-29 and 2026-11-30): the donors' own logs say what they declared
+    donor_logs = "".join(f"\n--- {n}:\n{swarm.processes[n].log_text()[-1500:]}" for n in DONORS)
+    assert "frozen" in cut, log[-3000:] + donor_logs
     # The time: within the rule's deadline (plus the stated slack), and not before two donors' deadlines
     # (each donor is held up to its deadline, the first read or a retry alike): a joiner that gave up on a
     # donor sooner, or tried one only, fails the lower bound; one that waited by the default rule, or
