@@ -99,26 +99,20 @@ class RunFailed(RuntimeError):
 
 
 # pure helpers --------------------------------------------------------------------------------------
-def parse_counts(text: str) -> list[int]:
-    """Trainer counts from "1,4,8": positive, sorted, each once."""
+def parse_counts(text: str, minimum: int = 1) -> list[int]:
+    """Counts from "1,4,8": at least `minimum`, sorted, each once."""
     try:
         counts = sorted({int(part) for part in text.split(",") if part.strip()})
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected positive integers like 1,4,8, got {text!r}") from None
-    if not counts or counts[0] < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers like 1,4,8, got {text!r}")
+        counts = []
+    if not counts or counts[0] < minimum:
+        raise argparse.ArgumentTypeError(f"expected integers >= {minimum} like 1,4,8, got {text!r}")
     return counts
 
 
 def parse_in_flight(text: str) -> list[int]:
     """'0,16' -> [0, 16]: 0 is the trainer's own default."""
-    try:
-        counts = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected counts like 0,16, got {text!r}") from None
-    if not counts or min(counts) < 0:
-        raise argparse.ArgumentTypeError(f"expected counts >= 0 like 0,16, got {text!r}")
-    return counts
+    return parse_counts(text, minimum=0)
 
 
 def parse_rows(text: str) -> list[str]:
