@@ -12,15 +12,17 @@ its outputs) and its own reply (the gradient of its inputs). Each row is the CPU
 path, the mean of --repeats after 2 untimed ones, on real code:
 
 - receive: a sealed frame read from a TCP connection on 127.0.0.1 by the data plane's channel (a second thread
-  writes it), without the unsealing (`Channel.body` minus `Seal.open`), twice;
-- unseal / seal: AES-GCM of the frame's body (`Seal.open`, `Seal.seal`), twice each;
-- unpack / pack: bytes <-> message (`protocol.unpack`, `protocol.pack`), twice each;
+  writes it), without the unsealing (`Channel.head` and `Channel.body` minus `Seal.open_in_place`), twice;
+- unseal / seal: AES-GCM of the frame's body where it lies (`Seal.open_in_place`) and of the message's parts
+  into the frame (`Seal.seal_into`), twice each;
+- unpack / pack: bytes <-> message (`protocol.unpack`, `protocol.pack_parts`), twice each;
 - check: the validation of the incoming float tensor beyond its decoding (`protocol.checked_values`:
   finite, bounded), twice;
 - copy in / copy out: the decoded tensor onto the compute device, the result off it
   (`ComputeDevice.to_device`, `.wire`: on CPU next to nothing; on CUDA the decoded
   tensor is already on the device and only payload bytes cross, counted in decode and encode), twice each;
-- send: the sealed frame written to a TCP connection on 127.0.0.1 (a second thread reads it), twice;
+- send: the message's parts sealed into a frame and written to a TCP connection on 127.0.0.1 (a second thread
+  reads it), without the sealing (`Channel.send` minus `Seal.seal_into`), twice;
 - decode / encode: the codec's arithmetic (`codec.decode`, `codec.encode`; gradients stochastically
   rounded by codecs below 8 bits), twice each.
 
@@ -47,6 +49,7 @@ from swarmtrain.model.device import ComputeDevice, DeviceError
 from swarmtrain.net import codec, protocol
 from swarmtrain.net.framing import REQUEST, Channel
 from swarmtrain.net.secure_link import Seal
+from swarmtrain.net.stream import Stream
 
 TWICE = 2  # each step happens twice per micro-batch at a middle stage (forward and backward)
 OUTSIDE_CODEC = ("receive", "unseal", "unpack", "check", "copy in", "copy out", "pack", "seal", "send")
@@ -76,9 +79,9 @@ class Loopback:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.ours, self.theirs = _tcp_pair()
-        self.reader, self.writer = loop.run_until_complete(asyncio.open_connection(sock=self.ours))
-        key = bytes(16)
-        self.channel = Channel(self.reader, self.writer, Seal(key, b"rqst", b"rqst"))
+        self.stream = loop.run_until_complete(_stream_on(self.ours))
+        key = bytes(32)  # a 32-byte key, as the handshake derives (AES-256)
+        self.channel = Channel(self.stream, Seal(key, b"rqst", b"rqst"))
         self.their_seal = Seal(key, b"rqst", b"rqst")  # the peer's side of the same direction
         self._peer: queue.Queue = queue.Queue()
         threading.Thread(target=self._serve_peer, daemon=True).start()
@@ -91,7 +94,7 @@ class Loopback:
         head = HEADER.pack(REQUEST, 1, len(body) + TAG_BYTES, 7) + b"x"
         return head + self.their_seal.seal(head, body)
 
-    def receive(self, frame: bytes) -> bytes:
+    def receive(self, frame: bytes) -> memoryview:
         self.channel._seal._received = 0  # the same frame (sealed with the first nonce) every time
         self._peer.put((self.theirs.sendall, frame))
 
@@ -103,14 +106,14 @@ class Loopback:
         self._peer.join()
         return body
 
-    def send(self, body: bytes) -> None:
-        self._peer.put((functools.partial(_drain, self.theirs), len(body) + 64))
-        self.loop.run_until_complete(self.channel.send(REQUEST, 7, body, "x"))
+    def send(self, parts: list) -> None:
+        self._peer.put((functools.partial(_drain, self.theirs), sum(len(p) for p in parts) + 64))
+        self.loop.run_until_complete(self.channel.send(REQUEST, 7, parts, "x"))
         self._peer.join()
 
     def close(self) -> None:
         self._peer.put(None)
-        self.writer.close()
+        self.stream.close()
         self.theirs.close()
 
     def _serve_peer(self) -> None:
@@ -120,6 +123,12 @@ class Loopback:
             work, argument = job
             work(argument)
             self._peer.task_done()
+
+
+async def _stream_on(sock: socket.socket) -> Stream:
+    """The data plane's stream (net/stream.py) on a connected socket."""
+    _, stream = await asyncio.get_running_loop().create_connection(Stream, sock=sock)
+    return stream
 
 
 def _tcp_pair() -> tuple[socket.socket, socket.socket]:
@@ -151,16 +160,20 @@ def measure(preset: str, codec_name: str, device: str, repeats: int) -> dict[str
     # what a server hands its model: decoded where it computes (on CUDA the payload bytes were copied and
     # decoded there, counted in decode), so copy in is what `to_device` still costs on that tensor
     decoded_there = received.tensor("outputs", compute.device)
+    parts = protocol.pack_parts(message)
     loop = asyncio.new_event_loop()
     link = Loopback(loop)
     try:
         frame = link.frame(packed)
-        seal = Seal(bytes(16), b"rply", b"rply")
-        sealed = seal.seal(b"h", packed)
+        sealed = Seal(bytes(32), b"rply", b"rply").seal(b"h", packed)
+        copies = iter([bytearray(sealed) for _ in range(repeats + 2)])  # opened in place: one each
+        out = memoryview(bytearray(len(sealed)))
         rows = {
             "receive+unseal": cpu_ms(lambda: link.receive(frame), repeats),
-            "unseal": cpu_ms(lambda: Seal(bytes(16), b"rply", b"rply").open(b"h", sealed), repeats),
-            "unpack": cpu_ms(lambda: protocol.unpack(packed, limit), repeats),
+            "unseal": cpu_ms(
+                lambda: Seal(bytes(32), b"rply", b"rply").open_in_place(b"h", next(copies)), repeats
+            ),
+            "unpack": cpu_ms(lambda: protocol.unpack(memoryview(packed), limit), repeats),
             "decode": cpu_ms(lambda: received.tensor("outputs", compute.device), repeats),
             "check": cpu_ms(
                 lambda: protocol.checked_values("outputs", message.tensors["outputs"], on_device), repeats
@@ -168,13 +181,14 @@ def measure(preset: str, codec_name: str, device: str, repeats: int) -> dict[str
             "copy in": cpu_ms(lambda: compute.to_device(decoded_there), repeats),
             "copy out": cpu_ms(lambda: compute.wire(on_device), repeats),
             "encode": cpu_ms(lambda: protocol.encode_tensor("grad_inputs", on_device, codec_name), repeats),
-            "pack": cpu_ms(lambda: protocol.pack(message), repeats),
-            "seal": cpu_ms(lambda: seal.seal(b"h", packed), repeats),
-            "send": cpu_ms(lambda: link.send(packed), repeats),
+            "pack": cpu_ms(lambda: protocol.pack_parts(message), repeats),
+            "seal": cpu_ms(lambda: Seal(bytes(32), b"rply", b"rply").seal_into(b"h", parts, out), repeats),
+            "send+seal": cpu_ms(lambda: link.send(parts), repeats),
         }
     finally:
         link.close()
         loop.close()
+    rows["send"] = max(rows.pop("send+seal") - rows["seal"], 0.0)
     rows["receive"] = max(rows.pop("receive+unseal") - rows["unseal"], 0.0)
     return {name: TWICE * ms for name, ms in rows.items()}
 

@@ -34,6 +34,7 @@ from swarmtrain.net.link_meter import DOWN, METERED_MIN_BYTES, UP, LinkMeter
 from swarmtrain.net.protocol import Message, ProtocolError, error_message, make_message, pack, unpack
 from swarmtrain.net.secure_link import TAG_BYTES, Seal
 from swarmtrain.net.server_bounds import ByteBounds
+from swarmtrain.net.stream import open_stream
 from swarmtrain.net.tcp_tuning import set_congestion_control
 from swarmtrain.net.transport import RemoteError
 
@@ -396,15 +397,15 @@ async def _raw_link(plane: Plane, link: str = "a" * 32, roles=("replies", "reque
     """Connections of a link made by hand (a caller that may misbehave after the handshake)."""
     channels = []
     for role in roles:
-        reader, writer = await asyncio.open_connection(*plane.address)
-        seal = await secure_link.client_handshake(reader, writer, CALLER_IDENTITY, SERVER, None, link, role)
-        channels.append(framing.Channel(reader, writer, seal))
+        stream = await open_stream(*plane.address)
+        seal = await secure_link.client_handshake(stream, CALLER_IDENTITY, SERVER, None, link, role)
+        channels.append(framing.Channel(stream, seal))
     return channels
 
 
 async def _closed_by_server(channel, within_s: float) -> bool:
     try:
-        return await asyncio.wait_for(channel.reader.read(1 << 20), within_s) == b""
+        return await asyncio.wait_for(channel.stream.read(1 << 20), within_s) == b""
     except (ConnectionError, TimeoutError):
         return False
 
@@ -449,14 +450,14 @@ def test_undecodable_or_foreign_identities_are_refused_with_an_error_and_one_log
         async with _plane(run_key) as plane:
             for description, stranger in hostile:
                 for role in (secure_link.REPLIES, secure_link.REQUESTS):
-                    reader, writer = await asyncio.open_connection(*plane.address)
+                    stream = await open_stream(*plane.address)
                     with pytest.raises(ProtocolError, match="refused: .*could not prove") as refused:
                         await secure_link.client_handshake(
-                            reader, writer, stranger, SERVER, run_key, os.urandom(16).hex(), role
+                            stream, stranger, SERVER, run_key, os.urandom(16).hex(), role
                         )
                     assert "\n" not in str(refused.value), description
-                    assert await asyncio.wait_for(reader.read(), TIMEOUT_S) == b"", description  # closed
-                    writer.close()
+                    assert await asyncio.wait_for(stream.read(), TIMEOUT_S) == b"", description  # closed
+                    stream.close()
             assert plane.handlers.calls == []
             assert (await plane.call("a")).header["mb"] == "a"  # and it serves a real caller on
 
@@ -556,7 +557,7 @@ def test_a_frame_that_stops_arriving_is_cut_off(monkeypatch):
         async with _plane() as plane:
             _, requests = await _raw_link(plane)
             head = framing.HEADER.pack(framing.REQUEST, 5, 1000, 1) + b"chain"
-            requests.writer.write(head + b"x" * 500)  # half of the body, then nothing
+            requests.stream.write(head + b"x" * 500)  # half of the body, then nothing
             assert await _closed_by_server(requests, 5.0)
             assert plane.server.status()["held_bytes"] == 0
             await _until(lambda: plane.server.status()["connections"] == 0)
@@ -574,11 +575,11 @@ def test_a_frame_that_trickles_is_cut_off(monkeypatch):
         async with _plane() as plane:
             _, requests = await _raw_link(plane)
             head = framing.HEADER.pack(framing.REQUEST, 5, 200_000, 1) + b"chain"
-            requests.writer.write(head)
+            requests.stream.write(head)
             sent = 0
             with contextlib.suppress(ConnectionError):  # the server's cut may reset our last writes
                 while plane.server.status()["connections"] and sent < 100:
-                    requests.writer.write(b"x" * 100)  # every 0.05 s: 2 kB/s, never 64 KiB in 0.5 s
+                    requests.stream.write(b"x" * 100)  # every 0.05 s: 2 kB/s, never 64 KiB in 0.5 s
                     sent += 1
                     await asyncio.sleep(0.05)
             # cut while bytes kept arriving (a rule per arrival would have let all 100 writes in)
@@ -619,7 +620,7 @@ def test_a_replies_connection_without_its_requests_connection_is_closed(monkeypa
             (replies,) = await _raw_link(plane, roles=("replies",))
             assert await _closed_by_server(replies, 5.0)
             replies, requests = await _raw_link(plane, link="b" * 32)
-            replies.writer.write(b"nothing may come this way")
+            replies.stream.write(b"nothing may come this way")
             assert await _closed_by_server(replies, 5.0) and await _closed_by_server(requests, 5.0)
 
     _run(main())

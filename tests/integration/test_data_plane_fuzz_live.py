@@ -37,6 +37,7 @@ from swarmtrain.net.protocol import (
     request_message,
     unpack,
 )
+from swarmtrain.net.stream import Stream, open_stream
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -138,7 +139,7 @@ async def _attack_all(cfg, targets, swarm, names, bounds) -> dict:
 
 
 # the attacks -------------------------------------------------------------------------------------
-async def _closed(reader: asyncio.StreamReader) -> bool:
+async def _closed(reader: asyncio.StreamReader | Stream) -> bool:
     """Whether the server closes the connection (after whatever it says) within CLOSED_WITHIN_S."""
     try:
         while await asyncio.wait_for(reader.read(1 << 16), CLOSED_WITHIN_S):
@@ -198,19 +199,17 @@ async def _hostile_identities(address, server: str, swarm_peers: list[str]) -> i
     cases += [HostileIdentity(b"\xff", peer) for peer in swarm_peers]
     for hostile in cases:
         for role in (secure_link.REPLIES, secure_link.REQUESTS):
-            reader, writer = await asyncio.open_connection(*address)
+            stream = await open_stream(*address)
             try:
-                await secure_link.client_handshake(
-                    reader, writer, hostile, server, None, os.urandom(16).hex(), role
-                )
+                await secure_link.client_handshake(stream, hostile, server, None, os.urandom(16).hex(), role)
             except ProtocolError as exc:
                 assert str(exc).startswith("refused: ") and "could not prove" in str(exc), exc
             else:
                 raise AssertionError(
                     f"the server accepted {hostile.peer_id} with key {hostile.public_key[:8]!r}"
                 )
-            assert await _closed(reader)
-            writer.close()
+            assert await _closed(stream)
+            stream.close()
     return 2 * len(cases)
 
 
@@ -225,15 +224,15 @@ class _RawLink:
     async def open(cls, address, server: str, identity: PeerIdentity = FUZZER_IDENTITY) -> _RawLink:
         link, channels = os.urandom(16).hex(), []
         for role in (secure_link.REPLIES, secure_link.REQUESTS):
-            reader, writer = await asyncio.open_connection(*address)
+            stream = await open_stream(*address)
             try:
-                seal = await secure_link.client_handshake(reader, writer, identity, server, None, link, role)
+                seal = await secure_link.client_handshake(stream, identity, server, None, link, role)
             except BaseException:
-                writer.close()
+                stream.close()
                 for channel in channels:
                     channel.close()
                 raise
-            channels.append(framing.Channel(reader, writer, seal))
+            channels.append(framing.Channel(stream, seal))
         return cls(*channels)
 
     async def reply(self) -> Message:
@@ -246,7 +245,7 @@ class _RawLink:
     async def drain_acks(self) -> None:
         while True:
             try:
-                await asyncio.wait_for(self.requests.reader.read(1 << 16), 0.05)
+                await asyncio.wait_for(self.requests.stream.read(1 << 16), 0.05)
             except TimeoutError:
                 return
 
@@ -327,12 +326,12 @@ async def _bad_frames(address, server: str) -> int:
     ]
     for frame in frames:
         link = await _RawLink.open(address, server)
-        link.requests.writer.write(frame)
-        link.requests.writer.write_eof()
-        assert await _closed(link.replies.reader)
+        link.requests.stream.write(frame)
+        link.requests.stream.write_eof()
+        assert await _closed(link.replies.stream)
         link.close()
     link = await _RawLink.open(address, server)  # a length far over the limit: refused, then dropped
-    link.requests.writer.write(head.pack(framing.REQUEST, 5, 2**40, 1) + b"chain")
+    link.requests.stream.write(head.pack(framing.REQUEST, 5, 2**40, 1) + b"chain")
     reply = await link.reply()
     assert reply.header.get("code") == "too_large", reply.header
     link.close()
@@ -364,12 +363,12 @@ async def _big_unfinished_frames(address, server: str, bounds: dict, pid: int) -
         await _RawLink.open(address, server, identities[0])
     chunk = b"\0" * (1 << 20)
     for exchange, link in enumerate(links, start=1):
-        link.requests.writer.write(framing.HEADER.pack(framing.REQUEST, 6, size, exchange) + b"bundle")
+        link.requests.stream.write(framing.HEADER.pack(framing.REQUEST, 6, size, exchange) + b"bundle")
         left = size - 1
         while left:
-            link.requests.writer.write(chunk[: min(left, len(chunk))])
+            link.requests.stream.write(chunk[: min(left, len(chunk))])
             left -= min(left, len(chunk))
-        await link.requests.writer.drain()
+        await link.requests.stream.drain()
     await asyncio.sleep(2.0)
     grown = _rss_bytes(pid) - rss_before
     for link in links:

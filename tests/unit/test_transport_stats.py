@@ -27,7 +27,7 @@ def _request() -> Message:
 def test_a_servicer_counts_the_request_it_got_and_the_reply_it_sent():
     servicer = StageServicer(_result, max_message_bytes=1 << 20)
     data = pack(_request())
-    reply = asyncio.run(servicer.answer_direct("forward_backward", data, CONTEXT))
+    reply = b"".join(asyncio.run(servicer.answer_direct("forward_backward", data, CONTEXT)))  # in its parts
     counted = servicer.stats.snapshot()
     assert counted[(1, "forward_backward", "in")].wire_bytes == len(data)
     assert counted[(1, "forward_backward", "reply")].wire_bytes == len(reply)
@@ -47,6 +47,6 @@ def test_a_refused_request_s_error_reply_is_counted_too():
 def test_a_caller_counts_its_request_as_sent_and_the_reply_as_received():
     stats, request = TransportStats(), _request()
     data, reply = pack(request), pack(Message("result", {"stage": 1}))
-    checked_reply(stats, request, "forward_backward", data, reply, "peer")
+    checked_reply(stats, request, "forward_backward", len(data), reply, "peer")
     assert (stats.sent().wire_bytes, stats.received().wire_bytes) == (len(data), len(reply))
     assert stats.totals().wire_bytes == len(data) + len(reply)

@@ -40,6 +40,7 @@ from swarmtrain.config.run import COMPRESSION_CHOICES, LOWBIT_COMPRESSION
 from swarmtrain.net import bit_packing, device_bytes
 
 CODECS = COMPRESSION_CHOICES
+Buffer = bytes | bytearray | memoryview  # what a payload may be held in
 BLOCK_SIZE = 256
 _QMAX = 127.0
 LOWBIT_BLOCK = 64
@@ -83,7 +84,7 @@ class EncodedTensor:
     codec: str
     dtype: str
     shape: tuple[int, ...]
-    payload: bytes
+    payload: Buffer  # bytes, or for a large payload received a view of its message (net/protocol.py)
 
     @property
     def numel(self) -> int:

@@ -39,10 +39,11 @@ from functools import partial
 from hivemind.p2p import P2PContext, PeerID
 
 from swarmtrain.net.auth import RunKey
+from swarmtrain.net.codec import Buffer
 from swarmtrain.net.framing import ACK, REPLY, REQUEST, Channel, Head
 from swarmtrain.net.identity import PeerIdentity
 from swarmtrain.net.link_meter import LinkMeter
-from swarmtrain.net.protocol import DIRECT_KINDS, Message, ProtocolError, error_message, pack
+from swarmtrain.net.protocol import DIRECT_KINDS, Message, ProtocolError, error_message, pack, pack_parts
 from swarmtrain.net.reachability import ip_and_tcp_port
 from swarmtrain.net.secure_link import (
     NONCE_BYTES,
@@ -54,6 +55,7 @@ from swarmtrain.net.secure_link import (
     server_handshake,
 )
 from swarmtrain.net.server_bounds import ByteBounds, HeldBytes
+from swarmtrain.net.stream import Stream, open_stream, serve_streams
 from swarmtrain.net.tcp_tuning import DEFAULT_CONGESTION, set_congestion_control
 from swarmtrain.net.transport import MAX_DRAIN_S, MAX_REPLY_BYTES, TransportStats, checked_reply
 from swarmtrain.utils.logging import get_logger
@@ -132,7 +134,7 @@ class DataPlaneServer:
         self.held = held or HeldBytes(self.bounds.held_bytes, self.bounds.held_bytes_per_peer)
         self.refused = 0  # connections and requests refused by a limit other than bytes (tests, logs)
         self._server: asyncio.Server | None = None
-        self._writers: set[asyncio.StreamWriter] = set()
+        self._streams: set[Stream] = set()
         self._per_address: dict[str, int] = {}
         self._per_peer: dict[str, int] = {}  # connections of each proven peer id
         self._replies: dict[tuple[str, str], asyncio.Future[Channel]] = {}  # per (caller, link)
@@ -140,7 +142,7 @@ class DataPlaneServer:
 
     async def start(self, host: str, port: int = 0) -> int:
         """Listen on `host`:`port` (0: any free port); returns the port."""
-        self._server = await asyncio.start_server(self._serve, host, port)
+        self._server = await serve_streams(self._serve, host, port)
         self.port = self._server.sockets[0].getsockname()[1]
         return self.port
 
@@ -149,8 +151,8 @@ class DataPlaneServer:
             self._server.close()
         for task in list(self._answers):
             task.cancel()
-        for writer in list(self._writers):
-            writer.close()
+        for stream in list(self._streams):
+            stream.close()
 
     def track_answer(self, task: asyncio.Task) -> None:
         """A link's answer under way: counted in `status` and cancelled at `close`."""
@@ -160,7 +162,7 @@ class DataPlaneServer:
     def status(self) -> dict:
         """What callers hold here now, against the limits (a stage's `info` reply)."""
         return {
-            "connections": len(self._writers),
+            "connections": len(self._streams),
             "peers_connected": len(self._per_peer),
             "answers_under_way": len(self._answers),
             **self.held.status(),
@@ -172,22 +174,22 @@ class DataPlaneServer:
             **self.bounds.as_dict(),
         }
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        address = str((writer.get_extra_info("peername") or ("?",))[0])
+    async def _serve(self, stream: Stream) -> None:
+        address = str((stream.get_extra_info("peername") or ("?",))[0])
         if not self._admit_connection(address):
             self.refused += 1
-            writer.close()
+            stream.close()
             return
-        self._writers.add(writer)
+        self._streams.add(stream)
         self._per_address[address] = self._per_address.get(address, 0) + 1
-        set_congestion_control(writer, self.congestion)
+        set_congestion_control(stream, self.congestion)
         counted: list[str] = []  # the proven caller, once its connection counts against its limit
         try:
             hello, seal = await asyncio.wait_for(
-                server_handshake(reader, writer, self.me, self.run_key, partial(self._admit_peer, counted)),
+                server_handshake(stream, self.me, self.run_key, partial(self._admit_peer, counted)),
                 HANDSHAKE_TIMEOUT_S,
             )
-            channel = Channel(reader, writer, seal, self.meter, hello.caller)
+            channel = Channel(stream, seal, self.meter, hello.caller)
             if hello.role == REPLIES:
                 await self._hold_replies(hello, channel)
             else:
@@ -199,14 +201,14 @@ class DataPlaneServer:
             # connection task that ends cancelled)
             pass
         finally:
-            self._writers.discard(writer)
+            self._streams.discard(stream)
             _count_down(self._per_address, address)
             for caller in counted:
                 _count_down(self._per_peer, caller)
-            writer.close()
+            stream.close()
 
     def _admit_connection(self, address: str) -> bool:
-        if len(self._writers) >= MAX_CONNECTIONS:
+        if len(self._streams) >= MAX_CONNECTIONS:
             logger.info("data plane: refused a connection from %s (%d open)", address, MAX_CONNECTIONS)
             return False
         if self._per_address.get(address, 0) >= MAX_CONNECTIONS_PER_ADDRESS:
@@ -242,7 +244,7 @@ class DataPlaneServer:
                 waiting = key in self._replies  # no requests connection has taken it yet
                 try:
                     sent = await asyncio.wait_for(
-                        channel.reader.read(1), HANDSHAKE_TIMEOUT_S if waiting else None
+                        channel.stream.read(1), HANDSHAKE_TIMEOUT_S if waiting else None
                     )
                 except TimeoutError:
                     if key in self._replies:
@@ -346,7 +348,7 @@ class _ServedLink:
         refusal = self.server.held.reserve(self.caller, head.size)
         return None if refusal is None else (refusal, "unavailable")
 
-    async def _reply(self, head: Head, data: bytes) -> None:
+    async def _reply(self, head: Head, data: memoryview) -> None:
         try:
             reply = await self.server.answer(head.kind, data, self.context)
             del data
@@ -380,7 +382,7 @@ class _Link:
         self._last_id = 0
         self._readers = [asyncio.create_task(self._read(c)) for c in (requests, replies)]
 
-    async def exchange(self, kind: str, data: bytes, received: asyncio.Event | None) -> bytes:
+    async def exchange(self, kind: str, data: list[Buffer], received: asyncio.Event | None) -> memoryview:
         if self.broken is not None:
             raise ConnectionResetError(self.broken)
         self._last_id += 1
@@ -468,7 +470,7 @@ class DataPlaneClient:
         kind = message.kind
         if self._token is not None:
             message = Message(kind, {**message.header, "auth": self._token}, message.tensors)
-        data = pack(message)
+        data = pack_parts(message)  # sealed part by part: a payload is never copied to join them
         link = await self._link(address, peer, timeout_s)
         started_s = time.monotonic()
         try:
@@ -477,7 +479,8 @@ class DataPlaneClient:
             if link.last_frame_s < started_s:  # not a slow answer: a dead or wedged link, dial anew
                 link.close(f"nothing came over the link in {timeout_s:.1f} s")
             raise
-        return checked_reply(self.stats, message, kind, data, reply_bytes, peer, self.max_reply_bytes)
+        sent_bytes = sum(len(part) for part in data)
+        return checked_reply(self.stats, message, kind, sent_bytes, reply_bytes, peer, self.max_reply_bytes)
 
     def close(self) -> None:
         for link in self._links.values():
@@ -522,11 +525,11 @@ class DataPlaneClient:
         return _Link(requests, replies, self.max_reply_bytes)
 
     async def _connect(self, address: Address, peer: str, link_id: str, role: str) -> Channel:
-        reader, writer = await asyncio.open_connection(*address)
-        set_congestion_control(writer, self.congestion)
+        stream = await open_stream(*address)
+        set_congestion_control(stream, self.congestion)
         try:
-            seal = await client_handshake(reader, writer, self.me, peer, self.run_key, link_id, role)
+            seal = await client_handshake(stream, self.me, peer, self.run_key, link_id, role)
         except BaseException:
-            writer.close()
+            stream.close()
             raise
-        return Channel(reader, writer, seal, self.meter, peer)
+        return Channel(stream, seal, self.meter, peer)

@@ -12,9 +12,11 @@ import contextlib
 import struct
 from dataclasses import dataclass
 
+from swarmtrain.net.codec import Buffer
 from swarmtrain.net.link_meter import DOWN, METERED_MIN_BYTES, UP, LinkMeter
 from swarmtrain.net.protocol import ProtocolError
 from swarmtrain.net.secure_link import TAG_BYTES, Seal
+from swarmtrain.net.stream import Stream, unfilled
 from swarmtrain.net.tcp_tuning import LAST_ACK_RECV, LAST_DATA_RECV, kernel_time_s, unacknowledged_bytes
 
 REQUEST, ACK, REPLY = 1, 2, 3
@@ -41,37 +43,36 @@ class Channel:
     from its first write until the peer's TCP has acknowledged every byte sent (a busy spell of the
     connection may hold several frames), each counted for `remote` (the peer at the other end)."""
 
-    def __init__(
-        self,
-        reader: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
-        seal: Seal,
-        meter: LinkMeter | None = None,
-        remote: str = "",
-    ) -> None:
-        self.reader, self.writer, self._seal = reader, writer, seal
+    def __init__(self, stream: Stream, seal: Seal, meter: LinkMeter | None = None, remote: str = "") -> None:
+        self.stream, self._seal = stream, seal
         self.meter, self.remote = meter, remote
         self._sending = asyncio.Lock()
         self.partner: Channel | None = None  # the other connection of its link, closed with this one
         self._uploading = 0  # bytes of the busy spell under way (0: none), delivered when it ends
         self._delivery: asyncio.Task | None = None
 
-    async def send(self, kind_type: int, exchange: int, body: bytes, kind: str = "") -> None:
+    async def send(self, kind_type: int, exchange: int, body: Buffer | list[Buffer], kind: str = "") -> None:
+        """Send a frame whose body is `body` or the concatenation of its parts (net/protocol.py
+        `pack_parts`: sealed part by part, never joined)."""
+        parts = body if isinstance(body, list) else [body]
         kind_bytes = kind.encode()
-        size = len(body) + TAG_BYTES
+        size = sum(len(part) for part in parts) + TAG_BYTES
         head = HEADER.pack(kind_type, len(kind_bytes), size, exchange) + kind_bytes
         async with self._sending:  # frames go whole and in nonce order
-            if self.writer.is_closing():  # aborted or closed meanwhile: writing would only log warnings
+            if self.stream.is_closing():  # aborted or closed meanwhile: writing would only log warnings
                 raise ConnectionResetError("the data-plane connection is closed")
-            body = self._seal.seal(head, body)
-            self._upload_begins(len(head) + len(body))
-            # one write: with TCP_NODELAY (asyncio's default) two would send the header as its own
-            # segment, 66 bytes of TCP/IP for its 18 on every small frame (docs/LOG.md)
-            self.writer.writelines((head, body))
+            # one buffer, one write: with TCP_NODELAY (asyncio's default) two would send the header as its
+            # own segment, 66 bytes of TCP/IP for its 18 on every small frame (docs/LOG.md)
+            frame = unfilled(len(head) + size)
+            frame[: len(head)] = head
+            self._seal.seal_into(head, parts, frame[len(head) :])
+            self._upload_begins(len(frame))
+            self.stream.write(frame)
             try:  # a peer that stops reading must not hold our buffers (and this lock) for ever
-                await asyncio.wait_for(self.writer.drain(), WRITE_STALL_S)
+                async with asyncio.timeout(WRITE_STALL_S):  # not wait_for: no task per frame
+                    await self.stream.drain()
             except TimeoutError:
-                self.writer.transport.abort()  # close() would wait for the unread bytes to go
+                self.stream.abort()  # close() would wait for the unread bytes to go
                 raise ConnectionResetError(f"the peer read nothing for {WRITE_STALL_S:.0f} s") from None
 
     def _upload_begins(self, size: int) -> None:
@@ -87,12 +88,12 @@ class Channel:
         first check after 1 ms, then at most every `_DELIVERY_POLL_S`."""
         delivered, ended_s, delay_s = 0, None, 0.001
         try:
-            while self._sending.locked() or unacknowledged_bytes(self.writer):
-                if self.writer.is_closing():
+            while self._sending.locked() or unacknowledged_bytes(self.stream):
+                if self.stream.is_closing():
                     return  # not delivered: counted as nothing
                 await asyncio.sleep(delay_s)
                 delay_s = min(2 * delay_s, _DELIVERY_POLL_S)
-            delivered, ended_s = self._uploading, kernel_time_s(self.writer, LAST_ACK_RECV)
+            delivered, ended_s = self._uploading, kernel_time_s(self.stream, LAST_ACK_RECV)
         finally:
             meter.stopped(UP, self.remote, delivered, ended_s)
             self._uploading = 0
@@ -100,7 +101,8 @@ class Channel:
     async def head(self, idle_s: float | None = None) -> Head:
         """The next frame's header; its first byte may take `idle_s` (None: for ever), the rest of it
         `FRAME_STALL_S`."""
-        first = await asyncio.wait_for(self.reader.readexactly(1), idle_s)
+        async with asyncio.timeout(idle_s):  # not wait_for: no task per frame
+            first = await self.stream.readexactly(1)
         raw = first + await self._exactly(HEADER.size - 1)
         kind_type, kind_len, size, exchange = HEADER.unpack(raw)
         kind_bytes = await self._exactly(kind_len)
@@ -110,31 +112,16 @@ class Channel:
             raise ProtocolError("a data-plane frame with a malformed kind") from None
         return Head(kind_type, kind, size, exchange, raw + kind_bytes)
 
-    async def body(self, head: Head) -> bytes:
-        data = bytearray(head.size)
+    async def body(self, head: Head) -> memoryview:
+        """The frame's body, opened: read straight into its own buffer and opened there (no copy but the
+        kernel's), each 64 KiB of it within `FRAME_STALL_S`."""
+        data = unfilled(head.size)
         async with self._download(head):
-            await self._fill(memoryview(data))
-        return self._seal.open(head.raw, data)
-
-    async def _fill(self, view: memoryview) -> None:
-        """Read into `view` whatever has arrived, as it arrives (a few reads per MB, each a copy out of
-        the stream's buffer, instead of a read per 64 KiB and a join); the stall rule of `_exactly` holds:
-        each 64 KiB within `FRAME_STALL_S`."""
-        loop = asyncio.get_running_loop()
-        got, next_due = 0, _CHUNK_BYTES
-        try:
-            async with asyncio.timeout(FRAME_STALL_S) as timer:
-                while got < len(view):
-                    part = await self.reader.read(len(view) - got)
-                    if not part:
-                        raise asyncio.IncompleteReadError(bytes(view[:got]), len(view))
-                    view[got : got + len(part)] = part
-                    got += len(part)
-                    if got >= next_due:  # another 64 KiB in time: the next one is due in FRAME_STALL_S
-                        timer.reschedule(loop.time() + FRAME_STALL_S)
-                        next_due = got + _CHUNK_BYTES
-        except TimeoutError:
-            raise ProtocolError(f"a data-plane frame stalled for {FRAME_STALL_S:.0f} s") from None
+            try:
+                await self.stream.readinto(data, FRAME_STALL_S, _CHUNK_BYTES)
+            except TimeoutError:
+                raise ProtocolError(f"a data-plane frame stalled for {FRAME_STALL_S:.0f} s") from None
+        return self._seal.open_in_place(head.raw, data)
 
     async def skip(self, head: Head) -> None:
         async with self._download(head):
@@ -153,7 +140,7 @@ class Channel:
         delivered, ended_s = 0, None
         try:
             yield
-            delivered, ended_s = len(head.raw) + head.size, kernel_time_s(self.writer, LAST_DATA_RECV)
+            delivered, ended_s = len(head.raw) + head.size, kernel_time_s(self.stream, LAST_DATA_RECV)
         finally:
             self.meter.stopped(DOWN, self.remote, delivered, ended_s)
 
@@ -161,9 +148,9 @@ class Channel:
         """`size` bytes of a frame under way: a sender that stalls mid-frame is cut off."""
         try:  # a timeout context, not wait_for: that made a task per 64 KiB, 1-2 ms of CPU per MB frame
             async with asyncio.timeout(FRAME_STALL_S):
-                return await self.reader.readexactly(size)
+                return await self.stream.readexactly(size)
         except TimeoutError:
             raise ProtocolError(f"a data-plane frame stalled for {FRAME_STALL_S:.0f} s") from None
 
     def close(self) -> None:
-        self.writer.close()
+        self.stream.close()

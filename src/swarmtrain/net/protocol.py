@@ -116,6 +116,7 @@ REPLY_KINDS = kinds_where(request=False)  # result, error
 BUNDLE_KIND = "bundle"
 MAX_STEP = 2**53
 _LEN = struct.Struct("<I")
+_VIEWED_BYTES = 1 << 16  # a received payload this large stays a view of its message's bytes
 
 
 class ProtocolError(ValueError):
@@ -158,9 +159,8 @@ def encode_tensor(name: str, tensor: torch.Tensor, codec_name: str) -> codec.Enc
 def make_message(
     kind: str, header: dict, tensors: dict[str, torch.Tensor], codec_name: str = "none"
 ) -> Message:
-    return Message(
-        kind, dict(header), {name: encode_tensor(name, t, codec_name) for name, t in tensors.items()}
-    )
+    encoded = {name: encode_tensor(name, t, codec_name) for name, t in tensors.items()}
+    return Message(kind, dict(header), encoded)
 
 
 def request_message(
@@ -192,18 +192,25 @@ def error_message(text: str, code: str = "bad_request") -> Message:
 
 # bytes <-> Message --------------------------------------------------------------------------------
 def pack(message: Message) -> bytes:
+    return b"".join(pack_parts(message))
+
+
+def pack_parts(message: Message) -> list[codec.Buffer]:
+    """`pack`'s bytes in their parts (the header, each payload), not joined: the data plane's seal reads
+    them in turn (net/secure_link.py)."""
     descriptors = [
         [name, t.codec, t.dtype, list(t.shape), len(t.payload)] for name, t in message.tensors.items()
     ]
     header = dict(message.header, kind=message.kind, v=PROTOCOL_VERSION, tensors=descriptors)
     header_bytes = json.dumps(header, separators=(",", ":")).encode()
-    return b"".join(
-        [MAGIC, _LEN.pack(len(header_bytes)), header_bytes, *(t.payload for t in message.tensors.values())]
-    )
+    head = MAGIC + _LEN.pack(len(header_bytes)) + header_bytes
+    return [head, *(t.payload for t in message.tensors.values())]
 
 
-def unpack(data: bytes, max_bytes: int) -> Message:
-    """Parse bytes into a Message; raises ProtocolError on anything malformed or over `max_bytes`."""
+def unpack(data: codec.Buffer, max_bytes: int) -> Message:
+    """Parse bytes into a Message; raises ProtocolError on anything malformed or over `max_bytes`. Large
+    payloads are views of `data` (the data plane's frame buffer, owned by this message), small ones
+    copies: a kept label or step number does not hold a frame's megabytes."""
     if len(data) > max_bytes:
         raise ProtocolError(f"message of {len(data)} bytes exceeds the limit of {max_bytes}", "too_large")
     if len(data) < len(MAGIC) + _LEN.size or data[: len(MAGIC)] != MAGIC:
@@ -213,7 +220,7 @@ def unpack(data: bytes, max_bytes: int) -> Message:
     if header_len > MAX_HEADER_BYTES or start + header_len > len(data):
         raise ProtocolError(f"bad header length {header_len}")
     try:
-        header = json.loads(data[start : start + header_len])
+        header = json.loads(bytes(data[start : start + header_len]))
     except RecursionError:
         raise ProtocolError("header nests too deeply") from None
     except ValueError as exc:  # not JSON, not UTF-8, or an integer beyond Python's 4,300-digit limit
@@ -229,7 +236,7 @@ def unpack(data: bytes, max_bytes: int) -> Message:
     return Message(kind, header, tensors)
 
 
-def _parse_tensors(descriptors, data: bytes, offset: int) -> dict[str, codec.EncodedTensor]:
+def _parse_tensors(descriptors, data: codec.Buffer, offset: int) -> dict[str, codec.EncodedTensor]:
     if not isinstance(descriptors, list) or len(descriptors) > MAX_TENSORS:
         raise ProtocolError(f"tensor descriptors must be a list of at most {MAX_TENSORS} entries")
     view = memoryview(data)
@@ -251,8 +258,9 @@ def _parse_tensors(descriptors, data: bytes, offset: int) -> dict[str, codec.Enc
             raise ProtocolError(f"tensor {name!r}: {nbytes} payload bytes, expected {expected}")
         if offset + nbytes > len(data):
             raise ProtocolError(f"tensor {name!r}: payload truncated")
+        payload = view[offset : offset + nbytes]
         tensors[name] = codec.EncodedTensor(
-            codec_name, dtype, tuple(shape), bytes(view[offset : offset + nbytes])
+            codec_name, dtype, tuple(shape), payload if nbytes >= _VIEWED_BYTES else bytes(payload)
         )
         offset += nbytes
     if offset != len(data):
@@ -524,13 +532,9 @@ def validate_close(message: Message, stage: int, digest: str) -> dict:
         raise ProtocolError("participants must be a list of peer ids")
     if not all(_is_peer_id(p) for p in participants):
         raise ProtocolError("participants must be a list of peer ids")
-    return {
-        "step": header["step"],
-        "shard": shard,
-        "shard_count": shards,
-        "members": members,
-        "participants": participants,
-    }
+    return dict(
+        step=header["step"], shard=shard, shard_count=shards, members=members, participants=participants
+    )
 
 
 def max_grads_message_bytes(num_values: int, num_tensors: int) -> int:
@@ -548,10 +552,7 @@ def validate_grads(
         raise ProtocolError(f"grads need a positive sample count, got {samples!r}")
     if set(message.tensors) != set(names):
         raise ProtocolError("grads must carry exactly this stage's parameters")
-    sums = []
-    for name, shape in zip(names, shapes, strict=True):
-        tensor = _checked_float(message, name, shape)
-        sums.append(tensor)
+    sums = [_checked_float(message, name, shape) for name, shape in zip(names, shapes, strict=True)]
     return header["step"], samples, sums
 
 

@@ -24,18 +24,18 @@ key salts the frames' key, so a stranger cannot even complete the handshake.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hashlib
 import json
 import secrets
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
@@ -43,8 +43,10 @@ from hivemind.p2p import PeerID
 
 from swarmtrain.net import identity
 from swarmtrain.net.auth import RunKey
+from swarmtrain.net.codec import Buffer
 from swarmtrain.net.identity import PeerIdentity
 from swarmtrain.net.protocol import ProtocolError
+from swarmtrain.net.stream import Stream
 from swarmtrain.utils.logging import get_logger
 
 # the data plane's lines: one logger name to read or filter a server's data-plane logs by
@@ -54,6 +56,7 @@ _HELLO_LENGTH = struct.Struct("!I")
 _MAX_HELLO_BYTES = 4096
 NONCE_BYTES = 16
 TAG_BYTES = 16  # AES-GCM's authentication tag, appended to a sealed body
+_STREAMED_BYTES = 1 << 20  # a body of several parts at least this large is sealed part by part
 _PROTOCOL = "swarmtrain-data/2"
 _DH_BYTES = 32  # an X25519 public key
 _MAX_KEY_BYTES = 1200  # a libp2p RSA public key (up to MAX_RSA_BITS) or a signature, serialized
@@ -64,38 +67,72 @@ class Seal:
     """AES-GCM for one connection: a key from the handshake, a counted nonce per direction."""
 
     def __init__(self, key: bytes, sending: bytes, receiving: bytes) -> None:
-        self._aead = AESGCM(key)
+        self._key, self._aead = key, AESGCM(key)
         self._sending, self._receiving = sending, receiving  # 4-byte direction labels
         self._sent = self._received = 0
 
-    def seal(self, head: bytes, body: bytes) -> bytes:
+    def seal(self, head: bytes, body: Buffer) -> bytes:
         self._sent += 1
         return self._aead.encrypt(self._sending + self._sent.to_bytes(8, "big"), body, head)
+
+    def seal_into(self, head: bytes, parts: Sequence[Buffer], out: memoryview) -> None:
+        """Seal the concatenation of `parts` into `out` (their size and TAG_BYTES) without joining them:
+        a large message's payloads are read once, by the cipher (docs/LOG.md, "The data plane's own
+        stream")."""
+        self._sent += 1
+        nonce = self._sending + self._sent.to_bytes(8, "big")
+        if len(parts) == 1 or len(out) < _STREAMED_BYTES:  # one call of the cipher is cheaper
+            self._aead.encrypt_into(nonce, parts[0] if len(parts) == 1 else b"".join(parts), head, out)
+            return
+        encryptor = Cipher(algorithms.AES(self._key), modes.GCM(nonce)).encryptor()
+        encryptor.authenticate_additional_data(head)
+        offset = 0
+        for part in parts:
+            # each call wants 15 bytes of room past its part's end: the next part's place or the tag's
+            offset += encryptor.update_into(part, out[offset:])
+        encryptor.finalize()
+        out[offset:] = encryptor.tag
 
     def skip(self) -> None:
         """A frame the receiver dropped unread still used its nonce."""
         self._received += 1
 
-    def open(self, head: bytes, body: bytes) -> bytes:
+    def open(self, head: bytes, body: Buffer) -> bytes:
         self._received += 1
         try:
             return self._aead.decrypt(self._receiving + self._received.to_bytes(8, "big"), body, head)
         except InvalidTag:
             raise ProtocolError("a data-plane frame failed its authentication", "unauthorized") from None
 
+    def open_in_place(self, head: bytes, sealed: bytearray | memoryview) -> memoryview:
+        """Open a sealed body where it lies (no second buffer): its plaintext, a view of `sealed`'s
+        first bytes."""
+        self._received += 1
+        view = memoryview(sealed)
+        size = len(sealed) - TAG_BYTES
+        try:
+            if size < 0:
+                raise InvalidTag
+            self._aead.decrypt_into(
+                self._receiving + self._received.to_bytes(8, "big"), view, head, view[:size]
+            )
+        except InvalidTag:
+            raise ProtocolError("a data-plane frame failed its authentication", "unauthorized") from None
+        return view[:size]
+
 
 # the handshake --------------------------------------------------------------------------------------
-async def _say(writer: asyncio.StreamWriter, fields: dict) -> None:
+async def _say(stream: Stream, fields: dict) -> None:
     data = json.dumps(fields).encode()
-    writer.write(_HELLO_LENGTH.pack(len(data)) + data)
-    await writer.drain()
+    stream.write(_HELLO_LENGTH.pack(len(data)) + data)
+    await stream.drain()
 
 
-async def _hear(reader: asyncio.StreamReader) -> dict:
-    (length,) = _HELLO_LENGTH.unpack(await reader.readexactly(_HELLO_LENGTH.size))
+async def _hear(stream: Stream) -> dict:
+    (length,) = _HELLO_LENGTH.unpack(await stream.readexactly(_HELLO_LENGTH.size))
     if length > _MAX_HELLO_BYTES:
         raise ProtocolError(f"a data-plane handshake message of {length} bytes")
-    data = await reader.readexactly(length)
+    data = await stream.readexactly(length)
     try:
         fields = json.loads(data)
     except (ValueError, RecursionError):  # RecursionError: deeply nested JSON
@@ -169,8 +206,7 @@ class Hello:
 
 
 async def client_handshake(
-    reader: asyncio.StreamReader,
-    writer: asyncio.StreamWriter,
+    stream: Stream,
     me: PeerIdentity,
     server: str,
     run_key: RunKey | None,
@@ -180,8 +216,8 @@ async def client_handshake(
     ephemeral, dh = _ephemeral()
     hello = {"protocol": _PROTOCOL, "peer": me.peer_id, "to": server, "link": link, "role": role}
     hello |= {"nonce": secrets.token_hex(NONCE_BYTES), "dh": dh, "key": me.public_key.hex()}
-    await _say(writer, hello)
-    reply = await _hear(reader)
+    await _say(stream, hello)
+    reply = await _hear(stream)
     if "error" in reply:
         raise ProtocolError(f"refused: {str(reply['error']):.200}")
     if reply.get("peer") != server:
@@ -197,16 +233,15 @@ async def client_handshake(
     if run_key is not None and not secrets.compare_digest(str(reply.get("proof")), session.proof("server")):
         raise ProtocolError("the server holds no valid run key")
     answer = {"sig": me.sign(session.signed("client")).hex()}
-    await _say(writer, answer | ({"proof": session.proof("client")} if run_key is not None else {}))
-    verdict = await _hear(reader)
+    await _say(stream, answer | ({"proof": session.proof("client")} if run_key is not None else {}))
+    verdict = await _hear(stream)
     if "error" in verdict:
         raise ProtocolError(f"refused: {str(verdict['error']):.200}")
     return session.seal("client")
 
 
 async def server_handshake(
-    reader: asyncio.StreamReader,
-    writer: asyncio.StreamWriter,
+    stream: Stream,
     me: PeerIdentity,
     run_key: RunKey | None,
     admit: Callable[[str], str | None] | None = None,
@@ -216,22 +251,21 @@ async def server_handshake(
     is proven: a limit of the server's) is told why in one error message and the refusal is logged in
     one line: what a stranger sends raises ProtocolError here, nothing else."""
     try:
-        return await _proven_caller(reader, writer, me, run_key, admit)
+        return await _proven_caller(stream, me, run_key, admit)
     except ProtocolError as exc:
-        logger.info("data plane: refused a handshake from %s: %s", _remote_ip(writer), exc)
+        logger.info("data plane: refused a handshake from %s: %s", _remote_ip(stream), exc)
         with contextlib.suppress(OSError, RuntimeError):  # the caller may have gone already
-            await _say(writer, {"error": str(exc)})
+            await _say(stream, {"error": str(exc)})
         raise
 
 
 async def _proven_caller(
-    reader: asyncio.StreamReader,
-    writer: asyncio.StreamWriter,
+    stream: Stream,
     me: PeerIdentity,
     run_key: RunKey | None,
     admit: Callable[[str], str | None] | None,
 ) -> tuple[Hello, Seal]:
-    hello = await _hear(reader)
+    hello = await _hear(stream)
     caller, link, role = str(hello.get("peer", "")), str(hello.get("link", "")), hello.get("role")
     if hello.get("protocol") != _PROTOCOL:
         raise ProtocolError(f"protocol {str(hello.get('protocol')):.40} is not {_PROTOCOL}")
@@ -256,8 +290,8 @@ async def _proven_caller(
     reply["sig"] = me.sign(session.signed("server")).hex()
     if run_key is not None:
         reply["proof"] = session.proof("server")
-    await _say(writer, reply)
-    answer = await _hear(reader)
+    await _say(stream, reply)
+    answer = await _hear(stream)
     if not identity.verify(caller, their_key, session.signed("client"), _field(answer, "sig")):
         raise ProtocolError(f"{caller[-8:]} could not prove it holds its peer id's key", "unauthorized")
     if run_key is not None and not secrets.compare_digest(str(answer.get("proof")), session.proof("client")):
@@ -265,7 +299,7 @@ async def _proven_caller(
     refusal = admit(caller) if admit is not None else None
     if refusal is not None:
         raise ProtocolError(refusal, "unavailable")
-    await _say(writer, {"ok": True})
+    await _say(stream, {"ok": True})
     return Hello(caller, link, role), session.seal("server")
 
 
@@ -278,8 +312,8 @@ def _check_key(peer_id: str, public_key: bytes, refusal: str) -> None:
         raise ProtocolError(f"{refusal}: {exc}", "unauthorized") from None
 
 
-def _remote_ip(writer: asyncio.StreamWriter) -> str:
-    return str((writer.get_extra_info("peername") or ("?",))[0])
+def _remote_ip(stream: Stream) -> str:
+    return str((stream.get_extra_info("peername") or ("?",))[0])
 
 
 def _is_peer_id(text: str) -> bool:

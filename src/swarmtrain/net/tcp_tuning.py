@@ -7,13 +7,13 @@ control) and net/framing.py (the timing of large frames).
 
 from __future__ import annotations
 
-import asyncio
 import fcntl
 import socket
 import struct
 import termios
 import time
 
+from swarmtrain.net.stream import Stream
 from swarmtrain.utils.logging import get_logger
 
 # the data plane's lines: one logger name to read or filter a server's data-plane logs by
@@ -33,12 +33,12 @@ LAST_DATA_RECV, LAST_ACK_RECV = 8 + 11 * 4, 8 + 12 * 4
 _refused_congestion: set[str] = set()  # algorithms the system would not give us (logged once each)
 
 
-def unacknowledged_bytes(writer: asyncio.StreamWriter) -> int:
-    """Bytes written to `writer` that its peer has not acknowledged yet: asyncio's buffer plus the
+def unacknowledged_bytes(stream: Stream) -> int:
+    """Bytes written to `stream` that its peer has not acknowledged yet: asyncio's buffer plus the
     socket's send queue (Linux's TIOCOUTQ: unsent and unacknowledged). Where the system cannot tell,
     the send queue reads as empty, and an upload's time ends when the kernel took its last byte."""
-    pending = writer.transport.get_write_buffer_size()
-    sock = writer.get_extra_info("socket")
+    pending = stream.transport.get_write_buffer_size()
+    sock = stream.get_extra_info("socket")
     if sock is None:
         return pending
     try:
@@ -48,10 +48,10 @@ def unacknowledged_bytes(writer: asyncio.StreamWriter) -> int:
     return pending + struct.unpack("i", raw)[0]
 
 
-def kernel_time_s(writer: asyncio.StreamWriter, field_offset: int) -> float | None:
+def kernel_time_s(stream: Stream, field_offset: int) -> float | None:
     """When (time.monotonic) the kernel last saw what a TCP_INFO field of `field_offset` counts the
     milliseconds since (`LAST_DATA_RECV`, `LAST_ACK_RECV`); None where the system cannot tell."""
-    sock = writer.get_extra_info("socket")
+    sock = stream.get_extra_info("socket")
     option = getattr(socket, "TCP_INFO", None)
     if sock is None or option is None:
         return None
@@ -64,12 +64,12 @@ def kernel_time_s(writer: asyncio.StreamWriter, field_offset: int) -> float | No
     return time.monotonic() - struct.unpack_from("I", raw, field_offset)[0] / 1e3
 
 
-def set_congestion_control(writer: asyncio.StreamWriter, name: str | None) -> None:
+def set_congestion_control(stream: Stream, name: str | None) -> None:
     """Use TCP congestion control `name` on the connection (None: the system's default); where the
     system does not permit it (not loaded, or not in net.ipv4.tcp_allowed_congestion_control for an
     unprivileged process), the default stays."""
     option = getattr(socket, "TCP_CONGESTION", None)
-    sock = writer.get_extra_info("socket")
+    sock = stream.get_extra_info("socket")
     if name is None or option is None or sock is None:
         return
     try:

@@ -22,6 +22,7 @@ from typing import AsyncIterator  # noqa: UP035 (hivemind's ServicerBase only re
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import runtime_pb2
 
+from swarmtrain.net import codec
 from swarmtrain.net.auth import RunKey
 from swarmtrain.net.link_meter import DOWN, UP, LinkMeter
 from swarmtrain.net.protocol import (
@@ -33,6 +34,7 @@ from swarmtrain.net.protocol import (
     ProtocolError,
     error_message,
     pack,
+    pack_parts,
     unpack,
 )
 from swarmtrain.net.server_bounds import ByteBounds, HeldBytes, Holding
@@ -355,23 +357,32 @@ class StageServicer(ServicerBase):
             return self.max_micro_batch_bytes
         return self.max_message_bytes
 
-    async def answer_direct(self, kind: str, data: bytes, context: P2PContext) -> bytes:
-        """The packed reply to a request that came over the data plane (net/data_plane.py)."""
-        return await self.answer_bytes(kind, data, context, direct=True)
+    async def answer_direct(self, kind: str, data: codec.Buffer, context: P2PContext) -> list[codec.Buffer]:
+        """The packed reply, in its parts (`pack_parts`: the data plane seals them without joining them),
+        to a request that came over the data plane (net/data_plane.py)."""
+        return await self._answer_parts(kind, data, context, direct=True)
 
-    async def answer_bytes(self, kind: str, data: bytes, context: P2PContext, direct: bool = False) -> bytes:
-        """The packed reply to a request, counted in `stats` as sent (`reply`) under the request's
-        stage. `direct`: it came over the data plane, not libp2p."""
+    async def answer_bytes(self, kind: str, data: bytes, context: P2PContext) -> bytes:
+        """The packed reply to a request that came over libp2p."""
+        return b"".join(await self._answer_parts(kind, data, context))
+
+    async def _answer_parts(
+        self, kind: str, data: codec.Buffer, context: P2PContext, direct: bool = False
+    ) -> list[codec.Buffer]:
+        """The packed reply's parts, counted in `stats` as sent (`reply`) under the request's stage.
+        `direct`: it came over the data plane, not libp2p."""
         stage, reply = await self._answer(kind, data, context)
         start_cpu_s = time.thread_time()
-        packed = pack(reply)
+        packed = pack_parts(reply)
         if direct:
             self.stats.direct_in += 1  # on the event loop only: no lock
         self.stats.add_cpu(kind, time.thread_time() - start_cpu_s)
-        self.stats.record(stage, kind, "reply", len(packed), reply.fp32_equivalent_bytes())
+        self.stats.record(
+            stage, kind, "reply", sum(len(part) for part in packed), reply.fp32_equivalent_bytes()
+        )
         return packed
 
-    async def _answer(self, kind: str, data: bytes, context: P2PContext) -> tuple[int, Message]:
+    async def _answer(self, kind: str, data: codec.Buffer, context: P2PContext) -> tuple[int, Message]:
         """(the request's stage, -1 if it names none; the reply message)."""
         start_cpu_s = time.thread_time()
         stage = -1
@@ -443,7 +454,7 @@ class StageClient:
         data = pack(message)
         exchange = self._exchange(peer, kind, data, received)
         reply_bytes = await asyncio.wait_for(exchange, timeout=timeout_s)
-        return checked_reply(self.stats, message, kind, data, reply_bytes, peer, self.max_reply_bytes)
+        return checked_reply(self.stats, message, kind, len(data), reply_bytes, peer, self.max_reply_bytes)
 
     async def ping_reply(self, peer: str, ping: Message, timeout_s: float) -> Message | None:
         """The peer's answer to `ping` within `timeout_s` (an error answer too, as an error message: the
@@ -518,8 +529,8 @@ def checked_reply(
     stats: TransportStats,
     message: Message,
     kind: str,
-    data: bytes,
-    reply_bytes: bytes,
+    sent_bytes: int,
+    reply_bytes: codec.Buffer,
     peer: str,
     max_bytes: int = MAX_REPLY_BYTES,
 ) -> Message:
@@ -531,7 +542,7 @@ def checked_reply(
     except ProtocolError as exc:
         raise TruncatedReply(f"{len(reply_bytes)}-byte reply from {peer}: {exc}") from None
     stage = message.header.get("stage", -1)
-    stats.record(stage, kind, "out", len(data), message.fp32_equivalent_bytes())
+    stats.record(stage, kind, "out", sent_bytes, message.fp32_equivalent_bytes())
     stats.record(stage, kind, "back", len(reply_bytes), reply.fp32_equivalent_bytes())
     if reply.kind == "error":
         raise RemoteError(str(reply.header.get("code", "error")), str(reply.header.get("error", "")))
