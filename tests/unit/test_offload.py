@@ -137,18 +137,25 @@ def _tiny(arch="gpt"):
     return cfg
 
 
-def swapped_with(model, device, min_groups, outer_on_device, micro_batch_size=2):
+def swapped_with(model, device, min_groups, outer_on_device, micro_batch_size=2, kept=None):
     """The first SwappedGPT, budgets falling from the whole model's peak in 2% steps, with at least
-    `min_groups` groups and its embeddings and head on the device or not as asked."""
+    `min_groups` groups, its embeddings and head on the device or not as asked and, unless `kept` is
+    None, the last group's graph kept or not."""
     whole = SwappedGPT(model, float("inf"), device, micro_batch_size).predicted_peak.total_bytes
     for percent in range(100, 0, -2):
         try:
             swapped = SwappedGPT(model, whole * percent / 100, device, micro_batch_size)
         except SwapPlanError:
             break
-        if swapped.plan.num_groups >= min_groups and swapped.outer_on_device == outer_on_device:
+        if (
+            swapped.plan.num_groups >= min_groups
+            and swapped.outer_on_device == outer_on_device
+            and kept in (None, swapped.swapper.keep_last_graph)
+        ):
             return swapped
-    raise AssertionError(f"no budget gives {min_groups} groups with outer_on_device={outer_on_device}")
+    raise AssertionError(
+        f"no budget gives {min_groups} groups with outer_on_device={outer_on_device}, kept={kept}"
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -193,6 +200,25 @@ def test_swapped_model_matches_resident_model(device, arch, outer):
     model, reference = build_model(cfg, seed=3), build_model(cfg, seed=3)
     swapped = swapped_with(model, device, min_groups=3, outer_on_device=outer == "device")
     _trains_like_the_resident_model(swapped, model, reference, seed=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("min_groups", [1, 3])
+def test_the_last_groups_graph_is_kept_when_it_fits_and_not_recomputed(device, min_groups):
+    """Where the last group's saved activations fit beside the head's moment, its forward keeps its
+    graph: its backward recomputes nothing (one group: no recompute at all), with the resident model's
+    gradients; where they do not fit, every group is recomputed as before."""
+    cfg = _tiny()
+    model, reference = build_model(cfg, seed=5), build_model(cfg, seed=5)
+    swapped = swapped_with(model, device, min_groups=min_groups, outer_on_device=True, kept=True)
+    _trains_like_the_resident_model(swapped, model, reference, seed=2)
+    assert swapped.swapper.groups_recomputed == 2 * (swapped.plan.num_groups - 1)  # two micro-batches
+    assert len(swapped.kept_graph_moments) == 2
+    tight = swapped_with(build_model(cfg, seed=5), device, min_groups=3, outer_on_device=True, kept=False)
+    assert tight.kept_graph_moments == []
+    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len))
+    tight.loss_and_backward(tokens, tokens, 1.0)
+    assert tight.swapper.groups_recomputed == tight.plan.num_groups
 
 
 def _trains_like_the_resident_model(swapped, model, reference, seed: int) -> None:
@@ -325,12 +351,16 @@ def test_layer_swapper_peak_is_within_its_plan(layers_per_group, overlapped):
 
 
 @pytest.mark.usefixtures("one_torch_thread")
-def test_swapped_model_peak_is_within_its_prediction():
+@pytest.mark.parametrize("kept", [False, True], ids=["recomputed", "kept"])
+def test_swapped_model_peak_is_within_its_prediction(kept):
     """A whole tiny GPT with a budget that leaves at least 3 groups and the embeddings and head on the
-    device: a full micro-batch (embedding, blocks, head and loss, backward) against the prediction."""
+    device, the last group's graph kept or not: a full micro-batch (embedding, blocks, head and loss,
+    backward) against the prediction."""
     cfg = get_preset("tiny").model
     model = build_model(cfg, seed=0)
-    swapped = swapped_with(model, "cpu", min_groups=3, outer_on_device=True, micro_batch_size=MICRO_BATCH)
+    swapped = swapped_with(
+        model, "cpu", min_groups=3, outer_on_device=True, micro_batch_size=MICRO_BATCH, kept=kept
+    )
     tokens = torch.randint(0, cfg.vocab_size, (MICRO_BATCH, cfg.seq_len))
 
     def step():

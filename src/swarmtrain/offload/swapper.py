@@ -6,9 +6,11 @@ duplicated on the host), plus pinned staging buffers its gradients come back int
 resident group is one dict of device tensors per layer, filled by `copy_` and run through
 `torch.func.functional_call` on the host module, so no module is copied per prefetch.
 
-Forward runs group by group without autograd and keeps each group's input (the activation checkpoint).
-Backward walks the groups in reverse, recomputes each group's forward with autograd, back-propagates,
-and sends the parameter gradients to the host, where they are added to `.grad`. While group g computes,
+Forward runs group by group without autograd and keeps each group's input (the activation checkpoint);
+the last group may run with autograd and keep its graph into the backward (`keep_last_graph`, when its
+saved activations fit). Backward walks the groups in reverse, recomputes each group's forward with
+autograd (but a kept last group's), back-propagates, and sends the parameter gradients to the host, where
+they are added to `.grad`. While group g computes,
 the next group in walk order is prefetched; in the backward only when the plan says that fits, else once
 g's parameters and activations are freed. The last forward group stays resident into the backward.
 
@@ -251,23 +253,43 @@ def saved_activation_bytes(module: nn.Module, params: dict[str, torch.Tensor], *
     return total
 
 
+@dataclass
+class _Graph:
+    """One group's forward with autograd: its input and parameter leaves, and its output."""
+
+    x: torch.Tensor
+    leaves: list[dict[str, torch.Tensor]]
+    out: torch.Tensor
+
+
 class LayerSwapper:
     """Forward/backward of `layers` (applied in sequence, tensor -> tensor) streamed through `device`
     following `plan`. Host parameters may be written (an optimizer step) once `backward` has returned,
-    not between `forward` and `backward`."""
+    not between `forward` and `backward`. `keep_last_graph`: the last group's forward runs with autograd
+    and its graph is kept into the backward, which then does not recompute that group (the caller has
+    checked that its saved activations fit: whole_model.py); with a single group nothing is recomputed."""
 
-    def __init__(self, layers: list[nn.Module], plan: SwapPlan, device: str | torch.device = "cpu") -> None:
+    def __init__(
+        self,
+        layers: list[nn.Module],
+        plan: SwapPlan,
+        device: str | torch.device = "cpu",
+        keep_last_graph: bool = False,
+    ) -> None:
         if (plan.groups[-1][1] if plan.groups else 0) != len(layers):
             raise ValueError(f"the plan covers {plan.groups[-1:]} but there are {len(layers)} layers")
         self.layers = layers
         self.plan = plan
         self.device = torch.device(device)
+        self.keep_last_graph = keep_last_graph
         self.hosts = [HostParams(layer, pin=self.device.type == "cuda") for layer in layers]
         self.transfers = make_transfers(self.device)
         self._resident: dict[int, list[Fetched]] = {}
         self._group_inputs: list[torch.Tensor] = []
+        self._kept: _Graph | None = None  # the last group's graph, from the forward to the backward
         self.max_resident_groups = 0
         self.bytes_copied = 0
+        self.groups_recomputed = 0  # backward groups that ran their forward again (tests, benches)
 
     # residency ----------------------------------------------------------------------------------
     def _prefetch(self, group: int) -> None:
@@ -293,21 +315,26 @@ class LayerSwapper:
         return self.layers[start:end]
 
     # passes -------------------------------------------------------------------------------------
-    @torch.no_grad()
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Output of all layers; remembers each group's input for `backward`."""
+        """Output of all layers (no graph: the caller back-propagates through `backward`); remembers each
+        group's input for `backward`."""
         for group in list(self._resident):  # left by a pass that did not finish: maybe stale by now
             self._evict(group)
         for host in self.hosts:
             host.keep_pinned()
-        self._group_inputs = []
+        self._group_inputs, self._kept = [], None
         last = self.plan.num_groups - 1
         for group in range(self.plan.num_groups):
-            resident = self._acquire(group)
+            self._acquire(group)
             self._prefetch(group + 1)
             self._group_inputs.append(x)
-            for layer, fetched in zip(self._layers(group), resident, strict=True):
-                x = functional_call(layer, fetched.tensors, (x,))
+            if group == last and self.keep_last_graph:
+                self._kept = self._graph(group, x)
+                x = self._kept.out.detach()
+                continue  # resident, with its graph, into the backward
+            with torch.no_grad():
+                for layer, fetched in zip(self._layers(group), self._resident[group], strict=True):
+                    x = functional_call(layer, fetched.tensors, (x,))
             if group != last:
                 self._evict(group)  # the last group stays for the backward
         return x
@@ -327,10 +354,8 @@ class LayerSwapper:
         self.transfers.settle()
         return grad
 
-    def _backward_group(self, group: int, x: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
-        """Recompute the group with autograd, back-propagate, send its parameter gradients to the host and
-        release its device copies; returns the gradient w.r.t. its input. A function of its own so that
-        every device tensor of the group is released when it returns."""
+    def _graph(self, group: int, x: torch.Tensor) -> _Graph:
+        """The group's forward with autograd, on leaves over its device copies and its input."""
         leaves = [
             {name: t.detach().requires_grad_(True) for name, t in fetched.tensors.items()}
             for fetched in self._resident[group]
@@ -340,12 +365,25 @@ class LayerSwapper:
             out = x
             for layer, params in zip(self._layers(group), leaves, strict=True):
                 out = functional_call(layer, params, (out,))
-        flat = [t for params in leaves for t in params.values()]
-        grad_x, *grads = torch.autograd.grad(out, [x, *flat], grad_output, allow_unused=True)
+        return _Graph(x, leaves, out)
+
+    def _backward_group(self, group: int, x: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
+        """Back-propagate the group (its forward recomputed with autograd unless its graph was kept), send
+        its parameter gradients to the host and release its device copies; returns the gradient w.r.t.
+        its input. A function of its own so that every device tensor of the group is released when it
+        returns."""
+        graph, self._kept = self._kept, None
+        if graph is None:
+            graph = self._graph(group, x)
+            self.groups_recomputed += 1
+        flat = [t for params in graph.leaves for t in params.values()]
+        grad_x, *grads = torch.autograd.grad(graph.out, [graph.x, *flat], grad_output, allow_unused=True)
         self._evict(group)
         start, end = self.plan.groups[group]
         in_order = iter(grads)  # None where a parameter was unused
-        per_layer: list[list[torch.Tensor | None]] = [[next(in_order) for _ in params] for params in leaves]
+        per_layer: list[list[torch.Tensor | None]] = [
+            [next(in_order) for _ in params] for params in graph.leaves
+        ]
         self.transfers.send_grads(self.hosts[start:end], per_layer)
         assert grad_x is not None
         return grad_x

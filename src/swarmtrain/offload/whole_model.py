@@ -12,17 +12,20 @@ a micro-batch of `micro_batch_size` full-length sequences (a larger micro-batch 
 group, the group inputs kept as checkpoints, hidden states in flight and the outer parameters with their
 gradients. Between the blocks' forward and backward the head and loss run, a moment of its own
 (`head_moment`): the last group resident, all checkpoints, the head's saved activations and the
-logit-sized gradients of the loss; `predicted_peak` is the larger of that and the plan's peak.
+logit-sized gradients of the loss. When the last group's saved activations fit beside that moment and its
+forward's, the last group keeps its graph from the forward (`kept_graph_moments`), so its backward does not
+recompute it; `predicted_peak` is the largest of these moments and the plan's peak.
 
-One micro-batch: embed with autograd, blocks forward through the swapper (no graph, group inputs kept),
-head and loss with autograd on a leaf of the blocks' output, then back: the head's gradient wrt that
-leaf goes back through the swapper (each group recomputed, parameter gradients added to the host
-blocks), and its input gradient into the embeddings. The same gradients as the resident model, up to
+One micro-batch: embed with autograd, blocks forward through the swapper (no graph but the last group's when
+kept, group inputs kept), head and loss with autograd on a leaf of the blocks' output, then back: the head's
+gradient wrt that leaf goes back through the swapper (each other group recomputed, parameter gradients added
+to the host blocks), and its input gradient into the embeddings. The same gradients as the resident model, up to
 floating-point order (tested).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -123,13 +126,17 @@ class SwappedGPT:
             head, chunks = PeakBytes("head and loss on the host"), 1
         self.micro_batch_size, self.costs, self.plan = micro_batch_size, costs, plan
         self.outer_on_device, self.head_moment, self.head_chunks = outer_on_device, head, chunks
-        self.swapper = LayerSwapper(blocks, plan, self.device)
+        kept = self._kept_graph_moments(costs, plan, head)
+        self.kept_graph_moments = kept if all(m.total_bytes <= self.budget_bytes for m in kept) else []
+        keep = bool(self.kept_graph_moments)
+        self.swapper = LayerSwapper(blocks, plan, self.device, keep_last_graph=keep)
         pin = outer_on_device and self.device.type == "cuda"
         self._outer = HostParams(self.model, pin=pin, skip_prefix=BLOCKS_PREFIX)
 
     @property
     def predicted_peak(self) -> PeakBytes:
-        return max(self.plan.peak, self.head_moment, key=lambda moment: moment.total_bytes)
+        moments = [self.plan.peak, self.head_moment, *self.kept_graph_moments]
+        return max(moments, key=lambda moment: moment.total_bytes)
 
     def _plan_blocks(self, costs: MicroBatchCosts, working_bytes: float) -> SwapPlan:
         return plan_swap_groups(
@@ -173,6 +180,29 @@ class SwappedGPT:
             checkpoints_bytes=plan.num_groups * costs.hidden_bytes,
             working_bytes=2 * costs.hidden_bytes + costs.embed_activation_bytes,
         )
+
+    def _kept_graph_moments(self, costs: MicroBatchCosts, plan: SwapPlan, head: PeakBytes) -> list[PeakBytes]:
+        """What keeping the last group's graph from its forward to its backward adds (no recompute of that
+        group: with a single group, of anything): its forward with autograd (its parameters, what it saves,
+        one layer's temporaries) and the head's moment with those saved tensors still held. Empty without
+        groups."""
+        if not plan.groups:
+            return []
+        start, end = plan.groups[-1]
+        saved = sum(costs.block_activation_bytes[start:end])
+        forward = PeakBytes(
+            "forward of the last group, its graph kept",
+            params_bytes=sum(costs.block_param_bytes[start:end]),
+            activations_bytes=saved + max(costs.block_activation_bytes),
+            checkpoints_bytes=plan.num_groups * costs.hidden_bytes,
+            working_bytes=plan.peak.working_bytes,
+        )
+        with_head = dataclasses.replace(
+            head,
+            moment=f"{head.moment}, the last group's graph kept",
+            activations_bytes=head.activations_bytes + saved,
+        )
+        return [forward, with_head]
 
     def _measure(self, micro_batch_size: int) -> MicroBatchCosts:
         """Each piece's device bytes for `micro_batch_size` sequences of cfg.seq_len, autograd's saved
