@@ -419,6 +419,8 @@ def swap_lines(report: dict) -> list[str]:
         f"{swap['budget_bytes'] / 2**20:.1f} MiB{of_peak})",
         f"  ms per micro-batch: resident {swap['resident_ms']:.2f}, swapped {swap['swapped_ms']:.2f}, "
         f"swapped / resident {swap['swapped_over_resident']:.2f}",
+        f"  {swap.get('groups', '?')} group(s), the last one's forward graph "
+        f"{'kept (not recomputed)' if swap.get('last_graph_kept') else 'recomputed'}",
     ]
 
 
@@ -561,6 +563,8 @@ def measure_swap(
         "resident_ms": resident_ms,
         "swapped_ms": swapped_ms,
         "swapped_over_resident": swapped_ms / resident_ms,
+        "groups": swapped.plan.num_groups,
+        "last_graph_kept": swapped.swapper.keep_last_graph,
     }
 
 

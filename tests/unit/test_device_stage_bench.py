@@ -289,10 +289,13 @@ def test_the_swap_row_prints_its_step_times_or_its_error():
         "resident_ms": 4.0,
         "swapped_ms": 10.0,
         "swapped_over_resident": 2.5,
+        "groups": 1,
+        "last_graph_kept": True,
     }
     text = "\n".join(bench.report_lines(fake_report(swap)))
     assert "budget 64.0 MiB of a 128.0 MiB resident peak" in text
     assert "resident 4.00, swapped 10.00, swapped / resident 2.50" in text
+    assert "1 group(s), the last one's forward graph kept (not recomputed)" in text
     text = "\n".join(bench.report_lines(fake_report({"error": "SwapPlanError: nothing fits"})))
     assert "swapper vs resident: FAILED: SwapPlanError: nothing fits" in text
 
@@ -311,5 +314,6 @@ def test_the_swap_row_runs_its_code_path_on_cpu(one_torch_thread):
     swap = bench.measure_swap(cfg, torch.device("cpu"), micro_batch=2, steps=1, budget_bytes=float(1 << 30))
     assert swap["resident_ms"] > 0 and swap["swapped_ms"] > 0 and swap["resident_peak_bytes"] is None
     assert swap["swapped_over_resident"] == pytest.approx(swap["swapped_ms"] / swap["resident_ms"])
+    assert swap["groups"] == 1 and swap["last_graph_kept"]  # 1 GiB holds all of `tiny`: nothing recomputed
     with pytest.raises(ValueError, match="budget"):
         bench.measure_swap(cfg, torch.device("cpu"), micro_batch=2, steps=1)

@@ -25,6 +25,7 @@ tests/unit/test_offload.py, run by `make gpu-check`).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -142,9 +143,10 @@ class _CudaTransfers(_Transfers):
       and one pool holds it all, so the host running ahead cannot make the allocator keep extra blocks
       (a pool per stream would, and each would keep its own peak). Such memory may still be read by
       queued kernels when it is handed out, so `side` first waits for the compute stream's queue, then
-      copies from pinned memory; the compute stream waits for an event after the copy before any kernel
-      reads the copies (`use`, and `release` for copies never used), which orders every later reuse of
-      their memory after the copy. No `record_stream` is needed for them: no stream but the compute
+      copies from pinned memory; the compute stream waits for an event after each layer's copy before the
+      first kernel that reads that layer (`use`, per layer, so a group's first layers compute while its
+      later layers arrive; `release` for copies never used), which orders every later reuse of their
+      memory after the copy. No `record_stream` is needed for them: no stream but the compute
       stream allocates, and `side` only writes memory it was handed in compute order.
     - Gradients (allocated on the compute stream) are copied out on `side` after an event marking the end
       of their kernels, into pinned staging; `record_stream(side)` keeps their memory from being handed
@@ -300,11 +302,12 @@ class LayerSwapper:
         self.bytes_copied += sum(host.param_bytes for host in self.hosts[start:end])
         self.max_resident_groups = max(self.max_resident_groups, len(self._resident))
 
-    def _acquire(self, group: int) -> list[Fetched]:
-        self._prefetch(group)
-        for fetched in self._resident[group]:
+    def _layer_params(self, group: int) -> Iterator[tuple[nn.Module, dict[str, torch.Tensor]]]:
+        """(layer, its device copies) of a group in order, each layer's copy waited for just before the
+        layer is used: on CUDA the first layers compute while the later ones are still arriving."""
+        for layer, fetched in zip(self._layers(group), self._resident[group], strict=True):
             self.transfers.use(fetched)
-        return self._resident[group]
+            yield layer, fetched.tensors
 
     def _evict(self, group: int) -> None:
         for fetched in self._resident.pop(group, []):
@@ -325,7 +328,7 @@ class LayerSwapper:
         self._group_inputs, self._kept = [], None
         last = self.plan.num_groups - 1
         for group in range(self.plan.num_groups):
-            self._acquire(group)
+            self._prefetch(group)
             self._prefetch(group + 1)
             self._group_inputs.append(x)
             if group == last and self.keep_last_graph:
@@ -333,8 +336,8 @@ class LayerSwapper:
                 x = self._kept.out.detach()
                 continue  # resident, with its graph, into the backward
             with torch.no_grad():
-                for layer, fetched in zip(self._layers(group), self._resident[group], strict=True):
-                    x = functional_call(layer, fetched.tensors, (x,))
+                for layer, params in self._layer_params(group):
+                    x = functional_call(layer, params, (x,))
             if group != last:
                 self._evict(group)  # the last group stays for the backward
         return x
@@ -345,7 +348,7 @@ class LayerSwapper:
         for group in reversed(range(self.plan.num_groups)):
             self.transfers.wait_grads()  # group+1's gradients are on the host, their device memory free
             overlapped = self.plan.overlapped_backward[group]
-            self._acquire(group)
+            self._prefetch(group)
             if overlapped:
                 self._prefetch(group - 1)
             grad = self._backward_group(group, self._group_inputs.pop(), grad)
@@ -356,15 +359,13 @@ class LayerSwapper:
 
     def _graph(self, group: int, x: torch.Tensor) -> _Graph:
         """The group's forward with autograd, on leaves over its device copies and its input."""
-        leaves = [
-            {name: t.detach().requires_grad_(True) for name, t in fetched.tensors.items()}
-            for fetched in self._resident[group]
-        ]
         x = x.detach().requires_grad_(True)
+        leaves = []
         with torch.enable_grad():
             out = x
-            for layer, params in zip(self._layers(group), leaves, strict=True):
-                out = functional_call(layer, params, (out,))
+            for layer, params in self._layer_params(group):
+                leaves.append({name: t.detach().requires_grad_(True) for name, t in params.items()})
+                out = functional_call(layer, leaves[-1], (out,))
         return _Graph(x, leaves, out)
 
     def _backward_group(self, group: int, x: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
