@@ -261,3 +261,26 @@ def test_a_state_behind_with_a_mean_not_kept_drops_the_samples_the_replica_holds
     lost = import_keeping_step(replica, *donor.export_state(), lambda step: None)
     assert lost == (8, ["s1-0"]) and replica.epoch == 0 and not replica.buckets
     assert all(torch.equal(a, p) for a, p in zip(donor.params, replica.params, strict=True))
+
+
+def test_an_update_that_clips_leaves_the_mean_gradients_it_was_given_as_they_were(tiny_cfg, batches):
+    """Clipping makes new tensors (`stage_worker.clipped`), so a replica keeps the means it applied for
+    replays without a copy of them; the parameters move exactly as with torch's in-place
+    `clip_grad_norm_`. A norm under the bound leaves the very same tensors."""
+    cfg = tiny_cfg.replace(training=dataclasses.replace(tiny_cfg.training, grad_clip_norm=1e-3))
+    workers = [StageWorker(cfg, spec) for spec in cfg.stages()]
+    for i, (x, y) in enumerate(batches[:4]):
+        _micro_batch(workers, f"m{i}", x, y)
+    worker, reference = workers[0], StageWorker(cfg, cfg.stages()[0])
+    bucket = worker.seal(0)
+    means = [g / bucket.samples for g in bucket.grad_sums]
+    before = [m.clone() for m in means]
+    for p, m in zip(reference.params, means, strict=True):
+        p.grad = m.clone()
+    torch.nn.utils.clip_grad_norm_(reference.params, cfg.training.grad_clip_norm)
+    set_lr(reference.optimizer, lr_at(0, cfg.training))
+    reference.optimizer.step()
+    assert worker.apply_step(0, means, bucket.samples)
+    assert all(torch.equal(m, b) for m, b in zip(means, before, strict=True))
+    assert all(torch.equal(p, q) for p, q in zip(worker.params, reference.params, strict=True))
+    assert stage_worker.clipped(means, 1e9) is means

@@ -283,11 +283,10 @@ class StepCoordinator:
             return False
         self._replaying = True
         try:
-            kept = None if means is None else [m.clone() for m in means]  # clipping scales in place
 
             def apply() -> tuple[bool, list[float]]:
-                applied = self.worker.apply_step(step, means, samples)
-                self._keep_means(step, samples, kept)  # in the job, as a step's (`_apply`)
+                applied = self.worker.apply_step(step, means, samples)  # leaves `means` as they are
+                self._keep_means(step, samples, means)  # in the job, as a step's (`_apply`)
                 return applied, self.worker.param_fingerprint()
 
             applied, fingerprint = await self._on_compute(apply)
@@ -472,11 +471,12 @@ class StepCoordinator:
         # between outer rounds (local steps) replicas legitimately differ: no fingerprint to compare
         local_step = self.worker.outer is not None
 
-        kept = None if means is None else [m.to("cpu", copy=True) for m in means]  # for replays, unclipped
-
         def apply() -> tuple[bool, list[float] | None] | None:
             if self.worker.epoch != step:  # the sync thread adopted the other stages' step meanwhile
                 return None
+            # kept for replays on the host, as applied (the update leaves them unchanged: clipping makes
+            # new tensors); on the compute thread, which a copy from the device would hold anyway
+            kept = None if means is None else [m.to("cpu") for m in means]
             applied = self.worker.apply_step(step, means, samples, hold_epoch)
             if not hold_epoch:  # kept in the same compute job: a resync's next one may re-apply it
                 self._keep_means(step, samples, kept)

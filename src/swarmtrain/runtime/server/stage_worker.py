@@ -501,10 +501,11 @@ def _step_parameters(
     if mean_grads is None or not all_finite(mean_grads):
         worker.counters.skipped_steps += 1
         return False
-    for p, g in zip(worker.params, mean_grads, strict=True):
-        p.grad = g.to(p.device)
+    grads = [g.to(p.device) for p, g in zip(worker.params, mean_grads, strict=True)]
     if t.grad_clip_norm > 0:
-        torch.nn.utils.clip_grad_norm_(worker.params, t.grad_clip_norm)
+        grads = clipped(grads, t.grad_clip_norm)
+    for p, g in zip(worker.params, grads, strict=True):
+        p.grad = g
     set_lr(worker.optimizer, lr_at(step * t.global_batch_size, t))
     worker.optimizer.step()
     for p in worker.params:
@@ -512,6 +513,17 @@ def _step_parameters(
     worker.samples_seen += samples
     worker.samples_since_sync += samples
     return True
+
+
+def clipped(grads: list[torch.Tensor], max_norm: float) -> list[torch.Tensor]:
+    """`grads` as `clip_grad_norm_` leaves them (the same norm, the same factor), as new tensors where it
+    scales and the same ones where it does not: the means they are kept for replays as they were applied,
+    unclipped, without a copy of each step's (stage_steps.py)."""
+    norm = torch.nn.utils.get_total_norm(grads)
+    factor = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    if bool(factor < 1.0):  # scaled by exactly 1.0 a gradient would be itself
+        return [g * factor.to(g.device) for g in grads]
+    return grads
 
 
 def import_keeping_step(
