@@ -166,6 +166,27 @@ def _wait_for(condition, timeout_s: float, what: str):
     return result
 
 
+def test_an_unchanged_declaration_is_renewed_before_it_expires_so_a_joiner_always_sees_it():
+    """A donor whose declaration does not change stores it again with half its life left: a joiner's read
+    never falls in a gap between its expiry and the next store's arrival. Stored again at its expiry (as
+    before, and as hivemind does), every period left such a gap, a store's latency long, and a joiner
+    reading then did not try the donor (tests/faults/test_state_download_e2e.py failed so in CI)."""
+    node = _node()
+    reader = _node(initial_peers=node.get_visible_maddrs())
+    period_s = 1.0  # renewed every half second: ~16 renewals in the reads below
+    donor = _averager(node, "donor", 1.0, priority=5.0, declare_period_s=period_s)
+    try:
+        _wait_for(lambda: _declared(reader, "download_test"), 10.0, "no declaration")
+        reads, missed, deadline = 0, 0, time.monotonic() + 8.0
+        while time.monotonic() < deadline:
+            reads += 1
+            missed += not _declared(reader, "download_test")
+            time.sleep(0.01)
+        assert reads >= 100 and missed == 0, (reads, missed)
+    finally:
+        _stop_all(None, [donor], [reader, node])
+
+
 def test_an_idle_declaration_lives_longer_and_a_later_change_still_replaces_it():
     """While its stage idles a donor declares its state on the idle pace (planner/idle_pace.py), and once
     active again a change of priority, declared with the short period, must replace the long-lived

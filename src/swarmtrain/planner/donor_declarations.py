@@ -12,13 +12,18 @@ change of it: a DHT store (a traversal and a store on every nearest node) per st
   (a stale replica that caught up);
 - a priority that only rose (a step) is stored at most once per `MIN_REDECLARE_S`, with whatever the
   priority is then;
-- an unchanged declaration is stored again when the last one expires, as before.
+- an unchanged declaration is stored again once `MIN_LIFE_LEFT_SHARE` of its life is left. It was stored
+  again when it expired, as hivemind does: until the new store reached the DHT's nodes the donor was not
+  listed, and a joiner whose read fell in that gap (a store's latency in every period, longer on a loaded
+  machine) did not try it (the state-download e2e test's failures in CI, docs/LOG.md, 2026-11-30).
 A joiner may therefore see a sharing replica's step up to `MIN_REDECLARE_S` old. Replicas of a stage step
 together (the exchange), so their declarations race each other at that scale already: the order among
 current replicas was within a step's timing noise before and is within a second's now.
 """
 
 from __future__ import annotations
+
+from swarmtrain.planner.idle_pace import MIN_LIFE_LEFT_SHARE
 
 # the most often a sharing replica re-declares a priority that only rose
 MIN_REDECLARE_S = 1.0
@@ -43,8 +48,9 @@ def declaration_wait_s(
         return 0.0
     if not sharing:  # withdrawn already: nothing to store again
         return period_s
-    if priority < last_priority or last_priority < 0 <= priority or now_s >= expires_s:
+    renew_s = expires_s - MIN_LIFE_LEFT_SHARE * (expires_s - stored_s)  # the next store lands before expiry
+    if priority < last_priority or last_priority < 0 <= priority or now_s >= renew_s:
         return 0.0
     if priority != last_priority:
-        return max(0.0, min(stored_s + MIN_REDECLARE_S, expires_s) - now_s)
-    return expires_s - now_s
+        return max(0.0, min(stored_s + MIN_REDECLARE_S, renew_s) - now_s)
+    return renew_s - now_s
