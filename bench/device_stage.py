@@ -25,7 +25,11 @@ measurement but the processes it names; the machine itself may be shared, see th
   by default max(4, N) micro-batches' tokens), each from scratch with the same run file, threads and
   window. on / off is the ratio of the two windows' samples/s (issue 24: >= 1.3 with 4+ trainers of
   micro-batch 2 on CPU, printed as met or not). The global batch is the preset's, rounded up so that
-  every N trainers' shards split it into whole micro-batches;
+  every N trainers' shards split it into whole micro-batches. Beside them: the local stages at that
+  micro-batch and in one call of the most micro-batches a batched call takes (how much faster the
+  model alone is in batched calls on this device), each row over the shared bound, and the samples
+  that batched graphs back-propagated with zero gradient (a member whose backward came back without
+  the others';
 - swapper vs resident (CUDA only): ms per micro-batch of forward + backward of the whole model (fp32),
   resident on the device vs `swarmtrain.offload.whole_model.SwappedGPT` with a budget of
   --swap-budget-fraction of the resident step's peak device memory. On CPU it is skipped: the swapper
@@ -91,6 +95,15 @@ METRICS_PREFIX = "metrics "  # a server's metrics log line (runtime/server/serve
 # issue 24: on CPU, batching with 4+ trainers of micro-batch 2 gives >= 1.3x the samples/s of batching off
 CRITERION_RATIO, CRITERION_MIN_TRAINERS, CRITERION_MICRO_BATCH = 1.3, 4, 2
 LOCAL_SPREAD_WARNING = 0.2  # local before/after differing more than this: the machine was busy
+# what the servers' last metrics lines are summed for (runtime/server/server_metrics.py)
+SERVER_COUNTS = (
+    "backward",
+    "recomputed",
+    "batched_requests",
+    "bundles_sent",
+    "samples_forward",
+    "padded_samples",
+)
 CLOCK_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 
 
@@ -192,11 +205,12 @@ def last_metrics(log_text: str) -> dict | None:
 
 
 def server_counts(metrics: Iterable[dict | None]) -> dict:
-    """Backwards, recomputed backwards, requests that shared a call and bundled hand-offs, summed over
-    the servers (each since its start, at its last metrics line); None where no server reports it."""
+    """Backwards, recomputed backwards, requests that shared a call, bundled hand-offs, forward samples
+    and the zero-gradient samples of batched graphs' backwards, summed over the servers (each since its
+    start, at its last metrics line); None where no server reports it."""
     present = [m for m in metrics if m is not None]
     totals: dict = {}
-    for key in ("backward", "recomputed", "batched_requests", "bundles_sent"):
+    for key in SERVER_COUNTS:
         values = [m[key] for m in present if key in m]
         totals[key] = sum(values) if values else None
     return totals
@@ -368,34 +382,51 @@ def served_lines(report: dict) -> list[str]:
     return lines
 
 
+def padded_share(run: dict) -> float | None:
+    """Zero-gradient samples of batched graphs' backwards per forward sample, over the servers: 0 when
+    every group's members came back together, up to (members - 1) when each came back alone."""
+    servers = run.get("servers") or {}
+    return ratio(servers.get("padded_samples"), servers.get("samples_forward"))
+
+
 def batching_lines(report: dict) -> list[str]:
     s = report["setup"]
     local = report.get("local_batch_micro_batch") or {}
     local_text = " / ".join(_num(local.get(str(i)), ".1f", 1) for i in range(s["num_stages"]))
+    bound = shared_bound(local)
+    per_call, batched = report.get("batched_call_micro_batches"), report.get("local_batched_call") or {}
+    batched_text = " / ".join(_num(batched.get(str(i)), ".1f", 1) for i in range(s["num_stages"]))
+    gain = ratio(shared_bound(batched), bound)
     lines = [
         f"request batching (fp32, micro-batch {s['batch_micro_batch']}, global batch "
         f"{s['batch_global_batch']}, in flight {s.get('batch_in_flight') or 'default'} per trainer; "
         "samples/s)",
         f"  local stage {' / '.join(str(i) for i in range(s['num_stages']))} at this micro-batch: "
-        f"{local_text}",
+        f"{local_text}; shared bound {_num(bound, '.1f', 1)}",
+        f"  local in one call of {per_call or '-'} micro-batches: {batched_text}; shared bound "
+        f"{_num(shared_bound(batched), '.1f', 1)}: the model alone {_num(gain, '.2f', 1)}x as fast (what "
+        "batching saves besides per-request work)",
         f"  {'trainers':>8s} {'max tokens':>10s} {'off':>9s} {'on':>9s} {'on/off':>7s} "
-        f"{'cores off srv/trn':>17s} {'cores on srv/trn':>16s} {'fail off/on':>11s} "
-        f"{'shared on':>9s} {'bundles on':>10s} {'recomp off/on':>13s}",
+        f"{'off/bound':>9s} {'on/bound':>8s} {'cores off srv/trn':>17s} {'cores on srv/trn':>16s} "
+        f"{'fail off/on':>11s} {'shared on':>9s} {'bundles on':>10s} {'padded on':>9s} {'recomp off/on':>13s}",
     ]
     for entry in report["batching"]:
         off, on = entry["off"], entry["on"]
         lines.append(
             f"  {entry['trainers']:8d} {entry['max_batch_tokens']:10d} {_sps(off)} {_sps(on)} "
-            f"{_num(entry['on_over_off'], '.2f', 7)} {_cores(off):>17s} {_cores(on):>16s} "
+            f"{_num(entry['on_over_off'], '.2f', 7)} {_num(ratio(off.get('samples_per_s'), bound), '.2f', 9)} "
+            f"{_num(ratio(on.get('samples_per_s'), bound), '.2f', 8)} {_cores(off):>17s} {_cores(on):>16s} "
             f"{_failed(off) + '/' + _failed(on).strip():>11s} {_count(on, 'batched_requests'):>9s} "
-            f"{_count(on, 'bundles_sent'):>10s} "
+            f"{_count(on, 'bundles_sent'):>10s} {_num(padded_share(on), '.2f', 9)} "
             f"{_count(off, 'recomputed') + '/' + _count(on, 'recomputed'):>13s}"
         )
     lines += [
         "  shared: requests that ran in one call with others; recomp: backwards that recomputed their",
         "  forward (no graph kept); bundles: hand-offs to the next stage that carried several",
-        "  micro-batches in one message;",
-        "  both summed over the servers since their start",
+        "  micro-batches in one message; these summed over the servers since their start;",
+        "  padded: samples a batched forward's graph back-propagated with zero gradient (a member's",
+        "  backward that came without the others costs the whole group's), per forward sample;",
+        "  bound: the shared bound at this micro-batch, 1 / sum(1 / local) (servers sharing one device)",
     ]
     verdict = batching_verdict(report)
     if verdict is not None:
@@ -708,9 +739,15 @@ def served_rows(args, cfg: RunConfig, config_path: Path, root: Path, report: dic
 def batching_rows(args, cfg: RunConfig, config_path: Path, root: Path, report: dict, save) -> None:
     mb, seq = cfg.training.micro_batch_size, cfg.model.seq_len
     print("request batching:", flush=True)
-    report["local_batch_micro_batch"] = measure_local_stages(
-        cfg, ComputeDevice(args.device, "fp32"), mb, args.local_duration_s
+    compute = ComputeDevice(args.device, "fp32")
+    report["local_batch_micro_batch"] = measure_local_stages(cfg, compute, mb, args.local_duration_s)
+    # one call of the most micro-batches a batched call takes here: what batching could gain at best
+    per_call = max(
+        (args.max_batch_tokens or max_batch_tokens(mb, seq, batch_micro_batches(n))) // (mb * seq)
+        for n in args.trainers
     )
+    report["batched_call_micro_batches"] = per_call
+    report["local_batched_call"] = measure_local_stages(cfg, compute, mb * per_call, args.local_duration_s)
     in_flight = ("--in-flight", str(args.in_flight)) if args.in_flight else ()
     for n in args.trainers:
         tokens = args.max_batch_tokens or max_batch_tokens(mb, seq, batch_micro_batches(n))

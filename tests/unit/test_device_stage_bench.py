@@ -140,7 +140,14 @@ def test_server_counters_come_from_the_last_whole_metrics_line():
     assert bench.last_metrics("no metrics here\n") is None
     older = {"backward": 5, "recomputed": 0}  # a server without the batching counters
     counts = bench.server_counts(m for m in [bench.last_metrics(log), older, None])  # read once
-    assert counts == {"backward": 25, "recomputed": 3, "batched_requests": 8, "bundles_sent": 2}
+    assert counts == {
+        "backward": 25,
+        "recomputed": 3,
+        "batched_requests": 8,
+        "bundles_sent": 2,
+        "samples_forward": None,
+        "padded_samples": None,
+    }
     assert set(bench.server_counts([None]).values()) == {None}
 
 
@@ -169,12 +176,20 @@ def _run(
     shared: int = 0,
     recomputed: int = 0,
     bundles: int = 0,
+    padded: int = 0,
 ) -> dict:
     if error:
         return {"error": error, "label": "8 trainer(s), batching on", "wall_s": 3.0}
     totals = {"failed": 0, "retries": 0, "timeouts": 0, "missing": 0}
     cores = {"servers": servers, "trainers": trainers, "dht": 0.01}
-    servers = {"backward": 600, "recomputed": recomputed, "batched_requests": shared, "bundles_sent": bundles}
+    servers = {
+        "backward": 600,
+        "recomputed": recomputed,
+        "batched_requests": shared,
+        "bundles_sent": bundles,
+        "samples_forward": 1200,
+        "padded_samples": padded,
+    }
     return {
         "samples_per_s": sps,
         "samples": 300,
@@ -209,7 +224,7 @@ def fake_report(swap: dict) -> dict:
             4,
             512,
             _run(120.0, trainers=0.6),
-            _run(180.0, trainers=0.6, shared=400, recomputed=250, bundles=90),
+            _run(180.0, trainers=0.6, shared=400, recomputed=250, bundles=90, padded=300),
         ),
         bench.batching_entry(8, 1024, _run(100.0), _run(None, error="RunFailed: trainer3 exited with 1")),
     ]
@@ -218,6 +233,8 @@ def fake_report(swap: dict) -> dict:
         "served": served,
         "batching": batching,
         "local_batch_micro_batch": {"0": 400.0, "1": 500.0},
+        "batched_call_micro_batches": 4,
+        "local_batched_call": {"0": 800.0, "1": 1000.0},
         "swap": swap,
     }
 
@@ -254,17 +271,20 @@ def test_tables_show_samples_ratios_cores_and_failures():
     # bf16's stage 0 read 200 before and 400 after: the machine was busy, and the table says so
     assert "! bf16: local before and after the swarm differ by up to 67%" in text
     assert "! fp32" not in text
-    one = ["1", "512", "100.0", "110.0", "1.10", "1.60/0.30", "1.60/0.30", "0/0", "0", "0", "0/0"]
-    assert _row(lines, "1", "512") == one
-    assert _row(lines, "4", "512")[2:5] == ["120.0", "180.0", "1.50"]
-    assert _row(lines, "4", "512")[-3:] == ["400", "90", "0/250"]
+    # stages at 400 and 500 samples/s share one device at 1 / (1/400 + 1/500) = 222.2
+    one = ["1", "512", "100.0", "110.0", "1.10", "0.45", "0.50", "1.60/0.30", "1.60/0.30", "0/0", "0", "0"]
+    assert _row(lines, "1", "512") == [*one, "0.00", "0/0"]
+    assert _row(lines, "4", "512")[2:7] == ["120.0", "180.0", "1.50", "0.54", "0.81"]
+    assert _row(lines, "4", "512")[-4:] == ["400", "90", "0.25", "0/250"]  # 300 padded of 1,200 samples
     eight = _row(lines, "8", "1024")
-    assert eight[2:5] == ["100.0", "FAILED", "-"] and eight[-3:] == ["-", "-", "0/-"]
+    assert eight[2:7] == ["100.0", "FAILED", "-", "0.45", "-"] and eight[-4:] == ["-", "-", "-", "0/-"]
     assert "trainer3 exited with 1" in text
     assert (
         "on/off >= 1.3 with 4+ trainers of micro-batch 2: NOT met (4: 1.50, 8: -)" in text
     )  # the failure's reason is printed under the table
-    assert "at this micro-batch: 400.0 / 500.0" in text
+    assert "at this micro-batch: 400.0 / 500.0; shared bound 222.2" in text
+    # the model twice as fast in calls of 4 micro-batches: batching's gain on the device's arithmetic
+    assert "in one call of 4 micro-batches: 800.0 / 1000.0; shared bound 444.4: the model alone 2.00x" in text
     assert "swapper vs resident: skipped (device cpu: no accelerator)" in text
     json.dumps(fake_report({"skipped": "x"}), allow_nan=False)
 

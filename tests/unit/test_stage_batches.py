@@ -79,7 +79,7 @@ def test_batched_calls_equal_one_request_at_a_time(cfg, data):
     for b, s in zip(back_b, back_s, strict=True):
         assert b.header["acc"] == s.header["acc"] == 2
     # the group's graph served every backward: nothing recomputed, nothing left cached
-    assert b0.counters.recomputed == 0 and not b0.cache
+    assert b0.counters.recomputed == 0 and not b0.cache and b0.counters.padded_samples == 0
     for batched, alone in ((b0, s0), (b1, s1)):
         assert batched.buckets[0].samples == alone.buckets[0].samples == 2 * TRAINERS
         assert sorted(batched.buckets[0].micro_batch_ids) == sorted(alone.buckets[0].micro_batch_ids)
@@ -160,6 +160,8 @@ def test_backwards_that_come_back_one_by_one_use_their_groups_graph(cfg, data):
     reference = [alone.backward(backwards[i]) for i in (2, 0, 1)]
     assert [r.header["acc"] for r in replies] == [r.header["acc"] for r in reference] == [2, 2, 2]
     assert w0.counters.recomputed == 0 and not w0.cache and not group.pending
+    # each backward back-propagated the group's 6 samples, 4 of them with zero gradient: what it cost
+    assert w0.counters.padded_samples == 3 * 4
     assert sorted(w0.buckets[0].micro_batch_ids) == ["m0", "m1", "m2"] and w0.buckets[0].samples == 6
     for g_b, g_s in zip(w0.buckets[0].grad_sums, alone.buckets[0].grad_sums, strict=True):
         torch.testing.assert_close(g_b, g_s, rtol=1e-5, atol=1e-6)
@@ -243,6 +245,7 @@ def test_backwards_of_two_groups_mixed_in_one_call_use_both_graphs(cfg, data):
     reference = [alone.backward(r) for r in mixed]
     assert [r.header["acc"] for r in replies] == [r.header["acc"] for r in reference] == [2, 2]
     assert w0.counters.recomputed == 0 and set(w0.cache) == {"m1", "m3"}
+    assert w0.counters.padded_samples == 2 + 2  # m1's and m3's rows, zero in their groups' backwards
     assert sorted(w0.buckets[0].micro_batch_ids) == ["m0", "m2"] and w0.buckets[0].samples == 4
     for g_b, g_s in zip(w0.buckets[0].grad_sums, alone.buckets[0].grad_sums, strict=True):
         torch.testing.assert_close(g_b, g_s, rtol=1e-5, atol=1e-6)

@@ -70,7 +70,7 @@ def test_the_three_views_agree_on_what_they_share():
 INFO_KEYS = {
     "counters": [
         "forward", "backward", "fused", "eval", "recomputed", "duplicates", "not_accumulated", "late",
-        "rejected_nonfinite", "skipped_steps", "samples_forward",
+        "rejected_nonfinite", "skipped_steps", "samples_forward", "padded_samples",
     ],
     "cache": ["entries", "bytes", "budget_bytes"],
     "sync": ["resyncs", "lost_samples", "downloaded_bytes", "extra"],

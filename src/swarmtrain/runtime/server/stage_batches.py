@@ -221,6 +221,7 @@ def _group_backward(worker: StageWorker, group: Group, requests: list[StageReque
         for mb, (a, b) in spans.items()
     ]
     group.pending -= grads_by_mb.keys()
+    worker.counters.padded_samples += sum(b - a for mb, (a, b) in spans.items() if mb not in grads_by_mb)
     wants_input_grad = group.inputs.requires_grad
     extra = [group.inputs] if wants_input_grad else []
     grads = torch.autograd.grad(

@@ -164,5 +164,6 @@ def metrics_of(snap: StageSnapshot, moved: dict | None = None) -> ServerMetrics:
         direct_in=snap.direct_in,
         bytes_out=snap.bytes_out,
         fp32_bytes_out=snap.fp32_bytes_out,
+        padded_samples=c.padded_samples,
         moved=moved,
     )

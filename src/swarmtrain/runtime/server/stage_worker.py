@@ -91,6 +91,9 @@ class WorkerCounters:
     rejected_nonfinite: int = 0  # backwards with non-finite parameter gradients
     skipped_steps: int = 0  # steps counted without applying a mean (non-finite, or adopted)
     samples_forward: int = 0  # samples of training forwards
+    # samples a batched forward's graph back-propagated with zero gradient, for members not in that
+    # backward call (each such call costs the whole group's backward: runtime/server/stage_batches.py)
+    padded_samples: int = 0
 
     def count(self, name: str, n: int = 1) -> None:
         """Add `n` to the counter `name` (a skip reason: duplicates, late, not_accumulated)."""
