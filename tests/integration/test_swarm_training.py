@@ -70,11 +70,12 @@ def test_two_replicas_with_the_batch_in_flight_match_local_training(make_swarm, 
             summary["retries_not_accumulated"],
         )
     assert short or seen == {SAMPLES}
-    # every hand-off to stage 1 came over the servers' direct data plane; the trainer's calls did not
+    # every micro-batch came to stage 0 (the trainer's chain) and to stage 1 (the hand-off) over the
+    # servers' direct data planes (net/direct_first.py)
     direct = {info.header["stage"]: 0 for info in infos.values()}
     for info in infos.values():
         direct[info.header["stage"]] += info.header["direct_in"]
-    assert direct[0] == 0 and direct[1] >= summary["microbatches_completed"], direct
+    assert min(direct.values()) >= summary["microbatches_completed"], direct
     # the replicas share each step's micro-batches (routing charges a forward with its backward); when
     # the backward was charged only as it was sent, 42 of these 128 steps ran on one replica (96 of 128
     # with 8 in flight and servers in 0.5-CPU cgroups)

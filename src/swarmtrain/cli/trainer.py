@@ -62,6 +62,14 @@ def register(subparsers) -> None:
         "and small reports; relay: every activation and gradient goes through this trainer",
     )
     parser.add_argument(
+        "--data-plane",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="send each micro-batch to its first server over that server's direct TCP data plane where it "
+        "announces one (default; libp2p where it does not, or while a dial to it fails) or, with "
+        "--no-data-plane, over libp2p only",
+    )
+    parser.add_argument(
         "--eval-samples",
         type=int,
         default=0,
@@ -115,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
         log_period_s=args.log_period_s,
         network=network_from_args(args),
         hand_off=args.hand_off,
+        data_plane=args.data_plane,
     )
     if args.trainer_id:
         options.trainer_id = args.trainer_id

@@ -21,16 +21,16 @@ had called alone: a failed bundle fails each of its items with the same error, a
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from swarmtrain.net.bundle import MAX_BUNDLE_ITEMS, bundle_message, split_bundle
-from swarmtrain.net.data_plane import Address, DataPlaneClient, DialFailed
-from swarmtrain.net.protocol import BUNDLE_KIND, REPLY_KINDS, Message, ProtocolError
+from swarmtrain.net.data_plane import Address, DataPlaneClient
+from swarmtrain.net.direct_first import direct_first
+from swarmtrain.net.protocol import REPLY_KINDS, Message, ProtocolError
 from swarmtrain.net.transport import RemoteError, StageClient
-from swarmtrain.utils.logging import get_logger, log_repeated
+from swarmtrain.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
@@ -112,11 +112,11 @@ class PeerUploads:
         try:
             if len(batch) == 1:
                 only = batch[0].message
-                outcomes: list = [await self._call(only.kind, only, timeout_s, received)]
+                outcomes: list = [await self._call(only, timeout_s, received)]
             else:
                 self.bundles += 1
                 bundle = bundle_message([u.message for u in batch], self.stage)
-                reply = await self._call(BUNDLE_KIND, bundle, timeout_s, received)
+                reply = await self._call(bundle, timeout_s, received)
                 outcomes = _outcomes(reply, len(batch))
         except Exception as exc:  # each caller classifies the failure of its own micro-batch
             outcomes = [exc] * len(batch)
@@ -130,23 +130,10 @@ class PeerUploads:
             else:
                 upload.reply.set_result(outcome)
 
-    async def _call(self, kind: str, message: Message, timeout_s: float, received: asyncio.Event) -> Message:
-        address = self.direct.address() if self.direct is not None else None
-        if self.direct is not None and address is not None:
-            deadline_s = time.monotonic() + timeout_s
-            try:
-                return await self.direct.client.call(address, self.peer, message, timeout_s, received)
-            except DialFailed as exc:
-                log_repeated(  # every upload to that peer tries its data plane first
-                    logger,
-                    logging.INFO,
-                    "hand-offs to %s over libp2p for now: %s",
-                    self.peer[-8:],
-                    exc,
-                    key=self.peer,
-                )
-            timeout_s = deadline_s - time.monotonic()
-        return await self.client.call(self.peer, message, timeout_s, received)
+    async def _call(self, message: Message, timeout_s: float, received: asyncio.Event) -> Message:
+        direct = self.direct
+        data, address = (direct.client, direct.address()) if direct is not None else (None, None)
+        return await direct_first(data, address, self.client, self.peer, message, timeout_s, received)
 
 
 def _outcomes(reply: Message, count: int) -> list:

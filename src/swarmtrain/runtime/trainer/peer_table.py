@@ -22,6 +22,7 @@ import time
 
 from swarmtrain.config.errors import UserError
 from swarmtrain.config.run import differing_settings
+from swarmtrain.net.data_plane import Address, dial_address
 from swarmtrain.net.dht_records import RunRecords, StageAnnouncement, StageView
 from swarmtrain.net.reachability import ip_and_tcp_port
 from swarmtrain.planner.routing import StageRouter, can_hand_off
@@ -170,6 +171,14 @@ class PeerTable:
     def ban(self, stage: int, peer: str) -> None:
         self.routers[stage].ban(peer, float("inf"))
         self._banned_at[peer] = time.time()
+
+    def data_address(self, peer: str) -> Address | None:
+        """Where `peer`'s data plane listens, from its announcement (None: it announces none, or it is
+        not a peer we know)."""
+        for announced in self.announcements:
+            if peer in announced:
+                return dial_address(announced[peer].addresses, announced[peer].data_port)
+        return None
 
     def any_behind_nat(self) -> bool:
         return any(a.behind_nat for anns in self.announcements for a in anns.values())

@@ -34,7 +34,11 @@ import asyncio
 import time
 
 from swarmtrain.config import SwarmConfig
+from swarmtrain.net.auth import RunKey
+from swarmtrain.net.data_plane import DataPlaneClient
+from swarmtrain.net.direct_first import DirectFirstClient
 from swarmtrain.net.failures import FailureAction, flags_after, on_request_failure
+from swarmtrain.net.identity import PeerIdentity
 from swarmtrain.net.protocol import ACCUMULATING_KINDS, Message, ping_message, request_message
 from swarmtrain.net.transport import StageClient
 from swarmtrain.planner.deadlines import PING_TIMEOUT_FLOOR_S
@@ -71,13 +75,23 @@ def _service_s(elapsed_s: float, header: dict) -> float:
     return elapsed_s
 
 
+def direct_first_client(
+    libp2p: StageClient, identity: PeerIdentity | None, run_key: RunKey | None, table: PeerTable
+) -> DirectFirstClient:
+    """The trainer's client: chains and evaluations go over their first peer's data plane where it
+    announces one (net/direct_first.py), the other calls over libp2p; `identity` None (no key of ours to
+    prove: a probe, or `--no-data-plane`): everything over libp2p."""
+    data = DataPlaneClient(identity, run_key, libp2p.stats) if identity is not None else None
+    return DirectFirstClient(libp2p, data, table.data_address)
+
+
 class StageCaller:
     """The trainer's relayed calls, and what every call of the trainer shares: its counters (`stats`),
     its peer choice (`peers`), its hedging (`hedger`) and the DHT view they refresh."""
 
     def __init__(
         self,
-        client: StageClient,
+        client: DirectFirstClient,
         table: PeerTable,
         swarm: SwarmConfig,
         digest: str,

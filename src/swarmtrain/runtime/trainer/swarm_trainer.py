@@ -28,6 +28,7 @@ from swarmtrain.config.model import SUBSPACE
 from swarmtrain.net.dht_records import RunRecords
 from swarmtrain.net.dht_rejoin import keep_joined
 from swarmtrain.net.engine import PeerNetwork
+from swarmtrain.net.identity import PeerIdentity
 from swarmtrain.net.protocol import close_message, encode_labels, namespace
 from swarmtrain.net.token_ids import IDS, encode_token_ids
 from swarmtrain.net.transport import StageClient
@@ -39,10 +40,10 @@ from swarmtrain.runtime.trainer.call_policy import CallStats, MicroBatchFailed
 from swarmtrain.runtime.trainer.chain_calls import ChainCaller
 from swarmtrain.runtime.trainer.close_calls import CLOSE_EXIT_WAIT_S, CLOSE_RETRY_S, deliver_close
 from swarmtrain.runtime.trainer.peer_table import MISMATCH_GRACE_PERIODS, PeerTable, RunMismatch
-from swarmtrain.runtime.trainer.stage_calls import StageCaller
+from swarmtrain.runtime.trainer.stage_calls import StageCaller, direct_first_client
 from swarmtrain.runtime.trainer.step_tracker import StepTracker
 from swarmtrain.runtime.trainer.stop_agreement import STOP_POLL_S, StopAgreement
-from swarmtrain.runtime.trainer.trainer_metrics import TrainerMetrics
+from swarmtrain.runtime.trainer.trainer_metrics import TrainerMetrics, TrainerResult, transport_summary
 from swarmtrain.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -78,53 +79,19 @@ class TrainerOptions:
     # direct: servers hand activations and gradients to each other (net/hand_off.py); relay: every
     # tensor goes through the trainer (each stage called in turn, as before direct hand-off existed)
     hand_off: str = "direct"
-
-
-@dataclass
-class TrainerResult:
-    losses: list[tuple[int, float]] = field(default_factory=list)  # (samples completed, loss)
-    started: int = 0
-    completed: int = 0
-    failed: int = 0
-    samples: int = 0
-    elapsed_s: float = 0.0
-    val_loss: float | None = None
-    completed_ids: list[str] = field(default_factory=list)
-    start_step: int = 0
-    data_start_sample: int = 0  # of this trainer's shard: where its data stream resumed
-    steps_closed: int = 0
-    # time spent getting micro-batches from the data stream (memory-mapped shards or packed text): the
-    # data path must never be what limits a trainer
-    data_wait_s: float = 0.0
-
-    def summary(self, window: int = 8) -> dict:
-        first = [loss for _, loss in self.losses[:window]]
-        last = [loss for _, loss in self.losses[-window:]]
-        return {
-            "initial_loss": sum(first) / len(first) if first else None,
-            "final_loss": sum(last) / len(last) if last else None,
-            "samples": self.samples,
-            "samples_per_s": self.samples / self.elapsed_s if self.elapsed_s else 0.0,
-            "microbatches_started": self.started,
-            "microbatches_completed": self.completed,
-            "microbatches_failed": self.failed,
-            "start_step": self.start_step,
-            "data_start_sample": self.data_start_sample,
-            "steps": self.steps_closed,
-            "val_loss": self.val_loss,
-            "data_wait_s": self.data_wait_s,
-            "data_wait_ms_per_step": 1e3 * self.data_wait_s / self.steps_closed
-            if self.steps_closed
-            else None,
-            "data_wait_share": self.data_wait_s / self.elapsed_s if self.elapsed_s else 0.0,
-        }
+    data_plane: bool = (
+        True  # chains over their first peer's data plane where it has one (net/direct_first.py)
+    )
 
 
 class SwarmTrainer:
     """Runs inside an asyncio loop; owns no parameters."""
 
-    def __init__(self, cfg: RunConfig, options: TrainerOptions, dht) -> None:
-        self.cfg, self.options, self.dht = cfg, options, dht
+    def __init__(
+        self, cfg: RunConfig, options: TrainerOptions, dht, identity: PeerIdentity | None = None
+    ) -> None:
+        """`identity`: the key our DHT runs with, proven to the stage peers' data planes (None: libp2p only)."""
+        self.cfg, self.options, self.dht, self.identity = cfg, options, dht, identity
         self.codec = options.codec or cfg.swarm.compression
         self.num_stages = cfg.swarm.num_stages
         self.digest = cfg.digest()
@@ -159,10 +126,10 @@ class SwarmTrainer:
 
     async def setup(self) -> None:
         p2p = await self.dht.replicate_p2p()
-        self.client = StageClient(p2p, namespace(self.cfg), run_key=self.options.network.run_key)
-        self.caller = StageCaller(
-            self.client, self.table, self.cfg.swarm, self.digest, self.codec, self.stopping
-        )
+        run_key = self.options.network.run_key
+        self.client = StageClient(p2p, namespace(self.cfg), run_key=run_key)
+        calls = direct_first_client(self.client, self.identity, run_key, self.table)
+        self.caller = StageCaller(calls, self.table, self.cfg.swarm, self.digest, self.codec, self.stopping)
         if self.options.hand_off == "direct" and self.num_stages > 1:
             self.chain = ChainCaller(self.caller, self.num_stages, self.digest, self.codec)
         await self.caller.refresh()
@@ -511,28 +478,18 @@ class SwarmTrainer:
         )
 
 
-def transport_summary(stats) -> dict:
-    """Bytes on the wire vs. the same messages with fp32 floats, per stage and direction."""
-    per_stage: dict[str, dict] = {}
-    for (stage, kind, direction), count in sorted(stats.snapshot().items()):
-        entry = per_stage.setdefault(str(stage), {})
-        entry[f"{kind}_{direction}_wire_bytes"] = count.wire_bytes
-        entry[f"{kind}_{direction}_fp32_bytes"] = count.fp32_bytes
-    totals = stats.totals()
-    return {
-        "wire_bytes": totals.wire_bytes,
-        "fp32_bytes": totals.fp32_bytes,
-        "messages": totals.messages,
-        "per_stage": per_stage,
-    }
-
-
 async def train_async(
-    cfg: RunConfig, options: TrainerOptions, dht, batches_from, val_set=None, initial_peers=None
+    cfg: RunConfig,
+    options: TrainerOptions,
+    dht,
+    batches_from,
+    val_set=None,
+    initial_peers=None,
+    identity=None,
 ) -> dict:
     import signal
 
-    trainer = SwarmTrainer(cfg, options, dht)
+    trainer = SwarmTrainer(cfg, options, dht, identity)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, trainer.stopping.set)
@@ -565,6 +522,7 @@ async def train_async(
         rpc=trainer.caller.peers.timing_summary(),
     )
     trainer.ledger.close()
+    trainer.caller.client.close()  # the data-plane links
     rejoining.cancel()
     return summary
 
@@ -572,7 +530,7 @@ async def train_async(
 def run_trainer(cfg: RunConfig, options: TrainerOptions, initial_peers: list[str]) -> dict:
     """Blocking entry point: DHT (client mode), data, train, optional evaluation; returns the summary."""
     from swarmtrain.data import build_datasets, iterate_batches
-    from swarmtrain.net.engine import shutdown_quietly, start_dht
+    from swarmtrain.net.engine import peer_identity, shutdown_quietly, start_dht
     from swarmtrain.runtime.procs import forked_children_die_with_me, reap_own_group
 
     forked_children_die_with_me()
@@ -588,9 +546,10 @@ def run_trainer(cfg: RunConfig, options: TrainerOptions, initial_peers: list[str
             skip_samples=skip_samples,
         )
 
-    dht = start_dht(initial_peers, options.network, client_mode=True)
+    identity = peer_identity(options.network) if options.data_plane else None
+    dht = start_dht(initial_peers, options.network, client_mode=True, identity=identity)
     try:
-        return asyncio.run(train_async(cfg, options, dht, batches_from, val_set, initial_peers))
+        return asyncio.run(train_async(cfg, options, dht, batches_from, val_set, initial_peers, identity))
     finally:
         shutdown_quietly(dht)
         reap_own_group()
