@@ -103,6 +103,32 @@ def test_outer_state_transfer_makes_a_joiner_equal():
         joiner.load(donor.anchor[:1], donor.momentum_buffers()[:1], 3)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_outer_state_loaded_from_any_device_lives_with_the_host_anchors(device):
+    """A stage replica on `device` restoring a checkpoint passes momentum made like its parameters (zeros
+    on the device); a peer's arrives in any dtype. The buffers live where the anchors do (the host), so
+    the next outer step runs (on CUDA it raised: a host gradient with a device buffer)."""
+    params = [
+        torch.nn.Parameter(torch.randn(4, 3, device=device)),
+        torch.nn.Parameter(torch.randn(3, device=device)),
+    ]
+    outer = OuterOptimizer(params, 0.7, 0.9)
+    momentum = [torch.zeros_like(p, dtype=torch.float64) + 0.5 for p in params]
+    outer.load([a.clone() for a in outer.anchor], momentum, 4)
+    for anchor, buffer in zip(outer.anchor, outer.momentum_buffers(), strict=True):
+        assert (
+            (buffer.device, buffer.dtype)
+            == (anchor.device, anchor.dtype)
+            == (torch.device("cpu"), torch.float32)
+        )
+        assert torch.equal(buffer, torch.full_like(anchor, 0.5))
+    with torch.no_grad():
+        for p in params:
+            p.sub_(0.01)
+    outer.apply(outer.pseudo_gradients())
+    assert outer.outer_step == 5 and all(p.device.type == device for p in params)
+
+
 def test_adam_state_round_trip():
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 2)

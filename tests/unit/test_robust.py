@@ -4,7 +4,7 @@ honest replicas add exactly as before."""
 import pytest
 import torch
 
-from swarmtrain.net.robust import robust_mean
+from swarmtrain.net.robust import norm_of, robust_mean
 
 pytestmark = pytest.mark.unit
 
@@ -66,3 +66,11 @@ def test_all_reduce_parts_are_combined_robustly():
     assert torch.isfinite(scaled).all() and scaled.norm() <= 1.6 * honest.norm()
     nan = asyncio.run(reduce([(honest, 16.0), (torch.full((4,), float("nan")), 16.0)]))
     assert torch.equal(nan, honest)
+
+
+def test_the_norm_of_several_tensors_is_their_concatenations_in_float64():
+    torch.manual_seed(0)
+    tensors = [torch.randn(50, 30) * 1e3, torch.randn(7), torch.zeros(0), torch.randn(3, 3, 3) * 1e-3]
+    whole = torch.cat([t.flatten().double() for t in tensors])
+    assert norm_of(tensors) == pytest.approx(float(torch.linalg.vector_norm(whole)), rel=1e-15)
+    assert norm_of([]) == 0.0

@@ -106,7 +106,7 @@ class _FakeEvent:
         self.landing: tuple | None = None  # (buffer, bytes) the copy recorded behind will write
         self.waits = 0
 
-    def record(self) -> None:
+    def record(self, stream=None) -> None:
         pass
 
     def query(self) -> bool:
@@ -178,6 +178,7 @@ def _fake_start(monkeypatch) -> device_bytes.StagingPool:
     """`start_download` on CPU tensors: a pool of plain host buffers whose events hold the copy back."""
     pool = device_bytes.StagingPool(lambda size: torch.zeros(size, dtype=torch.uint8), _FakeEvent)
     monkeypatch.setattr(device_bytes, "_pool", lambda device: pool)
+    monkeypatch.setattr(device_bytes, "copy_stream", lambda device: ("stream of", device))
     real_lend = pool.lend
 
     def lend(size: int):
@@ -185,7 +186,8 @@ def _fake_start(monkeypatch) -> device_bytes.StagingPool:
         saved = buffer.clone()
         event.landing = (buffer, None)  # set below, once the copy has been made
 
-        def record() -> None:
+        def record(stream) -> None:
+            assert stream == ("stream of", torch.device("cpu"))  # the copy's device's, where it was queued
             event.landing = (buffer, bytes(buffer[:size].numpy()))  # what was copied
             buffer.copy_(saved)  # not there before the event passes
 

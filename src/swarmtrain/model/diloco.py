@@ -88,6 +88,8 @@ class OuterOptimizer:
             mine.copy_(theirs)
         if self.optimizer.defaults["momentum"] > 0:
             for mine, buffer in zip(self.anchor, momentum, strict=True):
-                self.optimizer.state[mine]["momentum_buffer"] = buffer.detach().clone().to(mine.dtype)
+                # where the anchor is (the host): a replica on CUDA passes buffers made like its parameters
+                buffer = buffer.detach().to(device=mine.device, dtype=mine.dtype, copy=True)
+                self.optimizer.state[mine]["momentum_buffer"] = buffer
         self.outer_step = int(outer_step)
         self.reset_params()

@@ -66,7 +66,7 @@ def upload(payload: bytes | bytearray | memoryview, device: torch.device | None)
     buffer[: host.numel()].copy_(host)
     out = torch.empty(host.numel(), dtype=torch.uint8, device=device)
     out.copy_(buffer[: host.numel()], non_blocking=True)
-    event.record()
+    event.record(copy_stream(out.device))
     return out
 
 
@@ -115,8 +115,15 @@ def start_download(payload: torch.Tensor) -> Download:
     pool = _pool(payload.device)
     buffer, event = pool.lend(size)
     buffer[:size].copy_(payload, non_blocking=True)
-    event.record()
+    event.record(copy_stream(payload.device))
     return Download(pool, buffer, event, size)
+
+
+def copy_stream(device: torch.device):
+    """The stream a copy to or from `device`'s memory was just queued on: that device's current stream,
+    which an event must be recorded on to follow the copy (this thread's current device may be another:
+    a server on cuda:1 sets none, and an event recorded there would not follow it)."""
+    return torch.cuda.current_stream(device)
 
 
 class StagingPool:

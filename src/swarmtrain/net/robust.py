@@ -69,5 +69,11 @@ def robust_weighted_mean(parts: list[tuple[torch.Tensor, float]], clip_factor: f
 
 def norm_of(tensors: list[torch.Tensor]) -> float:
     """The L2 norm of all `tensors` together, accumulated in float64 where they are (no float64 copy:
-    a stage with a 50k x 768 embedding made one of 300 MB per contribution)."""
-    return math.sqrt(math.fsum(float(torch.linalg.vector_norm(t, dtype=torch.float64)) ** 2 for t in tensors))
+    a stage with a 50k x 768 embedding made one of 300 MB per contribution), read back at once when they
+    are on one device (on CUDA, one wait for the device instead of one per tensor)."""
+    norms = [torch.linalg.vector_norm(t, dtype=torch.float64) for t in tensors]
+    if len({n.device for n in norms}) == 1:
+        values = torch.stack(norms).tolist()
+    else:
+        values = [float(n) for n in norms]
+    return math.sqrt(math.fsum(v * v for v in values))
