@@ -424,11 +424,10 @@ class StepCoordinator:
         if not complete:
             self.counters.partial_exchanges += 1
             logger.warning("step %d: outer round without %s", step, sorted(others - set(state.received)))
-        # pseudo-gradients are per-sample means: weight them back into sums first
-        sums = {p: (n, [t * n for t in delta]) for p, (n, delta) in contributions.items()}
-        mean = self._combine(step, sums) if len(contributions) > 1 else None
-
-        def finish() -> list[float]:
+        def finish() -> list[float]:  # combined on the compute thread, as a step's gradients are
+            # pseudo-gradients are per-sample means: weight them back into sums first
+            sums = {p: (n, [t * n for t in delta]) for p, (n, delta) in contributions.items()}
+            mean = self._combine(step, sums) if len(contributions) > 1 else None
             self.worker.finish_sync(step, mean)
             return self.worker.param_fingerprint()
 
@@ -464,16 +463,16 @@ class StepCoordinator:
         self, step: int, contributions: dict, own_ids: list[str], start_s: float, hold_epoch: bool = False
     ) -> None:
         samples = sum(n for n, _ in contributions.values())
-        # sorted by peer: the same order on every replica; None when every micro-batch of the step
-        # failed here (nothing to apply)
-        means = self._combine(step, contributions)
-
         # between outer rounds (local steps) replicas legitimately differ: no fingerprint to compare
         local_step = self.worker.outer is not None
 
         def apply() -> tuple[bool, list[float] | None] | None:
             if self.worker.epoch != step:  # the sync thread adopted the other stages' step meanwhile
                 return None
+            # combined here, not on the event loop: parameter-sized arithmetic (and on CUDA, waits for the
+            # device) that would keep the loop from answering pings. Sorted by peer: the same order on
+            # every replica; None when every micro-batch of the step failed here (nothing to apply)
+            means = self._combine(step, contributions)
             # kept for replays on the host, as applied (the update leaves them unchanged: clipping makes
             # new tensors); on the compute thread, which a copy from the device would hold anyway
             kept = None if means is None else [m.to("cpu") for m in means]
