@@ -40,9 +40,8 @@ class ServerMetrics(MetricsRecord):
     direct_in: int = 0  # requests that came over the direct data plane (net/data_plane.py), not libp2p
     bytes_out: int = 0  # wire bytes sent by the transport (libp2p and the data plane): requests, replies
     fp32_bytes_out: int = 0  # what bytes_out would have been with every float tensor in fp32
-    padded_samples: int = (
-        0  # zero-gradient samples of batched graphs' backwards (runtime/server/stage_batches.py)
-    )
+    # zero-gradient samples of batched graphs' backwards (runtime/server/stage_batches.py)
+    padded_samples: int = 0
     moved: dict | None = None  # the cost of the move that brought this server here, if any
     role: str = "server"
 
