@@ -424,6 +424,7 @@ class StepCoordinator:
         if not complete:
             self.counters.partial_exchanges += 1
             logger.warning("step %d: outer round without %s", step, sorted(others - set(state.received)))
+
         def finish() -> list[float]:  # combined on the compute thread, as a step's gradients are
             # pseudo-gradients are per-sample means: weight them back into sums first
             sums = {p: (n, [t * n for t in delta]) for p, (n, delta) in contributions.items()}

@@ -79,9 +79,8 @@ class TrainerOptions:
     # direct: servers hand activations and gradients to each other (net/hand_off.py); relay: every
     # tensor goes through the trainer (each stage called in turn, as before direct hand-off existed)
     hand_off: str = "direct"
-    data_plane: bool = (
-        True  # chains over their first peer's data plane where it has one (net/direct_first.py)
-    )
+    # chains over their first peer's data plane where it has one (net/direct_first.py); False: libp2p
+    data_plane: bool = True
 
 
 class SwarmTrainer:
