@@ -742,9 +742,12 @@ def batching_rows(args, cfg: RunConfig, config_path: Path, root: Path, report: d
     compute = ComputeDevice(args.device, "fp32")
     report["local_batch_micro_batch"] = measure_local_stages(cfg, compute, mb, args.local_duration_s)
     # one call of the most micro-batches a batched call takes here: what batching could gain at best
-    per_call = max(
-        (args.max_batch_tokens or max_batch_tokens(mb, seq, batch_micro_batches(n))) // (mb * seq)
-        for n in args.trainers
+    per_call = max(  # one at least: a --max-batch-tokens under one micro-batch's batches nothing
+        1,
+        *(
+            (args.max_batch_tokens or max_batch_tokens(mb, seq, batch_micro_batches(n))) // (mb * seq)
+            for n in args.trainers
+        ),
     )
     report["batched_call_micro_batches"] = per_call
     report["local_batched_call"] = measure_local_stages(cfg, compute, mb * per_call, args.local_duration_s)

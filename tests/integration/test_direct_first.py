@@ -1,6 +1,6 @@
 """Calls over a peer's data plane first (net/direct_first.py), against a real data-plane server on
-loopback TCP: the data plane's kinds go there when the peer announces one, everything else (and a peer
-without one, a failed dial, a link already carrying its share of calls) goes over libp2p, here a
+loopback TCP: a trainer's chains go there when the peer announces one, everything else (relayed calls, a
+peer without one, a failed dial, a link already carrying its share of calls) goes over libp2p, here a
 recording stand-in for `StageClient` (the libp2p path itself is every swarm test's)."""
 
 import asyncio
@@ -69,6 +69,10 @@ def test_chains_take_the_data_plane_and_other_kinds_or_peers_without_one_take_li
         try:
             assert (await client.call(SERVER, _chain("a"), 10.0)).header["via"] == "data plane"
             await client.call(SERVER, ping_message(0, "d"), 10.0)  # not a data-plane kind
+            relayed = make_message(
+                "forward_backward", {"mb": "r", "stage": 0}, {"inputs": torch.ones(1, 8)}, "none"
+            )
+            await client.call(SERVER, relayed, 10.0)  # a data-plane kind, but not a trainer's chain
             await client.call("elsewhere", _chain("b"), 10.0)  # announces no data plane
             without = DirectFirstClient(libp2p, None, addresses.get)  # a caller with no identity to prove
             await without.call(SERVER, _chain("c"), 10.0)
@@ -78,10 +82,13 @@ def test_chains_take_the_data_plane_and_other_kinds_or_peers_without_one_take_li
         assert seen == ["a"] and client.direct_calls == 1
         assert [(peer, kind) for peer, kind, _ in libp2p.calls] == [
             (SERVER, "ping"),
+            (SERVER, "forward_backward"),
             ("elsewhere", "chain"),
             (SERVER, "chain"),
         ]
         assert client.stats is libp2p.stats  # one count of the trainer's bytes, whichever way they went
+        with pytest.raises(ValueError, match="ping"):  # a kind the data plane does not take
+            DirectFirstClient(libp2p, None, addresses.get, kinds=frozenset({"chain", "ping"}))
 
     _run(main())
 
@@ -104,7 +111,7 @@ def test_a_failed_dial_falls_back_to_libp2p_within_the_calls_time(monkeypatch):
             client.close()
         assert seen == [] and [kind for _, kind, _ in libp2p.calls] == ["chain", "chain"]
         assert all(0 < timeout_s <= 10.0 for _, _, timeout_s in libp2p.calls)
-        assert "over libp2p for now" in lines[0] and "less than 60 s ago" in lines[1]
+        assert "over libp2p for now" in lines[0] and "failed a dial; tried again in" in lines[1]
 
     _run(main())
 

@@ -65,9 +65,9 @@ def register(subparsers) -> None:
         "--data-plane",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="send each micro-batch to its first server over that server's direct TCP data plane where it "
-        "announces one (default; libp2p where it does not, or while a dial to it fails) or, with "
-        "--no-data-plane, over libp2p only",
+        help="with --hand-off direct, send each micro-batch to its first server over that server's direct "
+        "TCP data plane where it announces one (default; libp2p where it does not, or while a dial to it "
+        "fails) or, with --no-data-plane, over libp2p only",
     )
     parser.add_argument(
         "--eval-samples",

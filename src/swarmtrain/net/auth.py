@@ -10,7 +10,8 @@ adds that, four ways:
 - Every request on the swarm's own protocol carries a membership token, HMAC(key, sender peer id),
   checked against the authenticated sender (`RunKey.verify`): a stranger can neither compute its own
   token nor use another peer's (it cannot speak as that peer id).
-- The direct data plane between stage servers (net/data_plane.py; its handshake: net/secure_link.py)
+- The direct data plane of stage servers (net/data_plane.py; its handshake: net/secure_link.py; its
+  callers: the servers before them and trainers)
   opens each connection with an HMAC challenge both ways and seals its frames with a key derived from
   the run key.
 - hivemind's averaging RPCs (join a group, send a part, download state) carry no token; they accept

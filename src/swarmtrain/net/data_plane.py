@@ -1,4 +1,5 @@
-"""A direct TCP data plane for hand-offs between stage servers (`chain`, `forward_backward`, `bundle`).
+"""A direct TCP data plane for hand-offs between stage servers (`chain`, `forward_backward`, `bundle`)
+and a trainer's chains to its first stage (net/direct_first.py).
 
 Why not libp2p for these: there every call between two servers is a yamux stream on their one TCP
 connection, and the small frames that gate a sender (the receiver's acknowledgement, yamux's window
@@ -23,7 +24,8 @@ connection; net/tcp_tuning.py sets the sockets' congestion control and reads the
 time large frames.
 
 A dial that fails (refused, unreachable, a failed handshake) raises `DialFailed` before anything is
-sent, and the address is not tried again for `DIAL_COOLDOWN_S`: the caller uses libp2p meanwhile.
+sent, and the address is not tried again for `DIAL_COOLDOWN_S` (doubled after each failure in a row):
+the caller uses libp2p meanwhile.
 """
 
 from __future__ import annotations
@@ -75,7 +77,11 @@ MAX_CONNECTIONS = 512  # open connections (both of each link, and handshakes und
 MAX_CONNECTIONS_PER_ADDRESS = 64  # of those, from one remote IP address
 MAX_CONNECTIONS_PER_PEER = 8  # of those, of one peer id once proven (a client keeps one link: two)
 MAX_REQUESTS_PER_LINK = 64  # requests received and not yet answered, per link
-DIAL_COOLDOWN_S = 60.0  # after a failed dial, libp2p carries the hand-offs to that address meanwhile
+# after a failed dial, libp2p carries the calls to that address for this long, doubled after each failure
+# in a row up to MAX_DIAL_COOLDOWN_S (a data port a firewall closes: each dial holds that peer's calls up
+# to HANDSHAKE_TIMEOUT_S)
+DIAL_COOLDOWN_S = 60.0
+MAX_DIAL_COOLDOWN_S = 960.0
 
 Address = tuple[str, int]
 # (kind, request bytes, the sender as a libp2p context) -> the packed reply
@@ -457,6 +463,7 @@ class DataPlaneClient:
         self._links: dict[tuple[Address, str], _Link] = {}
         self._dialing: dict[tuple[Address, str], asyncio.Lock] = {}
         self._failed_until_s: dict[Address, float] = {}
+        self._failures: dict[Address, int] = {}  # failed dials in a row, per address
 
     async def call(
         self,
@@ -501,16 +508,21 @@ class DataPlaneClient:
             if link.exchanges or time.monotonic() - link.active_s < IDLE_LINK_S / 2:
                 return link
             link.close("idle")
-        if time.monotonic() < self._failed_until_s.get(address, 0.0):
-            raise DialFailed(f"{address[0]}:{address[1]} failed a dial less than {DIAL_COOLDOWN_S:.0f} s ago")
+        rest_s = self._failed_until_s.get(address, 0.0) - time.monotonic()
+        if rest_s > 0:
+            raise DialFailed(f"{address[0]}:{address[1]} failed a dial; tried again in {rest_s:.0f} s")
         try:
-            link = await asyncio.wait_for(self._dial(address, peer), min(timeout_s, HANDSHAKE_TIMEOUT_S))
+            # at most half the call's time: the rest is libp2p's if the dial fails
+            link = await asyncio.wait_for(self._dial(address, peer), min(timeout_s / 2, HANDSHAKE_TIMEOUT_S))
         except (OSError, EOFError, ProtocolError) as exc:  # a TimeoutError is an OSError
-            self._failed_until_s[address] = time.monotonic() + DIAL_COOLDOWN_S
+            failures = self._failures[address] = self._failures.get(address, 0) + 1
+            cooldown_s = min(DIAL_COOLDOWN_S * 2 ** (failures - 1), MAX_DIAL_COOLDOWN_S)
+            self._failed_until_s[address] = time.monotonic() + cooldown_s
             raise DialFailed(
                 f"data plane of {peer[-8:]} at {address[0]}:{address[1]}: {exc!r:.200}"
             ) from None
         self._links[(address, peer)] = link
+        self._failures.pop(address, None)
         self.dials += 1
         return link
 

@@ -7,11 +7,13 @@ daemon, another Unix socket), and each side's Python parses the stream's protobu
 plane it is one sealed frame each way on a TCP connection the two processes hold themselves (docs/LOG.md,
 "The trainer's chains over the data plane").
 
-A call goes over libp2p when the message's kind is not one the data plane takes (`DIRECT_KINDS`: pings,
-closes, `info` and the averaging messages stay on libp2p), when the peer announces no data plane (a
+A trainer's call goes over libp2p when the message is not a chain (`CHAIN_KINDS`: pings, closes, `info`,
+relayed forwards and backwards and the averaging messages stay on libp2p), when the peer announces no data plane (a
 server behind a NAT, or started with `--no-data-plane`), when a dial to it failed (nothing was sent, and
 the address rests for `DIAL_COOLDOWN_S`), and when this caller already has `MAX_DIRECT_PER_PEER` calls
-under way on the peer's link (the server answers more than `MAX_REQUESTS_PER_LINK` with `unavailable`).
+under way on the peer's link (the server answers more than `MAX_REQUESTS_PER_LINK` with `unavailable`;
+a cancelled call stops counting here before the server has answered it, so this keeps a trainer well
+under that limit rather than at it).
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ from swarmtrain.utils.logging import get_logger, log_repeated
 logger = get_logger(__name__)
 
 MAX_DIRECT_PER_PEER = MAX_REQUESTS_PER_LINK // 2  # calls under way on one link; more go over libp2p
+# what a trainer sends over the data plane: its chains (token ids, labels, a route). Its relayed calls
+# (`--hand-off relay`, a boundary between NAT'd stages) stay on libp2p, as before
+CHAIN_KINDS = frozenset({"chain", "evaluate_chain"})
 
 
 async def direct_first(
@@ -56,16 +61,20 @@ async def direct_first(
 
 
 class DirectFirstClient:
-    """A `StageClient` whose calls of the data plane's kinds go over the peer's data plane where
-    `address_of(peer)` names one (`data` None: libp2p only). Pings and connections are libp2p's."""
+    """A `StageClient` whose calls of `kinds` (some of the data plane's) go over the peer's data plane
+    where `address_of(peer)` names one (`data` None: libp2p only). Pings and connections are libp2p's."""
 
     def __init__(
         self,
         libp2p: StageClient,
         data: DataPlaneClient | None,
         address_of: Callable[[str], Address | None],
+        kinds: frozenset[str] = CHAIN_KINDS,
     ) -> None:
-        self.libp2p, self.data, self.address_of = libp2p, data, address_of
+        unknown = kinds - DIRECT_KINDS
+        if unknown:
+            raise ValueError(f"the data plane takes no {sorted(unknown)}")
+        self.libp2p, self.data, self.address_of, self.kinds = libp2p, data, address_of, kinds
         self.stats = libp2p.stats  # `data` counts its calls there too
         self.direct_calls = 0  # calls tried on a data plane first (tests)
         self._under_way: dict[str, int] = {}  # per peer, calls under way on its data plane
@@ -86,7 +95,7 @@ class DirectFirstClient:
                 del self._under_way[peer]
 
     def _direct_address(self, peer: str, kind: str) -> Address | None:
-        if self.data is None or kind not in DIRECT_KINDS:
+        if self.data is None or kind not in self.kinds:
             return None
         if self._under_way.get(peer, 0) >= MAX_DIRECT_PER_PEER:
             return None
