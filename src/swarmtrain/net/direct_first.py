@@ -71,7 +71,7 @@ class DirectFirstClient:
         address_of: Callable[[str], Address | None],
         kinds: frozenset[str] = CHAIN_KINDS,
     ) -> None:
-        unknown = kinds - DIRECT_KINDS
+        unknown = kinds - set(DIRECT_KINDS)
         if unknown:
             raise ValueError(f"the data plane takes no {sorted(unknown)}")
         self.libp2p, self.data, self.address_of, self.kinds = libp2p, data, address_of, kinds
